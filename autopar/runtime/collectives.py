@@ -1,0 +1,154 @@
+"""Autograd-aware collectives: the functions the rewritten graph calls between ops.
+
+Each function is one row of the table in ``autopar.sharding.redistribute``; its backward
+keeps the gradient convention (the gradient of an R or P tensor is whole on every rank, of an
+S(d) tensor its shard). They run on the communicator that is current
+(``autopar.runtime.comm.current_comm``), so the generated code is the same on every rank.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.runtime.comm import current_comm
+
+
+def _slice(t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+    comm = current_comm()
+    return t.chunk(comm.size(axis), dim=dim)[comm.coord[axis]].contiguous()
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim, grad_partial):
+        ctx.axis, ctx.dim, ctx.grad_partial = axis, dim, grad_partial
+        return current_comm().all_gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grad_partial:
+            return current_comm().reduce_scatter(g, ctx.axis, ctx.dim), None, None, None
+        return _slice(g, ctx.axis, ctx.dim), None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, grad_partial):
+        ctx.axis, ctx.grad_partial = axis, grad_partial
+        return current_comm().all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grad_partial:
+            return current_comm().all_reduce(g, ctx.axis), None, None
+        return g, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return current_comm().all_reduce(g, ctx.axis), None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return _slice(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return current_comm().all_gather(g.contiguous(), ctx.axis, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return current_comm().reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return current_comm().all_gather(g.contiguous(), ctx.axis, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, split_dim, cat_dim):
+        ctx.axis, ctx.split_dim, ctx.cat_dim = axis, split_dim, cat_dim
+        return current_comm().all_to_all(x, axis, split_dim, cat_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return current_comm().all_to_all(g, ctx.axis, ctx.cat_dim, ctx.split_dim), None, None, None
+
+
+class _ToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        return x.clone() if current_comm().coord[axis] == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+# The graph's call targets. Keyword names show up in the generated per-rank code.
+
+def all_gather(x, axis: int, dim: int, grad_partial: bool = False):
+    """S(dim) -> R on ``axis``."""
+    return _AllGather.apply(x, axis, dim, grad_partial)
+
+
+def all_reduce(x, axis: int, grad_partial: bool = False):
+    """P -> R on ``axis``."""
+    return _AllReduce.apply(x, axis, grad_partial)
+
+
+def grad_all_reduce(x, axis: int):
+    """R -> R on ``axis`` where the consumer's gradient is partial (Megatron's f)."""
+    return _GradAllReduce.apply(x, axis)
+
+
+def scatter(x, axis: int, dim: int):
+    """R -> S(dim) on ``axis``: keep this rank's block."""
+    return _Scatter.apply(x, axis, dim)
+
+
+def reduce_scatter(x, axis: int, dim: int):
+    """P -> S(dim) on ``axis``."""
+    return _ReduceScatter.apply(x, axis, dim)
+
+
+def all_to_all(x, axis: int, split_dim: int, cat_dim: int):
+    """S(cat_dim) -> S(split_dim) on ``axis``."""
+    return _AllToAll.apply(x, axis, split_dim, cat_dim)
+
+
+def to_partial(x, axis: int):
+    """R -> P on ``axis``: rank 0 keeps the value, the others hold zeros."""
+    return _ToPartial.apply(x, axis)
+
+
+def apply_step(x, step):
+    """Run one ``redistribute.Step`` (used by tests and the simulator)."""
+    k = step.kind
+    if k == "all_gather":
+        return all_gather(x, step.axis, step.dim, step.grad_partial)
+    if k == "all_reduce":
+        return all_reduce(x, step.axis, step.grad_partial)
+    if k == "grad_all_reduce":
+        return grad_all_reduce(x, step.axis)
+    if k == "scatter":
+        return scatter(x, step.axis, step.dim)
+    if k == "reduce_scatter":
+        return reduce_scatter(x, step.axis, step.dim)
+    if k == "all_to_all":
+        return all_to_all(x, step.axis, step.dim, step.dim2)
+    if k == "to_partial":
+        return to_partial(x, step.axis)
+    raise ValueError(f"unknown redistribution step {k!r}")
