@@ -1,0 +1,12 @@
+"""autopar: automatic parallelization for PyTorch.
+
+>>> import autopar
+>>> plan = autopar.plan(model, (x,), loss_fn, target=y, cluster="4x8xH100")
+>>> pm = autopar.parallelize(model, (x,), loss_fn, target=y)   # inside torchrun
+"""
+from autopar.api import parallelize, plan
+from autopar.capture import CaptureError, capture
+from autopar.coverage import coverage
+from autopar.plan import Plan, PlanError
+
+__all__ = ["plan", "parallelize", "Plan", "PlanError", "CaptureError", "capture", "coverage"]

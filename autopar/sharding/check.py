@@ -52,13 +52,15 @@ def _grad_partial(combo, k) -> tuple[bool, ...]:
 
 
 def run_sharded(call: OpCall, tensors: Sequence[torch.Tensor], combo: tuple[Strategy, ...],
-                mesh_shape: tuple[int, ...], grad_seed: int = 0):
-    """Per rank: (outputs brought back to R, gradients of the float inputs)."""
+                mesh_shape: tuple[int, ...], grad_seed: int = 0, no_grad: Sequence[int] = ()):
+    """Per rank: (outputs brought back to R, gradients of the float inputs except the
+    inputs numbered in ``no_grad``, e.g. buffers such as batch_norm's running stats)."""
     target, largs, lkwargs = localize(call, combo, tuple(mesh_shape))
     n = len(mesh_shape)
 
     def body(comm):
-        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point() and k not in no_grad)
+                  for k, t in enumerate(tensors)]
         local = {}
         for k, (meta, leaf) in enumerate(zip(call.inputs, leaves)):
             x = leaf
@@ -84,11 +86,14 @@ def run_sharded(call: OpCall, tensors: Sequence[torch.Tensor], combo: tuple[Stra
 
 
 def check_strategy(op, args: tuple, kwargs: dict | None, combo: tuple[Strategy, ...],
-                   mesh_shape: tuple[int, ...], rtol: float = 1e-5, atol: float = 1e-5) -> None:
+                   mesh_shape: tuple[int, ...], rtol: float = 1e-5, atol: float = 1e-5,
+                   no_grad: Sequence[int] = ()) -> None:
     """Assert that ``op`` run under ``combo`` on ``mesh_shape`` equals ``op`` on one device,
-    forward and backward, on every simulated rank."""
+    forward and backward, on every simulated rank. Inputs numbered in ``no_grad`` (tensor
+    inputs in order) are not differentiated (buffers)."""
     call, tensors = call_from_tensors(op, args, kwargs)
-    ref_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    ref_in = [t.detach().clone().requires_grad_(t.is_floating_point() and k not in no_grad)
+              for k, t in enumerate(tensors)]
     it = iter(ref_in)
     ref_args = pytree.tree_map(lambda a: next(it) if isinstance(a, torch.Tensor) else a, args)
     ref_kwargs = pytree.tree_map(lambda a: next(it) if isinstance(a, torch.Tensor) else a,
@@ -101,7 +106,8 @@ def check_strategy(op, args: tuple, kwargs: dict | None, combo: tuple[Strategy, 
         torch.autograd.backward(diff, [torch.randn(o.shape, generator=gen, dtype=o.dtype)
                                        for o in diff])
     label = f"{op} under {' x '.join(str(s) for s in combo)} on mesh {tuple(mesh_shape)}"
-    for rank, (outs, grads) in enumerate(run_sharded(call, tensors, combo, mesh_shape)):
+    for rank, (outs, grads) in enumerate(run_sharded(call, tensors, combo, mesh_shape,
+                                                     no_grad=no_grad)):
         for k, (o, r) in enumerate(zip(outs, ref_out)):
             torch.testing.assert_close(o, r.detach(), rtol=rtol, atol=atol,
                                        msg=lambda m: f"output {k} of {label}, rank {rank}: {m}")

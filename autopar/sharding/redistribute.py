@@ -108,7 +108,7 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement],
     for a in range(n):
         s, d = cur[a], dst[a]
         if s == d:
-            if isinstance(s, Replicate) and gp[a]:
+            if isinstance(s, Replicate) and isinstance(src[a], Replicate) and gp[a]:
                 steps.append(Step("grad_all_reduce", a))
             continue
         clear_later(a, dims_of(d))

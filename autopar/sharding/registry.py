@@ -53,14 +53,10 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * self.dtype.itemsize
 
     def __repr__(self) -> str:
         return f"T{list(self.shape)}:{str(self.dtype).replace('torch.', '')}"
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 @dataclass

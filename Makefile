@@ -1,0 +1,55 @@
+# autopar: `make demo` and `make test` set everything up on a fresh machine.
+#
+# Both create .venv when it is missing, install the CPU build of torch 2.13.0 first
+# (the wheel on this machine's disk where pip's find-links holds it, else PyTorch's CPU
+# wheel index for that one install: never a CUDA build), then `pip install -e '.[dev]'`.
+# The install re-runs when pyproject.toml changes (stamp file in .venv).
+
+PYTHON          ?= python3
+VENV            ?= .venv
+PY              := $(VENV)/bin/python
+PIP             := $(PY) -m pip --disable-pip-version-check
+STAMP           := $(VENV)/.autopar-installed
+TORCH_VERSION   ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TEST_TIMEOUT    ?= 300
+PYTEST_ARGS     ?=
+
+# The demo is `python -m autopar demo` once the CLI exists, else examples/demo.py.
+ifneq ($(and $(wildcard autopar/cli.py),$(wildcard autopar/__main__.py)),)
+DEMO_CMD := $(PY) -m autopar demo
+else
+DEMO_CMD := $(PY) examples/demo.py
+endif
+
+.PHONY: demo test venv clean-venv
+
+demo: $(STAMP)
+	$(DEMO_CMD)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, so the local CPU file satisfies `torch>=2.13` before pip resolves the
+# project's dependencies (a bare `torch` from PyPI is a multi-GB CUDA build).
+$(STAMP): pyproject.toml | $(PY)
+	@if $(PY) -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null; then \
+	  echo "torch $(TORCH_VERSION) already in $(VENV)"; \
+	elif $(PIP) install -q --dry-run --no-index --no-deps torch==$(TORCH_VERSION) >/dev/null 2>&1; then \
+	  echo "installing torch $(TORCH_VERSION) from the local wheel (pip find-links)"; \
+	  $(PIP) install --no-index --no-deps torch==$(TORCH_VERSION) && \
+	  $(PIP) install torch==$(TORCH_VERSION); \
+	else \
+	  echo "no local torch $(TORCH_VERSION) wheel: installing the CPU build from $(TORCH_CPU_INDEX)"; \
+	  $(PIP) install --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
+	fi
+	$(PIP) install -e '.[dev]'
+	@touch $@
+
+clean-venv:
+	rm -rf $(VENV)

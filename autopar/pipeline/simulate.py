@@ -1,0 +1,219 @@
+"""Per-rank timeline of a pipeline schedule.
+
+Each rank runs its actions in the schedule's order, one at a time, each as early as its
+dependencies allow (stage ``s``, micro-batch ``i``):
+
+- ``F(s, i)`` after ``F(s-1, i)`` has ended and its activation has crossed the link;
+- ``B(s, i)`` / ``I(s, i)`` after ``F(s, i)``, and after ``B``/``I`` of ``(s+1, i)`` plus the
+  transfer of its gradient back;
+- ``W(s, i)`` after ``I(s, i)``.
+
+A transfer costs ``p2p`` seconds when the two stages sit on different ranks and nothing on
+the same rank; it occupies the link, not the ranks' compute. A stage holds a micro-batch's
+activations from the start of its ``F`` to the end of its last backward (``B``, or ``W``
+when the backward is split), which gives the in-flight count that sets activation memory.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from autopar.pipeline.schedule import Action
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """Result of ``simulate``. Times in seconds from the start of the step."""
+
+    makespan: float
+    utilization: float                 # busy area / (ranks x makespan)
+    bubble_fraction: float             # 1 - utilization
+    busy: tuple[float, ...]            # compute time per rank
+    peak_in_flight: tuple[int, ...]    # per stage: most micro-batches whose activations it holds
+    rank_peak_in_flight: tuple[int, ...]  # per rank: most (stage, micro-batch) pairs held at once
+    timeline: tuple[dict, ...]         # {"rank", "action", "stage", "kind", "microbatch", "start", "end"}
+
+
+def _per_stage(values, n_stages: int, name: str) -> np.ndarray:
+    arr = np.broadcast_to(np.asarray(values, dtype=float), (n_stages,)) if np.ndim(values) == 0 \
+        else np.asarray(values, dtype=float)
+    if arr.shape != (n_stages,):
+        raise ValueError(f"{name} has {arr.shape[0]} entries for {n_stages} stages")
+    if (arr < 0).any():
+        raise ValueError(f"{name} must be >= 0, got {arr.tolist()}")
+    return arr
+
+
+def _stage_ranks(actions: Sequence[Sequence[Action]]) -> dict[int, int]:
+    ranks: dict[int, int] = {}
+    for r, rank_actions in enumerate(actions):
+        for a in rank_actions:
+            if ranks.setdefault(a.stage, r) != r:
+                raise ValueError(f"stage {a.stage} has actions on ranks {ranks[a.stage]} and {r}")
+    return ranks
+
+
+def _dependencies(a: Action, n_stages: int) -> list[tuple[Action | tuple, int | None]]:
+    """(action it waits for, boundary crossed or None) pairs; a tuple names 'B or I'."""
+    s, i = a.stage, a.microbatch
+    if a.kind == "F":
+        return [(Action(s - 1, "F", i), s - 1)] if s > 0 else []
+    if a.kind in ("B", "I"):
+        deps: list = [(Action(s, "F", i), None)]
+        if s < n_stages - 1:
+            deps.append((("grad", s + 1, i), s))
+        return deps
+    return [(Action(s, "I", i), None)]
+
+
+def _run(actions: Sequence[Sequence[Action]], dur: dict[str, np.ndarray],
+         p2p: np.ndarray) -> tuple[dict[Action, float], dict[Action, float], list[int]]:
+    """Start/end of every action (Kahn's order over rank order + data dependencies)."""
+    ranks = _stage_ranks(actions)
+    n_stages = max(ranks) + 1
+    where = {a: (r, k) for r, rank_actions in enumerate(actions) for k, a in enumerate(rank_actions)}
+    if len(where) != sum(len(x) for x in actions):
+        raise ValueError("schedule lists an action twice")
+    grad = {("grad", a.stage, a.microbatch): a for a in where if a.kind in ("B", "I")}
+
+    def resolve(dep):
+        return grad.get(dep) if isinstance(dep, tuple) and not isinstance(dep, Action) else dep
+
+    waits: dict[Action, list] = {}
+    users: dict[Action, list[Action]] = {a: [] for a in where}
+    indegree: dict[Action, int] = {}
+    for a, (r, k) in where.items():
+        deps = []
+        for dep, boundary in _dependencies(a, n_stages):
+            target = resolve(dep)
+            if target is None or target not in where:
+                raise ValueError(f"action {a} on rank {r} depends on {dep if target is None else target}, "
+                                 "which no rank runs")
+            cost = 0.0 if boundary is None or ranks[target.stage] == r else float(p2p[boundary])
+            deps.append((target, cost))
+            users[target].append(a)
+        waits[a] = deps
+        indegree[a] = len(deps) + (k > 0)
+    for rank_actions in actions:
+        for prev, nxt in zip(rank_actions, rank_actions[1:]):
+            users[prev].append(nxt)
+
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    ready = deque(a for a, d in indegree.items() if d == 0)
+    while ready:
+        a = ready.popleft()
+        r, k = where[a]
+        t = end[actions[r][k - 1]] if k > 0 else 0.0
+        for dep, cost in waits[a]:
+            t = max(t, end[dep] + cost)
+        start[a] = t
+        end[a] = t + float(dur[a.kind][a.stage])
+        for u in users[a]:
+            indegree[u] -= 1
+            if indegree[u] == 0:
+                ready.append(u)
+    done = [sum(1 for a in rank_actions if a in end) for rank_actions in actions]
+    return start, end, done
+
+
+def _deadlock_message(actions, done) -> str:
+    from autopar.pipeline.schedule import format_grid
+
+    blocked = [f"rank {r} waits at {actions[r][d]}" for r, d in enumerate(done) if d < len(actions[r])]
+    ran = [list(rank_actions[:d]) for rank_actions, d in zip(actions, done)]
+    step = sum(done)
+    grid = format_grid(ran) if any(ran) else "(nothing ran)"
+    return (f"schedule deadlocks after {step} actions: " + "; ".join(blocked) +
+            f"\nactions that ran (unit steps):\n{grid}")
+
+
+def unit_steps(actions: Sequence[Sequence[Action]]) -> list[list[int]]:
+    """Step index of every action when each takes one step and transfers are free."""
+    n_stages = max(_stage_ranks(actions)) + 1
+    ones = {k: np.ones(n_stages) for k in "FBIW"}
+    start, _, done = _run(actions, ones, np.zeros(max(n_stages - 1, 1)))
+    if any(d < len(x) for d, x in zip(done, actions)):
+        raise ValueError(_deadlock_message(actions, done))
+    return [[int(start[a]) for a in rank_actions] for rank_actions in actions]
+
+
+def simulate(actions: Sequence[Sequence[Action]], forward, backward, weight=None,
+             p2p=0.0) -> Simulation:
+    """Time ``actions`` (per rank, as ``schedule_actions`` returns them).
+
+    ``forward[s]`` and ``backward[s]`` are stage ``s``'s forward and full backward times for
+    one micro-batch (scalars broadcast). A split backward runs ``I`` for
+    ``backward - weight`` and ``W`` for ``weight``; ``weight`` is required when the schedule
+    has ``I``/``W`` actions. ``p2p[s]`` (or a scalar) is the transfer time across the
+    boundary between stages ``s`` and ``s + 1``, each way.
+
+    >>> from autopar.pipeline.schedule import schedule_actions
+    >>> sim = simulate(schedule_actions("gpipe", 4, 4), forward=1.0, backward=2.0)
+    >>> round(sim.bubble_fraction, 4)   # (p - 1) / (m + p - 1)
+    0.4286
+    """
+    ranks = _stage_ranks(actions)
+    if not ranks:
+        raise ValueError("empty schedule")
+    n_stages = max(ranks) + 1
+    kinds = {a.kind for rank_actions in actions for a in rank_actions}
+    f = _per_stage(forward, n_stages, "forward")
+    b = _per_stage(backward, n_stages, "backward")
+    if kinds & {"I", "W"}:
+        if weight is None:
+            raise ValueError("schedule splits the backward into I and W: pass weight= "
+                             "(the weight-gradient part of each stage's backward)")
+        w = _per_stage(weight, n_stages, "weight")
+        if (w > b).any():
+            raise ValueError(f"weight time exceeds the full backward time on stages "
+                             f"{np.flatnonzero(w > b).tolist()}")
+    else:
+        w = np.zeros(n_stages)
+    links = _per_stage(p2p, max(n_stages - 1, 1), "p2p")
+    dur = {"F": f, "B": b, "I": b - w, "W": w}
+
+    start, end, done = _run(actions, dur, links)
+    if any(d < len(x) for d, x in zip(done, actions)):
+        raise ValueError(_deadlock_message(actions, done))
+
+    makespan = max(end.values())
+    busy = tuple(float(sum(end[a] - start[a] for a in rank_actions)) for rank_actions in actions)
+    area = len(actions) * makespan
+    utilization = sum(busy) / area if area > 0 else 1.0
+    timeline = tuple(
+        {"rank": r, "action": str(a), "stage": a.stage, "kind": a.kind,
+         "microbatch": a.microbatch, "start": start[a], "end": end[a]}
+        for r, rank_actions in enumerate(actions) for a in rank_actions)
+    return Simulation(makespan=float(makespan), utilization=float(utilization),
+                      bubble_fraction=float(1.0 - utilization), busy=busy,
+                      peak_in_flight=_peak_in_flight(start, end, [[s] for s in range(n_stages)]),
+                      rank_peak_in_flight=_peak_in_flight(
+                          start, end, [sorted(s for s, r in ranks.items() if r == rank)
+                                       for rank in range(len(actions))]),
+                      timeline=timeline)
+
+
+def _peak_in_flight(start: dict[Action, float], end: dict[Action, float],
+                    groups: list[list[int]]) -> tuple[int, ...]:
+    """Per group of stages, the most (stage, micro-batch) activations held at once: from
+    F's start to the end of the last backward (B, or W when split)."""
+    group_of = {s: g for g, stages in enumerate(groups) for s in stages}
+    events: list[list[tuple[float, int]]] = [[] for _ in groups]
+    for a, t in start.items():
+        if a.kind == "F":
+            events[group_of[a.stage]].append((t, 1))
+    for a, t in end.items():
+        if a.kind in ("B", "W"):
+            events[group_of[a.stage]].append((t, -1))
+    peaks = []
+    for ev in events:
+        held = peak = 0
+        for _, delta in sorted(ev):      # at equal times a release (-1) sorts before an F (+1)
+            held += delta
+            peak = max(peak, held)
+        peaks.append(peak)
+    return tuple(peaks)

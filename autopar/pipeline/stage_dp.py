@@ -1,0 +1,484 @@
+"""Pipeline stage cuts by dynamic programming, and the search around it.
+
+A chain of L layers (or cut-able graph segments) is cut into S = p * v consecutive stages
+(p pipeline ranks, v virtual stages per rank; stage k runs on rank k mod p). For a stage k
+holding layers j .. i-1 (0 <= j < i <= L) let c[k, j, i] be its time for one micro-batch,
+infinite where it does not fit its memory. The DP (``stage_dp``) solves
+
+    minimize    max_k c[k, j_k, j_{k+1}]            (the bottleneck stage)
+    over        0 = j_0 < j_1 < ... < j_S = L        (cuts j_1 .. j_{S-1})
+
+    best[k, i] = min_{k <= j < i} max(best[k-1, j], c[k, j, i]),   best[0, i] = c[0, 0, i]
+
+then, among the cuts whose every stage is within that bottleneck, the one of least total
+``c + boundary transfers`` (a second DP of the same shape with sum instead of max), so cuts
+land where few bytes cross. ``plan_stages`` wraps the DP: for every pipeline degree p that
+divides the device count (each stage gets d = n_devices / p devices as its data/tensor
+sub-mesh), every micro-batch count m dividing the global batch, every schedule and v, it
+builds c from per-layer arrays and prices the cuts:
+
+    step = m * max_r R_r + rho * (sum_r R_r - max_r R_r) + 2 * sum_boundaries x_b / bandwidth
+           + max_r sync_r                                  (gradient all-reduce, see below)
+
+R_r is rank r's time for one micro-batch (its stages' times added); for v = 1 the first two
+terms are "sum of stage times + (m - 1) x the slowest stage". rho is the schedule's bubble
+per unit of pipeline fill, exact for uniform stages with m >= p against ``simulate``:
+
+- gpipe, 1f1b: rho = 1, bubble (p - 1) / (m + p - 1) of the step;
+- interleaved-1f1b: rho = 1 / v (Megatron-LM: bubble time / ideal time = (p - 1) / (v m));
+- zero-bubble (ZB-H1, v = 1): rho = max(F + I - W, I, F) / (F + I + W), for forward F,
+  input-gradient I and weight-gradient W times (= 1/3 when F = I = W).
+
+Transfers (activation forward, its gradient back) are counted once per boundary each way,
+on the fill and drain; steady-state transfers are taken as overlapped with compute (GPipe
+meets this exactly, interleaved 1F1B in the cases checked; 1F1B with slow links is
+latency-bound, each steady-state step waiting a round trip: ``simulate_plan`` shows it).
+
+Memory per device of stage k on layers j .. i-1 with micro-batch size b:
+
+    state[j, i] (/ d if shard_state) + n_k * act[j, i] * b / d  <=  limit / v
+
+n_k is the micro-batches whose activations the stage holds at its peak: m (GPipe),
+min(p - r, m) (1F1B), p (zero-bubble, W keeps them until it runs), and for interleaved
+1F1B (min((v - 1) * m_round + 2 (p - 1 - r) + 1, m v)) / v per stage, the rank's
+warm-up depth shared evenly by its v stages (checked per rank by ``simulate``).
+
+Time model (replaced by the per-stage intra-operator plan once the core solver provides
+it): a stage's compute divides evenly over its d devices and scales linearly with b, plus
+a fixed per-micro-batch part (``LayerCosts.fixed_time``) that does neither; once per step
+each rank all-reduces its layers' ``sync_bytes`` over its sub-mesh (ring, not overlapped),
+which is what makes a data-parallel sub-mesh cost something against a deeper pipeline.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from autopar.pipeline.schedule import SCHEDULES, check_schedule, torch_schedule_class
+
+__all__ = ["LayerCosts", "StagePlan", "stage_dp", "plan_stages", "simulate_plan"]
+
+INF = float("inf")
+DEFAULT_VIRTUAL = (2, 3, 4)
+
+
+# ---- inputs and outputs -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer costs of a chain of L layers, for one sample on one device."""
+
+    time: Sequence[float]
+    """Forward + backward seconds of layer i, per sample."""
+    state_bytes: Sequence[float]
+    """Parameters + gradients + optimizer state of layer i."""
+    activation_bytes: Sequence[float]
+    """Activations layer i saves for backward, per sample."""
+    boundary_bytes: Sequence[float]
+    """Bytes per sample crossing a cut after layer i, for i = 0 .. L-2 (length L - 1)."""
+    fixed_time: Sequence[float] | None = None
+    """Seconds of layer i per micro-batch that do not shrink with the micro-batch size or
+    the sub-mesh (kernel launches, small-op latency); None = zeros. It is what makes many
+    tiny micro-batches cost something."""
+    sync_bytes: Sequence[float] | None = None
+    """Bytes of layer i all-reduced across its stage's sub-mesh once per step (gradients
+    under data parallelism); None = zeros."""
+    forward_fraction: float = 1 / 3
+    """Forward's share of ``time`` (backward = 2 x forward, as Megatron-LM assumes)."""
+    weight_fraction: float = 0.5
+    """Weight-gradient share of the backward (zero-bubble's W; the rest is I)."""
+
+    def __post_init__(self):
+        for name in ("fixed_time", "sync_bytes"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(len(self.time)))
+        arrays = {}
+        for name in ("time", "state_bytes", "activation_bytes", "boundary_bytes", "fixed_time",
+                     "sync_bytes"):
+            arr = np.asarray(getattr(self, name), dtype=float)
+            if arr.ndim != 1:
+                raise ValueError(f"LayerCosts.{name} must be one-dimensional, got shape {arr.shape}")
+            if not np.isfinite(arr).all() or (arr < 0).any():
+                raise ValueError(f"LayerCosts.{name} must be finite and >= 0")
+            arrays[name] = arr
+        n = arrays["time"].shape[0]
+        if n == 0:
+            raise ValueError("LayerCosts needs at least one layer")
+        for name in ("state_bytes", "activation_bytes", "fixed_time", "sync_bytes"):
+            if arrays[name].shape[0] != n:
+                raise ValueError(f"LayerCosts.{name} has {arrays[name].shape[0]} entries for {n} layers")
+        if arrays["boundary_bytes"].shape[0] != n - 1:
+            raise ValueError(f"LayerCosts.boundary_bytes needs one entry per cut point ({n - 1} for "
+                             f"{n} layers), got {arrays['boundary_bytes'].shape[0]}")
+        if not (0 < self.forward_fraction < 1 and 0 <= self.weight_fraction <= 1):
+            raise ValueError("forward_fraction must be in (0, 1) and weight_fraction in [0, 1]")
+        for name, arr in arrays.items():
+            arr.flags.writeable = False
+            object.__setattr__(self, name, arr)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.time)
+
+    def split(self) -> tuple[float, float, float]:
+        """Fractions (F, I, W) of a stage's forward + backward time."""
+        f = self.forward_fraction
+        return f, (1 - f) * (1 - self.weight_fraction), (1 - f) * self.weight_fraction
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The pipeline decision: where the chain is cut, how it is scheduled, what it costs."""
+
+    cuts: tuple[int, ...]
+    """First layer of stages 1 .. S-1 (S = n_stages * virtual_stages); stage k holds
+    layers cuts[k-1] .. cuts[k] - 1."""
+    n_stages: int
+    """Pipeline ranks p."""
+    micro_batches: int
+    schedule: str
+    virtual_stages: int
+    """Stages per rank v; stage k runs on rank k mod n_stages."""
+    devices_per_stage: int
+    """Devices of each rank's data/tensor sub-mesh (n_devices / n_stages)."""
+    stage_times: tuple[float, ...]
+    """Forward + backward seconds of each of the S stages for one micro-batch."""
+    boundary_times: tuple[float, ...]
+    """One-way transfer seconds across each of the S - 1 cuts for one micro-batch."""
+    predicted_step_time: float
+    """Pipeline time (what ``simulate_plan`` times) + ``sync_time``."""
+    bubble_fraction: float
+    """1 - busy area / (ranks x pipeline time), idle from fill, drain and imbalance."""
+    memory_per_stage: tuple[float, ...]
+    """Peak bytes per device of each pipeline rank (its v stages together)."""
+    sync_time: float = 0.0
+    """Once-per-step all-reduce of the slowest rank's ``sync_bytes`` over its sub-mesh."""
+    forward_fraction: float = 1 / 3
+    weight_fraction: float = 0.5
+    n_layers: int = field(default=0)
+
+    @property
+    def stage_layers(self) -> tuple[tuple[int, int], ...]:
+        """(first, last + 1) layer of every stage."""
+        bounds = (0, *self.cuts, self.n_layers)
+        return tuple(zip(bounds[:-1], bounds[1:]))
+
+    @property
+    def torch_schedule(self) -> type:
+        return torch_schedule_class(self.schedule)
+
+
+# ---- the DP ---------------------------------------------------------------------------------
+
+
+def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[float, tuple[int, ...]]:
+    """Cut a chain of L layers into S stages minimizing the slowest stage.
+
+    ``cost[k, j, i]`` (shape (S, L+1, L+1)) is stage k's time when it holds layers
+    j .. i-1, ``inf`` where that is not allowed (j >= i, or over memory). Among the cuts
+    that reach the least bottleneck, returns the one of least ``sum_k tiebreak[k, j, i]``
+    (default ``cost``). Returns (bottleneck, cuts); bottleneck is ``inf`` and cuts empty
+    when no cut is feasible.
+    """
+    n_stages, rows, cols = cost.shape
+    if rows != cols:
+        raise ValueError(f"cost must have shape (S, L+1, L+1), got {cost.shape}")
+    n_layers = rows - 1
+    if n_stages > n_layers:
+        return INF, ()
+    # best[k, i]: least bottleneck of stages 0..k holding exactly layers 0..i-1.
+    best = np.full((n_stages, rows), INF)
+    best[0] = cost[0, 0]
+    for k in range(1, n_stages):
+        best[k] = np.maximum(best[k - 1][:, None], cost[k]).min(axis=0)
+    bottleneck = float(best[-1, n_layers])
+    if not math.isfinite(bottleneck):
+        return INF, ()
+
+    # total[k, i]: least sum of tiebreak over stages 0..k holding layers 0..i-1, every
+    # stage within the bottleneck; arg[k, i]: first layer of stage k in that optimum.
+    tie = cost if tiebreak is None else tiebreak
+    allowed = cost <= bottleneck + 1e-9 * max(abs(bottleneck), 1e-30)
+    step = np.where(allowed, tie, INF)
+    total = np.full((n_stages, rows), INF)
+    arg = np.zeros((n_stages, rows), dtype=np.int64)
+    total[0] = step[0, 0]
+    for k in range(1, n_stages):
+        cand = total[k - 1][:, None] + step[k]
+        arg[k] = cand.argmin(axis=0)
+        total[k] = cand[arg[k], np.arange(rows)]
+    cuts = []
+    i = n_layers
+    for k in range(n_stages - 1, 0, -1):
+        i = int(arg[k, i])
+        cuts.append(i)
+    return bottleneck, tuple(reversed(cuts))
+
+
+# ---- building the DP's arrays ---------------------------------------------------------------
+
+
+def _interval(prefix: np.ndarray) -> np.ndarray:
+    """m[j, i] = prefix[i] - prefix[j]: the sum over layers j .. i-1."""
+    return prefix[None, :] - prefix[:, None]
+
+
+def in_flight(schedule: str, n_stages: int, micro_batches: int, virtual: int) -> np.ndarray:
+    """Micro-batches of activations each of the S = p * v stages holds at its peak."""
+    p, m, v = n_stages, micro_batches, virtual
+    ranks = np.arange(p * v) % p
+    if schedule == "gpipe":
+        return np.full(p * v, float(m))
+    if schedule == "1f1b":
+        return np.minimum(p - ranks, m).astype(float)
+    if schedule == "zero-bubble":
+        return np.full(p * v, float(min(p, m)))
+    per_round = m // max(1, m // p)
+    depth = np.minimum((v - 1) * per_round + 2 * (p - 1 - ranks) + 1, m * v)
+    return depth / v
+
+
+def bubble_rho(schedule: str, virtual: int, split: tuple[float, float, float]) -> float:
+    """Fill/drain cost per unit of ``sum R - max R`` (see the module docstring)."""
+    if schedule == "interleaved-1f1b":
+        return 1.0 / virtual
+    if schedule == "zero-bubble":
+        f, i, w = split
+        return max(f + i - w, i, f) / (f + i + w)
+    return 1.0
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    p: int
+    m: int
+    schedule: str
+    v: int
+
+
+class _Tables:
+    """Prefix sums of the per-layer arrays, shared by every candidate."""
+
+    def __init__(self, costs: LayerCosts):
+        self.costs = costs
+        self.L = costs.n_layers
+        zero = np.zeros(1)
+        self.time = _interval(np.concatenate([zero, np.cumsum(costs.time)]))
+        self.fixed = _interval(np.concatenate([zero, np.cumsum(costs.fixed_time)]))
+        self.state = _interval(np.concatenate([zero, np.cumsum(costs.state_bytes)]))
+        self.act = _interval(np.concatenate([zero, np.cumsum(costs.activation_bytes)]))
+        self.sync = _interval(np.concatenate([zero, np.cumsum(costs.sync_bytes)]))
+        j, i = np.indices((self.L + 1, self.L + 1))
+        self.valid = j < i
+        # boundary[i]: bytes per sample crossing a cut before layer i (0 at i = L).
+        self.boundary = np.concatenate([zero, costs.boundary_bytes, zero])
+
+    def arrays(self, c: _Candidate, n_devices: int, global_batch: int, memory_limit: float,
+               bandwidth: float, shard_state: bool):
+        """(cost, tiebreak, memory, share) for candidate c; see the module docstring."""
+        d = n_devices // c.p
+        b = global_batch / c.m
+        n_k = in_flight(c.schedule, c.p, c.m, c.v)
+        time = np.where(self.valid, self.time * b / d + self.fixed, INF)
+        memory = (self.state / (d if shard_state else 1))[None] + \
+            n_k[:, None, None] * (self.act * b / d)[None]
+        share = memory_limit / c.v
+        cost = np.where(memory <= share, time[None], INF)
+        comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
+        tiebreak = cost + 2 * comm[None, None, :]
+        return cost, tiebreak, memory, share, comm
+
+
+def _price(c: _Candidate, stage_times: np.ndarray, comm_cuts: np.ndarray,
+           split: tuple[float, float, float]) -> tuple[float, float]:
+    """(pipeline time, bubble fraction) of stage times under candidate c."""
+    rank_time = stage_times.reshape(c.v, c.p).sum(axis=0)
+    busy = rank_time.sum()
+    step = c.m * rank_time.max() + bubble_rho(c.schedule, c.v, split) * (busy - rank_time.max()) \
+        + 2 * comm_cuts.sum()
+    bubble = 1 - c.m * busy / (c.p * step) if step > 0 else 0.0
+    return float(step), float(bubble)
+
+
+def ring_factor(d: int) -> float:
+    """A ring all-reduce over d devices moves 2 (d - 1) / d of the bytes through each link."""
+    return 2 * (d - 1) / d
+
+
+# ---- the search -----------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_limit: float,
+                bandwidth: float, sync_bandwidth: float | None = None, n_stages: int | None = None, micro_batches: int | None = None,
+                schedule: str | None = None, virtual_stages: int | None = None,
+                shard_state: bool = False) -> StagePlan:
+    """Choose pipeline degree, cuts, micro-batch count and schedule of least predicted step.
+
+    ``memory_limit`` is bytes per device; ``bandwidth`` bytes/s of the link between
+    neighbouring stages; ``sync_bandwidth`` (default ``bandwidth``) bytes/s of a stage's
+    sub-mesh, for the once-per-step all-reduce of ``sync_bytes``. Pins (``n_stages``, ``micro_batches``, ``schedule``,
+    ``virtual_stages``) fix one choice each. ``shard_state`` divides each stage's state
+    over its sub-mesh (ZeRO-3 / tensor parallel) instead of replicating it.
+
+    >>> costs = LayerCosts(time=[1.0] * 8, state_bytes=[1.0] * 8, activation_bytes=[1.0] * 8,
+    ...                    boundary_bytes=[0.0] * 7)
+    >>> plan = plan_stages(costs, n_devices=4, global_batch=8, memory_limit=1e9,
+    ...                    bandwidth=1e9, n_stages=4, micro_batches=8, schedule="1f1b")
+    >>> plan.cuts, plan.stage_times
+    ((2, 4, 6), (2.0, 2.0, 2.0, 2.0))
+    """
+    L = costs.n_layers
+    if n_devices < 1 or global_batch < 1:
+        raise ValueError(f"n_devices ({n_devices}) and global_batch ({global_batch}) must be >= 1")
+    if memory_limit <= 0 or bandwidth <= 0:
+        raise ValueError(f"memory_limit ({memory_limit}) and bandwidth ({bandwidth}) must be > 0")
+    candidates = _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule,
+                             virtual_stages)
+    tables = _Tables(costs)
+    split = costs.split()
+    sync_bw = bandwidth if sync_bandwidth is None else sync_bandwidth
+    if sync_bw <= 0:
+        raise ValueError(f"sync_bandwidth must be > 0, got {sync_bw}")
+    args = (n_devices, global_batch, memory_limit, bandwidth, shard_state)
+
+    # Lower bound of each candidate's step (perfect balance, no transfers) to prune with:
+    # the step grows with the slowest rank R, which is at least the mean and the largest layer.
+    def lower_bound(c: _Candidate) -> float:
+        layer = costs.time * (global_batch / c.m / (n_devices // c.p)) + costs.fixed_time
+        busy = float(layer.sum())
+        slowest = max(busy / c.p, float(layer.max()))
+        sync = ring_factor(n_devices // c.p) * float(costs.sync_bytes.sum()) / c.p / sync_bw
+        return c.m * slowest + bubble_rho(c.schedule, c.v, split) * (busy - slowest) + sync
+
+    best: tuple[float, StagePlan] | None = None
+    for c in sorted(candidates, key=lower_bound):
+        if best is not None and lower_bound(c) >= best[0] * (1 - 1e-12):
+            break
+        cost, tiebreak, memory, share, comm = tables.arrays(c, *args)
+        bottleneck, cuts = stage_dp(cost, tiebreak)
+        if not math.isfinite(bottleneck):
+            continue
+        plan = _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, sync_bw)
+        if best is None or plan.predicted_step_time < best[0]:
+            best = (plan.predicted_step_time, plan)
+    if best is None:
+        raise ValueError(_no_fit_message(candidates, tables, args))
+    return best[1]
+
+
+def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, virtual):
+    if n_stages is not None:
+        if n_stages < 1 or n_devices % n_stages:
+            raise ValueError(f"n_stages={n_stages} must divide n_devices={n_devices} so every stage "
+                             f"gets an equal sub-mesh; choose one of {_divisors(n_devices)}")
+        if n_stages > L:
+            raise ValueError(f"n_stages={n_stages} is more stages than the chain can hold: {L} layers "
+                             f"have {L - 1} cut points, so at most {L} stages")
+    if micro_batches is not None and (micro_batches < 1 or global_batch % micro_batches):
+        raise ValueError(f"micro_batches={micro_batches} does not divide the global batch "
+                         f"{global_batch}; choose one of {_divisors(global_batch)}")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if virtual is not None:
+        if virtual < 1:
+            raise ValueError(f"virtual_stages must be >= 1, got {virtual}")
+        if virtual > 1 and schedule not in (None, "interleaved-1f1b"):
+            raise ValueError(f"virtual_stages={virtual} needs schedule 'interleaved-1f1b'; the "
+                             f"planner runs {schedule!r} with one stage per rank")
+        if schedule is None and virtual > 1:
+            schedule = "interleaved-1f1b"
+    ps = [n_stages] if n_stages is not None else [p for p in _divisors(n_devices) if p <= L]
+    ms = [micro_batches] if micro_batches is not None else _divisors(global_batch)
+    kinds = [schedule] if schedule is not None else list(SCHEDULES)
+
+    out, first_error = [], None
+    for p, m, kind in itertools.product(ps, ms, kinds):
+        if kind == "interleaved-1f1b":
+            vs = [virtual] if virtual is not None else list(DEFAULT_VIRTUAL) if p > 1 else []
+        else:
+            vs = [1]
+        for v in vs:
+            try:
+                check_schedule(kind, p, m, v)
+                if p * v > L:
+                    raise ValueError(f"schedule {kind!r} with {p} stages x {v} virtual stages cuts "
+                                     f"the chain into {p * v} stages, more than its {L} layers "
+                                     f"({L - 1} cut points) allow")
+            except ValueError as e:
+                first_error = first_error or e
+                continue
+            out.append(_Candidate(p, m, kind, v))
+    if not out:
+        pins = ", ".join(f"{k}={v!r}" for k, v in [("n_stages", n_stages), ("micro_batches", micro_batches),
+                         ("schedule", schedule), ("virtual_stages", virtual)] if v is not None)
+        raise ValueError(f"no pipeline configuration satisfies the pins ({pins or 'none'}): "
+                         f"{first_error}") from first_error
+    return out
+
+
+def _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, sync_bw) -> StagePlan:
+    bounds = (0, *cuts, tables.L)
+    stages = list(zip(bounds[:-1], bounds[1:]))
+    stage_times = np.array([cost[k, j, i] for k, (j, i) in enumerate(stages)])
+    comm_cuts = np.array([comm[i] for i in cuts])
+    step, bubble = _price(c, stage_times, comm_cuts, split)
+    stage_memory = np.array([memory[k, j, i] for k, (j, i) in enumerate(stages)])
+    rank_sync = np.array([tables.sync[j, i] for j, i in stages]).reshape(c.v, c.p).sum(axis=0)
+    sync = ring_factor(n_devices // c.p) * float(rank_sync.max()) / sync_bw
+    return StagePlan(
+        cuts=tuple(int(x) for x in cuts), n_stages=c.p, micro_batches=c.m, schedule=c.schedule,
+        virtual_stages=c.v, devices_per_stage=n_devices // c.p,
+        stage_times=tuple(float(x) for x in stage_times),
+        boundary_times=tuple(float(x) for x in comm_cuts),
+        predicted_step_time=step + sync, bubble_fraction=bubble, sync_time=sync,
+        memory_per_stage=tuple(float(x) for x in stage_memory.reshape(c.v, c.p).sum(axis=0)),
+        forward_fraction=costs.forward_fraction, weight_fraction=costs.weight_fraction,
+        n_layers=tables.L)
+
+
+def _no_fit_message(candidates, tables, args) -> str:
+    """Which configuration comes closest to fitting, which stage overflows and by how much."""
+    closest = None
+    for c in candidates:
+        _, _, memory, share, _ = tables.arrays(c, *args)
+        over = np.where(tables.valid[None], memory - share, INF)
+        excess, cuts = stage_dp(over)
+        if closest is None or excess * c.v < closest[0] * closest[1].v:   # compare per rank
+            closest = (excess, c, cuts, memory, share)
+    excess, c, cuts, memory, share = closest
+    bounds = (0, *cuts, tables.L)
+    worst = max(range(len(bounds) - 1), key=lambda k: memory[k, bounds[k], bounds[k + 1]])
+    j, i = bounds[worst], bounds[worst + 1]
+    gib = 2 ** 30
+    limit = args[2]
+    return (f"no pipeline plan fits {limit / gib:.3g} GiB per device: the closest, n_stages={c.p}, "
+            f"virtual_stages={c.v}, micro_batches={c.m}, schedule {c.schedule!r}, still needs "
+            f"{memory[worst, j, i] / gib:.3g} GiB on stage {worst} (layers {j}..{i - 1}), "
+            f"over its {share / gib:.3g} GiB by {excess / gib:.3g} GiB "
+            f"({excess:.0f} bytes); raise memory_limit, add devices, use more micro-batches "
+            f"or shard_state=True")
+
+
+# ---- timing a plan --------------------------------------------------------------------------
+
+
+def simulate_plan(plan: StagePlan):
+    """Per-rank timeline of ``plan`` from ``autopar.pipeline.simulate``."""
+    from autopar.pipeline.schedule import schedule_actions
+    from autopar.pipeline.simulate import simulate
+
+    times = np.asarray(plan.stage_times)
+    f = plan.forward_fraction
+    actions = schedule_actions(plan.schedule, plan.n_stages, plan.micro_batches, plan.virtual_stages)
+    p2p = plan.boundary_times if plan.boundary_times else 0.0
+    return simulate(actions, forward=times * f, backward=times * (1 - f),
+                    weight=times * (1 - f) * plan.weight_fraction, p2p=p2p)

@@ -1,0 +1,82 @@
+"""Plans as text a person reads: the summary printed by ``plan.summary()`` and the CLI."""
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+from autopar.plan import Plan
+
+
+def fmt_bytes(b: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _group_layers(names):
+    """Fold names that differ only in a layer index: h.0.x, h.1.x -> h.{0..1}.x."""
+    groups: "OrderedDict[str, list[int]]" = OrderedDict()
+    for n in names:
+        m = re.match(r"^(.*?)\.(\d+)\.(.*)$", n)
+        key = f"{m.group(1)}.{{}}.{m.group(3)}" if m else n
+        groups.setdefault(key, []).append(int(m.group(2)) if m else -1)
+    out = []
+    for key, idx in groups.items():
+        if "{}" in key:
+            label = f"{min(idx)}..{max(idx)}" if len(idx) > 1 else str(idx[0])
+            out.append((key.replace("{}", "{" + label + "}") if len(idx) > 1 else key.replace("{}", label), key, idx))
+        else:
+            out.append((key, key, idx))
+    return out
+
+
+def plan_summary(plan: Plan) -> str:
+    e, s = plan.estimate, plan.solver
+    lines = [
+        f"autopar plan: mesh {tuple(plan.mesh_shape)} axes {tuple(plan.mesh_axes)} on "
+        f"{plan.cluster}, world {plan.world_size}" + (f", pins {plan.pins}" if plan.pins else ""),
+        f"estimate: step {fmt_time(e.step_time_s)} (compute {fmt_time(e.compute_s)}, "
+        f"communication {fmt_time(e.comm_s)}), bubble {e.bubble_fraction:.1%}",
+        f"memory per device: {fmt_bytes(e.memory_total)} = " + ", ".join(
+            f"{k} {fmt_bytes(v)}" for k, v in sorted(e.memory_bytes.items(), key=lambda kv: -kv[1])),
+    ]
+    if plan.memory_budget:
+        lines.append(f"memory budget: {fmt_bytes(plan.memory_budget)} per device")
+    if e.comm:
+        lines.append("communication: " + ", ".join(f"{k} {fmt_time(v)}" for k, v in e.comm.items()))
+    lines.append(f"solver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
+                 f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
+                 f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s")
+    lines.append("")
+    lines.append("parameters (placement per mesh axis):")
+    rows = []
+    for label, key, idx in _group_layers(list(plan.params)):
+        first = key.replace("{}", str(idx[0])) if "{}" in key else key
+        ph = plan.params[first]
+        shape = plan.param_shapes.get(first, [])
+        rows.append((label, str(list(shape)), plan.nodes[ph].outputs[0]))
+    lines += _table(("name", "shape", "placement"), rows)
+    lines.append("")
+    sharded = [(n, p) for n, p in plan.nodes.items()
+               if n in plan.node_ops and any(c in "SP" for c in str(p))]
+    lines.append(f"sharded ops ({len(sharded)} of {len(plan.node_ops)}; the rest run replicated):")
+    rows = [(n, plan.node_ops[n].replace("aten.", ""), str(p)) for n, p in sharded[:60]]
+    lines += _table(("node", "op", "inputs -> outputs"), rows)
+    if len(sharded) > 60:
+        lines.append(f"  ... {len(sharded) - 60} more")
+    return "\n".join(lines)
+
+
+def _table(header, rows) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]

@@ -1,0 +1,117 @@
+"""Costs of a sharding problem's choices, from ``autopar.cost_models``.
+
+- node cost: forward + backward time of the op on its local shapes under each option;
+- edge cost: time of the redistribution steps between a producer's output placement and a
+  consumer's input placement, forward and backward (gradient synchronisation of a replicated
+  parameter is the backward of its ``grad_all_reduce`` step);
+- memory: bytes each option keeps on a device — a parameter's shard with its gradient and
+  optimizer states, an activation's shard (saved for backward).
+Compute, communication and memory stay separate all the way to the plan's estimate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from autopar.cost_models import comm as comm_model
+from autopar.cost_models import compute as compute_model
+from autopar.cost_models.hardware import Cluster, axis_link
+from autopar.placement import Placement, Replicate, Shard, local_shape
+from autopar.sharding.redistribute import Step, Unsupported, plan_steps
+from autopar.sharding.registry import TensorMeta, input_placements, output_placements
+from autopar.solver.problem import VIEW_OPS, NodeVar, Problem
+
+INF = float("inf")
+
+
+@dataclass
+class CostModel:
+    cluster: Cluster
+    mesh_shape: tuple[int, ...]
+    dtype_key: str = "fp32"
+
+    def __post_init__(self):
+        self.links = [axis_link(self.cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
+        self._edge_cache: dict = {}
+
+    # ---- compute -------------------------------------------------------------------------
+    def node_time(self, v: NodeVar, combo) -> tuple[float, float]:
+        """(forward, backward) seconds of one option of an op node."""
+        if v.call is None:
+            return 0.0, 0.0
+        ins = [_local(m, input_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.inputs)]
+        outs = [_local(m, output_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.outputs)]
+        return compute_model.node_time(v.call.op, ins, outs, v.call.args, v.call.kwargs,
+                                       self.cluster.device, self.dtype_key)
+
+    # ---- memory --------------------------------------------------------------------------
+    def node_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
+        """Bytes per device of one option, by term."""
+        if v.kind == "param":
+            b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
+            return {"params": b, "grads": b, "optimizer": b * optimizer_states}
+        if v.kind in ("input", "buffer"):
+            b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
+            return {"inputs" if v.kind == "input" else "buffers": b}
+        if v.call.op in VIEW_OPS:
+            return {}
+        b = sum(_local(m, output_placements(combo, k), self.mesh_shape).nbytes
+                for k, m in enumerate(v.call.outputs))
+        return {"activations": b}
+
+    # ---- communication -------------------------------------------------------------------
+    def edge_time(self, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
+                  grad_partial: tuple[bool, ...]) -> tuple[float, dict]:
+        """Seconds to move ``meta`` from ``src`` to ``dst`` (forward + backward), and the
+        seconds by ``(collective, axis)``; INF when the conversion is not offered."""
+        key = (meta.shape, meta.dtype, src, dst, grad_partial)
+        hit = self._edge_cache.get(key)
+        if hit is None:
+            hit = self._edge_cache[key] = self._edge_time(meta, src, dst, grad_partial)
+        return hit
+
+    def _edge_time(self, meta, src, dst, grad_partial):
+        try:
+            steps = plan_steps(src, dst, grad_partial)
+        except Unsupported:
+            return INF, {}
+        cur = list(src)
+        total, by = 0.0, {}
+        for step in steps:
+            before = _local(meta, cur, self.mesh_shape).nbytes
+            cur[step.axis] = _after(step, cur[step.axis])
+            after = _local(meta, cur, self.mesh_shape).nbytes
+            n = self.mesh_shape[step.axis]
+            link = self.links[step.axis]
+            for kind in (step.forward_collective(), step.backward_collective()):
+                if kind is None:
+                    continue
+                size = {"all_gather": max(before, after), "reduce_scatter": max(before, after),
+                        "all_reduce": before, "all_to_all": before}[kind]
+                t = comm_model.collective_time(kind, size, n, link)
+                total += t
+                by[(kind, step.axis)] = by.get((kind, step.axis), 0.0) + t
+        return total, by
+
+
+def _after(step: Step, p: Placement) -> Placement:
+    if step.kind in ("all_gather", "all_reduce", "grad_all_reduce"):
+        return Replicate()
+    if step.kind in ("scatter", "reduce_scatter", "all_to_all"):
+        return Shard(step.dim)
+    return p  # to_partial keeps the size
+
+
+def _local(meta: TensorMeta, placements, mesh_shape) -> TensorMeta:
+    shape = local_shape(meta.shape, placements, mesh_shape)
+    if shape is None:
+        raise ValueError(f"{meta} does not divide under {placements} on mesh {mesh_shape}")
+    return TensorMeta(shape, meta.dtype)
+
+
+def grad_partial_flags(combo, k: int) -> tuple[bool, ...]:
+    """Per axis: input ``k`` is read replicated by an op whose output is not replicated, so
+    its gradient comes back partial."""
+    return tuple(isinstance(s.inputs[k], Replicate)
+                 and any(not isinstance(p, Replicate) for p in s.outputs) for s in combo)

@@ -1,0 +1,294 @@
+"""The sharding problem: for every graph node the ways it can be placed, and the edges.
+
+Built from a captured graph, a mesh shape and the user's pins; holds no costs (those come
+from ``autopar.solver.costing``) and no solver (``autopar.solver.ilp``).
+
+Repeated layers share one solution: nodes of ``h.1``, ``h.2``, ... whose op sequence and
+shapes equal those of ``h.0`` are *members* of ``h.0``'s node and take its choice, so the
+ILP is as large as one layer whatever the depth.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from autopar.capture import Captured, layer_of
+from autopar.placement import Placement, Replicate, Shard, local_shape
+from autopar.sharding.registry import (
+    OpCall, Strategy, TensorMeta, make_call, mesh_strategies,
+)
+
+R = Replicate()
+aten = torch.ops.aten
+
+Combo = tuple  # tuple[Strategy, ...], one per mesh axis
+
+# Ops whose output aliases an input: they hold no memory of their own.
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+            aten.transpose.int, aten.permute.default, aten.t.default, aten.expand.default,
+            aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor,
+            aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
+            aten.alias.default, aten.detach.default, aten.flatten.using_ints,
+            aten.contiguous.default, aten.chunk.default, aten.unflatten.int}
+
+
+@dataclass
+class NodeVar:
+    """One decision of the solver: a node (and the repeated-layer members that copy it)."""
+    name: str
+    kind: str                       # "param" | "buffer" | "input" | "op"
+    meta: TensorMeta | None         # the placeholder's tensor (placeholders only)
+    call: OpCall | None             # the op call (ops only)
+    options: list[Combo]
+    members: list[str] = field(default_factory=list)   # including itself
+
+    @property
+    def outputs(self) -> tuple[TensorMeta, ...]:
+        return (self.meta,) if self.meta is not None else self.call.outputs
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Output ``src_out`` of node ``src`` feeds tensor input ``dst_in`` of node ``dst``
+    (names of the representative nodes); ``count`` edges of the graph share it."""
+    src: str
+    src_out: int
+    dst: str
+    dst_in: int
+    meta: TensorMeta
+    count: int = 1
+
+
+@dataclass
+class Problem:
+    mesh_shape: tuple[int, ...]
+    vars: dict[str, NodeVar]
+    edges: list[Edge]
+    rep: dict[str, str]             # every graph node -> its representative
+    sink: tuple[str, int] | None    # the loss (must end replicated)
+    param_names: dict[str, list[str]]
+    optimizer_states: int           # optimizer tensors per parameter (AdamW: 2)
+
+
+class PinError(ValueError):
+    """A pin cannot be honoured for this model and mesh."""
+
+
+def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Combo]:
+    """Every per-axis choice of R or S(d) that divides evenly."""
+    per_axis = [R] + [Shard(d) for d in range(meta.ndim)]
+    out = []
+    for ps in itertools.product(per_axis, repeat=len(mesh_shape)):
+        if local_shape(meta.shape, ps, mesh_shape) is not None:
+            out.append(tuple(Strategy((), (p,)) for p in ps))
+    return out
+
+
+def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | None = None,
+                  tensor_axis: int | None = None, zero: int = 0,
+                  optimizer_states: int = 2) -> Problem:
+    mesh_shape = tuple(mesh_shape)
+    graph = cap.gm.graph
+    rep = _repetition_map(cap)
+    vars: dict[str, NodeVar] = {}
+    alias: dict[str, tuple[str, int]] = {}   # getitem node -> (producer, output index)
+    edges: dict[tuple, list] = {}
+    batch_nodes = set(cap.inputs)           # nodes computed from the batch
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            meta = TensorMeta(tuple(int(s) for s in val.shape), val.dtype)
+            kind = ("param" if node.name in cap.params else
+                    "buffer" if node.name in cap.buffers else "input")
+            r = rep.get(node.name, node.name)
+            if r != node.name:
+                vars[r].members.append(node.name)
+                continue
+            opts = placeholder_options(meta, mesh_shape)
+            if kind == "buffer":
+                opts = [o for o in opts if all(isinstance(s.outputs[0], Replicate) for s in o)]
+            opts = _apply_pins(node.name, kind, meta, opts, data_axis, tensor_axis, zero,
+                               mesh_shape)
+            vars[r] = NodeVar(node.name, kind, meta, None, opts, [node.name])
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                src, k = node.args
+                base = alias.get(src.name, (src.name, 0))
+                alias[node.name] = (base[0], k)
+                continue
+            if not _has_tensor_output(node):
+                raise NotImplementedError(
+                    f"node {node.name} ({node.target}) returns no tensor: symbolic shapes "
+                    "are not supported; export with static example inputs")
+            call = make_call(node)
+            r = rep.get(node.name, node.name)
+            if any(a.name in batch_nodes for a in node.all_input_nodes):
+                batch_nodes.add(node.name)
+            if r == node.name:
+                opts = mesh_strategies(call, mesh_shape)
+                opts = _restrict_mutations(node, call, opts)
+                if data_axis is not None:
+                    opts = _data_parallel(opts, data_axis, node.name in batch_nodes,
+                                          [k for k, a in enumerate(_tensor_args(node))
+                                           if a.name in cap.params])
+                vars[r] = NodeVar(node.name, "op", None, call, opts, [node.name])
+            else:
+                vars[r].members.append(node.name)
+            k_in = 0
+            for a in _tensor_args(node):
+                src, out = alias.get(a.name, (a.name, 0))
+                key = (rep.get(src, src), out, r, k_in)
+                edges.setdefault(key, []).append(call.inputs[k_in])
+                k_in += 1
+    sink = None
+    if cap.loss:
+        src, out = alias.get(cap.loss, (cap.loss, 0))
+        sink = (rep.get(src, src), out)
+    edge_list = [Edge(s, so, d, di, metas[0], len(metas)) for (s, so, d, di), metas in edges.items()]
+    for v in vars.values():
+        if not v.options:
+            raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
+                           f"{mesh_shape}: {_describe(v)}")
+    return Problem(mesh_shape, vars, edge_list, rep, sink, dict(cap.params), optimizer_states)
+
+
+def _describe(v: NodeVar) -> str:
+    return f"shape {list(v.meta.shape)}" if v.meta is not None else f"op {v.call.op}"
+
+
+def _has_tensor_output(node) -> bool:
+    val = node.meta.get("val")
+    leaves = torch.utils._pytree.tree_leaves(val)
+    return any(isinstance(x, torch.Tensor) for x in leaves)
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Tensor inputs of a node in the order OpCall flattens them."""
+    out = []
+    for a in torch.utils._pytree.tree_leaves((node.args, dict(node.kwargs)),
+                                            is_leaf=lambda x: isinstance(x, torch.fx.Node)):
+        if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            out.append(a)
+    return out
+
+
+def _restrict_mutations(node, call: OpCall, opts: list[Combo]) -> list[Combo]:
+    """Ops that write into a buffer (BatchNorm's running statistics, ``add_``) run on the
+    buffer itself, so those inputs stay replicated."""
+    op = call.op
+    mutable = [i for i, a in enumerate(op._schema.arguments) if a.alias_info and a.alias_info.is_write]
+    if op is aten.batch_norm.default and call.arg(5, "training", False):
+        mutable = [3, 4]
+    if not mutable:
+        return opts
+    tensor_pos = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)]
+    fixed = [tensor_pos.index(i) for i in mutable if i in tensor_pos]
+    return [o for o in opts if all(isinstance(s.inputs[k], Replicate) for s in o for k in fixed)]
+
+
+def _data_parallel(opts: list[Combo], axis: int, from_batch: bool, param_inputs: list[int]) -> list[Combo]:
+    """Data parallelism pinned on ``axis``: ops read parameters whole there (ZeRO-3 gathers
+    them first), and an op computed from the batch keeps the batch split on that axis
+    wherever it has such an option."""
+    opts = [o for o in opts if all(isinstance(o[axis].inputs[k], Replicate) for k in param_inputs)] or opts
+    if from_batch:
+        split = [o for o in opts if any(not isinstance(p, Replicate) for p in o[axis].outputs)]
+        opts = split or opts
+    return opts
+
+
+def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape) -> list[Combo]:
+    def on(axis, o):
+        return o[axis].outputs[0]
+
+    if data_axis is not None:
+        if kind == "input":
+            want = [o for o in opts if on(data_axis, o) == Shard(0)]
+            if not want:
+                raise PinError(
+                    f"input {name!r} of shape {list(meta.shape)}: its batch dim (dim 0, size "
+                    f"{meta.shape[0] if meta.shape else 'scalar'}) cannot be split over the "
+                    f"data-parallel axis of size {mesh_shape[data_axis]}; use a global "
+                    "batch divisible by the data-parallel degree (or pin a smaller data=)")
+            opts = want
+        elif kind == "param":
+            if zero >= 3:
+                sharded = [o for o in opts if isinstance(on(data_axis, o), Shard)]
+                opts = sharded or [o for o in opts if isinstance(on(data_axis, o), Replicate)]
+            else:
+                opts = [o for o in opts if isinstance(on(data_axis, o), Replicate)]
+    if tensor_axis is not None and kind == "input":
+        opts = [o for o in opts if isinstance(on(tensor_axis, o), Replicate)]
+    if tensor_axis is not None and kind == "param" and meta.ndim >= 2:
+        # tensor parallelism pinned: every weight matrix is split over the tensor axis
+        opts = [o for o in opts if isinstance(on(tensor_axis, o), Shard)] or opts
+    return opts
+
+
+def _signature(node: torch.fx.Node) -> tuple:
+    call = make_call(node) if node.op == "call_function" and node.target is not operator.getitem else None
+    if call is None:
+        return (str(node.target), len(node.args))
+    strip = lambda a: repr(a) if not isinstance(a, TensorMeta) else repr(a)  # noqa: E731
+    return (str(call.op), tuple(map(strip, torch.utils._pytree.tree_leaves(call.args))),
+            tuple(repr(m) for m in call.outputs))
+
+
+def _repetition_map(cap: Captured) -> dict[str, str]:
+    """Node name -> the name of the same node in the first of its repeated layers."""
+    layers: dict[str, dict[int, list[torch.fx.Node]]] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op == "call_function":
+            lay = layer_of(node)
+            if lay is not None:
+                layers.setdefault(lay[0], {}).setdefault(lay[1], []).append(node)
+    rep: dict[str, str] = {}
+    for prefix, by_idx in layers.items():
+        idxs = sorted(by_idx)
+        if len(idxs) < 2:
+            continue
+        first = by_idx[idxs[0]]
+        sig0 = [_signature(n) for n in first]
+        pos0 = {n.name: k for k, n in enumerate(first)}
+        for i in idxs[1:]:
+            nodes = by_idx[i]
+            if [_signature(n) for n in nodes] != sig0:
+                continue
+            # inputs must come from the same position of the layer (or from outside it)
+            ok = True
+            local = {n.name: k for k, n in enumerate(nodes)}
+            for n, n0 in zip(nodes, first):
+                for a, a0 in zip(n.all_input_nodes, n0.all_input_nodes):
+                    if (a.name in local) != (a0.name in pos0) or (
+                            a.name in local and local[a.name] != pos0[a0.name]):
+                        ok = False
+            if not ok:
+                continue
+            for n, n0 in zip(nodes, first):
+                rep[n.name] = n0.name
+    # parameters of repeated layers follow their layer
+    by_param_name = {names[0]: ph for ph, names in cap.params.items()}
+    for ph, names in cap.params.items():
+        m = re.match(r"^(.*?)\.(\d+)\.(.*)$", names[0])
+        if m and m.group(1) in layers and int(m.group(2)) != min(layers[m.group(1)]):
+            first = f"{m.group(1)}.{min(layers[m.group(1)])}.{m.group(3)}"
+            ph0 = by_param_name.get(first)
+            if ph0 is not None and _same_shape(cap, ph, ph0) and _users_repeat(cap, ph, ph0, rep):
+                rep[ph] = ph0
+    return rep
+
+
+def _same_shape(cap, a, b) -> bool:
+    return tuple(cap.node(a).meta["val"].shape) == tuple(cap.node(b).meta["val"].shape)
+
+
+def _users_repeat(cap, ph, ph0, rep) -> bool:
+    users = sorted(rep.get(u.name, u.name) for u in cap.node(ph).users)
+    users0 = sorted(u.name for u in cap.node(ph0).users)
+    return users == users0

@@ -1,0 +1,110 @@
+"""Communication cost: alpha-beta per collective, and the overlap of gradient sync.
+
+For a group of ``n`` ranks over a :class:`~autopar.cost_models.hardware.Link` of bus
+bandwidth ``B`` and per-step latency ``alpha`` (ring algorithms; ``S`` in bytes):
+
+==================  ========================================  ===========================
+kind                bandwidth term                            latency term
+==================  ========================================  ===========================
+all_reduce          ``2 (n-1)/n * S / B``                     ``2 (n-1) alpha``
+all_gather          ``(n-1)/n * S / B``, S = gathered size    ``(n-1) alpha``
+reduce_scatter      ``(n-1)/n * S / B``, S = unreduced size   ``(n-1) alpha``
+all_to_all          ``(n-1)/n * S / B``, S = local size       ``(n-1) alpha``
+broadcast           ``S / B`` (pipelined ring)                ``(n-1) alpha``
+send, recv          ``S / B``                                 ``alpha``
+==================  ========================================  ===========================
+
+``B`` is nccl-tests' "busbw", which is defined so that exactly these factors turn it into
+time; a group of one rank costs nothing. Pick the link with
+:func:`~autopar.cost_models.hardware.axis_link`.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from .hardware import Link
+
+_BANDWIDTH_FACTOR = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+_LATENCY_STEPS = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "all_to_all": lambda n: n - 1,
+    "broadcast": lambda n: n - 1,
+    "send": lambda n: 1,
+    "recv": lambda n: 1,
+}
+_ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather",
+            "reducescatter": "reduce_scatter", "alltoall": "all_to_all",
+            "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+            "all_to_all_single": "all_to_all"}
+
+COLLECTIVES = tuple(_BANDWIDTH_FACTOR)
+
+
+def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> float:
+    """Seconds for one collective of ``kind`` moving ``nbytes`` over ``group_size`` ranks.
+
+    >>> collective_time("all_reduce", 1e9, 8, Link(bandwidth=100e9, latency=0.0))
+    0.0175
+    """
+    key = kind.lower().replace("-", "_")
+    key = _ALIASES.get(key, key)
+    if key not in _BANDWIDTH_FACTOR:
+        raise ValueError(f"unknown collective {kind!r}; known: {', '.join(COLLECTIVES)}")
+    n = int(group_size)
+    if n < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size} for {kind!r}")
+    if n == 1 or nbytes <= 0:
+        return 0.0
+    return (_BANDWIDTH_FACTOR[key](n) * nbytes / link.bandwidth
+            + _LATENCY_STEPS[key](n) * link.latency)
+
+
+class GradSync(NamedTuple):
+    """Gradient synchronization of one step: ``total`` seconds of communication, of which
+    ``exposed`` are not hidden behind backward compute."""
+    total: float
+    exposed: float
+
+
+#: DDP's default bucket size (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25).
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def grad_sync_time(grad_bytes: float, group_size: int, link: Link, backward_time: float,
+                   *, kind: str = "all_reduce",
+                   bucket_bytes: float = DDP_BUCKET_BYTES) -> GradSync:
+    """Time of the data-parallel gradient reduction, overlapped with backward as DDP does.
+
+    Model: gradients (``grad_bytes`` per rank, full size: for ``reduce_scatter`` too) fill
+    ``k = ceil(grad_bytes / bucket_bytes)`` equal buckets at an even pace over the
+    ``backward_time`` that can overlap (with micro-batches: the LAST micro-batch's backward,
+    since the reduction fires once per step). Bucket ``i`` is ready at
+    ``backward_time * (i+1)/k``; buckets go one at a time on one stream, each taking
+    ``t_b = collective_time(kind, grad_bytes/k, ...)``. The last one ends at
+    ``max(backward_time/k + k*t_b, backward_time + t_b)`` (the maximum of a linear
+    function of ``i`` sits at an end), so::
+
+        total   = k * t_b
+        exposed = max(t_b, total - backward_time * (1 - 1/k))
+
+    The last bucket is never hidden. Slowdown of compute by concurrent communication
+    kernels is not modelled.
+    """
+    if group_size <= 1 or grad_bytes <= 0:
+        return GradSync(0.0, 0.0)
+    k = max(1, math.ceil(grad_bytes / bucket_bytes))
+    t_b = collective_time(kind, grad_bytes / k, group_size, link)
+    total = k * t_b
+    exposed = max(t_b, total - max(0.0, backward_time) * (1.0 - 1.0 / k))
+    return GradSync(total, exposed)

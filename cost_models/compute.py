@@ -1,0 +1,448 @@
+"""Compute cost of one ATen op: FLOPs, bytes moved, and a roofline time.
+
+Every function takes one call as the sharding registry sees it: the op (an ATen
+``OpOverload`` from a torch.export training-IR graph), its flattened tensor ``inputs`` and
+``outputs`` as :class:`~autopar.sharding.registry.TensorMeta`, and ``args`` / ``kwargs`` with
+``TensorMeta`` at tensor positions. Shapes are whatever the caller passes: the solver
+passes LOCAL (per-rank) shapes in ``inputs`` / ``outputs`` and the GLOBAL call's ``args``,
+so shapes are read only from ``inputs`` / ``outputs``; ``args`` / ``kwargs`` only give flags
+(``is_causal``, ``transposed``, whether a bias or norm weight is present, an einsum
+equation).
+
+FLOP conventions (one multiply-add = 2 FLOPs; forward only):
+
+=================  ========================================================================
+family             forward FLOPs
+=================  ========================================================================
+matmul             ``2 * numel(out) * K`` (``2mnk`` for mm; bmm/matmul/linear alike),
+                   ``+ numel(out)`` for a bias (linear with bias, addmm, baddbmm)
+conv               ``2 * numel(out) * Cin/groups * prod(kernel)`` = ``2 N Cout Hout Wout Cin
+                   kh kw`` (transposed: ``numel(input)`` in place of ``numel(out)``), + bias
+attention (SDPA)   ``2 B H Sq Skv (D + Dv)`` = ``4 B H S^2 D`` (the two matmuls; softmax not
+                   counted); causal: half of it (flash kernels skip masked blocks)
+layer/group/batch  ``5 N`` (mean, subtract, square, sum, scale by rstd) ``+ N`` per affine
+norm               weight and ``+ N`` per bias
+rms_norm           ``3 N`` (square, sum, scale) ``+ N`` for the weight
+softmax, log_sm    ``5 N`` (max, subtract, exp, sum, divide / log-subtract)
+cross_entropy      ``5 N`` (log_softmax) ``+ rows`` (the nll pick and sum)
+nll_loss           ``rows``
+elementwise        ``numel(out)`` (dropout ``2 numel``: the mask and the multiply)
+reductions         ``numel(input)`` (var/std/logsumexp ``3x``, norms ``2x``)
+embedding, copies, 0
+views
+=================  ========================================================================
+
+Bytes moved: every input read once and every output written once (the roofline's lower
+bound: perfect on-chip reuse), except embedding (reads only the gathered rows), factories
+(write only) and views (0: ``reshape`` is counted as a view; when it has to copy, that copy
+is not costed).
+
+Time (:func:`node_time`) is a roofline per kernel::
+
+    t = max(flops / (peak * efficiency(flops)),  bytes / (mem_bandwidth * mem_efficiency))
+        + kernels * launch_overhead
+
+with ``efficiency(f) = max_efficiency * f / (f + peak * max_efficiency * fill_time)``: the
+op rises to the device's large-GEMM efficiency as it grows, reaching half of it at
+``peak * max_efficiency * fill_time`` FLOPs (the per-kernel fill / tail of wave
+quantization; see ``hardware.py``). Algebraically ``flops / (peak * efficiency)`` is
+``flops / (peak * max_efficiency) + fill_time``. Matmul-like ops (matmul, conv, attention)
+run at ``peak_flops[dtype_key]`` (tensor cores); everything else at ``peak_flops["fp32"]``
+(vector units).
+
+Backward, per family, as multiples of the forward (FLOPs, bytes) and its kernel count:
+
+- matmul, conv: 2x FLOPs and bytes, 2 kernels (grad of both operands);
+- attention: 2.5x FLOPs (5 matmuls against 2, FlashAttention-2 recomputes ``QK^T``), 2x bytes;
+- norms: 2x FLOPs and bytes, 2 kernels (input grad, weight/bias grads);
+- softmax, losses, unary elementwise: 1.5x bytes (read grad and saved tensor, write grad);
+- binary elementwise (mul, div, ...): 2x; ``add``/``sub`` pass the gradient through and cost
+  only the reduction of broadcast operands (``sub`` adds one negation);
+- reductions: the expand of the grad (bytes of input + output);
+- embedding: zero the weight grad and scatter-add the rows;
+- copies, casts, gathers: 1x; factories, views, ops with no floating output: 0.
+
+Recomputation of a node costs its forward time again.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable
+
+from .hardware import Device
+
+# --- op families --------------------------------------------------------------------------
+VIEW, MATMUL, CONV, ATTENTION, NORM, RMS_NORM, SOFTMAX, CE_LOSS, NLL_LOSS, MSE_LOSS, \
+    ELEMENTWISE, BINARY, ADD, DROPOUT, REDUCTION, EMBEDDING, COPY, FACTORY = range(18)
+
+_FAMILIES: dict[int, tuple[str, ...]] = {
+    VIEW: ("view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute",
+           "expand", "expand_as", "squeeze", "unsqueeze", "split", "split_with_sizes",
+           "unsafe_split", "chunk", "unbind", "slice", "select", "narrow", "alias", "detach",
+           "view_as", "flatten", "unflatten", "as_strided", "getitem", "movedim", "swapaxes",
+           "swapdims", "numpy_T", "mT", "lift_fresh", "sym_size", "sym_numel", "sym_stride",
+           "_assert_async", "_assert_scalar", "_assert_tensor_metadata",
+           "_functional_assert_async", "_set_grad_enabled", "dim", "size", "output",
+           "broadcast_to", "real", "view_as_real", "view_as_complex", "tensor_split",
+           "hsplit", "vsplit", "diagonal", "align_to", "unfold", "contiguous_view",
+           "broadcast_tensors"),
+    MATMUL: ("mm", "bmm", "matmul", "linear", "addmm", "baddbmm", "addbmm", "mv", "addmv",
+             "dot", "vdot", "einsum", "_addmm_activation", "outer", "ger", "_int_mm"),
+    CONV: ("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+           "conv_transpose2d", "conv_transpose3d", "cudnn_convolution",
+           "mkldnn_convolution", "_convolution_mode", "conv_tbc"),
+    ATTENTION: ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math"),
+    NORM: ("layer_norm", "native_layer_norm", "batch_norm", "native_batch_norm",
+           "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+           "_native_batch_norm_legit_functional", "group_norm", "native_group_norm",
+           "instance_norm", "_batch_norm_with_update", "_batch_norm_no_update"),
+    RMS_NORM: ("rms_norm", "_fused_rms_norm"),
+    SOFTMAX: ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"),
+    CE_LOSS: ("cross_entropy_loss",),
+    NLL_LOSS: ("nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward",
+               "nll_loss_nd"),
+    MSE_LOSS: ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+               "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+               "soft_margin_loss"),
+    BINARY: ("mul", "div", "true_divide", "floor_divide", "pow", "maximum", "minimum",
+             "where", "lerp", "addcmul", "addcdiv", "atan2", "fmod", "remainder", "hypot",
+             "xlogy", "copysign", "mul_", "div_"),
+    ADD: ("add", "sub", "rsub", "add_", "sub_"),
+    DROPOUT: ("dropout", "native_dropout", "feature_dropout", "alpha_dropout",
+              "feature_alpha_dropout", "dropout_"),
+    REDUCTION: ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean",
+                "std_mean", "norm", "linalg_vector_norm", "prod", "logsumexp", "argmax",
+                "argmin", "any", "all", "cumsum", "cumprod", "nansum", "nanmean",
+                "count_nonzero", "aminmax", "frobenius_norm", "sort", "topk", "median",
+                "argsort", "kthvalue", "mode", "cummax", "cummin", "logcumsumexp",
+                # pooling: one read of every input element (exact for stride = kernel)
+                "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d",
+                "max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices",
+                "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+                "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+                "_adaptive_avg_pool2d"),
+    EMBEDDING: ("embedding", "embedding_bag", "_embedding_bag"),
+    COPY: ("clone", "_to_copy", "to", "copy", "copy_", "contiguous", "cat", "concat",
+           "concatenate", "stack", "hstack", "vstack", "index_select", "gather", "scatter",
+           "scatter_add", "scatter_reduce", "index", "index_put", "index_put_",
+           "index_add", "masked_fill", "masked_fill_", "masked_scatter", "masked_select",
+           "constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d",
+           "replication_pad1d", "replication_pad2d", "repeat", "repeat_interleave", "tile",
+           "tril", "triu", "flip", "roll", "fill", "fill_", "zero_", "type_as",
+           "_to_dtype", "lift_fresh_copy", "slice_scatter", "select_scatter",
+           "diagonal_scatter", "as_strided_scatter", "clamp_", "expand_copy",
+           "permute_copy", "view_copy", "transpose_copy", "t_copy", "unsqueeze_copy",
+           "squeeze_copy", "alias_copy", "detach_copy", "_unsafe_index", "take", "select_copy", "slice_copy", "split_copy",
+           "one_hot"),
+    FACTORY: ("arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like",
+              "ones_like", "full_like", "rand", "randn", "randint", "rand_like",
+              "randn_like", "randint_like", "scalar_tensor", "new_zeros", "new_ones",
+              "new_full", "new_empty", "new_empty_strided", "empty_strided", "linspace",
+              "logspace", "eye", "tensor", "bernoulli", "normal", "uniform", "randperm",
+              "empty_permuted", "_local_scalar_dense", "item"),
+}
+_FAMILY_OF_NAME = {name: fam for fam, names in _FAMILIES.items() for name in names}
+_MATMUL_LIKE = frozenset((MATMUL, CONV, ATTENTION))
+
+#: Op names seen that no family lists; they are costed as elementwise ops. Kept so a
+#: coverage report can list them.
+UNKNOWN_OPS: set[str] = set()
+
+_family_cache: dict[Any, int] = {}
+
+
+def op_name(op) -> str:
+    """``"mm"`` for ``aten.mm.default``; the function name for a Python callable."""
+    packet = getattr(op, "_overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(op, "__name__", str(op))
+
+
+def family(op) -> int:
+    """The op's family constant (``MATMUL``, ``VIEW``, ...); unknown ops are elementwise."""
+    fam = _family_cache.get(op)
+    if fam is None:
+        name = op_name(op)
+        fam = _FAMILY_OF_NAME.get(name)
+        if fam is None:
+            if op is operator.getitem:
+                fam = VIEW
+            else:
+                fam = ELEMENTWISE
+                if name not in _KNOWN_ELEMENTWISE:
+                    UNKNOWN_OPS.add(name)
+        _family_cache[op] = fam
+    return fam
+
+
+# Pointwise ops that need no entry above (they are the ELEMENTWISE default); listed only so
+# that UNKNOWN_OPS stays meaningful.
+_KNOWN_ELEMENTWISE = frozenset((
+    "relu", "relu_", "gelu", "silu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "neg",
+    "abs", "sin", "cos", "erf", "pow", "reciprocal", "clamp", "clamp_min", "clamp_max",
+    "hardtanh", "leaky_relu", "elu", "softplus", "mish", "hardswish", "hardsigmoid", "log1p",
+    "expm1", "sign", "floor", "ceil", "round", "trunc", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and", "bitwise_or",
+    "bitwise_xor", "isnan", "isinf", "nan_to_num", "square", "sigmoid_", "gelu_", "silu_",
+    "relu6", "threshold", "glu", "logit", "erfinv", "exp2", "log2", "log10", "frac",
+    "_log_softmax_backward_data", "sgn", "heaviside", "acos", "asin", "atan", "tan",
+    "cosh", "sinh", "celu", "selu", "erfc", "fmax", "fmin", "isfinite", "logical_xor",
+    "positive", "threshold_backward", "upsample_bilinear2d", "upsample_nearest1d",
+    "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d", "upsample_bicubic2d",
+))
+
+
+# --- helpers ------------------------------------------------------------------------------
+def _nbytes(m) -> int:
+    return math.prod(m.shape) * m.dtype.itemsize
+
+
+def _numel(m) -> int:
+    return math.prod(m.shape)
+
+
+_arg_index_cache: dict[Any, dict[str, int]] = {}
+
+
+def _arg(op, args: tuple, kwargs: dict, name: str, default=None):
+    """Argument ``name`` of the call, positional or keyword, by the op's schema."""
+    if name in kwargs:
+        return kwargs[name]
+    idx = _arg_index_cache.get(op)
+    if idx is None:
+        schema = getattr(op, "_schema", None)
+        idx = {a.name: i for i, a in enumerate(schema.arguments)} if schema else {}
+        _arg_index_cache[op] = idx
+    i = idx.get(name)
+    if i is not None and i < len(args):
+        return args[i]
+    return default
+
+
+def _is_tensor(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+# --- FLOPs --------------------------------------------------------------------------------
+def _matmul_flops(op, inputs, outputs, args, kwargs) -> float:
+    name = op_name(op)
+    out = _numel(outputs[0]) if outputs else 0
+    if name == "einsum":
+        return _einsum_flops(args, kwargs, inputs)
+    if name == "linear":
+        x, w = inputs[0], inputs[1]
+        bias = _arg(op, args, kwargs, "bias")
+        return 2.0 * out * w.shape[-1] + (out if _is_tensor(bias) else 0)
+    if name in ("addmm", "baddbmm", "addmv", "_addmm_activation", "addbmm"):
+        a = inputs[1]  # inputs: self (bias), mat1 / batch1, mat2 / batch2
+        k = a.shape[-1]
+        if name == "addbmm":  # sums over the batch too
+            return 2.0 * out * k * a.shape[0] + out
+        return 2.0 * out * k + out
+    if name in ("outer", "ger"):
+        return float(out)
+    return 2.0 * out * inputs[0].shape[-1]  # mm, bmm, matmul, mv, dot: K = last dim of a
+
+
+def _einsum_flops(args, kwargs, operands) -> float:
+    equation = args[0] if args else kwargs["equation"]
+    lhs = equation.replace(" ", "").split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for spec, t in zip(lhs, operands):
+        if "..." in spec:  # name the ellipsis dims with upper-case letters, right-aligned
+            n_ell = len(t.shape) - (len(spec) - 3)
+            spec = spec.replace("...", "".join(chr(65 + i) for i in range(26 - n_ell, 26)))
+        for c, s in zip(spec, t.shape):
+            sizes[c] = max(sizes.get(c, 1), s)
+    return (2.0 if len(operands) > 1 else 1.0) * math.prod(sizes.values())
+
+
+def _conv_flops(op, inputs, outputs, args, kwargs) -> float:
+    x, w = inputs[0], inputs[1]
+    name = op_name(op)
+    transposed = "transpose" in name or bool(_arg(op, args, kwargs, "transposed", False))
+    per_out = math.prod(w.shape[1:])  # Cin/groups * prod(kernel)   (transposed: Cout/groups)
+    n = _numel(x) if transposed else _numel(outputs[0])
+    bias = _arg(op, args, kwargs, "bias")
+    return 2.0 * n * per_out + (_numel(outputs[0]) if _is_tensor(bias) else 0)
+
+
+def _attention_flops(op, inputs, outputs, args, kwargs) -> float:
+    q, k, v = inputs[0], inputs[1], inputs[2]
+    d, dv = q.shape[-1], v.shape[-1]
+    rows = _numel(q) // d if d else 0  # B * H * Sq
+    skv = k.shape[-2]
+    f = 2.0 * rows * skv * (d + dv)
+    if _arg(op, args, kwargs, "is_causal", False):
+        f *= 0.5
+    return f
+
+
+def _norm_flops(op, inputs, outputs, args, kwargs) -> float:
+    n = _numel(inputs[0])
+    affine = _is_tensor(_arg(op, args, kwargs, "weight")) + _is_tensor(_arg(op, args, kwargs, "bias"))
+    return 5.0 * n + affine * n
+
+
+def _rms_norm_flops(op, inputs, outputs, args, kwargs) -> float:
+    n = _numel(inputs[0])
+    return 3.0 * n + (n if _is_tensor(_arg(op, args, kwargs, "weight")) else 0)
+
+
+def _rows(x) -> int:
+    """Rows of class scores: all but the class dim (dim 1 for rank >= 2)."""
+    if len(x.shape) <= 1:
+        return 1
+    return _numel(x) // x.shape[1]
+
+
+def _ce_flops(op, inputs, outputs, args, kwargs) -> float:
+    x = inputs[0]
+    return 5.0 * _numel(x) + _rows(x)
+
+
+def _nll_flops(op, inputs, outputs, args, kwargs) -> float:
+    return float(_rows(inputs[0]))
+
+
+_REDUCTION_FACTOR = {"var": 3.0, "std": 3.0, "var_mean": 3.0, "std_mean": 3.0,
+                     "logsumexp": 3.0, "norm": 2.0, "linalg_vector_norm": 2.0,
+                     "frobenius_norm": 2.0}
+
+
+def _reduction_flops(op, inputs, outputs, args, kwargs) -> float:
+    return _REDUCTION_FACTOR.get(op_name(op), 1.0) * (_numel(inputs[0]) if inputs else 0)
+
+
+def _out_flops(op, inputs, outputs, args, kwargs) -> float:
+    return float(sum(_numel(o) for o in outputs))
+
+
+def _zero(*_a) -> float:
+    return 0.0
+
+
+_FLOPS: dict[int, Callable[..., float]] = {
+    VIEW: _zero, MATMUL: _matmul_flops, CONV: _conv_flops, ATTENTION: _attention_flops,
+    NORM: _norm_flops, RMS_NORM: _rms_norm_flops,
+    SOFTMAX: lambda op, i, o, a, k: 5.0 * _numel(i[0]),
+    CE_LOSS: _ce_flops, NLL_LOSS: _nll_flops,
+    MSE_LOSS: lambda op, i, o, a, k: 3.0 * _numel(i[0]),
+    ELEMENTWISE: _out_flops, BINARY: _out_flops, ADD: _out_flops,
+    DROPOUT: lambda op, i, o, a, k: 2.0 * _numel(i[0]),
+    REDUCTION: _reduction_flops, EMBEDDING: _zero, COPY: _zero, FACTORY: _zero,
+}
+
+
+def flops(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None) -> float:
+    """Forward FLOPs of one call (conventions in the module docstring)."""
+    return _FLOPS[family(op)](op, inputs, outputs, args, kwargs or {})
+
+
+# --- bytes --------------------------------------------------------------------------------
+def bytes_moved(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None) -> float:
+    """Forward memory traffic: inputs read once, outputs written once; views 0."""
+    fam = family(op)
+    if fam == VIEW:
+        return 0.0
+    if fam == FACTORY:
+        if op_name(op).startswith("empty"):
+            return 0.0
+        return float(sum(_nbytes(o) for o in outputs))
+    if fam == EMBEDDING:
+        out = sum(_nbytes(o) for o in outputs)
+        idx = sum(_nbytes(i) for i in inputs[1:])
+        return float(2 * out + idx)  # read the gathered rows, write them, read the ids
+    return float(sum(_nbytes(i) for i in inputs) + sum(_nbytes(o) for o in outputs))
+
+
+def _backward(fam: int, op, inputs, outputs, f: float, b: float) -> tuple[float, float, int]:
+    """(FLOPs, bytes, kernels) of the backward of one call."""
+    if fam in (MATMUL, CONV):
+        return 2.0 * f, 2.0 * b, 2
+    if fam == ATTENTION:
+        return 2.5 * f, 2.0 * b, 1
+    if fam in (NORM, RMS_NORM):
+        return 2.0 * f, 2.0 * b, 2
+    if fam == ADD:
+        out = outputs[0]
+        fb, bb, kernels = 0.0, 0.0, 0
+        for x in inputs:  # broadcast operands need their grad summed down to their shape
+            if x.shape != out.shape:
+                fb += _numel(out)
+                bb += _nbytes(out) + _nbytes(x)
+                kernels += 1
+        if op_name(op) in ("sub", "rsub", "sub_") and len(inputs) > 1:
+            fb += _numel(out)
+            bb += 2 * _nbytes(out)
+            kernels += 1
+        return fb, bb, kernels
+    if fam == BINARY:
+        return 2.0 * f, 2.0 * b, 2
+    if fam == REDUCTION:
+        return float(_numel(inputs[0])), float(_nbytes(inputs[0]) + _nbytes(outputs[0])), 1
+    if fam == EMBEDDING:
+        w = inputs[0]  # zero its grad, then read and add the rows' grads (and the ids)
+        return float(sum(_numel(o) for o in outputs)), float(_nbytes(w) + b), 2
+    if fam in (COPY, DROPOUT):
+        return f, b, 1
+    # ELEMENTWISE, SOFTMAX, losses
+    return 1.5 * f, 1.5 * b, 1
+
+
+# --- time ---------------------------------------------------------------------------------
+_DTYPE_KEY = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def efficiency(f: float, device: Device, dtype_key: str = "fp32") -> float:
+    """Fraction of ``device.peak_flops[dtype_key]`` an op of ``f`` FLOPs reaches:
+    ``max_efficiency * f / (f + f_half)``, ``f_half = peak * max_efficiency * fill_time``."""
+    if f <= 0:
+        return device.max_efficiency
+    f_half = device.peak_flops[dtype_key] * device.max_efficiency * device.fill_time
+    return device.max_efficiency * f / (f + f_half)
+
+
+def _kernel_time(f: float, b: float, kernels: int, rate: float, bw: float,
+                 device: Device) -> float:
+    if kernels == 0 or (f <= 0 and b <= 0):
+        return 0.0
+    # f / (peak * efficiency(f)) == f / rate + fill_time, per kernel
+    t_compute = f / rate + kernels * device.fill_time if f > 0 else 0.0
+    return max(t_compute, b / bw) + kernels * device.launch_overhead
+
+
+def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
+              device: Device | None = None, dtype_key: str | None = "fp32"
+              ) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of one call on ``device`` by the roofline.
+
+    ``dtype_key`` picks the matmul rate ("fp32", "tf32", "bf16", "fp16"); ``None`` takes
+    it from the first floating input. Recomputing the node costs the forward again.
+    """
+    if device is None:
+        raise ValueError("node_time needs a device (e.g. hardware.A100_80GB)")
+    kwargs = kwargs or {}
+    fam = family(op)
+    if fam == VIEW:
+        return 0.0, 0.0
+    f = _FLOPS[fam](op, inputs, outputs, args, kwargs)
+    b = bytes_moved(op, inputs, outputs, args, kwargs)
+    if dtype_key is None:
+        dtype_key = next((_DTYPE_KEY[str(t.dtype)] for t in inputs
+                          if str(t.dtype) in _DTYPE_KEY), "fp32")
+    if fam in _MATMUL_LIKE:
+        rate = device.peak_flops[dtype_key] * device.max_efficiency
+    else:
+        rate = device.peak_flops["fp32"] * device.max_efficiency
+    bw = device.mem_bandwidth * device.mem_efficiency
+    fwd = _kernel_time(f, b, 1, rate, bw, device)
+    if fam == FACTORY or not any(o.dtype.is_floating_point for o in outputs):
+        return fwd, 0.0
+    fb, bb, kernels = _backward(fam, op, inputs, outputs, f, b)
+    return fwd, _kernel_time(fb, bb, kernels, rate, bw, device)

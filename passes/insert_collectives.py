@@ -1,0 +1,187 @@
+"""The rewrite: a captured global graph + a Plan -> the per-rank graph every rank runs.
+
+For each node in order:
+- a parameter or buffer becomes a ``get_attr`` of its local shard on the module;
+- a user input (every rank passes the whole global batch) is cut to this rank's slice;
+- an op gets each tensor input moved from its producer's placement to the placement the
+  plan chose for it (the steps of ``autopar.sharding.redistribute``, each an
+  autograd-aware collective node), and then runs with its shape constants made local
+  (``autopar.sharding.registry.localize``);
+- the result (the loss, or the model's outputs) is made replicated.
+
+Gradient synchronisation of replicated parameters (data parallelism) belongs to the step,
+not to each use: where every use of a parameter on a mesh axis reads it replicated into
+an op whose output is not replicated there, no collective is inserted; the axis is
+recorded in ``gm.meta["grad_sync"][attr]`` and the runtime all-reduces the gradient once,
+bucketed and overlapped with backward.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+from torch.utils import _pytree as pytree
+
+from autopar.capture import Captured
+from autopar.placement import Replicate
+from autopar.plan import Plan, PlanError
+from autopar.runtime import collectives
+from autopar.sharding.redistribute import Step, Unsupported, plan_steps
+from autopar.sharding.registry import (
+    Strategy, TensorMeta, localize, make_call,
+)
+
+R = Replicate()
+
+_STEP_FN: dict[str, Callable] = {
+    "all_gather": collectives.all_gather, "all_reduce": collectives.all_reduce,
+    "grad_all_reduce": collectives.grad_all_reduce, "scatter": collectives.scatter,
+    "reduce_scatter": collectives.reduce_scatter, "all_to_all": collectives.all_to_all,
+    "to_partial": collectives.to_partial,
+}
+
+
+def _step_kwargs(step: Step) -> dict:
+    k = step.kind
+    if k in ("all_gather", "all_reduce"):
+        kw = {"axis": step.axis}
+        if k == "all_gather":
+            kw["dim"] = step.dim
+        if step.grad_partial:
+            kw["grad_partial"] = True
+        return kw
+    if k in ("scatter", "reduce_scatter"):
+        return {"axis": step.axis, "dim": step.dim}
+    if k == "all_to_all":
+        return {"axis": step.axis, "split_dim": step.dim, "cat_dim": step.dim2}
+    return {"axis": step.axis}
+
+
+def _combo(plan: Plan, name: str, n_in: int, n_out: int) -> tuple[Strategy, ...]:
+    try:
+        np = plan.nodes[name]
+    except KeyError as e:
+        raise PlanError(f"the plan has no placement for node {name!r}: it was made for another "
+                        "graph (a different model, input shape or torch version); plan again") from e
+    n_axes = len(plan.mesh_shape)
+    ins = [np.input(k) for k in range(n_in)]
+    outs = [np.output(k) for k in range(n_out)]
+    return tuple(Strategy(tuple(p[a] for p in ins), tuple(p[a] for p in outs)) for a in range(n_axes))
+
+
+def _grad_partial(combo, k) -> tuple[bool, ...]:
+    return tuple(isinstance(s.inputs[k], Replicate)
+                 and any(not isinstance(p, Replicate) for p in s.outputs) for s in combo)
+
+
+def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
+                       attr_of: dict[str, str], returns: str = "loss") -> GraphModule:
+    """Build the per-rank GraphModule. ``attr_of`` maps a parameter/buffer placeholder to its
+    attribute path on ``root``; ``returns`` is ``"loss"`` or ``"model"`` (the model's
+    outputs, as a flat tuple)."""
+    mesh = tuple(plan.mesh_shape)
+    n_axes = len(mesh)
+    src = cap.gm.graph
+    calls = {n.name: make_call(n) for n in src.nodes
+             if n.op == "call_function" and n.target is not operator.getitem}
+    deferred = _deferred_grad_sync(cap, plan, calls)
+
+    g = Graph()
+    env: dict[str, tuple[Node, list]] = {}   # name -> (local node, placements per output)
+
+    def placed(node: Node):
+        return env[node.name]
+
+    def move(local: Node, meta_src, dst, gp, from_param: str | None) -> Node:
+        try:
+            steps = plan_steps(meta_src, dst, gp)
+        except Unsupported as e:
+            raise PlanError(f"the plan asks for an unsupported conversion {e}") from e
+        for st in steps:
+            if st.kind == "grad_all_reduce" and from_param and st.axis in deferred.get(from_param, ()):
+                continue
+            local = g.call_function(_STEP_FN[st.kind], (local,), _step_kwargs(st))
+        return local
+
+    for node in src.nodes:
+        if node.op == "placeholder":
+            outs = [plan.nodes[node.name].output(0)] if node.name in plan.nodes else None
+            if outs is None:
+                raise PlanError(f"the plan has no placement for input {node.name!r}")
+            if node.name in attr_of:
+                local = g.get_attr(attr_of[node.name])
+            else:
+                local = g.placeholder(node.name)
+                local = move(local, (R,) * n_axes, outs[0], (False,) * n_axes, None)
+            local.meta["placements"] = outs[0]
+            env[node.name] = (local, outs)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            base, k = node.args
+            local, outs = placed(base)
+            env[node.name] = (g.call_function(operator.getitem, (local, k)), [outs[k]])
+        elif node.op == "call_function":
+            call = calls[node.name]
+            combo = _combo(plan, node.name, len(call.inputs), len(call.outputs))
+            tensor_args = [a for a in pytree.tree_leaves((node.args, dict(node.kwargs)),
+                                                         is_leaf=lambda x: isinstance(x, Node))
+                           if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            local_of = {}
+            for k, a in enumerate(tensor_args):
+                local, outs = placed(a)
+                dst = tuple(s.inputs[k] for s in combo)
+                param = a.name if a.name in cap.params else None
+                local_of[id(call.inputs[k])] = move(local, outs[0], dst, _grad_partial(combo, k), param)
+            target, args, kwargs = localize(call, combo, mesh)
+            sub = lambda v: local_of[id(v)] if isinstance(v, TensorMeta) else v  # noqa: E731
+            new = g.call_function(target, pytree.tree_map(sub, args), pytree.tree_map(sub, kwargs))
+            new.meta["source"] = node.name
+            outs = [tuple(s.outputs[k] for s in combo) for k in range(len(call.outputs))]
+            env[node.name] = (new, outs)
+        elif node.op == "output":
+            names = [cap.loss] if returns == "loss" else list(cap.output)
+            results = []
+            for name in names:
+                local, outs = env[name]
+                results.append(move(local, outs[0], (R,) * n_axes, (False,) * n_axes, None))
+            g.output(results[0] if returns == "loss" else tuple(results))
+    g.eliminate_dead_code()
+    gm = GraphModule(root, g)
+    gm.meta["grad_sync"] = {attr_of[p]: tuple(axes) for p, axes in deferred.items() if axes}
+    return gm
+
+
+def _deferred_grad_sync(cap: Captured, plan: Plan, calls) -> dict[str, list[int]]:
+    """Parameter placeholder -> mesh axes on which every use reads it replicated into an op
+    whose output is not replicated (its gradient is partial there, to be summed per step)."""
+    n_axes = len(plan.mesh_shape)
+    out: dict[str, list[int]] = {}
+    for ph in cap.params:
+        node = cap.node(ph)
+        pplace = plan.nodes[ph].output(0)
+        axes = []
+        for a in range(n_axes):
+            if not isinstance(pplace[a], Replicate):
+                continue
+            ok = bool(node.users)
+            for user in node.users:
+                call = calls.get(user.name)
+                if call is None:
+                    ok = False
+                    break
+                combo = _combo(plan, user.name, len(call.inputs), len(call.outputs))
+                ks = [k for k, t in enumerate(_tensor_arg_names(user)) if t == ph]
+                for k in ks:
+                    if not (isinstance(combo[a].inputs[k], Replicate) and _grad_partial(combo, k)[a]):
+                        ok = False
+            if ok:
+                axes.append(a)
+        out[ph] = axes
+    return out
+
+
+def _tensor_arg_names(node: Node) -> list[str]:
+    return [a.name for a in pytree.tree_leaves((node.args, dict(node.kwargs)),
+                                              is_leaf=lambda x: isinstance(x, Node))
+            if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)]

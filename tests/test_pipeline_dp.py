@@ -1,0 +1,283 @@
+"""Stage-cut DP against brute force, its step-time model against the simulator, its errors.
+
+The brute force enumerates every cut of the chain and takes each stage's in-flight
+micro-batches from the simulator's timeline, so it shares no formula with the DP."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.pipeline import LayerCosts, plan_stages, schedule_actions, simulate, simulate_plan, stage_dp
+
+GiB = 2**30
+
+
+def costs_of(time, state=None, act=None, boundary=None, fixed=None, sync=None, **kw) -> LayerCosts:
+    n = len(time)
+    return LayerCosts(time=time, state_bytes=state if state is not None else [0.0] * n,
+                      activation_bytes=act if act is not None else [0.0] * n,
+                      boundary_bytes=boundary if boundary is not None else [0.0] * (n - 1),
+                      fixed_time=fixed, sync_bytes=sync, **kw)
+
+
+def simulated_in_flight(schedule, p, m, v):
+    """Activations (in micro-batches) each stage holds at its peak, from the simulator;
+    a rank's peak is shared evenly by its v stages, as the planner's memory check does."""
+    sim = simulate(schedule_actions(schedule, p, m, v), forward=1.0, backward=2.0, weight=1.0)
+    if v == 1:
+        return np.array(sim.peak_in_flight, dtype=float)
+    return np.array([sim.rank_peak_in_flight[k % p] / v for k in range(p * v)])
+
+
+def brute_force(costs, p, v, m, schedule, n_devices, batch, limit):
+    """Least bottleneck over every feasible cut, or inf."""
+    t, s, a, fx = (np.asarray(x, float) for x in (costs.time, costs.state_bytes, costs.activation_bytes,
+                                                  costs.fixed_time))
+    L, S = len(t), p * v
+    d, b = n_devices // p, batch / m
+    held = simulated_in_flight(schedule, p, m, v)
+    best = math.inf
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        bounds = (0, *cuts, L)
+        times, ok = [], True
+        for k in range(S):
+            j, i = bounds[k], bounds[k + 1]
+            if s[j:i].sum() + held[k] * a[j:i].sum() * b / d > limit / v * (1 + 1e-12):
+                ok = False
+                break
+            times.append(t[j:i].sum() * b / d + fx[j:i].sum())
+        if ok:
+            best = min(best, max(times))
+    return best
+
+
+def check_against_brute_force(costs, p, v, m, schedule, n_devices, batch, limit):
+    expected = brute_force(costs, p, v, m, schedule, n_devices, batch, limit)
+    kwargs = dict(n_devices=n_devices, global_batch=batch, memory_limit=limit, bandwidth=1e9,
+                  n_stages=p, micro_batches=m, schedule=schedule, virtual_stages=v)
+    if math.isinf(expected):
+        with pytest.raises(ValueError, match="no pipeline plan fits"):
+            plan_stages(costs, **kwargs)
+        return None
+    plan = plan_stages(costs, **kwargs)
+    slowest = max(plan.stage_times)
+    assert slowest <= expected * 1.05 + 1e-12, (plan.cuts, slowest, expected)
+    assert slowest >= expected * (1 - 1e-9)          # brute force is optimal: sanity of both
+    # the cuts the plan reports really give those stage times
+    t, fx = np.asarray(costs.time), np.asarray(costs.fixed_time)
+    scale = batch / m / (n_devices // p)
+    for (j, i), got in zip(plan.stage_layers, plan.stage_times):
+        assert got == pytest.approx(t[j:i].sum() * scale + fx[j:i].sum())
+    return plan
+
+
+layer_values = st.integers(0, 20).map(float)
+
+
+@given(data=st.data(), L=st.integers(2, 10), schedule=st.sampled_from(["gpipe", "1f1b", "zero-bubble",
+                                                                        "interleaved-1f1b"]))
+@settings(max_examples=60, deadline=None)
+def test_dp_matches_brute_force(data, L, schedule):
+    v = data.draw(st.integers(2, 3)) if schedule == "interleaved-1f1b" else 1
+    p = data.draw(st.integers(1, max(1, L // v)))
+    if p * v > L:
+        return
+    m = data.draw(st.sampled_from([p, 2 * p, 3 * p] if schedule != "gpipe" else [1, 2, p, 2 * p]))
+    d = data.draw(st.sampled_from([1, 2]))
+    costs = costs_of(
+        time=data.draw(st.lists(layer_values.map(lambda x: x + 1), min_size=L, max_size=L)),
+        state=data.draw(st.lists(layer_values, min_size=L, max_size=L)),
+        act=data.draw(st.lists(st.integers(0, 5).map(float), min_size=L, max_size=L)),
+        fixed=data.draw(st.lists(st.integers(0, 3).map(float), min_size=L, max_size=L)))
+    limit = float(data.draw(st.integers(10, 150)))
+    check_against_brute_force(costs, p, v, m, schedule, n_devices=p * d, batch=m * d * 2, limit=limit)
+
+
+@pytest.mark.parametrize("wide", [0, 3, 7])
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_unbalanced_model_one_layer_four_times_wider(wide, p, schedule):
+    time = [1.0] * 8
+    time[wide] = 4.0
+    state = [1.0] * 8
+    state[wide] = 4.0                                  # 4x wider: 4x the parameters too
+    costs = costs_of(time, state=state, act=[0.5] * 8)
+    plan = check_against_brute_force(costs, p, 1, 2 * p, schedule, n_devices=p, batch=2 * p, limit=8.0)
+    if plan is not None:
+        # the wide layer sits alone (or nearly) and sets the bottleneck when p >= 3
+        assert max(plan.stage_times) >= 4.0
+
+
+def test_stage_dp_on_raw_arrays_against_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        L, S = int(rng.integers(2, 8)), 0
+        S = int(rng.integers(1, L + 1))
+        cost = rng.uniform(0, 10, (S, L + 1, L + 1))
+        j, i = np.indices((L + 1, L + 1))
+        cost[:, j >= i] = np.inf
+        cost[rng.uniform(size=cost.shape) < 0.2] = np.inf   # some stages over memory
+        best = min((max(cost[k, a, b] for k, (a, b) in enumerate(zip((0, *c), (*c, L))))
+                    for c in itertools.combinations(range(1, L), S - 1)), default=np.inf)
+        got, cuts = stage_dp(cost)
+        assert got == best
+        if np.isfinite(best):
+            bounds = (0, *cuts, L)
+            assert max(cost[k, bounds[k], bounds[k + 1]] for k in range(S)) == best
+
+
+# ---- the step-time model against the simulator ----------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 2, 1, 6),
+                                            ("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 4, 3, 8),
+                                            ("zero-bubble", 4, 1, 8), ("zero-bubble", 3, 1, 3)])
+def test_predicted_step_equals_simulation_for_uniform_layers(schedule, p, v, m):
+    L = p * v * 2
+    costs = costs_of([3.0] * L)
+    plan = plan_stages(costs, n_devices=p, global_batch=m, memory_limit=1e9, bandwidth=1e9,
+                       n_stages=p, micro_batches=m, schedule=schedule, virtual_stages=v)
+    sim = simulate_plan(plan)
+    assert plan.predicted_step_time == pytest.approx(sim.makespan)
+    assert plan.bubble_fraction == pytest.approx(sim.bubble_fraction)
+    if schedule in ("gpipe", "1f1b"):
+        assert plan.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_gpipe_prediction_is_exact_for_unbalanced_stages_and_transfers():
+    costs = costs_of([1.0, 5.0, 2.0, 1.0, 3.0], boundary=[1e9, 2e9, 5e8, 1e9])
+    plan = plan_stages(costs, n_devices=3, global_batch=6, memory_limit=1e9, bandwidth=1e9,
+                       n_stages=3, micro_batches=6, schedule="gpipe")
+    assert plan.boundary_times and all(b > 0 for b in plan.boundary_times)
+    assert plan.predicted_step_time == pytest.approx(simulate_plan(plan).makespan)
+
+
+def test_cuts_prefer_small_boundaries_when_the_bottleneck_ties():
+    # cutting before layer 1 or before layer 2 gives stages (1, 1) either way (layer 1 is
+    # free); 8 bytes cross the first point and 1 byte the second.
+    costs = costs_of([1.0, 0.0, 1.0], boundary=[8.0, 1.0])
+    plan = plan_stages(costs, n_devices=2, global_batch=2, memory_limit=1e9, bandwidth=1.0,
+                       n_stages=2, micro_batches=2, schedule="gpipe")
+    assert plan.cuts == (2,)
+    costs = costs_of([1.0, 0.0, 1.0], boundary=[1.0, 8.0])
+    assert plan_stages(costs, n_devices=2, global_batch=2, memory_limit=1e9, bandwidth=1.0,
+                       n_stages=2, micro_batches=2, schedule="gpipe").cuts == (1,)
+
+
+def test_memory_follows_the_schedule():
+    L, p, m = 8, 4, 8
+    costs = costs_of([1.0] * L, state=[10.0] * L, act=[1.0] * L)
+    common = dict(n_devices=p, global_batch=m, memory_limit=1e9, bandwidth=1e9, n_stages=p, micro_batches=m)
+    gpipe = plan_stages(costs, schedule="gpipe", **common)
+    one = plan_stages(costs, schedule="1f1b", **common)
+    # 2 layers per stage: state 20, activations 2 per micro-batch (micro-batch of 1 sample)
+    assert gpipe.memory_per_stage == pytest.approx([20 + m * 2] * p)
+    assert one.memory_per_stage == pytest.approx([20 + (p - s) * 2 for s in range(p)])
+
+
+def test_search_is_no_worse_than_any_pin():
+    rng = np.random.default_rng(1)
+    L = 12
+    costs = costs_of(list(rng.uniform(1, 3, L)), state=[1.0] * L, act=[0.1] * L,
+                     boundary=list(rng.uniform(0, 1, L - 1)), fixed=[0.05] * L)
+    common = dict(n_devices=4, global_batch=8, memory_limit=100.0, bandwidth=10.0)
+    best = plan_stages(costs, **common)
+    for p, m, kind in itertools.product([1, 2, 4], [1, 2, 4, 8], ["gpipe", "1f1b", "zero-bubble"]):
+        try:
+            pinned = plan_stages(costs, n_stages=p, micro_batches=m, schedule=kind, **common)
+        except ValueError:
+            continue
+        assert best.predicted_step_time <= pinned.predicted_step_time * (1 + 1e-12)
+    assert best.devices_per_stage * best.n_stages == 4
+
+
+def test_state_sharding_and_tight_memory_force_more_stages():
+    L = 8
+    costs = costs_of([1.0] * L, state=[4.0] * L, act=[0.0] * L, fixed=[0.01] * L)
+    plan = plan_stages(costs, n_devices=4, global_batch=4, memory_limit=9.0, bandwidth=1.0)
+    assert plan.n_stages * plan.virtual_stages >= 4       # 32 bytes of state, 9 per device
+    assert max(plan.memory_per_stage) <= 9.0
+    sharded = plan_stages(costs, n_devices=4, global_batch=4, memory_limit=9.0, bandwidth=1.0,
+                          shard_state=True, n_stages=1)
+    assert sharded.memory_per_stage == pytest.approx([8.0])
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+
+
+BASE = dict(n_devices=4, global_batch=8, memory_limit=1e9, bandwidth=1e9)
+
+
+def test_more_stages_than_cut_points():
+    with pytest.raises(ValueError, match=r"n_stages=4 is more stages than the chain can hold: 3 layers "
+                                         r"have 2 cut points, so at most 3 stages"):
+        plan_stages(costs_of([1.0] * 3), **BASE, n_stages=4)
+
+
+def test_micro_batches_must_divide_the_batch():
+    with pytest.raises(ValueError, match=r"micro_batches=3 does not divide the global batch 8; "
+                                         r"choose one of \[1, 2, 4, 8\]"):
+        plan_stages(costs_of([1.0] * 8), **BASE, micro_batches=3)
+
+
+def test_stages_must_divide_devices():
+    with pytest.raises(ValueError, match=r"n_stages=3 must divide n_devices=4"):
+        plan_stages(costs_of([1.0] * 8), **BASE, n_stages=3)
+
+
+def test_interleaved_needs_p_times_v_layers():
+    with pytest.raises(ValueError, match=r"'interleaved-1f1b' with 2 stages x 3 virtual stages cuts the "
+                                         r"chain into 6 stages, more than its 5 layers \(4 cut points\)"):
+        plan_stages(costs_of([1.0] * 5), **BASE, n_stages=2, schedule="interleaved-1f1b", virtual_stages=3)
+
+
+def test_pinned_schedule_the_stage_count_cannot_run():
+    with pytest.raises(ValueError, match=r"'1f1b' needs at least as many micro-batches as pipeline "
+                                         r"stages: got 2 micro-batches for 4 stages"):
+        plan_stages(costs_of([1.0] * 8), **BASE, n_stages=4, micro_batches=2, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"'zero-bubble' needs at least as many micro-batches"):
+        plan_stages(costs_of([1.0] * 8), **BASE, n_stages=4, micro_batches=1, schedule="zero-bubble")
+    with pytest.raises(ValueError, match=r"virtual_stages=2 needs schedule 'interleaved-1f1b'; the "
+                                         r"planner runs 'zero-bubble' with one stage per rank"):
+        plan_stages(costs_of([1.0] * 8), **BASE, schedule="zero-bubble", virtual_stages=2)
+
+
+def test_nothing_fits_memory_names_the_stage_and_the_excess():
+    costs = costs_of([1.0, 1.0], state=[10 * GiB, 10 * GiB])
+    with pytest.raises(ValueError, match=r"no pipeline plan fits 15 GiB per device: the closest, n_stages=1, "
+                                         r"virtual_stages=1, .* needs 20 GiB on stage 0 \(layers 0\.\.1\), over "
+                                         r"its 15 GiB by 5 GiB"):
+        plan_stages(costs, n_devices=1, global_batch=2, memory_limit=15 * GiB, bandwidth=1e9)
+    # with two devices the two layers split and fit; with one activation too many they do not
+    costs = costs_of([1.0, 1.0], state=[10 * GiB, 10 * GiB], act=[3 * GiB, 3 * GiB])
+    with pytest.raises(ValueError, match=r"needs 16 GiB on stage 0 \(layers 0\.\.0\), over its 15 GiB by 1 GiB"):
+        plan_stages(costs, n_devices=2, global_batch=2, memory_limit=15 * GiB, bandwidth=1e9,
+                    n_stages=2, schedule="1f1b")
+
+
+def test_bad_layer_arrays():
+    with pytest.raises(ValueError, match=r"boundary_bytes needs one entry per cut point \(2 for 3 layers\), got 3"):
+        LayerCosts(time=[1, 1, 1], state_bytes=[0, 0, 0], activation_bytes=[0, 0, 0], boundary_bytes=[0, 0, 0])
+    with pytest.raises(ValueError, match=r"LayerCosts.time must be finite and >= 0"):
+        costs_of([1.0, -1.0])
+
+
+def test_gradient_sync_prices_the_sub_mesh():
+    # 4 layers of 1 s per sample, 1 byte of gradient each, 4 devices, batch 4.
+    costs = costs_of([1.0] * 4, sync=[1.0] * 4)
+    common = dict(n_devices=4, global_batch=4, memory_limit=1e9, bandwidth=1e9, sync_bandwidth=1.0,
+                  micro_batches=4, schedule="gpipe")
+    flat = plan_stages(costs, n_stages=1, **common)
+    # one stage on 4 devices: compute 4 micro-batches x 4 layers x 1/4 sample; ring
+    # all-reduce of 4 bytes over 4 devices moves 2 * 3/4 * 4 = 6 bytes at 1 B/s.
+    assert flat.sync_time == pytest.approx(6.0)
+    assert flat.predicted_step_time == pytest.approx(4.0 + 6.0)
+    deep = plan_stages(costs, n_stages=4, **common)
+    assert deep.sync_time == 0.0                       # one device per stage: nothing to reduce
+    assert deep.predicted_step_time == pytest.approx((4 + 4 - 1) * 1.0)
+    assert plan_stages(costs, **{k: v for k, v in common.items() if k != "schedule"}).n_stages > 1
