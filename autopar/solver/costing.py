@@ -81,6 +81,8 @@ class CostModel:
         for step in steps:
             before = _local(meta, cur, self.mesh_shape).nbytes
             cur[step.axis] = _after(step, cur[step.axis])
+            if local_shape(meta.shape, cur, self.mesh_shape) is None:
+                return INF, {}     # an intermediate placement would not divide evenly
             after = _local(meta, cur, self.mesh_shape).nbytes
             n = self.mesh_shape[step.axis]
             link = self.links[step.axis]

@@ -1,8 +1,8 @@
-r"""Intra-operator sharding as one integer linear program (OR-Tools CP-SAT).
+r"""Intra-operator sharding as one mixed-integer linear program (OR-Tools).
 
 Variables
     x[v,i] ∈ {0,1}      node v runs option i (an N-D strategy; placeholders: a placement)
-    e[u,p,v,q] ∈ {0,1}  edge u->v carries producer placement p into consumer placement q
+    e[u,p,v,q] ∈ [0,1]  edge u->v carries producer placement p into consumer placement q
 
 Objective (seconds of one training step, forward + backward)
     min  Σ_v Σ_i n_v · t_compute[v,i] · x[v,i]          compute
@@ -11,10 +11,9 @@ Objective (seconds of one training step, forward + backward)
 
 Constraints
     one_option[v]:   Σ_i x[v,i] = 1
-    edge[u->v,p,q]:  e ≥ y[u,p] + z[v,q] − 1,  y[u,p] = Σ_{i: out(i)=p} x[u,i],
-                                               z[v,q] = Σ_{j: in(j)=q} x[v,j]
-                     (t_comm ≥ 0 and we minimize, so e = y·z at the optimum)
-    forbid[u->v,p,q]: y[u,p] + z[v,q] ≤ 1  where no conversion p -> q is offered
+    edge_out[u->v,p]: Σ_q e[u,p,v,q] = y[u,p],   y[u,p] = Σ_{i: out(i)=p} x[u,i]
+    edge_in[u->v,q]:  Σ_p e[u,p,v,q] = z[v,q],   z[v,q] = Σ_{j: in(j)=q} x[v,j]
+                     (so e = y·z; no e exists for a pair p -> q with no conversion)
     memory:          Σ_v Σ_i n_v · bytes[v,i] · x[v,i] ≤ budget  (bytes per device)
 
 n_v is the number of graph nodes that share v's choice (repeated layers), n_uv the number
@@ -27,12 +26,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ortools.sat.python import cp_model
+from ortools.linear_solver import pywraplp
 
 from autopar.placement import Replicate
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import INF, CostModel, grad_partial_flags
-from autopar.solver.problem import Problem
+from autopar.solver.problem import VIEW_OPS, Problem, is_unary_elementwise
 
 R = Replicate()
 
@@ -61,11 +60,30 @@ class Solution:
 
 @dataclass
 class _Tables:
-    node_cost: dict          # v -> [seconds per option]
-    node_mem: dict           # v -> [bytes per option]
-    node_mem_terms: dict     # v -> [dict term -> bytes]
+    node_cost: dict          # root -> [seconds per option]
+    node_mem: dict           # root -> [bytes per option]
+    node_mem_terms: dict     # root -> [dict term -> bytes]
     edges: list              # (u, v, [class of u's options], [class of v's options], {(p,q): (t, by)})
-    sink: tuple | None       # (v, [seconds per option], [by per option])
+    sink: tuple | None       # (root, [seconds per option], [by per option])
+    follow: dict             # follower -> (root, [its option for each of root's options])
+    self_comm: dict          # root -> [{(collective, axis): seconds} per option] (absorbed edges)
+
+
+def _followers(problem: Problem) -> dict[str, str]:
+    """Follower -> producer: a view or an elementwise op with one tensor input takes the
+    placement its producer gives it (Alpa's "follow" merging), so it needs no variable."""
+    incoming: dict[str, list] = defaultdict(list)
+    for e in problem.edges:
+        incoming[e.dst].append(e)
+    out = {}
+    for name, v in problem.vars.items():
+        if v.kind != "op" or len(v.call.inputs) != 1 or len(incoming[name]) != 1:
+            continue
+        e = incoming[name][0]
+        if e.src == name or not (v.call.op in VIEW_OPS or is_unary_elementwise(v.call.op)):
+            continue
+        out[name] = e.src
+    return out
 
 
 def tabulate(problem: Problem, cost: CostModel) -> _Tables:
@@ -80,114 +98,178 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
             terms.append({k: n * b for k, b in t.items()})
             mems.append(sum(terms[-1].values()))
         node_cost[name], node_mem[name], node_terms[name] = times, mems, terms
+
+    # Merge followers into their producers: follow[v] = (root, option of v per root option).
+    producer = _followers(problem)
+    follow: dict[str, tuple[str, list[int]]] = {}
+    self_comm: dict[str, list[dict]] = {}
+    edge_of = {e.dst: e for e in problem.edges if e.dst in producer}
+
+    def root_of(name):
+        return follow[name][0] if name in follow else name
+
+    def option_of(name, i):        # option of node ``name`` when its root runs option i
+        return follow[name][1][i] if name in follow else i
+
+    for name in problem.vars:      # graph order: a producer is settled before its followers
+        if name not in producer:
+            continue
+        e, v = edge_of[name], problem.vars[name]
+        u, root = problem.vars[e.src], root_of(e.src)
+        pick = []
+        for i in range(len(problem.vars[root].options)):
+            p = output_placements(u.options[option_of(e.src, i)], e.src_out)
+            best, best_cost, best_by = None, INF, {}
+            for j, c in enumerate(v.options):
+                t, by = cost.edge_time(e.meta, p, input_placements(c, 0), grad_partial_flags(c, 0))
+                total = t * e.count + node_cost[name][j]
+                if total < best_cost:
+                    best, best_cost, best_by = j, total, {k: s * e.count for k, s in by.items()}
+            if best is None:
+                break
+            pick.append((best, best_cost, best_by))
+        else:
+            follow[name] = (root, [j for j, _, _ in pick])
+            comm = self_comm.setdefault(root, [{} for _ in pick])
+            for i, (j, c, by) in enumerate(pick):
+                node_cost[root][i] += c
+                node_mem[root][i] += node_mem[name][j]
+                for k, b in node_terms[name][j].items():
+                    node_terms[root][i][k] = node_terms[root][i].get(k, 0.0) + b
+                for k, sec in by.items():
+                    comm[i][k] = comm[i].get(k, 0.0) + sec
+
     edges = []
     for e in problem.edges:
+        if e.dst in follow:
+            continue
+        src, dst = root_of(e.src), root_of(e.dst)
         u, v = problem.vars[e.src], problem.vars[e.dst]
-        pu = [output_placements(c, e.src_out) for c in u.options]
-        qv = [(input_placements(c, e.dst_in), grad_partial_flags(c, e.dst_in)) for c in v.options]
+        pu = [output_placements(u.options[option_of(e.src, i)], e.src_out)
+              for i in range(len(problem.vars[src].options))]
+        qv = [(input_placements(v.options[option_of(e.dst, j)], e.dst_in),
+               grad_partial_flags(v.options[option_of(e.dst, j)], e.dst_in))
+              for j in range(len(problem.vars[dst].options))]
         table = {}
         for p in set(pu):
             for q in set(qv):
                 t, by = cost.edge_time(e.meta, p, q[0], q[1])
                 table[(p, q)] = (t * e.count if t != INF else INF,
                                  {k: s * e.count for k, s in by.items()})
-        if e.src == e.dst:   # a repeated layer feeding itself: the same option decides both ends
-            for i in range(len(u.options)):
-                t, _ = table[(pu[i], qv[i])]
-                node_cost[e.src][i] = INF if t == INF else node_cost[e.src][i] + t
+        if src == dst:   # both ends decided by one variable (repeated layer, or a follower)
+            comm = self_comm.setdefault(src, [{} for _ in pu])
+            for i in range(len(pu)):
+                t, by = table[(pu[i], qv[i])]
+                node_cost[src][i] = INF if t == INF else node_cost[src][i] + t
+                for k, sec in by.items():
+                    comm[i][k] = comm[i].get(k, 0.0) + sec
             continue
-        edges.append((e.src, e.dst, pu, qv, table))
+        edges.append((src, dst, pu, qv, table))
     sink = None
     if problem.sink:
         name, k = problem.sink
-        v = problem.vars[name]
+        v, root = problem.vars[name], root_of(name)
         n = len(problem.mesh_shape)
         ts, bys = [], []
-        for c in v.options:
+        for i in range(len(problem.vars[root].options)):
+            c = v.options[option_of(name, i)]
             t, by = cost.edge_time(v.outputs[k], output_placements(c, k), (R,) * n, (False,) * n)
             ts.append(t)
             bys.append(by)
-        sink = (name, ts, bys)
-    return _Tables(node_cost, node_mem, node_terms, edges, sink)
+        sink = (root, ts, bys)
+    for name in follow:
+        del node_cost[name], node_mem[name], node_terms[name]
+    return _Tables(node_cost, node_mem, node_terms, edges, sink, follow, self_comm)
 
 
 def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
           time_limit_s: float = 60.0, minimize_memory: bool = False) -> Solution:
-    """Choose one option per node; see the module docstring for the program."""
+    """Choose one option per node; see the module docstring for the program.
+
+    x is binary; e may be continuous in [0, 1]: with x integral the transport constraints
+    leave e a feasible transport plan between two one-hot vectors, which is their product.
+    Solved as a MIP (OR-Tools' CBC, SCIP where CBC is missing): the transport form's LP
+    relaxation is tight enough that branch-and-bound finishes in well under a second on one
+    transformer layer.
+    """
     t0 = time.perf_counter()
     tab = tabulate(problem, cost)
-    finite = [c for cs in tab.node_cost.values() for c in cs if c != INF]
-    finite += [t for *_, table in tab.edges for t, _ in table.values() if t != INF]
-    scale = 1e9 / max(max(finite, default=1.0), 1e-12)
-
-    m = cp_model.CpModel()
-    x = {name: [m.NewBoolVar(f"x[{name},{i}]") for i in range(len(v.options))]
-         for name, v in problem.vars.items()}
+    m = pywraplp.Solver.CreateSolver("CBC") or pywraplp.Solver.CreateSolver("SCIP")
+    if m is None:
+        raise RuntimeError("OR-Tools has neither CBC nor SCIP: reinstall ortools")
+    m.SetTimeLimit(int(time_limit_s * 1000))
+    x = {name: [m.BoolVar("") for _ in range(len(problem.vars[name].options))]
+         for name in tab.node_cost}
     obj = []
     for name, xs in x.items():
-        m.AddExactlyOne(xs).WithName(f"one_option[{name}]")
-        m.AddHint(xs[0], 1)
+        m.Add(sum(xs) == 1)
         for i, c in enumerate(tab.node_cost[name]):
             if c == INF:
-                m.Add(xs[i] == 0)
-            elif not minimize_memory:
-                obj.append(int(round(c * scale)) * xs[i])
-    for u, v, pu, qv, table in tab.edges:
+                xs[i].SetUb(0)
+            elif c > 0 and not minimize_memory:
+                obj.append(c * xs[i])
+    for k, (u, v, pu, qv, table) in enumerate(tab.edges):
         ys = defaultdict(list)
         zs = defaultdict(list)
         for i, p in enumerate(pu):
             ys[p].append(x[u][i])
         for j, q in enumerate(qv):
             zs[q].append(x[v][j])
-        for (p, q), (t, _) in table.items():
-            if t == INF:
-                m.Add(sum(ys[p]) + sum(zs[q]) <= 1).WithName(f"forbid[{u}->{v}]")
-            elif t > 0 and not minimize_memory:
-                if len(ys) == 1:
-                    obj.append(int(round(t * scale)) * sum(zs[q]))
-                elif len(zs) == 1:
-                    obj.append(int(round(t * scale)) * sum(ys[p]))
-                else:
-                    ev = m.NewBoolVar(f"e[{u}->{v}]")
-                    m.Add(ev >= sum(ys[p]) + sum(zs[q]) - 1).WithName(f"edge[{u}->{v}]")
-                    obj.append(int(round(t * scale)) * ev)
+        if len(ys) == 1 or len(zs) == 1:
+            # one side has a single class: the cost is linear in the other side's choice
+            for (p, q), (t, _) in table.items():
+                lin = sum(zs[q]) if len(ys) == 1 else sum(ys[p])
+                if t == INF:
+                    m.Add(lin == 0)
+                elif t > 0 and not minimize_memory:
+                    obj.append(t * lin)
+            continue
+        e = {pq: m.NumVar(0.0, 1.0, "") for pq, (t, _) in table.items() if t != INF}
+        for p in ys:
+            m.Add(sum(ev for (pp, _), ev in e.items() if pp == p) == sum(ys[p]))
+        for q in zs:
+            m.Add(sum(ev for (_, qq), ev in e.items() if qq == q) == sum(zs[q]))
+        if not minimize_memory:
+            obj += [table[pq][0] * ev for pq, ev in e.items() if table[pq][0] > 0]
     if tab.sink:
         name, ts, _ = tab.sink
         for i, t in enumerate(ts):
             if t == INF:
-                m.Add(x[name][i] == 0)
+                x[name][i].SetUb(0)
             elif t > 0 and not minimize_memory:
-                obj.append(int(round(t * scale)) * x[name][i])
-    mem_terms = [int(b) * x[name][i] for name, bs in tab.node_mem.items() for i, b in enumerate(bs) if b]
+                obj.append(t * x[name][i])
+    mem = sum(b * x[name][i] for name, bs in tab.node_mem.items() for i, b in enumerate(bs) if b)
     if memory_budget is not None and not minimize_memory:
-        m.Add(sum(mem_terms) <= int(memory_budget)).WithName("memory")
-    m.Minimize(sum(mem_terms) if minimize_memory else sum(obj))
-
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 2
-    solver.parameters.max_time_in_seconds = time_limit_s
-    status = solver.Solve(m)
-    name = solver.StatusName(status)
-    proto = m.Proto()
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if status == cp_model.INFEASIBLE and memory_budget is not None:
+        m.Add(mem <= float(memory_budget))
+    m.Minimize(mem if minimize_memory else sum(obj))
+    status = m.Solve()
+    names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+             pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED"}
+    name = names.get(status, f"STATUS_{status}")
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
             raise _explain_infeasible(problem, cost, memory_budget, time_limit_s)
         raise RuntimeError(f"the sharding ILP ended with status {name} after "
-                           f"{solver.WallTime():.1f}s; raise time_limit_s or pin more choices")
-    choice = {n: next(i for i, xv in enumerate(xs) if solver.Value(xv)) for n, xs in x.items()}
+                           f"{time.perf_counter() - t0:.1f}s; raise time_limit_s or pin more choices")
+    choice = {n: max(range(len(xs)), key=lambda i: xs[i].solution_value()) for n, xs in x.items()}
+    for n, (root, pick) in tab.follow.items():
+        choice[n] = pick[choice[root]]
     sol = Solution(choice, 0.0, 0.0, name, time.perf_counter() - t0,
-                   len(proto.variables), len(proto.constraints))
+                   m.NumVariables(), m.NumConstraints())
     _fill_breakdown(sol, tab, choice)
     total = sol.compute_s + sum(sol.comm_s.values())
     sol.objective_s = total
-    sol.bound_s = total if status == cp_model.OPTIMAL or minimize_memory else \
-        min(total, solver.BestObjectiveBound() / scale)
+    bound = m.Objective().BestBound() if not minimize_memory else total
+    sol.bound_s = min(total, bound) if status != pywraplp.Solver.OPTIMAL else total
     return sol
 
 
 def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None:
-    sol.compute_s = sum(tab.node_cost[n][i] for n, i in choice.items())
     comm: dict = defaultdict(float)
+    for n, per_option in tab.self_comm.items():
+        for k, sec in per_option[choice[n]].items():
+            comm[k] += sec
+    sol.compute_s = sum(tab.node_cost[n][choice[n]] for n in tab.node_cost) - sum(comm.values())
     for u, v, pu, qv, table in tab.edges:
         _, by = table[(pu[choice[u]], qv[choice[v]])]
         for k, s in by.items():
@@ -197,8 +279,8 @@ def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None
         for k, s in bys[choice[name]].items():
             comm[k] += s
     mem: dict = defaultdict(float)
-    for n, i in choice.items():
-        for k, b in tab.node_mem_terms[n][i].items():
+    for n in tab.node_mem_terms:
+        for k, b in tab.node_mem_terms[n][choice[n]].items():
             mem[k] += b
     sol.comm_s, sol.memory = dict(comm), dict(mem)
 

@@ -37,6 +37,17 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
             aten.contiguous.default, aten.chunk.default, aten.unflatten.int}
 
 
+_UNARY = {"relu", "gelu", "silu", "sigmoid", "tanh", "neg", "exp", "log", "sqrt", "rsqrt",
+          "dropout", "clone", "to", "_to_copy", "type_as", "pow", "mul", "div", "add", "sub",
+          "cos", "sin", "reciprocal", "abs", "erf", "contiguous", "alias", "detach"}
+
+
+def is_unary_elementwise(op) -> bool:
+    """An elementwise op (it has one tensor input when it is a follower candidate)."""
+    name = getattr(op, "_opname", None) or str(op).split(".")[-2]
+    return name in _UNARY
+
+
 @dataclass
 class NodeVar:
     """One decision of the solver: a node (and the repeated-layer members that copy it)."""
@@ -122,6 +133,8 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
                 base = alias.get(src.name, (src.name, 0))
                 alias[node.name] = (base[0], k)
                 continue
+            if not _has_tensor_output(node) and not node.users:
+                continue   # a check such as aten._assert_tensor_metadata: nothing to place
             if not _has_tensor_output(node):
                 raise NotImplementedError(
                     f"node {node.name} ({node.target}) returns no tensor: symbolic shapes "
@@ -133,10 +146,13 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
             if r == node.name:
                 opts = mesh_strategies(call, mesh_shape)
                 opts = _restrict_mutations(node, call, opts)
+                param_inputs = [k for k, a in enumerate(_tensor_args(node)) if a.name in cap.params]
                 if data_axis is not None:
-                    opts = _data_parallel(opts, data_axis, node.name in batch_nodes,
-                                          [k for k, a in enumerate(_tensor_args(node))
-                                           if a.name in cap.params])
+                    opts = _data_parallel(opts, data_axis, node.name in batch_nodes, param_inputs)
+                if tensor_axis is not None:
+                    weights = [k for k in param_inputs if call.inputs[k].ndim >= 2]
+                    opts = [o for o in opts if all(not isinstance(o[tensor_axis].inputs[k], Replicate)
+                                                   for k in weights)] or opts
                 vars[r] = NodeVar(node.name, "op", None, call, opts, [node.name])
             else:
                 vars[r].members.append(node.name)
@@ -226,7 +242,8 @@ def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape
     if tensor_axis is not None and kind == "input":
         opts = [o for o in opts if isinstance(on(tensor_axis, o), Replicate)]
     if tensor_axis is not None and kind == "param" and meta.ndim >= 2:
-        # tensor parallelism pinned: every weight matrix is split over the tensor axis
+        # tensor parallelism pinned: every weight matrix is split over the tensor axis, and
+        # the ops that use it read it split (activations move, weights stay)
         opts = [o for o in opts if isinstance(on(tensor_axis, o), Shard)] or opts
     return opts
 
