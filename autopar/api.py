@@ -156,7 +156,8 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
                 memory_budget=memory_budget,
                 param_shapes={n: list(cap.node(ph).meta["val"].shape) for n, ph in params.items()},
                 node_ops={n.name: str(n.target) for n in cap.gm.graph.nodes
-                          if n.op == "call_function" and n.name in nodes})
+                          if n.op == "call_function" and n.name in nodes},
+                inputs=tuple(cap.inputs))
 
 
 def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,

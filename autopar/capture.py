@@ -120,8 +120,17 @@ def _from_program(ep, wrapper: nn.Module, n_inputs: int, has_loss: bool, method:
         by_id.setdefault(id(p), []).append(_strip(name))
     state = dict(wrapper.named_parameters(remove_duplicate=False))
     params = {}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    used: dict[int, str] = {}
     for ph, target in sig.inputs_to_parameters.items():
-        params[ph] = by_id.get(id(state.get(target)), [_strip(target)])
+        if nodes[ph].users:
+            used.setdefault(id(state.get(target)), ph)
+    for ph, target in sig.inputs_to_parameters.items():
+        key = id(state.get(target))
+        if not nodes[ph].users and key in used:
+            gm.graph.erase_node(nodes[ph])   # a tied weight exported twice: keep the used one
+            continue
+        params[ph] = by_id.get(key, [_strip(target)])
     buffers = {ph: _strip(t) for ph, t in sig.inputs_to_buffers.items()}
     user_inputs = list(sig.user_inputs)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")

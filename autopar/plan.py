@@ -82,6 +82,7 @@ class Plan:
     memory_budget: float | None = None
     param_shapes: dict[str, list[int]] = field(default_factory=dict)
     node_ops: dict[str, str] = field(default_factory=dict)      # node -> ATen op
+    inputs: tuple[str, ...] = ()                                 # user inputs, then the target
     version: int = PLAN_VERSION
 
     # ---- JSON ---------------------------------------------------------------------------
@@ -117,7 +118,8 @@ class Plan:
                 estimate=Estimate(**d["estimate"]), solver=SolverReport(**d["solver"]),
                 memory_budget=d.get("memory_budget"),
                 param_shapes={k: list(v) for k, v in d.get("param_shapes", {}).items()},
-                node_ops=dict(d.get("node_ops", {})), version=version)
+                node_ops=dict(d.get("node_ops", {})), inputs=tuple(d.get("inputs", ())),
+                version=version)
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as e:

@@ -34,6 +34,7 @@ from autopar.sharding.registry import (
 )
 
 R = Replicate()
+aten = torch.ops.aten
 
 _STEP_FN: dict[str, Callable] = {
     "all_gather": collectives.all_gather, "all_reduce": collectives.all_reduce,
@@ -136,6 +137,11 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
                 param = a.name if a.name in cap.params else None
                 local_of[id(call.inputs[k])] = move(local, outs[0], dst, _grad_partial(combo, k), param)
             target, args, kwargs = localize(call, combo, mesh)
+            if target is aten.view.default:
+                # local tensors may be laid out differently from the global ones (a shard
+                # is a fresh contiguous block), so a view the global graph could take may
+                # need a copy here: reshape is view where possible, copy otherwise
+                target = aten.reshape.default
             sub = lambda v: local_of[id(v)] if isinstance(v, TensorMeta) else v  # noqa: E731
             new = g.call_function(target, pytree.tree_map(sub, args), pytree.tree_map(sub, kwargs))
             new.meta["source"] = node.name
