@@ -14,11 +14,15 @@ model's output.
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+
+
+_EXPORT_LOCK = threading.Lock()   # torch.export keeps global tracing state: one at a time
 
 
 class CaptureError(RuntimeError):
@@ -92,7 +96,8 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
             if method != "torch.export":
                 traced = torch.fx.symbolic_trace(model)
                 root = _WithLoss(traced, loss_fn, len(example_inputs))
-            ep = torch.export.export(root, args, strict=False)
+            with _EXPORT_LOCK:
+                ep = torch.export.export(root, args, strict=False)
             return _from_program(ep, wrapper, len(example_inputs), loss_fn is not None, method)
         except Exception as e:  # noqa: BLE001 - both causes are reported below
             errors.append((method, e))

@@ -89,6 +89,8 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
              if n.op == "call_function" and n.target is not operator.getitem}
     deferred = _deferred_grad_sync(cap, plan, calls)
 
+    names = [cap.loss] if returns == "loss" else list(cap.output)
+    needed = _needed(cap, names)
     g = Graph()
     env: dict[str, tuple[Node, list]] = {}   # name -> (local node, placements per output)
 
@@ -107,6 +109,8 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
         return local
 
     for node in src.nodes:
+        if node.op != "output" and node.name not in needed:
+            continue       # e.g. the target and the loss in the forward-only program
         if node.op == "placeholder":
             outs = [plan.nodes[node.name].output(0)] if node.name in plan.nodes else None
             if outs is None:
@@ -148,7 +152,6 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
             outs = [tuple(s.outputs[k] for s in combo) for k in range(len(call.outputs))]
             env[node.name] = (new, outs)
         elif node.op == "output":
-            names = [cap.loss] if returns == "loss" else list(cap.output)
             results = []
             for name in names:
                 local, outs = env[name]
@@ -158,6 +161,25 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
     gm = GraphModule(root, g)
     gm.meta["grad_sync"] = {attr_of[p]: tuple(axes) for p, axes in deferred.items() if axes}
     return gm
+
+
+def _needed(cap: Captured, outputs: list[str]) -> set[str]:
+    """Nodes the outputs depend on, plus side effects (a buffer update such as BatchNorm's
+    ``num_batches_tracked.add_``) whose inputs those already need; parameters and buffers
+    always (the module holds them)."""
+    need: set[str] = set()
+    stack = list(outputs) + list(cap.params) + list(cap.buffers)
+    while stack:
+        n = stack.pop()
+        if n not in need:
+            need.add(n)
+            stack.extend(a.name for a in cap.node(n).all_input_nodes)
+    for node in cap.gm.graph.nodes:
+        if (node.op == "call_function" and not node.users and node.name not in need
+                and getattr(node.target, "_schema", None) is not None and node.target._schema.is_mutable
+                and all(a.name in need for a in node.all_input_nodes)):
+            need.add(node.name)
+    return need
 
 
 def _deferred_grad_sync(cap: Captured, plan: Plan, calls) -> dict[str, list[int]]:

@@ -13,6 +13,7 @@ model (the CLI's ``--factory``).
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,12 @@ def step_label(step, mesh_axes) -> str:
     return f"{step.kind}@{axis}{extra}\n{when}"
 
 
+def _layer_of_name(name: str) -> tuple[str, int] | None:
+    """("transformer.h", 1) for a parameter named ``transformer.h.1.ln_1.weight``."""
+    m = re.match(r"^(.*?)\.(\d+)\.", name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
 def build_graph(cap: Captured, plan: Plan) -> Graph:
     """Every placed node of ``cap``'s graph, with a node per collective on its edges."""
     g = Graph(mesh_axes=tuple(plan.mesh_axes))
@@ -99,8 +106,9 @@ def build_graph(cap: Captured, plan: Plan) -> Graph:
             op = str(node.target).replace("aten.", "").replace(".default", "")
             label = f"{node.name}\n{op}\n{pl}"
         sharded = any(c in "SP" for c in str(pl))
-        sig = f"{node.target}|{pl}"
-        g.nodes[node.name] = GNode(node.name, label, kind, layer_of(node), sharded, sig=sig)
+        sig = f"{node.target if node.op == 'call_function' else kind}|{pl}"
+        layer = layer_of(node) if node.op == "call_function" else _layer_of_name(title)
+        g.nodes[node.name] = GNode(node.name, label, kind, layer, sharded, sig=sig)
     if loss in g.nodes:
         g.nodes[loss].kind = "loss"
     n_coll = 0
@@ -147,7 +155,7 @@ def fold(g: Graph) -> Graph:
     counts: dict[str, list[int]] = {}
     sigs: dict[tuple[str, int], list[str]] = {}
     for n in g.nodes.values():
-        if n.layer is not None:
+        if n.layer is not None and n.kind != "collective":
             sigs.setdefault(n.layer, []).append(n.sig)
     for n in g.nodes.values():
         if n.layer is not None and n.layer[1] != firsts[n.layer[0]]:

@@ -3,6 +3,7 @@ Graphviz's ``dot`` where its binary is installed, else through a small layered l
 our own (SVG text, or matplotlib for PNG). ``renderer()`` says which one is in use."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from html import escape
@@ -50,7 +51,7 @@ def to_dot(g: Graph, title: str = "autopar plan") -> str:
             key = f"{n.layer[0]}.{n.layer[1]}"
             if key not in clusters:
                 tint = LAYER_TINTS[len(clusters) % len(LAYER_TINTS)]
-                clusters[key] = pydot.Cluster(_q("layer_" + key.replace(".", "_")), label=_q(key),
+                clusters[key] = pydot.Cluster(re.sub(r"\W", "_", "layer_" + key), label=_q(key),
                                               style="filled", fillcolor=tint, color="#aaaaaa")
                 d.add_subgraph(clusters[key])
             clusters[key].add_node(node)

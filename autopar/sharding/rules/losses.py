@@ -54,8 +54,9 @@ def cross_entropy(call: OpCall) -> list[Strategy]:
     for d in range(x.ndim):
         if d == cdim:
             continue
-        td = d if soft else (d if d < cdim else d - 1)
-        out = Shard(td) if reduction == 0 else P
+        od = d if d < cdim else d - 1          # the dim in the per-element loss
+        td = d if soft else od                 # probability targets have the class dim
+        out = Shard(od) if reduction == 0 else P
         res.append(Strategy((Shard(d), Shard(td)) + w, (out,)))
     if not soft and weight is None and smoothing == 0:
         res.append(Strategy((Shard(cdim), R), (R,)))

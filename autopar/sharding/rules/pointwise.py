@@ -13,7 +13,7 @@ Tests compare with ``p = 0`` or in eval mode.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 

@@ -1,0 +1,49 @@
+"""One rank of ``autopar verify`` (run by torchrun; see ``autopar.verify.launch``).
+
+Builds the model from the factory, trains it on one device and under the plan (the given
+plan file, or one solved for this world with the pins), compares, and writes
+``rank<R>.json`` into the spec's output folder. Every rank checks its own copy of the
+parallel module's whole gradients and weights against its own single-device run.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+
+def main(spec_path: str) -> int:
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.cli import build_example
+    from autopar.verify import compare, parallel_run, reference_run
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out: dict = {"rank": rank}
+    try:
+        ex = build_example(spec["factory"], spec["factory_args"], meta=False)
+        ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+        pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                                 plan=spec["plan"], **({} if spec["plan"] else spec["pins"]))
+        got = parallel_run(pm, ex.inputs, ex.target)
+        out.update(check=asdict(compare(ref, got)), mesh_shape=list(pm.plan.mesh_shape),
+                   mesh_axes=list(pm.plan.mesh_axes), coord=list(pm.comm.coord), loss=got[0][0])
+        code = 0
+    except Exception as e:  # noqa: BLE001 - reported to the launcher, which prints it
+        out["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+        code = 1
+    Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(out))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a rank that failed may leave the group broken
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

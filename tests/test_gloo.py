@@ -1,0 +1,61 @@
+"""The public API on real gloo ranks launched by torchrun (2 and 4 processes, a 2x2 mesh).
+
+One launch per world size runs several cases, since each launch costs seconds."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, cases: list[dict], tmp_path) -> list[dict]:
+    out = tmp_path / f"results_{nproc}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(HERE, "gloo_worker.py"), json.dumps(cases), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def check(results):
+    for r in results:
+        assert r["ok"], f"{r['case']}: {r['error']}\n{r.get('trace', '')}"
+
+
+def test_two_ranks(tmp_path):
+    cases = [
+        {"model": "gpt", "pins": {"data": 2}},
+        {"model": "gpt", "pins": {"tensor": 2}},
+        {"model": "llama", "pins": {"data": 2, "zero": 3}},
+        {"model": "resnet", "pins": {}},
+        {"model": "mlp", "pins": {"tensor": 2}, "plan": "saved", "path": str(tmp_path / "plan2.json")},
+    ]
+    results = torchrun(2, cases, tmp_path)
+    check(results)
+    assert [r["mesh"] for r in results][:3] == [[2], [2], [2]]
+
+
+def test_four_ranks_2x2_mesh(tmp_path):
+    cases = [
+        {"model": "gpt", "pins": {"data": 2, "tensor": 2}},
+        {"model": "llama", "pins": {"data": 2, "tensor": 2}},
+        {"model": "resnet", "pins": {"data": 4, "zero": 3}},
+        {"model": "mlp", "pins": {}},
+    ]
+    results = torchrun(4, cases, tmp_path)
+    check(results)
+    assert results[0]["mesh"] == [2, 2] and results[1]["mesh"] == [2, 2]
