@@ -57,7 +57,7 @@ def mlp_plan(workdir):
 def background(workdir, mlp_plan):
     """torchrun jobs, started early: verify 2 ranks with a plan file; the demo (4 ranks)."""
     jobs = {"verify2": _spawn(["verify", MLP, "--plan", mlp_plan, "--nproc", 2], ROOT),
-            "demo": _spawn(["demo", "-o", workdir / "demo_plan.json"], ROOT)}
+            "demo": _spawn(["demo", "--config", "gpt2-124m", "-o", workdir / "demo_plan.json"], ROOT)}
     yield jobs
     for p in jobs.values():
         if p.poll() is None:
@@ -110,7 +110,7 @@ def assert_summary_matches(text: str, p: Plan) -> None:
 # ---- plan / show -----------------------------------------------------------------------------
 def test_plan_for_a_gpu_cluster_this_machine_does_not_have(workdir):
     path = workdir / "h100.json"
-    res = run("plan", GPT, "--meta", "--factory-args", "config=gpt2-124m,batch=8",
+    res = run("plan", GPT, "--meta", "--factory-args", "config=gpt2-124m,n_layer=2,batch=8",
               "--cluster", "4xdgx-h100", "--budget", "40GB", "--pin", "tensor=8", "-o", path)
     p = Plan.load(path)
     assert p.world_size == 32 and p.mesh_shape == (4, 8) and p.mesh_axes == ("data", "tensor")
@@ -264,11 +264,13 @@ def test_usage_errors_exit_2(tiny):
         assert res.exit_code == 2 and says in res.output, (args, res.output)
 
 
-def test_the_installed_command_exits_2_without_traceback(workdir, bad_files):
-    proc = subprocess.run([sys.executable, "-m", "autopar", "show", str(bad_files["version"])],
-                          capture_output=True, text=True, cwd=workdir)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("autopar: error:") and "Traceback" not in proc.stderr
+def test_the_entry_point_returns_the_exit_code(bad_files, capsys):
+    """``autopar`` / ``python -m autopar`` call ``main``, whose return is the process's code
+    (the torchrun tests below run ``python -m autopar`` as a process)."""
+    assert cli_mod.main(["show", str(bad_files["version"])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: error:") and "Traceback" not in err
+    assert cli_mod.main(["--help"]) == 0
 
 
 def test_a_failed_check_exits_1(monkeypatch):

@@ -54,10 +54,12 @@ def _grad_partial(combo, k) -> tuple[bool, ...]:
 def _zero_sum_noise(x: torch.Tensor, comm, axis: int, seed: int) -> torch.Tensor:
     """This rank's share of noise that sums to zero over ``axis``: added to a Partial input
     so that its terms are not "the value on rank 0, zeros elsewhere" (with those, an op
-    with f(0) = 0, such as relu or mul, would pass a wrong P -> P strategy)."""
+    with f(0) = 0, such as relu or mul, would pass a wrong P -> P strategy). ``x`` is the
+    (replicated) value before the split; the noise scales with it."""
     gen = torch.Generator().manual_seed(7919 * seed + axis)
     z = torch.randn((comm.size(axis), *x.shape), generator=gen, dtype=x.dtype)
-    return (z[comm.coord[axis]] - z.mean(0)).detach()
+    scale = x.detach().abs().amax() if x.numel() else 0.0
+    return ((z[comm.coord[axis]] - z.mean(0)) * scale).detach()
 
 
 def run_sharded(call: OpCall, tensors: Sequence[torch.Tensor], combo: tuple[Strategy, ...],
@@ -74,9 +76,9 @@ def run_sharded(call: OpCall, tensors: Sequence[torch.Tensor], combo: tuple[Stra
         for k, (meta, leaf) in enumerate(zip(call.inputs, leaves)):
             x = leaf
             for step in plan_steps((R,) * n, input_placements(combo, k), _grad_partial(combo, k)):
-                x = apply_step(x, step)
+                before, x = x, apply_step(x, step)
                 if step.kind == "to_partial" and x.is_floating_point():
-                    x = x + _zero_sum_noise(x, comm, step.axis, seed=k)
+                    x = x + _zero_sum_noise(before, comm, step.axis, seed=k)
             local[id(meta)] = x
         sub = lambda a: local[id(a)] if isinstance(a, TensorMeta) else a  # noqa: E731
         out = target(*pytree.tree_map(sub, largs), **pytree.tree_map(sub, lkwargs))

@@ -130,6 +130,8 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 src, k = node.args
+                if src.name in batch_nodes:
+                    batch_nodes.add(node.name)
                 base = alias.get(src.name, (src.name, 0))
                 alias[node.name] = (base[0], k)
                 continue

@@ -1,0 +1,52 @@
+"""Capture and solve time: the examples on this machine's ranks, and GPT models of growing
+depth on the meta device planned for a 2x4 mesh of A100s.
+
+    python benchmarks/solve_time.py            # prints a table; goal: 24 layers under 10 s
+
+Repeated layers share one solution, so solve time should grow much slower than the layer
+count; the last columns show the graph size and the number of decisions the ILP makes.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from autopar.api import plan_captured  # noqa: E402
+from autopar.capture import capture  # noqa: E402
+from autopar.cost_models.hardware import parse_cluster  # noqa: E402
+from examples.models import EXAMPLES, gpt_factory  # noqa: E402
+
+
+def row(label, build, cluster, world, **kw):
+    t0 = time.perf_counter()
+    ex = build()
+    cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
+    t_capture = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan = plan_captured(cap, parse_cluster(cluster), world, **kw)
+    t_plan = time.perf_counter() - t0
+    s = plan.solver
+    print(f"{label:<28} {cluster:<10} {str(plan.mesh_shape):<8} {t_capture:>8.2f} {t_plan:>8.2f} "
+          f"{t_capture + t_plan:>8.2f} {s.n_graph_nodes:>7} {s.n_decisions:>9} {s.status:>9}", flush=True)
+    return t_capture + t_plan
+
+
+def main() -> None:
+    print(f"{'model':<28} {'cluster':<10} {'mesh':<8} {'capture':>8} {'solve':>8} {'total':>8} "
+          f"{'nodes':>7} {'decisions':>9} {'status':>9}")
+    for name in EXAMPLES:
+        row(f"{name} (examples)", lambda: EXAMPLES[name](), "cpu:4", 4)
+    for layers in (6, 12, 24, 48):
+        def build(layers=layers):
+            with torch.device("meta"):
+                return gpt_factory(batch=16, config="gpt-24layer", n_layer=layers)
+        row(f"gpt {layers} layers h1024 (meta)", build, "8xA100", 8, mesh_shape=(2, 4))
+
+
+if __name__ == "__main__":
+    main()
