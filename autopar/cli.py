@@ -162,12 +162,17 @@ def load_factory(spec: str):
                 raise UserError(f"no file {mod_name} (from {spec!r})")
             s = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(s)
+            sys.modules[path.stem] = module      # dataclasses and pickling look it up
             s.loader.exec_module(module)
         else:
             module = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         raise UserError(f"cannot import {mod_name!r} ({e}); run from the folder that holds it "
                         "or put it on PYTHONPATH") from e
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing
+        raise UserError(f"importing {mod_name} failed: {type(e).__name__}: {_one_line(e)}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"{mod_name} has no callable {attr!r}; FACTORY must be a function "

@@ -24,8 +24,6 @@ from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import INF, CostModel, grad_partial_flags
 from autopar.viz.graph import grad_partial
 
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
-
 
 @dataclass
 class OptionCost:
@@ -72,6 +70,7 @@ def roles(plan: Plan) -> dict:
 
 
 def explain(cap: Captured, plan: Plan, node: str, optimizer: str = "adamw") -> Explanation:
+    from autopar.api import OPTIMIZER_STATES
     from autopar.cost_models.hardware import parse_cluster
     from autopar.solver.ilp import _followers
     from autopar.solver.problem import build_problem

@@ -91,12 +91,20 @@ CHAR_W, LINE_H, PAD, GAP_X, GAP_Y = 6.2, 12.0, 6.0, 14.0, 34.0
 def layout(g: Graph) -> tuple[dict[str, tuple[float, float, float, float]], float, float]:
     """Boxes (x, y, w, h) per node: rank = longest path from a source, in order of the
     graph within a rank."""
-    preds: dict[str, list[str]] = {n: [] for n in g.nodes}
+    succs: dict[str, list[str]] = {n: [] for n in g.nodes}
+    indeg = dict.fromkeys(g.nodes, 0)
     for s, t, _ in g.edges:
-        preds[t].append(s)
-    rank: dict[str, int] = {}
-    for n in g.nodes:                    # nodes are in graph (topological) order
-        rank[n] = 1 + max((rank[p] for p in preds[n] if p in rank), default=-1)
+        succs[s].append(t)
+        indeg[t] += 1
+    rank = dict.fromkeys(g.nodes, 0)
+    ready = [n for n in g.nodes if indeg[n] == 0]
+    while ready:                         # Kahn's order: a node after all its producers
+        n = ready.pop()
+        for t in succs[n]:
+            rank[t] = max(rank[t], rank[n] + 1)
+            indeg[t] -= 1
+            if indeg[t] == 0:
+                ready.append(t)
     rows: dict[int, list[str]] = {}
     for n in g.nodes:
         rows.setdefault(rank[n], []).append(n)
