@@ -30,8 +30,8 @@ def _check_pins(pins: dict[str, Any]) -> dict[str, Any]:
         if pins.get(name) is not None:
             raise NotImplementedError(f"the pin {name}= is not available yet; it comes with "
                                       "pipeline parallelism and recomputation")
-    if pins.get("precision") not in (None, "fp32"):
-        raise NotImplementedError("precision= other than 'fp32' is not available yet")
+    if pins.get("precision") not in (None, "fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={pins['precision']!r}: use 'fp32', 'bf16' or 'fp16'")
     zero = pins.get("zero", 0) or 0
     if zero not in (0, 3):
         raise NotImplementedError(f"zero={zero} is not available: use zero=0 (replicated "
@@ -120,7 +120,7 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
     for shape, axes, roles in _mesh_candidates(world, pins, mesh_shape):
         problem = build_problem(cap, shape, zero=pins.get("zero") or 0,
                                 optimizer_states=OPTIMIZER_STATES[optimizer], **roles)
-        cost = CostModel(cl, shape)
+        cost = CostModel(cl, shape, dtype_key=pins.get("precision") or "fp32")
         try:
             sol = solve(problem, cost, budget, time_limit_s)
         except InfeasibleError as e:
@@ -172,6 +172,10 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     """
     from autopar.runtime.parallel_module import ParallelModule
     pins = _check_pins(dict(pins))
+    if pins.get("precision") not in (None, "fp32"):
+        raise NotImplementedError(
+            f"precision={pins['precision']!r} is for planning (autopar.plan) only so far: the "
+            "runtime trains in fp32; drop the pin to run")
     if comm is None:
         comm_world = _dist_world()
     else:

@@ -29,7 +29,17 @@ INF = float("inf")
 class CostModel:
     cluster: Cluster
     mesh_shape: tuple[int, ...]
-    dtype_key: str = "fp32"
+    dtype_key: str = "fp32"          # "fp32", or "bf16" / "fp16" for mixed precision
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: 16-bit compute, activations and gradients; fp32 master weights
+        and optimizer moments (2Ψ params + 2Ψ grads + 12Ψ optimizer for Adam)."""
+        return self.dtype_key in ("bf16", "fp16")
+
+    def _act(self, nbytes: float, dtype) -> float:
+        """Bytes of an activation in this precision (float tensors halve under mixed)."""
+        return nbytes / 2 if self.mixed and dtype.is_floating_point and dtype.itemsize == 4 else nbytes
 
     def __post_init__(self):
         self.links = [axis_link(self.cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
@@ -50,13 +60,15 @@ class CostModel:
         """Bytes per device of one option, by term."""
         if v.kind == "param":
             b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
+            if self.mixed:   # 16-bit weights and grads; fp32 master copy + moments
+                return {"params": b / 2, "grads": b / 2, "optimizer": b * (1 + optimizer_states)}
             return {"params": b, "grads": b, "optimizer": b * optimizer_states}
         if v.kind in ("input", "buffer"):
             b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
             return {"inputs" if v.kind == "input" else "buffers": b}
         if v.call.op in VIEW_OPS:
             return {}
-        b = sum(_local(m, output_placements(combo, k), self.mesh_shape).nbytes
+        b = sum(self._act(_local(m, output_placements(combo, k), self.mesh_shape).nbytes, m.dtype)
                 for k, m in enumerate(v.call.outputs))
         return {"activations": b}
 
@@ -78,6 +90,7 @@ class CostModel:
             return INF, {}
         cur = list(src)
         total, by = 0.0, {}
+        scale = self._act(1.0, meta.dtype)    # 16-bit tensors move half the bytes
         for step in steps:
             before = _local(meta, cur, self.mesh_shape).nbytes
             cur[step.axis] = _after(step, cur[step.axis])
@@ -91,7 +104,7 @@ class CostModel:
                     continue
                 size = {"all_gather": max(before, after), "reduce_scatter": max(before, after),
                         "all_reduce": before, "all_to_all": before}[kind]
-                t = comm_model.collective_time(kind, size, n, link)
+                t = comm_model.collective_time(kind, size * scale, n, link)
                 total += t
                 by[(kind, step.axis)] = by.get((kind, step.axis), 0.0) + t
         return total, by
