@@ -22,12 +22,12 @@ else
 DEMO_CMD := $(PY) examples/demo.py
 endif
 
-.PHONY: demo test venv clean-venv
+.PHONY: demo test venv clean-venv sysdeps
 
 demo: $(STAMP)
 	$(DEMO_CMD)
 
-test: $(STAMP)
+test: $(STAMP) sysdeps
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
 
 venv: $(STAMP)
@@ -49,6 +49,21 @@ $(STAMP): pyproject.toml | $(PY)
 	  $(PIP) install --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
 	fi
 	$(PIP) install -e '.[dev]'
+	@touch $@
+
+# Optional system packages for the pictures and the HTML render test: Graphviz's `dot`
+# (else SVG/PNG use autopar's own layout) and Chromium (else that one test says it is
+# skipped and why). Tried once per venv, as root with apt-get only; never fatal.
+SYSDEPS_STAMP := $(VENV)/.sysdeps-tried
+sysdeps: $(SYSDEPS_STAMP)
+$(SYSDEPS_STAMP): | $(PY)
+	@if command -v dot >/dev/null && command -v chromium >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing graphviz and chromium (optional)"; \
+	  (timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 \
+	    apt-get install -y -qq --no-install-recommends graphviz chromium >/dev/null) \
+	    || echo "could not install graphviz/chromium: those tests fall back or skip"; \
+	else echo "not root or no apt-get: graphviz/chromium not installed (optional)"; fi
 	@touch $@
 
 clean-venv:

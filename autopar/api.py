@@ -26,7 +26,12 @@ def _check_pins(pins: dict[str, Any]) -> dict[str, Any]:
     if pins.get("pipeline", 1) not in (None, 1):
         raise NotImplementedError("pipeline= > 1 is not available yet (pipeline parallelism "
                                   "lands with the pipeline issue); use data= / tensor= / zero=")
-    for name in ("micro_batch_size", "schedule", "recompute"):
+    rec = pins.get("recompute")
+    if not (rec is None or isinstance(rec, bool) or rec in ("full", "none")
+            or (isinstance(rec, (list, tuple)) and all(isinstance(r, str) for r in rec))):
+        raise ValueError(f"recompute={rec!r}: use 'full' (every repeated layer), None, or a "
+                         "list of layer names such as ['h.0', 'h.1']")
+    for name in ("micro_batch_size", "schedule"):
         if pins.get(name) is not None:
             raise NotImplementedError(f"the pin {name}= is not available yet; it comes with "
                                       "pipeline parallelism and recomputation")
@@ -88,7 +93,7 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
          target: Any = None, cluster="cpu", memory_budget: float | None = None,
          mesh_shape: Sequence[int] | None = None, world_size: int | None = None,
          optimizer: str = "adamw", time_limit_s: float = 60.0, verbose: bool = False,
-         **pins) -> Plan:
+         profiler=None, **pins) -> Plan:
     """Decide how to parallelize ``model`` for ``cluster``; runs nothing distributed.
 
     >>> p = autopar.plan(model, (x,), F.cross_entropy, target=y, cluster="cpu:4", data=4)
@@ -103,12 +108,13 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
     world = world_size or cl.world_size
     return plan_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
                          optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
-                         verbose=verbose, pins=pins)
+                         verbose=verbose, pins=pins, profiler=profiler)
 
 
 def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
                   optimizer="adamw", time_limit_s=60.0, capture_s=0.0, verbose=False,
-                  pins=None) -> Plan:
+                  pins=None, profiler=None) -> Plan:
+    from autopar.passes.recompute import recompute_nodes, select_layers
     from autopar.solver.costing import CostModel
     from autopar.solver.ilp import InfeasibleError, solve
     from autopar.solver.problem import build_problem
@@ -116,11 +122,14 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
+    recompute = select_layers(cap.gm, pins.get("recompute"))
+    rec_nodes, rec_kept = recompute_nodes(cap.gm, recompute)
     best, errors = None, []
     for shape, axes, roles in _mesh_candidates(world, pins, mesh_shape):
         problem = build_problem(cap, shape, zero=pins.get("zero") or 0,
                                 optimizer_states=OPTIMIZER_STATES[optimizer], **roles)
-        cost = CostModel(cl, shape, dtype_key=pins.get("precision") or "fp32")
+        cost = CostModel(cl, shape, dtype_key=pins.get("precision") or "fp32",
+                         profiler=profiler, recompute=rec_nodes, recompute_kept=rec_kept)
         try:
             sol = solve(problem, cost, budget, time_limit_s)
         except InfeasibleError as e:
@@ -157,7 +166,7 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
                 param_shapes={n: list(cap.node(ph).meta["val"].shape) for n, ph in params.items()},
                 node_ops={n.name: str(n.target) for n in cap.gm.graph.nodes
                           if n.op == "call_function" and n.name in nodes},
-                inputs=tuple(cap.inputs))
+                inputs=tuple(cap.inputs), recompute=recompute)
 
 
 def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,

@@ -83,6 +83,7 @@ class Plan:
     param_shapes: dict[str, list[int]] = field(default_factory=dict)
     node_ops: dict[str, str] = field(default_factory=dict)      # node -> ATen op
     inputs: tuple[str, ...] = ()                                 # user inputs, then the target
+    recompute: tuple[str, ...] = ()          # layers run again in backward ("transformer.h.0")
     version: int = PLAN_VERSION
 
     # ---- JSON ---------------------------------------------------------------------------
@@ -119,6 +120,7 @@ class Plan:
                 memory_budget=d.get("memory_budget"),
                 param_shapes={k: list(v) for k, v in d.get("param_shapes", {}).items()},
                 node_ops=dict(d.get("node_ops", {})), inputs=tuple(d.get("inputs", ())),
+                recompute=tuple(d.get("recompute", ())),
                 version=version)
         except PlanError:
             raise

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture import Captured
 from autopar.passes.insert_collectives import insert_collectives
+from autopar.passes.recompute import checkpoint_layers, layer_members
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.placement import Replicate
 from autopar.plan import Plan
@@ -61,6 +62,8 @@ class ParallelModule(nn.Module):
         if cap.has_loss:
             graphs["train"] = insert_collectives(cap, plan, self.module, attr_of, "loss")
         graphs["forward"] = insert_collectives(cap, plan, self.module, attr_of, "model")
+        if plan.recompute and "train" in graphs:
+            graphs["train"] = checkpoint_layers(graphs["train"], layer_members(cap.gm, plan.recompute))
         self._graphs = graphs            # plain dict: not submodules (params live in .module)
         self._n_inputs = cap.n_model_inputs
         self._out_spec = _model_out_spec(cap)

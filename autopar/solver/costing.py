@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
+
+from torch.utils._pytree import tree_map
 
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models import compute as compute_model
 from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
-from autopar.sharding.registry import TensorMeta, input_placements, output_placements
+from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
 from autopar.solver.problem import VIEW_OPS, NodeVar, Problem
 
 INF = float("inf")
@@ -30,6 +32,13 @@ class CostModel:
     cluster: Cluster
     mesh_shape: tuple[int, ...]
     dtype_key: str = "fp32"          # "fp32", or "bf16" / "fp16" for mixed precision
+    profiler: Any = None
+    """A :class:`autopar.cost_models.profile.Profiler` (fp32 only): its measured time where
+    it has one, the roofline elsewhere."""
+    recompute: frozenset = frozenset()
+    """Captured nodes run again in backward (layers under ``recompute=``): one more forward."""
+    recompute_kept: frozenset = frozenset()
+    """Of those, the ones whose output is kept (a layer's output, the next one's input)."""
 
     @property
     def mixed(self) -> bool:
@@ -52,8 +61,25 @@ class CostModel:
             return 0.0, 0.0
         ins = [_local(m, input_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.inputs)]
         outs = [_local(m, output_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.outputs)]
+        if self.profiler is not None and not self.mixed:
+            # the call each rank runs: local shape constants, local tensors in place
+            op, args, kwargs = localize(v.call, combo, self.mesh_shape)
+            local_of = {id(g): m for g, m in zip(v.call.inputs, ins)}
+            sub = lambda a: local_of.get(id(a), a) if isinstance(a, TensorMeta) else a  # noqa: E731
+            t = self.profiler.node_time(op, ins, outs, tree_map(sub, args), tree_map(sub, kwargs))
+            t = t if t is not None else self._roofline(v, ins, outs)
+        else:
+            t = self._roofline(v, ins, outs)
+        rec = self._recomputed(v)
+        return t if not rec else (t[0], t[1] + t[0] * rec / len(v.members))
+
+    def _roofline(self, v, ins, outs) -> tuple[float, float]:
         return compute_model.node_time(v.call.op, ins, outs, v.call.args, v.call.kwargs,
                                        self.cluster.device, self.dtype_key)
+
+    def _recomputed(self, v: NodeVar) -> int:
+        """How many of ``v``'s members (repeated-layer copies) are recomputed."""
+        return sum(1 for m in v.members if m in self.recompute) if self.recompute else 0
 
     # ---- memory --------------------------------------------------------------------------
     def node_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
@@ -70,7 +96,12 @@ class CostModel:
             return {}
         b = sum(self._act(_local(m, output_placements(combo, k), self.mesh_shape).nbytes, m.dtype)
                 for k, m in enumerate(v.call.outputs))
-        return {"activations": b}
+        rec = self._recomputed(v)
+        if not rec or any(m in self.recompute_kept for m in v.members):
+            return {"activations": b}
+        # recomputed members keep nothing; backward rebuilds one layer's activations at a time
+        n = len(v.members)
+        return {"activations": b * (n - rec) / n, "recompute": b / n}
 
     # ---- communication -------------------------------------------------------------------
     def edge_time(self, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],

@@ -1,0 +1,341 @@
+"""Cut a captured graph into pipeline stages, and a per-rank graph into stage programs.
+
+Two halves, one idea:
+
+- On the **global** captured graph (``Captured.gm``): the chain of op nodes the stage DP
+  cuts (``chain``), the nodes that must stay with the loss (``loss_tail``: everything that
+  depends on the target), which stage every node lands in for a list of cut nodes
+  (``assign_stages``) and the bytes live across every candidate cut (``crossing_bytes``).
+- On the **per-rank** graph that ``passes.insert_collectives`` made for the intra-stage
+  mesh: ``split_stages`` gives each stage its own GraphModule. A value made in stage ``q``
+  and read in stage ``t``:
+
+  * ``t == q + 1``: an output of ``q`` and an input of ``t`` (torch.distributed.pipelining
+    sends it over the pipeline axis, rank at intra coordinate c to the rank at the same c:
+    both stages use the same intra mesh, so the local shard has the same layout on both);
+  * ``t > q + 1``: a *skip* edge: ``q`` sends it straight to ``t``'s rank
+    (``skip_send``/``skip_recv``, their own point-to-point messages), the stages between
+    never see it;
+  * parameters and buffers are read where they are used (a tied weight used in two stages
+    is held by both), user inputs other than stage 0's are read from the step's batch by
+    the stage itself (``side_input``; every rank has the global batch), and nodes that
+    depend on no input or parameter (masks, position tables) are recomputed where needed.
+
+The functions the stage graphs call (``side_input``, ``skip_send``, ``skip_recv``) live in
+``autopar.pipeline.runtime``; the graphs name them, the runtime supplies the context.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from autopar.capture import Captured
+from autopar.placement import local_shape
+
+
+class SplitError(ValueError):
+    """The graph cannot be cut as asked."""
+
+
+# ---- the global graph -----------------------------------------------------------------------
+
+
+def loss_tail(cap: Captured) -> set[str]:
+    """Names of nodes that depend on the target (they run in the last stage, with the loss)."""
+    if not cap.takes_target:
+        return set()
+    target = cap.inputs[-1]
+    tail: set[str] = {target}
+    for n in cap.gm.graph.nodes:
+        if n.op == "call_function" and any(a.name in tail for a in n.all_input_nodes):
+            tail.add(n.name)
+    return tail
+
+
+def chain(cap: Captured) -> list[str]:
+    """Op nodes in graph order that a cut may fall before (the DP's layers)."""
+    tail = loss_tail(cap)
+    return [n.name for n in cap.gm.graph.nodes
+            if n.op == "call_function" and n.target is not operator.getitem and n.name not in tail
+            and isinstance(n.meta.get("val"), (torch.Tensor, tuple, list))]
+
+
+def assign_stages(cap: Captured, cuts: tuple[str, ...] | list[str], n_stages: int) -> dict[str, int]:
+    """Stage of every call_function node: a chain node is in stage k once k cut nodes are at or
+    before it; getitems follow their producer; the loss tail goes to the last stage."""
+    units = chain(cap)
+    if len(cuts) != n_stages - 1:
+        raise SplitError(f"{n_stages} stages need {n_stages - 1} cut nodes, got {len(cuts)}")
+    pos = {name: i for i, name in enumerate(units)}
+    missing = [c for c in cuts if c not in pos]
+    if missing:
+        raise SplitError(f"cut node(s) {missing} are not op nodes of this graph: the plan was made "
+                         "for another graph; plan again")
+    idx = [pos[c] for c in cuts]
+    if idx != sorted(idx) or len(set(idx)) != len(idx) or (idx and idx[0] == 0):
+        raise SplitError(f"cut nodes {list(cuts)} are not strictly increasing after the first node")
+    tail = loss_tail(cap)
+    stage, k, out = 0, 0, {}
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.name in tail:
+            out[n.name] = n_stages - 1
+            continue
+        if n.target is operator.getitem:
+            out[n.name] = out[n.args[0].name]
+            continue
+        while k < len(cuts) and n.name == cuts[k]:
+            stage, k = stage + 1, k + 1
+        out[n.name] = stage
+    return out
+
+
+def crossing_bytes(cap: Captured, local_bytes: Callable[[Node], float]) -> list[float]:
+    """Bytes live across a cut before chain node i, for i = 1 .. L-1 (per rank, through
+    ``local_bytes``). Values that depend on no input or parameter are recomputed, not sent."""
+    units = chain(cap)
+    pos = {name: i for i, name in enumerate(units)}
+    free = _free_nodes(cap.gm.graph)
+    diff = [0.0] * (len(units) + 1)
+    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+    last_pos = len(units)
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function" or n.name in free or n.name not in pos and n.target is not operator.getitem:
+            continue
+        src = pos.get(n.name, pos.get(getattr(n.args[0], "name", ""), None))
+        if src is None:
+            continue
+        # the furthest reader, as a chain position (the loss tail reads at the end)
+        far = src
+        for u in n.users:
+            if u.op == "output" or u.name not in pos:
+                far = max(far, pos.get(u.name, last_pos) if u.op != "output" else last_pos)
+            else:
+                far = max(far, pos[u.name])
+        if n.target is operator.getitem or not isinstance(n.meta.get("val"), torch.Tensor):
+            if n.target is not operator.getitem:
+                continue
+        if far > src:
+            b = local_bytes(n)
+            diff[src + 1] += b
+            diff[min(far, last_pos) + 1 if far < last_pos else last_pos] -= b
+    out, acc = [], 0.0
+    for i in range(1, len(units)):
+        acc += diff[i]
+        out.append(max(acc, 0.0))
+    del order
+    return out
+
+
+def _free_nodes(graph: Graph) -> set[str]:
+    """Nodes computed from constants and buffers only (recomputed by every stage that needs
+    them): no placeholder input, no parameter, no mutation."""
+    free: set[str] = set()
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            continue
+        if n.op != "call_function":
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            continue
+        ins = n.all_input_nodes
+        if all((a.name in free) or (a.op == "get_attr" and a.meta.get("is_buffer", False)) for a in ins):
+            free.add(n.name)
+    return free
+
+
+# ---- the per-rank graph ---------------------------------------------------------------------
+
+
+@dataclass
+class SkipEdge:
+    """A value made in stage ``src`` and read in stage ``dst`` > src + 1, sent directly."""
+    id: int
+    value: str
+    src: int
+    dst: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class StageGraph:
+    """One stage's program. Its placeholders are the model inputs (stage 0) or the values
+    from the stage before (``inputs``); it returns ``outputs`` (to the next stage) or, in
+    the last stage, the per-rank graph's result."""
+    index: int
+    gm: GraphModule
+    inputs: list[str]
+    outputs: list[str]
+    input_meta: list[tuple[tuple[int, ...], torch.dtype, bool]]
+    output_meta: list[tuple[tuple[int, ...], torch.dtype, bool]]
+    side_inputs: list[str] = field(default_factory=list)
+    skips_in: list[int] = field(default_factory=list)
+    skips_out: list[int] = field(default_factory=list)
+
+
+def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model_inputs: list[str],
+                 meta_of: Callable[[Node], tuple[tuple[int, ...], torch.dtype]],
+                 root: torch.nn.Module) -> tuple[list[StageGraph], list[SkipEdge]]:
+    """Split the per-rank graph ``gm`` (from ``insert_collectives``) into ``n_stages`` stage
+    GraphModules over ``root``'s parameters. ``stage_of`` maps global node names to stages
+    (``assign_stages``); ``meta_of(node)`` gives a crossing value's local shape and dtype."""
+    from autopar.pipeline import runtime as rt
+
+    nodes = list(gm.graph.nodes)
+    S = n_stages
+    params = {name for name, _ in root.named_parameters()}
+    for n in nodes:
+        if n.op == "get_attr":
+            n.meta["is_buffer"] = n.target not in params
+    free = _free_nodes(gm.graph)
+    st: dict[Node, int] = {}
+    for n in nodes:
+        if n.op == "call_function" and n.meta.get("source") in stage_of:
+            st[n] = stage_of[n.meta["source"]]
+        elif n.op == "call_function" and n.target is operator.getitem and n.args[0] in st:
+            st[n] = st[n.args[0]]
+    for n in reversed(nodes):
+        if n.op == "call_function" and n not in st:
+            us = [S - 1 if u.op == "output" else st[u] for u in n.users if u.op == "output" or u in st]
+            st[n] = min(us) if us else S - 1
+    for n in nodes:     # a producer never lands after its reader
+        if n in st:
+            for a in n.all_input_nodes:
+                if a in st and st[a] > st[n]:
+                    raise SplitError(f"node {n.name} (stage {st[n]}) reads {a.name} from the later "
+                                     f"stage {st[a]}: the cuts do not follow the graph's order")
+    requires_grad = _requires_grad(nodes, root)
+
+    def readers(v: Node) -> set[int]:
+        return {S - 1 if u.op == "output" else st[u] for u in v.users if u.op == "output" or u in st}
+
+    crossing: list[list[Node]] = [[] for _ in range(S)]        # regular values s -> s+1
+    skips: list[SkipEdge] = []
+    skip_of: dict[tuple[str, int], SkipEdge] = {}
+    for n in nodes:
+        if n not in st or n.name in free:
+            continue
+        q = st[n]
+        for t in sorted(readers(n)):
+            if t == q + 1:
+                crossing[q].append(n)
+            elif t > q + 1:
+                shape, dtype = meta_of(n)
+                e = SkipEdge(len(skips), n.name, q, t, shape, dtype, requires_grad[n])
+                skips.append(e)
+                skip_of[(n.name, t)] = e
+
+    def meta(v: Node):
+        shape, dtype = meta_of(v)
+        return (shape, dtype, requires_grad[v])
+
+    out: list[StageGraph] = []
+    for s in range(S):
+        g = Graph()
+        env: dict[Node, Node] = {}
+        sg = StageGraph(s, None, [v.name for v in crossing[s - 1]] if s else [],  # type: ignore[arg-type]
+                        [v.name for v in crossing[s]] if s < S - 1 else [],
+                        [meta(v) for v in crossing[s - 1]] if s else [],
+                        [meta(v) for v in crossing[s]] if s < S - 1 else [])
+        if s == 0:
+            by_name = {n.name: n for n in nodes if n.op == "placeholder"}
+            for name in model_inputs:
+                ph = g.placeholder(name)
+                if name in by_name:
+                    env[by_name[name]] = ph
+        else:
+            for v in crossing[s - 1]:
+                env[v] = g.placeholder(v.name)
+        anchor_in = next((env[v] for v in crossing[s - 1] if requires_grad[v]), None) if s else None
+
+        def bring(a: Node) -> Node:
+            if a in env:
+                return env[a]
+            if a.op == "get_attr":
+                env[a] = g.get_attr(a.target)
+            elif a.op == "placeholder":
+                env[a] = g.call_function(rt.side_input, (a.name,))
+                sg.side_inputs.append(a.name)
+            elif a.name in free:
+                env[a] = g.node_copy(a, bring)
+            else:
+                e = skip_of.get((a.name, s))
+                if e is None:
+                    raise SplitError(f"stage {s} reads {a.name} (stage {st.get(a)}) but nothing "
+                                     "brings it there")
+                if e.requires_grad and anchor_in is None:
+                    raise SplitError(f"the skip value {a.name} (stage {e.src} -> {s}) needs a "
+                                     f"gradient but stage {s} has no differentiable input to "
+                                     "hang its backward on")
+                env[a] = g.call_function(rt.skip_recv, (anchor_in, e.id))
+                sg.skips_in.append(e.id)
+            return env[a]
+
+        for n in nodes:
+            if st.get(n) != s or n.op != "call_function" or (n.name in free and s != st[n] and False):
+                continue
+            env[n] = g.node_copy(n, bring)
+        if s < S - 1:
+            outs = [env[v] for v in crossing[s]]
+            sends = [e for e in skips if e.src == s]
+            if sends:
+                k = next((i for i, v in enumerate(crossing[s]) if requires_grad[v]), None)
+                if k is None and any(e.requires_grad for e in sends):
+                    raise SplitError(f"stage {s} sends skip values but has no differentiable "
+                                     "output to hang their backward on")
+                for e in sends:
+                    value = env[next(n for n in nodes if n.name == e.value)]
+                    if k is None:
+                        g.call_function(rt.skip_send, (value, None, e.id))
+                    else:
+                        outs[k] = g.call_function(rt.skip_send, (value, outs[k], e.id))
+                    sg.skips_out.append(e.id)
+            g.output(tuple(outs))
+        else:
+            out_node = next(n for n in nodes if n.op == "output")
+            g.output(torch.fx.node.map_arg(out_node.args[0], bring))
+        g.eliminate_dead_code()
+        sg.gm = GraphModule(root, g)
+        out.append(sg)
+    return out, skips
+
+
+def _requires_grad(nodes: list[Node], root: torch.nn.Module) -> dict[Node, bool]:
+    params = dict(root.named_parameters())
+    rg: dict[Node, bool] = {}
+    for n in nodes:
+        if n.op == "get_attr":
+            p = params.get(n.target)
+            rg[n] = p is not None and p.requires_grad
+        elif n.op == "placeholder":
+            rg[n] = False
+        else:
+            rg[n] = any(rg.get(a, False) for a in n.all_input_nodes)
+    return rg
+
+
+def local_meta(cap: Captured, intra_plan, local_node: Node) -> tuple[tuple[int, ...], torch.dtype]:
+    """Local shape and dtype of a per-rank node that stands for a global op node (or a getitem
+    of one), from the global shape and the plan's output placement."""
+    if local_node.target is operator.getitem:
+        base, k = local_node.args
+        src = base.meta.get("source")
+    else:
+        src, k = local_node.meta.get("source"), 0
+    if src is None:
+        raise SplitError(f"{local_node.name} crosses a stage boundary but stands for no graph node")
+    val = cap.node(src).meta["val"]
+    if isinstance(val, (tuple, list)):
+        tensors = [v for v in val if isinstance(v, torch.Tensor)]
+        val = tensors[k] if local_node.target is operator.getitem else tensors[0]
+    placements = intra_plan.nodes[src].output(k if local_node.target is operator.getitem else 0)
+    shape = local_shape(tuple(val.shape), placements, intra_plan.mesh_shape)
+    return tuple(shape), val.dtype
