@@ -102,7 +102,9 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
     from autopar.cost_models.hardware import parse_cluster
     pins = _check_pins(dict(pins))
     t0 = time.perf_counter()
-    cap = capture(model, example_inputs, loss_fn, target)
+    # without an example target the loss cannot be captured: plan the model alone (the
+    # loss then runs outside the graph, on the replicated output)
+    cap = capture(model, example_inputs, loss_fn if target is not None else None, target)
     capture_s = time.perf_counter() - t0
     cl = parse_cluster(cluster)
     world = world_size or cl.world_size

@@ -96,39 +96,38 @@ def assign_stages(cap: Captured, cuts: tuple[str, ...] | list[str], n_stages: in
 
 
 def crossing_bytes(cap: Captured, local_bytes: Callable[[Node], float]) -> list[float]:
-    """Bytes live across a cut before chain node i, for i = 1 .. L-1 (per rank, through
+    """Bytes live across the cut before chain node i, for i = 1 .. L-1 (per rank, through
     ``local_bytes``). Values that depend on no input or parameter are recomputed, not sent."""
     units = chain(cap)
+    L = len(units)
     pos = {name: i for i, name in enumerate(units)}
     free = _free_nodes(cap.gm.graph)
-    diff = [0.0] * (len(units) + 1)
-    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
-    last_pos = len(units)
+    diff = [0.0] * (L + 2)
     for n in cap.gm.graph.nodes:
-        if n.op != "call_function" or n.name in free or n.name not in pos and n.target is not operator.getitem:
+        if n.op != "call_function" or n.name in free:
             continue
-        src = pos.get(n.name, pos.get(getattr(n.args[0], "name", ""), None))
+        if n.target is operator.getitem:
+            src = pos.get(n.args[0].name)
+        elif isinstance(n.meta.get("val"), torch.Tensor):
+            src = pos.get(n.name)
+        else:
+            continue          # a tuple: its getitems are the values
         if src is None:
-            continue
-        # the furthest reader, as a chain position (the loss tail reads at the end)
+            continue          # the loss tail
         far = src
         for u in n.users:
-            if u.op == "output" or u.name not in pos:
-                far = max(far, pos.get(u.name, last_pos) if u.op != "output" else last_pos)
-            else:
-                far = max(far, pos[u.name])
-        if n.target is operator.getitem or not isinstance(n.meta.get("val"), torch.Tensor):
-            if n.target is not operator.getitem:
+            if u.op == "call_function" and u.target is operator.getitem:
                 continue
+            far = max(far, pos.get(u.name, L))
         if far > src:
             b = local_bytes(n)
             diff[src + 1] += b
-            diff[min(far, last_pos) + 1 if far < last_pos else last_pos] -= b
+            diff[far + 1] -= b
     out, acc = [], 0.0
-    for i in range(1, len(units)):
+    for i in range(L + 1):
         acc += diff[i]
-        out.append(max(acc, 0.0))
-    del order
+        if 1 <= i <= L - 1:
+            out.append(max(acc, 0.0))
     return out
 
 
@@ -229,13 +228,14 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
                 crossing[q].append(n)
             elif t > q + 1:
                 shape, dtype = meta_of(n)
-                e = SkipEdge(len(skips), n.name, q, t, shape, dtype, requires_grad[n])
+                e = SkipEdge(len(skips), n.name, q, t, shape, dtype,
+                             requires_grad[n] and dtype.is_floating_point)
                 skips.append(e)
                 skip_of[(n.name, t)] = e
 
     def meta(v: Node):
         shape, dtype = meta_of(v)
-        return (shape, dtype, requires_grad[v])
+        return (shape, dtype, requires_grad[v] and dtype.is_floating_point)
 
     out: list[StageGraph] = []
     for s in range(S):
@@ -254,7 +254,7 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
         else:
             for v in crossing[s - 1]:
                 env[v] = g.placeholder(v.name)
-        anchor_in = next((env[v] for v in crossing[s - 1] if requires_grad[v]), None) if s else None
+        anchor_in = next((env[v] for v in crossing[s - 1] if meta(v)[2]), None) if s else None
 
         def bring(a: Node) -> Node:
             if a in env:
@@ -262,7 +262,7 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
             if a.op == "get_attr":
                 env[a] = g.get_attr(a.target)
             elif a.op == "placeholder":
-                env[a] = g.call_function(rt.side_input, (a.name,))
+                env[a] = g.call_function(rt.side_input, (a.name, s))
                 sg.side_inputs.append(a.name)
             elif a.name in free:
                 env[a] = g.node_copy(a, bring)
@@ -280,14 +280,14 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
             return env[a]
 
         for n in nodes:
-            if st.get(n) != s or n.op != "call_function" or (n.name in free and s != st[n] and False):
+            if st.get(n) != s or n.op != "call_function":
                 continue
             env[n] = g.node_copy(n, bring)
         if s < S - 1:
             outs = [env[v] for v in crossing[s]]
             sends = [e for e in skips if e.src == s]
             if sends:
-                k = next((i for i, v in enumerate(crossing[s]) if requires_grad[v]), None)
+                k = next((i for i, v in enumerate(crossing[s]) if meta(v)[2]), None)
                 if k is None and any(e.requires_grad for e in sends):
                     raise SplitError(f"stage {s} sends skip values but has no differentiable "
                                      "output to hang their backward on")
@@ -334,8 +334,7 @@ def local_meta(cap: Captured, intra_plan, local_node: Node) -> tuple[tuple[int, 
         raise SplitError(f"{local_node.name} crosses a stage boundary but stands for no graph node")
     val = cap.node(src).meta["val"]
     if isinstance(val, (tuple, list)):
-        tensors = [v for v in val if isinstance(v, torch.Tensor)]
-        val = tensors[k] if local_node.target is operator.getitem else tensors[0]
-    placements = intra_plan.nodes[src].output(k if local_node.target is operator.getitem else 0)
+        val = val[k]
+    placements = intra_plan.nodes[src].output(k)
     shape = local_shape(tuple(val.shape), placements, intra_plan.mesh_shape)
     return tuple(shape), val.dtype
