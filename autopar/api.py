@@ -38,10 +38,11 @@ def _check_pins(pins: dict[str, Any]) -> dict[str, Any]:
     if pins.get("precision") not in (None, "fp32", "bf16", "fp16"):
         raise ValueError(f"precision={pins['precision']!r}: use 'fp32', 'bf16' or 'fp16'")
     zero = pins.get("zero", 0) or 0
-    if zero not in (0, 3):
-        raise NotImplementedError(f"zero={zero} is not available: use zero=0 (replicated "
-                                  "parameters) or zero=3 (parameters, gradients and optimizer "
-                                  "state sharded over the data-parallel axis)")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero!r}: ZeRO stages are 0 (replicated), 1 and 2 (parameters, "
+                         "gradients and optimizer state stored sharded over the data-parallel "
+                         "axis, weights gathered once and kept for backward) and 3 (as 2, and "
+                         "gathered weights freed after use and gathered again in backward)")
     for name in ("data", "tensor"):
         v = pins.get(name)
         if v is not None and (not isinstance(v, int) or v < 1):

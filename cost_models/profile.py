@@ -292,4 +292,84 @@ def _nbytes(m) -> int:
     return math.prod(m.shape) * m.dtype.itemsize
 
 
-__all__ = ["Profiler", "default_cache_dir"]
+__all__ = ["Profiler", "PeakMemory", "default_cache_dir"]
+
+
+class PeakMemory:
+    """Peak bytes of the tensors allocated inside a ``with`` block that are alive at once.
+
+    CPU: a census under a ``TorchDispatchMode``: every new tensor storage an op returns is
+    counted until Python sees it freed (a weak-reference finalizer), views of one storage
+    once; tensors that existed before the block (parameters, optimizer state) are not
+    counted. This is torch's own view of live tensor bytes, not the allocator's or the
+    process's (glibc's heap keeps more; ``ru_maxrss`` never goes down). CUDA: the rise of
+    ``torch.cuda.max_memory_allocated`` over the block. The mode is thread-local: on ranks
+    simulated as threads, each rank measures its own.
+
+    >>> with PeakMemory() as mem:
+    ...     loss = model(x).sum(); loss.backward()
+    >>> mem.peak_bytes
+    """
+
+    def __init__(self, device: str = "cpu"):
+        self.device = torch.device(device)
+        self.peak_bytes = 0
+        self.current_bytes = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            return self
+        from torch.utils.weak import WeakIdKeyDictionary
+        self._seen = WeakIdKeyDictionary()
+        self._mode = _CensusMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+            return
+        self._mode.__exit__(*exc)
+
+    def _count(self, out, args) -> None:
+        import weakref
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(args)
+                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            st = t.untyped_storage()
+            if st in self._seen or st.data_ptr() in inputs:
+                continue       # seen, or a view / in-place result of an input
+            n = st.nbytes()
+            self._seen[st] = n
+            self.current_bytes += n
+            weakref.finalize(st, self._free, n)
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def _free(self, n: int) -> None:
+        self.current_bytes -= n
+
+
+def _census_mode_class():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Census(TorchDispatchMode):
+        def __init__(self, meter: PeakMemory):
+            super().__init__()
+            self.meter = meter
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.meter._count(out, (args, kwargs))
+            return out
+
+    return _Census
+
+
+def _CensusMode(meter: PeakMemory):
+    return _census_mode_class()(meter)

@@ -88,6 +88,7 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
     calls = {n.name: make_call(n) for n in src.nodes
              if n.op == "call_function" and n.target is not operator.getitem}
     deferred = _deferred_grad_sync(cap, plan, calls)
+    regather = (plan.pins.get("zero") or 0) >= 3
 
     names = [cap.loss] if returns == "loss" else list(cap.output)
     needed = _needed(cap, names)
@@ -105,7 +106,10 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
         for st in steps:
             if st.kind == "grad_all_reduce" and from_param and st.axis in deferred.get(from_param, ()):
                 continue
-            local = g.call_function(_STEP_FN[st.kind], (local,), _step_kwargs(st))
+            kwargs = _step_kwargs(st)
+            if st.kind == "all_gather" and from_param and regather:
+                kwargs["regather"] = True     # ZeRO-3: free after use, gather again in backward
+            local = g.call_function(_STEP_FN[st.kind], (local,), kwargs)
         return local
 
     for node in src.nodes:

@@ -198,3 +198,27 @@ def test_coverage_report_names_missing_ops():
     assert gpt.gaps and "fused projection" in str(gpt) and "split" in str(gpt)
     ll = EXAMPLES["llama"]()
     assert not autopar.coverage(ll.model, ll.inputs, ll.loss_fn, target=ll.target).gaps
+
+
+def test_zero3_gathers_weights_again_in_backward(captured, monkeypatch):
+    """ZeRO-3 keeps no gathered weight for backward: whatever autograd would save of one is
+    packed as a reference to the shard and gathered again; the numbers still match."""
+    from autopar.runtime.collectives import RegatheredWeights
+    ex, cap = captured("gpt")
+    plan = plan_captured(cap, parse_cluster("cpu:2"), 2, pins={"data": 2, "zero": 3})
+    packed = []
+    original = RegatheredWeights._pack
+
+    def counting_pack(self, t):
+        out = original(self, t)
+        if isinstance(out, tuple):
+            packed.append(t.numel())
+        return out
+
+    monkeypatch.setattr(RegatheredWeights, "_pack", counting_pack)
+    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+    for rank, got in enumerate(simulate(cap, plan, ex.model, lambda pm, c: parallel_run(pm, ex.inputs, ex.target))):
+        compare(ref, got, f"zero=3 rank {rank}")
+    weight_numel = sum(p.numel() for p in ex.model.parameters() if p.ndim == 2)
+    # every linear weight is saved once per step and rank (3 steps, 2 ranks)
+    assert packed and sum(packed) >= weight_numel, f"only {sum(packed)} weight elements re-gathered"

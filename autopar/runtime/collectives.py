@@ -7,6 +7,8 @@ S(d) tensor its shard). They run on the communicator that is current
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from autopar.runtime.comm import current_comm
@@ -19,15 +21,18 @@ def _slice(t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim, grad_partial):
+    def forward(ctx, x, axis, dim, grad_partial, regather=False):
         ctx.axis, ctx.dim, ctx.grad_partial = axis, dim, grad_partial
-        return current_comm().all_gather(x, axis, dim)
+        out = current_comm().all_gather(x, axis, dim)
+        if regather:
+            regathered_weights().register(out, x, axis, dim)
+        return out
 
     @staticmethod
     def backward(ctx, g):
         if ctx.grad_partial:
-            return current_comm().reduce_scatter(g, ctx.axis, ctx.dim), None, None, None
-        return _slice(g, ctx.axis, ctx.dim), None, None, None
+            return current_comm().reduce_scatter(g, ctx.axis, ctx.dim), None, None, None, None
+        return _slice(g, ctx.axis, ctx.dim), None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -97,11 +102,56 @@ class _ToPartial(torch.autograd.Function):
         return g, None
 
 
+class RegatheredWeights:
+    """ZeRO-3's memory saving: a weight gathered from its shards for one use is not kept for
+    backward. While a step runs under :meth:`hooks`, every tensor autograd would save that
+    shares storage with such a gathered weight is packed as (shard, axis, dim, geometry)
+    and gathered again when backward unpacks it; every rank unpacks in the same order."""
+
+    def __init__(self):
+        self.by_storage: dict[int, tuple] = {}
+
+    def register(self, full, shard, axis, dim):
+        self.by_storage[full.untyped_storage().data_ptr()] = (weakref.ref(full), shard, axis, dim)
+
+    def _pack(self, t):
+        entry = self.by_storage.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if entry is None:
+            return t
+        full = entry[0]()
+        if full is None or not (t is full or t._base is full):
+            return t   # the gathered weight is gone and its memory serves another tensor
+        return ("regather", *entry[1:], t.size(), t.stride(), t.storage_offset(), t.dtype)
+
+    def _unpack(self, obj):
+        if isinstance(obj, tuple) and obj and obj[0] == "regather":
+            _, shard, axis, dim, size, stride, offset, _dtype = obj
+            with torch.no_grad():
+                full = current_comm().all_gather(shard.detach(), axis, dim)
+            return full.as_strided(size, stride, offset)
+        return obj
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def clear(self):
+        self.by_storage.clear()
+
+
+def regathered_weights() -> RegatheredWeights:
+    comm = current_comm()
+    reg = getattr(comm, "_regathered", None)
+    if reg is None:
+        reg = comm._regathered = RegatheredWeights()
+    return reg
+
+
 # The graph's call targets. Keyword names show up in the generated per-rank code.
 
-def all_gather(x, axis: int, dim: int, grad_partial: bool = False):
-    """S(dim) -> R on ``axis``."""
-    return _AllGather.apply(x, axis, dim, grad_partial)
+def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: bool = False):
+    """S(dim) -> R on ``axis``. ``regather``: a ZeRO-3 weight, which autograd does not keep:
+    backward gathers it again from the shard (see :class:`RegatheredWeights`)."""
+    return _AllGather.apply(x, axis, dim, grad_partial, regather)
 
 
 def all_reduce(x, axis: int, grad_partial: bool = False):

@@ -6,6 +6,7 @@ global loss; forward: returns the model's outputs, replicated) and the communica
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from autopar.passes.recompute import checkpoint_layers, layer_members
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.placement import Replicate
 from autopar.plan import Plan
+from autopar.runtime.collectives import regathered_weights
 from autopar.runtime.comm import Comm, use_comm
 
 BUCKET_BYTES = 25 * 2**20
@@ -82,7 +84,7 @@ class ParallelModule(nn.Module):
         are added to the local shards' ``.grad`` (call the optimizer's ``zero_grad`` between
         steps as usual)."""
         self._check_inputs(inputs)
-        with use_comm(self.comm):
+        with use_comm(self.comm), self._saved_tensor_policy():
             with self._grad_sync.step():
                 if "train" in self._graphs:
                     if target is None and self._cap.takes_target:
@@ -95,6 +97,19 @@ class ParallelModule(nn.Module):
                     loss = self._graphs["forward"](*inputs)[0]
                 loss.backward()
         return loss.detach()
+
+    @contextlib.contextmanager
+    def _saved_tensor_policy(self):
+        """Under zero=3, gathered weights are not saved for backward but gathered again."""
+        if (self.plan.pins.get("zero") or 0) < 3:
+            yield
+            return
+        reg = regathered_weights()
+        try:
+            with reg.hooks():
+                yield
+        finally:
+            reg.clear()
 
     def _check_inputs(self, inputs) -> None:
         if len(inputs) != self._n_inputs:

@@ -32,6 +32,8 @@ class CostModel:
     cluster: Cluster
     mesh_shape: tuple[int, ...]
     dtype_key: str = "fp32"          # "fp32", or "bf16" / "fp16" for mixed precision
+    zero: int = 0                    # ZeRO stage pinned on the data axis
+    data_axis: int | None = None
     profiler: Any = None
     """A :class:`autopar.cost_models.profile.Profiler` (fp32 only): its measured time where
     it has one, the roofline elsewhere."""
@@ -85,10 +87,17 @@ class CostModel:
     def node_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
         """Bytes per device of one option, by term."""
         if v.kind == "param":
-            b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
+            placements = output_placements(combo, 0)
+            b = _local(v.meta, placements, self.mesh_shape).nbytes
+            held = b
+            if self.zero in (1, 2) and self.data_axis is not None:
+                # ZeRO-1/2: the weight gathered over the data axis lives through the step
+                whole = list(placements)
+                whole[self.data_axis] = Replicate()
+                held = _local(v.meta, whole, self.mesh_shape).nbytes
             if self.mixed:   # 16-bit weights and grads; fp32 master copy + moments
-                return {"params": b / 2, "grads": b / 2, "optimizer": b * (1 + optimizer_states)}
-            return {"params": b, "grads": b, "optimizer": b * optimizer_states}
+                return {"params": held / 2, "grads": b / 2, "optimizer": b * (1 + optimizer_states)}
+            return {"params": held, "grads": b, "optimizer": b * optimizer_states}
         if v.kind in ("input", "buffer"):
             b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
             return {"inputs" if v.kind == "input" else "buffers": b}

@@ -236,7 +236,7 @@ def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape
                     "batch divisible by the data-parallel degree (or pin a smaller data=)")
             opts = want
         elif kind == "param":
-            if zero >= 3:
+            if zero >= 1:
                 sharded = [o for o in opts if isinstance(on(data_axis, o), Shard)]
                 opts = sharded or [o for o in opts if isinstance(on(data_axis, o), Replicate)]
             else:

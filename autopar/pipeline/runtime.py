@@ -1,0 +1,480 @@
+"""The pipelined module: stage programs run by torch.distributed.pipelining.
+
+The mesh is ``(p, *intra)`` with the leading axis ``"pipeline"``. Pipeline rank ``r`` runs
+stages ``r, r + p, ...`` (``v`` of them under an interleaved schedule) as ``PipelineStage``s
+on the pipeline-axis process group; inside a stage every collective runs on the intra mesh
+(a ``DistComm`` over the sub-mesh at this rank's pipeline coordinate). autopar chooses the
+cuts, micro-batches and schedule; torch's schedule classes run them.
+
+One step (``train_step``), in order:
+
+1. the schedule runs every micro-batch (its loss is the stage program's own output; the
+   last stage's ``loss_fn`` passes it through), gradients accumulate unscaled;
+2. data-parallel gradients are all-reduced over the intra axes once (never per micro-batch:
+   the per-rank graph defers them, see ``passes.insert_collectives``);
+3. a weight held by several pipeline ranks (tied) has its gradient summed among them;
+4. gradients are divided by ``m`` (equal micro-batches: the mean of micro-batch means is the
+   global mean), the loss is that mean, broadcast from the last stage to every rank.
+
+Skip values (a tensor read several stages after it is made) go straight from producer to
+consumer with their own point-to-point messages on the world group (``skip_send`` /
+``skip_recv``), tagged by edge and micro-batch; their gradients come back the same way.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from autopar.capture import Captured
+from autopar.passes.insert_collectives import insert_collectives
+from autopar.passes.shard_parameters import shard_tensor, unshard
+from autopar.placement import local_shape
+from autopar.plan import Plan
+from autopar.runtime.comm import use_comm
+
+_local = threading.local()
+_TAG_STRIDE = 1 << 16
+
+
+# ---- what the stage graphs call ---------------------------------------------------------------
+
+
+class _StepContext:
+    """Per-step state the stage programs read: the batch's micro-batches, skip edges, counters."""
+
+    def __init__(self, side: dict[str, list[torch.Tensor]], edges: dict, rank_of_stage: dict[int, int]):
+        self.side = side
+        self.edges = edges
+        self.rank_of_stage = rank_of_stage
+        self.counters: dict[tuple, int] = {}
+        self.pending: list = []          # (work, tensor) of sends in flight
+        self.mailbox: dict[int, torch.Tensor] = {}   # same-rank skips
+        self.received: list[tuple[int, int]] = []    # (edge, micro-batch) this rank received
+
+    def next(self, key) -> int:
+        k = self.counters.get(key, 0)
+        self.counters[key] = k + 1
+        return k
+
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        t = t.detach().contiguous()
+        if dst == dist.get_rank():
+            self.mailbox[tag] = t.clone()
+        else:
+            self.pending.append((dist.isend(t, dst, tag=tag), t))
+
+    def recv(self, shape, dtype, src: int, tag: int) -> torch.Tensor:
+        if src == dist.get_rank():
+            return self.mailbox.pop(tag)
+        buf = torch.empty(shape, dtype=dtype)
+        dist.recv(buf, src, tag=tag)
+        return buf
+
+    def finish(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+def _ctx() -> _StepContext:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("a pipeline stage program ran outside PipelineModule's step")
+    return ctx
+
+
+@contextlib.contextmanager
+def _use_ctx(ctx: _StepContext):
+    prev = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        ctx.finish()
+        _local.ctx = prev
+
+
+def side_input(name: str, stage: int) -> torch.Tensor:
+    """This micro-batch's block of user input ``name``, read by ``stage`` (not stage 0)."""
+    ctx = _ctx()
+    return ctx.side[name][ctx.next(("side", name, stage))]
+
+
+def _tag(edge: int, mb: int, backward: bool) -> int:
+    return 1 + (2 * edge + int(backward)) * _TAG_STRIDE + mb
+
+
+class _SkipSend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, anchor, edge, mb):
+        c = _ctx()
+        e = c.edges[edge]
+        ctx.edge, ctx.mb, ctx.shape, ctx.dtype = edge, mb, value.shape, value.dtype
+        c.send(value, c.rank_of_stage[e.dst], _tag(edge, mb, False))
+        return anchor.view_as(anchor)
+
+    @staticmethod
+    def backward(ctx, g):
+        c = _ctx()
+        e = c.edges[ctx.edge]
+        grad = c.recv(ctx.shape, ctx.dtype, c.rank_of_stage[e.dst], _tag(ctx.edge, ctx.mb, True))
+        return grad, g, None, None
+
+
+class _SkipRecv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, edge, mb):
+        c = _ctx()
+        e = c.edges[edge]
+        ctx.edge, ctx.mb = edge, mb
+        c.received.append((edge, mb))
+        return c.recv(e.shape, e.dtype, c.rank_of_stage[e.src], _tag(edge, mb, False))
+
+    @staticmethod
+    def backward(ctx, g):
+        c = _ctx()
+        e = c.edges[ctx.edge]
+        c.send(g, c.rank_of_stage[e.src], _tag(ctx.edge, ctx.mb, True))
+        return None, None, None
+
+
+def skip_send(value: torch.Tensor, anchor: torch.Tensor | None, edge: int):
+    """Send ``value`` to the stage that reads it (skip ``edge``); returns ``anchor`` (an output
+    of this stage), whose backward receives ``value``'s gradient."""
+    c = _ctx()
+    mb = c.next(("send", edge))
+    if anchor is None or not value.requires_grad:
+        e = c.edges[edge]
+        c.send(value, c.rank_of_stage[e.dst], _tag(edge, mb, False))
+        return anchor
+    return _SkipSend.apply(value, anchor, edge, mb)
+
+
+def skip_recv(anchor: torch.Tensor | None, edge: int) -> torch.Tensor:
+    """Receive skip ``edge``'s value; its gradient is sent back when backward reaches it."""
+    c = _ctx()
+    e = c.edges[edge]
+    mb = c.next(("recv", edge))
+    if anchor is None or not e.requires_grad or not torch.is_grad_enabled():
+        c.received.append((edge, mb))
+        return c.recv(e.shape, e.dtype, c.rank_of_stage[e.src], _tag(edge, mb, False))
+    return _SkipRecv.apply(anchor, edge, mb)
+
+
+def _identity_loss(output, target):
+    return output
+
+
+# ---- the module -------------------------------------------------------------------------------
+
+
+class PipelineModule(nn.Module):
+    """A model pipelined (and sharded within each stage) by a Plan with ``pipeline_stages > 1``.
+    Build it with ``autopar.parallelize(..., pipeline=p)``."""
+
+    def __init__(self, cap: Captured, plan: Plan, mesh, model: nn.Module):
+        super().__init__()
+        from torch.distributed.pipelining import PipelineStage
+
+        from autopar.pipeline.schedule import torch_schedule_class
+        from autopar.pipeline.split import assign_stages, local_meta, split_stages
+        from autopar.runtime.comm import DistComm
+
+        self.plan = plan
+        self._cap = cap
+        p, v, m = plan.pipeline_stages, plan.virtual_stages, plan.n_microbatches
+        S = p * v
+        self.n_stages, self.n_microbatches = S, m
+        intra_axes = tuple(plan.mesh_axes[1:])
+        self.intra_plan = intra = replace(plan, world_size=plan.world_size // p,
+                                          mesh_shape=tuple(plan.mesh_shape[1:]), mesh_axes=intra_axes)
+        self.comm = DistComm(mesh[intra_axes if len(intra_axes) > 1 else intra_axes[0]])
+        self.pp_group = mesh.get_group("pipeline")
+        self.pp_rank = mesh.get_coordinate()[0]
+        pp_ranks = dist.get_process_group_ranks(self.pp_group)
+        self._pp_global = pp_ranks
+        self.my_stages = [k for k in range(S) if k % p == self.pp_rank]
+
+        # ---- parameters: every one sharded into a scratch root; this rank keeps its own ----
+        full = dict(model.named_parameters(remove_duplicate=False))
+        full_buffers = dict(model.named_buffers())
+        imesh = tuple(intra.mesh_shape)
+        root = nn.Module()
+        attr_of, self._placements, self._aliases = {}, {}, {}
+        for ph, names in cap.params.items():
+            attr, src = names[0], full[names[0]]
+            if src.is_meta:
+                raise ValueError(f"parameter {attr!r} is on the meta device: build the model on "
+                                 "a real device to run it (plan-only works on meta)")
+            placements = intra.nodes[ph].output(0)
+            local = shard_tensor(src.detach(), placements, self.comm.coord, imesh)
+            _set(root, attr, nn.Parameter(local, requires_grad=src.requires_grad))
+            self._placements[attr], self._aliases[attr] = placements, list(names)
+            attr_of[ph] = attr
+        for ph, name in cap.buffers.items():
+            placements = intra.nodes[ph].output(0)
+            _set(root, name, shard_tensor(full_buffers[name], placements, self.comm.coord, imesh), buffer=True)
+            self._placements[name], self._aliases[name] = placements, [name]
+            attr_of[ph] = name
+
+        # ---- which pipeline ranks hold each parameter / buffer ----
+        stage_of = assign_stages(cap, plan.stage_cuts, S)
+        self._owners: dict[str, list[int]] = {}
+        for ph, attr in attr_of.items():
+            stages = {stage_of[u.name] for u in cap.node(ph).users if u.name in stage_of} or {0}
+            self._owners[attr] = sorted({k % p for k in stages})
+        self._tied = [a for a, r in self._owners.items() if len(r) > 1
+                      and isinstance(_get(root, a), nn.Parameter)]
+        self._shapes = {attr: tuple(cap.node(ph).meta["val"].shape) for ph, attr in attr_of.items()}
+
+        # ---- programs ----
+        model_inputs = list(cap.inputs[: cap.n_model_inputs])
+        meta_of = lambda n: local_meta(cap, intra, n)  # noqa: E731
+        self._side_names = list(cap.inputs)
+        self.stages: dict[str, list] = {}
+        self.skip_edges = {}
+        graphs = {}
+        if cap.has_loss:
+            graphs["train"] = insert_collectives(cap, intra, root, attr_of, "loss")
+        graphs["forward"] = insert_collectives(cap, intra, root, attr_of, "model")
+        self._grad_sync = dict(graphs.get("train", graphs["forward"]).meta["grad_sync"])
+        device = torch.device("cpu")
+        for which, gm in graphs.items():
+            parts, edges = split_stages(gm, stage_of, S, model_inputs, meta_of, root)
+            self.skip_edges[which] = {e.id: e for e in edges}
+            mine = []
+            for sg in parts:
+                if sg.index not in self.my_stages:
+                    continue
+                if sg.index == 0:
+                    ins = tuple(_example(tuple(cap.node(n).meta["val"].shape), cap.node(n).meta["val"].dtype, False)
+                                for n in model_inputs)
+                else:
+                    ins = tuple(_example(*mt) for mt in sg.input_meta)
+                if sg.index < S - 1:
+                    outs = tuple(_example(*mt) for mt in sg.output_meta)
+                elif which == "train":
+                    outs = (_example((), cap.node(cap.loss).meta["val"].dtype, True),)
+                else:
+                    outs = tuple(_example(tuple(cap.node(o).meta["val"].shape), cap.node(o).meta["val"].dtype,
+                                          False) for o in cap.output)
+                stage = PipelineStage(sg.gm, sg.index, S, device, input_args=ins, output_args=outs,
+                                      group=self.pp_group)
+                mine.append((sg, stage))
+            self.stages[which] = mine
+        self._skip_log: list = []
+
+        # ---- this rank's parameters and buffers (shared with the stage programs) ----
+        self.module = nn.Module()
+        held = set()
+        for _, parts in self.stages.items():
+            for sg, _ in parts:
+                held |= {n.target for n in sg.gm.graph.nodes if n.op == "get_attr"}
+        for attr in list(self._placements):
+            if self.pp_rank in self._owners[attr] or attr in held:
+                t = _get(root, attr)
+                _set(self.module, attr, t, buffer=not isinstance(t, nn.Parameter))
+                if self.pp_rank not in self._owners[attr]:
+                    self._owners[attr] = sorted(set(self._owners[attr]) | {self.pp_rank})
+
+        cls = torch_schedule_class(plan.schedule)
+        multi = plan.schedule in ("interleaved-1f1b", "zero-bubble")
+        train_stages = [st for _, st in self.stages.get("train", [])]
+        self._schedule = None
+        if train_stages:
+            self._schedule = cls(train_stages if multi else train_stages[0], n_microbatches=m,
+                                 loss_fn=_identity_loss, scale_grads=False)
+        from torch.distributed.pipelining import ScheduleGPipe, ScheduleLoopedBFS
+        fwd_stages = [st for _, st in self.stages["forward"]]
+        self._eval = (ScheduleLoopedBFS(fwd_stages, n_microbatches=m, loss_fn=None) if v > 1
+                      else ScheduleGPipe(fwd_stages[0], n_microbatches=m, loss_fn=None))
+        self._out_spec = _model_out_spec(cap)
+        self._rank_of_stage = {k: pp_ranks[k % p] for k in range(S)}
+
+    # ---- running ------------------------------------------------------------------------------
+    def _context(self, which: str, inputs: tuple, target) -> _StepContext:
+        m = self.n_microbatches
+        side = {}
+        for name, t in zip(self._cap.inputs, tuple(inputs) + ((target,) if target is not None else ())):
+            if t.shape[0] % m:
+                raise ValueError(f"the batch of input {name!r} ({t.shape[0]}) does not divide into "
+                                 f"{m} micro-batches; pass the global batch the plan was made for")
+            side[name] = list(t.tensor_split(m, dim=0))
+        return _StepContext(side, self.skip_edges[which], self._rank_of_stage)
+
+    def train_step(self, *inputs, target=None) -> torch.Tensor:
+        """Forward and backward of the global batch through the pipeline; returns the global
+        mean loss on every rank. Gradients are added to the local shards' ``.grad``."""
+        if self._schedule is None:
+            raise ValueError("this model was captured without a loss: pass loss_fn and target=")
+        if target is None and self._cap.takes_target:
+            raise ValueError("train_step needs target=: the loss is part of the plan's graph")
+        self._check_inputs(inputs)
+        params = [p for p in self.module.parameters()]
+        stash = {id(p): p.grad for p in params if p.grad is not None}
+        for p in params:
+            p.grad = None
+        losses: list = []
+        ctx = self._context("train", inputs, target)
+        with use_comm(self.comm), _use_ctx(ctx):
+            self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        self._skip_log = list(ctx.received)
+        with torch.no_grad():
+            self._sync_grads()
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(self.n_microbatches)
+                old = stash.get(id(p))
+                if old is not None:
+                    p.grad = old if p.grad is None else old + p.grad
+        last = (self.n_stages - 1) % self.plan.pipeline_stages
+        loss = torch.zeros((), dtype=self._cap.node(self._cap.loss).meta["val"].dtype)
+        if self.pp_rank == last:
+            loss = torch.stack([torch.as_tensor(x).detach() for x in losses]).mean()
+        dist.broadcast(loss, self._pp_global[last], group=self.pp_group)
+        return loss
+
+    def forward(self, *inputs):
+        """The model's outputs for the global batch (whole, on every rank)."""
+        self._check_inputs(inputs)
+        ctx = self._context("forward", inputs, None)
+        with torch.no_grad(), use_comm(self.comm), _use_ctx(ctx):
+            out = self._eval.eval(*inputs)
+        last = (self.n_stages - 1) % self.plan.pipeline_stages
+        flat = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else None
+        box = [flat if self.pp_rank == last else None]
+        dist.broadcast_object_list(box, self._pp_global[last], group=self.pp_group)
+        return pytree.tree_unflatten(list(box[0]), self._out_spec)
+
+    def _check_inputs(self, inputs) -> None:
+        if len(inputs) != self._cap.n_model_inputs:
+            raise TypeError(f"expected {self._cap.n_model_inputs} inputs (the global batch, as in "
+                            f"example_inputs), got {len(inputs)}")
+
+    def _sync_grads(self) -> None:
+        """Data-parallel all-reduce over the intra axes, then tied weights over the pipeline."""
+        params = dict(self.module.named_parameters())
+        by_axes: dict[tuple, list] = {}
+        for attr, axes in self._grad_sync.items():
+            p = params.get(attr)
+            if p is not None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                by_axes.setdefault(tuple(axes), []).append(p.grad)
+        for axes, grads in by_axes.items():
+            for a in axes:
+                self.comm.all_reduce_coalesced(grads, a).wait()
+        if self._tied:
+            parts = []
+            for attr in self._tied:
+                p = params.get(attr) if self.pp_rank in self._owners[attr] else None
+                if p is not None and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                parts.append(p.grad if p is not None else torch.zeros(self._local_shape(attr)))
+            flat = torch.cat([t.reshape(-1) for t in parts])
+            dist.all_reduce(flat, group=self.pp_group)
+            off = 0
+            for attr, t in zip(self._tied, parts):
+                n = t.numel()
+                if attr in params and self.pp_rank in self._owners[attr]:
+                    params[attr].grad.copy_(flat[off:off + n].view_as(t))
+                off += n
+
+    def _local_shape(self, attr: str) -> tuple[int, ...]:
+        return local_shape(self._shapes[attr], self._placements[attr], self.intra_plan.mesh_shape)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def _gather(self, attr: str, local: torch.Tensor | None, dtype) -> torch.Tensor:
+        """The whole tensor of ``attr`` on every rank, from the first pipeline rank holding it."""
+        src = self._owners[attr][0]
+        if self.pp_rank == src:
+            with use_comm(self.comm):
+                whole = unshard(local.detach(), self._placements[attr]).contiguous()
+        else:
+            whole = torch.empty(self._shapes[attr], dtype=dtype)
+        dist.broadcast(whole, self._pp_global[src], group=self.pp_group)
+        return whole
+
+    def _all_attrs(self):
+        for ph, names in self._cap.params.items():
+            yield names[0], self._cap.node(ph).meta["val"].dtype, True
+        for ph, name in self._cap.buffers.items():
+            yield name, self._cap.node(ph).meta["val"].dtype, False
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole parameters and buffers by their original names, on every rank (collective)."""
+        mine = dict(self.module.named_parameters()) | dict(self.module.named_buffers())
+        out = {}
+        for attr, dtype, _ in self._all_attrs():
+            whole = self._gather(attr, mine.get(attr), dtype)
+            for name in self._aliases[attr]:
+                out[name] = whole
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Whole gradients by original parameter name, on every rank (collective)."""
+        mine = dict(self.module.named_parameters())
+        out = {}
+        for attr, dtype, is_param in self._all_attrs():
+            if not is_param:
+                continue
+            p = mine.get(attr)
+            local = None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))
+            whole = self._gather(attr, local, dtype)
+            for name in self._aliases[attr]:
+                out[name] = whole
+        return out
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load whole tensors; each rank keeps the blocks of the stages it runs."""
+        missing = [n for n in self._placements if n not in state_dict]
+        if missing:
+            raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        imesh = tuple(self.intra_plan.mesh_shape)
+        with torch.no_grad():
+            for attr, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+                t.copy_(shard_tensor(state_dict[attr], self._placements[attr], self.comm.coord, imesh))
+
+    def received_skips(self) -> list[tuple[int, int]]:
+        """(skip edge, micro-batch) pairs this rank received in the last train step."""
+        return list(self._skip_log)
+
+    def code(self, which: str = "train") -> str:
+        """This rank's stage programs as Python."""
+        return "\n".join(f"# stage {sg.index}\n{sg.gm.code}" for sg, _ in self.stages[which])
+
+
+def _example(shape, dtype, requires_grad: bool) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype).requires_grad_(requires_grad and dtype.is_floating_point)
+
+
+def _get(root: nn.Module, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(root: nn.Module, path: str, value, buffer: bool = False) -> None:
+    *mods, leaf = path.split(".")
+    m = root
+    for name in mods:
+        if not hasattr(m, name):
+            m.add_module(name, nn.Module())
+        m = getattr(m, name)
+    if buffer:
+        m.register_buffer(leaf, value)
+    else:
+        m.register_parameter(leaf, value)
+
+
+def _model_out_spec(cap: Captured):
+    spec = cap.output_spec
+    return spec.child(1) if spec is not None and spec.num_children == 2 else spec
