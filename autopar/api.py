@@ -15,7 +15,7 @@ from autopar.sharding.registry import input_placements, output_placements
 
 # Pins: keyword arguments that fix one choice each and leave the rest to the solver.
 KNOWN_PINS = {"data", "tensor", "zero", "pipeline", "micro_batch_size", "schedule",
-              "recompute", "precision"}
+              "virtual_stages", "recompute", "precision"}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 
 
@@ -23,18 +23,17 @@ def _check_pins(pins: dict[str, Any]) -> dict[str, Any]:
     unknown = set(pins) - KNOWN_PINS
     if unknown:
         raise TypeError(f"unknown pin(s) {sorted(unknown)}; pins are {sorted(KNOWN_PINS)}")
-    if pins.get("pipeline", 1) not in (None, 1):
-        raise NotImplementedError("pipeline= > 1 is not available yet (pipeline parallelism "
-                                  "lands with the pipeline issue); use data= / tensor= / zero=")
+    pipe = pins.get("pipeline")
+    if pipe is not None and (not isinstance(pipe, int) or pipe < 1):
+        raise ValueError(f"pin pipeline={pipe!r} must be a positive integer")
     rec = pins.get("recompute")
     if not (rec is None or isinstance(rec, bool) or rec in ("full", "none")
             or (isinstance(rec, (list, tuple)) and all(isinstance(r, str) for r in rec))):
         raise ValueError(f"recompute={rec!r}: use 'full' (every repeated layer), None, or a "
                          "list of layer names such as ['h.0', 'h.1']")
-    for name in ("micro_batch_size", "schedule"):
-        if pins.get(name) is not None:
-            raise NotImplementedError(f"the pin {name}= is not available yet; it comes with "
-                                      "pipeline parallelism and recomputation")
+    for name in ("micro_batch_size", "schedule", "virtual_stages"):
+        if pins.get(name) is not None and (pipe or 1) == 1:
+            raise ValueError(f"the pin {name}= needs pipeline parallelism: pin pipeline= > 1 too")
     if pins.get("precision") not in (None, "fp32", "bf16", "fp16"):
         raise ValueError(f"precision={pins['precision']!r}: use 'fp32', 'bf16' or 'fp16'")
     zero = pins.get("zero", 0) or 0
@@ -105,6 +104,15 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
     t0 = time.perf_counter()
     # without an example target the loss cannot be captured: plan the model alone (the
     # loss then runs outside the graph, on the replicated output)
+    if _pipelined(pins):
+        from autopar.pipeline.plan_pipeline import capture_microbatch, pipeline_config, plan_pipeline
+        config = pipeline_config(example_inputs, pins)
+        cap = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
+        cl = parse_cluster(cluster)
+        return plan_pipeline(cap, cl, world_size or cl.world_size, pins, config,
+                             memory_budget=memory_budget, optimizer=optimizer,
+                             time_limit_s=time_limit_s, capture_s=time.perf_counter() - t0,
+                             verbose=verbose)
     cap = capture(model, example_inputs, loss_fn if target is not None else None, target)
     capture_s = time.perf_counter() - t0
     cl = parse_cluster(cluster)
@@ -194,6 +202,12 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
         comm_world = comm.world.world if hasattr(comm, "world") else int(torch.distributed.get_world_size())
     # loss_fn without a target: the loss runs outside the graph, on the replicated output.
     in_graph_loss = loss_fn if target is not None else None
+    given = None
+    if plan is not None:
+        given = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    if _pipelined(pins) or (given is not None and given.pipeline_stages > 1):
+        return _parallelize_pipeline(model, example_inputs, in_graph_loss, target, given, cluster,
+                                     memory_budget, optimizer, comm_world, pins)
     cap = capture(model, example_inputs, in_graph_loss, target)
     if plan is None:
         from autopar.cost_models.hardware import parse_cluster
@@ -212,13 +226,51 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
         elif error is not None:
             raise error
     else:
-        the_plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+        the_plan = given
         if pins:
             raise ValueError("pass pins to autopar.plan, or pass plan= — not both")
     _validate(the_plan, cap, comm_world)
     if comm is None:
         comm = _dist_comm(the_plan)
     return ParallelModule(cap, the_plan, comm, model, loss_fn if in_graph_loss is None else None)
+
+
+def _pipelined(pins: dict) -> bool:
+    return (pins.get("pipeline") or 1) > 1
+
+
+def _parallelize_pipeline(model, example_inputs, loss_fn, target, given, cluster, memory_budget,
+                          optimizer, world, pins):
+    """``parallelize`` with a pipeline axis: plan on rank 0 (or take ``given``), then run the
+    stages with torch.distributed.pipelining (``autopar.pipeline.runtime``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.pipeline.plan_pipeline import capture_microbatch, pipeline_config, plan_pipeline
+    from autopar.pipeline.runtime import PipelineModule
+    if loss_fn is None:
+        raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
+                         "target= (the last stage computes the loss of each micro-batch)")
+    if given is not None:
+        if pins:
+            raise ValueError("pass pins to autopar.plan, or pass plan= — not both")
+        the_plan, m = given, given.n_microbatches
+        cap = capture_microbatch(model, example_inputs, loss_fn, target, m)
+    else:
+        config = pipeline_config(example_inputs, pins)
+        cap = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
+        from autopar.cost_models.hardware import parse_cluster
+        cl = parse_cluster(cluster if cluster is not None else _local_cluster(world))
+        the_plan, error = None, None
+        if _rank() == 0:
+            try:
+                the_plan = plan_pipeline(cap, cl, world, pins, config, memory_budget=memory_budget,
+                                         optimizer=optimizer)
+            except Exception as e:  # noqa: BLE001 - every rank raises it below
+                error = e
+        the_plan = _broadcast_plan(the_plan, error)
+    _validate(the_plan, cap, world)
+    mesh = init_device_mesh("cpu", tuple(the_plan.mesh_shape), mesh_dim_names=tuple(the_plan.mesh_axes))
+    return PipelineModule(cap, the_plan, mesh, model)
 
 
 def _rank() -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from autopar.capture import capture
@@ -14,11 +14,9 @@ from autopar.sharding.registry import has_rule
 class Coverage:
     covered: dict[str, int]        # op -> node count
     missing: dict[str, list[str]]  # op -> node names (these run replicated)
-    gaps: dict[str, list[str]] = field(default_factory=dict)   # known missing rule -> nodes
 
     @property
     def ok(self) -> bool:
-        """Every op has a rule (known gaps such as fused projections are listed apart)."""
         return not self.missing
 
     def __str__(self) -> str:
@@ -31,9 +29,6 @@ class Coverage:
                 lines.append(f"  {op}: {', '.join(nodes[:3])}{more}")
         else:
             lines.append("every op has a rule")
-        for gap, nodes in self.gaps.items():
-            more = f" (+{len(nodes) - 3} more)" if len(nodes) > 3 else ""
-            lines.append(f"missing rule: {gap}: {', '.join(nodes[:3])}{more}")
         return "\n".join(lines)
 
 
@@ -52,26 +47,5 @@ def coverage(model, example_inputs: Sequence, loss_fn: Callable | None = None, *
             covered[str(n.target)] += 1
         else:
             missing.setdefault(str(n.target), []).append(n.name)
-    return Coverage(dict(covered), missing, _fused_projection_gaps(cap))
+    return Coverage(dict(covered), missing)
 
-
-FUSED = ("fused projection split (a linear whose output is split into q, k, v): a column "
-         "shard would cut mid-head and needs a strided shard, which autopar does not have "
-         "yet; these splits run on gathered or batch/sequence-sharded tensors (correct, slower)")
-
-
-def _fused_projection_gaps(cap) -> dict[str, list[str]]:
-    import torch
-    aten = torch.ops.aten
-    split_ops = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-                 aten.unbind.int}
-    nodes = []
-    for n in cap.gm.graph.nodes:
-        if n.op == "call_function" and n.target in split_ops:
-            src = n.args[0]
-            val = src.meta.get("val")
-            dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
-            if (isinstance(src, torch.fx.Node) and src.target in (aten.linear.default, aten.addmm.default)
-                    and val is not None and dim % val.ndim == val.ndim - 1):
-                nodes.append(n.name)
-    return {FUSED: nodes} if nodes else {}

@@ -8,6 +8,11 @@ tensor dimension):
   axis holds block ``i``. When several axes shard the same dim, the earlier axis splits
   first (outer blocks), the later axis splits each of those blocks again.
 - ``Partial()``    (``P``): every rank holds a term; the tensor is the sum of the terms.
+- ``Shard(dim, groups=g)`` (``S(d/g)``): a strided shard. ``dim`` is read as ``g`` equal
+  groups (a fused projection's q, k, v) and each group is split evenly; rank ``i`` holds
+  block ``i`` of every group, side by side. Splitting the dim into its ``g`` groups then
+  leaves each group plainly ``S(d)``: head boundaries stay whole (Megatron's per-head
+  layout, DTensor's ``_StridedShard``).
 
 Gradient convention used by the runtime (and by the cost of each conversion): the local
 gradient of an ``R`` or ``P`` tensor is the whole gradient; of an ``S(d)`` tensor, its shard.
@@ -28,9 +33,10 @@ class Replicate:
 @dataclass(frozen=True)
 class Shard:
     dim: int
+    groups: int = 1
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.groups == 1 else f"S({self.dim}/{self.groups})"
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ Placement = Union[Replicate, Shard, Partial]
 R = Replicate()
 P = Partial()
 
-_SHARD = re.compile(r"^S\((-?\d+)\)$")
+_SHARD = re.compile(r"^S\((-?\d+)(?:/(\d+))?\)$")
 
 
 def parse_placement(text: str) -> Placement:
@@ -55,7 +61,7 @@ def parse_placement(text: str) -> Placement:
         return P
     m = _SHARD.match(text)
     if m:
-        return Shard(int(m.group(1)))
+        return Shard(int(m.group(1)), int(m.group(2) or 1))
     raise ValueError(f"unknown placement {text!r}: expected 'R', 'P' or 'S(<dim>)'")
 
 
@@ -83,7 +89,7 @@ def parse_placements(text: str) -> tuple[Placement, ...]:
 def normalize(p: Placement, ndim: int) -> Placement:
     """Shard(-1) on a 3-D tensor -> Shard(2)."""
     if isinstance(p, Shard) and p.dim < 0:
-        return Shard(p.dim + ndim)
+        return Shard(p.dim + ndim, p.groups)
     return p
 
 
@@ -91,10 +97,17 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement],
                 mesh_shape: Sequence[int]) -> tuple[int, ...] | None:
     """The shape each rank holds, or None when a sharded dim does not divide evenly."""
     out = list(shape)
+    sharded: dict[int, int] = {}     # dim -> how many axes shard it
+    strided: set[int] = set()
     for p, n in zip(placements, mesh_shape):
         if isinstance(p, Shard):
             d = p.dim % len(out) if out else 0
-            if not out or out[d] % n:
+            if not out or out[d] % (n * p.groups):
                 return None
+            sharded[d] = sharded.get(d, 0) + 1
+            if p.groups > 1:
+                strided.add(d)
             out[d] //= n
+    if any(sharded[d] > 1 for d in strided):
+        return None   # a strided shard shares its dim with no other shard
     return tuple(out)

@@ -85,6 +85,14 @@ class Plan:
     inputs: tuple[str, ...] = ()                                 # user inputs, then the target
     recompute: tuple[str, ...] = ()          # layers run again in backward ("transformer.h.0")
     version: int = PLAN_VERSION
+    # ---- pipeline (autopar.pipeline). When pipeline_stages > 1, mesh axis 0 is "pipeline"
+    # and ``nodes`` holds placements on the intra-stage axes (mesh_shape[1:]) only, for the
+    # graph captured with micro-batch inputs ----
+    pipeline_stages: int = 1                  # pipeline ranks p
+    virtual_stages: int = 1                   # stages per rank v
+    n_microbatches: int = 1
+    schedule: str = ""                        # "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
+    stage_cuts: tuple[str, ...] = ()          # first graph node of stages 1 .. p*v-1
 
     # ---- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -121,7 +129,10 @@ class Plan:
                 param_shapes={k: list(v) for k, v in d.get("param_shapes", {}).items()},
                 node_ops=dict(d.get("node_ops", {})), inputs=tuple(d.get("inputs", ())),
                 recompute=tuple(d.get("recompute", ())),
-                version=version)
+                version=version, pipeline_stages=int(d.get("pipeline_stages", 1)),
+                virtual_stages=int(d.get("virtual_stages", 1)),
+                n_microbatches=int(d.get("n_microbatches", 1)), schedule=str(d.get("schedule", "")),
+                stage_cuts=tuple(d.get("stage_cuts", ())))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as e:

@@ -68,11 +68,14 @@ def plan_summary(plan: Plan) -> str:
     lines.append("")
     sharded = [(n, p) for n, p in plan.nodes.items()
                if n in plan.node_ops and any(c in "SP" for c in str(p))]
-    lines.append(f"sharded ops ({len(sharded)} of {len(plan.node_ops)}; the rest run replicated):")
-    rows = [(n, plan.node_ops[n].replace("aten.", ""), str(p)) for n, p in sharded[:60]]
-    lines += _table(("node", "op", "inputs -> outputs"), rows)
-    if len(sharded) > 60:
-        lines.append(f"  ... {len(sharded) - 60} more")
+    groups: "OrderedDict[tuple[str, str], list[str]]" = OrderedDict()
+    for n, p in sharded:
+        groups.setdefault((plan.node_ops[n].replace("aten.", ""), str(p)), []).append(n)
+    lines.append(f"sharded ops ({len(sharded)} of {len(plan.node_ops)} nodes, grouped by op and "
+                 "placement; the rest run replicated):")
+    rows = [(op, place, len(nodes), ", ".join(nodes[:3]) + (" ..." if len(nodes) > 3 else ""))
+            for (op, place), nodes in groups.items()]
+    lines += _table(("op", "inputs -> outputs", "nodes", "e.g."), rows)
     return "\n".join(lines)
 
 

@@ -52,9 +52,14 @@ def _step_kwargs(step: Step) -> dict:
             kw["dim"] = step.dim
         if step.grad_partial:
             kw["grad_partial"] = True
+        if step.groups > 1:
+            kw["groups"] = step.groups
         return kw
     if k in ("scatter", "reduce_scatter"):
-        return {"axis": step.axis, "dim": step.dim}
+        kw = {"axis": step.axis, "dim": step.dim}
+        if step.groups > 1:
+            kw["groups"] = step.groups
+        return kw
     if k == "all_to_all":
         return {"axis": step.axis, "split_dim": step.dim, "cat_dim": step.dim2}
     return {"axis": step.axis}

@@ -13,7 +13,7 @@ A layer is a repeated module of the captured graph, named ``"<container>.<index>
 (``"transformer.h.3"``; see :func:`autopar.capture.layer_of`). Its region in the per-rank
 graph is the span from the first to the last node computed for one of its captured nodes,
 with every node in between (the collectives the rewrite put there). A region must not
-update a buffer in place (BatchNorm's running statistics would be updated twice).
+update a buffer in place (BatchNorm's running statistics would be updated twice); "full" leaves such layers out.
 
 Regions are chosen before the pass: :func:`select_layers` turns the ``recompute=`` pin
 ("full": every repeated layer; or a list of layer names, where a unique suffix such as
@@ -58,19 +58,32 @@ def select_layers(gm: GraphModule, spec: "str | Sequence[str] | None") -> tuple[
         return ()
     layers = repeated_layers(gm)
     if spec is True or spec == "full":
-        if not layers:
+        nodes = {n.name: n for n in gm.graph.nodes}
+        # "full" leaves out layers that update a tensor in place (BatchNorm in training)
+        ok = tuple(lay for lay, names in layers.items()
+                   if not any(_mutates(nodes[m]) for m in names))
+        if not ok:
             raise RecomputeError("recompute='full' but the model has no repeated layers (an "
-                                 "nn.ModuleList / nn.Sequential of two or more blocks)")
-        return tuple(layers)
+                                 "nn.ModuleList / nn.Sequential of two or more blocks) that "
+                                 "can be recomputed")
+        return ok
     if isinstance(spec, str):
         raise RecomputeError(f"recompute={spec!r}: use 'full', None, or a list of layer "
                              f"names such as {list(layers)[:2]}")
+    by_name = {n.name: n for n in gm.graph.nodes}
+    nodes_of = lambda lay: [by_name[m] for m in layers[lay]]  # noqa: E731
     chosen = []
     for name in spec:
         hits = [lay for lay in layers if lay == name or lay.endswith("." + name)]
         if len(hits) != 1:
             why = "matches no repeated layer" if not hits else f"is ambiguous ({hits})"
             raise RecomputeError(f"recompute: {name!r} {why}; layers are {list(layers)}")
+        bad = [n for n in nodes_of(hits[0]) if _mutates(n)]
+        if bad:
+            raise RecomputeError(
+                f"recompute: layer {hits[0]!r} cannot be recomputed: node {bad[0].name} "
+                f"({bad[0].target}) updates a tensor in place (BatchNorm's running statistics "
+                "would be updated twice); leave this layer out of recompute=")
         if hits[0] not in chosen:
             chosen.append(hits[0])
     order = list(layers)
@@ -176,8 +189,7 @@ def _extract(body_nodes: list[Node], layer: str) -> tuple[GraphModule, list[Node
     """(region GraphModule, outer nodes it reads, its nodes read after it)."""
     inside = set(body_nodes)
     for n in body_nodes:
-        schema = getattr(n.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
+        if _mutates(n):
             raise RecomputeError(
                 f"recompute: layer {layer!r} cannot be recomputed: node {n.name} "
                 f"({n.target}) updates a tensor in place (BatchNorm's running statistics "
@@ -200,6 +212,18 @@ def _extract(body_nodes: list[Node], layer: str) -> tuple[GraphModule, list[Node
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(tuple(env[o] for o in outs))
     return GraphModule(nn.Module(), sub, class_name="Recomputed"), ins, outs
+
+
+def _mutates(node: Node) -> bool:
+    """The op writes into an input: a mutable schema (``add_``), or ``batch_norm`` in
+    training, whose schema does not say it updates its running statistics."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    if node.target is torch.ops.aten.batch_norm.default:
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+        return bool(training)
+    return False
 
 
 def _fetch(gm: GraphModule, target: str):

@@ -20,7 +20,9 @@ def shard_tensor(full: torch.Tensor, placements: Sequence[Placement], coord: Seq
     """This rank's block of ``full`` (axes that shard the same dim nest, earlier axis outer)."""
     out = full
     for p, c, n in zip(placements, coord, mesh_shape):
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and p.groups > 1:
+            out = out.unflatten(p.dim, (p.groups, -1)).chunk(n, dim=p.dim + 1)[c].flatten(p.dim, p.dim + 1)
+        elif isinstance(p, Shard):
             out = out.chunk(n, dim=p.dim)[c]
         elif not isinstance(p, Replicate):
             raise ValueError(f"a stored tensor cannot be {p}: only R and S(d)")

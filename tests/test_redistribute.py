@@ -23,7 +23,8 @@ MESHES = [(2,), (4,), (2, 2)]
 
 
 def placements(ndim: int, n_axes: int, partial: bool):
-    per_axis = [R] + [Shard(d) for d in range(ndim)] + ([P] if partial else [])
+    per_axis = ([R] + [Shard(d) for d in range(ndim)] + [Shard(d, 2) for d in range(ndim)]
+                + ([P] if partial else []))
     return st.tuples(*[st.sampled_from(per_axis) for _ in range(n_axes)])
 
 
@@ -117,6 +118,15 @@ def test_partial_gradient_is_reduced_once(mesh):
         for rank, grad in enumerate(ThreadWorld(mesh).run(body)):
             torch.testing.assert_close(grad, torch.ones_like(x),
                                        msg=lambda m: f"{src} on {mesh} rank {rank}: {m}")
+
+
+def test_strided_shard_keeps_groups_whole():
+    """S(0/2) on 2 ranks: each rank holds its half of each group (q and k halves), so
+    splitting the dim into its 2 groups leaves each one plainly S(0)."""
+    x = torch.arange(8.0)              # groups [0..3] and [4..7]
+    blocks = [m for m, _, _ in run_conversion(x, (R,), (Shard(0, 2),), (2,))[0]]
+    torch.testing.assert_close(blocks[0], torch.tensor([0.0, 1.0, 4.0, 5.0]))
+    torch.testing.assert_close(blocks[1], torch.tensor([2.0, 3.0, 6.0, 7.0]))
 
 
 def test_nested_shards_keep_block_order():

@@ -106,12 +106,12 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
                          f"can be cut into: it has {len(units)} op nodes ({len(units) - 1} cut "
                          "points); use fewer stages")
     intra_pins = {k: pins[k] for k in ("data", "tensor", "zero") if pins.get(k) is not None}
-    intra = plan_captured(cap, cl, world // p, memory_budget=memory_budget, optimizer=optimizer,
+    intra = plan_captured(cap, _sub_cluster(cl, world // p), world // p, memory_budget=memory_budget, optimizer=optimizer,
                           time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
                           pins=intra_pins)
     t0 = time.perf_counter()
     times = np.array([_node_time(cap, intra, cl, name) for name in units])
-    bandwidth = _pipeline_bandwidth(cl)
+    bandwidth = _pipeline_bandwidth(cl, world // p)
     cross = np.array(crossing_bytes(cap, lambda n: _local_bytes(cap, intra, n)))
     L = len(units)
     prefix = np.concatenate([[0.0], np.cumsum(times)])
@@ -144,12 +144,17 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
                    stage_cuts=tuple(units[c] for c in cuts))
 
 
-def _pipeline_bandwidth(cl) -> float:
-    for name in ("inter_node_bandwidth", "intra_node_bandwidth", "bandwidth"):
-        bw = getattr(cl, name, None)
-        if isinstance(bw, (int, float)) and bw > 0:
-            return float(bw)
-    return 10e9
+def _sub_cluster(cl, d: int):
+    """The devices of one stage: the ``d`` consecutive ranks of the intra-stage mesh."""
+    dpn = cl.devices_per_node
+    nodes, per = (1, d) if d <= dpn else (d // dpn, dpn)
+    return replace(cl, name=f"{cl.name}[stage of {d}]", nodes=nodes, devices_per_node=per)
+
+
+def _pipeline_bandwidth(cl, d: int) -> float:
+    """Bytes/s between neighbouring stages (d ranks apart): within a node or across nodes."""
+    link = cl.inter if cl.nodes > 1 and d >= cl.devices_per_node else cl.intra
+    return float(getattr(link, "bandwidth", 0.0) or 10e9)
 
 
 def _node_time(cap: Captured, intra: Plan, cl, name: str) -> float:

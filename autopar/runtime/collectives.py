@@ -14,25 +14,52 @@ import torch
 from autopar.runtime.comm import current_comm
 
 
-def _slice(t: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+def _slice(t: torch.Tensor, axis: int, dim: int, groups: int = 1) -> torch.Tensor:
+    """This rank's block along ``dim`` (of every one of ``groups`` groups)."""
     comm = current_comm()
-    return t.chunk(comm.size(axis), dim=dim)[comm.coord[axis]].contiguous()
+    n, i = comm.size(axis), comm.coord[axis]
+    if groups == 1:
+        return t.chunk(n, dim=dim)[i].contiguous()
+    return t.unflatten(dim, (groups, -1)).chunk(n, dim=dim + 1)[i].flatten(dim, dim + 1).contiguous()
+
+
+def _rank_major(t: torch.Tensor, dim: int, n: int, groups: int) -> torch.Tensor:
+    """[g0b0 g0b1 | g1b0 g1b1] -> [g0b0 g1b0 | g0b1 g1b1]: the order a collective over
+    ranks sends and receives a strided shard in."""
+    if groups == 1:
+        return t
+    return t.unflatten(dim, (groups, n, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
+
+
+def _group_major(t: torch.Tensor, dim: int, n: int, groups: int) -> torch.Tensor:
+    """The inverse of :func:`_rank_major`."""
+    if groups == 1:
+        return t
+    return t.unflatten(dim, (n, groups, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
+
+
+def _gather(x, axis, dim, groups):
+    comm = current_comm()
+    return _group_major(comm.all_gather(x, axis, dim), dim, comm.size(axis), groups)
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim, grad_partial, regather=False):
-        ctx.axis, ctx.dim, ctx.grad_partial = axis, dim, grad_partial
-        out = current_comm().all_gather(x, axis, dim)
+    def forward(ctx, x, axis, dim, grad_partial, regather=False, groups=1):
+        ctx.axis, ctx.dim, ctx.grad_partial, ctx.groups = axis, dim, grad_partial, groups
+        out = _gather(x, axis, dim, groups)
         if regather:
-            regathered_weights().register(out, x, axis, dim)
+            regathered_weights().register(out, x, axis, dim, groups)
         return out
 
     @staticmethod
     def backward(ctx, g):
+        none = (None,) * 5
         if ctx.grad_partial:
-            return current_comm().reduce_scatter(g, ctx.axis, ctx.dim), None, None, None, None
-        return _slice(g, ctx.axis, ctx.dim), None, None, None, None
+            comm = current_comm()
+            g = _rank_major(g, ctx.dim, comm.size(ctx.axis), ctx.groups)
+            return (comm.reduce_scatter(g, ctx.axis, ctx.dim), *none)
+        return (_slice(g, ctx.axis, ctx.dim, ctx.groups), *none)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -61,13 +88,13 @@ class _GradAllReduce(torch.autograd.Function):
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return _slice(x, axis, dim)
+    def forward(ctx, x, axis, dim, groups=1):
+        ctx.axis, ctx.dim, ctx.groups = axis, dim, groups
+        return _slice(x, axis, dim, groups)
 
     @staticmethod
     def backward(ctx, g):
-        return current_comm().all_gather(g.contiguous(), ctx.axis, ctx.dim), None, None
+        return _gather(g.contiguous(), ctx.axis, ctx.dim, ctx.groups), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -111,8 +138,8 @@ class RegatheredWeights:
     def __init__(self):
         self.by_storage: dict[int, tuple] = {}
 
-    def register(self, full, shard, axis, dim):
-        self.by_storage[full.untyped_storage().data_ptr()] = (weakref.ref(full), shard, axis, dim)
+    def register(self, full, shard, axis, dim, groups=1):
+        self.by_storage[full.untyped_storage().data_ptr()] = (weakref.ref(full), shard, axis, dim, groups)
 
     def _pack(self, t):
         entry = self.by_storage.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
@@ -125,9 +152,9 @@ class RegatheredWeights:
 
     def _unpack(self, obj):
         if isinstance(obj, tuple) and obj and obj[0] == "regather":
-            _, shard, axis, dim, size, stride, offset, _dtype = obj
+            _, shard, axis, dim, groups, size, stride, offset, _dtype = obj
             with torch.no_grad():
-                full = current_comm().all_gather(shard.detach(), axis, dim)
+                full = _gather(shard.detach(), axis, dim, groups)
             return full.as_strided(size, stride, offset)
         return obj
 
@@ -148,10 +175,11 @@ def regathered_weights() -> RegatheredWeights:
 
 # The graph's call targets. Keyword names show up in the generated per-rank code.
 
-def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: bool = False):
-    """S(dim) -> R on ``axis``. ``regather``: a ZeRO-3 weight, which autograd does not keep:
-    backward gathers it again from the shard (see :class:`RegatheredWeights`)."""
-    return _AllGather.apply(x, axis, dim, grad_partial, regather)
+def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: bool = False,
+               groups: int = 1):
+    """S(dim) (or strided S(dim/groups)) -> R on ``axis``. ``regather``: a ZeRO-3 weight,
+    which autograd does not keep: backward gathers it again (:class:`RegatheredWeights`)."""
+    return _AllGather.apply(x, axis, dim, grad_partial, regather, groups)
 
 
 def all_reduce(x, axis: int, grad_partial: bool = False):
@@ -164,9 +192,9 @@ def grad_all_reduce(x, axis: int):
     return _GradAllReduce.apply(x, axis)
 
 
-def scatter(x, axis: int, dim: int):
-    """R -> S(dim) on ``axis``: keep this rank's block."""
-    return _Scatter.apply(x, axis, dim)
+def scatter(x, axis: int, dim: int, groups: int = 1):
+    """R -> S(dim) (or strided S(dim/groups)) on ``axis``: keep this rank's block."""
+    return _Scatter.apply(x, axis, dim, groups)
 
 
 def reduce_scatter(x, axis: int, dim: int):
@@ -188,13 +216,13 @@ def apply_step(x, step):
     """Run one ``redistribute.Step`` (used by tests and the simulator)."""
     k = step.kind
     if k == "all_gather":
-        return all_gather(x, step.axis, step.dim, step.grad_partial)
+        return all_gather(x, step.axis, step.dim, step.grad_partial, groups=step.groups)
     if k == "all_reduce":
         return all_reduce(x, step.axis, step.grad_partial)
     if k == "grad_all_reduce":
         return grad_all_reduce(x, step.axis)
     if k == "scatter":
-        return scatter(x, step.axis, step.dim)
+        return scatter(x, step.axis, step.dim, step.groups)
     if k == "reduce_scatter":
         return reduce_scatter(x, step.axis, step.dim)
     if k == "all_to_all":

@@ -36,6 +36,7 @@ class Step:
     dim: int = -1              # tensor dim for gather / scatter; split dim for all_to_all
     dim2: int = -1             # concat dim for all_to_all
     grad_partial: bool = False  # gather / all_reduce: the backward reduces too
+    groups: int = 1            # gather / scatter of a strided shard S(d/g)
 
     # (collective name, which size it moves) for forward and backward: used by the cost model.
     def forward_collective(self) -> str | None:
@@ -51,7 +52,8 @@ class Step:
                 "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}.get(self.kind)
 
     def __str__(self) -> str:
-        extra = {"all_gather": f"dim={self.dim}", "scatter": f"dim={self.dim}",
+        g = f"/{self.groups}" if self.groups > 1 else ""
+        extra = {"all_gather": f"dim={self.dim}{g}", "scatter": f"dim={self.dim}{g}",
                  "reduce_scatter": f"dim={self.dim}",
                  "all_to_all": f"{self.dim}->{self.dim2}"}.get(self.kind, "")
         return f"{self.kind}[axis {self.axis}{', ' + extra if extra else ''}]"
@@ -81,7 +83,7 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement],
     def clear_later(a: int, dims: set[int]) -> None:
         for b in range(n - 1, a, -1):
             if isinstance(cur[b], Shard) and cur[b].dim in dims:
-                steps.append(Step("all_gather", b, cur[b].dim))
+                steps.append(Step("all_gather", b, cur[b].dim, groups=cur[b].groups))
                 cur[b] = R
 
     # Phase A, last axis first: leave Shard / Partial placements that must change.
@@ -92,16 +94,24 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement],
         clear_later(a, dims_of(s) | dims_of(d))
         if isinstance(s, Shard):
             if isinstance(d, Replicate):
-                steps.append(Step("all_gather", a, s.dim, grad_partial=gp[a]))
-            elif isinstance(d, Shard):
+                steps.append(Step("all_gather", a, s.dim, grad_partial=gp[a], groups=s.groups))
+            elif isinstance(d, Shard) and s.groups == 1 and d.groups == 1:
                 steps.append(Step("all_to_all", a, d.dim, s.dim))
+            elif isinstance(d, Shard):        # strided on either side: through R
+                steps.append(Step("all_gather", a, s.dim, groups=s.groups))
+                cur[a] = R
+                continue
             else:
                 raise Unsupported(f"{s} -> {d} on axis {a}")
         else:  # Partial
             if isinstance(d, Replicate):
                 steps.append(Step("all_reduce", a, grad_partial=gp[a]))
-            else:
+            elif d.groups == 1:
                 steps.append(Step("reduce_scatter", a, d.dim))
+            else:                              # to a strided shard: through R
+                steps.append(Step("all_reduce", a))
+                cur[a] = R
+                continue
         cur[a] = d
 
     # Phase B, first axis first: shard what is replicated now and must not be.
@@ -113,7 +123,7 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement],
             continue
         clear_later(a, dims_of(d))
         if isinstance(d, Shard):
-            steps.append(Step("scatter", a, d.dim))
+            steps.append(Step("scatter", a, d.dim, groups=d.groups))
         elif isinstance(d, Partial):
             steps.append(Step("to_partial", a))
         else:

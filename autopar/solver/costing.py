@@ -154,7 +154,7 @@ def _after(step: Step, p: Placement) -> Placement:
     if step.kind in ("all_gather", "all_reduce", "grad_all_reduce"):
         return Replicate()
     if step.kind in ("scatter", "reduce_scatter", "all_to_all"):
-        return Shard(step.dim)
+        return Shard(step.dim, step.groups)
     return p  # to_partial keeps the size
 
 

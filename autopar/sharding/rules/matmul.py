@@ -107,7 +107,24 @@ def linear(call: OpCall) -> list[Strategy]:
     batch = _BATCH[: x.ndim - 1]
     specs = [batch + "k", "nk"] + (["n"] if len(call.inputs) == 3 else [])
     additive = [False, False, True][: len(call.inputs)]
-    return einsum_strategies(call, specs, batch + "n", additive)
+    return einsum_strategies(call, specs, batch + "n", additive) + fused_column(call)
+
+
+FUSED_GROUPS = (2, 3)   # gate/up pairs, q/k/v triples
+
+
+def fused_column(call: OpCall) -> list[Strategy]:
+    """Column-parallel with a strided shard: the output features are ``g`` fused groups
+    (q, k, v) and each rank holds its block of every group, so a later split into the
+    groups stays head-aligned (see ``autopar.placement``)."""
+    n_out = call.outputs[0].shape[-1]
+    res = []
+    for g in FUSED_GROUPS:
+        if n_out % g == 0:
+            w = Shard(0, g)
+            ins = (R, w) + ((w,) if len(call.inputs) == 3 else ())
+            res.append(Strategy(ins, (Shard(call.outputs[0].ndim - 1, g),)))
+    return res
 
 
 def matmul_specs(na: int, nb: int) -> tuple[str, str, str]:

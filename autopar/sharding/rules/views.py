@@ -157,7 +157,27 @@ def permute(call: OpCall) -> list[Strategy]:
 def split(call: OpCall) -> list[Strategy]:
     x = call.inputs[0]
     dim = norm_dim(call.arg(2, "dim", 0), x.ndim)
-    return dim_map_strategies(call, {d: d for d in range(x.ndim) if d != dim})
+    res = dim_map_strategies(call, {d: d for d in range(x.ndim) if d != dim})
+    sizes = {o.shape[dim] for o in call.outputs}
+    g = len(call.outputs)
+    if g > 1 and len(sizes) == 1:
+        # the split undoes a fused projection: a strided shard with one group per output
+        # leaves every output plainly sharded on the same dim
+        res.append(Strategy((Shard(dim, g),), tuple(Shard(dim) for _ in call.outputs)))
+    return res
+
+
+@register_local(*ops("split.Tensor", "split_with_sizes", "split_copy.Tensor"))
+def split_local(call: OpCall, combo, mesh_shape):
+    """Split sizes become the outputs' local sizes (they shrink when the split dim holds a
+    strided shard; elsewhere they stay as they are)."""
+    dim = norm_dim(call.arg(2, "dim", 0), call.inputs[0].ndim)
+    sizes = [local_out_shape(call, combo, mesh_shape, k)[dim] for k in range(len(call.outputs))]
+    if call.op in ops("split_with_sizes"):
+        args, kwargs = with_arg(call, 1, "split_sizes", sizes)
+    else:
+        args, kwargs = with_arg(call, 1, "split_size", sizes[0])
+    return call.op, args, kwargs
 
 
 @register_rule(*ops("unbind.int"))

@@ -1,0 +1,251 @@
+"""Cost-model accuracy: predicted against measured step time and memory on this CPU.
+
+    python benchmarks/cost_model_accuracy.py              # all cases, 2 and 4 gloo ranks
+    python benchmarks/cost_model_accuracy.py --quick      # fewer cases and steps
+    python benchmarks/cost_model_accuracy.py --profile    # profiled op times, not the roofline
+
+The parent process plans every case (``autopar.plan(..., cluster="cpu:<ranks>")``: the
+roofline with this machine's measured constants, or with ``--profile`` the profiler's
+single-thread op times, scaled by ranks / cores when ranks outnumber cores) and saves the
+plans; then one ``torchrun`` per world size runs them on real gloo ranks
+(``OMP_NUM_THREADS=1``, as torchrun sets it for several ranks per node).
+
+Measured, per case:
+
+- step time: ``pm.train_step`` (forward, backward, gradient synchronisation; no optimizer
+  step, which the estimate does not include either) after ``--warmup`` steps; each step
+  starts after a barrier and its time is the slowest rank's; we print the median over
+  ``--steps`` steps;
+- memory: per rank, the bytes of the local parameters and AdamW state (exp_avg,
+  exp_avg_sq: counted directly) plus the peak of live tensor bytes allocated during one
+  ``train_step`` (``autopar.cost_models.profile.PeakMemory``: torch's own census of
+  tensor storages, so gradients, activations and communication buffers), the largest rank.
+  This is what the estimate's ``memory_bytes`` terms claim to count; it is not the RSS
+  (glibc keeps freed heap, and the interpreter and libraries take ~300 MB per rank).
+
+We print predicted against measured for each case, the Spearman rank correlation and the
+mean absolute (relative) error of the step time and of the memory. Targets: Spearman >= 0.8
+and MAE <= 20% on step time. The machine is shared: the load average is printed with the
+results, since other processes on the two cores slow the measured steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# (label, model, world, pins): model names a builder below
+CASES = [
+    ("gpt256 dp2", "gpt256", 2, {"data": 2}),
+    ("gpt256 zero3 dp2", "gpt256", 2, {"data": 2, "zero": 3}),
+    ("gpt256 tp2", "gpt256", 2, {"tensor": 2}),
+    ("gpt256 free", "gpt256", 2, {}),
+    ("gpt128 dp2", "gpt128", 2, {"data": 2}),
+    ("gpt128 tp2", "gpt128", 2, {"tensor": 2}),
+    ("mlp dp2", "mlp", 2, {"data": 2}),
+    ("gpt256 recompute dp2", "gpt256", 2, {"data": 2, "recompute": "full"}),
+    ("gpt256 dp4", "gpt256", 4, {"data": 4}),
+    ("gpt256 zero3 dp4", "gpt256", 4, {"data": 4, "zero": 3}),
+    ("gpt256 tp4", "gpt256", 4, {"tensor": 4}),
+    ("gpt256 dp2xtp2", "gpt256", 4, {"data": 2, "tensor": 2}),
+    ("gpt128 dp2xtp2", "gpt128", 4, {"data": 2, "tensor": 2}),
+    ("mlp tp4", "mlp", 4, {"tensor": 4}),
+]
+QUICK = {"gpt256 dp2", "gpt256 zero3 dp2", "gpt256 tp2", "gpt128 dp2", "gpt256 dp4",
+         "gpt256 tp4", "gpt256 dp2xtp2", "mlp tp4"}
+
+
+def build(name: str):
+    from examples.models import gpt_factory, mlp_factory
+    if name == "gpt256":
+        return gpt_factory(batch=16, n_embd=256, n_layer=4, n_head=8, block_size=64,
+                           vocab_size=512)
+    if name == "gpt128":
+        return gpt_factory(batch=16, n_embd=128, n_layer=4, n_head=4, block_size=64,
+                           vocab_size=512)
+    if name == "mlp":
+        return mlp_factory(batch=512, in_features=512, hidden=2048, out_features=512)
+    raise KeyError(name)
+
+
+# ---- parent: plan, launch, report -------------------------------------------------------
+def plan_cases(cases, profile: bool, tmp: str) -> list[dict]:
+    import autopar
+    from autopar.cost_models.hardware import _cores
+    out = []
+    for label, model, world, pins in cases:
+        ex = build(model)
+        prof = None
+        if profile:
+            from autopar.cost_models.profile import Profiler
+            prof = Profiler("cpu", threads=1, time_scale=max(1.0, world / _cores()))
+        t0 = time.perf_counter()
+        if prof is not None:
+            with prof:
+                p = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                                 cluster=f"cpu:{world}", profiler=prof, **pins)
+        else:
+            p = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                             cluster=f"cpu:{world}", **pins)
+        path = os.path.join(tmp, f"plan{len(out)}.json")
+        p.save(path)
+        est = p.estimate
+        out.append({"label": label, "model": model, "world": world, "plan": path,
+                    "mesh": list(p.mesh_shape), "pred_s": est.step_time_s,
+                    "pred_compute_s": est.compute_s, "pred_comm_s": est.comm_s,
+                    "pred_mem": est.memory_total, "plan_s": time.perf_counter() - t0})
+        print(f"planned {label:<22} mesh {p.mesh_shape}  predicted {est.step_time_s * 1e3:7.1f} ms "
+              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+    return out
+
+
+def launch(world: int, cases: list[dict], steps: int, warmup: int, tmp: str) -> list[dict]:
+    spec = os.path.join(tmp, f"cases{world}.json")
+    out = os.path.join(tmp, f"results{world}.json")
+    with open(spec, "w") as f:
+        json.dump({"cases": cases, "steps": steps, "warmup": warmup}, f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           os.path.abspath(__file__), "--worker", spec, out]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun with {world} ranks failed:\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def mae(pred: list[float], meas: list[float]) -> float:
+    return statistics.fmean(abs(p - m) / m for p, m in zip(pred, meas))
+
+
+def report(rows: list[dict]) -> dict:
+    print(f"\n{'case':<24}{'mesh':<9}{'pred ms':>9}{'meas ms':>9}{'err':>7}   "
+          f"{'comp':>7}{'comm':>7}   {'pred MB':>8}{'meas MB':>8}{'err':>7}")
+    for r in rows:
+        e_t = (r["pred_s"] - r["meas_s"]) / r["meas_s"]
+        e_m = (r["pred_mem"] - r["meas_mem"]) / r["meas_mem"]
+        print(f"{r['label']:<24}{str(r['mesh']):<9}{r['pred_s'] * 1e3:>9.1f}{r['meas_s'] * 1e3:>9.1f}"
+              f"{e_t:>+7.0%}   {r['pred_compute_s'] * 1e3:>7.1f}{r['pred_comm_s'] * 1e3:>7.1f}   "
+              f"{r['pred_mem'] / 2**20:>8.1f}{r['meas_mem'] / 2**20:>8.1f}{e_m:>+7.0%}")
+    pt, mt = [r["pred_s"] for r in rows], [r["meas_s"] for r in rows]
+    pm, mm = [r["pred_mem"] for r in rows], [r["meas_mem"] for r in rows]
+    summary = {"step_spearman": spearman(pt, mt), "step_mae": mae(pt, mt),
+               "mem_spearman": spearman(pm, mm), "mem_mae": mae(pm, mm)}
+    print(f"\nstep time: Spearman {summary['step_spearman']:.3f}, MAE {summary['step_mae']:.1%}"
+          f"   (target >= 0.8, <= 20%)")
+    print(f"memory:    Spearman {summary['mem_spearman']:.3f}, MAE {summary['mem_mae']:.1%}")
+    print(f"load average during the run: {os.getloadavg()[0]:.2f} (1 min), cores: {os.cpu_count()}")
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="8 cases, fewer steps")
+    ap.add_argument("--profile", action="store_true", help="plan with profiled op times")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", help="write the rows and summary here")
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(*args.worker)
+    cases = [c for c in CASES if not args.quick or c[0] in QUICK]
+    steps = args.steps or (5 if args.quick else 7)
+    with tempfile.TemporaryDirectory() as tmp:
+        planned = plan_cases(cases, args.profile, tmp)
+        rows = []
+        for world in sorted({c["world"] for c in planned}):
+            mine = [c for c in planned if c["world"] == world]
+            t0 = time.perf_counter()
+            results = launch(world, mine, steps, args.warmup, tmp)
+            print(f"ran {len(mine)} cases on {world} ranks in {time.perf_counter() - t0:.0f}s", flush=True)
+            rows += [{**c, **r} for c, r in zip(mine, results)]
+    summary = report(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "summary": summary}, f, indent=1)
+
+
+# ---- worker: runs under torchrun ----------------------------------------------------------
+def worker(spec_path: str, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.cost_models.profile import PeakMemory
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = []
+    for case in spec["cases"]:
+        ex = build(case["model"])
+        pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                                 plan=case["plan"])
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        times = []
+        for i in range(spec["warmup"] + spec["steps"]):
+            opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.train_step(*ex.inputs, target=ex.target)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= spec["warmup"]:
+                times.append(float(t))
+            opt.step()                       # AdamW state exists for the memory count below
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        with PeakMemory() as mem:
+            pm.train_step(*ex.inputs, target=ex.target)
+        state = sum(p.numel() * p.element_size() for p in pm.parameters())
+        state += sum(v.numel() * v.element_size() for s in opt.state.values()
+                     for v in s.values() if torch.is_tensor(v) and v.ndim > 0)
+        m = torch.tensor([float(state + mem.peak_bytes)], dtype=torch.float64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        results.append({"meas_s": statistics.median(times), "meas_all_s": times,
+                        "meas_mem": float(m)})
+        del pm, opt
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

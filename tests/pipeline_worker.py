@@ -1,0 +1,123 @@
+"""Run by tests/test_pipeline_runtime.py under torchrun: pipelined models on real gloo ranks.
+
+Each case pins ``pipeline=`` (and a schedule, micro-batches, data/tensor degrees), builds the
+model with ``autopar.parallelize``, trains 3 SGD-momentum steps and compares loss, every
+gradient and the weights with one device (``tests/equivalence.py``). Models with BatchNorm
+compare with one device running the same micro-batches with gradient accumulation: batch
+statistics are per micro-batch under any pipeline, so that is the single-device model with
+the same semantics. Rank 0 writes one JSON result per case.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autopar  # noqa: E402
+from equivalence import LR, MOMENTUM, compare, parallel_run, reference_run  # noqa: E402
+from examples.models import EXAMPLES  # noqa: E402
+
+
+def _example(name: str):
+    if name == "unet":
+        from examples.unet import unet_factory
+        return unet_factory()
+    return EXAMPLES[name]()
+
+
+def microbatched_reference(model, inputs, target, loss_fn, m: int, steps: int = 3):
+    """One device, the batch in ``m`` equal micro-batches, gradients accumulated (mean)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, grads0 = [], None
+    xs = [x.tensor_split(m) for x in inputs]
+    ys = target.tensor_split(m)
+    for i in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for k in range(m):
+            loss = loss_fn(model(*(x[k] for x in xs)), ys[k]) / m
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if i == 0:
+            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return losses, grads0, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_case(case: dict) -> dict:
+    ex = _example(case["model"])
+    pins = dict(case["pins"])
+    if case.get("plan") == "saved":
+        path = case["path"]
+        if dist.get_rank() == 0:
+            autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                         cluster=f"cpu:{dist.get_world_size()}", **pins).save(path)
+        dist.barrier()
+        pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, plan=path)
+    else:
+        pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, **pins)
+    has_bn = any(isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) for mod in ex.model.modules())
+    info = {"mesh": list(pm.plan.mesh_shape), "m": pm.plan.n_microbatches,
+            "schedule": pm.plan.schedule, "cuts": list(pm.plan.stage_cuts)}
+    if case.get("forward") and not has_bn:
+        out = pm(*ex.inputs)
+        with torch.no_grad():
+            want = ex.model(*ex.inputs)
+        err = float((out - want).norm() / want.norm())
+        assert err < 1e-5, f"forward output differs from one device: rel err {err:.2e}"
+        info["forward_err"] = err
+    if has_bn:
+        ref = microbatched_reference(ex.model, ex.inputs, ex.target, ex.loss_fn, pm.plan.n_microbatches)
+    else:
+        ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+    got = parallel_run(pm, ex.inputs, ex.target)
+    info["worst"] = compare(ref, got, f"{case} rank {dist.get_rank()}")
+    if case.get("skips"):
+        # which ranks received which skip values (the middle stages must receive none)
+        received = [None] * dist.get_world_size()
+        dist.all_gather_object(received, pm.received_skips())
+        info["received"] = received
+        info["skip_edges"] = [(e.value, e.src, e.dst) for e in pm.skip_edges["train"].values()]
+        info["stage_inputs"] = {}
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, {sg.index: sg.inputs for sg, _ in pm.stages["train"]})
+        info["stage_inputs"] = names
+    return info
+
+
+def main() -> None:
+    cases = json.loads(sys.argv[1])
+    out = sys.argv[2]
+    dist.init_process_group("gloo")
+    results = []
+    for case in cases:
+        print(f"[rank {dist.get_rank()}] case {case}", file=sys.stderr, flush=True)
+        try:
+            res = {"case": case, "ok": True, **run_case(case)}
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            res = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
+                   "trace": traceback.format_exc()[-3000:]}
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, res)
+        if dist.get_rank() == 0:
+            bad = [v for v in verdicts if not v["ok"]]
+            results.append(bad[0] if bad else res)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
