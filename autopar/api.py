@@ -90,7 +90,7 @@ def _mesh_candidates(world: int, pins: dict, mesh_shape) -> list[tuple[tuple[int
 
 
 def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
-         target: Any = None, cluster="cpu", memory_budget: float | None = None,
+         target: Any = None, cluster="local", memory_budget: float | None = None,
          mesh_shape: Sequence[int] | None = None, world_size: int | None = None,
          optimizer: str = "adamw", time_limit_s: float = 60.0, verbose: bool = False,
          profiler=None, **pins) -> Plan:
