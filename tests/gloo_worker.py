@@ -7,6 +7,7 @@ one JSON line per case: the worst errors, or the error message.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -62,6 +63,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    gc.collect()       # drop every module (and its work handles) before the groups go
     dist.barrier()
     dist.destroy_process_group()
 

@@ -235,6 +235,7 @@ class _SyncContext:
                 old = self.stash.get(id(p))
                 if old is not None:
                     p.grad = old if p.grad is None else old + p.grad
+        s.handles, s.pending, self.stash = [], defaultdict(int), {}   # hold no finished work
         return False
 
 
