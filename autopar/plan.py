@@ -111,6 +111,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        from autopar.plan_schema import check
+        check(d)          # names the field, the value and what was expected
         try:
             version = d.get("version")
             if version != PLAN_VERSION:

@@ -129,14 +129,29 @@ def test_plan_json_round_trip_runs_without_solving(captured, tmp_path, monkeypat
         compare(ref, got, f"loaded plan rank {rank}")
 
 
-def test_malformed_plan_file(tmp_path):
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"version": 1, "nodes": {"x": {"inputs": [], "outputs": ["Q(3)"]}}}')
-    with pytest.raises(autopar.PlanError, match="malformed plan"):
-        autopar.Plan.load(bad)
-    bad.write_text("not json")
+def test_malformed_plan_file(tmp_path, captured):
+    """Loading validates the file against the schema and names field, value and expectation."""
+    import json
+    ex, cap = captured("mlp")
+    good = plan_captured(cap, parse_cluster("cpu:2"), 2).to_dict()
+    node = next(iter(good["nodes"]))
+    cases = [
+        (lambda d: d["nodes"][node].update(outputs=["Q(3)"]), rf"nodes.{node}.outputs\[0\]: 'Q\(3\)' is not a placement"),
+        (lambda d: d["nodes"][node].update(outputs=["RR"]), r"has 2 placements but the mesh has 1 axes"),
+        (lambda d: d.pop("fingerprint"), r"plan field fingerprint: '<missing>' is required"),
+        (lambda d: d.update(world_size="2"), r"plan field world_size: '2' has the wrong type \(expected integer\)"),
+        (lambda d: d.update(version=9), r"plan field version: 9 is not supported \(expected 1\)"),
+    ]
+    for mutate, message in cases:
+        d = json.loads(json.dumps(good))
+        mutate(d)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(d))
+        with pytest.raises(autopar.PlanError, match=message):
+            autopar.Plan.load(path)
+    path.write_text("not json")
     with pytest.raises(autopar.PlanError, match="not JSON"):
-        autopar.Plan.load(bad)
+        autopar.Plan.load(path)
 
 
 def test_adamw_steps_the_shards(captured):

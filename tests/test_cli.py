@@ -243,9 +243,9 @@ def test_bad_input_exits_2_with_one_line(args, says):
 
 
 @pytest.mark.parametrize("which, says", [("not_json", "not JSON"),
-                                         ("version", "plan version 99 is not supported"),
-                                         ("missing", "malformed plan: KeyError: 'estimate'"),
-                                         ("placement", "cannot parse placements 'Q(7)'")])
+                                         ("version", "plan field version: 99 is not supported (expected 1)"),
+                                         ("missing", "plan field estimate: '<missing>' is required"),
+                                         ("placement", "'Q(7)' is not a placement")])
 def test_malformed_plan_files_exit_2(bad_files, which, says):
     res = CliRunner().invoke(cli, ["show", str(bad_files[which])], catch_exceptions=False)
     assert res.exit_code == 2 and says in res.output, res.output
