@@ -140,6 +140,7 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
         problem = build_problem(cap, shape, zero=pins.get("zero") or 0,
                                 optimizer_states=OPTIMIZER_STATES[optimizer], **roles)
         cost = CostModel(cl, shape, dtype_key=pins.get("precision") or "fp32",
+                         zero=pins.get("zero") or 0, data_axis=roles.get("data_axis"),
                          profiler=profiler, recompute=rec_nodes, recompute_kept=rec_kept)
         try:
             sol = solve(problem, cost, budget, time_limit_s)
