@@ -66,8 +66,12 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> fl
         raise ValueError(f"group_size must be >= 1, got {group_size} for {kind!r}")
     if n == 1 or nbytes <= 0:
         return 0.0
-    return (_BANDWIDTH_FACTOR[key](n) * nbytes / link.bandwidth
-            + _LATENCY_STEPS[key](n) * link.latency)
+    alpha, bandwidth = link.latency, link.bandwidth
+    for kind_, a, b in getattr(link, "collectives", ()):
+        if kind_ == key:      # this link's implementation of the collective (gloo)
+            alpha, bandwidth = a, b
+    return (_BANDWIDTH_FACTOR[key](n) * nbytes / bandwidth
+            + _LATENCY_STEPS[key](n) * alpha)
 
 
 class GradSync(NamedTuple):

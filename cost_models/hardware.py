@@ -76,6 +76,10 @@ class Link:
     """Bytes/s per direction that a collective achieves (nccl-tests "busbw")."""
     latency: float
     """Seconds per ring step (alpha)."""
+    collectives: tuple[tuple[str, float, float], ...] = ()
+    """``(collective, latency, bandwidth)`` for collectives whose implementation reaches a
+    different alpha or bus bandwidth on this link than ``latency`` / ``bandwidth`` (gloo's
+    all_gather and reduce_scatter are several times slower than its all_reduce)."""
 
 
 @dataclass(frozen=True)
@@ -406,16 +410,36 @@ def _gpu_cluster(spec: str, nodes: int, node: NodePreset, per_node: int | None) 
 GLOO_STEP_LATENCY = 50e-6
 
 
+# gloo's collectives on this machine, one rank per core: (per-step alpha, bus bandwidth),
+# the fit of ``benchmarks/gloo_collectives.py`` (best of 5-12 runs, 4 B .. 16 MB, 2 ranks on
+# this 2-core machine). gloo reaches a third of its all_reduce bandwidth in all_gather and
+# reduce_scatter, whose fixed cost per step is also 2-3x; ``DistComm.all_gather`` uses the
+# list form, so the same holds for every all_gather autopar issues. With 4 ranks on the 2
+# cores the same script measured busbw 0.85 / 0.24 / 0.22 / 0.38 GB/s and alpha 127 / 611 /
+# 376 / 188 us: about the 2-rank figures scaled by cores / ranks, the rule
+# ``_cpu_cluster`` applies.
+GLOO_COLLECTIVES = {
+    "all_reduce": (106e-6, 1.155e9),
+    "all_gather": (210e-6, 0.449e9),
+    "reduce_scatter": (267e-6, 0.344e9),
+    "all_to_all": (100e-6, 0.732e9),
+}
+
+
 def _cpu_cluster(ranks: int, spec: str) -> Cluster:
     if ranks < 1:
         raise ValueError(f"cluster spec {spec!r} needs at least one rank; "
                          f"valid presets: {_PRESET_HELP}")
     if ranks > 1:
         # TCP over loopback is CPU work (kernel copies) and a gloo ring step also reduces
-        # in memory: ranks beyond the core count share the cores, and the bandwidth.
+        # in memory: ranks beyond the core count share the cores, so the bandwidth drops
+        # and each step waits for its peers to be scheduled.
         lo = loopback_link()
-        link = Link(bandwidth=lo.bandwidth * min(1.0, _cores() / ranks),
-                    latency=max(lo.latency, GLOO_STEP_LATENCY))
+        share = min(1.0, _cores() / ranks)
+        link = Link(bandwidth=lo.bandwidth * share,
+                    latency=max(lo.latency, GLOO_STEP_LATENCY),
+                    collectives=tuple((k, a / share, b * share)
+                                      for k, (a, b) in GLOO_COLLECTIVES.items()))
     else:
         link = Link(bandwidth=math.inf, latency=0.0)
     # One node; there is no inter-node link, so it is the loopback link as well.

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,12 +63,15 @@ class Profiler:
     ``threads`` (CPU): torch's intra-op thread count while timing; None = the current one.
     ``time_scale``: multiplies every time returned (not the cached ones): a rank that
     shares its core with others runs ``ranks / cores`` times slower.
+    ``progress``: show a progress bar inside ``with profiler:`` (default: when stderr is a
+    terminal). Use it around planning: ``with prof: autopar.plan(..., profiler=prof)``; the
+    cache is written when the block ends.
     """
 
     def __init__(self, device: str = "cpu", cache_dir: str | os.PathLike | None = None, *,
                  threads: int | None = None, warmup: int = 2, repeats: int = 7,
                  min_repeat_s: float = 2e-3, max_bytes: float = 2**30,
-                 time_scale: float = 1.0, progress: bool = True):
+                 time_scale: float = 1.0, progress: bool | None = None):
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"Profiler device must be 'cpu' or 'cuda[:i]', got {device!r}")
@@ -77,7 +81,7 @@ class Profiler:
         self.warmup, self.repeats, self.min_repeat_s = warmup, repeats, min_repeat_s
         self.max_bytes = max_bytes
         self.time_scale = time_scale
-        self.show_progress = progress
+        self.show_progress = sys.stderr.isatty() if progress is None else progress
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.path = self.cache_dir / f"profile-{self._device_tag()}.json"
         self.table: dict[str, list[float]] = self._load()

@@ -40,7 +40,7 @@ _STEP_FN: dict[str, Callable] = {
     "all_gather": collectives.all_gather, "all_reduce": collectives.all_reduce,
     "grad_all_reduce": collectives.grad_all_reduce, "scatter": collectives.scatter,
     "reduce_scatter": collectives.reduce_scatter, "all_to_all": collectives.all_to_all,
-    "to_partial": collectives.to_partial,
+    "to_partial": collectives.to_partial, "shard_to_partial": collectives.shard_to_partial,
 }
 
 
@@ -62,6 +62,8 @@ def _step_kwargs(step: Step) -> dict:
         return kw
     if k == "all_to_all":
         return {"axis": step.axis, "split_dim": step.dim, "cat_dim": step.dim2}
+    if k == "shard_to_partial":
+        return {"axis": step.axis, "dim": step.dim}
     return {"axis": step.axis}
 
 

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from equivalence import LR, MOMENTUM, compare, parallel_run, reference_run  # noqa: E402
+from autopar.verify import LR, MOMENTUM  # noqa: E402
+from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 
 

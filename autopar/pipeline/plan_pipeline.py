@@ -1,4 +1,4 @@
-"""A pipeline plan: micro-batches, schedule, the intra-stage sharding plan, and the cuts.
+"""A pipeline plan (placements carry the pipeline axis first, always ``R``): micro-batches, schedule, the intra-stage sharding plan, and the cuts.
 
 ``plan_pipeline`` (called by ``autopar.plan`` / ``autopar.parallelize`` when ``pipeline=p``
 is pinned):
@@ -137,7 +137,11 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
     if verbose:
         print(f"pipeline: {S} stages, cuts {[units[c] for c in cuts]}, bottleneck "
               f"{bottleneck * 1e3:.3f} ms, bubble {sim.bubble_fraction:.3f} ({dp_s:.3f}s)")
-    return replace(intra, world_size=world, mesh_shape=(p, *intra.mesh_shape),
+    from autopar.plan import NodePlacement
+    # the pipeline axis is replicated for every node (a stage holds its nodes whole on it)
+    nodes = {k: NodePlacement(tuple("R" + x for x in v_.inputs), tuple("R" + x for x in v_.outputs))
+             for k, v_ in intra.nodes.items()}
+    return replace(intra, nodes=nodes, world_size=world, mesh_shape=(p, *intra.mesh_shape),
                    mesh_axes=("pipeline", *intra.mesh_axes),
                    pins={k: v_ for k, v_ in pins.items() if v_ is not None}, estimate=estimate,
                    pipeline_stages=p, virtual_stages=v, n_microbatches=m, schedule=schedule,

@@ -193,7 +193,7 @@ class PipelineModule(nn.Module):
         S = p * v
         self.n_stages, self.n_microbatches = S, m
         intra_axes = tuple(plan.mesh_axes[1:])
-        self.intra_plan = intra = replace(plan, world_size=plan.world_size // p,
+        self.intra_plan = intra = replace(plan, nodes=_intra_nodes(plan), world_size=plan.world_size // p,
                                           mesh_shape=tuple(plan.mesh_shape[1:]), mesh_axes=intra_axes)
         self.comm = DistComm(mesh[intra_axes if len(intra_axes) > 1 else intra_axes[0]])
         self.pp_group = mesh.get_group("pipeline")
@@ -449,6 +449,17 @@ class PipelineModule(nn.Module):
     def code(self, which: str = "train") -> str:
         """This rank's stage programs as Python."""
         return "\n".join(f"# stage {sg.index}\n{sg.gm.code}" for sg, _ in self.stages[which])
+
+
+def _intra_nodes(plan: Plan) -> dict:
+    """The plan's placements without the leading pipeline axis (the stage's own mesh)."""
+    from autopar.placement import parse_placements, placements_str
+    from autopar.plan import NodePlacement
+
+    def strip(x: str) -> str:
+        return placements_str(parse_placements(x)[1:])
+    return {k: NodePlacement(tuple(strip(x) for x in v.inputs), tuple(strip(x) for x in v.outputs))
+            for k, v in plan.nodes.items()}
 
 
 def _example(shape, dtype, requires_grad: bool) -> torch.Tensor:

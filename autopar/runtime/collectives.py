@@ -173,6 +173,22 @@ def regathered_weights() -> RegatheredWeights:
     return reg
 
 
+class _ShardToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        comm = current_comm()
+        ctx.axis, ctx.dim = axis, dim
+        shape = list(x.shape)
+        shape[dim] *= comm.size(axis)
+        out = x.new_zeros(shape)
+        out.narrow(dim, comm.coord[axis] * x.shape[dim], x.shape[dim]).copy_(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _slice(g, ctx.axis, ctx.dim), None, None
+
+
 # The graph's call targets. Keyword names show up in the generated per-rank code.
 
 def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: bool = False,
@@ -212,6 +228,11 @@ def to_partial(x, axis: int):
     return _ToPartial.apply(x, axis)
 
 
+def shard_to_partial(x, axis: int, dim: int):
+    """S(dim) -> P on ``axis``: each rank's term is its block with zeros around it."""
+    return _ShardToPartial.apply(x, axis, dim)
+
+
 def apply_step(x, step):
     """Run one ``redistribute.Step`` (used by tests and the simulator)."""
     k = step.kind
@@ -229,4 +250,6 @@ def apply_step(x, step):
         return all_to_all(x, step.axis, step.dim, step.dim2)
     if k == "to_partial":
         return to_partial(x, step.axis)
+    if k == "shard_to_partial":
+        return shard_to_partial(x, step.axis, step.dim)
     raise ValueError(f"unknown redistribution step {k!r}")

@@ -14,6 +14,8 @@ its autograd backward does (under the gradient convention of ``autopar.placement
 | reduce_scatter  | P -> S(d)      | reduce-scatter | all-gather                        |
 | all_to_all      | S(i) -> S(j)   | all-to-all     | all-to-all back                   |
 | to_partial      | R -> P         | rank 0 keeps   | none                              |
+| shard_to_partial| S(d) -> P      | zeros around   | local slice                       |
+|                 |                | the own block  |                                   |
 
 Axes that shard the same dim nest (the earlier axis splits first), so a step on axis ``a``
 that touches dim ``d`` first brings every later axis that shards ``d`` back to ``R`` and
@@ -101,6 +103,8 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement],
                 steps.append(Step("all_gather", a, s.dim, groups=s.groups))
                 cur[a] = R
                 continue
+            elif s.groups == 1:               # Partial: each rank's term is its block, zeros around
+                steps.append(Step("shard_to_partial", a, s.dim))
             else:
                 raise Unsupported(f"{s} -> {d} on axis {a}")
         else:  # Partial

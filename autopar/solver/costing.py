@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models import compute as compute_model
 from autopar.cost_models.hardware import Cluster, axis_link
-from autopar.placement import Placement, Replicate, Shard, local_shape
+from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
 from autopar.solver.problem import VIEW_OPS, NodeVar, Problem
@@ -155,6 +155,8 @@ def _after(step: Step, p: Placement) -> Placement:
         return Replicate()
     if step.kind in ("scatter", "reduce_scatter", "all_to_all"):
         return Shard(step.dim, step.groups)
+    if step.kind == "shard_to_partial":
+        return Partial()
     return p  # to_partial keeps the size
 
 
