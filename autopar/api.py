@@ -133,27 +133,38 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    recompute = select_layers(cap.gm, pins.get("recompute"))
-    rec_nodes, rec_kept = recompute_nodes(cap.gm, recompute)
+    # Recomputation is pinned, or chosen here: plans without it first; with every repeated
+    # layer recomputed too when memory binds (nothing fits, or the best uses > 90%).
+    choices = [pins.get("recompute")] if pins.get("recompute") is not None else [None, "full"]
     best, errors = None, []
-    for shape, axes, roles in _mesh_candidates(world, pins, mesh_shape):
-        problem = build_problem(cap, shape, zero=pins.get("zero") or 0,
-                                optimizer_states=OPTIMIZER_STATES[optimizer], **roles)
-        cost = CostModel(cl, shape, dtype_key=pins.get("precision") or "fp32",
-                         zero=pins.get("zero") or 0, data_axis=roles.get("data_axis"),
-                         profiler=profiler, recompute=rec_nodes, recompute_kept=rec_kept)
-        try:
-            sol = solve(problem, cost, budget, time_limit_s)
-        except InfeasibleError as e:
-            errors.append(e)
-            continue
-        if verbose:
-            print(f"mesh {shape}: {sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
-        if best is None or sol.objective_s < best[0].objective_s:
-            best = (sol, problem, shape, axes)
+    for rec in choices:
+        if rec == "full" and best is not None and \
+                sum(best[0].memory.values()) <= 0.9 * budget:
+            break
+        recompute = select_layers(cap.gm, rec)
+        if rec == "full" and not recompute:
+            break                      # no repeated layer to recompute
+        errors = []                    # report the last pass's reasons
+        rec_nodes, rec_kept = recompute_nodes(cap.gm, recompute)
+        for shape, axes, roles in _mesh_candidates(world, pins, mesh_shape):
+            problem = build_problem(cap, shape, zero=pins.get("zero") or 0,
+                                    optimizer_states=OPTIMIZER_STATES[optimizer], **roles)
+            cost = CostModel(cl, shape, dtype_key=pins.get("precision") or "fp32",
+                             zero=pins.get("zero") or 0, data_axis=roles.get("data_axis"),
+                             profiler=profiler, recompute=rec_nodes, recompute_kept=rec_kept)
+            try:
+                sol = solve(problem, cost, budget, time_limit_s)
+            except InfeasibleError as e:
+                errors.append(e)
+                continue
+            if verbose:
+                print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}: "
+                      f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
+            if best is None or sol.objective_s < best[0].objective_s:
+                best = (sol, problem, shape, axes, recompute)
     if best is None:
         raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
-    sol, problem, shape, axes = best
+    sol, problem, shape, axes, recompute = best
     nodes = {}
     for name, v in problem.vars.items():
         combo = v.options[sol.choice[name]]

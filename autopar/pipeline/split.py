@@ -298,6 +298,8 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
                     else:
                         outs[k] = g.call_function(rt.skip_send, (value, outs[k], e.id))
                     sg.skips_out.append(e.id)
+            # the schedule sends these buffers as they are: they must be contiguous
+            outs = [g.call_method("contiguous", (o,)) for o in outs]
             g.output(tuple(outs))
         else:
             out_node = next(n for n in nodes if n.op == "output")

@@ -114,16 +114,20 @@ class CostModel:
 
     # ---- communication -------------------------------------------------------------------
     def edge_time(self, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-                  grad_partial: tuple[bool, ...]) -> tuple[float, dict]:
+                  grad_partial: tuple[bool, ...], bucketed: bool = False) -> tuple[float, dict]:
         """Seconds to move ``meta`` from ``src`` to ``dst`` (forward + backward), and the
-        seconds by ``(collective, axis)``; INF when the conversion is not offered."""
-        key = (meta.shape, meta.dtype, src, dst, grad_partial)
+        seconds by ``(collective, axis)``; INF when the conversion is not offered.
+
+        ``bucketed``: ``meta`` is a parameter, whose gradient all-reduce the runtime sends in
+        buckets with the others (once per step): it pays bandwidth, not a latency of its own.
+        """
+        key = (meta.shape, meta.dtype, src, dst, grad_partial, bucketed)
         hit = self._edge_cache.get(key)
         if hit is None:
-            hit = self._edge_cache[key] = self._edge_time(meta, src, dst, grad_partial)
+            hit = self._edge_cache[key] = self._edge_time(meta, src, dst, grad_partial, bucketed)
         return hit
 
-    def _edge_time(self, meta, src, dst, grad_partial):
+    def _edge_time(self, meta, src, dst, grad_partial, bucketed=False):
         try:
             steps = plan_steps(src, dst, grad_partial)
         except Unsupported:
@@ -145,6 +149,8 @@ class CostModel:
                 size = {"all_gather": max(before, after), "reduce_scatter": max(before, after),
                         "all_reduce": before, "all_to_all": before}[kind]
                 t = comm_model.collective_time(kind, size * scale, n, link)
+                if bucketed and step.kind == "grad_all_reduce":
+                    t -= comm_model.collective_time(kind, 1.0, n, link)   # latency shared by the bucket
                 total += t
                 by[(kind, step.axis)] = by.get((kind, step.axis), 0.0) + t
         return total, by

@@ -151,9 +151,10 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
                grad_partial_flags(v.options[option_of(e.dst, j)], e.dst_in))
               for j in range(len(problem.vars[dst].options))]
         table = {}
+        bucketed = u.kind == "param"
         for p in set(pu):
             for q in set(qv):
-                t, by = cost.edge_time(e.meta, p, q[0], q[1])
+                t, by = cost.edge_time(e.meta, p, q[0], q[1], bucketed)
                 table[(p, q)] = (t * e.count if t != INF else INF,
                                  {k: s * e.count for k, s in by.items()})
         if src == dst:   # both ends decided by one variable (repeated layer, or a follower)
