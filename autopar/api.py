@@ -153,7 +153,7 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
                              zero=pins.get("zero") or 0, data_axis=roles.get("data_axis"),
                              profiler=profiler, recompute=rec_nodes, recompute_kept=rec_kept)
             try:
-                sol = solve(problem, cost, budget, time_limit_s)
+                sol = solve(problem, cost, budget, time_limit_s, explain=rec == choices[-1])
             except InfeasibleError as e:
                 errors.append(e)
                 continue

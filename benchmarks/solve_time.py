@@ -31,14 +31,16 @@ def row(label, build, cluster, world, **kw):
     plan = plan_captured(cap, parse_cluster(cluster), world, **kw)
     t_plan = time.perf_counter() - t0
     s = plan.solver
+    mem = plan.estimate.memory_total / 2**30
     print(f"{label:<28} {cluster:<10} {str(plan.mesh_shape):<8} {t_capture:>8.2f} {t_plan:>8.2f} "
-          f"{t_capture + t_plan:>8.2f} {s.n_graph_nodes:>7} {s.n_decisions:>9} {s.status:>9}", flush=True)
+          f"{t_capture + t_plan:>8.2f} {s.n_graph_nodes:>7} {s.n_decisions:>9} {s.status:>9} "
+          f"{mem:>8.2f}", flush=True)
     return t_capture + t_plan
 
 
 def main() -> None:
     print(f"{'model':<28} {'cluster':<10} {'mesh':<8} {'capture':>8} {'solve':>8} {'total':>8} "
-          f"{'nodes':>7} {'decisions':>9} {'status':>9}")
+          f"{'nodes':>7} {'decisions':>9} {'status':>9} {'GiB/dev':>8}")
     for name in EXAMPLES:
         row(f"{name} (examples)", lambda: EXAMPLES[name](), "cpu:4", 4)
     for layers in (6, 12, 24, 48):
@@ -46,6 +48,14 @@ def main() -> None:
             with torch.device("meta"):
                 return gpt_factory(batch=16, config="gpt-24layer", n_layer=layers)
         row(f"gpt {layers} layers h1024 (meta)", build, "8xA100", 8, mesh_shape=(2, 4))
+
+    def gpt175b():
+        with torch.device("meta"):
+            return gpt_factory(batch=1536, config="gpt-175b")
+    # 96 layers, hidden 12288, sequence 2048, global batch 1536; free search over meshes and
+    # recomputation, bf16 pinned (goal: under 60 s, ideally 20 s; memory within 80 GB)
+    t = row("gpt-175b (meta), bf16", gpt175b, "128xdgx-a100", 1024, pins={"precision": "bf16"})
+    print(f"175B on 1024 A100s planned in {t:.1f} s")
 
 
 if __name__ == "__main__":

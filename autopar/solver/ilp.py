@@ -184,7 +184,8 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
 
 
 def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
-          time_limit_s: float = 60.0, minimize_memory: bool = False) -> Solution:
+          time_limit_s: float = 60.0, minimize_memory: bool = False,
+          explain: bool = True) -> Solution:
     """Choose one option per node; see the module docstring for the program.
 
     x is binary; e may be continuous in [0, 1]: with x integral the transport constraints
@@ -249,6 +250,8 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     name = names.get(status, f"STATUS_{status}")
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
+            if not explain:    # the caller has another way to try: skip the second solve
+                raise InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits the memory budget")
             raise _explain_infeasible(problem, cost, memory_budget, time_limit_s)
         raise RuntimeError(f"the sharding ILP ended with status {name} after "
                            f"{time.perf_counter() - t0:.1f}s; raise time_limit_s or pin more choices")
