@@ -115,3 +115,14 @@ def test_schedule_the_stage_count_cannot_run():
 def test_pipeline_pins_need_a_pipeline():
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
         _plan(schedule="1f1b")
+
+
+def test_interleaved_beyond_two_stages_is_refused_not_hung():
+    """Interleaved 1F1B deadlocks at pipeline 4 and pipeline 2 x data 2 today: planning says
+    so instead of handing the user a plan that hangs."""
+    import autopar
+    from examples.models import EXAMPLES
+    ex = EXAMPLES["gpt"]()
+    with pytest.raises(NotImplementedError, match="interleaved-1f1b.*pipeline=2 on 2 devices only"):
+        autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:4",
+                     pipeline=4, schedule="interleaved-1f1b")

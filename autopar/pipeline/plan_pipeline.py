@@ -96,6 +96,11 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
     from autopar.pipeline.stage_dp import stage_dp
 
     p, v, m, schedule = config
+    if schedule == "interleaved-1f1b" and (p > 2 or world // p > 1):
+        # seen to deadlock at pipeline 4 and at pipeline 2 x data 2; refuse rather than hang
+        raise NotImplementedError(
+            f"schedule 'interleaved-1f1b' runs with pipeline=2 on 2 devices only for now (asked: "
+            f"pipeline={p} on {world} devices); use schedule='1f1b' or 'zero-bubble'")
     if world % p:
         raise ValueError(f"pipeline={p} does not divide the world of {world} devices; every stage "
                          f"needs an equal sub-mesh: use a divisor of {world}")
