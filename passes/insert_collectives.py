@@ -150,7 +150,10 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
                 local, outs = placed(a)
                 dst = tuple(s.inputs[k] for s in combo)
                 param = a.name if a.name in cap.params else None
-                local_of[id(call.inputs[k])] = move(local, outs[0], dst, _grad_partial(combo, k), param)
+                gp = _grad_partial(combo, k)
+                if not call.inputs[k].dtype.is_floating_point:
+                    gp = (False,) * n_axes      # ids, masks, positions carry no gradient
+                local_of[id(call.inputs[k])] = move(local, outs[0], dst, gp, param)
             target, args, kwargs = localize(call, combo, mesh)
             if target is aten.view.default:
                 # local tensors may be laid out differently from the global ones (a shard

@@ -121,6 +121,8 @@ class CostModel:
         ``bucketed``: ``meta`` is a parameter, whose gradient all-reduce the runtime sends in
         buckets with the others (once per step): it pays bandwidth, not a latency of its own.
         """
+        if not meta.dtype.is_floating_point:
+            grad_partial = (False,) * len(grad_partial)   # integer tensors carry no gradient
         key = (meta.shape, meta.dtype, src, dst, grad_partial, bucketed)
         hit = self._edge_cache.get(key)
         if hit is None:
