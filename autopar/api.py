@@ -135,15 +135,15 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
     # Recomputation is pinned, or chosen here: plans without it first; with every repeated
     # layer recomputed too when memory binds (nothing fits, or the best uses > 90%).
-    choices = [pins.get("recompute")] if pins.get("recompute") is not None else [None, "full"]
+    choices = [pins.get("recompute")] if pins.get("recompute") is not None else [None]
+    if choices == [None] and _has_repeated_layers(cap):
+        choices.append("full")
     best, errors = None, []
     for rec in choices:
         if rec == "full" and best is not None and \
                 sum(best[0].memory.values()) <= 0.9 * budget:
             break
         recompute = select_layers(cap.gm, rec)
-        if rec == "full" and not recompute:
-            break                      # no repeated layer to recompute
         errors = []                    # report the last pass's reasons
         rec_nodes, rec_kept = recompute_nodes(cap.gm, recompute)
         for shape, axes, roles in _mesh_candidates(world, pins, mesh_shape):
@@ -190,6 +190,14 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
                 node_ops={n.name: str(n.target) for n in cap.gm.graph.nodes
                           if n.op == "call_function" and n.name in nodes},
                 inputs=tuple(cap.inputs), recompute=recompute)
+
+
+def _has_repeated_layers(cap: Captured) -> bool:
+    from autopar.passes.recompute import select_layers
+    try:
+        return bool(select_layers(cap.gm, "full"))
+    except ValueError:
+        return False
 
 
 def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
