@@ -122,6 +122,20 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
                          verbose=verbose, pins=pins, profiler=profiler)
 
 
+def node_placements(problem, choice: dict[str, int]) -> dict[str, NodePlacement]:
+    """Every graph node's placements, given one option per decision of ``problem``."""
+    nodes = {}
+    for name, v in problem.vars.items():
+        combo = v.options[choice[name]]
+        n_in = len(v.call.inputs) if v.call else 0
+        entry = NodePlacement(
+            tuple(placements_str(input_placements(combo, k)) for k in range(n_in)),
+            tuple(placements_str(output_placements(combo, k)) for k in range(len(v.outputs))))
+        for member in v.members:
+            nodes[member] = entry
+    return nodes
+
+
 def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
                   optimizer="adamw", time_limit_s=60.0, capture_s=0.0, verbose=False,
                   pins=None, profiler=None) -> Plan:
@@ -165,15 +179,7 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
     if best is None:
         raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
     sol, problem, shape, axes, recompute = best
-    nodes = {}
-    for name, v in problem.vars.items():
-        combo = v.options[sol.choice[name]]
-        n_in = len(v.call.inputs) if v.call else 0
-        entry = NodePlacement(
-            tuple(placements_str(input_placements(combo, k)) for k in range(n_in)),
-            tuple(placements_str(output_placements(combo, k)) for k in range(len(v.outputs))))
-        for member in v.members:
-            nodes[member] = entry
+    nodes = node_placements(problem, sol.choice)
     comm = {f"{kind}@{axes[a]}": s for (kind, a), s in sorted(sol.comm_s.items())}
     comm_total = sum(sol.comm_s.values())
     est = Estimate(step_time_s=sol.compute_s + comm_total, compute_s=sol.compute_s,

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.placement import parse_placements, placements_str
+from autopar.placement import parse_placements
 
 PLAN_VERSION = 1
 

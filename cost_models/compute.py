@@ -235,7 +235,7 @@ def _matmul_flops(op, inputs, outputs, args, kwargs) -> float:
     if name == "einsum":
         return _einsum_flops(args, kwargs, inputs)
     if name == "linear":
-        x, w = inputs[0], inputs[1]
+        w = inputs[1]
         bias = _arg(op, args, kwargs, "bias")
         return 2.0 * out * w.shape[-1] + (out if _is_tensor(bias) else 0)
     if name in ("addmm", "baddbmm", "addmv", "_addmm_activation", "addbmm"):

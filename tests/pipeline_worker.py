@@ -10,10 +10,8 @@ the same semantics. Rank 0 writes one JSON result per case.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -25,6 +23,7 @@ import autopar  # noqa: E402
 from autopar.verify import LR, MOMENTUM  # noqa: E402
 from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
+from worker_loop import run_cases  # noqa: E402
 
 
 def _example(name: str):
@@ -97,27 +96,7 @@ def run_case(case: dict) -> dict:
 
 
 def main() -> None:
-    cases = json.loads(sys.argv[1])
-    out = sys.argv[2]
-    dist.init_process_group("gloo")
-    results = []
-    for case in cases:
-        print(f"[rank {dist.get_rank()}] case {case}", file=sys.stderr, flush=True)
-        try:
-            res = {"case": case, "ok": True, **run_case(case)}
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            res = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
-                   "trace": traceback.format_exc()[-3000:]}
-        verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, res)
-        if dist.get_rank() == 0:
-            bad = [v for v in verdicts if not v["ok"]]
-            results.append(bad[0] if bad else res)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_cases(run_case)
 
 
 if __name__ == "__main__":

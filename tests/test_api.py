@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import autopar
 from autopar.api import plan_captured

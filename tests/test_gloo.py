@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -12,10 +12,8 @@ import random
 
 import pytest
 
-from autopar.api import plan_captured
+from autopar.api import node_placements, plan_captured
 from autopar.cost_models.hardware import parse_cluster
-from autopar.placement import placements_str
-from autopar.plan import NodePlacement
 from autopar.runtime.simulate import simulate
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import INF, CostModel, grad_partial_flags
@@ -48,15 +46,7 @@ def random_plan(cap, world, mesh, seed):
                 break
         else:
             choice[name] = 0                  # all-replicated always converts
-    nodes = dict(base.nodes)
-    for name, v in problem.vars.items():
-        combo = v.options[choice[name]]
-        n_in = len(v.call.inputs) if v.call else 0
-        entry = NodePlacement(
-            tuple(placements_str(input_placements(combo, k)) for k in range(n_in)),
-            tuple(placements_str(output_placements(combo, k)) for k in range(len(v.outputs))))
-        for member in v.members:
-            nodes[member] = entry
+    nodes = {**base.nodes, **node_placements(problem, choice)}
     return dataclasses.replace(base, nodes=nodes)
 
 

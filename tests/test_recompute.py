@@ -3,7 +3,6 @@ activation bytes alive (measured), and the estimate prices one more forward."""
 import copy
 
 import pytest
-import torch
 
 import autopar
 from autopar.capture import capture

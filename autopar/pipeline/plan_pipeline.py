@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import replace
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +37,9 @@ from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.placement import local_shape
 from autopar.plan import Plan
 from autopar.runtime.comm import use_comm
+from autopar.runtime.parallel_module import get_tensor as _get
+from autopar.runtime.parallel_module import model_out_spec as _model_out_spec
+from autopar.runtime.parallel_module import set_tensor as _set
 
 _local = threading.local()
 _TAG_STRIDE = 1 << 16
@@ -464,28 +466,3 @@ def _intra_nodes(plan: Plan) -> dict:
 
 def _example(shape, dtype, requires_grad: bool) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype).requires_grad_(requires_grad and dtype.is_floating_point)
-
-
-def _get(root: nn.Module, path: str):
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _set(root: nn.Module, path: str, value, buffer: bool = False) -> None:
-    *mods, leaf = path.split(".")
-    m = root
-    for name in mods:
-        if not hasattr(m, name):
-            m.add_module(name, nn.Module())
-        m = getattr(m, name)
-    if buffer:
-        m.register_buffer(leaf, value)
-    else:
-        m.register_parameter(leaf, value)
-
-
-def _model_out_spec(cap: Captured):
-    spec = cap.output_spec
-    return spec.child(1) if spec is not None and spec.num_children == 2 else spec

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -18,7 +18,6 @@ from autopar.capture import Captured
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.recompute import checkpoint_layers, layer_members
 from autopar.passes.shard_parameters import shard_tensor, unshard
-from autopar.placement import Replicate
 from autopar.plan import Plan
 from autopar.runtime.collectives import regathered_weights
 from autopar.runtime.comm import Comm, use_comm
@@ -51,12 +50,12 @@ class ParallelModule(nn.Module):
                 raise ValueError(f"parameter {names[0]!r} is on the meta device: build the "
                                  "model on a real device to run it (plan-only works on meta)")
             local = shard_tensor(src.detach(), placements, comm.coord, mesh)
-            _set(self.module, attr, nn.Parameter(local, requires_grad=src.requires_grad))
+            set_tensor(self.module, attr, nn.Parameter(local, requires_grad=src.requires_grad))
             self._placements[attr], self._aliases[attr] = placements, list(names)
             attr_of[ph] = attr
         for ph, name in cap.buffers.items():
             placements = plan.nodes[ph].output(0)
-            _set(self.module, name, shard_tensor(full_buffers[name], placements, comm.coord, mesh),
+            set_tensor(self.module, name, shard_tensor(full_buffers[name], placements, comm.coord, mesh),
                  buffer=True)
             self._placements[name], self._aliases[name] = placements, [name]
             attr_of[ph] = name
@@ -68,7 +67,7 @@ class ParallelModule(nn.Module):
             graphs["train"] = checkpoint_layers(graphs["train"], layer_members(cap.gm, plan.recompute))
         self._graphs = graphs            # plain dict: not submodules (params live in .module)
         self._n_inputs = cap.n_model_inputs
-        self._out_spec = _model_out_spec(cap)
+        self._out_spec = model_out_spec(cap)
         self._grad_sync = _GradSync(self.module, graphs.get("train", graphs["forward"]).meta["grad_sync"], comm)
 
     # ---- running ------------------------------------------------------------------------
@@ -239,7 +238,16 @@ class _SyncContext:
         return False
 
 
-def _set(root: nn.Module, path: str, value, buffer: bool = False) -> None:
+def get_tensor(root: nn.Module, path: str):
+    """The parameter or buffer at dotted ``path`` under ``root``."""
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_tensor(root: nn.Module, path: str, value, buffer: bool = False) -> None:
+    """Register ``value`` at dotted ``path``, creating the modules on the way."""
     *mods, leaf = path.split(".")
     m = root
     for name in mods:
@@ -257,7 +265,7 @@ def _named_tensors(module: nn.Module):
     yield from module.named_buffers()
 
 
-def _model_out_spec(cap: Captured):
+def model_out_spec(cap: Captured):
     spec = cap.output_spec
     # the captured wrapper returns (loss, model_output)
     return spec.child(1) if spec is not None and spec.num_children == 2 else spec

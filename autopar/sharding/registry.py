@@ -20,13 +20,13 @@ Writing a rule::
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.placement import Partial, Placement, Replicate, Shard, local_shape, normalize
+from autopar.placement import Placement, Replicate, local_shape, normalize
 
 R = Replicate()
 

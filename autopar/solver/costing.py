@@ -11,8 +11,7 @@ Compute, communication and memory stay separate all the way to the plan's estima
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 from torch.utils._pytree import tree_map
 
@@ -22,7 +21,7 @@ from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
-from autopar.solver.problem import VIEW_OPS, NodeVar, Problem
+from autopar.solver.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
 

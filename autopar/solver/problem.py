@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from autopar.capture import Captured, layer_of
-from autopar.placement import Placement, Replicate, Shard, local_shape
+from autopar.placement import Replicate, Shard, local_shape
 from autopar.sharding.registry import (
     OpCall, Strategy, TensorMeta, make_call, mesh_strategies,
 )
