@@ -254,8 +254,9 @@ def _signature(node: torch.fx.Node) -> tuple:
     call = make_call(node) if node.op == "call_function" and node.target is not operator.getitem else None
     if call is None:
         return (str(node.target), len(node.args))
-    strip = lambda a: repr(a) if not isinstance(a, TensorMeta) else repr(a)  # noqa: E731
-    return (str(call.op), tuple(map(strip, torch.utils._pytree.tree_leaves(call.args))),
+    # op, every argument (tensors by shape and dtype), every output: equal for the same
+    # node of two identical layers
+    return (str(call.op), tuple(map(repr, torch.utils._pytree.tree_leaves(call.args))),
             tuple(repr(m) for m in call.outputs))
 
 
