@@ -2,8 +2,16 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
+from hypothesis import settings
+
+# CI replays the same examples every run (a failure there is reproducible); on a developer's
+# machine hypothesis draws new ones each run and keeps finding what CI has not seen.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 from autopar.capture import capture
 from examples.models import EXAMPLES
