@@ -216,11 +216,15 @@ def gpt_factory(batch: int = 8, *, seed: int = 0, seq_len: int | None = None,
     if isinstance(config, str):
         config = gpt_config(config)
     config = _apply_overrides(config or GPTConfig(), overrides)
-    T = seq_len or config.block_size
+    return _language_model(GPT, config, batch, seq_len or config.block_size, seed)
+
+
+def _language_model(cls, config, batch: int, seq_len: int, seed: int) -> Example:
+    """A seeded model and a random token batch whose target is the batch shifted by one."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GPT(config)
-        tokens = torch.randint(0, config.vocab_size, (batch, T + 1))
+        model = cls(config)
+        tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1))
     return Example(model, (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous(),
                    lm_loss, config)
 
@@ -353,13 +357,7 @@ class Llama(nn.Module):
 def llama_factory(batch: int = 8, *, seed: int = 0, seq_len: int | None = None,
                   config: LlamaConfig | None = None, **overrides) -> Example:
     config = _apply_overrides(config or LlamaConfig(), overrides)
-    T = seq_len or config.max_seq_len
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Llama(config)
-        tokens = torch.randint(0, config.vocab_size, (batch, T + 1))
-    return Example(model, (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous(),
-                   lm_loss, config)
+    return _language_model(Llama, config, batch, seq_len or config.max_seq_len, seed)
 
 
 # ---------------------------------------------------------------------------- ResNet
