@@ -153,6 +153,10 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
     if choices == [None] and _has_repeated_layers(cap):
         choices.append("full")
     best, errors = None, []
+    # the problem depends on the mesh only: built once, costed per recomputation choice
+    problems = [(build_problem(cap, shape, zero=pins.get("zero") or 0,
+                               optimizer_states=OPTIMIZER_STATES[optimizer], **roles), shape, axes, roles)
+                for shape, axes, roles in _mesh_candidates(world, pins, mesh_shape)]
     for rec in choices:
         if rec == "full" and best is not None and \
                 sum(best[0].memory.values()) <= 0.9 * budget:
@@ -160,9 +164,7 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
         recompute = select_layers(cap.gm, rec)
         errors = []                    # report the last pass's reasons
         rec_nodes, rec_kept = recompute_nodes(cap.gm, recompute)
-        for shape, axes, roles in _mesh_candidates(world, pins, mesh_shape):
-            problem = build_problem(cap, shape, zero=pins.get("zero") or 0,
-                                    optimizer_states=OPTIMIZER_STATES[optimizer], **roles)
+        for problem, shape, axes, roles in problems:
             cost = CostModel(cl, shape, dtype_key=pins.get("precision") or "fp32",
                              zero=pins.get("zero") or 0, data_axis=roles.get("data_axis"),
                              profiler=profiler, recompute=rec_nodes, recompute_kept=rec_kept)
