@@ -208,7 +208,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="plan with profiled op times")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--gloo", choices=["builtin", "best", "median"], default="builtin",
+    ap.add_argument("--gloo", choices=["builtin", "best", "median", "busy"], default="builtin",
                     help="gloo constants: hardware.GLOO_COLLECTIVES, or measured now (best "
                          "or median of runs; median matches a machine other processes load)")
     ap.add_argument("--pipeline", action="store_true", help="add the pipeline cases")

@@ -327,3 +327,39 @@ def test_axis_link_intra_vs_inter():
     assert axis_link(c, (32, 4), 0).bandwidth == pytest.approx(c.inter.bandwidth * 2 / 8)
     with pytest.raises(ValueError, match="128"):
         axis_link(c, (4, 8), 0)
+
+
+def test_zero3_and_recompute_pay_their_forward_collectives_again():
+    """A ZeRO-3 weight is gathered in forward and again for backward; a recomputed consumer
+    runs its forward redistributions a second time in backward."""
+    import torch
+
+    from autopar.cost_models.comm import collective_time
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.placement import Replicate, Shard
+    from autopar.sharding.registry import TensorMeta
+    from autopar.solver.costing import CostModel
+
+    cl = parse_cluster("1xdgx-a100")
+    meta = TensorMeta((4096, 4096), torch.float32)
+    sharded, whole = (Shard(0),), (Replicate(),)
+    nbytes = 4096 * 4096 * 4
+    link = CostModel(cl, (8,)).links[0]
+    gather = collective_time("all_gather", nbytes, 8, link)
+    scatter = collective_time("reduce_scatter", nbytes, 8, link)
+
+    def cost(zero, rerun=0.0):
+        model = CostModel(cl, (8,), zero=zero, data_axis=0)
+        t, by = model.edge_time(meta, sharded, whole, (True,), bucketed=True, rerun=rerun)
+        return t, by
+
+    t2, by2 = cost(zero=2)
+    t3, by3 = cost(zero=3)
+    assert by2[("all_gather", 0)] == pytest.approx(gather)
+    assert by3[("all_gather", 0)] == pytest.approx(2 * gather)
+    assert t3 - t2 == pytest.approx(gather)
+    assert by3[("reduce_scatter", 0)] == pytest.approx(by2[("reduce_scatter", 0)])
+    assert by2[("reduce_scatter", 0)] <= scatter          # bucketed: no latency of its own
+    t_rec, by_rec = cost(zero=2, rerun=1.0)
+    assert by_rec[("all_gather", 0)] == pytest.approx(2 * gather)
+    assert by_rec[("reduce_scatter", 0)] == pytest.approx(by2[("reduce_scatter", 0)])

@@ -24,6 +24,8 @@ from autopar.sharding.registry import TensorMeta, input_placements, localize, ou
 from autopar.solver.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
+# the backward collectives of a parameter edge that reduce its gradient (once per step)
+GRAD_SYNC = ("all_reduce", "reduce_scatter")
 
 
 @dataclass
@@ -40,6 +42,14 @@ class CostModel:
     """Captured nodes run again in backward (layers under ``recompute=``): one more forward."""
     recompute_kept: frozenset = frozenset()
     """Of those, the ones whose output is kept (a layer's output, the next one's input)."""
+    memory_weights: dict | None = None
+    """Factor per memory term (``{"params": 1/p, "activations": ...}``): the pipeline
+    planner's per-stage view of the whole graph's memory (a stage holds 1/p of the layers
+    and several micro-batches of their activations). None = every factor 1."""
+    grad_sync_scale: float = 1.0
+    """Factor on a parameter's gradient reduction (the backward all-reduce or
+    reduce-scatter of a bucketed parameter edge): 1 / micro-batches when the graph is one
+    micro-batch of a step whose gradients are reduced once (pipelines)."""
 
     @property
     def mixed(self) -> bool:
@@ -82,9 +92,20 @@ class CostModel:
         """How many of ``v``'s members (repeated-layer copies) are recomputed."""
         return sum(1 for m in v.members if m in self.recompute) if self.recompute else 0
 
+    def rerun(self, v: NodeVar) -> float:
+        """Fraction of ``v``'s members whose forward runs again in backward: the
+        redistributions feeding them are inside the recomputed region and run again too."""
+        return self._recomputed(v) / len(v.members) if self.recompute else 0.0
+
     # ---- memory --------------------------------------------------------------------------
     def node_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
-        """Bytes per device of one option, by term."""
+        """Bytes per device of one option, by term (times ``memory_weights``)."""
+        terms = self._node_memory(v, combo, optimizer_states)
+        if not self.memory_weights:
+            return terms
+        return {k: b * self.memory_weights.get(k, 1.0) for k, b in terms.items()}
+
+    def _node_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
         if v.kind == "param":
             placements = output_placements(combo, 0)
             b = _local(v.meta, placements, self.mesh_shape).nbytes
@@ -113,22 +134,26 @@ class CostModel:
 
     # ---- communication -------------------------------------------------------------------
     def edge_time(self, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-                  grad_partial: tuple[bool, ...], bucketed: bool = False) -> tuple[float, dict]:
+                  grad_partial: tuple[bool, ...], bucketed: bool = False,
+                  rerun: float = 0.0) -> tuple[float, dict]:
         """Seconds to move ``meta`` from ``src`` to ``dst`` (forward + backward), and the
         seconds by ``(collective, axis)``; INF when the conversion is not offered.
 
         ``bucketed``: ``meta`` is a parameter, whose gradient all-reduce the runtime sends in
         buckets with the others (once per step): it pays bandwidth, not a latency of its own.
+        ``rerun``: the consumer's forward runs again in backward this often (recomputation,
+        :meth:`rerun`), and the forward collectives with it.
         """
         if not meta.dtype.is_floating_point:
             grad_partial = (False,) * len(grad_partial)   # integer tensors carry no gradient
-        key = (meta.shape, meta.dtype, src, dst, grad_partial, bucketed)
+        key = (meta.shape, meta.dtype, src, dst, grad_partial, bucketed, rerun)
         hit = self._edge_cache.get(key)
         if hit is None:
-            hit = self._edge_cache[key] = self._edge_time(meta, src, dst, grad_partial, bucketed)
+            hit = self._edge_cache[key] = self._edge_time(meta, src, dst, grad_partial, bucketed,
+                                                          rerun)
         return hit
 
-    def _edge_time(self, meta, src, dst, grad_partial, bucketed=False):
+    def _edge_time(self, meta, src, dst, grad_partial, bucketed=False, rerun=0.0):
         try:
             steps = plan_steps(src, dst, grad_partial)
         except Unsupported:
@@ -144,7 +169,7 @@ class CostModel:
             after = _local(meta, cur, self.mesh_shape).nbytes
             n = self.mesh_shape[step.axis]
             link = self.links[step.axis]
-            for kind in (step.forward_collective(), step.backward_collective()):
+            for backward, kind in ((False, step.forward_collective()), (True, step.backward_collective())):
                 if kind is None:
                     continue
                 size = {"all_gather": max(before, after), "reduce_scatter": max(before, after),
@@ -152,6 +177,14 @@ class CostModel:
                 t = comm_model.collective_time(kind, size * scale, n, link)
                 if bucketed and step.kind == "grad_all_reduce":
                     t -= comm_model.collective_time(kind, 1.0, n, link)   # latency shared by the bucket
+                if bucketed and backward and kind in GRAD_SYNC:
+                    t *= self.grad_sync_scale
+                if not backward:
+                    regather = (bucketed and self.zero >= 3 and kind == "all_gather"
+                                and step.axis == self.data_axis)
+                    # ZeRO-3 frees a gathered weight after use and gathers it again for
+                    # backward; recomputation runs the forward collectives again
+                    t *= 1.0 + rerun + (1.0 if regather else 0.0)
                 total += t
                 by[(kind, step.axis)] = by.get((kind, step.axis), 0.0) + t
         return total, by

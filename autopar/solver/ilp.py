@@ -117,11 +117,13 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
         e, v = edge_of[name], problem.vars[name]
         u, root = problem.vars[e.src], root_of(e.src)
         pick = []
+        rerun = cost.rerun(v)
         for i in range(len(problem.vars[root].options)):
             p = output_placements(u.options[option_of(e.src, i)], e.src_out)
             best, best_cost, best_by = None, INF, {}
             for j, c in enumerate(v.options):
-                t, by = cost.edge_time(e.meta, p, input_placements(c, 0), grad_partial_flags(c, 0))
+                t, by = cost.edge_time(e.meta, p, input_placements(c, 0), grad_partial_flags(c, 0),
+                                       rerun=rerun)
                 total = t * e.count + node_cost[name][j]
                 if total < best_cost:
                     best, best_cost, best_by = j, total, {k: s * e.count for k, s in by.items()}
@@ -152,9 +154,10 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
               for j in range(len(problem.vars[dst].options))]
         table = {}
         bucketed = u.kind == "param"
+        rerun = cost.rerun(v)
         for p in set(pu):
             for q in set(qv):
-                t, by = cost.edge_time(e.meta, p, q[0], q[1], bucketed)
+                t, by = cost.edge_time(e.meta, p, q[0], q[1], bucketed, rerun)
                 table[(p, q)] = (t * e.count if t != INF else INF,
                                  {k: s * e.count for k, s in by.items()})
         if src == dst:   # both ends decided by one variable (repeated layer, or a follower)
