@@ -430,7 +430,7 @@ def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
     kwargs = kwargs or {}
     fam = family(op)
     if fam == VIEW:
-        return 0.0, 0.0
+        return device.view_overhead, device.view_overhead
     f = _FLOPS[fam](op, inputs, outputs, args, kwargs)
     b = bytes_moved(op, inputs, outputs, args, kwargs)
     if dtype_key is None:

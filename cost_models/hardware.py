@@ -64,6 +64,10 @@ class Device:
     ``peak * max_efficiency * fill_time`` FLOPs runs at half of ``max_efficiency``."""
     launch_overhead: float = 0.0
     """Seconds of fixed cost per kernel (launch and framework dispatch)."""
+    view_overhead: float = 0.0
+    """Seconds per view op (a reshape, transpose, ...: framework dispatch and autograd
+    bookkeeping, no kernel), forward and backward alike. Zero for GPUs, whose host runs
+    ahead of the kernels; the CPU's host IS the device, so every view is on its clock."""
 
     def __hash__(self) -> int:  # peak_flops is a dict; hash by name and sizes
         return hash((self.name, self.memory_bytes, self.mem_bandwidth))
@@ -213,7 +217,8 @@ def cpu_core() -> Device:
     busy process, 2.7 ms with one). Peaks are the best of a few matmuls of 128..512 per
     side (an achieved rate, so ``max_efficiency`` is 1); ``fill_time`` is a 64^3 matmul's
     time beyond ideal; ``mem_bandwidth`` is a warm 32 MB copy (read + write);
-    ``launch_overhead`` is a one-element add with autograd recording (eager dispatch);
+    ``launch_overhead`` is a one-element add with autograd recording (eager dispatch),
+    ``view_overhead`` a view of it;
     memory is the machine's (sysconf).
     """
     global _cpu_core
@@ -284,6 +289,7 @@ def _measure_cpu() -> Device:
 
     x = torch.ones(1, requires_grad=True)
     launch = _best(lambda: torch.add(x, x), 200)
+    view = _best(lambda: x.view(1, 1), 200)
 
     n = 64  # a small fp32 matmul's time beyond ideal = fill time
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -298,7 +304,7 @@ def _measure_cpu() -> Device:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Device(name="cpu-core", memory_bytes=float(memory), peak_flops=peak,
                   mem_bandwidth=bandwidth, max_efficiency=1.0, mem_efficiency=1.0,
-                  fill_time=fill, launch_overhead=launch)
+                  fill_time=fill, launch_overhead=launch, view_overhead=view)
 
 
 def loopback_link() -> Link:

@@ -6,11 +6,12 @@ It builds real tensors from the :class:`~autopar.sharding.registry.TensorMeta` s
 (random floats; integer inputs in a range that is valid for the call, see
 :func:`_int_range`), runs a warm-up, then times repeats and keeps the median:
 
-- forward: the op itself, ``number`` calls per repeat so a repeat lasts ``min_repeat_s``;
+- forward: the op itself with autograd recording (floating inputs require grad, as in
+  training), ``number`` calls per repeat so a repeat lasts ``min_repeat_s``;
 - backward: ``torch.autograd.grad`` of the floating outputs with respect to the floating
-  inputs (``retain_graph=True``, so one forward serves every repeat), minus the fixed cost
-  of one ``autograd.grad`` call through a trivial graph (the engine's start-up, which a
-  real backward pays once per step, not once per op).
+  inputs (``retain_graph=True``, so one forward serves every repeat), minus the engine's
+  fixed cost per ``autograd.grad`` call (which a real backward pays once per step, not
+  once per op); the engine's cost per node stays in, as a real backward pays it per op.
 
 CPU times are wall-clock (``time.perf_counter``) at the profiler's thread count; CUDA
 times come from ``torch.cuda.Event`` pairs around the repeats, after a synchronize.
@@ -48,7 +49,7 @@ from torch.utils import _pytree as pytree
 
 from .compute import VIEW, family, op_name
 
-_FORMAT = 1
+_FORMAT = 2     # 2: forward timed with autograd recording, engine per-node cost kept
 
 
 def default_cache_dir() -> Path:
@@ -202,11 +203,11 @@ class Profiler:
         def fwd():
             return op(*args_t, **kwargs_t)
 
-        with torch.no_grad():
-            t_fwd = self._time(fwd)
         leaves = [t for t in tensors if t.is_floating_point()]
         for t in leaves:
             t.requires_grad_(True)
+        # as in training: autograd records the call (its node, the tensors it saves)
+        t_fwd = self._time(fwd)
         out = [o for o in pytree.tree_leaves(fwd()) if isinstance(o, torch.Tensor)
                and o.is_floating_point() and o.requires_grad]
         if not out:
@@ -221,11 +222,22 @@ class Profiler:
         return [t_fwd, t_bwd]
 
     def _engine_time(self) -> float:
-        """One ``autograd.grad`` through a one-element graph: the engine's fixed cost."""
+        """The engine's fixed cost per ``autograd.grad`` call, which a real backward pays
+        once per step: the time through a one-node graph less the cost of one node (the
+        slope of the time through chains of 1 and 17 one-element nodes). The per-node cost
+        stays in every op's backward, as it does in a real step."""
         if self._engine_s is None:
             x = torch.ones(1, device=self.device, requires_grad=True)
-            y = x.sum()
-            self._engine_s = self._time(lambda: torch.autograd.grad(y, x, retain_graph=True))
+
+            def chain(k):
+                y = x
+                for _ in range(k):
+                    y = y * 1.0
+                return y
+            y1, y17 = chain(1), chain(17)
+            t1 = self._time(lambda: torch.autograd.grad(y1, x, retain_graph=True))
+            t17 = self._time(lambda: torch.autograd.grad(y17, x, retain_graph=True))
+            self._engine_s = max(0.0, t1 - max(0.0, t17 - t1) / 16)
         return self._engine_s
 
     def _time(self, fn) -> float:

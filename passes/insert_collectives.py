@@ -111,6 +111,8 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
         except Unsupported as e:
             raise PlanError(f"the plan asks for an unsupported conversion {e}") from e
         for st in steps:
+            if mesh[st.axis] == 1:
+                continue       # a group of one rank: every step is the identity there
             if st.kind == "grad_all_reduce" and from_param and st.axis in deferred.get(from_param, ()):
                 continue
             kwargs = _step_kwargs(st)
