@@ -118,35 +118,3 @@ def test_bad_recompute_requests_are_errors(captured):
         select_layers(rcap.gm, ["stem.1"])
     assert "stem.1" not in select_layers(rcap.gm, "full")
 
-
-def test_a_one_rank_mesh_axis_runs_no_collective(captured):
-    """Placements on an axis of size 1 are all the same tensor: the per-rank program must
-    not call a collective there (each costs a gloo call and a copy for nothing), and it
-    still trains like one device."""
-    import re
-    from dataclasses import replace
-
-    from autopar.plan import NodePlacement
-    ex, cap = captured("gpt")
-    plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2",
-                        mesh_shape=(1, 2))
-    # shard every weight on the one-rank axis 0 as well, so the program has a reason to move
-    # tensors there
-    nodes = {}
-    for name, np_ in plan.nodes.items():
-        if name.startswith("p_") and np_.outputs and np_.outputs[0].startswith("R"):
-            out = "S(0)" + np_.outputs[0][1:]
-            nodes[name] = NodePlacement(np_.inputs, (out,) + np_.outputs[1:])
-        else:
-            nodes[name] = np_
-    plan = replace(plan, nodes=nodes)
-    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
-
-    def run(pm, comm):
-        code = pm.code("train")
-        assert not re.search(r"axis\s*=\s*0\b", code), \
-            "a collective on the one-rank axis 0:\n" + code[:3000]
-        return parallel_run(pm, ex.inputs, ex.target)
-
-    for r, got in enumerate(simulate(cap, plan, ex.model, run)):
-        compare(ref, got, f"mesh (1, 2) rank {r}")
