@@ -182,3 +182,32 @@ def test_report_renders_in_headless_chromium(report):
                    capture_output=True, timeout=120)
     data = shot.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 50_000     # a page with pictures, not blank
+
+
+def test_pipeline_plan_graph_is_coloured_by_stage_and_its_swimlane_is_its_schedule():
+    """A pipeline plan: every op node carries the stage the runtime gives it (the cut node
+    starts stage 1), the fill colour says the pipeline rank, the legend names the ranks, and
+    the swimlane runs the plan's own schedule on its ranks."""
+    import autopar
+    from autopar.capture import capture
+    from autopar.pipeline.split import assign_stages
+    from examples.models import EXAMPLES
+    ex = EXAMPLES["gpt"]()
+    p = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2",
+                     pipeline=2, schedule="1f1b", micro_batch_size=2)
+    cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
+    gr = graph.build_graph(cap, p)
+    want = assign_stages(cap, p.stage_cuts, 2)
+    ops = [n for n in gr.nodes.values() if n.kind == "op"]
+    assert ops and all(n.stage == want[n.id] for n in ops)
+    assert gr.nodes[p.stage_cuts[0]].stage == 1
+    fills = {n.stage: render.fill_of(n, gr) for n in ops}
+    assert fills[0] != fills[1]
+    names = [name for name, _ in render.legend(gr)]
+    assert names[:2] == ["pipeline rank 0: stage 0", "pipeline rank 1: stage 1"]
+    svg = render.render(graph.fold(gr), "svg")
+    assert fills[0].encode() in svg and fills[1].encode() in svg
+    lane = charts.swimlane(p)
+    assert lane.n_lanes == 2 and len(lane.blocks) == 2 * 2 * p.n_microbatches
+    assert {b["rank"] for b in lane.blocks} == {0, 1}
+    assert "1f1b" in lane.title

@@ -42,7 +42,9 @@ def write(out: str | Path, plan: Plan | None, cap=None, *, schedule: str | None 
                                virtual=virtual)
         note = (f"drawn with {info['renderer']}; collectives (red hexagons) sit on the edges "
                 "where the producer's placement differs from what the consumer reads; clusters "
-                "are repeated layers (this plan has no pipeline stages to colour by)")
+                "are repeated layers; "
+                + ("ops are coloured by pipeline stage" if plan.pipeline_stages > 1 else
+                   "this plan has no pipeline stages to colour by"))
         html = _html(plan, lane, g_fold, g_full, note, title)
         out.write_text(html)
         info.update(kind="report", swimlane=lane.title)
@@ -74,4 +76,5 @@ def _html(plan, lane, g_fold, g_full, note, title) -> str:
                 "--factory MODULE:FACTORY to draw it")
     return report_html(plan, memory_png=charts.memory_chart(plan),
                        swimlane_png=charts.swimlane_chart(lane), swimlane_note=lane.note,
-                       graph_folded_svg=folded, graph_full_svg=full, graph_note=note, title=title)
+                       graph_folded_svg=folded, graph_full_svg=full, graph_note=note, title=title,
+                       legend=render.legend(g_full))

@@ -1,10 +1,12 @@
 """Charts of a plan (matplotlib, Agg; PNG or SVG bytes): memory per device as stacked bars
 by term, and a pipeline swimlane (ranks × time).
 
-Plans have no pipeline stages yet. For such a plan the swimlane shows one lane per rank
-with the estimate's compute and communication as two blocks (every rank runs the same SPMD
-program); a pipeline schedule is drawn from ``autopar.pipeline``'s simulator when one is
-asked for (``swimlane(schedule="1f1b", stages=4, microbatches=8)``), in unit times.
+A pipeline plan's swimlane is its own schedule (micro-batches, virtual stages) simulated by
+``autopar.pipeline.simulate`` with the plan's predicted stage times where the estimate has
+them (``estimate.stage_times_s``), one lane per pipeline rank. A plan without a pipeline
+shows one lane per rank with the estimate's compute and communication as two blocks (every
+rank runs the same SPMD program). Any schedule can be drawn on its own in unit times
+(``swimlane(schedule="1f1b", stages=4, microbatches=8)``).
 """
 from __future__ import annotations
 
@@ -117,6 +119,8 @@ def swimlane(plan: Plan | None = None, *, schedule: str | None = None, stages: i
     if plan is None:
         raise ValueError("swimlane needs a plan or a schedule (--schedule 1f1b --stages 4 "
                          "--microbatches 8)")
+    if plan.pipeline_stages > 1:
+        return _plan_schedule(plan)
     e = plan.estimate
     lanes = min(plan.world_size, MAX_LANES)
     blocks = []
@@ -132,6 +136,34 @@ def swimlane(plan: Plan | None = None, *, schedule: str | None = None, stages: i
             "estimate adds them; the runtime overlaps gradient sync with backward)")
     return Swimlane(blocks, lanes, "rank", f"one training step, estimate{shown}: "
                     f"{fmt_time(e.step_time_s)}", "time (ms)", note, e.bubble_fraction)
+
+
+def _plan_schedule(plan: Plan) -> Swimlane:
+    """The pipeline plan's schedule on its ranks, timed by its predicted stage times."""
+    from autopar.pipeline.schedule import schedule_actions
+    from autopar.pipeline.simulate import simulate
+    p, m, v = plan.pipeline_stages, plan.n_microbatches, plan.virtual_stages
+    actions = schedule_actions(plan.schedule, p, m, v)
+    split = any(a.kind in "IW" for acts in actions for a in acts)
+    times = tuple(getattr(plan.estimate, "stage_times_s", ()) or ())
+    if len(times) == p * v:
+        scale, unit = 1e3, "ms"
+        stage = [t * scale for t in times]
+        note = "the plan's schedule timed by its predicted stage times (forward + backward)"
+    else:
+        scale, unit = 1.0, "units of one micro-batch forward on one stage"
+        stage = [3.0] * (p * v)
+        note = "the plan's schedule in unit times (this plan file has no stage times)"
+    fwd = [t / 3 for t in stage]
+    sim = simulate(actions, forward=fwd, backward=[2 * f for f in fwd],
+                   weight=fwd if split else None)
+    blocks = [{"rank": t["rank"], "start": t["start"], "end": t["end"], "kind": t["kind"],
+               "label": t["action"], "microbatch": t["microbatch"]} for t in sim.timeline]
+    return Swimlane(blocks, p, "pipeline rank",
+                    f"{plan.schedule}: {p} stages x {m} micro-batches"
+                    + (f", {v} virtual" if v > 1 else "")
+                    + f" - bubble {sim.bubble_fraction:.1%}", f"time ({unit})", note,
+                    sim.bubble_fraction)
 
 
 def swimlane_chart(lane: Swimlane, fmt: str = "png") -> bytes:

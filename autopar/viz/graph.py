@@ -8,7 +8,8 @@ layers (``h.0``, ``h.1``, ...) carry their layer, so :func:`fold` can collapse e
 instance after the first into one box.
 
 The plan file holds placements but not edges, so drawing the graph needs the captured
-model (the CLI's ``--factory``).
+model (the CLI's ``--factory``). A pipeline plan's nodes carry their stage (from the plan's
+cuts, as the runtime splits them); a parameter or a collective takes its consumer's.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class GNode:
     sharded: bool = False
     detail: str = ""
     sig: str = ""                  # op and placements: equal sigs = the same choice
+    stage: int | None = None       # pipeline stage (plans with a pipeline axis)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Graph:
     edges: list[tuple[str, str, str]] = field(default_factory=list)   # (src, dst, label)
     mesh_axes: tuple[str, ...] = ()
     folded_layers: dict[str, int] = field(default_factory=dict)      # box id -> ops inside
+    stage_ranks: tuple[int, ...] = ()  # pipeline rank of each stage; empty without a pipeline
 
     @property
     def collectives(self) -> list[GNode]:
@@ -78,9 +81,21 @@ def _layer_of_name(name: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
+def _stages(cap: Captured, plan: Plan) -> dict[str, int]:
+    """Stage of every op node of a pipeline plan (empty without a pipeline)."""
+    if plan.pipeline_stages <= 1:
+        return {}
+    from autopar.pipeline.split import assign_stages
+    return assign_stages(cap, plan.stage_cuts, plan.pipeline_stages * plan.virtual_stages)
+
+
 def build_graph(cap: Captured, plan: Plan) -> Graph:
     """Every placed node of ``cap``'s graph, with a node per collective on its edges."""
     g = Graph(mesh_axes=tuple(plan.mesh_axes))
+    stage_of = _stages(cap, plan)
+    if stage_of:
+        n = plan.pipeline_stages * plan.virtual_stages
+        g.stage_ranks = tuple(k % plan.pipeline_stages for k in range(n))
     alias: dict[str, tuple[str, int]] = {}
     loss = cap.loss
     for node in cap.gm.graph.nodes:
@@ -108,7 +123,10 @@ def build_graph(cap: Captured, plan: Plan) -> Graph:
         sharded = any(c in "SP" for c in str(pl))
         sig = f"{node.target if node.op == 'call_function' else kind}|{pl}"
         layer = layer_of(node) if node.op == "call_function" else _layer_of_name(title)
-        g.nodes[node.name] = GNode(node.name, label, kind, layer, sharded, sig=sig)
+        stage = stage_of.get(node.name)
+        if stage is not None:
+            label += f"\nstage {stage}"
+        g.nodes[node.name] = GNode(node.name, label, kind, layer, sharded, sig=sig, stage=stage)
     if loss in g.nodes:
         g.nodes[loss].kind = "loss"
     n_coll = 0
@@ -124,6 +142,9 @@ def build_graph(cap: Captured, plan: Plan) -> Graph:
             want = dst_pl.inputs[k]
             if src_pl is None:
                 continue
+            stage = g.nodes[node.name].stage
+            if g.nodes[src].stage is None and stage is not None:
+                g.nodes[src].stage = stage        # a parameter or input: its (first) reader's
             try:
                 steps = plan_steps(parse_placements(src_pl), parse_placements(want),
                                    grad_partial(want, dst_pl.outputs))
@@ -135,7 +156,7 @@ def build_graph(cap: Captured, plan: Plan) -> Graph:
                 cid = f"coll{n_coll}"
                 g.nodes[cid] = GNode(cid, step_label(step, g.mesh_axes), "collective",
                                      g.nodes[node.name].layer or g.nodes[src].layer,
-                                     detail=f"{src} -> {node.name}", sig=str(step))
+                                     detail=f"{src} -> {node.name}", sig=str(step), stage=stage)
                 g.edges.append((prev, cid, src_pl if prev == src else ""))
                 prev = cid
             g.edges.append((prev, node.name, want if steps else src_pl))
@@ -150,7 +171,7 @@ def fold(g: Graph) -> Graph:
         if n.layer is not None:
             fam, i = n.layer
             firsts[fam] = min(firsts.get(fam, i), i)
-    out = Graph(mesh_axes=g.mesh_axes)
+    out = Graph(mesh_axes=g.mesh_axes, stage_ranks=g.stage_ranks)
     where: dict[str, str] = {}
     counts: dict[str, list[int]] = {}
     sigs: dict[tuple[str, int], list[str]] = {}
@@ -165,7 +186,7 @@ def fold(g: Graph) -> Graph:
             c[0 if n.kind != "collective" else 1] += 1
             where[n.id] = box
             if box not in out.nodes:
-                out.nodes[box] = GNode(box, "", "fold", n.layer)
+                out.nodes[box] = GNode(box, "", "fold", n.layer, stage=n.stage)
         else:
             where[n.id] = n.id
             out.nodes[n.id] = n

@@ -69,7 +69,8 @@ def _table(header, rows, numeric=()) -> str:
 
 def report_html(plan: Plan, *, memory_png: bytes, swimlane_png: bytes, swimlane_note: str,
                 graph_folded_svg: bytes | None, graph_full_svg: bytes | None,
-                graph_note: str, title: str = "autopar plan") -> str:
+                graph_note: str, title: str = "autopar plan",
+                legend: list[tuple[str, str]] | None = None) -> str:
     e, s = plan.estimate, plan.solver
     from autopar.viz.render import LEGEND
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
@@ -97,7 +98,8 @@ def report_html(plan: Plan, *, memory_png: bytes, swimlane_png: bytes, swimlane_
                  + _img(swimlane_png, "swimlane", f"swimlane: {swimlane_note}"))
     parts.append("<h2 id='graph'>Graph</h2>")
     if graph_folded_svg is not None:
-        legend = "".join(f"<span style='background:{c}'>{escape(n)}</span>" for n, c in LEGEND)
+        legend = "".join(f"<span style='background:{c}'>{escape(n)}</span>"
+                         for n, c in (legend or LEGEND))
         parts.append(
             f"<p class='legend'>{legend}</p><p class='muted'>{escape(graph_note)}</p>"
             "<p><button onclick=\"showGraph('folded')\">repeated layers folded</button> "

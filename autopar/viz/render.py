@@ -20,10 +20,29 @@ LEGEND = [("parameter", FILL["param"]), ("input", FILL["input"]),
           ("folded layer", FILL["fold"])]
 
 
-def fill_of(n: GNode) -> str:
+# pipeline plans: ops and folded layers filled by their stage's pipeline rank
+STAGE_FILLS = ["#cfe2ff", "#d4f4d4", "#ffe5b4", "#f3d1f4", "#d9f2f2", "#fff3b0", "#e2d9f3",
+               "#f8d7da"]
+
+
+def fill_of(n: GNode, g: Graph | None = None) -> str:
+    if g is not None and g.stage_ranks and n.stage is not None and n.kind in ("op", "fold"):
+        return STAGE_FILLS[g.stage_ranks[n.stage] % len(STAGE_FILLS)]
     if n.kind == "op":
         return FILL["op_sharded"] if n.sharded else FILL["op"]
     return FILL.get(n.kind, "#ffffff")
+
+
+def legend(g: Graph | None = None) -> list[tuple[str, str]]:
+    """(label, colour) pairs: the node kinds, or for a pipeline plan the ranks' colours."""
+    if g is None or not g.stage_ranks:
+        return LEGEND
+    ranks = sorted(set(g.stage_ranks))
+    stages = {r: [k for k, q in enumerate(g.stage_ranks) if q == r] for r in ranks}
+    per_rank = [(f"pipeline rank {r}: stage{'s' if len(stages[r]) > 1 else ''} "
+                 f"{', '.join(map(str, stages[r]))}", STAGE_FILLS[r % len(STAGE_FILLS)])
+                for r in ranks]
+    return per_rank + [e for e in LEGEND if e[0] not in ("op, replicated", "op, sharded")]
 
 
 def dot_binary() -> str | None:
@@ -45,7 +64,7 @@ def to_dot(g: Graph, title: str = "autopar plan") -> str:
     for n in g.nodes.values():
         shape = {"collective": "hexagon", "fold": "box3d", "param": "note", "input": "cds",
                  "loss": "doubleoctagon"}.get(n.kind, "box")
-        node = pydot.Node(_q(n.id), label=_q(n.label), fillcolor=fill_of(n), shape=shape,
+        node = pydot.Node(_q(n.id), label=_q(n.label), fillcolor=fill_of(n, g), shape=shape,
                           tooltip=_q(n.detail or n.label.replace("\n", " ")))
         if n.layer is not None and n.kind != "fold":
             key = f"{n.layer[0]}.{n.layer[1]}"
@@ -140,7 +159,7 @@ def layout_svg(g: Graph, title: str) -> str:
         dash = ' stroke-dasharray="4 2"' if node.kind == "fold" else ""
         out.append(f'<g class="node {node.kind}"><title>{escape(node.detail or node.label)}</title>'
                    f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="3" '
-                   f'fill="{fill_of(node)}" stroke="#444"{dash}/>')
+                   f'fill="{fill_of(node, g)}" stroke="#444"{dash}/>')
         for i, line in enumerate(node.label.split("\n")):
             out.append(f'<text x="{x + PAD:.1f}" y="{y + PAD + (i + 0.8) * LINE_H:.1f}">'
                        f'{escape(line)}</text>')
@@ -172,7 +191,7 @@ def layout_png(g: Graph, title: str) -> bytes:
     for n, (x, y, w, h) in boxes.items():
         node = g.nodes[n]
         ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0,rounding_size=3",
-                                    fc=fill_of(node), ec="#444", lw=0.6,
+                                    fc=fill_of(node, g), ec="#444", lw=0.6,
                                     ls="--" if node.kind == "fold" else "-"))
         ax.text(x + PAD, y + PAD, node.label, fontsize=7, va="top", family="sans-serif",
                 linespacing=1.2)
