@@ -45,16 +45,20 @@ def reference_run(model, inputs, target, loss_fn, steps: int = STEPS):
 
 
 def parallel_run(pm, inputs, target, steps: int = STEPS):
-    """The same on a ParallelModule (called on every rank)."""
-    opt = torch.optim.SGD(pm.parameters(), lr=LR, momentum=MOMENTUM)
+    """The same on a ParallelModule (called on every rank). A pipeline rank whose stages hold
+    no parameter (a stage of the loss alone) steps no optimizer."""
+    params = list(pm.parameters())
+    opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM) if params else None
     losses, grads0 = [], None
     for i in range(steps):
-        opt.zero_grad()
+        if opt is not None:
+            opt.zero_grad()
         loss = pm.train_step(*inputs, target=target)
         losses.append(loss.item())
         if i == 0:
             grads0 = pm.full_grads()
-        opt.step()
+        if opt is not None:
+            opt.step()
     return losses, grads0, pm.full_state_dict()
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,7 @@ def microbatched_reference(model, inputs, target, loss_fn, m: int, steps: int = 
 
 
 def run_case(case: dict) -> dict:
+    t0 = time.perf_counter()
     ex = _example(case["model"])
     pins = dict(case["pins"])
     if case.get("plan") == "saved":
@@ -64,11 +67,27 @@ def run_case(case: dict) -> dict:
                          cluster=f"cpu:{dist.get_world_size()}", **pins).save(path)
         dist.barrier()
         pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, plan=path)
+    elif case.get("cuts"):
+        # the plan for the pins with its cuts replaced (rank 0 plans, every rank runs it)
+        box = [None]
+        if dist.get_rank() == 0:
+            plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                                cluster=f"cpu:{dist.get_world_size()}", **pins)
+            box = [replace(plan, stage_cuts=tuple(case["cuts"]))]
+        dist.broadcast_object_list(box, 0)
+        pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, plan=box[0])
     else:
         pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, **pins)
     has_bn = any(isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) for mod in ex.model.modules())
     info = {"mesh": list(pm.plan.mesh_shape), "m": pm.plan.n_microbatches,
-            "schedule": pm.plan.schedule, "cuts": list(pm.plan.stage_cuts)}
+            "v": pm.plan.virtual_stages, "schedule": pm.plan.schedule,
+            "cuts": list(pm.plan.stage_cuts)}
+    seconds = {"build": time.perf_counter() - t0}
+    if case.get("owners"):
+        # which pipeline ranks each rank thinks hold these tensors (must agree everywhere)
+        owners = [None] * dist.get_world_size()
+        dist.all_gather_object(owners, {a: pm._owners[a] for a in case["owners"]})
+        info["owners"] = owners
     if case.get("forward") and not has_bn:
         out = pm(*ex.inputs)
         with torch.no_grad():
@@ -76,12 +95,20 @@ def run_case(case: dict) -> dict:
         err = float((out - want).norm() / want.norm())
         assert err < 1e-5, f"forward output differs from one device: rel err {err:.2e}"
         info["forward_err"] = err
+    seconds["forward"] = time.perf_counter() - t0 - sum(seconds.values())
     if has_bn:
         ref = microbatched_reference(ex.model, ex.inputs, ex.target, ex.loss_fn, pm.plan.n_microbatches)
     else:
         ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+    seconds["reference"] = time.perf_counter() - t0 - sum(seconds.values())
     got = parallel_run(pm, ex.inputs, ex.target)
+    seconds["train"] = time.perf_counter() - t0 - sum(seconds.values())
+    info["phases"] = {k: round(v, 3) for k, v in seconds.items()}
     info["worst"] = compare(ref, got, f"{case} rank {dist.get_rank()}")
+    # the stages whose data-parallel reductions started during the last step, in order
+    order = [None] * dist.get_world_size()
+    dist.all_gather_object(order, list(pm._sync_order))
+    info["sync_order"] = order
     if case.get("skips"):
         # which ranks received which skip values (the middle stages must receive none)
         received = [None] * dist.get_world_size()

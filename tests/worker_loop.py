@@ -1,10 +1,19 @@
 """The loop the torchrun workers share: run each case on every rank, gather every rank's
-verdict, and let rank 0 write one result per case (the first failing rank's, if any)."""
+verdict, and let rank 0 write one result per case (the first failing rank's, if any).
+
+A case that raises on one rank while the others wait in a collective would hang the launch:
+every rank therefore prints the error at once (stderr), and a watchdog
+(``AUTOPAR_CASE_TIMEOUT`` seconds per case, default 240) dumps every thread's stack and
+exits, so a hang shows where each rank waits instead of ending in the test's timeout.
+"""
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
+import os
 import sys
+import time
 import traceback
 from typing import Callable
 
@@ -16,22 +25,33 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
     cases = json.loads(sys.argv[1])
     out = sys.argv[2]
     dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump([], f)
+    limit = float(os.environ.get("AUTOPAR_CASE_TIMEOUT", "240"))
     results = []
     for case in cases:
-        print(f"[rank {dist.get_rank()}] case {case}", file=sys.stderr, flush=True)
+        print(f"[rank {rank}] case {case}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback_later(limit, exit=True)
+        t0 = time.perf_counter()
         try:
             res = {"case": case, "ok": True, **run_case(case)}
         except Exception as e:  # noqa: BLE001 - reported to the test
             res = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
                    "trace": traceback.format_exc()[-3000:]}
+            print(f"[rank {rank}] FAILED {case}\n{res['trace']}", file=sys.stderr, flush=True)
+        res["seconds"] = round(time.perf_counter() - t0, 3)
         verdicts = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, res)
-        if dist.get_rank() == 0:
+        faulthandler.cancel_dump_traceback_later()
+        if rank == 0:
             bad = [v for v in verdicts if not v["ok"]]
             results.append(bad[0] if bad else res)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
+            print(f"[rank 0] {'ok' if not bad else 'FAIL'} in {res['seconds']:.2f}s: {case}",
+                  file=sys.stderr, flush=True)
+            with open(out, "w") as f:      # after every case: a launch that dies keeps the rest
+                json.dump(results, f)
     gc.collect()       # drop every module (and its work handles) before the groups go
     dist.barrier()
     dist.destroy_process_group()

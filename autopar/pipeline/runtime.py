@@ -11,7 +11,10 @@ One step (``train_step``), in order:
 1. the schedule runs every micro-batch (its loss is the stage program's own output; the
    last stage's ``loss_fn`` passes it through), gradients accumulate unscaled;
 2. data-parallel gradients are all-reduced over the intra axes once (never per micro-batch:
-   the per-rank graph defers them, see ``passes.insert_collectives``);
+   the per-rank graph defers them, see ``passes.insert_collectives``). A weight's all-reduce
+   starts as soon as the last backward of every stage on this rank reading it is done, while
+   the schedule goes on with the other stages and micro-batches; the step waits for it after
+   the schedule;
 3. a weight held by several pipeline ranks (tied) has its gradient summed among them;
 4. gradients are divided by ``m`` (equal micro-batches: the mean of micro-batch means is the
    global mean), the loss is that mean, broadcast from the last stage to every rank.
@@ -23,6 +26,7 @@ consumer with their own point-to-point messages on the world group (``skip_send`
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import replace
 
@@ -170,6 +174,73 @@ def skip_recv(anchor: torch.Tensor | None, edge: int) -> torch.Tensor:
     return _SkipRecv.apply(anchor, edge, mb)
 
 
+class _StageOutput(torch.autograd.Function):
+    """Identity whose output is a new tensor over the same (contiguous) storage."""
+
+    @staticmethod
+    def forward(ctx, value):
+        return value.contiguous().detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def stage_output(value: torch.Tensor) -> torch.Tensor:
+    """What a stage returns for ``value``: contiguous (the schedule sends the buffer as it is)
+    and a tensor of its own, never ``value`` itself. After a split backward's input half
+    (zero bubble's ``I``) torch detaches the stage outputs *in place*; were an output the very
+    tensor some op of the stage saved for its weight gradient (a residual stream that feeds a
+    LayerNorm and the next stage), the ``W`` half would find that saved tensor detached."""
+    if not value.requires_grad:
+        return value.contiguous()
+    return _StageOutput.apply(value)
+
+
+class _StageInput(torch.autograd.Function):
+    """Identity whose gradient is made contiguous."""
+
+    @staticmethod
+    def forward(ctx, value):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def stage_input(value: torch.Tensor) -> torch.Tensor:
+    """A stage's differentiable input as the program reads it. Its gradient goes back to the
+    stage before as it is, and a split backward's input half (``torch.autograd.grad``, no
+    accumulation into ``.grad``) can give a strided one (a transpose's, an expand's): this
+    makes it contiguous."""
+    return _StageInput.apply(value)
+
+
+@functools.cache
+def _stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):
+        """A PipelineStage that says when its last backward of a step is done (the full
+        backward of the last micro-batch, or under zero bubble its last weight half)."""
+
+        on_last_backward = None
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                       last_backward=last_backward)
+            if last_backward and full_backward and self.on_last_backward is not None:
+                self.on_last_backward(self.stage_index)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if last_backward and self.on_last_backward is not None:
+                self.on_last_backward(self.stage_index)
+
+    return _Stage
+
+
 def _identity_loss(output, target):
     return output
 
@@ -183,8 +254,6 @@ class PipelineModule(nn.Module):
 
     def __init__(self, cap: Captured, plan: Plan, mesh, model: nn.Module):
         super().__init__()
-        from torch.distributed.pipelining import PipelineStage
-
         from autopar.pipeline.schedule import torch_schedule_class
         from autopar.pipeline.split import assign_stages, local_meta, split_stages
         from autopar.runtime.comm import DistComm
@@ -226,14 +295,7 @@ class PipelineModule(nn.Module):
             self._placements[name], self._aliases[name] = placements, [name]
             attr_of[ph] = name
 
-        # ---- which pipeline ranks hold each parameter / buffer ----
         stage_of = assign_stages(cap, plan.stage_cuts, S)
-        self._owners: dict[str, list[int]] = {}
-        for ph, attr in attr_of.items():
-            stages = {stage_of[u.name] for u in cap.node(ph).users if u.name in stage_of} or {0}
-            self._owners[attr] = sorted({k % p for k in stages})
-        self._tied = [a for a, r in self._owners.items() if len(r) > 1
-                      and isinstance(_get(root, a), nn.Parameter)]
         self._shapes = {attr: tuple(cap.node(ph).meta["val"].shape) for ph, attr in attr_of.items()}
 
         # ---- programs ----
@@ -248,9 +310,15 @@ class PipelineModule(nn.Module):
         graphs["forward"] = insert_collectives(cap, intra, root, attr_of, "model")
         self._grad_sync = dict(graphs.get("train", graphs["forward"]).meta["grad_sync"])
         device = torch.device("cpu")
+        _Stage = _stage_class()
+        reads: dict[str, set[int]] = {}      # attr -> every stage (of any program) reading it
         for which, gm in graphs.items():
             parts, edges = split_stages(gm, stage_of, S, model_inputs, meta_of, root)
             self.skip_edges[which] = {e.id: e for e in edges}
+            for sg in parts:
+                for n in sg.gm.graph.nodes:
+                    if n.op == "get_attr":
+                        reads.setdefault(n.target, set()).add(sg.index)
             mine = []
             for sg in parts:
                 if sg.index not in self.my_stages:
@@ -267,24 +335,39 @@ class PipelineModule(nn.Module):
                 else:
                     outs = tuple(_example(tuple(cap.node(o).meta["val"].shape), cap.node(o).meta["val"].dtype,
                                           False) for o in cap.output)
-                stage = PipelineStage(sg.gm, sg.index, S, device, input_args=ins, output_args=outs,
-                                      group=self.pp_group)
+                stage = _Stage(sg.gm, sg.index, S, device, input_args=ins, output_args=outs,
+                               group=self.pp_group)
+                if which == "train":
+                    stage.on_last_backward = self._stage_done
                 mine.append((sg, stage))
             self.stages[which] = mine
         self._skip_log: list = []
 
-        # ---- this rank's parameters and buffers (shared with the stage programs) ----
+        # ---- which pipeline ranks hold each parameter / buffer: those whose stages read it.
+        # The same answer on every rank (from all the stage programs, not this rank's): a
+        # buffer that feeds recomputed constants is read by every stage recomputing them.
+        # A parameter held by several ranks (tied) has its gradient summed among them.
+        self._owners = {attr: sorted({k % p for k in reads.get(attr, ())} or {0})
+                        for attr in self._placements}
+        self._tied = [a for a, r in self._owners.items() if len(r) > 1
+                      and isinstance(_get(root, a), nn.Parameter)]
         self.module = nn.Module()
-        held = set()
-        for _, parts in self.stages.items():
-            for sg, _ in parts:
-                held |= {n.target for n in sg.gm.graph.nodes if n.op == "get_attr"}
-        for attr in list(self._placements):
-            if self.pp_rank in self._owners[attr] or attr in held:
+        for attr in self._placements:
+            if self.pp_rank in self._owners[attr]:
                 t = _get(root, attr)
                 _set(self.module, attr, t, buffer=not isinstance(t, nn.Parameter))
-                if self.pp_rank not in self._owners[attr]:
-                    self._owners[attr] = sorted(set(self._owners[attr]) | {self.pp_rank})
+
+        # data-parallel gradients each local train stage completes (see _stage_done)
+        self._stage_grads = {sg.index: sorted({n.target for n in sg.gm.graph.nodes if n.op == "get_attr"}
+                                              & set(self._grad_sync))
+                             for sg, _ in self.stages.get("train", [])}
+        self._readers: dict[str, int] = {}
+        for attrs in self._stage_grads.values():
+            for a in attrs:
+                self._readers[a] = self._readers.get(a, 0) + 1
+        self._left: dict[str, int] = {}
+        self._inflight: list = []
+        self._sync_order: list[int] = []     # stages whose reductions started, in order
 
         cls = torch_schedule_class(plan.schedule)
         multi = plan.schedule in ("interleaved-1f1b", "zero-bubble")
@@ -324,6 +407,7 @@ class PipelineModule(nn.Module):
         for p in params:
             p.grad = None
         losses: list = []
+        self._left, self._inflight, self._sync_order = dict(self._readers), [], []
         ctx = self._context("train", inputs, target)
         with use_comm(self.comm), _use_ctx(ctx):
             self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
@@ -360,19 +444,48 @@ class PipelineModule(nn.Module):
             raise TypeError(f"expected {self._cap.n_model_inputs} inputs (the global batch, as in "
                             f"example_inputs), got {len(inputs)}")
 
-    def _sync_grads(self) -> None:
-        """Data-parallel all-reduce over the intra axes, then tied weights over the pipeline."""
+    def _stage_done(self, stage: int) -> None:
+        """Stage ``stage``'s last backward of the step is done: start the all-reduce of every
+        data-parallel gradient no other local stage still adds to. The ranks of an intra
+        group run the same stages in the same order, so they start the same reductions in
+        the same order."""
+        ready = []
+        for attr in self._stage_grads.get(stage, ()):
+            self._left[attr] -= 1
+            if self._left[attr] == 0:
+                ready.append(attr)
+        if ready:
+            self._sync_order.append(stage)
+            self._start_sync(ready)
+
+    def _start_sync(self, attrs) -> None:
+        """Start the all-reduce of ``attrs``' gradients over their first axis, one bucket per
+        set of axes; ``_sync_grads`` waits and runs the other axes."""
         params = dict(self.module.named_parameters())
         by_axes: dict[tuple, list] = {}
-        for attr, axes in self._grad_sync.items():
+        for attr in attrs:
             p = params.get(attr)
             if p is not None:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                by_axes.setdefault(tuple(axes), []).append(p.grad)
+                by_axes.setdefault(tuple(self._grad_sync[attr]), []).append(p.grad)
         for axes, grads in by_axes.items():
-            for a in axes:
+            if axes:
+                self._inflight.append((self.comm.all_reduce_coalesced(grads, axes[0]), grads, axes[1:]))
+
+    def _sync_grads(self) -> None:
+        """Finish the data-parallel all-reduce over the intra axes (started during the
+        schedule, see ``_stage_done``), then sum tied weights over the pipeline."""
+        params = dict(self.module.named_parameters())
+        # gradients held here that no local train stage completed (read by no train stage)
+        rest = [a for a in self._grad_sync if a in params and self._left.get(a, 1) != 0]
+        if rest:
+            self._start_sync(rest)
+        for work, grads, more in self._inflight:
+            work.wait()
+            for a in more:
                 self.comm.all_reduce_coalesced(grads, a).wait()
+        self._inflight = []
         if self._tied:
             parts = []
             for attr in self._tied:

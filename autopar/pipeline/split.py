@@ -15,14 +15,17 @@ Two halves, one idea:
     both stages use the same intra mesh, so the local shard has the same layout on both);
   * ``t > q + 1``: a *skip* edge: ``q`` sends it straight to ``t``'s rank
     (``skip_send``/``skip_recv``, their own point-to-point messages), the stages between
-    never see it;
+    never see it. Its gradient rides on the backward of a differentiable regular output of
+    ``q`` and input of ``t``; where one of them has none, the value goes down the chain
+    instead (an output and input of every stage between);
   * parameters and buffers are read where they are used (a tied weight used in two stages
     is held by both), user inputs other than stage 0's are read from the step's batch by
     the stage itself (``side_input``; every rank has the global batch), and nodes that
     depend on no input or parameter (masks, position tables) are recomputed where needed.
 
-The functions the stage graphs call (``side_input``, ``skip_send``, ``skip_recv``) live in
-``autopar.pipeline.runtime``; the graphs name them, the runtime supplies the context.
+The functions the stage graphs call (``side_input``, ``skip_send``, ``skip_recv``,
+``stage_input``, ``stage_output``) live in ``autopar.pipeline.runtime``; the graphs name
+them, the runtime supplies the context.
 """
 from __future__ import annotations
 
@@ -216,9 +219,12 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
     def readers(v: Node) -> set[int]:
         return {S - 1 if u.op == "output" else st[u] for u in v.users if u.op == "output" or u in st}
 
+    def meta(v: Node):
+        shape, dtype = meta_of(v)
+        return (shape, dtype, requires_grad[v] and dtype.is_floating_point)
+
     crossing: list[list[Node]] = [[] for _ in range(S)]        # regular values s -> s+1
-    skips: list[SkipEdge] = []
-    skip_of: dict[tuple[str, int], SkipEdge] = {}
+    far: dict[Node, list[int]] = {}                              # value -> stages > q + 1 reading it
     for n in nodes:
         if n not in st or n.name in free:
             continue
@@ -227,15 +233,30 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
             if t == q + 1:
                 crossing[q].append(n)
             elif t > q + 1:
-                shape, dtype = meta_of(n)
-                e = SkipEdge(len(skips), n.name, q, t, shape, dtype,
-                             requires_grad[n] and dtype.is_floating_point)
-                skips.append(e)
-                skip_of[(n.name, t)] = e
-
-    def meta(v: Node):
-        shape, dtype = meta_of(v)
-        return (shape, dtype, requires_grad[v] and dtype.is_floating_point)
+                far.setdefault(n, []).append(t)
+    # A skip value that needs a gradient hangs its backward on a differentiable regular output
+    # of its stage and a differentiable regular input of its reader. Where either has none,
+    # the value goes down the chain instead, every stage between passing it on.
+    changed = True
+    while changed:
+        changed = False
+        for v, ts in list(far.items()):
+            q = st[v]
+            if meta(v)[2] and not (any(meta(u)[2] for u in crossing[q])
+                                   and all(any(meta(u)[2] for u in crossing[t - 1]) for t in ts)):
+                for k in range(q, max(ts)):
+                    if v not in crossing[k]:
+                        crossing[k].append(v)
+                del far[v]
+                changed = True
+    skips: list[SkipEdge] = []
+    skip_of: dict[tuple[str, int], SkipEdge] = {}
+    for v, ts in far.items():
+        shape, dtype, rg = meta(v)
+        for t in ts:
+            e = SkipEdge(len(skips), v.name, st[v], t, shape, dtype, rg)
+            skips.append(e)
+            skip_of[(v.name, t)] = e
 
     out: list[StageGraph] = []
     for s in range(S):
@@ -253,7 +274,8 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
                     env[by_name[name]] = ph
         else:
             for v in crossing[s - 1]:
-                env[v] = g.placeholder(v.name)
+                ph = g.placeholder(v.name)
+                env[v] = g.call_function(rt.stage_input, (ph,)) if meta(v)[2] else ph
         anchor_in = next((env[v] for v in crossing[s - 1] if meta(v)[2]), None) if s else None
 
         def bring(a: Node) -> Node:
@@ -298,8 +320,9 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
                     else:
                         outs[k] = g.call_function(rt.skip_send, (value, outs[k], e.id))
                     sg.skips_out.append(e.id)
-            # the schedule sends these buffers as they are: they must be contiguous
-            outs = [g.call_method("contiguous", (o,)) for o in outs]
+            # contiguous (the schedule sends buffers as they are) and not aliasing a value the
+            # stage saved for backward (see runtime.stage_output)
+            outs = [g.call_function(rt.stage_output, (o,)) for o in outs]
             g.output(tuple(outs))
         else:
             out_node = next(n for n in nodes if n.op == "output")
