@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -102,24 +103,68 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
     from autopar.cost_models.hardware import parse_cluster
     pins = _check_pins(dict(pins))
     t0 = time.perf_counter()
-    # without an example target the loss cannot be captured: plan the model alone (the
-    # loss then runs outside the graph, on the replicated output)
-    if _pipelined(pins):
-        from autopar.pipeline.plan_pipeline import capture_microbatch, pipeline_config, plan_pipeline
-        config = pipeline_config(example_inputs, pins)
-        cap = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
-        cl = parse_cluster(cluster)
-        return plan_pipeline(cap, cl, world_size or cl.world_size, pins, config,
-                             memory_budget=memory_budget, optimizer=optimizer,
-                             time_limit_s=time_limit_s, capture_s=time.perf_counter() - t0,
-                             verbose=verbose)
-    cap = capture(model, example_inputs, loss_fn if target is not None else None, target)
-    capture_s = time.perf_counter() - t0
     cl = parse_cluster(cluster)
     world = world_size or cl.world_size
-    return plan_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
-                         optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
-                         verbose=verbose, pins=pins, profiler=profiler)
+    if _pipelined(pins):
+        from autopar.pipeline.plan_pipeline import plan_pipelined
+        return plan_pipelined(model, example_inputs, loss_fn, target, cl, world, pins,
+                              memory_budget=memory_budget, optimizer=optimizer,
+                              time_limit_s=time_limit_s, verbose=verbose)[0]
+    # without an example target the loss cannot be captured: plan the model alone (the
+    # loss then runs outside the graph, on the replicated output)
+    cap = capture(model, example_inputs, loss_fn if target is not None else None, target)
+    capture_s = time.perf_counter() - t0
+    return plan_search(cap, model, example_inputs, loss_fn, target, cl, world,
+                       memory_budget=memory_budget, mesh_shape=mesh_shape, optimizer=optimizer,
+                       time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
+                       profiler=profiler, pins=pins)
+
+
+def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,
+                pins: dict, memory_budget=None, mesh_shape=None, optimizer="adamw",
+                time_limit_s=60.0, capture_s=0.0, verbose=False, profiler=None) -> Plan:
+    """The best plan without a ``pipeline=`` pin: unpipelined (``plan_captured`` on the
+    full-batch graph ``cap``) and, on a cluster of several nodes or when nothing
+    unpipelined fits, pipelined (``autopar.pipeline.plan_pipeline.search_pipelines``);
+    the least predicted step wins."""
+    from autopar.solver.ilp import InfeasibleError
+    flat, error = None, None
+    try:
+        flat = plan_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
+                             optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
+                             verbose=verbose, pins=pins, profiler=profiler)
+    except InfeasibleError as e:
+        error = e
+    if _may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, flat is None):
+        from autopar.pipeline.plan_pipeline import search_pipelines
+        if verbose:
+            print("searching pipelines" + (" (nothing unpipelined fits)" if flat is None else
+                                            f" against {flat.estimate.step_time_s:.4g} s unpipelined"))
+        piped = search_pipelines(cap, model, example_inputs, loss_fn, target, cl, world, pins,
+                                 memory_budget=memory_budget, optimizer=optimizer,
+                                 time_limit_s=time_limit_s, verbose=verbose)
+        if piped is not None and (flat is None or piped.estimate.step_time_s < flat.estimate.step_time_s):
+            return piped
+    if flat is None:
+        raise error
+    return flat
+
+
+def _may_pipeline(cap: Captured, example_inputs, cl, world, pins, mesh_shape, profiler,
+                  nothing_fits: bool) -> bool:
+    """Whether the free search considers pipelines: no pipeline pin (``pipeline=1`` means
+    none), more than one node (or nothing unpipelined fits), the loss in the graph, every
+    input split along dim 0, and room beside the data/tensor pins."""
+    if pins.get("pipeline") is not None or mesh_shape is not None or profiler is not None:
+        return False
+    if not (cl.nodes > 1 or nothing_fits) or world != cl.world_size or world < 2:
+        return False
+    if not (cap.has_loss and cap.takes_target):
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in example_inputs):
+        return False
+    fixed = (pins.get("data") or 1) * (pins.get("tensor") or 1)
+    return fixed < world
 
 
 def node_placements(problem, choice: dict[str, int]) -> dict[str, NodePlacement]:
@@ -139,6 +184,28 @@ def node_placements(problem, choice: dict[str, int]) -> dict[str, NodePlacement]
 def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
                   optimizer="adamw", time_limit_s=60.0, capture_s=0.0, verbose=False,
                   pins=None, profiler=None) -> Plan:
+    """The best plan for the captured graph on ``world`` devices of ``cl`` (no pipeline)."""
+    return solve_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
+                          optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
+                          verbose=verbose, pins=pins, profiler=profiler)[0]
+
+
+@dataclass(frozen=True)
+class Solved:
+    """What the solver decided, for callers that price the plan further (the pipeline
+    planner): the problem, the cost model it was priced with and the option per node."""
+    problem: Any
+    cost: Any
+    choice: dict
+
+
+def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
+                   optimizer="adamw", time_limit_s=60.0, capture_s=0.0, verbose=False,
+                   pins=None, profiler=None, memory_weights=None,
+                   grad_sync_scale=1.0, explain=True) -> tuple[Plan, Solved]:
+    """``plan_captured``, and the solver's :class:`Solved`. ``memory_weights`` and
+    ``grad_sync_scale`` go to the :class:`CostModel` (the pipeline's per-stage view);
+    ``explain=False`` skips working out how far from fitting an infeasible mesh is."""
     from autopar.passes.recompute import recompute_nodes, select_layers
     from autopar.solver.costing import CostModel
     from autopar.solver.ilp import InfeasibleError, solve
@@ -154,9 +221,10 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
         choices.append("full")
     best, errors = None, []
     # the problem depends on the mesh only: built once, costed per recomputation choice
+    meshes = _mesh_candidates(world, pins, mesh_shape)
     problems = [(build_problem(cap, shape, zero=pins.get("zero") or 0,
                                optimizer_states=OPTIMIZER_STATES[optimizer], **roles), shape, axes, roles)
-                for shape, axes, roles in _mesh_candidates(world, pins, mesh_shape)]
+                for shape, axes, roles in meshes]
     for rec in choices:
         if rec == "full" and best is not None and \
                 sum(best[0].memory.values()) <= 0.9 * budget:
@@ -167,9 +235,11 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
         for problem, shape, axes, roles in problems:
             cost = CostModel(cl, shape, dtype_key=pins.get("precision") or "fp32",
                              zero=pins.get("zero") or 0, data_axis=roles.get("data_axis"),
-                             profiler=profiler, recompute=rec_nodes, recompute_kept=rec_kept)
+                             profiler=profiler, recompute=rec_nodes, recompute_kept=rec_kept,
+                             memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
             try:
-                sol = solve(problem, cost, budget, time_limit_s, explain=rec == choices[-1])
+                sol = solve(problem, cost, budget if budget != float("inf") else None,
+                            time_limit_s, explain=explain and rec == choices[-1])
             except InfeasibleError as e:
                 errors.append(e)
                 continue
@@ -177,10 +247,10 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
                 print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}: "
                       f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
             if best is None or sol.objective_s < best[0].objective_s:
-                best = (sol, problem, shape, axes, recompute)
+                best = (sol, problem, shape, axes, recompute, cost)
     if best is None:
         raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
-    sol, problem, shape, axes, recompute = best
+    sol, problem, shape, axes, recompute, cost = best
     nodes = node_placements(problem, sol.choice)
     comm = {f"{kind}@{axes[a]}": s for (kind, a), s in sorted(sol.comm_s.items())}
     comm_total = sum(sol.comm_s.values())
@@ -190,7 +260,7 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
     report = SolverReport(sol.status, sol.objective_s, sol.bound_s, sol.gap, sol.solve_time_s,
                           capture_s, sol.n_variables, sol.n_constraints, n_graph, len(problem.vars))
     params = {names[i]: ph for ph, names in cap.params.items() for i in range(len(names))}
-    return Plan(world_size=world, mesh_shape=shape, mesh_axes=axes, cluster=cl.name,
+    plan = Plan(world_size=world, mesh_shape=shape, mesh_axes=axes, cluster=cl.name,
                 pins={k: v for k, v in pins.items() if v is not None}, nodes=nodes,
                 params=params, fingerprint=fingerprint(cap), estimate=est, solver=report,
                 memory_budget=memory_budget,
@@ -198,6 +268,7 @@ def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sha
                 node_ops={n.name: str(n.target) for n in cap.gm.graph.nodes
                           if n.op == "call_function" and n.name in nodes},
                 inputs=tuple(cap.inputs), recompute=recompute)
+    return plan, Solved(problem, cost, dict(sol.choice))
 
 
 def _has_repeated_layers(cap: Captured) -> bool:
@@ -273,7 +344,7 @@ def _parallelize_pipeline(model, example_inputs, loss_fn, target, given, cluster
     stages with torch.distributed.pipelining (``autopar.pipeline.runtime``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.pipeline.plan_pipeline import capture_microbatch, pipeline_config, plan_pipeline
+    from autopar.pipeline.plan_pipeline import capture_microbatch, plan_pipelined
     from autopar.pipeline.runtime import PipelineModule
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
@@ -281,21 +352,21 @@ def _parallelize_pipeline(model, example_inputs, loss_fn, target, given, cluster
     if given is not None:
         if pins:
             raise ValueError("pass pins to autopar.plan, or pass plan= — not both")
-        the_plan, m = given, given.n_microbatches
-        cap = capture_microbatch(model, example_inputs, loss_fn, target, m)
+        the_plan = given
+        cap = capture_microbatch(model, example_inputs, loss_fn, target, given.n_microbatches)
     else:
-        config = pipeline_config(example_inputs, pins)
-        cap = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
         from autopar.cost_models.hardware import parse_cluster
         cl = parse_cluster(cluster if cluster is not None else _local_cluster(world))
-        the_plan, error = None, None
+        the_plan, error, cap = None, None, None
         if _rank() == 0:
             try:
-                the_plan = plan_pipeline(cap, cl, world, pins, config, memory_budget=memory_budget,
-                                         optimizer=optimizer)
+                the_plan, cap = plan_pipelined(model, example_inputs, loss_fn, target, cl, world,
+                                               pins, memory_budget=memory_budget, optimizer=optimizer)
             except Exception as e:  # noqa: BLE001 - every rank raises it below
                 error = e
         the_plan = _broadcast_plan(the_plan, error)
+        if cap is None:     # the other ranks capture at the micro-batch rank 0 chose
+            cap = capture_microbatch(model, example_inputs, loss_fn, target, the_plan.n_microbatches)
     _validate(the_plan, cap, world)
     mesh = init_device_mesh("cpu", tuple(the_plan.mesh_shape), mesh_dim_names=tuple(the_plan.mesh_axes))
     return PipelineModule(cap, the_plan, mesh, model)

@@ -320,7 +320,8 @@ def _divisors(n: int) -> list[int]:
 def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_limit: float,
                 bandwidth: float, sync_bandwidth: float | None = None, n_stages: int | None = None, micro_batches: int | None = None,
                 schedule: str | None = None, virtual_stages: int | None = None,
-                shard_state: bool = False) -> StagePlan:
+                shard_state: bool = False, micro_batch_options: Sequence[int] | None = None,
+                schedule_options: Sequence[str] | None = None, explain: bool = True) -> StagePlan:
     """Choose pipeline degree, cuts, micro-batch count and schedule of least predicted step.
 
     ``memory_limit`` is bytes per device; ``bandwidth`` bytes/s of the link between
@@ -328,6 +329,10 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
     sub-mesh, for the once-per-step all-reduce of ``sync_bytes``. Pins (``n_stages``, ``micro_batches``, ``schedule``,
     ``virtual_stages``) fix one choice each. ``shard_state`` divides each stage's state
     over its sub-mesh (ZeRO-3 / tensor parallel) instead of replicating it.
+    ``micro_batch_options`` and ``schedule_options`` narrow what an unpinned micro-batch
+    count (default: every divisor of the batch) and schedule (default: all) may be.
+    ``explain=False`` skips working out, when nothing fits, which configuration came
+    closest (the error then says only that nothing fits).
 
     >>> costs = LayerCosts(time=[1.0] * 8, state_bytes=[1.0] * 8, activation_bytes=[1.0] * 8,
     ...                    boundary_bytes=[0.0] * 7)
@@ -342,7 +347,7 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
     if memory_limit <= 0 or bandwidth <= 0:
         raise ValueError(f"memory_limit ({memory_limit}) and bandwidth ({bandwidth}) must be > 0")
     candidates = _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule,
-                             virtual_stages)
+                             virtual_stages, micro_batch_options, schedule_options)
     tables = _Tables(costs)
     split = costs.split()
     sync_bw = bandwidth if sync_bandwidth is None else sync_bandwidth
@@ -359,10 +364,26 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
         sync = ring_factor(n_devices // c.p) * float(costs.sync_bytes.sum()) / c.p / sync_bw
         return c.m * slowest + bubble_rho(c.schedule, c.v, split) * (busy - slowest) + sync
 
+    # A candidate whose stages cannot fit even with its memory spread perfectly evenly (or
+    # whose largest layer alone overflows a stage) is skipped without building its arrays.
+    total_state = float(costs.state_bytes.sum())
+    total_act = float(costs.activation_bytes.sum())
+
+    def cannot_fit(c: _Candidate) -> bool:
+        d, b = n_devices // c.p, global_batch / c.m
+        n = float(in_flight(c.schedule, c.p, c.m, c.v).min())
+        state_div = d if shard_state else 1
+        spread = (total_state / state_div + n * total_act * b / d) / (c.p * c.v)
+        layer = costs.state_bytes / state_div + n * costs.activation_bytes * b / d
+        share = memory_limit / c.v
+        return spread > share * (1 + 1e-9) or float(layer.max()) > share * (1 + 1e-9)
+
     best: tuple[float, StagePlan] | None = None
     for c in sorted(candidates, key=lower_bound):
         if best is not None and lower_bound(c) >= best[0] * (1 - 1e-12):
             break
+        if cannot_fit(c):
+            continue
         cost, tiebreak, memory, share, comm = tables.arrays(c, *args)
         bottleneck, cuts = stage_dp(cost, tiebreak)
         if not math.isfinite(bottleneck):
@@ -371,11 +392,13 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
         if best is None or plan.predicted_step_time < best[0]:
             best = (plan.predicted_step_time, plan)
     if best is None:
-        raise ValueError(_no_fit_message(candidates, tables, args))
+        raise ValueError(_no_fit_message(candidates, tables, args) if explain else
+                         f"no pipeline plan fits {memory_limit / 2**30:.3g} GiB per device")
     return best[1]
 
 
-def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, virtual):
+def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, virtual,
+                micro_batch_options=None, schedule_options=None):
     if n_stages is not None:
         if n_stages < 1 or n_devices % n_stages:
             raise ValueError(f"n_stages={n_stages} must divide n_devices={n_devices} so every stage "
@@ -397,8 +420,10 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
         if schedule is None and virtual > 1:
             schedule = "interleaved-1f1b"
     ps = [n_stages] if n_stages is not None else [p for p in _divisors(n_devices) if p <= L]
-    ms = [micro_batches] if micro_batches is not None else _divisors(global_batch)
-    kinds = [schedule] if schedule is not None else list(SCHEDULES)
+    ms = [micro_batches] if micro_batches is not None else \
+        [m for m in _divisors(global_batch) if micro_batch_options is None or m in micro_batch_options]
+    kinds = [schedule] if schedule is not None else \
+        [k for k in SCHEDULES if schedule_options is None or k in schedule_options]
 
     out, first_error = [], None
     for p, m, kind in itertools.product(ps, ms, kinds):

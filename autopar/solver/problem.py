@@ -105,7 +105,7 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
                   optimizer_states: int = 2) -> Problem:
     mesh_shape = tuple(mesh_shape)
     graph = cap.gm.graph
-    rep = _repetition_map(cap)
+    rep = _cached(cap, "repetition", _repetition_map)
     vars: dict[str, NodeVar] = {}
     alias: dict[str, tuple[str, int]] = {}   # getitem node -> (producer, output index)
     edges: dict[tuple, list] = {}
@@ -141,7 +141,9 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
                 raise NotImplementedError(
                     f"node {node.name} ({node.target}) returns no tensor: symbolic shapes "
                     "are not supported; export with static example inputs")
-            call = make_call(node)
+            call = _cached(cap, "calls", dict).get(node.name)
+            if call is None:
+                call = _cached(cap, "calls", dict)[node.name] = make_call(node)
             r = rep.get(node.name, node.name)
             if any(a.name in batch_nodes for a in node.all_input_nodes):
                 batch_nodes.add(node.name)
@@ -258,6 +260,15 @@ def _signature(node: torch.fx.Node) -> tuple:
     # node of two identical layers
     return (str(call.op), tuple(map(repr, torch.utils._pytree.tree_leaves(call.args))),
             tuple(repr(m) for m in call.outputs))
+
+
+def _cached(cap: Captured, key: str, make):
+    """``make(cap)`` (or ``make()``), computed once per captured graph: a problem is built
+    per mesh (and per pipeline candidate), the graph's repetition and op calls are not."""
+    cache = cap.__dict__.setdefault("_problem_cache", {})
+    if key not in cache:
+        cache[key] = make(cap) if make is not dict else {}
+    return cache[key]
 
 
 def _repetition_map(cap: Captured) -> dict[str, str]:

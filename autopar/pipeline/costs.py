@@ -1,0 +1,263 @@
+"""What each op node of the chain costs under an intra-stage plan: the pipeline planner's inputs.
+
+The core solver prices a plan as a whole (``Solution.compute_s``, ``comm_s``, ``memory``);
+a pipeline needs the same prices per node, so it can add them up per stage. For every
+node of ``chain(cap)`` (the op nodes a cut may fall before), priced the way the solver
+prices them (same :class:`CostModel`: precision, recomputation, the cluster's links):
+
+- ``compute``: forward + backward seconds of one micro-batch (recomputed nodes pay their
+  forward again);
+- ``comm``: resharding into the node, once per micro-batch (tensor-parallel all-reduces,
+  ZeRO-3 all-gathers, the loss ending replicated);
+- ``sync``: the gradient reductions of the parameters it reads, once per **step** (the
+  runtime accumulates gradients over micro-batches and reduces once);
+- ``activations``: bytes it keeps for backward, per micro-batch;
+- placeholders (parameters, buffers, inputs) with their bytes by term and the chain nodes
+  that read them, so a stage holds exactly the parameters its nodes use (a tied weight
+  is held by both of its stages).
+
+Repeated layers share one decision (``NodeVar.members``); every member gets the
+decision's per-member price, and an edge shared by ``count`` graph edges is spread evenly
+over the members of its consumer. ``sum(compute + comm + sync)`` equals the solver's
+``compute_s + comm_s`` (checked by tests/test_pipeline_planning.py).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from autopar.capture import Captured
+from autopar.sharding.registry import input_placements, output_placements
+from autopar.solver.costing import GRAD_SYNC, INF, grad_partial_flags
+from autopar.solver.problem import VIEW_OPS
+
+
+@dataclass
+class NodeCosts:
+    units: list[str]
+    """Chain node names (``autopar.pipeline.split.chain``)."""
+    batch: int
+    """Samples in the captured graph (its micro-batch size)."""
+    compute: np.ndarray
+    comm: np.ndarray
+    sync: np.ndarray
+    activations: np.ndarray
+    comm_by: list[dict]
+    """Per chain node: {"collective@axis": seconds per micro-batch}."""
+    sync_by: list[dict]
+    """Per chain node: {"collective@axis": seconds per step}."""
+    placeholders: list[tuple[str, dict, frozenset]]
+    """(name, {term: bytes}, chain indices of its users) of every parameter, buffer, input."""
+    cross: np.ndarray
+    """Bytes (per device) live across the cut before chain node i, i = 1 .. L-1."""
+    recompute_bytes: float = 0.0
+    """The transient of rebuilding one recomputed layer in backward (held once)."""
+    recomputed: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    """Chain nodes inside recomputed layers."""
+    launch: float = 0.0
+    """Seconds of fixed cost per kernel on the device (launch and fill)."""
+    comm_latency: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per chain node: the latency (alpha) part of ``comm``."""
+    node_forward: dict = field(default_factory=dict)
+    """Graph node -> its forward seconds (what recomputing it costs)."""
+    node_activations: dict = field(default_factory=dict)
+    """Graph node -> bytes it keeps for backward when not recomputed."""
+    node_forward_comm: dict = field(default_factory=dict)
+    """Graph node -> seconds of the forward collectives into it (run again when it is)."""
+
+    def with_recompute(self, cap: Captured, layers) -> NodeCosts:
+        """These prices with ``layers`` recomputed (priced from a plan without): their nodes
+        run forward again in backward and keep nothing but what leaves the layer; one layer's
+        activations are rebuilt at a time."""
+        from autopar.passes.recompute import recompute_nodes
+        rec, kept = recompute_nodes(cap.gm, layers)
+        where = chain_index(cap, self.units)
+        compute, act, flag = self.compute.copy(), self.activations.copy(), self.recomputed.copy()
+        comm = self.comm.copy()
+        rebuilt = 0.0
+        for name in rec:
+            i = where.get(name)
+            if i is None:
+                continue
+            compute[i] += self.node_forward.get(name, 0.0)
+            comm[i] += self.node_forward_comm.get(name, 0.0)
+            if name not in kept:
+                a = self.node_activations.get(name, 0.0)
+                act[i] -= a
+                rebuilt += a
+                flag[i] = True
+        return replace(self, compute=compute, comm=comm, activations=np.maximum(act, 0.0), recomputed=flag,
+                       recompute_bytes=max(self.recompute_bytes, rebuilt / max(len(layers), 1)))
+
+    @property
+    def time(self) -> np.ndarray:
+        """Seconds of one micro-batch per chain node (compute + its resharding)."""
+        return self.compute + self.comm
+
+    def fixed(self) -> np.ndarray:
+        """The part of ``time`` that does not shrink with the micro-batch: kernel launch and
+        fill (about three kernels per op node: its forward and two backward), and the
+        latency of its collectives."""
+        c = np.where(self.compute > 0, np.minimum(self.compute, 3 * self.launch), 0.0)
+        return c + np.minimum(self.comm, self.comm_latency)
+
+    def state(self, starts=None) -> np.ndarray:
+        """Bytes of parameters, gradients, optimizer state and buffers per unit (chain nodes
+        ``starts[u] .. starts[u+1] - 1``; default one unit per node): each is counted in
+        every unit that reads it (a tied weight in both of its stages)."""
+        starts = np.arange(len(self.units)) if starts is None else np.asarray(starts)
+        out = np.zeros(len(starts))
+        for _, terms, users in self.placeholders:
+            b = sum(v for k, v in terms.items() if k != "inputs")
+            if b and users:
+                for u in set(np.searchsorted(starts, sorted(users), side="right") - 1):
+                    out[u] += b
+        return out
+
+    def rank_memory(self, stages: list[tuple[int, int]], in_flight: np.ndarray) -> dict[str, float]:
+        """Bytes per device by term of a rank holding chain nodes ``[j, i)`` of each of
+        ``stages``, with ``in_flight[k]`` micro-batches of activations in stage k."""
+        held = np.zeros(len(self.units), bool)
+        out: dict[str, float] = {}
+        act = 0.0
+        for (j, i), n in zip(stages, in_flight):
+            held[j:i] = True
+            act += float(n) * float(self.activations[j:i].sum())
+        for _, terms, users in self.placeholders:
+            if any(held[u] for u in users):
+                for k, b in terms.items():
+                    out[k] = out.get(k, 0.0) + b
+        out["activations"] = act
+        if self.recompute_bytes and bool((held & self.recomputed).any()):
+            out["recompute"] = self.recompute_bytes
+        return out
+
+
+def chain_index(cap: Captured, units: list[str]) -> dict[str, int]:
+    """Chain position of every call_function node: its own, its producer's (getitem), the
+    last one (the loss tail), or the latest before it (anything else) — the stage
+    ``split.assign_stages`` puts it in."""
+    from autopar.pipeline.split import loss_tail
+    pos = {n: i for i, n in enumerate(units)}
+    tail = loss_tail(cap)
+    out, last = {}, 0
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.name in pos:
+            last = pos[n.name]
+            out[n.name] = last
+        elif n.name in tail:
+            out[n.name] = len(units) - 1
+        elif n.target is operator.getitem and n.args[0].name in out:
+            out[n.name] = out[n.args[0].name]
+        else:
+            out[n.name] = last
+    return out
+
+
+def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
+    """Per chain node prices of ``solved`` (:class:`autopar.api.Solved`) on ``cap``;
+    ``local_bytes(node)`` is a value's bytes per device (for the cut crossings), ``axes``
+    the mesh axis names the collectives are reported by."""
+    from autopar.pipeline.split import chain, crossing_bytes
+    problem, choice = solved.problem, solved.choice
+    # the per-node view: no per-stage memory factors, gradient sync at its full price
+    cost = replace(solved.cost, memory_weights=None, grad_sync_scale=1.0)
+    plain = replace(cost, recompute=frozenset(), recompute_kept=frozenset())
+    units = chain(cap)
+    L = len(units)
+    where = chain_index(cap, units)
+    compute, comm, sync, act, alpha = (np.zeros(L) for _ in range(5))
+    from autopar.cost_models.comm import collective_time
+
+    def latency(k) -> float:           # one collective of kind k[0] on axis k[1], no bytes
+        return collective_time(k[0], 1.0, problem.mesh_shape[k[1]], cost.links[k[1]])
+    comm_by = [{} for _ in range(L)]
+    sync_by = [{} for _ in range(L)]
+    recomputed = np.zeros(L, bool)
+    names = list(axes) if axes else [f"axis{a}" for a in range(len(problem.mesh_shape))]
+
+    def add(by: dict, k, s: float):
+        key = f"{k[0]}@{names[k[1]]}"
+        by[key] = by.get(key, 0.0) + s
+
+    placeholders = []
+    node_forward, node_act, node_fwd_comm = {}, {}, {}
+    for name, v in problem.vars.items():
+        combo = v.options[choice[name]]
+        if v.kind != "op":
+            terms = plain.node_memory(v, combo, problem.optimizer_states)
+            for member in v.members:
+                users = frozenset(where[u.name] for u in cap.node(member).users if u.name in where)
+                placeholders.append((member, dict(terms), users or frozenset([0])))
+            continue
+        f, b = plain.node_time(v, combo)
+        mem = plain.node_memory(v, combo, problem.optimizer_states).get("activations", 0.0)
+        for member in v.members:
+            i = where.get(member)
+            if i is None:
+                continue
+            rec = member in cost.recompute
+            node_forward[member], node_act[member] = f, mem
+            compute[i] += f + b + (f if rec else 0.0)
+            if rec and member not in cost.recompute_kept and v.call.op not in VIEW_OPS:
+                recomputed[i] = True
+            else:
+                act[i] += mem
+    # resharding, spread over the consumer's members
+    for e in problem.edges:
+        u, v = problem.vars[e.src], problem.vars[e.dst]
+        cu, cv = u.options[choice[e.src]], v.options[choice[e.dst]]
+        args = (e.meta, output_placements(cu, e.src_out), input_placements(cv, e.dst_in),
+                grad_partial_flags(cv, e.dst_in), u.kind == "param")
+        t, by = cost.edge_time(*args, cost.rerun(v))
+        if t == INF or t == 0:
+            continue
+        members = [m for m in v.members if m in where]
+        if not members:
+            continue
+        share = e.count / len(members)
+        # its forward collectives, which run again if the consumer is recomputed
+        forward = plain.edge_time(*args, 1.0)[0] - plain.edge_time(*args, 0.0)[0]
+        for m in members:
+            node_fwd_comm[m] = node_fwd_comm.get(m, 0.0) + forward * share
+            i = where[m]
+            for k, s in by.items():
+                if u.kind == "param" and k[0] in GRAD_SYNC:
+                    sync[i] += s * share
+                    add(sync_by[i], k, s * share)
+                else:
+                    comm[i] += s * share
+                    alpha[i] += min(s, latency(k)) * share
+                    add(comm_by[i], k, s * share)
+    if problem.sink:
+        name, k = problem.sink
+        v = problem.vars[name]
+        n = len(problem.mesh_shape)
+        from autopar.placement import Replicate
+        t, by = cost.edge_time(v.outputs[k], output_placements(v.options[choice[name]], k),
+                               (Replicate(),) * n, (False,) * n)
+        if t not in (0, INF):
+            comm[L - 1] += t
+            for key, s in by.items():
+                alpha[L - 1] += min(s, latency(key))
+                add(comm_by[L - 1], key, s)
+    rec_bytes = 0.0
+    if cost.recompute:
+        # the solver's "recompute" term: one layer's activations, rebuilt in backward
+        for name, v in problem.vars.items():
+            if v.kind == "op":
+                terms = cost.node_memory(v, v.options[choice[name]], problem.optimizer_states)
+                rec_bytes += terms.get("recompute", 0.0) * len(v.members)
+    cross = np.array(crossing_bytes(cap, local_bytes), dtype=float)
+    batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0]) if cap.inputs else 1
+    return NodeCosts(units=units, batch=batch, compute=compute, comm=comm, sync=sync,
+                     activations=act, comm_by=comm_by, sync_by=sync_by,
+                     placeholders=placeholders, cross=cross, recompute_bytes=rec_bytes,
+                     recomputed=recomputed, comm_latency=alpha,
+                     launch=float(cost.cluster.device.launch_overhead + cost.cluster.device.fill_time),
+                     node_forward=node_forward, node_activations=node_act,
+                     node_forward_comm=node_fwd_comm)

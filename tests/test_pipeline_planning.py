@@ -1,0 +1,206 @@
+"""Pipeline planning: micro-batches and schedule chosen by predicted step, per-stage memory in
+the estimate, and the free search that weighs pipelines against unpipelined plans.
+
+Models are built on the meta device (nothing allocated) or are the tiny examples; every
+case plans without processes."""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from autopar.cost_models.hardware import Link, parse_cluster
+
+import autopar
+from autopar.pipeline.schedule import SCHEDULES
+from examples.models import EXAMPLES, gpt_factory
+
+
+@functools.cache
+def meta_gpt(batch: int, n_layer: int, n_embd: int, block_size: int, vocab_size: int = 512):
+    with torch.device("meta"):
+        return gpt_factory(batch=batch, n_layer=n_layer, n_embd=n_embd, n_head=8,
+                           block_size=block_size, vocab_size=vocab_size)
+
+
+def plan(ex, cluster, **kw):
+    return autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cluster, **kw)
+
+
+# ---- micro-batches and schedule ---------------------------------------------------------------
+
+# compute-bound on an A100 (hidden 1024, 256 tokens): four stages, a batch of 32
+BUBBLY = {"batch": 32, "n_layer": 8, "n_embd": 1024, "block_size": 256}
+
+
+def test_chosen_micro_batches_beat_the_least_default():
+    """With pipeline=4 and nothing else pinned, the least micro-batch count (4) leaves the
+    bubble at 3/7 of the step; the planner picks more micro-batches and a schedule by
+    predicted step, and the plan it returns is predicted faster."""
+    ex = meta_gpt(**BUBBLY)
+    default = plan(ex, "4xA100", pipeline=4, micro_batch_size=8, schedule="1f1b")
+    chosen = plan(ex, "4xA100", pipeline=4)
+    assert default.n_microbatches == 4 and default.estimate.bubble_fraction > 0.35
+    assert chosen.n_microbatches > 4
+    assert chosen.estimate.bubble_fraction < default.estimate.bubble_fraction
+    assert chosen.estimate.step_time_s < 0.9 * default.estimate.step_time_s
+    assert chosen.pins == {"pipeline": 4}
+
+
+def test_pins_fix_their_choice_and_leave_the_rest():
+    ex = meta_gpt(**BUBBLY)
+    gpipe = plan(ex, "4xA100", pipeline=4, schedule="gpipe")
+    assert gpipe.schedule == "gpipe" and gpipe.n_microbatches > 4
+    fixed_m = plan(ex, "4xA100", pipeline=4, micro_batch_size=4)
+    assert fixed_m.n_microbatches == 8 and fixed_m.schedule in SCHEDULES
+
+
+def test_pipeline_one_means_no_pipeline():
+    ex = EXAMPLES["gpt"]()
+    p = plan(ex, "cpu:2", pipeline=1)
+    assert p.pipeline_stages == 1 and p.mesh_axes[0] != "pipeline" and p.pins == {"pipeline": 1}
+    with pytest.raises(ValueError, match="needs pipeline parallelism"):
+        plan(ex, "cpu:2", pipeline=1, micro_batch_size=2)
+
+
+# ---- the estimate --------------------------------------------------------------------------
+
+# eight equal layers whose weights outweigh the embeddings
+UNIFORM = {"batch": 16, "n_layer": 8, "n_embd": 64, "block_size": 32, "vocab_size": 64}
+
+
+def test_gpipe_holds_more_activations_than_1f1b():
+    """GPipe keeps all m micro-batches' activations until the backward starts, 1F1B at most
+    p of them: with m = 8 > p = 4 the first stage holds twice as many under GPipe."""
+    ex = meta_gpt(**UNIFORM)
+    gpipe = plan(ex, "4xA100", pipeline=4, schedule="gpipe", micro_batch_size=2)
+    one_f_one_b = plan(ex, "4xA100", pipeline=4, schedule="1f1b", micro_batch_size=2)
+    assert gpipe.n_microbatches == one_f_one_b.n_microbatches == 8
+    a, b = gpipe.estimate.memory_bytes["activations"], one_f_one_b.estimate.memory_bytes["activations"]
+    assert a > 1.5 * b
+
+
+def test_a_stage_holds_about_a_pth_of_the_parameters():
+    ex = meta_gpt(**UNIFORM)
+    whole = plan(ex, "1xA100")
+    piped = plan(ex, "4xA100", pipeline=4, schedule="1f1b", micro_batch_size=2)
+    assert set(piped.estimate.memory_bytes) >= {"params", "grads", "optimizer", "activations"}
+    for term in ("params", "grads", "optimizer"):
+        ratio = piped.estimate.memory_bytes[term] / whole.estimate.memory_bytes[term]
+        assert 0.15 < ratio < 0.35, (term, ratio)
+    assert piped.estimate.memory_total < 0.5 * whole.estimate.memory_total
+
+
+@pytest.mark.parametrize("pins", [{"tensor": 2}, {"tensor": 2, "recompute": "full"},
+                                  {"data": 2, "zero": 3}])
+def test_node_prices_add_up_to_the_solver_total(pins):
+    """The per-node prices the cuts are made from are the solver's own: compute,
+    resharding and gradient reduction add up to its estimate of the whole graph (with
+    recomputation and ZeRO-3 regathers too)."""
+    from autopar.pipeline.plan_pipeline import _price, capture_microbatch, solve_intra
+    ex = EXAMPLES["gpt"]()
+    cl = parse_cluster("cpu:4")
+    cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, 2)
+    intra, solved = solve_intra(cap, cl, 4, 2, pins)
+    nc = _price(cap, intra, solved, cl, 4, 2, 2).nc
+    assert nc.comm.sum() > 0
+    total = nc.compute.sum() + nc.comm.sum() + nc.sync.sum()
+    assert total == pytest.approx(intra.estimate.step_time_s, rel=1e-6)
+
+
+def test_recomputation_priced_from_a_plan_without_it():
+    """The free search prices "every layer recomputed" from the plan without recomputation
+    (no second solve): the same as the solver's price when the placements are the same."""
+    from autopar.passes.recompute import select_layers
+
+    from autopar.pipeline.plan_pipeline import _price, capture_microbatch, solve_intra
+    ex = EXAMPLES["gpt"]()
+    cl = parse_cluster("cpu:4")
+    cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, 2)
+    plain, solved_plain = solve_intra(cap, cl, 4, 2, {"data": 2})
+    rec, solved_rec = solve_intra(cap, cl, 4, 2, {"data": 2, "recompute": "full"})
+    assert plain.nodes == rec.nodes and rec.recompute
+    derived = _price(cap, plain, solved_plain, cl, 4, 2, 2).nc.with_recompute(
+        cap, select_layers(cap.gm, "full"))
+    solver = _price(cap, rec, solved_rec, cl, 4, 2, 2).nc
+    for term in ("compute", "comm", "sync", "activations"):
+        assert getattr(derived, term) == pytest.approx(getattr(solver, term)), term
+    assert derived.recompute_bytes == pytest.approx(solver.recompute_bytes)
+    assert derived.activations.sum() < _price(cap, plain, solved_plain, cl, 4, 2, 2).nc.activations.sum()
+
+
+def test_gradient_reduction_is_once_per_step():
+    """Data parallelism inside the stages reduces gradients once per step (they accumulate
+    over micro-batches): the reduction priced per node is the same whatever the
+    micro-batch, the solver weighs it 1/m per micro-batch, and the estimate counts it once."""
+    from autopar.pipeline.plan_pipeline import _price, capture_microbatch, solve_intra
+    ex = EXAMPLES["gpt"]()
+    cl = parse_cluster("cpu:4")
+    syncs, per_mb = [], []
+    for m in (1, 2, 4):
+        cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, m)
+        intra, solved = solve_intra(cap, cl, 4, 2, {"data": 2}, grad_sync_scale=1 / m)
+        nc = _price(cap, intra, solved, cl, 4, 2, 2).nc
+        syncs.append(nc.sync.sum())
+        per_mb.append(nc.comm.sum())
+        # the solver's total for one micro-batch holds 1/m of the step's reduction
+        assert intra.estimate.comm_s == pytest.approx(nc.comm.sum() + nc.sync.sum() / m)
+    assert syncs[0] > 0 and syncs == pytest.approx([syncs[0]] * 3)
+    piped = plan(ex, cl, pipeline=2, data=2, schedule="gpipe", micro_batch_size=2)
+    # m = 4 micro-batches of resharding on the busiest rank, one reduction of its gradients
+    assert piped.estimate.comm["all_reduce@data"] < 4 * per_mb[2] + syncs[2]
+
+
+# ---- the free search ------------------------------------------------------------------------
+
+DEEP = {"batch": 32, "n_layer": 8, "n_embd": 1024, "block_size": 128}
+
+
+def slow_two_nodes(bandwidth=0.25e9):
+    cl = parse_cluster("2x2xA100")
+    return replace(cl, name="2x2xA100-slow", inter=Link(bandwidth=bandwidth, latency=cl.inter.latency))
+
+
+def test_two_nodes_on_a_slow_link_pipeline():
+    """Two nodes of two A100s joined by 0.25 GB/s: whatever crosses the link every step
+    (gradients, activations of tensor parallelism) is slow; a pipeline with one stage per
+    node sends only the activations at the cut, and is predicted faster."""
+    ex = meta_gpt(**DEEP)
+    cl = slow_two_nodes()
+    free = plan(ex, cl)
+    flat = plan(ex, cl, pipeline=1)
+    assert flat.pipeline_stages == 1
+    assert free.pipeline_stages == 2 and free.mesh_axes[0] == "pipeline"
+    assert free.estimate.step_time_s < 0.9 * flat.estimate.step_time_s
+    assert "pipeline" not in free.pins
+
+
+def test_one_node_keeps_the_unpipelined_plan():
+    ex = meta_gpt(**DEEP)
+    assert plan(ex, "4xA100").pipeline_stages == 1
+
+
+def test_pipeline_when_nothing_unpipelined_fits():
+    """On one node pipelines are searched only when no unpipelined plan fits: at 128 MiB
+    per device two stages of small micro-batches fit where the whole graph does not."""
+    from autopar.solver.ilp import InfeasibleError
+    ex = meta_gpt(batch=64, n_layer=4, n_embd=256, block_size=256, vocab_size=256)
+    budget = 128 * 2**20
+    with pytest.raises(InfeasibleError):
+        plan(ex, "2xA100", memory_budget=budget, pipeline=1)
+    p = plan(ex, "2xA100", memory_budget=budget)
+    assert p.pipeline_stages == 2
+    assert p.estimate.memory_total <= budget
+
+
+def test_cut_points_of_a_large_graph_are_layer_boundaries():
+    """Past MAX_UNITS op nodes the DP considers the cheapest crossings only, spread over the
+    whole graph (not the first layers' only)."""
+    from autopar.pipeline.plan_pipeline import MAX_UNITS, _cut_points
+    layer = [5.0] * 9 + [1.0]              # ten positions per layer, the last one cheap
+    cross = np.array(layer * 100 + [5.0] * 9, dtype=float)
+    points = _cut_points(cross, 4)
+    assert len(points) <= MAX_UNITS
+    assert points == [10 * (k + 1) for k in range(100)]
