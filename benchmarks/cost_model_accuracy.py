@@ -3,7 +3,7 @@
     python benchmarks/cost_model_accuracy.py              # all cases, 2 and 4 gloo ranks
     python benchmarks/cost_model_accuracy.py --quick      # fewer cases and steps
     python benchmarks/cost_model_accuracy.py --profile    # profiled op times, not the roofline
-    python benchmarks/cost_model_accuracy.py --gloo median   # gloo constants measured now
+    python benchmarks/cost_model_accuracy.py --gloo now      # gloo constants measured now
     python benchmarks/cost_model_accuracy.py --pipeline   # also the pipeline cases
 
 The parent process plans every case (``autopar.plan(..., cluster="cpu:<ranks>")``: the
@@ -86,9 +86,9 @@ def build(name: str):
 
 
 # ---- parent: plan, launch, report -------------------------------------------------------
-def gloo_clusters(worlds, stat: str) -> dict:
-    """``cpu:<world>`` clusters whose link carries gloo's alpha and busbw per collective as
-    measured now (``benchmarks/gloo_collectives.py``), instead of the built-in constants."""
+def gloo_clusters(worlds) -> dict:
+    """``cpu:<world>`` clusters whose link carries gloo's alpha, busbw and skew as measured
+    now (``benchmarks/gloo_collectives.py``), instead of the built-in constants."""
     from dataclasses import replace
 
     from autopar.cost_models.hardware import parse_cluster
@@ -97,9 +97,10 @@ def gloo_clusters(worlds, stat: str) -> dict:
     out = {}
     for world in worlds:
         cl = parse_cluster(f"cpu:{world}")
-        link = replace(cl.intra, collectives=constants(world, stat))
+        collectives, skew = constants(world)
+        link = replace(cl.intra, collectives=collectives, skew=skew)
         out[world] = replace(cl, intra=link, inter=link)
-        print(f"gloo on {world} ranks ({stat}): " + ", ".join(
+        print(f"gloo on {world} ranks, measured now: skew {skew * 1e6:.0f}us, " + ", ".join(
             f"{k} {a * 1e6:.0f}us {b / 1e9:.2f}GB/s" for k, a, b in link.collectives), flush=True)
     return out
 
@@ -208,9 +209,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="plan with profiled op times")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--gloo", choices=["builtin", "best", "median", "busy"], default="builtin",
-                    help="gloo constants: hardware.GLOO_COLLECTIVES, or measured now (best "
-                         "or median of runs; median matches a machine other processes load)")
+    ap.add_argument("--gloo", choices=["builtin", "now"], default="builtin",
+                    help="gloo constants: hardware.GLOO_COLLECTIVES and GLOO_SKEW, or "
+                         "measured now by benchmarks/gloo_collectives.py")
     ap.add_argument("--pipeline", action="store_true", help="add the pipeline cases")
     ap.add_argument("--only", help="run the cases whose label contains this text")
     ap.add_argument("--json", help="write the rows and summary here")
@@ -224,7 +225,7 @@ def main() -> None:
     steps = args.steps or (5 if args.quick else 7)
     with tempfile.TemporaryDirectory() as tmp:
         worlds = sorted({c[2] for c in cases})
-        clusters = gloo_clusters(worlds, args.gloo) if args.gloo != "builtin" else None
+        clusters = gloo_clusters(worlds) if args.gloo == "now" else None
         planned = plan_cases(cases, args.profile, tmp, clusters)
         rows = []
         for world in sorted({c["world"] for c in planned}):

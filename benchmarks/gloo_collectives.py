@@ -16,15 +16,16 @@ Times ``all_reduce``, ``all_gather`` (list form, as ``autopar.runtime.comm.DistC
 
 and fits, per collective, the model of ``autopar.cost_models.comm``::
 
-    t = steps(n) * alpha + factor(n) * S / busbw
+    t = skew + steps(n) * alpha + factor(n) * S / busbw
 
-(alpha from the runs under 1 MB, busbw from the larger ones, see ``fit``).
-``hardware.GLOO_COLLECTIVES`` holds the ``busy`` fit for 2 ranks on 2 cores; 4 ranks
-share the cores and ``hardware._cpu_cluster`` scales it by cores / ranks.
+(alpha from the idle runs, busbw and skew from the busy ones, see ``fit``).
+``hardware.GLOO_COLLECTIVES`` and ``hardware.GLOO_SKEW`` hold the fit for 2 ranks on 2
+cores; 4 ranks share the cores and ``hardware._cpu_cluster`` scales it by cores / ranks.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -95,7 +96,7 @@ def worker(out_path: str) -> None:
                 t0 = time.perf_counter()
                 op()
                 ts.append(time.perf_counter() - t0)
-            busy = _busy_cost(op, 24 if n < 1e6 else 8)
+            busy = _busy_cost(op, 60 if n < 1e6 else 8)
             t = torch.tensor([min(ts), statistics.median(ts), busy], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             res.setdefault(kind, []).append((size, *(float(v) for v in t)))
@@ -105,27 +106,46 @@ def worker(out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def fit(kind: str, n: int, rows, stat: str = "best") -> tuple[float, float]:
-    """(per-step alpha, busbw) of ``kind`` on ``n`` ranks from ``rows`` of
-    (size, best, median, busy); ``stat`` picks the column.
-
-    busbw: least squares of ``t - steps * alpha = factor * S / B`` over the 1 MB and larger
-    runs; alpha: the median over the runs under 1 MB of ``(t - factor * S / B) / steps``
-    (one small run alone is at the mercy of one scheduler hiccup). Two rounds, starting
-    from alpha = 0."""
-    from autopar.cost_models.comm import _BANDWIDTH_FACTOR, _LATENCY_STEPS
-    col = STATS.index(stat) + 1
-    steps, factor = _LATENCY_STEPS[kind](n), _BANDWIDTH_FACTOR[kind](n)
-    small = [(r[0], r[col]) for r in rows if r[0] < 2**20]
+def _bandwidth(rows, col, steps, factor, alpha, skew) -> float:
+    """busbw by least squares of ``t - steps*alpha - skew = factor * S / B`` over the runs of
+    1 MB and more (``1/B = sum(x*y) / sum(x*x)``, x = factor * S)."""
     big = [(r[0], r[col]) for r in rows if r[0] >= 2**20]
-    xs = [factor * s for s, _ in big]
-    alpha, inv_b = 0.0, 0.0
+    xs = [factor * size for size, _ in big]
+    ys = [max(t - steps * alpha - skew, 1e-9) for _, t in big]
+    return sum(x * x for x in xs) / sum(x * y for x, y in zip(xs, ys))
+
+
+def _small_median(rows, col, fn) -> float:
+    return statistics.median(max(fn(size, r[col]), 0.0) for r in rows
+                             for size in (r[0],) if size < 2**20)
+
+
+def fit(kind: str, n: int, rows) -> tuple[float, float, float]:
+    """(per-step alpha, busbw, skew) of ``kind`` on ``n`` ranks from ``rows`` of
+    (size, best, median, busy) seconds:
+
+    - alpha, the cost of a ring step, from the idle runs (median) under 1 MB, less their
+      bandwidth term;
+    - busbw from the busy runs of 1 MB and more (least squares), the rate collectives
+      reach between computations;
+    - skew, what a collective waits beyond that for its peers to arrive (they leave their
+      computation unevenly), from the busy runs under 1 MB: the median of
+      ``t - steps*alpha - factor*S/busbw``. It is paid once per collective, not per step.
+
+    Two rounds each, starting from zero (each term is small where the others are fitted).
+    """
+    from autopar.cost_models.comm import _BANDWIDTH_FACTOR, _LATENCY_STEPS
+    idle, busy = STATS.index("median") + 1, STATS.index("busy") + 1
+    steps, factor = _LATENCY_STEPS[kind](n), _BANDWIDTH_FACTOR[kind](n)
+    alpha = skew = 0.0
     for _ in range(2):
-        # t - steps*alpha = factor * S / B  ->  1/B = sum(x*y) / sum(x*x), x = factor*S
-        ys = [max(t - steps * alpha, 1e-9) for _, t in big]
-        inv_b = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-        alpha = statistics.median(max(t - factor * s * inv_b, 0.0) / steps for s, t in small)
-    return alpha, 1.0 / inv_b
+        bw_idle = _bandwidth(rows, idle, steps, factor, alpha, 0.0)
+        alpha = _small_median(rows, idle, lambda s, t: (t - factor * s / bw_idle) / steps)
+    bw = math.inf
+    for _ in range(2):
+        bw = _bandwidth(rows, busy, steps, factor, alpha, skew)
+        skew = _small_median(rows, busy, lambda s, t: t - steps * alpha - factor * s / bw)
+    return alpha, bw, skew
 
 
 def measure(world: int) -> dict:
@@ -144,10 +164,14 @@ def measure(world: int) -> dict:
             return json.load(f)
 
 
-def constants(world: int, stat: str = "best") -> tuple[tuple[str, float, float], ...]:
-    """``Link.collectives`` for ``world`` gloo ranks, measured now."""
+def constants(world: int) -> tuple[tuple[tuple[str, float, float], ...], float]:
+    """(``Link.collectives``, ``Link.skew``) for ``world`` gloo ranks, measured now: the
+    skew of the link is the median of the collectives' (it is the peers' arrival, not the
+    algorithm)."""
     res = measure(world)
-    return tuple((kind, *fit(kind, world, res[kind], stat)) for kind in KINDS)
+    fits = {kind: fit(kind, world, res[kind]) for kind in KINDS}
+    return (tuple((kind, a, b) for kind, (a, b, _) in fits.items()),
+            statistics.median(f[2] for f in fits.values()))
 
 
 def main() -> None:
@@ -162,11 +186,12 @@ def main() -> None:
         for kind in KINDS:
             for size, best, med, busy in res[kind]:
                 print(f"  {kind:<16}{size:>10}{best * 1e6:>12.0f}{med * 1e6:>12.0f}{busy * 1e6:>13.0f}")
-        for stat in STATS:
-            print(f"  fit ({stat} runs): per-step alpha, bus bandwidth")
-            for kind in KINDS:
-                alpha, bw = fit(kind, n, res[kind], stat)
-                print(f"    {kind:<16} alpha {alpha * 1e6:7.0f} us   busbw {bw / 1e9:6.3f} GB/s")
+        print("  fit: per-step alpha (idle), bus bandwidth (busy), skew per collective (busy)")
+        fits = {kind: fit(kind, n, res[kind]) for kind in KINDS}
+        for kind, (alpha, bw, skew) in fits.items():
+            print(f"    {kind:<16} alpha {alpha * 1e6:7.0f} us   busbw {bw / 1e9:6.3f} GB/s   "
+                  f"skew {skew * 1e6:7.0f} us")
+        print(f"  link skew (median): {statistics.median(f[2] for f in fits.values()) * 1e6:.0f} us")
     print(f"\nload average: {os.getloadavg()[0]:.2f}")
 
 

@@ -15,7 +15,8 @@ send, recv          ``S / B``                                 ``alpha``
 ==================  ========================================  ===========================
 
 ``B`` is nccl-tests' "busbw", which is defined so that exactly these factors turn it into
-time; a group of one rank costs nothing. Pick the link with
+time; a group of one rank costs nothing. A link may add ``skew`` once per collective: the
+wait for the last peer to leave its computation (CPU ranks; zero for GPUs). Pick the link with
 :func:`~autopar.cost_models.hardware.axis_link`.
 """
 from __future__ import annotations
@@ -51,8 +52,13 @@ _ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather",
 COLLECTIVES = tuple(_BANDWIDTH_FACTOR)
 
 
-def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> float:
+def collective_time(kind: str, nbytes: float, group_size: int, link: Link, *,
+                    skew: bool = True) -> float:
     """Seconds for one collective of ``kind`` moving ``nbytes`` over ``group_size`` ranks.
+
+    ``skew``: add the link's wait for the last peer (``Link.skew``; zero on GPU links), for
+    a collective that follows computation; one of a burst issued back to back (gradient
+    buckets, a layer's parameter gathers) waits once for the burst, i.e. not of its own.
 
     >>> collective_time("all_reduce", 1e9, 8, Link(bandwidth=100e9, latency=0.0))
     0.0175
@@ -71,7 +77,7 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> fl
         if kind_ == key:      # this link's implementation of the collective (gloo)
             alpha, bandwidth = a, b
     return (_BANDWIDTH_FACTOR[key](n) * nbytes / bandwidth
-            + _LATENCY_STEPS[key](n) * alpha)
+            + _LATENCY_STEPS[key](n) * alpha + (link.skew if skew else 0.0))
 
 
 class GradSync(NamedTuple):

@@ -84,6 +84,11 @@ class Link:
     """``(collective, latency, bandwidth)`` for collectives whose implementation reaches a
     different alpha or bus bandwidth on this link than ``latency`` / ``bandwidth`` (gloo's
     all_gather and reduce_scatter are several times slower than its all_reduce)."""
+    skew: float = 0.0
+    """Seconds a collective between computations waits for its last peer beyond the ring's
+    latency (ranks leave their computation unevenly), once per collective. Zero where the
+    devices run a stream each (GPUs: the host runs ahead and kernels queue); measured for
+    CPU ranks, whose collective starts when the rank's own compute ends."""
 
 
 @dataclass(frozen=True)
@@ -417,19 +422,26 @@ GLOO_STEP_LATENCY = 50e-6
 
 
 # gloo's collectives on this machine, one rank per core: (per-step alpha, bus bandwidth),
-# the fit of ``benchmarks/gloo_collectives.py`` (best of 5-12 runs, 4 B .. 16 MB, 2 ranks on
-# this 2-core machine). gloo reaches a third of its all_reduce bandwidth in all_gather and
-# reduce_scatter, whose fixed cost per step is also 2-3x; ``DistComm.all_gather`` uses the
-# list form, so the same holds for every all_gather autopar issues. With 4 ranks on the 2
-# cores the same script measured busbw 0.85 / 0.24 / 0.22 / 0.38 GB/s and alpha 127 / 611 /
-# 376 / 188 us: about the 2-rank figures scaled by cores / ranks, the rule
-# ``_cpu_cluster`` applies.
+# the fit of ``benchmarks/gloo_collectives.py 2`` (2 ranks on this 2-core machine; the median
+# of three runs on a quiet machine, 2026-11-22). alpha is from idle ranks (after a barrier,
+# 4 B .. 256 KB); the bandwidth is what a collective reaches between two computations
+# (1 .. 16 MB, ranks computing a matmul chain before each collective, no barrier), which is
+# how every collective of a training step runs: below the idle figure (1.0-2.9 GB/s for
+# all_reduce), since the buffers are out of cache and gloo's threads wake from sleep. gloo
+# reaches a third of its all_reduce bandwidth in all_gather and reduce_scatter;
+# ``DistComm.all_gather`` uses the list form, so that holds for every all_gather autopar
+# issues. With 4 ranks on the 2 cores the same script measures about the 2-rank figures
+# scaled by cores / ranks, the rule ``_cpu_cluster`` applies.
 GLOO_COLLECTIVES = {
-    "all_reduce": (106e-6, 1.155e9),
-    "all_gather": (210e-6, 0.449e9),
-    "reduce_scatter": (267e-6, 0.344e9),
-    "all_to_all": (100e-6, 0.732e9),
+    "all_reduce": (325e-6, 0.952e9),
+    "all_gather": (424e-6, 0.274e9),
+    "reduce_scatter": (483e-6, 0.297e9),
+    "all_to_all": (201e-6, 0.421e9),
 }
+# What a collective between computations waits for its last peer (the same script: busy
+# runs under 1 MB less the alpha-beta time; the median over the 4 collectives x 3 runs,
+# which spread from 0.4 to 2.2 ms: the scheduler's jitter on a shared 2-core VM).
+GLOO_SKEW = 1.2e-3
 
 
 def _cpu_cluster(ranks: int, spec: str) -> Cluster:
@@ -445,7 +457,8 @@ def _cpu_cluster(ranks: int, spec: str) -> Cluster:
         link = Link(bandwidth=lo.bandwidth * share,
                     latency=max(lo.latency, GLOO_STEP_LATENCY),
                     collectives=tuple((k, a / share, b * share)
-                                      for k, (a, b) in GLOO_COLLECTIVES.items()))
+                                      for k, (a, b) in GLOO_COLLECTIVES.items()),
+                    skew=GLOO_SKEW / share)
     else:
         link = Link(bandwidth=math.inf, latency=0.0)
     # One node; there is no inter-node link, so it is the loopback link as well.

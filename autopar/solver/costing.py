@@ -174,9 +174,11 @@ class CostModel:
                     continue
                 size = {"all_gather": max(before, after), "reduce_scatter": max(before, after),
                         "all_reduce": before, "all_to_all": before}[kind]
-                t = comm_model.collective_time(kind, size * scale, n, link)
+                # a parameter's collectives go in bursts (gradient buckets, a layer's gathers):
+                # no wait for the peers of their own
+                t = comm_model.collective_time(kind, size * scale, n, link, skew=not bucketed)
                 if bucketed and step.kind == "grad_all_reduce":
-                    t -= comm_model.collective_time(kind, 1.0, n, link)   # latency shared by the bucket
+                    t -= comm_model.collective_time(kind, 1.0, n, link, skew=False)   # latency shared by the bucket
                 if bucketed and backward and kind in GRAD_SYNC:
                     t *= self.grad_sync_scale
                 if not backward:
