@@ -47,6 +47,12 @@ class Estimate:
     memory_bytes: dict[str, float]            # by term: params, grads, optimizer, activations...
     comm: dict[str, float]                    # "all_reduce@axis0" -> seconds
     bubble_fraction: float = 0.0
+    stage_times_s: tuple[float, ...] = ()
+    """Pipeline plans: each stage's forward + backward seconds for one micro-batch, the
+    runtime's cost per action included (what the schedule simulator was given)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "stage_times_s", tuple(float(t) for t in self.stage_times_s))
 
     @property
     def memory_total(self) -> float:

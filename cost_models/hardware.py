@@ -64,6 +64,11 @@ class Device:
     ``peak * max_efficiency * fill_time`` FLOPs runs at half of ``max_efficiency``."""
     launch_overhead: float = 0.0
     """Seconds of fixed cost per kernel (launch and framework dispatch)."""
+    pipeline_action: float = 0.0
+    """Seconds the pipeline runtime adds per scheduled action of a stage (a forward, a
+    backward, or zero bubble's input and weight halves): torch.distributed.pipelining's
+    bookkeeping, the stage program's call and its point-to-point messages. Measured for CPU
+    ranks (``benchmarks/pipeline_overhead.py``); zero for GPUs, whose host runs ahead."""
     view_overhead: float = 0.0
     """Seconds per view op (a reshape, transpose, ...: framework dispatch and autograd
     bookkeeping, no kernel), forward and backward alike. Zero for GPUs, whose host runs
@@ -438,6 +443,11 @@ GLOO_COLLECTIVES = {
     "reduce_scatter": (483e-6, 0.297e9),
     "all_to_all": (201e-6, 0.421e9),
 }
+# The pipeline runtime's cost per action on this machine, one rank per core:
+# ``benchmarks/pipeline_overhead.py`` (2 ranks, a stage of one tiny layer, 2 against 8
+# micro-batches) measured 230-850 us per action over the four schedules and three runs on
+# a quiet machine (2026-11-22); the median of the runs' medians.
+PIPELINE_ACTION = 0.54e-3
 # What a collective between computations waits for its last peer (the same script: busy
 # runs under 1 MB less the alpha-beta time; the median over the 4 collectives x 3 runs,
 # which spread from 0.4 to 2.2 ms: the scheduler's jitter on a shared 2-core VM).
@@ -462,7 +472,10 @@ def _cpu_cluster(ranks: int, spec: str) -> Cluster:
     else:
         link = Link(bandwidth=math.inf, latency=0.0)
     # One node; there is no inter-node link, so it is the loopback link as well.
-    return Cluster(name=spec, nodes=1, devices_per_node=ranks, device=cpu_share(ranks),
+    device = cpu_share(ranks)
+    if ranks > 1:
+        device = replace(device, pipeline_action=PIPELINE_ACTION / min(1.0, _cores() / ranks))
+    return Cluster(name=spec, nodes=1, devices_per_node=ranks, device=device,
                    intra=link, inter=link)
 
 

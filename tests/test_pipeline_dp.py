@@ -281,3 +281,23 @@ def test_gradient_sync_prices_the_sub_mesh():
     assert deep.sync_time == 0.0                       # one device per stage: nothing to reduce
     assert deep.predicted_step_time == pytest.approx((4 + 4 - 1) * 1.0)
     assert plan_stages(costs, **{k: v for k, v in common.items() if k != "schedule"}).n_stages > 1
+
+
+def test_runtime_cost_per_action_is_paid_per_stage_and_micro_batch():
+    """``action_time`` adds to every stage's time per micro-batch, once per action (two
+    under 1F1B, three under zero bubble), so it makes many small micro-batches cost what
+    they cost on a host that runs every action itself."""
+    base = costs_of([4.0] * 8)
+    for schedule, actions in (("1f1b", 2), ("zero-bubble", 3)):
+        kw = dict(n_devices=2, global_batch=8, memory_limit=1e9, bandwidth=1e9, n_stages=2,
+                  micro_batches=8, schedule=schedule)
+        plain = plan_stages(base, **kw)
+        slow = plan_stages(costs_of([4.0] * 8, action_time=0.25), **kw)
+        assert np.allclose(np.array(slow.stage_times) - plain.stage_times, actions * 0.25)
+        assert slow.predicted_step_time == pytest.approx(simulate_plan(slow).makespan)
+    # free to choose m: the per-action cost pushes towards fewer, larger micro-batches
+    free = dict(n_devices=2, global_batch=16, memory_limit=1e9, bandwidth=1e9, n_stages=2,
+                schedule="1f1b")
+    m_cheap = plan_stages(costs_of([1.0] * 8), **free).micro_batches
+    m_dear = plan_stages(costs_of([1.0] * 8, action_time=0.5), **free).micro_batches
+    assert m_dear < m_cheap

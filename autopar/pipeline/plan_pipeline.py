@@ -137,6 +137,7 @@ class _Priced:
     bounds: np.ndarray           # chain index where each DP unit starts, then L
     bandwidth: float             # bytes/s per rank between neighbouring stages
     latency: float
+    action: float = 0.0          # the runtime's seconds per scheduled action of a stage
 
     @property
     def positions(self) -> np.ndarray:
@@ -153,7 +154,8 @@ class _Priced:
             return np.add.reduceat(np.asarray(a, float), starts)
         t = np.maximum(seg(nc.time) - seg(fixed), 0.0) / b
         return LayerCosts(time=t, state_bytes=nc.state(starts), activation_bytes=seg(nc.activations) / b,
-                          boundary_bytes=nc.cross[self.positions - 1] / b, fixed_time=seg(fixed))
+                          boundary_bytes=nc.cross[self.positions - 1] / b, fixed_time=seg(fixed),
+                          action_time=self.action)
 
     def extra_memory(self) -> float:
         """Bytes every rank may hold besides state and activations: the recompute transient
@@ -175,7 +177,8 @@ def _price(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages:
     nc = node_costs(cap, solved, lambda n: _local_bytes(cap, intra, n), axes=intra.mesh_axes)
     positions = _cut_points(nc.cross, n_stages)
     bw, lat = _pipeline_link(cl, world // p, world)
-    return _Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat)
+    return _Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat,
+                   float(getattr(cl.device, "pipeline_action", 0.0)))
 
 
 def _cut_points(cross: np.ndarray, n_stages: int) -> list[int]:
@@ -410,9 +413,12 @@ def _estimate(pr: _Priced, config, cuts: tuple[int, ...]) -> Estimate:
     times = nc.time
     stage_times = np.array([times[j:i].sum() for j, i in stages])
     p2p = [float(nc.cross[c - 1] / pr.bandwidth + pr.latency) for c in cuts]
-    sim = simulate(schedule_actions(schedule, p, m, v), forward=stage_times * FORWARD,
-                   backward=stage_times * (1 - FORWARD), weight=stage_times * (1 - FORWARD) / 2,
-                   p2p=p2p if p2p else 0.0)
+    # the runtime's cost per action: F and B, or F, I and W (the backward pays two)
+    a = pr.action
+    split = schedule == "zero-bubble"
+    sim = simulate(schedule_actions(schedule, p, m, v), forward=stage_times * FORWARD + a,
+                   backward=stage_times * (1 - FORWARD) + (2 if split else 1) * a,
+                   weight=stage_times * (1 - FORWARD) / 2 + a, p2p=p2p if p2p else 0.0)
     end = np.zeros(p)
     for ev in sim.timeline:
         end[ev["rank"]] = max(end[ev["rank"]], ev["end"])
@@ -439,7 +445,8 @@ def _estimate(pr: _Priced, config, cuts: tuple[int, ...]) -> Estimate:
     return Estimate(step_time_s=step, compute_s=float(compute), comm_s=float(sum(comm.values())),
                     memory_bytes={k: float(b) for k, b in mems[worst].items()},
                     comm={k: float(s) for k, s in comm.items()},
-                    bubble_fraction=float(sim.bubble_fraction))
+                    bubble_fraction=float(sim.bubble_fraction),
+                    stage_times_s=tuple(float(t) for t in stage_times + (3 if split else 2) * a))
 
 
 # ---- choosing what the pins leave free ------------------------------------------------------

@@ -88,6 +88,9 @@ class LayerCosts:
     sync_bytes: Sequence[float] | None = None
     """Bytes of layer i all-reduced across its stage's sub-mesh once per step (gradients
     under data parallelism); None = zeros."""
+    action_time: float = 0.0
+    """Seconds the pipeline runtime adds to every action of a stage (F and B, or F, I and W
+    under zero bubble) whatever its layers: ``Device.pipeline_action``."""
     forward_fraction: float = 1 / 3
     """Forward's share of ``time`` (backward = 2 x forward, as Megatron-LM assumes)."""
     weight_fraction: float = 0.5
@@ -284,7 +287,9 @@ class _Tables:
         d = n_devices // c.p
         b = global_batch / c.m
         n_k = in_flight(c.schedule, c.p, c.m, c.v)
-        time = np.where(self.valid, self.time * b / d + self.fixed, INF)
+        actions = 3 if c.schedule == "zero-bubble" else 2
+        time = np.where(self.valid, self.time * b / d + self.fixed
+                        + actions * self.costs.action_time, INF)
         memory = (self.state / (d if shard_state else 1))[None] + \
             n_k[:, None, None] * (self.act * b / d)[None]
         share = memory_limit / c.v
