@@ -109,7 +109,7 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
         from autopar.pipeline.plan_pipeline import plan_pipelined
         return plan_pipelined(model, example_inputs, loss_fn, target, cl, world, pins,
                               memory_budget=memory_budget, optimizer=optimizer,
-                              time_limit_s=time_limit_s, verbose=verbose)[0]
+                              time_limit_s=time_limit_s, verbose=verbose, profiler=profiler)[0]
     # without an example target the loss cannot be captured: plan the model alone (the
     # loss then runs outside the graph, on the replicated output)
     cap = capture(model, example_inputs, loss_fn if target is not None else None, target)

@@ -85,6 +85,20 @@ def test_planner_uses_profiled_times(tmp_path):
     assert again.estimate.compute_s == pytest.approx(profiled.estimate.compute_s)
 
 
+def test_pipeline_planner_uses_profiled_times(tmp_path):
+    """``pipeline=`` plans price their stages with the profiler too."""
+    ex = gpt_factory(batch=8)
+    pins = dict(pipeline=2, schedule="1f1b", micro_batch_size=2)
+    p = prof(tmp_path)
+    with p:
+        profiled = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                                cluster="cpu:2", profiler=p, **pins)
+    assert p.measured > 10
+    roofline = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                            cluster="cpu:2", **pins)
+    assert profiled.estimate.stage_times_s != roofline.estimate.stage_times_s
+
+
 def test_peak_memory_counts_live_tensors():
     x = torch.randn(256, 256, requires_grad=True)
     with PeakMemory() as m:

@@ -273,7 +273,7 @@ def _allowed_micro_batches(batch: int, degree: int) -> list[int]:
 
 def solve_intra(cap: Captured, cl, world: int, p: int, pins: dict, *, weights=None,
                 grad_sync_scale=1.0, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
-                capture_s=0.0, verbose=False, mesh_shape=None, explain=True):
+                capture_s=0.0, verbose=False, mesh_shape=None, explain=True, profiler=None):
     """(Plan, Solved) of the whole graph on one stage's ``world // p`` devices."""
     from autopar.api import solve_captured
     d = world // p
@@ -284,7 +284,7 @@ def solve_intra(cap: Captured, cl, world: int, p: int, pins: dict, *, weights=No
                           mesh_shape=mesh_shape, optimizer=optimizer,
                           time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
                           pins=intra_pins, memory_weights=weights, grad_sync_scale=grad_sync_scale,
-                          explain=explain)
+                          explain=explain, profiler=profiler)
 
 
 # ---- the plan for one configuration ---------------------------------------------------------
@@ -292,7 +292,8 @@ def solve_intra(cap: Captured, cl, world: int, p: int, pins: dict, *, weights=No
 
 def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, int, int, str], *,
                   memory_budget=None, optimizer="adamw", time_limit_s=60.0, capture_s=0.0,
-                  verbose=False, mesh_shape=None, extra_pins=None, solved=None) -> Plan:
+                  verbose=False, mesh_shape=None, extra_pins=None, solved=None,
+                  profiler=None) -> Plan:
     """The Plan for ``cap`` (captured with micro-batch inputs) on ``world`` devices, for
     ``config`` = (p, v, m, schedule). ``solved`` = (intra Plan, Solved) reuses an intra
     solution of this graph; ``mesh_shape`` fixes the intra-stage mesh, ``extra_pins``
@@ -318,7 +319,7 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
         return solve_intra(cap, cl, world, p, pins_, weights=memory_weights(schedule, p, m, v),
                            grad_sync_scale=1.0 / m, memory_budget=limit, optimizer=optimizer,
                            time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
-                           mesh_shape=mesh_shape)
+                           mesh_shape=mesh_shape, profiler=profiler)
 
     def cut(solved_, limit=budget, explain=True):
         pr_ = _price(cap, solved_[0], solved_[1], cl, world, p, S)
@@ -454,16 +455,17 @@ def _estimate(pr: _Priced, config, cuts: tuple[int, ...]) -> Estimate:
 
 def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins: dict, *,
                    memory_budget=None, optimizer="adamw", time_limit_s=60.0, verbose=False,
-                   ) -> tuple[Plan, Captured]:
+                   profiler=None) -> tuple[Plan, Captured]:
     """The pipeline plan for ``pipeline=p`` pinned (m, schedule and virtual stages chosen
-    where not pinned), and the graph captured at its micro-batch."""
+    where not pinned), and the graph captured at its micro-batch. ``profiler``: measured
+    op times where it has them (as for ``autopar.plan``)."""
     t0 = time.perf_counter()
     config0 = pipeline_config(example_inputs, pins)
     p, v0, m0, schedule0 = config0
     cap0 = capture_microbatch(model, example_inputs, loss_fn, target, m0)
     capture_s = time.perf_counter() - t0
     kw = {"memory_budget": memory_budget, "optimizer": optimizer, "time_limit_s": time_limit_s,
-          "verbose": verbose}
+          "verbose": verbose, "profiler": profiler}
     if pins.get("micro_batch_size") is not None and pins.get("schedule") is not None \
             and (pins["schedule"] != "interleaved-1f1b" or pins.get("virtual_stages") is not None):
         return plan_pipeline(cap0, cl, world, pins, config0, capture_s=capture_s, **kw), cap0
@@ -472,7 +474,8 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
     solved = solve_intra(cap0, cl, world, p, pins, weights=memory_weights(schedule0, p, m0, v0),
                          grad_sync_scale=1.0 / m0, memory_budget=budget, optimizer=optimizer,
-                         time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose)
+                         time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
+                         profiler=profiler)
     # the reference configuration's plan; a chosen one replaces it when predicted faster
     try:
         base, base_error = plan_pipeline(cap0, cl, world, pins, config0, solved=solved, **kw), None
