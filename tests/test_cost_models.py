@@ -363,3 +363,35 @@ def test_zero3_and_recompute_pay_their_forward_collectives_again():
     t_rec, by_rec = cost(zero=2, rerun=1.0)
     assert by_rec[("all_gather", 0)] == pytest.approx(2 * gather)
     assert by_rec[("reduce_scatter", 0)] == pytest.approx(by2[("reduce_scatter", 0)])
+
+
+def test_wait_for_peers_once_per_collective_shared_by_a_consumers_parameters():
+    """CPU ranks wait for their last peer (``Link.skew``) once per collective between
+    computations; a consumer's parameter gathers go back to back and share one wait; the
+    bucketed gradient all-reduce pays none."""
+    import torch
+
+    from autopar.cost_models.comm import collective_time
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.placement import Partial, Replicate, Shard
+    from autopar.sharding.registry import TensorMeta
+    from autopar.solver.costing import CostModel
+
+    cl = parse_cluster("cpu:2")
+    model = CostModel(cl, (2,), zero=2, data_axis=0)
+    link = model.links[0]
+    assert link.skew > 0
+    meta = TensorMeta((256, 256), torch.float32)
+    nbytes = 256 * 256 * 4
+    # an activation: all_reduce of a partial sum, one wait
+    t, _ = model.edge_time(meta, (Partial(),), (Replicate(),), (False,))
+    assert t == pytest.approx(collective_time("all_reduce", nbytes, 2, link, skew=False) + link.skew)
+    # a ZeRO weight read by a consumer of two parameters: gather and gradient reduce-scatter
+    # each pay half a wait
+    one, _ = model.edge_time(meta, (Shard(0),), (Replicate(),), (True,), bucketed=True, shared=1)
+    two, _ = model.edge_time(meta, (Shard(0),), (Replicate(),), (True,), bucketed=True, shared=2)
+    assert one - two == pytest.approx(link.skew)          # 2 collectives x (1 - 1/2) wait
+    # a replicated weight's gradient all-reduce (bucketed): no wait, no latency of its own
+    t, _ = model.edge_time(meta, (Replicate(),), (Replicate(),), (True,), bucketed=True)
+    assert t == pytest.approx(collective_time("all_reduce", nbytes, 2, link, skew=False)
+                              - collective_time("all_reduce", 1.0, 2, link, skew=False))

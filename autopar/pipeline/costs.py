@@ -30,7 +30,7 @@ import numpy as np
 
 from autopar.capture import Captured
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import GRAD_SYNC, INF, grad_partial_flags
+from autopar.solver.costing import GRAD_SYNC, INF, grad_partial_flags, params_read
 from autopar.solver.problem import VIEW_OPS
 
 
@@ -208,12 +208,13 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
             else:
                 act[i] += mem
     # resharding, spread over the consumer's members
+    n_params = params_read(problem)
     for e in problem.edges:
         u, v = problem.vars[e.src], problem.vars[e.dst]
         cu, cv = u.options[choice[e.src]], v.options[choice[e.dst]]
         args = (e.meta, output_placements(cu, e.src_out), input_placements(cv, e.dst_in),
                 grad_partial_flags(cv, e.dst_in), u.kind == "param")
-        t, by = cost.edge_time(*args, cost.rerun(v))
+        t, by = cost.edge_time(*args, cost.rerun(v), n_params.get(e.dst, 1))
         if t == INF or t == 0:
             continue
         members = [m for m in v.members if m in where]
@@ -221,7 +222,8 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
             continue
         share = e.count / len(members)
         # its forward collectives, which run again if the consumer is recomputed
-        forward = plain.edge_time(*args, 1.0)[0] - plain.edge_time(*args, 0.0)[0]
+        forward = (plain.edge_time(*args, 1.0, n_params.get(e.dst, 1))[0]
+                   - plain.edge_time(*args, 0.0, n_params.get(e.dst, 1))[0])
         for m in members:
             node_fwd_comm[m] = node_fwd_comm.get(m, 0.0) + forward * share
             i = where[m]

@@ -135,7 +135,7 @@ class CostModel:
     # ---- communication -------------------------------------------------------------------
     def edge_time(self, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
                   grad_partial: tuple[bool, ...], bucketed: bool = False,
-                  rerun: float = 0.0) -> tuple[float, dict]:
+                  rerun: float = 0.0, shared: int = 1) -> tuple[float, dict]:
         """Seconds to move ``meta`` from ``src`` to ``dst`` (forward + backward), and the
         seconds by ``(collective, axis)``; INF when the conversion is not offered.
 
@@ -143,17 +143,21 @@ class CostModel:
         buckets with the others (once per step): it pays bandwidth, not a latency of its own.
         ``rerun``: the consumer's forward runs again in backward this often (recomputation,
         :meth:`rerun`), and the forward collectives with it.
+        ``shared``: the consumer reads this many parameters. Their gathers (ZeRO, a weight
+        stored sharded) run back to back just before it, and their gradients' reductions
+        just after its backward, so each pays ``1 / shared`` of the link's wait for the
+        peers (``Link.skew``); the bucketed gradient all-reduce pays none.
         """
         if not meta.dtype.is_floating_point:
             grad_partial = (False,) * len(grad_partial)   # integer tensors carry no gradient
-        key = (meta.shape, meta.dtype, src, dst, grad_partial, bucketed, rerun)
+        key = (meta.shape, meta.dtype, src, dst, grad_partial, bucketed, rerun, shared)
         hit = self._edge_cache.get(key)
         if hit is None:
             hit = self._edge_cache[key] = self._edge_time(meta, src, dst, grad_partial, bucketed,
-                                                          rerun)
+                                                          rerun, shared)
         return hit
 
-    def _edge_time(self, meta, src, dst, grad_partial, bucketed=False, rerun=0.0):
+    def _edge_time(self, meta, src, dst, grad_partial, bucketed=False, rerun=0.0, shared=1):
         try:
             steps = plan_steps(src, dst, grad_partial)
         except Unsupported:
@@ -174,11 +178,13 @@ class CostModel:
                     continue
                 size = {"all_gather": max(before, after), "reduce_scatter": max(before, after),
                         "all_reduce": before, "all_to_all": before}[kind]
-                # a parameter's collectives go in bursts (gradient buckets, a layer's gathers):
-                # no wait for the peers of their own
-                t = comm_model.collective_time(kind, size * scale, n, link, skew=not bucketed)
+                t = comm_model.collective_time(kind, size * scale, n, link, skew=False)
                 if bucketed and step.kind == "grad_all_reduce":
                     t -= comm_model.collective_time(kind, 1.0, n, link, skew=False)   # latency shared by the bucket
+                else:
+                    # the wait for the peers: once per collective between computations, shared
+                    # by a consumer's parameters (see ``shared``)
+                    t += link.skew / (max(1, shared) if bucketed else 1)
                 if bucketed and backward and kind in GRAD_SYNC:
                     t *= self.grad_sync_scale
                 if not backward:
@@ -190,6 +196,15 @@ class CostModel:
                 total += t
                 by[(kind, step.axis)] = by.get((kind, step.axis), 0.0) + t
         return total, by
+
+
+def params_read(problem) -> dict[str, int]:
+    """How many parameters each node of ``problem`` reads (``edge_time``'s ``shared``)."""
+    out: dict[str, int] = {}
+    for e in problem.edges:
+        if problem.vars[e.src].kind == "param":
+            out[e.dst] = out.get(e.dst, 0) + 1
+    return out
 
 
 def _after(step: Step, p: Placement) -> Placement:

@@ -30,7 +30,7 @@ from ortools.linear_solver import pywraplp
 
 from autopar.placement import Replicate
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import INF, CostModel, grad_partial_flags
+from autopar.solver.costing import INF, CostModel, grad_partial_flags, params_read
 from autopar.solver.problem import VIEW_OPS, Problem, is_unary_elementwise
 
 R = Replicate()
@@ -141,6 +141,7 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
                 for k, sec in by.items():
                     comm[i][k] = comm[i].get(k, 0.0) + sec
 
+    n_params = params_read(problem)
     edges = []
     for e in problem.edges:
         if e.dst in follow:
@@ -157,7 +158,8 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
         rerun = cost.rerun(v)
         for p in set(pu):
             for q in set(qv):
-                t, by = cost.edge_time(e.meta, p, q[0], q[1], bucketed, rerun)
+                t, by = cost.edge_time(e.meta, p, q[0], q[1], bucketed, rerun,
+                                       n_params.get(e.dst, 1))
                 table[(p, q)] = (t * e.count if t != INF else INF,
                                  {k: s * e.count for k, s in by.items()})
         if src == dst:   # both ends decided by one variable (repeated layer, or a follower)
