@@ -200,7 +200,8 @@ def _cut_points(cross: np.ndarray, n_stages: int) -> list[int]:
 
 
 def _pipeline_link(cl, d: int, world: int) -> tuple[float, float]:
-    """(bytes/s per rank, seconds of latency) between neighbouring stages, ``d`` ranks apart.
+    """(bytes/s per rank, seconds of latency and wait) between neighbouring stages, ``d``
+    ranks apart.
     Across nodes each rank gets its share of the node's NICs (one per GPU on a DGX)."""
     dpn = cl.devices_per_node
     if cl.nodes > 1 and world > dpn:
@@ -211,7 +212,8 @@ def _pipeline_link(cl, d: int, world: int) -> tuple[float, float]:
         bw = float(link.bandwidth)
     if not math.isfinite(bw) or bw <= 0:
         bw = 1e30
-    return bw, float(getattr(link, "latency", 0.0) or 0.0)
+    # a receive between computations waits for its peer as a collective does (Link.skew)
+    return bw, float(getattr(link, "latency", 0.0) or 0.0) + float(getattr(link, "skew", 0.0))
 
 
 def _batch_degree(cap: Captured, intra: Plan) -> int:
