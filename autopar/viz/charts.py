@@ -104,8 +104,7 @@ def swimlane(plan: Plan | None = None, *, schedule: str | None = None, stages: i
         actions = schedule_actions(schedule, stages, microbatches, virtual)
         split = any(a.kind in "IW" for acts in actions for a in acts)
         sim = simulate(actions, forward=1.0, backward=2.0, weight=1.0 if split else None)
-        blocks = [{"rank": t["rank"], "start": t["start"], "end": t["end"], "kind": t["kind"],
-                   "label": t["action"], "microbatch": t["microbatch"]} for t in sim.timeline]
+        blocks = _blocks(sim)
         note = ("schedule simulated by autopar.pipeline in unit times (forward 1, backward 2"
                 + (", of which weight-gradient 1" if split else "") + ")")
         if plan is not None:
@@ -138,6 +137,12 @@ def swimlane(plan: Plan | None = None, *, schedule: str | None = None, stages: i
                     f"{fmt_time(e.step_time_s)}", "time (ms)", note, e.bubble_fraction)
 
 
+def _blocks(sim) -> list[dict]:
+    """The chart's blocks: one per action of a simulated schedule."""
+    return [{"rank": t["rank"], "start": t["start"], "end": t["end"], "kind": t["kind"],
+             "label": t["action"], "microbatch": t["microbatch"]} for t in sim.timeline]
+
+
 def _plan_schedule(plan: Plan) -> Swimlane:
     """The pipeline plan's schedule on its ranks, timed by its predicted stage times."""
     from autopar.pipeline.schedule import schedule_actions
@@ -157,8 +162,7 @@ def _plan_schedule(plan: Plan) -> Swimlane:
     fwd = [t / 3 for t in stage]
     sim = simulate(actions, forward=fwd, backward=[2 * f for f in fwd],
                    weight=fwd if split else None)
-    blocks = [{"rank": t["rank"], "start": t["start"], "end": t["end"], "kind": t["kind"],
-               "label": t["action"], "microbatch": t["microbatch"]} for t in sim.timeline]
+    blocks = _blocks(sim)
     return Swimlane(blocks, p, "pipeline rank",
                     f"{plan.schedule}: {p} stages x {m} micro-batches"
                     + (f", {v} virtual" if v > 1 else "")
