@@ -106,7 +106,7 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
     cl = parse_cluster(cluster)
     world = world_size or cl.world_size
     if _pipelined(pins):
-        from autopar.pipeline.plan_pipeline import plan_pipelined
+        from autopar.solver.pipeline_search import plan_pipelined
         return plan_pipelined(model, example_inputs, loss_fn, target, cl, world, pins,
                               memory_budget=memory_budget, optimizer=optimizer,
                               time_limit_s=time_limit_s, verbose=verbose, profiler=profiler)[0]
@@ -125,7 +125,7 @@ def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world
                 time_limit_s=60.0, capture_s=0.0, verbose=False, profiler=None) -> Plan:
     """The best plan without a ``pipeline=`` pin: unpipelined (``plan_captured`` on the
     full-batch graph ``cap``) and, on a cluster of several nodes or when nothing
-    unpipelined fits, pipelined (``autopar.pipeline.plan_pipeline.search_pipelines``);
+    unpipelined fits, pipelined (``autopar.solver.pipeline_search.search_pipelines``);
     the least predicted step wins."""
     from autopar.solver.ilp import InfeasibleError
     flat, error = None, None
@@ -136,7 +136,7 @@ def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world
     except InfeasibleError as e:
         error = e
     if _may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, flat is None):
-        from autopar.pipeline.plan_pipeline import search_pipelines
+        from autopar.solver.pipeline_search import search_pipelines
         if verbose:
             print("searching pipelines" + (" (nothing unpipelined fits)" if flat is None else
                                             f" against {flat.estimate.step_time_s:.4g} s unpipelined"))
@@ -206,7 +206,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     """``plan_captured``, and the solver's :class:`Solved`. ``memory_weights`` and
     ``grad_sync_scale`` go to the :class:`CostModel` (the pipeline's per-stage view);
     ``explain=False`` skips working out how far from fitting an infeasible mesh is."""
-    from autopar.passes.recompute import recompute_nodes, select_layers
+    from autopar.analysis.layers import recompute_nodes, select_layers
     from autopar.solver.costing import CostModel
     from autopar.solver.ilp import InfeasibleError, solve
     from autopar.solver.problem import build_problem
@@ -272,7 +272,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
 
 
 def _has_repeated_layers(cap: Captured) -> bool:
-    from autopar.passes.recompute import select_layers
+    from autopar.analysis.layers import select_layers
     try:
         return bool(select_layers(cap.gm, "full"))
     except ValueError:
@@ -341,11 +341,11 @@ def _pipelined(pins: dict) -> bool:
 def _parallelize_pipeline(model, example_inputs, loss_fn, target, given, cluster, memory_budget,
                           optimizer, world, pins):
     """``parallelize`` with a pipeline axis: plan on rank 0 (or take ``given``), then run the
-    stages with torch.distributed.pipelining (``autopar.pipeline.runtime``)."""
+    stages with torch.distributed.pipelining (``autopar.runtime.pipeline_module``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.pipeline.plan_pipeline import capture_microbatch, plan_pipelined
-    from autopar.pipeline.runtime import PipelineModule
+    from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
+    from autopar.runtime.pipeline_module import PipelineModule
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
                          "target= (the last stage computes the loss of each micro-batch)")
@@ -432,7 +432,7 @@ def _local_cluster(world: int) -> str:
 def _dist_comm(p: Plan):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.runtime.comm import DistComm
+    from autopar.ops.comm import DistComm
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

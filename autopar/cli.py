@@ -336,7 +336,7 @@ def show(plan_file, as_json, code, rank, forward, factory, all_nodes, factory_ar
     if meta:
         raise UserError("--code builds the per-rank module from real weights: drop --meta "
                         "(use a small config of the model to read its program)")
-    from autopar.runtime.comm import ThreadWorld
+    from autopar.ops.comm import ThreadWorld
     from autopar.runtime.parallel_module import ParallelModule
     ex, cap = capture_for(p, factory, parse_pairs(factory_args, "--factory-args"), meta)
     comm = ThreadWorld(p.mesh_shape).comm(rank)

@@ -3,7 +3,7 @@
     python benchmarks/gloo_collectives.py            # 2 and 4 ranks, prints a table and a fit
     python benchmarks/gloo_collectives.py 2          # 2 ranks only
 
-Times ``all_reduce``, ``all_gather`` (list form, as ``autopar.runtime.comm.DistComm``),
+Times ``all_reduce``, ``all_gather`` (list form, as ``autopar.ops.comm.DistComm``),
 ``reduce_scatter_tensor`` and ``all_to_all_single`` from 4 B to 16 MB on real gloo ranks
 (torchrun, ``OMP_NUM_THREADS=1``), three ways per size:
 

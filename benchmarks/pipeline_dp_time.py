@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from autopar.pipeline import LayerCosts, plan_stages, simulate_plan
+from autopar.solver.stage_dp import LayerCosts, plan_stages, simulate_plan
 
 LAYERS, DEVICES, BATCH = 96, 64, 1536
 HIDDEN, SEQ = 12288, 2048

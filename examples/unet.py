@@ -3,7 +3,7 @@ encoder's output of the same resolution (the skip connections).
 
 The outermost skip goes from the first encoder level to the last decoder level: pipelined
 over 4 stages it is made in stage 0 and read in stage 3, so it is the test of sending a
-skip value straight from its producer to its consumer (``autopar.pipeline.split``).
+skip value straight from its producer to its consumer (``autopar.passes.split_stages``).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from autopar.capture import Captured
 from autopar.placement import Replicate
 from autopar.plan import Plan, PlanError
-from autopar.runtime import collectives
+from autopar.ops import collectives
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import (
     Strategy, TensorMeta, localize, make_call,

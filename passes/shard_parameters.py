@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from autopar.placement import Placement, Replicate, Shard
-from autopar.runtime.collectives import apply_step
+from autopar.ops.collectives import apply_step
 from autopar.sharding.redistribute import plan_steps
 
 

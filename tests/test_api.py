@@ -11,8 +11,8 @@ import autopar
 from autopar.api import plan_captured
 from autopar.cost_models.hardware import parse_cluster
 from autopar.placement import Shard, parse_placements
-from autopar.runtime.comm import ThreadWorld
-from autopar.runtime.simulate import simulate
+from autopar.ops.comm import ThreadWorld
+from autopar.runtime.thread_ranks import simulate
 from autopar.solver.ilp import InfeasibleError
 from equivalence import compare, parallel_run, reference_run
 from examples.models import EXAMPLES
@@ -212,7 +212,7 @@ def test_coverage_report_names_missing_ops():
 def test_zero3_gathers_weights_again_in_backward(captured, monkeypatch):
     """ZeRO-3 keeps no gathered weight for backward: whatever autograd would save of one is
     packed as a reference to the shard and gathered again; the numbers still match."""
-    from autopar.runtime.collectives import RegatheredWeights
+    from autopar.ops.collectives import RegatheredWeights
     ex, cap = captured("gpt")
     plan = plan_captured(cap, parse_cluster("cpu:2"), 2, pins={"data": 2, "zero": 3})
     packed = []

@@ -15,7 +15,7 @@ import torch
 from autopar.api import plan_captured
 from autopar.cost_models.hardware import parse_cluster
 from autopar.placement import parse_placements, Shard
-from autopar.runtime.simulate import simulate
+from autopar.runtime.thread_ranks import simulate
 from equivalence import compare, parallel_run, reference_run
 
 CONFIGS = [

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.pipeline import LayerCosts, plan_stages, schedule_actions, simulate, simulate_plan, stage_dp
+from autopar.schedule import schedule_actions
+from autopar.solver.simulate import simulate
+from autopar.solver.stage_dp import LayerCosts, plan_stages, simulate_plan, stage_dp
 
 GiB = 2**30
 

@@ -14,7 +14,7 @@ import torch
 from autopar.cost_models.hardware import Link, parse_cluster
 
 import autopar
-from autopar.pipeline.schedule import SCHEDULES
+from autopar.schedule import SCHEDULES
 from examples.models import EXAMPLES, gpt_factory
 
 
@@ -99,7 +99,7 @@ def test_node_prices_add_up_to_the_solver_total(pins):
     """The per-node prices the cuts are made from are the solver's own: compute,
     resharding and gradient reduction add up to its estimate of the whole graph (with
     recomputation and ZeRO-3 regathers too)."""
-    from autopar.pipeline.plan_pipeline import _price, capture_microbatch, solve_intra
+    from autopar.solver.pipeline_search import _price, capture_microbatch, solve_intra
     ex = EXAMPLES["gpt"]()
     cl = parse_cluster("cpu:4")
     cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, 2)
@@ -113,9 +113,9 @@ def test_node_prices_add_up_to_the_solver_total(pins):
 def test_recomputation_priced_from_a_plan_without_it():
     """The free search prices "every layer recomputed" from the plan without recomputation
     (no second solve): the same as the solver's price when the placements are the same."""
-    from autopar.passes.recompute import select_layers
+    from autopar.analysis.layers import select_layers
 
-    from autopar.pipeline.plan_pipeline import _price, capture_microbatch, solve_intra
+    from autopar.solver.pipeline_search import _price, capture_microbatch, solve_intra
     ex = EXAMPLES["gpt"]()
     cl = parse_cluster("cpu:4")
     cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, 2)
@@ -135,7 +135,7 @@ def test_gradient_reduction_is_once_per_step():
     """Data parallelism inside the stages reduces gradients once per step (they accumulate
     over micro-batches): the reduction priced per node is the same whatever the
     micro-batch, the solver weighs it 1/m per micro-batch, and the estimate counts it once."""
-    from autopar.pipeline.plan_pipeline import _price, capture_microbatch, solve_intra
+    from autopar.solver.pipeline_search import _price, capture_microbatch, solve_intra
     ex = EXAMPLES["gpt"]()
     cl = parse_cluster("cpu:4")
     syncs, per_mb = [], []
@@ -198,7 +198,7 @@ def test_pipeline_when_nothing_unpipelined_fits():
 def test_cut_points_of_a_large_graph_are_layer_boundaries():
     """Past MAX_UNITS op nodes the DP considers the cheapest crossings only, spread over the
     whole graph (not the first layers' only)."""
-    from autopar.pipeline.plan_pipeline import MAX_UNITS, _cut_points
+    from autopar.solver.pipeline_search import MAX_UNITS, _cut_points
     layer = [5.0] * 9 + [1.0]              # ten positions per layer, the last one cheap
     cross = np.array(layer * 100 + [5.0] * 9, dtype=float)
     points = _cut_points(cross, 4)

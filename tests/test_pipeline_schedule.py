@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.pipeline import Action, check_schedule, format_grid, schedule_actions, simulate, torch_schedule_class
-from autopar.pipeline.stage_dp import in_flight
+from autopar.schedule import Action, check_schedule, schedule_actions, torch_schedule_class
+from autopar.solver.simulate import format_grid, simulate
+from autopar.solver.stage_dp import in_flight
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 

@@ -14,7 +14,7 @@ import pytest
 
 from autopar.api import node_placements, plan_captured
 from autopar.cost_models.hardware import parse_cluster
-from autopar.runtime.simulate import simulate
+from autopar.runtime.thread_ranks import simulate
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import INF, CostModel, grad_partial_flags
 from autopar.solver.problem import build_problem

@@ -7,10 +7,11 @@ import pytest
 import autopar
 from autopar.capture import capture
 from autopar.cost_models.profile import PeakMemory
-from autopar.passes.recompute import RecomputeError, checkpoint_layers, layer_members, select_layers
+from autopar.analysis.layers import RecomputeError, layer_members, select_layers
+from autopar.passes.recompute import checkpoint_layers
 from autopar.plan import Plan
-from autopar.runtime.comm import use_comm
-from autopar.runtime.simulate import simulate
+from autopar.ops.comm import use_comm
+from autopar.runtime.thread_ranks import simulate
 from examples.models import gpt_factory
 from tests.equivalence import compare, parallel_run, reference_run
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 from autopar.passes.shard_parameters import shard_tensor
 from autopar.placement import P, R, Shard, local_shape
-from autopar.runtime.collectives import apply_step
-from autopar.runtime.comm import ThreadWorld
+from autopar.ops.collectives import apply_step
+from autopar.ops.comm import ThreadWorld
 from autopar.sharding.redistribute import Unsupported, plan_steps
 
 MESHES = [(2,), (4,), (2, 2)]

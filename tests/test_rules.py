@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from autopar.placement import Partial, Replicate, Shard
-from autopar.runtime import collectives, local_ops
-from autopar.runtime.comm import ThreadWorld
+from autopar.ops import collectives, local_ops
+from autopar.ops.comm import ThreadWorld
 from autopar.sharding.check import call_from_tensors, check_strategy
 from autopar.sharding.registry import Strategy, axis_strategies, mesh_strategies
 

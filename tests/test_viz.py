@@ -119,8 +119,8 @@ def test_own_layout_without_graphviz(g, monkeypatch, tmp_path):
 
 
 def test_swimlane_of_a_schedule_matches_the_simulator(tmp_path):
-    from autopar.pipeline.schedule import schedule_actions
-    from autopar.pipeline.simulate import simulate
+    from autopar.schedule import schedule_actions
+    from autopar.solver.simulate import simulate
     lane = charts.swimlane(schedule="1f1b", stages=4, microbatches=8)
     sim = simulate(schedule_actions("1f1b", 4, 8), forward=1.0, backward=2.0)
     assert len(lane.blocks) == 2 * 4 * 8 and lane.n_lanes == 4
@@ -190,7 +190,7 @@ def test_pipeline_plan_graph_is_coloured_by_stage_and_its_swimlane_is_its_schedu
     the swimlane runs the plan's own schedule on its ranks."""
     import autopar
     from autopar.capture import capture
-    from autopar.pipeline.split import assign_stages
+    from autopar.analysis.stages import assign_stages
     from examples.models import EXAMPLES
     ex = EXAMPLES["gpt"]()
     p = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2",

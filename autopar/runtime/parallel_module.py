@@ -16,11 +16,12 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture import Captured
 from autopar.passes.insert_collectives import insert_collectives
-from autopar.passes.recompute import checkpoint_layers, layer_members
+from autopar.analysis.layers import layer_members
+from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
-from autopar.runtime.collectives import regathered_weights
-from autopar.runtime.comm import Comm, use_comm
+from autopar.ops.collectives import regathered_weights
+from autopar.ops.comm import Comm, use_comm
 
 BUCKET_BYTES = 25 * 2**20
 

@@ -14,8 +14,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.placement import Replicate
-from autopar.runtime.collectives import apply_step
-from autopar.runtime.comm import ThreadWorld
+from autopar.ops.collectives import apply_step
+from autopar.ops.comm import ThreadWorld
 from autopar.sharding.redistribute import plan_steps
 from autopar.sharding.registry import (
     OpCall, Strategy, TensorMeta, input_placements, localize, output_placements,

@@ -2,7 +2,7 @@
 by term, and a pipeline swimlane (ranks × time).
 
 A pipeline plan's swimlane is its own schedule (micro-batches, virtual stages) simulated by
-``autopar.pipeline.simulate`` with the plan's predicted stage times where the estimate has
+``autopar.solver.simulate`` with the plan's predicted stage times where the estimate has
 them (``estimate.stage_times_s``), one lane per pipeline rank. A plan without a pipeline
 shows one lane per rank with the estimate's compute and communication as two blocks (every
 rank runs the same SPMD program). Any schedule can be drawn on its own in unit times
@@ -99,8 +99,8 @@ def swimlane(plan: Plan | None = None, *, schedule: str | None = None, stages: i
     """Timeline blocks for the chart: a pipeline schedule's simulation when ``schedule`` is
     given, else the plan's step as compute + communication on each rank."""
     if schedule is not None:
-        from autopar.pipeline.schedule import schedule_actions
-        from autopar.pipeline.simulate import simulate
+        from autopar.schedule import schedule_actions
+        from autopar.solver.simulate import simulate
         actions = schedule_actions(schedule, stages, microbatches, virtual)
         split = any(a.kind in "IW" for acts in actions for a in acts)
         sim = simulate(actions, forward=1.0, backward=2.0, weight=1.0 if split else None)
@@ -145,8 +145,8 @@ def _blocks(sim) -> list[dict]:
 
 def _plan_schedule(plan: Plan) -> Swimlane:
     """The pipeline plan's schedule on its ranks, timed by its predicted stage times."""
-    from autopar.pipeline.schedule import schedule_actions
-    from autopar.pipeline.simulate import simulate
+    from autopar.schedule import schedule_actions
+    from autopar.solver.simulate import simulate
     p, m, v = plan.pipeline_stages, plan.n_microbatches, plan.virtual_stages
     actions = schedule_actions(plan.schedule, p, m, v)
     split = any(a.kind in "IW" for acts in actions for a in acts)

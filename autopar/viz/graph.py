@@ -85,7 +85,7 @@ def _stages(cap: Captured, plan: Plan) -> dict[str, int]:
     """Stage of every op node of a pipeline plan (empty without a pipeline)."""
     if plan.pipeline_stages <= 1:
         return {}
-    from autopar.pipeline.split import assign_stages
+    from autopar.analysis.stages import assign_stages
     return assign_stages(cap, plan.stage_cuts, plan.pipeline_stages * plan.virtual_stages)
 
 

@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from autopar.runtime import local_ops
+from autopar.ops import local_ops
 from autopar.sharding.registry import OpCall, Strategy, register_local, register_rule
 from autopar.sharding.rules.pointwise import P, R, Shard, is_float, ops, partial_strategy
 

@@ -20,7 +20,7 @@ mean scaled by 1/shards.
 """
 from __future__ import annotations
 
-from autopar.runtime import local_ops
+from autopar.ops import local_ops
 from autopar.sharding.registry import (
     OpCall, Strategy, TensorMeta, register_local, register_rule,
 )

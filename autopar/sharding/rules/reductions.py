@@ -5,7 +5,7 @@ Scans (cumsum) shard any dim but the scanned one.
 """
 from __future__ import annotations
 
-from autopar.runtime import local_ops
+from autopar.ops import local_ops
 from autopar.sharding.registry import OpCall, Strategy, register_local, register_rule
 from autopar.sharding.rules.pointwise import (
     P, R, Shard, is_float, norm_dim, norm_dims, ops, partial_strategy,

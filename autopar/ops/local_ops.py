@@ -1,8 +1,8 @@
 """Local implementations that sharding localizers call in place of an ATen op.
 
 Each runs the same code on every rank: it reads the rank's coordinate from
-:func:`autopar.runtime.comm.current_comm` at run time and crosses the shards with the
-autograd-aware functions of :mod:`autopar.runtime.collectives`. The ``axes`` arguments are
+:func:`autopar.ops.comm.current_comm` at run time and crosses the shards with the
+autograd-aware functions of :mod:`autopar.ops.collectives`. The ``axes`` arguments are
 the mesh axes on which a tensor is sharded on the dim in question, in mesh order (the
 earlier axis splits first, see :mod:`autopar.placement`).
 
@@ -16,8 +16,8 @@ from typing import Sequence
 
 import torch
 
-from autopar.runtime import collectives
-from autopar.runtime.comm import current_comm
+from autopar.ops import collectives
+from autopar.ops.comm import current_comm
 
 aten = torch.ops.aten
 

@@ -172,30 +172,6 @@ def _interleaved(rank: int, p: int, m: int, v: int, zero_bubble: bool) -> list[A
     return ops
 
 
-def format_grid(actions: list[list[Action]], error_step: int | None = None) -> str:
-    """A step x rank table of the schedule, as torch.distributed.pipelining prints it.
-
-    Steps come from a unit-time run of the schedule (every action takes one step, transfers
-    are free), so a rank's empty cell is a step it waits. ``error_step`` marks one row.
-    """
-    from autopar.pipeline.simulate import unit_steps
-
-    steps = unit_steps(actions)
-    n_steps = 1 + max((s for rank in steps for s in rank), default=-1)
-    cells = [[""] * len(actions) for _ in range(n_steps)]
-    for r, (rank_actions, rank_steps) in enumerate(zip(actions, steps)):
-        for a, s in zip(rank_actions, rank_steps):
-            cells[s][r] = str(a)
-    width = max([len("Rank 00")] + [len(c) for row in cells for c in row])
-    label = len(f"Step {n_steps - 1}")
-    header = " " * (label + 2) + " ".join(f"Rank {r}".ljust(width) for r in range(len(actions)))
-    lines = [header.rstrip()]
-    for s, row in enumerate(cells):
-        line = (f"Step {s:0{len(str(n_steps - 1))}d}: " + " ".join(c.ljust(width) for c in row)).rstrip()
-        lines.append(line + (" <-- ERROR HERE" if s == error_step else ""))
-    return "\n".join(lines)
-
-
 def torch_schedule_class(kind: str) -> type:
     """The torch.distributed.pipelining class that runs schedule ``kind``."""
     if kind not in _TORCH_CLASS:

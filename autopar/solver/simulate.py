@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from autopar.pipeline.schedule import Action
+from autopar.schedule import Action
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,6 @@ def _run(actions: Sequence[Sequence[Action]], dur: dict[str, np.ndarray],
 
 
 def _deadlock_message(actions, done) -> str:
-    from autopar.pipeline.schedule import format_grid
-
     blocked = [f"rank {r} waits at {actions[r][d]}" for r, d in enumerate(done) if d < len(actions[r])]
     ran = [list(rank_actions[:d]) for rank_actions, d in zip(actions, done)]
     step = sum(done)
@@ -151,7 +149,7 @@ def simulate(actions: Sequence[Sequence[Action]], forward, backward, weight=None
     has ``I``/``W`` actions. ``p2p[s]`` (or a scalar) is the transfer time across the
     boundary between stages ``s`` and ``s + 1``, each way.
 
-    >>> from autopar.pipeline.schedule import schedule_actions
+    >>> from autopar.schedule import schedule_actions
     >>> sim = simulate(schedule_actions("gpipe", 4, 4), forward=1.0, backward=2.0)
     >>> round(sim.bubble_fraction, 4)   # (p - 1) / (m + p - 1)
     0.4286
@@ -217,3 +215,25 @@ def _peak_in_flight(start: dict[Action, float], end: dict[Action, float],
             peak = max(peak, held)
         peaks.append(peak)
     return tuple(peaks)
+
+
+def format_grid(actions: list[list[Action]], error_step: int | None = None) -> str:
+    """A step x rank table of the schedule, as torch.distributed.pipelining prints it.
+
+    Steps come from a unit-time run of the schedule (every action takes one step, transfers
+    are free), so a rank's empty cell is a step it waits. ``error_step`` marks one row.
+    """
+    steps = unit_steps(actions)
+    n_steps = 1 + max((s for rank in steps for s in rank), default=-1)
+    cells = [[""] * len(actions) for _ in range(n_steps)]
+    for r, (rank_actions, rank_steps) in enumerate(zip(actions, steps)):
+        for a, s in zip(rank_actions, rank_steps):
+            cells[s][r] = str(a)
+    width = max([len("Rank 00")] + [len(c) for row in cells for c in row])
+    label = len(f"Step {n_steps - 1}")
+    header = " " * (label + 2) + " ".join(f"Rank {r}".ljust(width) for r in range(len(actions)))
+    lines = [header.rstrip()]
+    for s, row in enumerate(cells):
+        line = (f"Step {s:0{len(str(n_steps - 1))}d}: " + " ".join(c.ljust(width) for c in row)).rstrip()
+        lines.append(line + (" <-- ERROR HERE" if s == error_step else ""))
+    return "\n".join(lines)

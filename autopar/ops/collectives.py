@@ -3,7 +3,7 @@
 Each function is one row of the table in ``autopar.sharding.redistribute``; its backward
 keeps the gradient convention (the gradient of an R or P tensor is whole on every rank, of an
 S(d) tensor its shard). They run on the communicator that is current
-(``autopar.runtime.comm.current_comm``), so the generated code is the same on every rank.
+(``autopar.ops.comm.current_comm``), so the generated code is the same on every rank.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from autopar.runtime.comm import current_comm
+from autopar.ops.comm import current_comm
 
 
 def _slice(t: torch.Tensor, axis: int, dim: int, groups: int = 1) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from autopar.capture import Captured
 from autopar.plan import Plan
-from autopar.runtime.comm import ThreadWorld
+from autopar.ops.comm import ThreadWorld
 
 
 def simulate(cap: Captured, plan: Plan, model: nn.Module, fn: Callable, loss_fn=None) -> list:

@@ -13,7 +13,7 @@
    (``memory_weights``: a rank holds 1/p of the state and the activations of the
    micro-batches in flight under the schedule) and its gradient reduction once per step;
    every stage runs its part of that plan on its sub-mesh;
-4. every op node priced under that plan (``autopar.pipeline.costs``); what is not pinned
+4. every op node priced under that plan (``autopar.solver.pipeline_costs``); what is not pinned
    among m, schedule and virtual stages is chosen by ``stage_dp.plan_stages`` on those
    prices scaled per sample (plus a fixed launch cost per micro-batch), the micro-batch
    counts limited to those whose micro-batch the plan's data-parallel degree divides;
@@ -89,7 +89,7 @@ def split_batch(tensors: Sequence, m: int) -> tuple:
 
 def pipeline_config(example_inputs: Sequence, pins: dict) -> tuple[int, int, int, str]:
     """(p, v, m, schedule) from the pins and the batch; raises on what torch cannot run."""
-    from autopar.pipeline.schedule import SCHEDULES, check_schedule
+    from autopar.schedule import SCHEDULES, check_schedule
     p = pins["pipeline"]
     if not isinstance(p, int) or p < 1:
         raise ValueError(f"pin pipeline={p!r} must be a positive integer")
@@ -117,7 +117,7 @@ def memory_weights(schedule: str, p: int, m: int, v: int) -> dict[str, float]:
     """Factors that turn the whole graph's memory (one micro-batch) into a pipeline rank's,
     for uniform stages: 1/p of the state; the activations of the micro-batches its stages
     hold at their peak (``stage_dp.in_flight``), each stage 1/(p v) of the graph."""
-    from autopar.pipeline.stage_dp import in_flight
+    from autopar.solver.stage_dp import in_flight
     n = in_flight(schedule, p, m, v)
     held = max(float(n[r::p].sum()) for r in range(p))
     state = 1.0 / p
@@ -133,7 +133,7 @@ class _Priced:
     cap: Captured
     intra: Plan
     solved: object
-    nc: object                   # autopar.pipeline.costs.NodeCosts
+    nc: object                   # autopar.solver.pipeline_costs.NodeCosts
     bounds: np.ndarray           # chain index where each DP unit starts, then L
     bandwidth: float             # bytes/s per rank between neighbouring stages
     latency: float
@@ -145,7 +145,7 @@ class _Priced:
 
     def layer_costs(self):
         """Per-sample costs of the DP units (``stage_dp.LayerCosts``)."""
-        from autopar.pipeline.stage_dp import LayerCosts
+        from autopar.solver.stage_dp import LayerCosts
         nc, starts = self.nc, self.bounds[:-1]
         b = nc.batch
         fixed = nc.fixed()
@@ -173,7 +173,7 @@ class _Priced:
 
 
 def _price(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages: int) -> _Priced:
-    from autopar.pipeline.costs import node_costs
+    from autopar.solver.pipeline_costs import node_costs
     nc = node_costs(cap, solved, lambda n: _local_bytes(cap, intra, n), axes=intra.mesh_axes)
     positions = _cut_points(nc.cross, n_stages)
     bw, lat = _pipeline_link(cl, world // p, world)
@@ -237,8 +237,8 @@ def _choose(pr: _Priced, p: int, batch: int, budget: float, pins: dict, allowed_
     schedule by its closed form; the schedules are then ranked by simulating their
     timelines (the closed form takes transfers as overlapped, which 1F1B-like schedules
     on a slow link are not), plus the once-per-step gradient reduction."""
-    from autopar.pipeline.schedule import SCHEDULES
-    from autopar.pipeline.stage_dp import plan_stages, simulate_plan
+    from autopar.schedule import SCHEDULES
+    from autopar.solver.stage_dp import plan_stages, simulate_plan
     mbs = pins.get("micro_batch_size")
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
@@ -300,8 +300,8 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
     ``config`` = (p, v, m, schedule). ``solved`` = (intra Plan, Solved) reuses an intra
     solution of this graph; ``mesh_shape`` fixes the intra-stage mesh, ``extra_pins``
     (data, tensor, recompute) pin the intra plan without being the user's pins."""
-    from autopar.pipeline.split import chain
-    from autopar.pipeline.stage_dp import plan_stages
+    from autopar.analysis.stages import chain
+    from autopar.solver.stage_dp import plan_stages
     from autopar.solver.ilp import InfeasibleError
 
     p, v, m, schedule = config
@@ -388,7 +388,7 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
 
 def _worst_rank_memory(cap, solved, cl, world, config) -> float:
     """Bytes per device of the fullest rank under the fastest cuts, memory aside."""
-    from autopar.pipeline.stage_dp import in_flight, plan_stages
+    from autopar.solver.stage_dp import in_flight, plan_stages
     p, v, m, schedule = config
     pr = _price(cap, solved[0], solved[1], cl, world, p, p * v)
     sp = plan_stages(pr.layer_costs(), n_devices=p, global_batch=pr.nc.batch * m,
@@ -405,9 +405,9 @@ def _worst_rank_memory(cap, solved, cl, world, config) -> float:
 def _estimate(pr: _Priced, config, cuts: tuple[int, ...]) -> Estimate:
     """Step time (simulated schedule + once-per-step gradient reduction), per-device compute
     and communication of the busiest rank, memory of the fullest rank."""
-    from autopar.pipeline.schedule import schedule_actions
-    from autopar.pipeline.simulate import simulate
-    from autopar.pipeline.stage_dp import in_flight
+    from autopar.schedule import schedule_actions
+    from autopar.solver.simulate import simulate
+    from autopar.solver.stage_dp import in_flight
     p, v, m, schedule = config
     nc = pr.nc
     S = p * v
@@ -535,15 +535,15 @@ def stage_meshes(cl, d: int, pins: dict) -> list[tuple[int, int]]:
 def pipeline_degrees(cap: Captured, cl, world: int) -> list[int]:
     """Pipeline degrees the free search tries: whole nodes per stage (devices per stage on
     one node), at most one stage per layer."""
-    from autopar.passes.recompute import repeated_layers
-    from autopar.pipeline.split import chain
+    from autopar.analysis.layers import repeated_layers
+    from autopar.analysis.stages import chain
     span = cl.nodes if cl.nodes > 1 else world
     limit = len(repeated_layers(cap.gm)) or len(chain(cap))
     return [p for p in PIPELINE_DEGREES if span % p == 0 and world % p == 0 and p <= limit]
 
 
 def _has_layers(cap: Captured) -> bool:
-    from autopar.passes.recompute import repeated_layers
+    from autopar.analysis.layers import repeated_layers
     return bool(repeated_layers(cap.gm))
 
 
@@ -554,7 +554,7 @@ def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, 
     the full-batch graph: each degree's intra-stage plans are made on it (data x tensor
     meshes, memory left to the pipeline model), priced per sample, with and without every
     layer recomputed; only the winner is captured at its micro-batch and planned for real."""
-    from autopar.passes.recompute import select_layers
+    from autopar.analysis.layers import select_layers
     from autopar.solver.ilp import InfeasibleError
     batch = int(example_inputs[0].shape[0])
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes

@@ -37,7 +37,7 @@ from autopar.solver.problem import VIEW_OPS
 @dataclass
 class NodeCosts:
     units: list[str]
-    """Chain node names (``autopar.pipeline.split.chain``)."""
+    """Chain node names (``autopar.analysis.stages.chain``)."""
     batch: int
     """Samples in the captured graph (its micro-batch size)."""
     compute: np.ndarray
@@ -71,7 +71,7 @@ class NodeCosts:
         """These prices with ``layers`` recomputed (priced from a plan without): their nodes
         run forward again in backward and keep nothing but what leaves the layer; one layer's
         activations are rebuilt at a time."""
-        from autopar.passes.recompute import recompute_nodes
+        from autopar.analysis.layers import recompute_nodes
         rec, kept = recompute_nodes(cap.gm, layers)
         where = chain_index(cap, self.units)
         compute, act, flag = self.compute.copy(), self.activations.copy(), self.recomputed.copy()
@@ -139,7 +139,7 @@ def chain_index(cap: Captured, units: list[str]) -> dict[str, int]:
     """Chain position of every call_function node: its own, its producer's (getitem), the
     last one (the loss tail), or the latest before it (anything else) — the stage
     ``split.assign_stages`` puts it in."""
-    from autopar.pipeline.split import loss_tail
+    from autopar.analysis.stages import loss_tail
     pos = {n: i for i, n in enumerate(units)}
     tail = loss_tail(cap)
     out, last = {}, 0
@@ -162,7 +162,7 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
     """Per chain node prices of ``solved`` (:class:`autopar.api.Solved`) on ``cap``;
     ``local_bytes(node)`` is a value's bytes per device (for the cut crossings), ``axes``
     the mesh axis names the collectives are reported by."""
-    from autopar.pipeline.split import chain, crossing_bytes
+    from autopar.analysis.stages import chain, crossing_bytes
     problem, choice = solved.problem, solved.choice
     # the per-node view: no per-stage memory factors, gradient sync at its full price
     cost = replace(solved.cost, memory_weights=None, grad_sync_scale=1.0)

@@ -58,7 +58,7 @@ from typing import Sequence
 
 import numpy as np
 
-from autopar.pipeline.schedule import SCHEDULES, check_schedule, torch_schedule_class
+from autopar.schedule import SCHEDULES, check_schedule, torch_schedule_class
 
 __all__ = ["LayerCosts", "StagePlan", "stage_dp", "plan_stages", "simulate_plan"]
 
@@ -502,9 +502,9 @@ def _no_fit_message(candidates, tables, args) -> str:
 
 
 def simulate_plan(plan: StagePlan):
-    """Per-rank timeline of ``plan`` from ``autopar.pipeline.simulate``."""
-    from autopar.pipeline.schedule import schedule_actions
-    from autopar.pipeline.simulate import simulate
+    """Per-rank timeline of ``plan`` from ``autopar.solver.simulate``."""
+    from autopar.schedule import schedule_actions
+    from autopar.solver.simulate import simulate
 
     times = np.asarray(plan.stage_times)
     f = plan.forward_fraction

@@ -1,0 +1,152 @@
+"""Where a captured graph can be cut into pipeline stages (analysis of the global graph;
+the cutting itself is ``autopar.passes.split_stages``).
+
+The chain of op nodes the stage DP cuts (``chain``), the nodes that must stay with the loss
+(``loss_tail``: everything that depends on the target), which stage every node lands in for
+a list of cut nodes (``assign_stages``), the bytes live across every candidate cut
+(``crossing_bytes``), the values every stage recomputes instead of receiving
+(``free_nodes``), and a crossing value's local shape under a plan (``local_meta``).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+from torch.fx import Graph, Node
+
+from autopar.capture import Captured
+from autopar.placement import local_shape
+
+
+class SplitError(ValueError):
+    """The graph cannot be cut as asked."""
+
+
+# ---- the global graph -----------------------------------------------------------------------
+
+
+def loss_tail(cap: Captured) -> set[str]:
+    """Names of nodes that depend on the target (they run in the last stage, with the loss)."""
+    if not cap.takes_target:
+        return set()
+    target = cap.inputs[-1]
+    tail: set[str] = {target}
+    for n in cap.gm.graph.nodes:
+        if n.op == "call_function" and any(a.name in tail for a in n.all_input_nodes):
+            tail.add(n.name)
+    return tail
+
+
+def chain(cap: Captured) -> list[str]:
+    """Op nodes in graph order that a cut may fall before (the DP's layers)."""
+    tail = loss_tail(cap)
+    return [n.name for n in cap.gm.graph.nodes
+            if n.op == "call_function" and n.target is not operator.getitem and n.name not in tail
+            and isinstance(n.meta.get("val"), (torch.Tensor, tuple, list))]
+
+
+def assign_stages(cap: Captured, cuts: tuple[str, ...] | list[str], n_stages: int) -> dict[str, int]:
+    """Stage of every call_function node: a chain node is in stage k once k cut nodes are at or
+    before it; getitems follow their producer; the loss tail goes to the last stage."""
+    units = chain(cap)
+    if len(cuts) != n_stages - 1:
+        raise SplitError(f"{n_stages} stages need {n_stages - 1} cut nodes, got {len(cuts)}")
+    pos = {name: i for i, name in enumerate(units)}
+    missing = [c for c in cuts if c not in pos]
+    if missing:
+        raise SplitError(f"cut node(s) {missing} are not op nodes of this graph: the plan was made "
+                         "for another graph; plan again")
+    idx = [pos[c] for c in cuts]
+    if idx != sorted(idx) or len(set(idx)) != len(idx) or (idx and idx[0] == 0):
+        raise SplitError(f"cut nodes {list(cuts)} are not strictly increasing after the first node")
+    tail = loss_tail(cap)
+    stage, k, out = 0, 0, {}
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.name in tail:
+            out[n.name] = n_stages - 1
+            continue
+        if n.target is operator.getitem:
+            out[n.name] = out[n.args[0].name]
+            continue
+        while k < len(cuts) and n.name == cuts[k]:
+            stage, k = stage + 1, k + 1
+        out[n.name] = stage
+    return out
+
+
+def crossing_bytes(cap: Captured, local_bytes: Callable[[Node], float]) -> list[float]:
+    """Bytes live across the cut before chain node i, for i = 1 .. L-1 (per rank, through
+    ``local_bytes``). Values that depend on no input or parameter are recomputed, not sent."""
+    units = chain(cap)
+    L = len(units)
+    pos = {name: i for i, name in enumerate(units)}
+    free = free_nodes(cap.gm.graph)
+    diff = [0.0] * (L + 2)
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function" or n.name in free:
+            continue
+        if n.target is operator.getitem:
+            src = pos.get(n.args[0].name)
+        elif isinstance(n.meta.get("val"), torch.Tensor):
+            src = pos.get(n.name)
+        else:
+            continue          # a tuple: its getitems are the values
+        if src is None:
+            continue          # the loss tail
+        far = src
+        for u in n.users:
+            if u.op == "call_function" and u.target is operator.getitem:
+                continue
+            far = max(far, pos.get(u.name, L))
+        if far > src:
+            b = local_bytes(n)
+            diff[src + 1] += b
+            diff[far + 1] -= b
+    out, acc = [], 0.0
+    for i in range(L + 1):
+        acc += diff[i]
+        if 1 <= i <= L - 1:
+            out.append(max(acc, 0.0))
+    return out
+
+
+def free_nodes(graph: Graph) -> set[str]:
+    """Nodes computed from constants and buffers only (recomputed by every stage that needs
+    them): no placeholder input, no parameter, no mutation."""
+    free: set[str] = set()
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            continue
+        if n.op != "call_function":
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            continue
+        ins = n.all_input_nodes
+        if all((a.name in free) or (a.op == "get_attr" and a.meta.get("is_buffer", False)) for a in ins):
+            free.add(n.name)
+    return free
+
+
+# ---- the per-rank graph ---------------------------------------------------------------------
+
+
+def local_meta(cap: Captured, intra_plan, local_node: Node) -> tuple[tuple[int, ...], torch.dtype]:
+    """Local shape and dtype of a per-rank node that stands for a global op node (or a getitem
+    of one), from the global shape and the plan's output placement."""
+    if local_node.target is operator.getitem:
+        base, k = local_node.args
+        src = base.meta.get("source")
+    else:
+        src, k = local_node.meta.get("source"), 0
+    if src is None:
+        raise SplitError(f"{local_node.name} crosses a stage boundary but stands for no graph node")
+    val = cap.node(src).meta["val"]
+    if isinstance(val, (tuple, list)):
+        val = val[k]
+    placements = intra_plan.nodes[src].output(k)
+    shape = local_shape(tuple(val.shape), placements, intra_plan.mesh_shape)
+    return tuple(shape), val.dtype
