@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from autopar.placement import parse_placements
+from autopar.plan_schema import PlanError, check
+from autopar.report import plan_summary
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""2: the pipeline is one optional part (``Plan.pipeline``) of the one plan. Version 1
+files (the pipeline's fields at the top level) are read and converted on load."""
 
-
-class PlanError(ValueError):
-    """A plan file or plan object is malformed or does not fit the model / world."""
+__all__ = ["PLAN_VERSION", "Estimate", "NodePlacement", "Pipeline", "Plan", "PlanError",
+           "SolverReport"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,23 @@ class SolverReport:
 
 
 @dataclass(frozen=True)
+class Pipeline:
+    """The pipeline part of a plan: the mesh's leading ``"pipeline"`` axis has ``stages``
+    ranks; each runs ``virtual_stages`` stages (``k``, ``k + stages``, ...) of the graph cut
+    before the nodes ``stage_cuts``, under ``schedule`` with ``n_microbatches`` equal
+    micro-batches. The graph is captured at micro-batch size; each node's placements (its
+    stage's) cover every mesh axis, ``R`` on the pipeline axis."""
+    stages: int
+    virtual_stages: int = 1
+    n_microbatches: int = 1
+    schedule: str = "1f1b"        # "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
+    stage_cuts: tuple[str, ...] = ()          # first graph node of stages 1 .. p*v-1
+
+    def __post_init__(self):
+        object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
+
+
+@dataclass(frozen=True)
 class Plan:
     world_size: int
     mesh_shape: tuple[int, ...]
@@ -90,44 +110,61 @@ class Plan:
     node_ops: dict[str, str] = field(default_factory=dict)      # node -> ATen op
     inputs: tuple[str, ...] = ()                                 # user inputs, then the target
     recompute: tuple[str, ...] = ()          # layers run again in backward ("transformer.h.0")
+    pipeline: Pipeline | None = None         # None: one stage, no pipeline axis
     version: int = PLAN_VERSION
-    # ---- pipeline (autopar.pipeline). When pipeline_stages > 1, mesh axis 0 is "pipeline"
-    # and ``nodes`` holds placements on the intra-stage axes (mesh_shape[1:]) only, for the
-    # graph captured with micro-batch inputs ----
-    pipeline_stages: int = 1                  # pipeline ranks p
-    virtual_stages: int = 1                   # stages per rank v
-    n_microbatches: int = 1
-    schedule: str = ""                        # "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
-    stage_cuts: tuple[str, ...] = ()          # first graph node of stages 1 .. p*v-1
+
+    # ---- the pipeline part, read flat (one stage when there is none) --------------------
+    @property
+    def pipeline_stages(self) -> int:
+        return self.pipeline.stages if self.pipeline else 1
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pipeline.virtual_stages if self.pipeline else 1
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.pipeline.n_microbatches if self.pipeline else 1
+
+    @property
+    def schedule(self) -> str:
+        return self.pipeline.schedule if self.pipeline else ""
+
+    @property
+    def stage_cuts(self) -> tuple[str, ...]:
+        return self.pipeline.stage_cuts if self.pipeline else ()
+
+    @property
+    def stage_mesh_shape(self) -> tuple[int, ...]:
+        """The mesh one stage runs on (the whole mesh without a pipeline)."""
+        return tuple(self.mesh_shape[1:]) if self.pipeline else tuple(self.mesh_shape)
 
     # ---- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["mesh_shape"] = list(self.mesh_shape)
-        d["mesh_axes"] = list(self.mesh_axes)
-        d["nodes"] = {k: {"inputs": list(v.inputs), "outputs": list(v.outputs)}
-                      for k, v in self.nodes.items()}
-        return d
+        """The plan as JSON data (lists, not tuples), as ``to_json`` writes it."""
+        return json.loads(json.dumps(asdict(self)))
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
+        return json.dumps(asdict(self), indent=1)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        from autopar.plan_schema import check
+        d = upgrade(d)
         check(d)          # names the field, the value and what was expected
         try:
-            version = d.get("version")
-            if version != PLAN_VERSION:
-                raise PlanError(f"plan version {version!r} is not supported (expected {PLAN_VERSION})")
             nodes = {}
             for k, v in d["nodes"].items():
                 for s in list(v["inputs"]) + list(v["outputs"]):
                     parse_placements(s)        # validates
                 nodes[k] = NodePlacement(tuple(v["inputs"]), tuple(v["outputs"]))
+            pipe = d.get("pipeline")
+            if pipe and (d["mesh_axes"][:1] != ["pipeline"] or d["mesh_shape"][0] != pipe["stages"]):
+                raise PlanError(f"plan field pipeline.stages: {pipe['stages']} pipeline stages need "
+                                f"a leading mesh axis 'pipeline' of that size; the mesh is "
+                                f"{d['mesh_shape']} {d['mesh_axes']}")
             return cls(
                 world_size=int(d["world_size"]), mesh_shape=tuple(int(n) for n in d["mesh_shape"]),
                 mesh_axes=tuple(d["mesh_axes"]), cluster=str(d["cluster"]), pins=dict(d["pins"]),
@@ -137,13 +174,10 @@ class Plan:
                 param_shapes={k: list(v) for k, v in d.get("param_shapes", {}).items()},
                 node_ops=dict(d.get("node_ops", {})), inputs=tuple(d.get("inputs", ())),
                 recompute=tuple(d.get("recompute", ())),
-                version=version, pipeline_stages=int(d.get("pipeline_stages", 1)),
-                virtual_stages=int(d.get("virtual_stages", 1)),
-                n_microbatches=int(d.get("n_microbatches", 1)), schedule=str(d.get("schedule", "")),
-                stage_cuts=tuple(d.get("stage_cuts", ())))
-        except PlanError:
-            raise
+                pipeline=Pipeline(**pipe) if pipe else None, version=PLAN_VERSION)
         except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, PlanError):
+                raise
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from e
 
     @classmethod
@@ -156,9 +190,33 @@ class Plan:
 
     # ---- reading ------------------------------------------------------------------------
     def summary(self) -> str:
-        from autopar.report import plan_summary
         return plan_summary(self)
 
     def __repr__(self) -> str:
         return (f"Plan(mesh={self.mesh_shape} {self.mesh_axes}, world={self.world_size}, "
                 f"step≈{self.estimate.step_time_s * 1e3:.3f} ms, nodes={len(self.nodes)})")
+
+
+_V1_PIPELINE = ("pipeline_stages", "virtual_stages", "n_microbatches", "schedule", "stage_cuts")
+
+
+def upgrade(d: dict) -> dict:
+    """A plan dict of an older version as the current version, or a PlanError naming the
+    version and the fix. Version 1 kept the pipeline's fields at the top level."""
+    if not isinstance(d, dict):
+        raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
+    version = d.get("version")
+    if version == PLAN_VERSION:
+        return d
+    if version == 1:
+        new = {k: v for k, v in d.items() if k not in _V1_PIPELINE}
+        stages = int(d.get("pipeline_stages", 1) or 1)
+        new["pipeline"] = None if stages <= 1 else {
+            "stages": stages, "virtual_stages": int(d.get("virtual_stages", 1)),
+            "n_microbatches": int(d.get("n_microbatches", 1)),
+            "schedule": str(d.get("schedule", "")), "stage_cuts": list(d.get("stage_cuts", ()))}
+        new["version"] = PLAN_VERSION
+        return new
+    raise PlanError(f"plan field version: {version!r} is not supported (this autopar reads "
+                    f"versions 1 and {PLAN_VERSION}): plan again with this autopar "
+                    "(autopar.plan or `autopar plan`)")

@@ -7,7 +7,13 @@ placement per axis.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
+
+
+class PlanError(ValueError):
+    """A plan file or plan object is malformed or does not fit the model / world."""
+
 
 PLACEMENTS = r"^((R|P|S\(-?\d+(/\d+)?\)))+$"
 
@@ -23,7 +29,7 @@ SCHEMA: dict[str, Any] = {
     "required": ["version", "world_size", "mesh_shape", "mesh_axes", "cluster", "pins", "nodes",
                  "params", "fingerprint", "estimate", "solver"],
     "properties": {
-        "version": {"const": 1},
+        "version": {"const": 2},
         "world_size": {"type": "integer", "minimum": 1},
         "mesh_shape": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1},
         "mesh_axes": _STRS,
@@ -50,6 +56,13 @@ SCHEMA: dict[str, Any] = {
         "param_shapes": {"type": "object", "additionalProperties": {"type": "array", "items": _INT}},
         "node_ops": {"type": "object", "additionalProperties": _STR},
         "inputs": _STRS,
+        "recompute": _STRS,
+        "pipeline": {"type": ["object", "null"],
+                     "required": ["stages", "virtual_stages", "n_microbatches", "schedule", "stage_cuts"],
+                     "properties": {"stages": {"type": "integer", "minimum": 1},
+                                    "virtual_stages": {"type": "integer", "minimum": 1},
+                                    "n_microbatches": {"type": "integer", "minimum": 1},
+                                    "schedule": _STR, "stage_cuts": _STRS}},
     },
 }
 
@@ -65,7 +78,6 @@ def _is(value, t: str) -> bool:
 
 
 def _fail(path: str, value, expected: str):
-    from autopar.plan import PlanError
     shown = repr(value)
     shown = shown if len(shown) < 80 else shown[:77] + "..."
     raise PlanError(f"plan field {path or '(top)'}: {shown} {expected}")
@@ -73,7 +85,6 @@ def _fail(path: str, value, expected: str):
 
 def check(value, schema: dict = SCHEMA, path: str = "", mesh_axes: int | None = None) -> None:
     """Raise PlanError at the first place ``value`` breaks ``schema``."""
-    import re
     if "const" in schema and value != schema["const"]:
         _fail(path, value, f"is not supported (expected {schema['const']!r})")
     types = schema.get("type")

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-from autopar.plan import Plan
+if TYPE_CHECKING:           # for annotations only: plan.py imports this module
+    from autopar.plan import Plan
 
 
 def fmt_bytes(b: float) -> str:
