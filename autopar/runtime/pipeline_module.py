@@ -9,15 +9,17 @@ cuts, micro-batches and schedule; torch's schedule classes run them.
 One step (``train_step``), in order:
 
 1. the schedule runs every micro-batch (its loss is the stage program's own output; the
-   last stage's ``loss_fn`` passes it through), gradients accumulate unscaled;
+   last stage's ``loss_fn`` passes it through), gradients accumulate;
 2. data-parallel gradients are all-reduced over the intra axes once (never per micro-batch:
    the per-rank graph defers them, see ``passes.insert_collectives``). A weight's all-reduce
    starts as soon as the last backward of every stage on this rank reading it is done, while
    the schedule goes on with the other stages and micro-batches; the step waits for it after
    the schedule;
 3. a weight held by several pipeline ranks (tied) has its gradient summed among them;
-4. gradients are divided by ``m`` (equal micro-batches: the mean of micro-batch means is the
-   global mean), the loss is that mean, broadcast from the last stage to every rank.
+4. nothing is divided by ``m``: each micro-batch's graph outputs its term of the global loss
+   (means divide by the global batch's denominator, fed as inputs by
+   ``analysis.microbatch_loss``), so the loss is the sum of the micro-batch losses,
+   broadcast from the last stage to every rank.
 
 Skip values travel by ``autopar.ops.stage_ops`` (``skip_send`` / ``skip_recv``).
 """
@@ -214,7 +216,12 @@ class PipelineModule(nn.Module):
     def _context(self, which: str, inputs: tuple, target) -> StepContext:
         m = self.n_microbatches
         side = {}
-        for name, t in zip(self._cap.inputs, tuple(inputs) + ((target,) if target is not None else ())):
+        given = tuple(inputs) + ((target,) if target is not None else ())
+        if which == "train":
+            # the loss's scale inputs: 1 / the global batch's denominator (analysis.microbatch_loss)
+            from autopar.analysis.microbatch_loss import denominator_inputs
+            given += denominator_inputs(self._cap, inputs, target, m)
+        for name, t in zip(self._cap.inputs, given):
             if t.shape[0] % m:
                 raise ValueError(f"the batch of input {name!r} ({t.shape[0]}) does not divide into "
                                  f"{m} micro-batches; pass the global batch the plan was made for")
@@ -241,16 +248,14 @@ class PipelineModule(nn.Module):
         self._skip_log = list(ctx.received)
         with torch.no_grad():
             self._sync_grads()
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(self.n_microbatches)
+            for p in params:      # each micro-batch's loss is its term of the global loss: no / m
                 old = stash.get(id(p))
                 if old is not None:
                     p.grad = old if p.grad is None else old + p.grad
         last = (self.n_stages - 1) % self.plan.pipeline_stages
         loss = torch.zeros((), dtype=self._cap.node(self._cap.loss).meta["val"].dtype)
         if self.pp_rank == last:
-            loss = torch.stack([torch.as_tensor(x).detach() for x in losses]).mean()
+            loss = torch.stack([torch.as_tensor(x).detach() for x in losses]).sum()
         dist.broadcast(loss, self._pp_global[last], group=self.pp_group)
         return loss
 

@@ -110,7 +110,9 @@ def pipeline_config(example_inputs: Sequence, pins: dict) -> tuple[int, int, int
 def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captured:
     inputs = split_batch(example_inputs, m)
     tgt = split_batch((target,), m)[0] if target is not None else None
-    return capture(model, inputs, loss_fn, tgt)
+    # each micro-batch's loss a partial term of the global batch's (summed, never averaged)
+    from autopar.analysis.microbatch_loss import rewrite
+    return rewrite(capture(model, inputs, loss_fn, tgt), m, model)
 
 
 def memory_weights(schedule: str, p: int, m: int, v: int) -> dict[str, float]:

@@ -1,0 +1,452 @@
+"""Micro-batch losses: each micro-batch's graph outputs a partial term of the global loss.
+
+A pipeline (or any gradient accumulation) runs the captured graph once per micro-batch. The
+step's loss is then the SUM of the micro-batch outputs and gradients are never divided by
+``m``: the micro-batches are one more partial-sum dimension, as a data-parallel mesh axis is
+for the sharding rules (``autopar.sharding.rules.losses``). For that to hold, every mean over
+samples in the loss must divide by the count of the WHOLE global batch, not the micro-batch's
+(the mean of micro-batch means is the global mean only for equal counts: it is wrong for
+padded targets with ``ignore_index``, class weights and ``reduction="sum"``).
+
+:func:`rewrite` (applied by ``solver.pipeline_search.capture_microbatch`` to the graph
+captured at micro-batch size) turns every mean-reducing loss over batch values — ATen's
+``cross_entropy_loss`` / ``nll_loss*`` with class-index targets (``weight``, ``ignore_index``,
+``label_smoothing``) or probability targets, the pointwise losses (mse, l1, smooth_l1,
+huber, kl_div, soft_margin, bce, bce_with_logits) and a plain ``mean`` over all elements —
+into ``sum(loss_none * scale)``, where ``scale`` is a new graph input (appended to
+``cap.inputs`` after the target, the shape of the per-element loss) every element of which
+is ``1 / D`` with ``D`` the denominator of the global batch:
+
+- class-index CE / NLL: the sum over non-ignored targets of ``weight[target]`` (the count
+  without ``weight``) over all micro-batches — torch's label-smoothing mean uses the same;
+- everything else: the per-element count times ``m``.
+
+The scale is an input, not a scalar inside the graph, so the solver shards it like the
+per-element loss (the batch on the data axis) and nothing crosses ranks for it; every
+element holds the same value, so any split of it is right. :func:`denominator_inputs`
+computes the scales of a step from the whole global batch (every rank has it). A target
+computed inside the graph (a Hugging Face model shifting its labels) is evaluated per
+micro-batch on the unsharded captured graph, ancestors of the target only.
+
+Then a small propagation checks that the loss really is a sum of micro-batch terms: values
+from the batch are ``B``, values from parameters and constants only ``C``, sums over batch
+values ``P`` (partial over micro-batches). ``P`` may go through linear ops (``P ± P``,
+``P * C``, ``P / C``, views, casts, sums and means); ``P ± C`` becomes ``P ± C / m``. Any
+other use of ``P`` (``exp(loss)``, ``loss * loss``) cannot be split into micro-batches: the
+reason is recorded and :func:`denominator_inputs` raises ``MicrobatchLossError`` naming the
+node (planning still works).
+
+Left as is: a division by a batch size baked into the graph as a number
+(``F.kl_div(..., reduction="batchmean")``, ``loss.sum() / x.size(0)``) divides by the
+micro-batch size, as the graph captured at that size says.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+
+class MicrobatchLossError(ValueError):
+    """The captured loss is not a sum of micro-batch terms (or its denominator cannot be
+    computed): pipelining it would not train to the single-device numbers."""
+
+
+def _ops(*names: str) -> set:
+    out = set()
+    for n in names:
+        packet = getattr(aten, n, None)
+        if packet is None:
+            continue
+        for ov in packet.overloads():
+            out.add(getattr(packet, ov))
+    return out
+
+
+_CE = _ops("cross_entropy_loss")
+_NLL = _ops("nll_loss_nd", "nll_loss", "nll_loss2d")
+_NLL_FWD = _ops("nll_loss_forward", "nll_loss2d_forward")
+# reduction's position in the schema
+_POINTWISE = {op: pos for pos, names in ((2, ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+                                              "kl_div", "soft_margin_loss")),
+                                         (3, ("binary_cross_entropy",)),
+                                         (4, ("binary_cross_entropy_with_logits",)))
+              for op in _ops(*names)}
+_MEAN = {aten.mean.default, aten.mean.dim}
+_SUM = {aten.sum.default, aten.sum.dim_IntList}
+# ops through which a partial (over micro-batches) value stays partial with any other
+# argument a non-tensor
+_LINEAR_UNARY = _ops("neg", "clone", "alias", "view", "reshape", "_unsafe_view", "squeeze",
+                     "unsqueeze", "expand", "to", "_to_copy", "detach", "contiguous",
+                     "select", "slice", "permute", "t", "transpose", "flatten", "lift_fresh_copy")
+_ADD = _ops("add", "sub")
+_MUL = _ops("mul")
+_DIV = _ops("div")
+
+
+@dataclass
+class LossTerm:
+    """One rewritten mean: the scale input ``scale`` (shape ``shape`` at micro-batch size)."""
+    node: str                        # the node of the rewritten loss (before the rewrite)
+    scale: str                       # the new placeholder
+    shape: tuple[int, ...]           # per-element loss at micro-batch size
+    dtype: torch.dtype
+    kind: str                        # "class" (count of non-ignored targets) or "elements"
+    ignore_index: int = -100
+    outputs: tuple[int, int] = (-1, -1)   # index of (target, weight) in the denominator graph
+
+
+@dataclass
+class MicrobatchLoss:
+    """What :func:`rewrite` did to a Captured graph (``cap.microbatch_loss``)."""
+    m: int
+    terms: list[LossTerm] = field(default_factory=list)
+    error: str = ""                  # why the loss is not a sum of micro-batch terms
+    graph: Any = None                # fx.GraphModule: targets and weights from the inputs
+    graph_inputs: list[str] = field(default_factory=list)   # its placeholders
+    values: dict[str, torch.Tensor] = field(default_factory=dict)   # buffers it reads
+
+    @property
+    def scale_inputs(self) -> list[str]:
+        return [t.scale for t in self.terms]
+
+
+def _arg(node: fx.Node, pos: int, name: str, default=None):
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def _set_arg(node: fx.Node, pos: int, name: str, value) -> tuple[tuple, dict]:
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if len(args) > pos:
+        args[pos] = value
+    else:
+        kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def _reduction_pos(node: fx.Node) -> tuple[int, str] | None:
+    if node.target in _CE or node.target in _NLL or node.target in _NLL_FWD:
+        return 3, "reduction"
+    if node.target in _POINTWISE:
+        return _POINTWISE[node.target], "reduction"
+    return None
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else n
+
+
+def _fake(node_target, args, kwargs, fake_mode):
+    vals = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+    with fake_mode:
+        return node_target(*vals[0], **vals[1])
+
+
+def _states(cap, graph: fx.Graph) -> dict[fx.Node, str]:
+    """``B`` (from the batch) or ``C`` (parameters, buffers, constants) per node."""
+    inputs = set(cap.inputs)
+    st: dict[fx.Node, str] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            st[n] = "B" if n.name in inputs else "C"
+        elif n.op == "call_function":
+            st[n] = "B" if any(st.get(a) == "B" for a in n.all_input_nodes) else "C"
+    return st
+
+
+def _full_reduction(node: fx.Node) -> bool:
+    """A sum / mean over every element of its input."""
+    if node.target in (aten.sum.default, aten.mean.default):
+        return True
+    x = node.args[0]
+    dims = _arg(node, 1, "dim")
+    nd = _val(x).ndim
+    if dims is None or dims == [] or dims == ():
+        return True
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return sorted(d % max(nd, 1) for d in dims) == list(range(nd))
+
+
+def _reduces_dim0(node: fx.Node) -> bool:
+    dims = _arg(node, 1, "dim")
+    if dims is None:
+        return True
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    nd = max(_val(node.args[0]).ndim, 1)
+    return any(d % nd == 0 for d in dims)
+
+
+def rewrite(cap, m: int, model: torch.nn.Module | None = None):
+    """Rewrite ``cap`` (captured at micro-batch size, ``m`` micro-batches a step) in place so
+    that the sum over micro-batches of its loss is the loss of the global batch; returns
+    ``cap`` with ``cap.microbatch_loss`` set (a :class:`MicrobatchLoss`). ``model``'s buffers
+    are kept (by reference) for denominators that read them (class weights in a buffer)."""
+    spec = MicrobatchLoss(m=m)
+    cap.microbatch_loss = spec
+    if not cap.has_loss or not cap.loss:
+        return cap
+    g = cap.gm.graph
+    from torch._guards import detect_fake_mode
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in g.nodes if n.op == "placeholder"])
+    state = _states(cap, g)
+    last_ph = [n for n in g.nodes if n.op == "placeholder"][-1]
+    den_outputs: list[fx.Node] = []
+    k = 0
+
+    def new_scale(shape, dtype) -> fx.Node:
+        nonlocal last_ph, k
+        with g.inserting_after(last_ph):
+            ph = g.placeholder(f"loss_scale_{k}" if k else "loss_scale")
+        k += 1
+        with fake_mode:
+            ph.meta["val"] = torch.empty(shape, dtype=dtype)
+        last_ph = ph
+        return ph
+
+    def call(target, args, kwargs, like: fx.Node, before: fx.Node) -> fx.Node:
+        with g.inserting_before(before):
+            n = g.call_function(target, args, kwargs)
+        n.meta["val"] = _fake(target, args, kwargs, fake_mode)
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in like.meta:
+                n.meta[key] = like.meta[key]
+        return n
+
+    for node in list(g.nodes):
+        if node.op != "call_function" or state.get(node) != "B":
+            continue
+        red = _reduction_pos(node)
+        if red is not None:
+            if _arg(node, red[0], red[1], 1) != 1:
+                continue
+            users = list(node.users)
+            if node.target in _NLL_FWD:
+                if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
+                    spec.error = (f"{node.name} ({node.target}): its total_weight output is read; "
+                                  "only the loss output can be split into micro-batches")
+                    continue
+            args, kwargs = _set_arg(node, red[0], red[1], 0)
+            target = aten.nll_loss_nd.default if node.target in _NLL_FWD else node.target
+            per = call(target, args, kwargs, node, node)
+            shape, dtype = tuple(per.meta["val"].shape), per.meta["val"].dtype
+            if not shape:
+                spec.error = (f"{node.name} ({node.target}): a mean over one sample does not "
+                              "split into micro-batches")
+                g.erase_node(per)
+                continue
+            class_index = ((node.target in _CE or node.target in _NLL or node.target in _NLL_FWD)
+                           and not _val(node.args[1]).dtype.is_floating_point)
+            term = LossTerm(node.name, "", shape, dtype, "class" if class_index else "elements")
+            if class_index:
+                term.ignore_index = int(_arg(node, 4, "ignore_index", -100))
+                weight = _arg(node, 2, "weight")
+                term.outputs = (len(den_outputs), len(den_outputs) + 1 if weight is not None else -1)
+                den_outputs.append(node.args[1])
+                if weight is not None:
+                    den_outputs.append(weight)
+            scale = new_scale(shape, dtype)
+            term.scale = scale.name
+            mul = call(aten.mul.Tensor, (per, scale), {}, node, node)
+            out = call(aten.sum.default, (mul,), {}, node, node)
+            if node.target in _NLL_FWD:
+                for u in users:
+                    u.replace_all_uses_with(out)
+                    g.erase_node(u)
+            else:
+                node.replace_all_uses_with(out)
+            g.erase_node(node)
+            state[per] = state[mul] = "B"
+            state[out] = "P"
+            spec.terms.append(term)
+        elif node.target in _MEAN and _full_reduction(node):
+            x = node.args[0]
+            shape, dtype = tuple(_val(x).shape), node.meta["val"].dtype
+            if not shape:
+                continue
+            scale = new_scale(shape, dtype)
+            spec.terms.append(LossTerm(node.name, scale.name, shape, dtype, "elements"))
+            mul = call(aten.mul.Tensor, (x, scale), {}, node, node)
+            if node.target is aten.mean.dim:
+                args = (mul,) + tuple(node.args[1:])
+                out = call(aten.sum.dim_IntList, args, dict(node.kwargs), node, node)
+            else:
+                out = call(aten.sum.default, (mul,), dict(node.kwargs), node, node)
+            node.replace_all_uses_with(out)
+            g.erase_node(node)
+            state[mul], state[out] = "B", "P"
+
+    _propagate(cap, g, state, spec, m, fake_mode)
+    g.lint()
+    cap.gm.recompile()
+    cap.inputs = list(cap.inputs) + spec.scale_inputs
+    out_node = next(n for n in g.nodes if n.op == "output")
+    cap.loss = out_node.args[0][0].name
+    cap.__post_init__()
+    if den_outputs and not spec.error:
+        _denominator_graph(cap, spec, den_outputs, model)
+    return cap
+
+
+def _propagate(cap, g: fx.Graph, state: dict, spec: MicrobatchLoss, m: int, fake_mode) -> None:
+    """Mark partial values (``P``), scale constants added to them by ``1/m``, and record in
+    ``spec.error`` why the loss is not a sum of micro-batch terms if it is not."""
+    for node in list(g.nodes):
+        if node.op != "call_function" or node in state and state[node] == "P":
+            continue
+        ins = [state.get(a, "C") for a in node.all_input_nodes]
+        if "X" in ins:
+            state[node] = "X"
+            continue
+        if "P" not in ins:
+            red = _reduction_pos(node)
+            if state.get(node) == "B" and red is not None:
+                if _arg(node, red[0], red[1], 1) == 2:
+                    state[node] = "P"        # a loss summed over its elements
+            elif state.get(node) == "B" and node.target in _SUM:
+                if _full_reduction(node):
+                    state[node] = "P"
+                elif _reduces_dim0(node):
+                    state[node] = "P"        # a sum over the batch dim: partial
+            elif state.get(node) == "B" and node.target in _MEAN and _reduces_dim0(node):
+                spec.error = spec.error or (f"{node.name}: a mean over dim 0 but not over every "
+                                            "element does not split into micro-batches")
+                state[node] = "X"
+            continue
+        t = node.target
+        tensors = [a for a in (node.args + tuple(node.kwargs.values())) if isinstance(a, fx.Node)]
+        kinds = [state.get(a, "C") for a in tensors]
+        ok = True
+        if t in _SUM or t in _MEAN or t in _LINEAR_UNARY or t is operator.getitem:
+            ok = len(tensors) == 1
+        elif t in _MUL:
+            ok = kinds.count("P") == 1 and "B" not in kinds
+        elif t in _DIV:
+            ok = kinds[0] == "P" and all(k == "C" for k in kinds[1:])
+        elif t in _ADD:
+            if "B" in kinds:
+                ok = False
+            else:
+                args = list(node.args)
+                for i in (0, 1):
+                    a = args[i] if i < len(args) else None
+                    if isinstance(a, fx.Node) and state.get(a, "C") == "C":
+                        args[i] = _scaled(g, a, m, node, fake_mode)
+                    elif isinstance(a, (int, float)) and not isinstance(a, bool):
+                        args[i] = a / m
+                node.args = tuple(args)
+        else:
+            ok = False
+        if not ok:
+            spec.error = spec.error or (
+                f"{node.name} ({t}) reads the partial loss {[a.name for a in tensors if state.get(a) == 'P']} "
+                "in a way that is not linear: the sum over micro-batches of its output is not the "
+                "global batch's; write the loss as sums and means over samples")
+            state[node] = "X"
+        else:
+            state[node] = "P"
+    out = next(n for n in g.nodes if n.op == "output")
+    loss = out.args[0][0]
+    if not spec.error and state.get(loss) != "P":
+        spec.error = (f"the loss {loss.name} is not a sum or a mean over the samples of the batch"
+                      f" ({'it does not depend on the batch' if state.get(loss) == 'C' else 'no reduction over the batch found'})")
+
+
+def _scaled(g: fx.Graph, a: fx.Node, m: int, before: fx.Node, fake_mode) -> fx.Node:
+    with g.inserting_before(before):
+        n = g.call_function(aten.div.Tensor, (a, m))
+    with fake_mode:
+        n.meta["val"] = aten.div.Tensor(a.meta["val"], m)
+    return n
+
+
+def _denominator_graph(cap, spec: MicrobatchLoss, outputs: list[fx.Node], model) -> None:
+    """A graph of the ancestors of every class-index target and weight, from the inputs."""
+    need: set[fx.Node] = set()
+    stack = list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in need:
+            continue
+        need.add(n)
+        stack.extend(n.all_input_nodes)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    names = []
+    buffers = dict(model.named_buffers()) if model is not None else {}
+    for n in cap.gm.graph.nodes:
+        if n not in need:
+            continue
+        if n.op == "placeholder":
+            if n.name in cap.params:
+                spec.error = (f"the loss's target or class weight reads the parameter "
+                              f"{cap.params[n.name][0]!r}: its denominator cannot be computed "
+                              "before the step")
+                return
+            if n.name not in cap.inputs and n.name not in cap.buffers:
+                spec.error = (f"the loss's target or class weight reads {n.name}, a tensor "
+                              "constant of the loss function: register it as a buffer of the model")
+                return
+            if n.name in cap.buffers:
+                spec.values[n.name] = buffers.get(cap.buffers[n.name])
+            names.append(n.name)
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[o] for o in outputs))
+    spec.graph = fx.GraphModule(torch.nn.Module(), g)
+    spec.graph_inputs = names
+
+
+def denominator_inputs(cap, inputs: Sequence[torch.Tensor], target, m: int) -> tuple[torch.Tensor, ...]:
+    """The scale inputs of one step (``cap.microbatch_loss.scale_inputs`` in order), from the
+    whole global batch ``inputs`` / ``target``: each of shape ``(m * s0, *s)`` where ``(s0,
+    *s)`` is the micro-batch's, filled with ``1 / D`` (``D`` the global denominator), so
+    that splitting it along dim 0 gives each micro-batch its input. Raises
+    ``MicrobatchLossError`` if the loss is not a sum of micro-batch terms."""
+    spec: MicrobatchLoss | None = getattr(cap, "microbatch_loss", None)
+    if spec is None:
+        return ()
+    if spec.error:
+        raise MicrobatchLossError(f"pipelining this loss would not train to the single-device "
+                                  f"numbers: {spec.error}")
+    if spec.m != m:
+        raise MicrobatchLossError(f"the graph was rewritten for {spec.m} micro-batches, the step "
+                                  f"runs {m}")
+    den: list[float] = []
+    vals = None
+    if spec.graph is not None:
+        given = dict(zip(cap.inputs, tuple(inputs) + ((target,) if target is not None else ())))
+        chunks = {n: given[n].tensor_split(m, dim=0) for n in spec.graph_inputs if n in given}
+        vals = []
+        with torch.no_grad():
+            for i in range(m):
+                args = [chunks[n][i] if n in chunks else spec.values[n] for n in spec.graph_inputs]
+                vals.append(spec.graph(*args))
+    for term in spec.terms:
+        if term.kind == "elements":
+            n = 1
+            for s in term.shape:
+                n *= s
+            den.append(float(n * m))
+            continue
+        total = torch.zeros((), dtype=torch.float64)
+        ti, wi = term.outputs
+        for out in vals:
+            t = out[ti]
+            valid = t != term.ignore_index
+            if wi < 0:
+                total += valid.sum()
+            else:
+                w = out[wi].to(torch.float64)
+                total += (w[torch.where(valid, t, torch.zeros_like(t))] * valid).sum()
+        den.append(float(total))
+    res = []
+    for term, d in zip(spec.terms, den):
+        shape = (term.shape[0] * m,) + tuple(term.shape[1:])
+        res.append(torch.full(shape, 1.0 / d if d else float("nan"), dtype=term.dtype))
+    return tuple(res)
