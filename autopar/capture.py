@@ -13,6 +13,7 @@ model's output.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from dataclasses import dataclass
@@ -162,7 +163,6 @@ def _strip(name: str) -> str:
 
 def fingerprint(cap: Captured) -> str:
     """A short hash of the graph's nodes, ops and shapes: a plan is valid for this graph only."""
-    import hashlib
     h = hashlib.sha256()
     for n in cap.gm.graph.nodes:
         val = n.meta.get("val")

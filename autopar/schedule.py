@@ -176,6 +176,8 @@ def torch_schedule_class(kind: str) -> type:
     """The torch.distributed.pipelining class that runs schedule ``kind``."""
     if kind not in _TORCH_CLASS:
         raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+    # lazy: importing torch.distributed.pipelining takes seconds (it loads torch.distributed)
+    # and planning, which only names the class, never needs it
     import torch.distributed.pipelining as pipelining
 
     return getattr(pipelining, _TORCH_CLASS[kind])

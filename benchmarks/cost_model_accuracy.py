@@ -41,9 +41,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.cost_models.hardware import _cores as cores  # noqa: E402
+from autopar.cost_models.hardware import parse_cluster  # noqa: E402
+from autopar.cost_models.profile import PeakMemory, Profiler  # noqa: E402
+from examples.models import gpt_factory, mlp_factory  # noqa: E402
+from gloo_collectives import constants  # noqa: E402  (the script next to this one)
 
 # (label, model, world, pins): model names a builder below
 CASES = [
@@ -74,7 +85,6 @@ QUICK = {"gpt256 dp2", "gpt256 zero3 dp2", "gpt256 tp2", "gpt128 dp2", "gpt256 d
 
 
 def build(name: str):
-    from examples.models import gpt_factory, mlp_factory
     if name == "gpt256":
         return gpt_factory(batch=16, n_embd=256, n_layer=4, n_head=8, block_size=64,
                            vocab_size=512)
@@ -90,11 +100,6 @@ def build(name: str):
 def gloo_clusters(worlds) -> dict:
     """``cpu:<world>`` clusters whose link carries gloo's alpha, busbw and skew as measured
     now (``benchmarks/gloo_collectives.py``), instead of the built-in constants."""
-    from dataclasses import replace
-
-    from autopar.cost_models.hardware import parse_cluster
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gloo_collectives import constants
     out = {}
     for world in worlds:
         cl = parse_cluster(f"cpu:{world}")
@@ -107,16 +112,13 @@ def gloo_clusters(worlds) -> dict:
 
 
 def plan_cases(cases, profile: bool, tmp: str, clusters: dict | None = None) -> list[dict]:
-    import autopar
-    from autopar.cost_models.hardware import _cores
     out = []
     for label, model, world, pins in cases:
         ex = build(model)
         cluster = (clusters or {}).get(world, f"cpu:{world}")
         prof = None
         if profile:
-            from autopar.cost_models.profile import Profiler
-            prof = Profiler("cpu", threads=1, time_scale=max(1.0, world / _cores()))
+            prof = Profiler("cpu", threads=1, time_scale=max(1.0, world / cores()))
         t0 = time.perf_counter()
         if prof is not None:
             with prof:
@@ -243,12 +245,6 @@ def main() -> None:
 
 # ---- worker: runs under torchrun ----------------------------------------------------------
 def worker(spec_path: str, out_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    import autopar
-    from autopar.cost_models.profile import PeakMemory
-
     with open(spec_path) as f:
         spec = json.load(f)
     dist.init_process_group("gloo")

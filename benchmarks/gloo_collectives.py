@@ -34,6 +34,14 @@ import sys
 import tempfile
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from autopar.cost_models.comm import _BANDWIDTH_FACTOR, _LATENCY_STEPS  # noqa: E402
+
 SIZES = [1, 256, 16384, 262144, 1048576, 4194304]      # floats per rank
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 STATS = ("best", "median", "busy")      # the columns measured per size, see ``worker``
@@ -46,7 +54,6 @@ def _busy_cost(op, repeats: int) -> float:
     with no barrier, so the ranks arrive as unevenly as they do in training. Blocks of the
     loop alternate with blocks of the compute alone; the cost is the difference of the
     medians per iteration."""
-    import torch
     a, b = torch.randn(384, 384), torch.randn(384, 384)
     c = torch.empty(384, 384)
 
@@ -67,8 +74,6 @@ def _busy_cost(op, repeats: int) -> float:
 
 
 def worker(out_path: str) -> None:
-    import torch
-    import torch.distributed as dist
     dist.init_process_group("gloo")
     w = dist.get_world_size()
     res = {}
@@ -134,7 +139,6 @@ def fit(kind: str, n: int, rows) -> tuple[float, float, float]:
 
     Two rounds each, starting from zero (each term is small where the others are fitted).
     """
-    from autopar.cost_models.comm import _BANDWIDTH_FACTOR, _LATENCY_STEPS
     idle, busy = STATS.index("median") + 1, STATS.index("busy") + 1
     steps, factor = _LATENCY_STEPS[kind](n), _BANDWIDTH_FACTOR[kind](n)
     alpha = skew = 0.0
@@ -177,8 +181,6 @@ def constants(world: int) -> tuple[tuple[tuple[str, float, float], ...], float]:
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         return worker(sys.argv[2])
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, root)
     worlds = [int(a) for a in sys.argv[1:]] or [2, 4]
     for n in worlds:
         res = measure(n)

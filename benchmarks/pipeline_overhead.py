@@ -34,6 +34,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import autopar  # noqa: E402
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 DEPTH = 1                 # layers per stage
 MICRO = (2, 8)
@@ -41,8 +48,6 @@ BATCH = 16
 
 
 def chain(n_layers: int):
-    import torch
-    from torch import nn
     torch.manual_seed(0)
     layers = []
     for _ in range(n_layers):
@@ -53,11 +58,6 @@ def chain(n_layers: int):
 
 
 def worker(out_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    import autopar
     dist.init_process_group("gloo")
     rows = []
     for schedule in SCHEDULES:

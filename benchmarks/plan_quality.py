@@ -34,11 +34,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autopar.api import plan_captured, plan_search  # noqa: E402
 from autopar.capture import capture  # noqa: E402
 from autopar.cost_models.hardware import parse_cluster  # noqa: E402
-from autopar.solver.pipeline_search import plan_pipelined  # noqa: E402
+from autopar.solver.driver import plan_search  # noqa: E402
+from autopar.solver.flat import plan_captured  # noqa: E402
 from autopar.solver.ilp import InfeasibleError  # noqa: E402
+from autopar.solver.pipeline_search import plan_pipelined  # noqa: E402
 from examples.models import gpt_factory  # noqa: E402
 
 # GPT config overrides per model

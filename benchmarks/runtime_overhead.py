@@ -10,6 +10,7 @@ their ratio (autopar / DDP; 1.0 = no overhead).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import socket
 import statistics
@@ -18,19 +19,17 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import autopar  # noqa: E402
+from examples.models import gpt_factory  # noqa: E402
 
 
 def worker(steps: int) -> None:
-    import copy
-
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    sys.path.insert(0, ROOT)
-    import autopar
-    from examples.models import gpt_factory
-
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     ex = gpt_factory(batch=8 * world, n_embd=128, n_layer=4, n_head=4, vocab_size=256, block_size=64, seq_len=64)

@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autopar.api import plan_search  # noqa: E402
 from autopar.capture import capture  # noqa: E402
 from autopar.cost_models.hardware import parse_cluster  # noqa: E402
+from autopar.solver.driver import plan_search  # noqa: E402
 from examples.models import EXAMPLES, gpt_factory  # noqa: E402
 
 

@@ -37,6 +37,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import torch
+
 GB = 1e9
 Gbit = 1e9 / 8
 
@@ -233,8 +235,6 @@ def cpu_core() -> Device:
     """
     global _cpu_core
     if _cpu_core is None:
-        import torch
-
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -282,8 +282,6 @@ def _best(fn, repeats: int, budget: float = 0.05) -> float:
 
 
 def _measure_cpu() -> Device:
-    import torch
-
     peak: dict[str, float] = {}
     for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
                        ("fp16", torch.float16)):

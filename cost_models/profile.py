@@ -43,9 +43,13 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
+
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .compute import VIEW, family, op_name
 
@@ -123,6 +127,7 @@ class Profiler:
     # ---- session: progress bar and cache flush ---------------------------------------------
     def __enter__(self) -> "Profiler":
         if self.show_progress and self._bar is None:
+            # lazy: rich.progress is only needed for this optional bar (show_progress)
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
             self._bar = Progress(SpinnerColumn(), TextColumn("profiling {task.completed} ops"),
                                  TextColumn("[dim]{task.description}"), TimeElapsedColumn(),
@@ -338,7 +343,6 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
             return self
-        from torch.utils.weak import WeakIdKeyDictionary
         self._seen = WeakIdKeyDictionary()
         self._mode = _CensusMode(self)
         self._mode.__enter__()
@@ -352,7 +356,6 @@ class PeakMemory:
         self._mode.__exit__(*exc)
 
     def _count(self, out, args) -> None:
-        import weakref
         inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(args)
                   if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
         for t in pytree.tree_leaves(out):
@@ -371,21 +374,14 @@ class PeakMemory:
         self.current_bytes -= n
 
 
-def _census_mode_class():
-    from torch.utils._python_dispatch import TorchDispatchMode
+class _CensusMode(TorchDispatchMode):
+    """Counts the CPU storages every op creates for a :class:`PeakMemory` meter."""
 
-    class _Census(TorchDispatchMode):
-        def __init__(self, meter: PeakMemory):
-            super().__init__()
-            self.meter = meter
+    def __init__(self, meter: PeakMemory):
+        super().__init__()
+        self.meter = meter
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.meter._count(out, (args, kwargs))
-            return out
-
-    return _Census
-
-
-def _CensusMode(meter: PeakMemory):
-    return _census_mode_class()(meter)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.meter._count(out, (args, kwargs))
+        return out

@@ -4,7 +4,9 @@ A *rule* looks at one call of an op (shapes and non-tensor arguments, no data) a
 ways it can run on ONE mesh axis: a :class:`Strategy` gives a placement for every tensor
 input and every tensor output. :func:`mesh_strategies` expands a rule to an N-D mesh (the
 product over axes, filtered to shapes that divide evenly). An op without a rule runs
-replicated: correct, and listed by ``autopar.coverage``.
+replicated: correct, and listed by ``autopar.coverage``. The rule modules (``rules/``) fill
+the registry when they are imported; the ``autopar.sharding`` package imports them all, so
+anything that imports this module has every rule.
 
 A *localizer* turns a call with global arguments into the call each rank makes on its
 local shards (shape constants such as ``view``'s size become local sizes; a mean over a
@@ -126,7 +128,6 @@ def _overloads(ops):
 
 
 def has_rule(op) -> bool:
-    _load_rules()
     return op in RULES
 
 
@@ -136,7 +137,6 @@ def replicated(call: OpCall) -> Strategy:
 
 def axis_strategies(call: OpCall) -> list[Strategy]:
     """The rule's strategies on one axis, dims normalized, deduplicated; all-Replicate first."""
-    _load_rules()
     out = [replicated(call)]
     rule = RULES.get(call.op)
     if rule is not None:
@@ -193,7 +193,6 @@ def input_placements(combo: Sequence[Strategy], k: int) -> tuple[Placement, ...]
 def localize(call: OpCall, combo: tuple[Strategy, ...], mesh_shape: tuple[int, ...]):
     """(target, args, kwargs) of the local call; unchanged when no localizer applies or
     nothing is sharded."""
-    _load_rules()
     fn = LOCALIZERS.get(call.op)
     if fn is None or all(_is_replicated(s) for s in combo):
         return call.op, call.args, call.kwargs
@@ -223,14 +222,3 @@ def make_call(node: torch.fx.Node) -> OpCall:
     outs = [TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
             for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
     return OpCall(node.name, node.target, tuple(args), kwargs, tuple(inputs), tuple(outs))
-
-
-_loaded = False
-
-
-def _load_rules() -> None:
-    """Import the rule modules once (they fill the registry as a side effect)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        import autopar.sharding.rules  # noqa: F401

@@ -58,11 +58,16 @@ from typing import Sequence
 
 import numpy as np
 
-from autopar.schedule import SCHEDULES, check_schedule, torch_schedule_class
+from autopar.schedule import SCHEDULES, check_schedule, schedule_actions, torch_schedule_class
+from autopar.solver.simulate import simulate
 
-__all__ = ["LayerCosts", "StagePlan", "stage_dp", "plan_stages", "simulate_plan"]
+__all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit", "stage_dp", "plan_stages", "simulate_plan"]
 
 INF = float("inf")
+
+
+class StagesDoNotFit(ValueError):
+    """No cut of the chain into stages fits the memory limit (``plan_stages``)."""
 DEFAULT_VIRTUAL = (2, 3, 4)
 
 
@@ -397,8 +402,8 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
         if best is None or plan.predicted_step_time < best[0]:
             best = (plan.predicted_step_time, plan)
     if best is None:
-        raise ValueError(_no_fit_message(candidates, tables, args) if explain else
-                         f"no pipeline plan fits {memory_limit / 2**30:.3g} GiB per device")
+        raise StagesDoNotFit(_no_fit_message(candidates, tables, args) if explain else
+                             f"no pipeline plan fits {memory_limit / 2**30:.3g} GiB per device")
     return best[1]
 
 
@@ -503,9 +508,6 @@ def _no_fit_message(candidates, tables, args) -> str:
 
 def simulate_plan(plan: StagePlan):
     """Per-rank timeline of ``plan`` from ``autopar.solver.simulate``."""
-    from autopar.schedule import schedule_actions
-    from autopar.solver.simulate import simulate
-
     times = np.asarray(plan.stage_times)
     f = plan.forward_fraction
     actions = schedule_actions(plan.schedule, plan.n_stages, plan.micro_batches, plan.virtual_stages)

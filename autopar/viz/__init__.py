@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from autopar.plan import Plan
+from autopar.viz import charts, graph, render
+from autopar.viz.html import report_html
 
 __all__ = ["write", "FORMATS"]
 
@@ -20,7 +22,6 @@ def write(out: str | Path, plan: Plan | None, cap=None, *, schedule: str | None 
     """Write ``out`` (by its suffix): ``.html`` the report; ``.svg``/``.png``/``.dot`` the
     graph (needs ``cap``), or, without a plan or graph, the swimlane (``.svg``/``.png``).
     Returns what was drawn: {"kind", "renderer", "nodes", "collectives", ...}."""
-    from autopar.viz import charts, graph, render
     out = Path(out)
     fmt = out.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
@@ -65,8 +66,6 @@ def write(out: str | Path, plan: Plan | None, cap=None, *, schedule: str | None 
 
 
 def _html(plan, lane, g_fold, g_full, note, title) -> str:
-    from autopar.viz import charts, render
-    from autopar.viz.html import report_html
     folded = full = None
     if g_full is not None:
         folded = render.render(g_fold, "svg", title)

@@ -13,8 +13,11 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
+from autopar.cost_models.hardware import parse_cluster
 from autopar.plan import Plan
 from autopar.report import fmt_bytes, fmt_time
+from autopar.schedule import schedule_actions
+from autopar.solver.simulate import simulate
 
 TERM_COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52",
                "activations": "#8172b2", "inputs": "#ccb974", "buffers": "#64b5cd"}
@@ -22,6 +25,7 @@ MAX_LANES = 16
 
 
 def _plt():
+    # lazy: matplotlib takes about a second to import and only the charts need it
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -42,7 +46,6 @@ def device_memory(plan: Plan) -> float | None:
     if plan.cluster.lower().startswith(("cpu", "local")):
         return None
     try:
-        from autopar.cost_models.hardware import parse_cluster
         return float(parse_cluster(plan.cluster).device.memory_bytes)
     except Exception:  # noqa: BLE001 - a cluster name we cannot read just has no line
         return None
@@ -99,8 +102,6 @@ def swimlane(plan: Plan | None = None, *, schedule: str | None = None, stages: i
     """Timeline blocks for the chart: a pipeline schedule's simulation when ``schedule`` is
     given, else the plan's step as compute + communication on each rank."""
     if schedule is not None:
-        from autopar.schedule import schedule_actions
-        from autopar.solver.simulate import simulate
         actions = schedule_actions(schedule, stages, microbatches, virtual)
         split = any(a.kind in "IW" for acts in actions for a in acts)
         sim = simulate(actions, forward=1.0, backward=2.0, weight=1.0 if split else None)
@@ -145,8 +146,6 @@ def _blocks(sim) -> list[dict]:
 
 def _plan_schedule(plan: Plan) -> Swimlane:
     """The pipeline plan's schedule on its ranks, timed by its predicted stage times."""
-    from autopar.schedule import schedule_actions
-    from autopar.solver.simulate import simulate
     p, m, v = plan.pipeline_stages, plan.n_microbatches, plan.virtual_stages
     actions = schedule_actions(plan.schedule, p, m, v)
     split = any(a.kind in "IW" for acts in actions for a in acts)

@@ -17,12 +17,12 @@ import operator
 import re
 from dataclasses import dataclass, field
 
-import torch
-
+from autopar.analysis.stages import assign_stages
 from autopar.capture import Captured, layer_of
 from autopar.placement import Replicate, parse_placements
 from autopar.plan import Plan
 from autopar.sharding.redistribute import Unsupported, plan_steps
+from autopar.solver.problem import _tensor_args
 
 
 @dataclass
@@ -48,12 +48,6 @@ class Graph:
     @property
     def collectives(self) -> list[GNode]:
         return [n for n in self.nodes.values() if n.kind == "collective"]
-
-
-def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    # Same order as autopar.solver.problem numbers a node's tensor inputs.
-    from autopar.solver.problem import _tensor_args as tensor_args
-    return tensor_args(node)
 
 
 def grad_partial(consumer_in: str, consumer_outs: tuple[str, ...]) -> tuple[bool, ...]:
@@ -85,7 +79,6 @@ def _stages(cap: Captured, plan: Plan) -> dict[str, int]:
     """Stage of every op node of a pipeline plan (empty without a pipeline)."""
     if plan.pipeline_stages <= 1:
         return {}
-    from autopar.analysis.stages import assign_stages
     return assign_stages(cap, plan.stage_cuts, plan.pipeline_stages * plan.virtual_stages)
 
 

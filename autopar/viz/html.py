@@ -13,6 +13,7 @@ from html import escape
 
 from autopar.plan import Plan
 from autopar.report import _group_layers, fmt_bytes, fmt_time
+from autopar.viz.render import LEGEND
 from autopar.viz.summary import fold_names, op_groups
 
 CSS = """
@@ -72,7 +73,6 @@ def report_html(plan: Plan, *, memory_png: bytes, swimlane_png: bytes, swimlane_
                 graph_note: str, title: str = "autopar plan",
                 legend: list[tuple[str, str]] | None = None) -> str:
     e, s = plan.estimate, plan.solver
-    from autopar.viz.render import LEGEND
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
              f"<style>{CSS}</style><script>{JS}</script></head><body>",
              f"<h1>{escape(title)}</h1>",

@@ -3,10 +3,13 @@ Graphviz's ``dot`` where its binary is installed, else through a small layered l
 our own (SVG text, or matplotlib for PNG). ``renderer()`` says which one is in use."""
 from __future__ import annotations
 
+import io
 import re
 import shutil
 import subprocess
 from html import escape
+
+import pydot
 
 from autopar.viz.graph import Graph, GNode
 
@@ -55,7 +58,6 @@ def renderer() -> str:
 
 # ---- DOT -------------------------------------------------------------------------------
 def to_dot(g: Graph, title: str = "autopar plan") -> str:
-    import pydot
     d = pydot.Dot("plan", graph_type="digraph", rankdir="TB", label=_q(title), labelloc="t",
                   fontname="Helvetica", fontsize="12", nodesep="0.25", ranksep="0.35")
     d.set_node_defaults(fontname="Helvetica", fontsize="9", style="filled", shape="box")
@@ -169,8 +171,7 @@ def layout_svg(g: Graph, title: str) -> str:
 
 
 def layout_png(g: Graph, title: str) -> bytes:
-    import io
-
+    # lazy: matplotlib takes about a second to import and only the PNG output needs it
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

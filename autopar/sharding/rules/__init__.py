@@ -1,10 +1,14 @@
-"""Sharding rules by op family; importing this package fills the registry."""
-import importlib
+"""Sharding rules by op family; importing this package fills the registry.
 
-for _family in ("pointwise", "matmul", "reductions", "norms", "attention", "conv",
-                "views", "embedding", "losses", "misc"):
-    try:
-        importlib.import_module(f"autopar.sharding.rules.{_family}")
-    except ModuleNotFoundError as e:  # a family not written yet
-        if e.name != f"autopar.sharding.rules.{_family}":
-            raise
+The order is the registration order: where two families name the same op, the later wins.
+"""
+from autopar.sharding.rules import pointwise  # noqa: F401
+from autopar.sharding.rules import matmul  # noqa: F401
+from autopar.sharding.rules import reductions  # noqa: F401
+from autopar.sharding.rules import norms  # noqa: F401
+from autopar.sharding.rules import attention  # noqa: F401
+from autopar.sharding.rules import conv  # noqa: F401
+from autopar.sharding.rules import views  # noqa: F401
+from autopar.sharding.rules import embedding  # noqa: F401
+from autopar.sharding.rules import losses  # noqa: F401
+from autopar.sharding.rules import misc  # noqa: F401
