@@ -242,3 +242,13 @@ def test_nonlinear_loss_is_refused_when_run(loss_fn, match):
     rewrite(cap, M, model)              # planning still works
     with pytest.raises(MicrobatchLossError, match=match):
         denominator_inputs(cap, (ids,), target, M)
+
+
+def test_rewrite_of_a_model_on_the_meta_device():
+    """Plan-only models live on the meta device: the scale input's shape value follows them."""
+    from autopar.solver.pipeline_search import capture_microbatch
+    model = Tagger().to("meta")
+    ids, target = (t.to("meta") for t in _data(True))
+    cap = capture_microbatch(model, (ids,), LOSS_FNS["ce-ignore-weight-smoothing"](model), target, M)
+    assert cap.node(cap.inputs[-1]).meta["val"].device.type == "meta"
+    assert not cap.microbatch_loss.error and len(cap.microbatch_loss.scale_inputs) == 1

@@ -200,13 +200,13 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
     den_outputs: list[fx.Node] = []
     k = 0
 
-    def new_scale(shape, dtype) -> fx.Node:
+    def new_scale(shape, dtype, device) -> fx.Node:
         nonlocal last_ph, k
         with g.inserting_after(last_ph):
             ph = g.placeholder(f"loss_scale_{k}" if k else "loss_scale")
         k += 1
         with fake_mode:
-            ph.meta["val"] = torch.empty(shape, dtype=dtype)
+            ph.meta["val"] = torch.empty(shape, dtype=dtype, device=device)   # meta models: meta
         last_ph = ph
         return ph
 
@@ -251,7 +251,7 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
                 den_outputs.append(node.args[1])
                 if weight is not None:
                     den_outputs.append(weight)
-            scale = new_scale(shape, dtype)
+            scale = new_scale(shape, dtype, per.meta["val"].device)
             term.scale = scale.name
             mul = call(aten.mul.Tensor, (per, scale), {}, node, node)
             out = call(aten.sum.default, (mul,), {}, node, node)
@@ -270,7 +270,7 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
             shape, dtype = tuple(_val(x).shape), node.meta["val"].dtype
             if not shape:
                 continue
-            scale = new_scale(shape, dtype)
+            scale = new_scale(shape, dtype, _val(x).device)
             spec.terms.append(LossTerm(node.name, scale.name, shape, dtype, "elements"))
             mul = call(aten.mul.Tensor, (x, scale), {}, node, node)
             if node.target is aten.mean.dim:
