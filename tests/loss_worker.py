@@ -57,6 +57,8 @@ def make_loss(kind: str, model: TokenClassifier):
             return F.cross_entropy(x, t, label_smoothing=0.1)
         if kind == "weight":
             return F.cross_entropy(x, t, weight=model.class_weight)
+        if kind == "shifted":       # the target shifted inside the loss, as Hugging Face models do
+            return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), target[:, 1:].reshape(-1))
         raise ValueError(kind)
     return loss_fn
 

@@ -1,7 +1,8 @@
 """Losses whose normalisation is not "mean of equal counts", on every kind of parallelism.
 
 Distributed (``tests/loss_worker.py`` on real gloo ranks, one torchrun launch per world
-size): losses {mean, sum, padded targets with ignore_index, label smoothing, class weights}
+size): losses {mean, sum, padded targets with ignore_index, label smoothing, class weights,
+padded targets shifted inside the loss}
 x modes {data 2, ZeRO-3 on data 2, tensor 2, data 2 x tensor 2, pipeline 2 with each of
 gpipe / 1f1b / interleaved-1f1b / zero-bubble and 4 micro-batches, pipeline 2 x data 2}, each
 compared with the single-device model: loss, every gradient, weights after 3 SGD steps.
@@ -31,7 +32,7 @@ from autopar.capture import capture
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-LOSSES = ("mean", "sum", "ignore", "smoothing", "weight")
+LOSSES = ("mean", "sum", "ignore", "smoothing", "weight", "shifted")
 PP = {"pipeline": 2, "micro_batch_size": 2}
 MODES = {                                          # name -> (ranks, pins)
     "data2": (2, {"data": 2}),
