@@ -137,6 +137,10 @@ LOSS_FNS = {
     "bce-logits": lambda mod: lambda o, t: F.binary_cross_entropy_with_logits(o[..., 0], (t > 3).float()),
     "kl-div": lambda mod: lambda o, t: F.kl_div(F.log_softmax(o, -1), F.softmax(o.detach() * 0.5, -1)),
     "user-mean+reg": lambda mod: lambda o, t: ((o[..., 0] - t.float()) ** 2).mean() + 0.1 * mod.head.weight.square().sum(),
+    # reductions over the batch dim that are not over every element
+    "mean-over-batch-then-sum": lambda mod: lambda o, t: o.square().mean(0).sum(),
+    "sum-over-batch-then-mean": lambda mod: lambda o, t: (o[..., 0] - t.float()).abs().sum(0).mean() + 1.0,
+    "per-sample-mean-plus-constant": lambda mod: lambda o, t: (o[..., 0].square().mean(-1) + 1.0).mean(),
     "two-means": lambda mod: lambda o, t: 0.5 * (F.cross_entropy(_flat(o), t.reshape(-1)) + o.square().mean(-1).mean()),
 }
 
@@ -234,7 +238,7 @@ def test_capture_microbatch_rewrites():
 @pytest.mark.parametrize("loss_fn,match", [
     (lambda o, t: F.cross_entropy(_flat(o), t.reshape(-1)).exp(), "exp"),
     (lambda o, t: F.cross_entropy(_flat(o), t.reshape(-1)) ** 2, "pow"),
-    (lambda o, t: o.mean(0).sum(), "mean over dim 0"),
+    (lambda o, t: F.mse_loss(o[..., 0], t.float()).sqrt(), "sqrt"),
 ])
 def test_nonlinear_loss_is_refused_when_run(loss_fn, match):
     model = Tagger()
@@ -253,3 +257,29 @@ def test_rewrite_of_a_model_on_the_meta_device():
     cap = capture_microbatch(model, (ids,), LOSS_FNS["ce-ignore-weight-smoothing"](model), target, M)
     assert cap.node(cap.inputs[-1]).meta["val"].device.type == "meta"
     assert not cap.microbatch_loss.error and len(cap.microbatch_loss.scale_inputs) == 1
+
+
+class BatchCentred(Tagger):
+    """Subtracts the mean over the whole (micro-)batch: a per-micro-batch statistic, as
+    BatchNorm's, which must stay a mean over the micro-batch."""
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(torch.tanh(h - h.mean()))
+
+
+def test_a_batch_statistic_inside_the_model_is_not_rewritten():
+    model = BatchCentred()
+    ids, target = _data(True)
+    cap = capture(model, (ids[:2],), LOSS_FNS["ce"](model), target[:2])
+    means = [n.name for n in cap.gm.graph.nodes if n.target is torch.ops.aten.mean.default]
+    rewrite(cap, M, model)
+    spec = cap.microbatch_loss
+    assert not spec.error and [t.kind for t in spec.terms] == ["class"]
+    assert [n.name for n in cap.gm.graph.nodes if n.target is torch.ops.aten.mean.default] == means
+    # the sum of the micro-batch terms is the loss of the model with per-micro-batch statistics
+    got, _ = _run_microbatches(cap, model, (ids,), target, M)
+    per = [F.cross_entropy(_flat(model(i)), t.reshape(-1), reduction="sum")
+           for i, t in zip(ids.tensor_split(M), target.tensor_split(M))]
+    want = sum(per) / (target != -100).sum()
+    assert torch.allclose(got, want, rtol=1e-5)

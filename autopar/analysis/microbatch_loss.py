@@ -97,6 +97,7 @@ class LossTerm:
     shape: tuple[int, ...]           # per-element loss at micro-batch size
     dtype: torch.dtype
     kind: str                        # "class" (count of non-ignored targets) or "elements"
+    count: int = 1                   # "elements": elements per mean in one micro-batch
     ignore_index: int = -100
     outputs: tuple[int, int] = (-1, -1)   # index of (target, weight) in the denominator graph
 
@@ -149,18 +150,6 @@ def _fake(node_target, args, kwargs, fake_mode):
         return node_target(*vals[0], **vals[1])
 
 
-def _states(cap, graph: fx.Graph) -> dict[fx.Node, str]:
-    """``B`` (from the batch) or ``C`` (parameters, buffers, constants) per node."""
-    inputs = set(cap.inputs)
-    st: dict[fx.Node, str] = {}
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            st[n] = "B" if n.name in inputs else "C"
-        elif n.op == "call_function":
-            st[n] = "B" if any(st.get(a) == "B" for a in n.all_input_nodes) else "C"
-    return st
-
-
 def _full_reduction(node: fx.Node) -> bool:
     """A sum / mean over every element of its input."""
     if node.target in (aten.sum.default, aten.mean.default):
@@ -183,11 +172,95 @@ def _reduces_dim0(node: fx.Node) -> bool:
     return any(d % nd == 0 for d in dims)
 
 
+def _covers_dim0(node: fx.Node) -> bool:
+    """A sum / mean that reduces dim 0 of its (non-scalar) input."""
+    if _val(node.args[0]).ndim == 0:
+        return False
+    return _full_reduction(node) or _reduces_dim0(node)
+
+
+def _analyse(cap, g: fx.Graph):
+    """(state per node, the batch reductions, the (add/sub node, arg index) of constant terms
+    of the partial loss, the node where the partial loss stopped being one).
+
+    States: ``C`` (no batch), ``B`` (per micro-batch values), ``P`` (a sum over the batch,
+    partial over micro-batches). A ``P`` read non-linearly (``x - x.mean()`` inside the model,
+    ``exp(loss)``) is a per-micro-batch value again (``B``), as batch statistics are."""
+    inputs = set(cap.inputs)
+    st: dict[fx.Node, str] = {}
+    demoted: list[fx.Node] = []
+    for n in g.nodes:
+        if n.op == "placeholder":
+            st[n] = "B" if n.name in inputs else "C"
+            continue
+        if n.op != "call_function":
+            continue
+        t = n.target
+        tensors = [a for a in (n.args + tuple(n.kwargs.values())) if isinstance(a, fx.Node)]
+        tensors += [a for a in n.all_input_nodes if a not in tensors]
+        kinds = [st.get(a, "C") for a in tensors]
+        red = _reduction_pos(n)
+        if "P" not in kinds:
+            if "B" not in kinds:
+                st[n] = "C"
+            elif red is not None and _arg(n, red[0], red[1], 1) in (1, 2):
+                st[n] = "P"              # a loss reduced over its elements
+            elif (t in _SUM or t in _MEAN) and _covers_dim0(n):
+                st[n] = "P"
+            else:
+                st[n] = "B"
+            continue
+        if t in _SUM or t in _MEAN or t in _LINEAR_UNARY or t is operator.getitem:
+            ok = len(tensors) == 1
+        elif t in _MUL:
+            ok = kinds.count("P") == 1 and "B" not in kinds
+        elif t in _DIV:
+            ok = kinds[0] == "P" and all(k == "C" for k in kinds[1:])
+        elif t in _ADD:
+            ok = "B" not in kinds
+        else:
+            ok = False
+        st[n] = "P" if ok else "B"
+        if not ok:
+            demoted.append(n)
+    out = next(n for n in g.nodes if n.op == "output")
+    loss = out.args[0][0]
+    # the last place a partial sum stopped being one on the way to the loss
+    above: set[fx.Node] = set()
+    todo = [loss]
+    while todo:
+        a = todo.pop()
+        if a not in above:
+            above.add(a)
+            todo.extend(a.all_input_nodes)
+    lost = next((d for d in reversed(demoted) if d in above), None)
+    origins: list[fx.Node] = []
+    consts: list[tuple[fx.Node, int]] = []
+    seen: set[fx.Node] = set()
+    stack = [loss] if st.get(loss) == "P" else []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        ins = [a for a in n.all_input_nodes if st.get(a) == "P"]
+        if not ins:
+            origins.append(n)          # a reduction over the batch
+            continue
+        if n.target in _ADD:
+            consts += [(n, i) for i, a in enumerate(n.args[:2])
+                       if (isinstance(a, fx.Node) and st.get(a, "C") == "C")
+                       or (isinstance(a, (int, float)) and not isinstance(a, bool))]
+        stack.extend(ins)
+    return st, [n for n in g.nodes if n in set(origins)], consts, lost
+
+
 def rewrite(cap, m: int, model: torch.nn.Module | None = None):
     """Rewrite ``cap`` (captured at micro-batch size, ``m`` micro-batches a step) in place so
     that the sum over micro-batches of its loss is the loss of the global batch; returns
     ``cap`` with ``cap.microbatch_loss`` set (a :class:`MicrobatchLoss`). ``model``'s buffers
-    are kept (by reference) for denominators that read them (class weights in a buffer)."""
+    are kept (by reference) for denominators that read them (class weights in a buffer).
+    A loss that is not a sum of micro-batch terms is left as it is, the reason recorded."""
     spec = MicrobatchLoss(m=m)
     cap.microbatch_loss = spec
     if not cap.has_loss or not cap.loss:
@@ -195,7 +268,18 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
     g = cap.gm.graph
     from torch._guards import detect_fake_mode
     fake_mode = detect_fake_mode([n.meta.get("val") for n in g.nodes if n.op == "placeholder"])
-    state = _states(cap, g)
+    state, origins, consts, lost = _analyse(cap, g)
+    loss = next(n for n in g.nodes if n.op == "output").args[0][0]
+    if state.get(loss) != "P":
+        if state.get(loss) == "C":
+            spec.error = f"the loss {loss.name} does not depend on the batch"
+        elif lost is not None:
+            spec.error = (f"{lost.name} ({lost.target}) reads a sum over the batch in a way that is "
+                          "not linear: the sum over micro-batches of the loss is not the global "
+                          "batch's; write the loss as sums and means over samples")
+        else:
+            spec.error = f"the loss {loss.name} is not a sum or a mean over the samples of the batch"
+        return cap
     last_ph = [n for n in g.nodes if n.op == "placeholder"][-1]
     den_outputs: list[fx.Node] = []
     k = 0
@@ -219,13 +303,20 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
                 n.meta[key] = like.meta[key]
         return n
 
-    for node in list(g.nodes):
-        if node.op != "call_function" or state.get(node) != "B":
-            continue
+    for node, i in consts:               # P + c: each micro-batch adds c / m
+        args = list(node.args)
+        a = args[i]
+        if isinstance(a, fx.Node):
+            args[i] = call(aten.div.Tensor, (a, m), {}, node, node)
+        else:
+            args[i] = a / m
+        node.args = tuple(args)
+
+    for node in origins:
         red = _reduction_pos(node)
         if red is not None:
             if _arg(node, red[0], red[1], 1) != 1:
-                continue
+                continue                 # a sum: already its micro-batch's term
             users = list(node.users)
             if node.target in _NLL_FWD:
                 if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
@@ -243,7 +334,8 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
                 continue
             class_index = ((node.target in _CE or node.target in _NLL or node.target in _NLL_FWD)
                            and not _val(node.args[1]).dtype.is_floating_point)
-            term = LossTerm(node.name, "", shape, dtype, "class" if class_index else "elements")
+            term = LossTerm(node.name, "", shape, dtype, "class" if class_index else "elements",
+                            count=_numel(shape))
             if class_index:
                 term.ignore_index = int(_arg(node, 4, "ignore_index", -100))
                 weight = _arg(node, 2, "weight")
@@ -262,16 +354,13 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
             else:
                 node.replace_all_uses_with(out)
             g.erase_node(node)
-            state[per] = state[mul] = "B"
-            state[out] = "P"
             spec.terms.append(term)
-        elif node.target in _MEAN and _full_reduction(node):
+        elif node.target in _MEAN:
             x = node.args[0]
             shape, dtype = tuple(_val(x).shape), node.meta["val"].dtype
-            if not shape:
-                continue
+            count = _numel(shape) // max(_numel(node.meta["val"].shape), 1)   # elements per mean
             scale = new_scale(shape, dtype, _val(x).device)
-            spec.terms.append(LossTerm(node.name, scale.name, shape, dtype, "elements"))
+            spec.terms.append(LossTerm(node.name, scale.name, shape, dtype, "elements", count=count))
             mul = call(aten.mul.Tensor, (x, scale), {}, node, node)
             if node.target is aten.mean.dim:
                 args = (mul,) + tuple(node.args[1:])
@@ -280,9 +369,7 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
                 out = call(aten.sum.default, (mul,), dict(node.kwargs), node, node)
             node.replace_all_uses_with(out)
             g.erase_node(node)
-            state[mul], state[out] = "B", "P"
 
-    _propagate(cap, g, state, spec, m, fake_mode)
     g.lint()
     cap.gm.recompile()
     cap.inputs = list(cap.inputs) + spec.scale_inputs
@@ -294,75 +381,10 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
     return cap
 
 
-def _propagate(cap, g: fx.Graph, state: dict, spec: MicrobatchLoss, m: int, fake_mode) -> None:
-    """Mark partial values (``P``), scale constants added to them by ``1/m``, and record in
-    ``spec.error`` why the loss is not a sum of micro-batch terms if it is not."""
-    for node in list(g.nodes):
-        if node.op != "call_function" or node in state and state[node] == "P":
-            continue
-        ins = [state.get(a, "C") for a in node.all_input_nodes]
-        if "X" in ins:
-            state[node] = "X"
-            continue
-        if "P" not in ins:
-            red = _reduction_pos(node)
-            if state.get(node) == "B" and red is not None:
-                if _arg(node, red[0], red[1], 1) == 2:
-                    state[node] = "P"        # a loss summed over its elements
-            elif state.get(node) == "B" and node.target in _SUM:
-                if _full_reduction(node):
-                    state[node] = "P"
-                elif _reduces_dim0(node):
-                    state[node] = "P"        # a sum over the batch dim: partial
-            elif state.get(node) == "B" and node.target in _MEAN and _reduces_dim0(node):
-                spec.error = spec.error or (f"{node.name}: a mean over dim 0 but not over every "
-                                            "element does not split into micro-batches")
-                state[node] = "X"
-            continue
-        t = node.target
-        tensors = [a for a in (node.args + tuple(node.kwargs.values())) if isinstance(a, fx.Node)]
-        kinds = [state.get(a, "C") for a in tensors]
-        ok = True
-        if t in _SUM or t in _MEAN or t in _LINEAR_UNARY or t is operator.getitem:
-            ok = len(tensors) == 1
-        elif t in _MUL:
-            ok = kinds.count("P") == 1 and "B" not in kinds
-        elif t in _DIV:
-            ok = kinds[0] == "P" and all(k == "C" for k in kinds[1:])
-        elif t in _ADD:
-            if "B" in kinds:
-                ok = False
-            else:
-                args = list(node.args)
-                for i in (0, 1):
-                    a = args[i] if i < len(args) else None
-                    if isinstance(a, fx.Node) and state.get(a, "C") == "C":
-                        args[i] = _scaled(g, a, m, node, fake_mode)
-                    elif isinstance(a, (int, float)) and not isinstance(a, bool):
-                        args[i] = a / m
-                node.args = tuple(args)
-        else:
-            ok = False
-        if not ok:
-            spec.error = spec.error or (
-                f"{node.name} ({t}) reads the partial loss {[a.name for a in tensors if state.get(a) == 'P']} "
-                "in a way that is not linear: the sum over micro-batches of its output is not the "
-                "global batch's; write the loss as sums and means over samples")
-            state[node] = "X"
-        else:
-            state[node] = "P"
-    out = next(n for n in g.nodes if n.op == "output")
-    loss = out.args[0][0]
-    if not spec.error and state.get(loss) != "P":
-        spec.error = (f"the loss {loss.name} is not a sum or a mean over the samples of the batch"
-                      f" ({'it does not depend on the batch' if state.get(loss) == 'C' else 'no reduction over the batch found'})")
-
-
-def _scaled(g: fx.Graph, a: fx.Node, m: int, before: fx.Node, fake_mode) -> fx.Node:
-    with g.inserting_before(before):
-        n = g.call_function(aten.div.Tensor, (a, m))
-    with fake_mode:
-        n.meta["val"] = aten.div.Tensor(a.meta["val"], m)
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
     return n
 
 
@@ -429,10 +451,7 @@ def denominator_inputs(cap, inputs: Sequence[torch.Tensor], target, m: int) -> t
                 vals.append(spec.graph(*args))
     for term in spec.terms:
         if term.kind == "elements":
-            n = 1
-            for s in term.shape:
-                n *= s
-            den.append(float(n * m))
+            den.append(float(term.count * m))
             continue
         total = torch.zeros((), dtype=torch.float64)
         ti, wi = term.outputs
