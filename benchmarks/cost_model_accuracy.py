@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.cost_models.hardware import _cores as cores  # noqa: E402
+from autopar.cost_models.cpu import cores  # noqa: E402
 from autopar.cost_models.hardware import parse_cluster  # noqa: E402
 from autopar.cost_models.profile import PeakMemory, Profiler  # noqa: E402
 from examples.models import gpt_factory, mlp_factory  # noqa: E402
@@ -213,7 +213,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--gloo", choices=["builtin", "now"], default="builtin",
-                    help="gloo constants: hardware.GLOO_COLLECTIVES and GLOO_SKEW, or "
+                    help="gloo constants: cpu.GLOO_COLLECTIVES and GLOO_SKEW, or "
                          "measured now by benchmarks/gloo_collectives.py")
     ap.add_argument("--no-pipeline", action="store_true", help="leave out the pipeline cases")
     ap.add_argument("--only", help="run the cases whose label contains this text")

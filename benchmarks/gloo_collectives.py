@@ -19,8 +19,8 @@ and fits, per collective, the model of ``autopar.cost_models.comm``::
     t = skew + steps(n) * alpha + factor(n) * S / busbw
 
 (alpha from the idle runs, busbw and skew from the busy ones, see ``fit``).
-``hardware.GLOO_COLLECTIVES`` and ``hardware.GLOO_SKEW`` hold the fit for 2 ranks on 2
-cores; 4 ranks share the cores and ``hardware._cpu_cluster`` scales it by cores / ranks.
+``cost_models/cpu.py``'s ``GLOO_COLLECTIVES`` and ``GLOO_SKEW`` hold the fit for 2 ranks on 2
+cores; 4 ranks share the cores and ``cpu.cpu_cluster`` scales it by cores / ranks.
 """
 from __future__ import annotations
 

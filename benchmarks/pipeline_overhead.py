@@ -17,8 +17,9 @@ tiny ops' own time, which the op profile counts anyway, is a few percent of it).
 per op node of the stage (dispatch, the autograd engine) is in the profiled op times and
 is not measured again here.
 
-``hardware.PIPELINE_ACTION`` holds the median over schedules and runs of what this prints
-(one rank per core); the pipeline planner adds it to every stage's time per micro-batch.
+``cost_models/cpu.py``'s ``PIPELINE_ACTION`` holds the median over schedules and runs of what
+this prints (one rank per core); the pipeline planner adds it to every stage's time per
+micro-batch.
 """
 from __future__ import annotations
 

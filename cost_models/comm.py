@@ -1,6 +1,6 @@
 """Communication cost: alpha-beta per collective, and the overlap of gradient sync.
 
-For a group of ``n`` ranks over a :class:`~autopar.cost_models.hardware.Link` of bus
+For a group of ``n`` ranks over a :class:`~autopar.cost_models.devices.Link` of bus
 bandwidth ``B`` and per-step latency ``alpha`` (ring algorithms; ``S`` in bytes):
 
 ==================  ========================================  ===========================
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .hardware import Link
+from .devices import Link
 
 _BANDWIDTH_FACTOR = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,

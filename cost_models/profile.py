@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .compute import VIEW, family, op_name
+from .families import VIEW, family, op_name
 
 _FORMAT = 2     # 2: forward timed with autograd recording, engine per-node cost kept
 

@@ -1,0 +1,100 @@
+"""Datasheet GPUs and the DGX nodes that hold them: devices, NVLink and InfiniBand links.
+
+Every constant cites its source. Bandwidths are what a collective achieves (nccl-tests
+"busbw"), not line rates; nothing here is fitted to end-to-end training results.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .devices import Device, Link
+
+GB = 1e9
+Gbit = 1e9 / 8
+
+# --- GPUs --------------------------------------------------------------------------------
+# Peaks are dense (no 2:4 sparsity). Large-GEMM efficiencies:
+#   A100: cuBLAS fp16 GEMMs of several thousand per side reach ~250 of 312 TFLOP/s, i.e.
+#         ~80% (NVIDIA "Matrix Multiplication Background User's Guide", DU-09799-001, its
+#         GEMM-throughput-vs-size plots; the exact figure number is not pinned here).
+#   H100: 780 of 989 TFLOP/s for a tuned bf16 mm (gist Chillee/2ec89696db8b7ed1c24461159e325405,
+#         "H100 peak matmul FLOPS"); cuBLAS is within a few percent of it.
+# fill_time 3 us: a GEMM needs whole waves of output tiles over 108 / 132 SMs (same guide,
+#   "Wave Quantization"); ~3 us of fill and tail per kernel is the scale of one tile's
+#   main loop, so an op of peak*3us FLOPs runs at half efficiency.
+# launch_overhead 5 us: CUDA kernel launch plus PyTorch eager dispatch per op (the few-us
+#   launch latency in the CUDA C++ Best Practices Guide, "Asynchronous Transfers"; the
+#   PyTorch per-op CPU overhead is of the same order).
+# Achieved HBM bandwidth ~90% of datasheet (BabelStream / STREAM triad on A100 and H100).
+_GPU_FILL = 3e-6
+_GPU_LAUNCH = 5e-6
+_GPU_MEM_EFF = 0.9
+
+A100_80GB = Device(
+    name="A100-80GB-SXM",
+    memory_bytes=80 * 2**30,
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5, TF32 156, BF16/FP16 312 TFLOPS.
+    peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    mem_bandwidth=2039 * GB,  # datasheet: HBM2e 2,039 GB/s
+    max_efficiency=0.8, mem_efficiency=_GPU_MEM_EFF,
+    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
+)
+
+H100_80GB = Device(
+    name="H100-80GB-SXM",
+    memory_bytes=80 * 2**30,
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 494.5, BF16/FP16 989.5
+    # TFLOPS dense (the datasheet's 989 / 1,979 are with sparsity).
+    peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12},
+    mem_bandwidth=3350 * GB,  # datasheet: HBM3 3.35 TB/s
+    max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
+    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
+)
+
+H200 = Device(
+    name="H200-141GB-SXM",
+    memory_bytes=141 * GB,  # NVIDIA H200 datasheet: 141 GB HBM3e
+    # Same compute as H100 SXM (H200 datasheet lists identical Tensor Core peaks).
+    peak_flops=dict(H100_80GB.peak_flops),
+    mem_bandwidth=4800 * GB,  # datasheet: 4.8 TB/s
+    max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
+    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
+)
+
+DEVICES: dict[str, Device] = {"a100": A100_80GB, "h100": H100_80GB, "h200": H200}
+
+# --- Links -------------------------------------------------------------------------------
+# NVLink busbw: line rate minus NCCL's ~20% protocol overhead ("450GB/s is the line rate.
+#   With the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of
+#   370GB/s", S. Jeaugey, nccl-tests#212). A100: 300 GB/s line rate -> 240 GB/s (8x A100
+#   SXM measure 200-230 GB/s all_reduce busbw, nccl-tests#149, #178).
+# InfiniBand busbw: 90% of the node's NIC line rate (nccl-tests#119: 85-96 of 100 GB/s).
+# Latency: NCCL's per-hop ring latency for the LL128 protocol, 2.5 us on NVLink and on the
+#   network (nccl src/graph/tuning.cc, hwLat table).
+_NCCL_NVLINK_EFF = 370 / 450
+_IB_EFF = 0.9
+_HOP_LATENCY = 2.5e-6
+
+NVLINK3 = Link(bandwidth=300 * GB * _NCCL_NVLINK_EFF, latency=_HOP_LATENCY)  # DGX A100
+NVLINK4 = Link(bandwidth=450 * GB * _NCCL_NVLINK_EFF, latency=_HOP_LATENCY)  # DGX H100/H200
+IB_8xHDR = Link(bandwidth=8 * 200 * Gbit * _IB_EFF, latency=_HOP_LATENCY)    # 8 x 200 Gb/s
+IB_8xNDR = Link(bandwidth=8 * 400 * Gbit * _IB_EFF, latency=_HOP_LATENCY)    # 8 x 400 Gb/s
+
+
+@dataclass(frozen=True)
+class NodePreset:
+    device: Device
+    devices_per_node: int
+    intra: Link
+    inter: Link
+
+
+NODES: dict[str, NodePreset] = {
+    # DGX A100: 8 A100 SXM, NVLink3 300 GB/s per direction, 8 x 200 Gb/s HDR InfiniBand.
+    "dgx-a100": NodePreset(A100_80GB, 8, NVLINK3, IB_8xHDR),
+    # DGX H100: 8 H100 SXM, NVLink4 450 GB/s per direction, 8 x 400 Gb/s NDR InfiniBand.
+    "dgx-h100": NodePreset(H100_80GB, 8, NVLINK4, IB_8xNDR),
+    # DGX H200: same fabric as DGX H100.
+    "dgx-h200": NodePreset(H200, 8, NVLINK4, IB_8xNDR),
+}
+NODE_OF_DEVICE = {"a100": "dgx-a100", "h100": "dgx-h100", "h200": "dgx-h200"}
