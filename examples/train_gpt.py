@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from examples.models import gpt_factory  # noqa: E402
+from examples.gpt import gpt_factory  # noqa: E402
 
 
 def parse_pins(items):

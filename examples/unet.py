@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.models import Example
+from examples.base import Example
 
 
 def _block(cin: int, cout: int) -> nn.Sequential:
