@@ -25,6 +25,11 @@ from typing import Any
 
 import click
 
+from autopar.capture import capture
+from autopar.cost_models.hardware import parse_cluster
+from autopar.solver.driver import solve
+from autopar.solver.pins import KNOWN_PINS, check_pins, pipelined
+
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, NotImplementedError, FileNotFoundError)
 
 
@@ -130,7 +135,6 @@ def parse_bytes(text: str) -> float:
 
 
 def parse_pins(items) -> dict[str, Any]:
-    from autopar.api import KNOWN_PINS
     pins = parse_pairs(items, "--pin")
     unknown = sorted(set(pins) - KNOWN_PINS)
     if unknown:
@@ -259,6 +263,23 @@ def factory_options(f):
     return f
 
 
+def _solve(step, ex: Example, cl, world: int, pins: dict, **kw):
+    """``autopar.solver.driver.solve`` (as ``autopar.plan``), its steps shown by ``step``:
+    the full-batch capture (unless a pipeline is pinned: that captures at its micro-batch),
+    then the search."""
+    cap, capture_s = None, None
+    if not pipelined(pins):
+        with step("capturing the training graph (torch.export)"):
+            t0 = time.perf_counter()
+            cap = capture(ex.model, ex.inputs, ex.loss_fn if ex.target is not None else None,
+                          ex.target)
+            capture_s = time.perf_counter() - t0
+    what = "pipelines, meshes" if pipelined(pins) or cl.nodes > 1 else "meshes"
+    with step(f"solving ({what}) for {world} devices of {cl.name}"):
+        return solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cl,
+                     world_size=world, pins=pins, captured=cap, capture_s=capture_s, **kw).plan
+
+
 # ---- commands --------------------------------------------------------------------------------
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="autopar")
@@ -284,25 +305,16 @@ def cli():
 def plan(factory, cluster, budget, pins, world, mesh, optimizer, time_limit, output, all_nodes,
          factory_args, meta):
     """Plan MODULE:FACTORY for a cluster and print the summary."""
-    from autopar.api import _check_pins, plan_captured
-    from autopar.capture import capture
-    from autopar.cost_models.hardware import parse_cluster
     from autopar.viz.summary import print_summary
-    pins = _check_pins(parse_pins(pins))
+    pins = check_pins(parse_pins(pins))
     args = parse_pairs(factory_args, "--factory-args")
     budget_b = parse_bytes(budget) if budget else None
     cl = parse_cluster(cluster)
     with _progress() as step:
         with step(f"building {factory}" + (" on the meta device" if meta else "")):
             ex = build_example(factory, args, meta)
-        with step("capturing the training graph (torch.export)"):
-            t0 = time.perf_counter()
-            cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
-            capture_s = time.perf_counter() - t0
-        with step(f"solving the sharding ILP for {world or cl.world_size} devices of {cl.name}"):
-            p = plan_captured(cap, cl, world or cl.world_size, memory_budget=budget_b,
-                              mesh_shape=parse_mesh(mesh), optimizer=optimizer,
-                              time_limit_s=time_limit, capture_s=capture_s, pins=pins)
+        p = _solve(step, ex, cl, world or cl.world_size, pins, memory_budget=budget_b,
+                   mesh_shape=parse_mesh(mesh), optimizer=optimizer, time_limit_s=time_limit)
     print_summary(p, _console(), all_nodes)
     if output:
         p.save(output)
@@ -570,9 +582,6 @@ def _verify(factory, args, nproc, plan_file, pins, timeout):
 @click.option("-o", "--output", default=None, help="also write the GPU plan here (JSON)")
 def demo(cluster, config, nproc, skip_verify, output):
     """Plan a GPT for a multi-node GPU cluster, then verify a small plan on CPU ranks."""
-    from autopar.api import plan_captured
-    from autopar.capture import capture
-    from autopar.cost_models.hardware import parse_cluster
     from autopar.viz.summary import print_summary
     con = _console()
     spec = "examples.models:gpt_factory"
@@ -581,12 +590,7 @@ def demo(cluster, config, nproc, skip_verify, output):
     with _progress() as step:
         with step(f"building {config} on the meta device"):
             ex = build_example(spec, {"batch": 8, "config": config}, meta=True)
-        with step("capturing the training graph"):
-            t0 = time.perf_counter()
-            cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
-            capture_s = time.perf_counter() - t0
-        with step(f"solving for {cl.world_size} devices"):
-            p = plan_captured(cap, cl, cl.world_size, capture_s=capture_s)
+        p = _solve(step, ex, cl, cl.world_size, {})
     print_summary(p, con)
     if output:
         p.save(output)

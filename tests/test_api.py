@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import autopar
-from autopar.api import plan_captured
 from autopar.cost_models.hardware import parse_cluster
 from autopar.placement import Shard, parse_placements
 from autopar.ops.comm import ThreadWorld
 from autopar.runtime.thread_ranks import simulate
-from autopar.solver.ilp import InfeasibleError
+from autopar.solver.errors import InfeasibleError
+from autopar.solver.flat import plan_captured
 from equivalence import compare, parallel_run, reference_run
 from examples.models import EXAMPLES
 
@@ -139,7 +139,7 @@ def test_malformed_plan_file(tmp_path, captured):
         (lambda d: d["nodes"][node].update(outputs=["RR"]), r"has 2 placements but the mesh has 1 axes"),
         (lambda d: d.pop("fingerprint"), r"plan field fingerprint: '<missing>' is required"),
         (lambda d: d.update(world_size="2"), r"plan field world_size: '2' has the wrong type \(expected integer\)"),
-        (lambda d: d.update(version=9), r"plan field version: 9 is not supported \(expected 1\)"),
+        (lambda d: d.update(version=9), r"plan field version: 9 is not supported \(this autopar reads versions 1 and 2\)"),
     ]
     for mutate, message in cases:
         d = json.loads(json.dumps(good))

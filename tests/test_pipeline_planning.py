@@ -99,7 +99,8 @@ def test_node_prices_add_up_to_the_solver_total(pins):
     """The per-node prices the cuts are made from are the solver's own: compute,
     resharding and gradient reduction add up to its estimate of the whole graph (with
     recomputation and ZeRO-3 regathers too)."""
-    from autopar.solver.pipeline_search import _price, capture_microbatch, solve_intra
+    from autopar.solver.pipeline_price import price_plan as _price
+    from autopar.solver.pipeline_search import capture_microbatch, solve_intra
     ex = EXAMPLES["gpt"]()
     cl = parse_cluster("cpu:4")
     cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, 2)
@@ -115,7 +116,8 @@ def test_recomputation_priced_from_a_plan_without_it():
     (no second solve): the same as the solver's price when the placements are the same."""
     from autopar.analysis.layers import select_layers
 
-    from autopar.solver.pipeline_search import _price, capture_microbatch, solve_intra
+    from autopar.solver.pipeline_price import price_plan as _price
+    from autopar.solver.pipeline_search import capture_microbatch, solve_intra
     ex = EXAMPLES["gpt"]()
     cl = parse_cluster("cpu:4")
     cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, 2)
@@ -135,7 +137,8 @@ def test_gradient_reduction_is_once_per_step():
     """Data parallelism inside the stages reduces gradients once per step (they accumulate
     over micro-batches): the reduction priced per node is the same whatever the
     micro-batch, the solver weighs it 1/m per micro-batch, and the estimate counts it once."""
-    from autopar.solver.pipeline_search import _price, capture_microbatch, solve_intra
+    from autopar.solver.pipeline_price import price_plan as _price
+    from autopar.solver.pipeline_search import capture_microbatch, solve_intra
     ex = EXAMPLES["gpt"]()
     cl = parse_cluster("cpu:4")
     syncs, per_mb = [], []
@@ -185,7 +188,7 @@ def test_one_node_keeps_the_unpipelined_plan():
 def test_pipeline_when_nothing_unpipelined_fits():
     """On one node pipelines are searched only when no unpipelined plan fits: at 128 MiB
     per device two stages of small micro-batches fit where the whole graph does not."""
-    from autopar.solver.ilp import InfeasibleError
+    from autopar.solver.errors import InfeasibleError
     ex = meta_gpt(batch=64, n_layer=4, n_embd=256, block_size=256, vocab_size=256)
     budget = 128 * 2**20
     with pytest.raises(InfeasibleError):
@@ -198,7 +201,7 @@ def test_pipeline_when_nothing_unpipelined_fits():
 def test_cut_points_of_a_large_graph_are_layer_boundaries():
     """Past MAX_UNITS op nodes the DP considers the cheapest crossings only, spread over the
     whole graph (not the first layers' only)."""
-    from autopar.solver.pipeline_search import MAX_UNITS, _cut_points
+    from autopar.solver.pipeline_price import MAX_UNITS, cut_points as _cut_points
     layer = [5.0] * 9 + [1.0]              # ten positions per layer, the last one cheap
     cross = np.array(layer * 100 + [5.0] * 9, dtype=float)
     points = _cut_points(cross, 4)

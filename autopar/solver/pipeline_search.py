@@ -1,6 +1,6 @@
 """A pipeline plan (placements carry the pipeline axis first, always ``R``): micro-batches, schedule, the intra-stage sharding plan, and the cuts.
 
-``plan_pipelined`` (``autopar.plan`` / ``autopar.parallelize`` with ``pipeline=p`` pinned):
+``plan_pipelined`` (``autopar.solver.driver.solve`` with ``pipeline=p`` pinned):
 
 1. a reference configuration: micro-batch count ``m0`` (``micro_batch_size=`` pin, or the
    least divisor of the batch that gives every stage a micro-batch: m >= p * v) and
@@ -28,35 +28,32 @@
    comparable with an unpipelined plan's; ``estimate.memory_bytes`` is the worst rank's,
    by the intra plan's terms (its own parameters, activations x micro-batches in flight).
 
-``search_pipelines`` (``autopar.plan`` without a ``pipeline=`` pin, on a cluster of more
-than one node or when nothing unpipelined fits): pipeline degrees p in {2, 4, 8, 16}
-dividing the node count (each stage whole nodes, so tensor parallelism stays inside a
-node's NVLink, as Megatron-LM does) and at most the number of layers; each planned on the
-full-batch graph (no capture per p) on meshes ``(d,)`` and ``(d / t, t)`` for t in 2, 4, 8
-(t within a node), with prices scaled per sample to choose m and the schedule; the best
-is captured at its micro-batch and planned as above.
+The free search over pipeline degrees (no ``pipeline=`` pin) is
+``autopar.solver.pipeline_free.search_pipelines``; the prices and the estimate are
+``autopar.solver.pipeline_price``'s; ``autopar.solver.driver.solve`` calls both planners.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
-import numpy as np
 import torch
 
+from autopar.analysis.layers import repeated_layers
+from autopar.analysis.stages import chain
 from autopar.capture import Captured, capture
-from autopar.placement import Shard, local_shape, parse_placements
-from autopar.plan import Estimate, Plan, PlanError
+from autopar.plan import NodePlacement, Pipeline, Plan
+from autopar.schedule import SCHEDULES, check_schedule
+from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
+from autopar.solver.flat import Solved, solve_captured
+from autopar.solver.pipeline_price import (
+    Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
+)
+from autopar.solver.stage_dp import plan_stages, simulate_plan
 
 DEFAULT_SCHEDULE = "1f1b"
-MAX_UNITS = 256
-"""Cut points the stage DP considers at most (the cheapest crossings of a large graph)."""
-PIPELINE_DEGREES = (2, 4, 8, 16)
-"""Pipeline degrees the free search tries (``search_pipelines``)."""
 INTRA_PINS = ("data", "tensor", "zero", "precision", "recompute")
-FORWARD = 1 / 3      # forward's share of a stage's time (backward = 2 x forward)
 
 
 def micro_batches(batch: int, p: int, v: int, micro_batch_size: int | None) -> int:
@@ -89,7 +86,6 @@ def split_batch(tensors: Sequence, m: int) -> tuple:
 
 def pipeline_config(example_inputs: Sequence, pins: dict) -> tuple[int, int, int, str]:
     """(p, v, m, schedule) from the pins and the batch; raises on what torch cannot run."""
-    from autopar.schedule import SCHEDULES, check_schedule
     p = pins["pipeline"]
     if not isinstance(p, int) or p < 1:
         raise ValueError(f"pin pipeline={p!r} must be a positive integer")
@@ -115,132 +111,15 @@ def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captur
     return rewrite(capture(model, inputs, loss_fn, tgt), m, model)
 
 
-def memory_weights(schedule: str, p: int, m: int, v: int) -> dict[str, float]:
-    """Factors that turn the whole graph's memory (one micro-batch) into a pipeline rank's,
-    for uniform stages: 1/p of the state; the activations of the micro-batches its stages
-    hold at their peak (``stage_dp.in_flight``), each stage 1/(p v) of the graph."""
-    from autopar.solver.stage_dp import in_flight
-    n = in_flight(schedule, p, m, v)
-    held = max(float(n[r::p].sum()) for r in range(p))
-    state = 1.0 / p
-    return {"params": state, "grads": state, "optimizer": state, "buffers": state,
-            "activations": held / (p * v)}
-
-
 # ---- one intra-stage solution, priced per node ----------------------------------------------
 
 
-@dataclass
-class _Priced:
-    cap: Captured
-    intra: Plan
-    solved: object
-    nc: object                   # autopar.solver.pipeline_costs.NodeCosts
-    bounds: np.ndarray           # chain index where each DP unit starts, then L
-    bandwidth: float             # bytes/s per rank between neighbouring stages
-    latency: float
-    action: float = 0.0          # the runtime's seconds per scheduled action of a stage
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self.bounds[1:-1]
-
-    def layer_costs(self):
-        """Per-sample costs of the DP units (``stage_dp.LayerCosts``)."""
-        from autopar.solver.stage_dp import LayerCosts
-        nc, starts = self.nc, self.bounds[:-1]
-        b = nc.batch
-        fixed = nc.fixed()
-
-        def seg(a):
-            return np.add.reduceat(np.asarray(a, float), starts)
-        t = np.maximum(seg(nc.time) - seg(fixed), 0.0) / b
-        return LayerCosts(time=t, state_bytes=nc.state(starts), activation_bytes=seg(nc.activations) / b,
-                          boundary_bytes=nc.cross[self.positions - 1] / b, fixed_time=seg(fixed),
-                          action_time=self.action)
-
-    def extra_memory(self) -> float:
-        """Bytes every rank may hold besides state and activations: the recompute transient
-        and the micro-batch's inputs."""
-        inputs = sum(t.get("inputs", 0.0) for _, t, _ in self.nc.placeholders)
-        return self.nc.recompute_bytes + inputs
-
-    def rank_sync(self, cuts: Sequence[int], p: int) -> np.ndarray:
-        """Gradient reduction seconds per rank for chain cuts ``cuts``."""
-        bounds = (0, *cuts, len(self.nc.units))
-        sync = np.zeros(p)
-        for k, (j, i) in enumerate(zip(bounds[:-1], bounds[1:])):
-            sync[k % p] += self.nc.sync[j:i].sum()
-        return sync
-
-
-def _price(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages: int) -> _Priced:
-    from autopar.solver.pipeline_costs import node_costs
-    nc = node_costs(cap, solved, lambda n: _local_bytes(cap, intra, n), axes=intra.mesh_axes)
-    positions = _cut_points(nc.cross, n_stages)
-    bw, lat = _pipeline_link(cl, world // p, world)
-    return _Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat,
-                   float(getattr(cl.device, "pipeline_action", 0.0)))
-
-
-def _cut_points(cross: np.ndarray, n_stages: int) -> list[int]:
-    """Chain positions a cut may fall before: all of them in a small graph; in a large one
-    the ``MAX_UNITS`` where the fewest bytes cross (the boundaries between layers), at least
-    four per stage."""
-    L = len(cross) + 1
-    if L - 1 <= MAX_UNITS:
-        return list(range(1, L))
-    # the least crossing level that offers enough cut points (four per stage, and at least
-    # 64), every point at or under it (all layer boundaries alike), thinned evenly if many
-    want = min(L - 1, max(4 * n_stages, 64))
-    level = float(np.sort(cross)[want - 1]) * (1 + 1e-6)
-    chosen = [int(i) for i in np.flatnonzero(cross <= level)]
-    if len(chosen) > MAX_UNITS:
-        keep = np.linspace(0, len(chosen) - 1, MAX_UNITS).round().astype(int)
-        chosen = [chosen[k] for k in sorted(set(keep.tolist()))]
-    return [i + 1 for i in chosen]
-
-
-def _pipeline_link(cl, d: int, world: int) -> tuple[float, float]:
-    """(bytes/s per rank, seconds of latency and wait) between neighbouring stages, ``d``
-    ranks apart.
-    Across nodes each rank gets its share of the node's NICs (one per GPU on a DGX)."""
-    dpn = cl.devices_per_node
-    if cl.nodes > 1 and world > dpn:
-        link = cl.inter
-        bw = min(float(link.bandwidth) / dpn, float(getattr(cl.intra, "bandwidth", math.inf)))
-    else:
-        link = cl.intra
-        bw = float(link.bandwidth)
-    if not math.isfinite(bw) or bw <= 0:
-        bw = 1e30
-    # a receive between computations waits for its peer as a collective does (Link.skew)
-    return bw, float(getattr(link, "latency", 0.0) or 0.0) + float(getattr(link, "skew", 0.0))
-
-
-def _batch_degree(cap: Captured, intra: Plan) -> int:
-    """Devices the intra plan splits the batch over (dim 0 of the user inputs)."""
-    degree = 1
-    for name in cap.inputs:
-        np_ = intra.nodes.get(name)
-        if np_ is None or not np_.outputs:
-            continue
-        k = 1
-        for a, pl in enumerate(parse_placements(np_.outputs[0])):
-            if isinstance(pl, Shard) and pl.dim == 0:
-                k *= intra.mesh_shape[a]
-        degree = degree * k // math.gcd(degree, k)
-    return degree
-
-
-def _choose(pr: _Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None):
+def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None):
     """(StagePlan, predicted step) of least predicted step for pipeline degree p, over what
     the pins leave free (m among ``allowed_m``). ``plan_stages`` picks cuts and m per
     schedule by its closed form; the schedules are then ranked by simulating their
     timelines (the closed form takes transfers as overlapped, which 1F1B-like schedules
     on a slow link are not), plus the once-per-step gradient reduction."""
-    from autopar.schedule import SCHEDULES
-    from autopar.solver.stage_dp import plan_stages, simulate_plan
     mbs = pins.get("micro_batch_size")
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
@@ -279,7 +158,6 @@ def solve_intra(cap: Captured, cl, world: int, p: int, pins: dict, *, weights=No
                 grad_sync_scale=1.0, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
                 capture_s=0.0, verbose=False, mesh_shape=None, explain=True, profiler=None):
     """(Plan, Solved) of the whole graph on one stage's ``world // p`` devices."""
-    from autopar.api import solve_captured
     d = world // p
     intra_pins = {k: pins[k] for k in INTRA_PINS if pins.get(k) is not None}
     if intra_pins.get("data") or intra_pins.get("tensor") or intra_pins.get("zero"):
@@ -301,157 +179,95 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
     """The Plan for ``cap`` (captured with micro-batch inputs) on ``world`` devices, for
     ``config`` = (p, v, m, schedule). ``solved`` = (intra Plan, Solved) reuses an intra
     solution of this graph; ``mesh_shape`` fixes the intra-stage mesh, ``extra_pins``
-    (data, tensor, recompute) pin the intra plan without being the user's pins."""
-    from autopar.analysis.stages import chain
-    from autopar.solver.stage_dp import plan_stages
-    from autopar.solver.ilp import InfeasibleError
+    (data, tensor, recompute) pin the intra plan without being the user's pins.
 
+    Raises :class:`PipelineInfeasibleError` when no cut fits the memory budget and
+    :class:`StageCutError` when the graph cannot be cut into the stages at all."""
     p, v, m, schedule = config
     if world % p:
         raise ValueError(f"pipeline={p} does not divide the world of {world} devices; every stage "
                          f"needs an equal sub-mesh: use a divisor of {world}")
-    S = p * v
     units = chain(cap)
-    if S > len(units):
-        raise ValueError(f"{S} pipeline stages ({p} ranks x {v} virtual) are more than this graph "
+    if p * v > len(units):
+        raise ValueError(f"{p * v} pipeline stages ({p} ranks x {v} virtual) are more than this graph "
                          f"can be cut into: it has {len(units)} op nodes ({len(units) - 1} cut "
                          "points); use fewer stages")
-    budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    intra_pins = {**pins, **(extra_pins or {})}
-
-    def solve(pins_, limit=budget):
-        return solve_intra(cap, cl, world, p, pins_, weights=memory_weights(schedule, p, m, v),
-                           grad_sync_scale=1.0 / m, memory_budget=limit, optimizer=optimizer,
-                           time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
-                           mesh_shape=mesh_shape, profiler=profiler)
-
-    def cut(solved_, limit=budget, explain=True):
-        pr_ = _price(cap, solved_[0], solved_[1], cl, world, p, S)
-        sp_ = plan_stages(pr_.layer_costs(), n_devices=p, global_batch=pr_.nc.batch * m,
-                          memory_limit=max(limit - pr_.extra_memory(), 1.0),
-                          bandwidth=pr_.bandwidth, n_stages=p, micro_batches=m,
-                          schedule=schedule, virtual_stages=v, explain=explain)
-        return pr_, sp_
-
-    def fits_not(e: Exception) -> bool:
-        return str(e).startswith("no pipeline plan fits")
-
-    solved = solved or solve(intra_pins)
+    cutter = _Cutter(cap, cl, world, config, {**pins, **(extra_pins or {})},
+                     memory_budget if memory_budget is not None else cl.device.memory_bytes,
+                     dict(optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
+                          verbose=verbose, mesh_shape=mesh_shape, profiler=profiler))
     t0 = time.perf_counter()
     try:
-        try:
-            pr, sp = cut(solved, explain=False)
-        except ValueError as e:
-            # The solver saw uniform stages; the real ones (embedding, head, whole layers)
-            # hold more. Solve again with the budget short by the real overflow, then with
-            # every layer recomputed.
-            if not fits_not(e):
-                raise
-            retries = []
-            worst = _worst_rank_memory(cap, solved, cl, world, config)
-            seen = sum(solved[0].estimate.memory_bytes.values())
-            if worst > budget and seen > 0:
-                retries.append((intra_pins, budget * seen / worst * 0.98))
-            if not solved[0].recompute and intra_pins.get("recompute") is None and _has_layers(cap):
-                retries.append(({**intra_pins, "recompute": "full"}, budget))
-            for k, (pins_, limit) in enumerate(retries):
-                try:
-                    solved_ = solve(pins_, limit)
-                    pr, sp = cut(solved_, explain=k == len(retries) - 1)
-                    solved = solved_
-                    break
-                except ValueError as e2:
-                    if k == len(retries) - 1 or not fits_not(e2):
-                        raise
-            else:
-                cut(solved)         # raises, saying which stage overflows
+        solved, pr, sp = cutter.fitting(solved or cutter.solve(cutter.pins))
+    except (StagesDoNotFit, InfeasibleError) as e:
+        raise PipelineInfeasibleError(f"pipeline={p}, {m} micro-batches, schedule {schedule!r}: {e}") from e
     except ValueError as e:
-        if str(e).startswith("no pipeline plan fits"):
-            raise InfeasibleError(f"pipeline={p}, {m} micro-batches, schedule {schedule!r}: {e}") from e
-        raise PlanError(f"no cut of {len(units)} op nodes into {S} stages: {e}") from e
-    intra = solved[0]
+        raise StageCutError(f"no cut of {len(units)} op nodes into {p * v} stages: {e}") from e
     cuts = tuple(int(pr.bounds[c]) for c in sp.cuts)
-    estimate = _estimate(pr, config, cuts)
-    dp_s = time.perf_counter() - t0
+    estimate = pipeline_estimate(pr, config, cuts)
     if verbose:
         print(f"pipeline p={p} v={v} m={m} {schedule}: cuts {[units[c] for c in cuts]}, step "
               f"{estimate.step_time_s * 1e3:.3f} ms, bubble {estimate.bubble_fraction:.3f}, "
-              f"{estimate.memory_total / 2**30:.2f} GiB/device ({dp_s:.2f}s)")
-    from autopar.plan import NodePlacement
+              f"{estimate.memory_total / 2**30:.2f} GiB/device ({time.perf_counter() - t0:.2f}s)")
+    intra = solved[0]
     # the pipeline axis is replicated for every node (a stage holds its nodes whole on it)
     nodes = {k: NodePlacement(tuple("R" + x for x in v_.inputs), tuple("R" + x for x in v_.outputs))
              for k, v_ in intra.nodes.items()}
     return replace(intra, nodes=nodes, world_size=world, mesh_shape=(p, *intra.mesh_shape),
                    mesh_axes=("pipeline", *intra.mesh_axes), memory_budget=memory_budget,
                    pins={k: v_ for k, v_ in pins.items() if v_ is not None}, estimate=estimate,
-                   pipeline_stages=p, virtual_stages=v, n_microbatches=m, schedule=schedule,
-                   stage_cuts=tuple(units[c] for c in cuts))
+                   pipeline=Pipeline(p, v, m, schedule, tuple(units[c] for c in cuts)))
 
 
-def _worst_rank_memory(cap, solved, cl, world, config) -> float:
-    """Bytes per device of the fullest rank under the fastest cuts, memory aside."""
-    from autopar.solver.stage_dp import in_flight, plan_stages
-    p, v, m, schedule = config
-    pr = _price(cap, solved[0], solved[1], cl, world, p, p * v)
-    sp = plan_stages(pr.layer_costs(), n_devices=p, global_batch=pr.nc.batch * m,
-                     memory_limit=math.inf, bandwidth=pr.bandwidth, n_stages=p, micro_batches=m,
-                     schedule=schedule, virtual_stages=v)
-    cuts = [int(pr.bounds[c]) for c in sp.cuts]
-    bounds = (0, *cuts, len(pr.nc.units))
-    stages = list(zip(bounds[:-1], bounds[1:]))
-    held = in_flight(schedule, p, m, v)
-    return max(sum(pr.nc.rank_memory([stages[k] for k in range(r, p * v, p)],
-                                     held[list(range(r, p * v, p))]).values()) for r in range(p))
+class _Cutter:
+    """Intra-stage solutions of one graph for one pipeline configuration, and their cuts."""
 
+    def __init__(self, cap, cl, world, config, pins, budget, solve_kw):
+        self.cap, self.cl, self.world, self.config = cap, cl, world, config
+        self.pins, self.budget, self.solve_kw = pins, budget, solve_kw
 
-def _estimate(pr: _Priced, config, cuts: tuple[int, ...]) -> Estimate:
-    """Step time (simulated schedule + once-per-step gradient reduction), per-device compute
-    and communication of the busiest rank, memory of the fullest rank."""
-    from autopar.schedule import schedule_actions
-    from autopar.solver.simulate import simulate
-    from autopar.solver.stage_dp import in_flight
-    p, v, m, schedule = config
-    nc = pr.nc
-    S = p * v
-    bounds = (0, *cuts, len(nc.units))
-    stages = list(zip(bounds[:-1], bounds[1:]))
-    times = nc.time
-    stage_times = np.array([times[j:i].sum() for j, i in stages])
-    p2p = [float(nc.cross[c - 1] / pr.bandwidth + pr.latency) for c in cuts]
-    # the runtime's cost per action: F and B, or F, I and W (the backward pays two)
-    a = pr.action
-    split = schedule == "zero-bubble"
-    sim = simulate(schedule_actions(schedule, p, m, v), forward=stage_times * FORWARD + a,
-                   backward=stage_times * (1 - FORWARD) + (2 if split else 1) * a,
-                   weight=stage_times * (1 - FORWARD) / 2 + a, p2p=p2p if p2p else 0.0)
-    end = np.zeros(p)
-    for ev in sim.timeline:
-        end[ev["rank"]] = max(end[ev["rank"]], ev["end"])
-    sync = pr.rank_sync(cuts, p)
-    step = float((end + sync).max())
-    held = in_flight(schedule, p, m, v)
-    rank_stages = [[k for k in range(r, S, p)] for r in range(p)]
-    mems = [nc.rank_memory([stages[k] for k in ks], held[ks]) for ks in rank_stages]
-    worst = max(range(p), key=lambda r: sum(mems[r].values()))
-    busiest = max(range(p), key=lambda r: sim.busy[r] + sync[r])
-    comm: dict[str, float] = {}
-    compute = 0.0
-    for k in rank_stages[busiest]:
-        j, i = stages[k]
-        compute += m * float(nc.compute[j:i].sum())
-        for idx in range(j, i):
-            for key, s in nc.comm_by[idx].items():
-                comm[key] = comm.get(key, 0.0) + m * s
-            for key, s in nc.sync_by[idx].items():
-                comm[key] = comm.get(key, 0.0) + s
-        sends = (p2p[k - 1] if k > 0 else 0.0) + (p2p[k] if k < S - 1 else 0.0)
-        if sends:
-            comm["send_recv@pipeline"] = comm.get("send_recv@pipeline", 0.0) + m * sends
-    return Estimate(step_time_s=step, compute_s=float(compute), comm_s=float(sum(comm.values())),
-                    memory_bytes={k: float(b) for k, b in mems[worst].items()},
-                    comm={k: float(s) for k, s in comm.items()},
-                    bubble_fraction=float(sim.bubble_fraction),
-                    stage_times_s=tuple(float(t) for t in stage_times + (3 if split else 2) * a))
+    def solve(self, pins: dict, limit: float | None = None) -> tuple[Plan, Solved]:
+        p, v, m, schedule = self.config
+        return solve_intra(self.cap, self.cl, self.world, p, pins,
+                           weights=memory_weights(schedule, p, m, v), grad_sync_scale=1.0 / m,
+                           memory_budget=self.budget if limit is None else limit, **self.solve_kw)
+
+    def cut(self, solved, limit: float | None = None, explain: bool = True):
+        """(Priced, StagePlan) of ``solved``; raises StagesDoNotFit when no cut fits."""
+        p, v, m, schedule = self.config
+        limit = self.budget if limit is None else limit
+        pr = price_plan(self.cap, solved[0], solved[1], self.cl, self.world, p, p * v)
+        sp = plan_stages(pr.layer_costs(), n_devices=p, global_batch=pr.nc.batch * m,
+                         memory_limit=max(limit - pr.extra_memory(), 1.0),
+                         bandwidth=pr.bandwidth, n_stages=p, micro_batches=m,
+                         schedule=schedule, virtual_stages=v, explain=explain)
+        return pr, sp
+
+    def fitting(self, solved):
+        """(solved, Priced, StagePlan) whose cut fits. The solver saw uniform stages; the
+        real ones (embedding, head, whole layers) hold more: when no cut of ``solved`` fits,
+        solve again with the budget short by the real overflow, then with every layer
+        recomputed; the last failure explains which stage overflows."""
+        try:
+            return (solved, *self.cut(solved, explain=False))
+        except StagesDoNotFit:
+            pass
+        retries = []
+        worst = worst_rank_memory(self.cap, solved, self.cl, self.world, self.config)
+        seen = sum(solved[0].estimate.memory_bytes.values())
+        if worst > self.budget and seen > 0:
+            retries.append((self.pins, self.budget * seen / worst * 0.98))
+        if not solved[0].recompute and self.pins.get("recompute") is None and _has_layers(self.cap):
+            retries.append(({**self.pins, "recompute": "full"}, self.budget))
+        for k, (pins, limit) in enumerate(retries):
+            last = k == len(retries) - 1
+            try:
+                again = self.solve(pins, limit)
+                return (again, *self.cut(again, explain=last))
+            except (StagesDoNotFit, InfeasibleError):
+                if last:
+                    raise
+        return (solved, *self.cut(solved))      # raises, saying which stage overflows
 
 
 # ---- choosing what the pins leave free ------------------------------------------------------
@@ -488,9 +304,9 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     intra = solved[0]
     batch = int(example_inputs[0].shape[0])
     try:
-        pr = _price(cap0, intra, solved[1], cl, world, p, p * max(v0, 4))
+        pr = price_plan(cap0, intra, solved[1], cl, world, p, p * max(v0, 4))
         sp, predicted = _choose(pr, p, batch, budget, pins,
-                                _allowed_micro_batches(batch, _batch_degree(cap0, intra)))
+                                _allowed_micro_batches(batch, batch_degree(cap0, intra)))
     except ValueError as e:
         if verbose:
             print(f"pipeline p={p}: keeping m={m0} {schedule0} ({e})")
@@ -521,116 +337,8 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     return base, cap0
 
 
-def stage_meshes(cl, d: int, pins: dict) -> list[tuple[int, int]]:
-    """(data, tensor) degrees the free search tries on a stage of ``d`` devices: tensor
-    parallelism t in 1, 2, 4, 8 inside a node, data parallelism over the rest (as pinned)."""
-    ts = [pins["tensor"]] if pins.get("tensor") else \
-        [t for t in (1, 2, 4, 8) if t <= cl.devices_per_node]
-    out = []
-    for t in ts:
-        if d % t or (pins.get("data") and pins["data"] != d // t):
-            continue
-        out.append((d // t, t))
-    return out
-
-
-def pipeline_degrees(cap: Captured, cl, world: int) -> list[int]:
-    """Pipeline degrees the free search tries: whole nodes per stage (devices per stage on
-    one node), at most one stage per layer."""
-    from autopar.analysis.layers import repeated_layers
-    from autopar.analysis.stages import chain
-    span = cl.nodes if cl.nodes > 1 else world
-    limit = len(repeated_layers(cap.gm)) or len(chain(cap))
-    return [p for p in PIPELINE_DEGREES if span % p == 0 and world % p == 0 and p <= limit]
-
-
 def _has_layers(cap: Captured) -> bool:
-    from autopar.analysis.layers import repeated_layers
     return bool(repeated_layers(cap.gm))
-
-
-def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int,
-                     pins: dict, *, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
-                     verbose=False) -> Plan | None:
-    """The best pipeline plan over ``pipeline_degrees`` (None when none fits). ``cap`` is
-    the full-batch graph: each degree's intra-stage plans are made on it (data x tensor
-    meshes, memory left to the pipeline model), priced per sample, with and without every
-    layer recomputed; only the winner is captured at its micro-batch and planned for real."""
-    from autopar.analysis.layers import select_layers
-    from autopar.solver.ilp import InfeasibleError
-    batch = int(example_inputs[0].shape[0])
-    budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    layers = select_layers(cap.gm, "full") if pins.get("recompute") is None and _has_layers(cap) else ()
-    state = state_bytes(cap, optimizer, pins.get("precision"))
-    found = []
-    for p in pipeline_degrees(cap, cl, world):
-        t0 = time.perf_counter()
-        best = None
-        for data, tensor in stage_meshes(cl, world // p, pins):
-            mesh = {"data": data, "tensor": tensor}
-            least = state / (p * tensor * (data if pins.get("zero") else 1))
-            if least > budget:          # the fullest rank holds at least this much state
-                if verbose:
-                    print(f"pipeline search p={p} data={data} tensor={tensor}: at least "
-                          f"{least / 2**30:.1f} GiB of parameters and optimizer state per device")
-                continue
-            # memory as one rank of a 1F1B pipeline with the smallest micro-batch (one
-            # sample per data-parallel rank) sees it: 1/p of the state, the activations of
-            # one micro-batch of the whole graph (p micro-batches of 1/p of it)
-            weights = memory_weights("1f1b", p, p, 1)
-            weights["activations"] *= data / batch
-            try:
-                intra, sol = solve_intra(cap, cl, world, p, {**pins, **mesh}, weights=weights,
-                                         memory_budget=budget, optimizer=optimizer,
-                                         time_limit_s=time_limit_s, explain=False)
-                pr = _price(cap, intra, sol, cl, world, p, 4 * p)
-                allowed = _allowed_micro_batches(batch, _batch_degree(cap, intra))
-            except (InfeasibleError, ValueError) as e:
-                if verbose:
-                    print(f"pipeline search p={p} data={data} tensor={tensor}: "
-                          f"{str(e).splitlines()[0][:100]}")
-                continue
-            for rec in ((), layers) if layers else ((),):
-                if rec:
-                    pr = replace(pr, nc=pr.nc.with_recompute(cap, rec))
-                try:
-                    sp, predicted = _choose(pr, p, batch, budget, pins, allowed)
-                except ValueError:
-                    continue
-                extra = {**mesh, **({"recompute": "full"} if rec or intra.recompute else {})}
-                if best is None or predicted < best[0]:
-                    best = (predicted, p, sp, extra)
-                break               # recomputing only when nothing fits without it
-        if verbose:
-            msg = (f"m={best[2].micro_batches} {best[2].schedule} v={best[2].virtual_stages}, "
-                   f"{best[3]}, predicted {best[0]:.4g} s") if best else "nothing fits"
-            print(f"pipeline search p={p}: {msg} ({time.perf_counter() - t0:.1f}s)")
-        if best is not None:
-            found.append(best)
-    for predicted, p, sp, extra in sorted(found, key=lambda x: x[0]):
-        config = (p, sp.virtual_stages, sp.micro_batches, sp.schedule)
-        try:
-            t0 = time.perf_counter()
-            mcap = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
-            return plan_pipeline(mcap, cl, world, pins, config, extra_pins=extra,
-                                 memory_budget=memory_budget, optimizer=optimizer,
-                                 time_limit_s=time_limit_s, capture_s=time.perf_counter() - t0,
-                                 verbose=verbose)
-        except (InfeasibleError, ValueError) as e:
-            if verbose:
-                print(f"pipeline p={p} m={config[2]} {config[3]}: {str(e).splitlines()[0][:120]}")
-    return None
-
-
-def state_bytes(cap: Captured, optimizer: str, precision: str | None) -> float:
-    """Bytes of parameters, gradients and optimizer state of the whole model, unsharded:
-    4 (2 + k) per parameter in fp32, 2 + 2 + 4 (1 + k) in mixed precision, for k
-    optimizer tensors per parameter (AdamW: 2)."""
-    from autopar.api import OPTIMIZER_STATES
-    k = OPTIMIZER_STATES.get(optimizer, 2)
-    per = 4 + 4 * (1 + k) if precision in ("bf16", "fp16") else 4 * (2 + k)
-    n = sum(cap.node(ph).meta["val"].numel() for ph in cap.params)
-    return float(n * per)
 
 
 def _sub_cluster(cl, d: int):
@@ -640,18 +348,3 @@ def _sub_cluster(cl, d: int):
     return replace(cl, name=f"{cl.name}[stage of {d}]", nodes=nodes, devices_per_node=per)
 
 
-def _local_bytes(cap: Captured, intra: Plan, node) -> float:
-    import operator
-    if node.target is operator.getitem:
-        base, k = node.args
-        val, name = base.meta["val"][k], base.name
-    else:
-        val, name, k = node.meta["val"], node.name, 0
-    np_ = intra.nodes.get(name)
-    shape = tuple(val.shape)
-    if np_ is not None and k < len(np_.outputs):
-        shape = local_shape(shape, np_.output(k), intra.mesh_shape) or shape
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return float(n * val.element_size())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import operator
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -105,7 +106,8 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
                   optimizer_states: int = 2) -> Problem:
     mesh_shape = tuple(mesh_shape)
     graph = cap.gm.graph
-    rep = _cached(cap, "repetition", _repetition_map)
+    index = graph_index(cap)
+    rep = index.repetition
     vars: dict[str, NodeVar] = {}
     alias: dict[str, tuple[str, int]] = {}   # getitem node -> (producer, output index)
     edges: dict[tuple, list] = {}
@@ -141,9 +143,7 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
                 raise NotImplementedError(
                     f"node {node.name} ({node.target}) returns no tensor: symbolic shapes "
                     "are not supported; export with static example inputs")
-            call = _cached(cap, "calls", dict).get(node.name)
-            if call is None:
-                call = _cached(cap, "calls", dict)[node.name] = make_call(node)
+            call = index.call(node)
             r = rep.get(node.name, node.name)
             if any(a.name in batch_nodes for a in node.all_input_nodes):
                 batch_nodes.add(node.name)
@@ -262,13 +262,32 @@ def _signature(node: torch.fx.Node) -> tuple:
             tuple(repr(m) for m in call.outputs))
 
 
-def _cached(cap: Captured, key: str, make):
-    """``make(cap)`` (or ``make()``), computed once per captured graph: a problem is built
-    per mesh (and per pipeline candidate), the graph's repetition and op calls are not."""
-    cache = cap.__dict__.setdefault("_problem_cache", {})
-    if key not in cache:
-        cache[key] = make(cap) if make is not dict else {}
-    return cache[key]
+@dataclass
+class GraphIndex:
+    """What ``build_problem`` reads of a graph whatever the mesh: the repeated-layer map and
+    each node's op call. A problem is built per mesh (and per pipeline candidate); this is
+    worked out once per graph (``graph_index``)."""
+    repetition: dict[str, str]
+    calls: dict[str, OpCall] = field(default_factory=dict)
+
+    def call(self, node: torch.fx.Node) -> OpCall:
+        got = self.calls.get(node.name)
+        if got is None:
+            got = self.calls[node.name] = make_call(node)
+        return got
+
+
+_INDEXES: "weakref.WeakKeyDictionary[torch.fx.GraphModule, GraphIndex]" = weakref.WeakKeyDictionary()
+"""The GraphIndex of each captured graph alive, keyed by its GraphModule (a captured graph is
+not rewritten in place: passes make new modules)."""
+
+
+def graph_index(cap: Captured) -> GraphIndex:
+    """The :class:`GraphIndex` of ``cap``'s graph, made on first use."""
+    index = _INDEXES.get(cap.gm)
+    if index is None:
+        index = _INDEXES[cap.gm] = GraphIndex(_repetition_map(cap))
+    return index
 
 
 def _repetition_map(cap: Captured) -> dict[str, str]:

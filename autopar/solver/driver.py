@@ -1,0 +1,133 @@
+"""The one search: ``solve`` plans a model for a cluster over meshes x pipeline degree x
+micro-batches x schedule x recomputation, and returns the Plan with the graph it runs on.
+
+``autopar.plan``, ``autopar.parallelize`` (on rank 0) and the CLI's ``plan`` and ``demo``
+all call it, so the same model, inputs, cluster and pins give the same plan everywhere.
+
+* ``pipeline=p > 1`` pinned: ``pipeline_search.plan_pipelined`` (the graph is captured at
+  the chosen micro-batch);
+* otherwise the full-batch graph is planned unpipelined (``flat.plan_captured``, every mesh
+  the pins allow, recomputation when memory binds) and, on a cluster of several nodes or
+  when nothing unpipelined fits, pipelines are searched too
+  (``pipeline_free.search_pipelines``); the least predicted step wins.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from autopar.capture import Captured, capture
+from autopar.cost_models.hardware import parse_cluster
+from autopar.plan import Plan
+from autopar.solver.errors import InfeasibleError
+from autopar.solver.flat import plan_captured
+from autopar.solver.pins import check_optimizer, check_pins, pipelined
+from autopar.solver.pipeline_free import search_pipelines
+from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
+
+
+class Planned(NamedTuple):
+    """A plan and the graph it runs on: captured at the plan's micro-batch when pipelined,
+    at the full batch otherwise."""
+    plan: Plan
+    captured: Captured
+
+
+def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
+          target: Any = None, cluster="local", world_size: int | None = None,
+          pins: dict | None = None, memory_budget: float | None = None,
+          mesh_shape: Sequence[int] | None = None, optimizer: str = "adamw",
+          time_limit_s: float = 60.0, verbose: bool = False, profiler=None,
+          captured: Captured | None = None, capture_s: float | None = None) -> Planned:
+    """The best plan of ``model`` for ``world_size`` devices (default: all) of ``cluster``.
+
+    ``loss_fn`` is captured in the graph when an example ``target`` is given (else the loss
+    runs outside it, on the replicated output). ``pins`` fix choices (see
+    ``autopar.solver.pins``). ``captured``: the full-batch graph when the caller has it
+    already (``capture_s`` the seconds it took), so it is not captured again.
+    """
+    pins = check_pins(dict(pins or {}))
+    check_optimizer(optimizer)
+    cl = parse_cluster(cluster)
+    world = world_size or cl.world_size
+    in_graph_loss = loss_fn if target is not None else None
+    if pipelined(pins):
+        if in_graph_loss is None:
+            raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
+                             "target= (the last stage computes the loss of each micro-batch)")
+        return Planned(*plan_pipelined(model, example_inputs, in_graph_loss, target, cl, world, pins,
+                                       memory_budget=memory_budget, optimizer=optimizer,
+                                       time_limit_s=time_limit_s, verbose=verbose,
+                                       profiler=profiler))
+    if captured is None:
+        t0 = time.perf_counter()
+        captured = capture(model, example_inputs, in_graph_loss, target)
+        capture_s = time.perf_counter() - t0
+    return search_captured(captured, model, example_inputs, in_graph_loss, target, cl, world,
+                           pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
+                           optimizer=optimizer, time_limit_s=time_limit_s,
+                           capture_s=capture_s or 0.0, verbose=verbose, profiler=profiler)
+
+
+def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,
+                    pins: dict, memory_budget=None, mesh_shape=None, optimizer="adamw",
+                    time_limit_s=60.0, capture_s=0.0, verbose=False, profiler=None) -> Planned:
+    """The best plan without a ``pipeline=`` pin > 1: unpipelined on the full-batch graph
+    ``cap`` and, where ``may_pipeline`` says so, pipelined; the least predicted step wins."""
+    flat, error = None, None
+    try:
+        flat = plan_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
+                             optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
+                             verbose=verbose, pins=pins, profiler=profiler)
+    except InfeasibleError as e:
+        error = e
+    if may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, flat is None):
+        if verbose:
+            print("searching pipelines" + (" (nothing unpipelined fits)" if flat is None else
+                                            f" against {flat.estimate.step_time_s:.4g} s unpipelined"))
+        piped = search_pipelines(cap, model, example_inputs, loss_fn, target, cl, world, pins,
+                                 memory_budget=memory_budget, optimizer=optimizer,
+                                 time_limit_s=time_limit_s, verbose=verbose)
+        if piped is not None and (flat is None or
+                                  piped[0].estimate.step_time_s < flat.estimate.step_time_s):
+            return Planned(*piped)
+    if flat is None:
+        raise error
+    return Planned(flat, cap)
+
+
+def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,
+                pins: dict, **kw) -> Plan:
+    """``search_captured``'s plan (for callers that hold the full-batch graph)."""
+    return search_captured(cap, model, example_inputs, loss_fn, target, cl, world, pins=pins, **kw).plan
+
+
+def may_pipeline(cap: Captured, example_inputs, cl, world, pins, mesh_shape, profiler,
+                 nothing_fits: bool) -> bool:
+    """Whether the free search considers pipelines: no pipeline pin (``pipeline=1`` means
+    none), more than one node (or nothing unpipelined fits), the loss in the graph, every
+    input split along dim 0, and room beside the data/tensor pins."""
+    if pins.get("pipeline") is not None or mesh_shape is not None or profiler is not None:
+        return False
+    if not (cl.nodes > 1 or nothing_fits) or world != cl.world_size or world < 2:
+        return False
+    if not (cap.has_loss and cap.takes_target):
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in example_inputs):
+        return False
+    fixed = (pins.get("data") or 1) * (pins.get("tensor") or 1)
+    return fixed < world
+
+
+def capture_for_plan(model, example_inputs, loss_fn, target, plan: Plan) -> Captured:
+    """The graph ``plan`` runs on (the loss in it when ``target`` is given): captured at the
+    plan's micro-batch when it is pipelined, at the full batch otherwise."""
+    in_graph_loss = loss_fn if target is not None else None
+    if plan.pipeline_stages > 1:
+        if in_graph_loss is None:
+            raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
+                             "target= (the last stage computes the loss of each micro-batch)")
+        return capture_microbatch(model, example_inputs, in_graph_loss, target, plan.n_microbatches)
+    return capture(model, example_inputs, in_graph_loss, target)

@@ -1,0 +1,48 @@
+"""The device meshes the solver tries for a world of devices, as the pins and
+``mesh_shape`` allow."""
+from __future__ import annotations
+
+import math
+
+
+def mesh_candidates(world: int, pins: dict, mesh_shape) -> list[tuple[tuple[int, ...], tuple[str, ...], dict]]:
+    """(mesh shape, axis names, {"data_axis", "tensor_axis"}) to try."""
+    if mesh_shape is not None:
+        mesh_shape = tuple(int(n) for n in mesh_shape)
+        prod = math.prod(mesh_shape)
+        if prod != world:
+            raise ValueError(f"mesh_shape {mesh_shape} has {prod} devices but the world has "
+                             f"{world}; use a mesh whose product is {world}")
+    if pins.get("data") is not None or pins.get("tensor") is not None:
+        return [_pinned_mesh(world, pins, mesh_shape)]
+    if pins.get("zero"):
+        return [((world,), ("data",), {"data_axis": 0})]
+    if mesh_shape is not None:
+        return [(mesh_shape, tuple(f"axis{i}" for i in range(len(mesh_shape))), {})]
+    out = [((world,), ("axis0",), {})]
+    for a in range(2, world):
+        if world % a == 0 and world // a >= 2:
+            out.append(((a, world // a), ("axis0", "axis1"), {}))
+    return out
+
+
+def _pinned_mesh(world: int, pins: dict, mesh_shape):
+    """The one mesh the ``data=`` / ``tensor=`` pins give."""
+    data, tensor = pins.get("data"), pins.get("tensor")
+    if data is None:
+        data = world // tensor if world % tensor == 0 else None
+    if tensor is None:
+        tensor = world // data if world % data == 0 else None
+    if data is None or tensor is None or data * tensor != world:
+        raise ValueError(f"pins data={pins.get('data')} tensor={pins.get('tensor')} do not "
+                         f"multiply to the world size {world}")
+    axes, shape, roles = [], [], {}
+    if data > 1 or tensor == 1:
+        roles["data_axis"] = len(shape)
+        axes.append("data"), shape.append(data)
+    if tensor > 1:
+        roles["tensor_axis"] = len(shape)
+        axes.append("tensor"), shape.append(tensor)
+    if mesh_shape is not None and tuple(shape) != mesh_shape:
+        raise ValueError(f"mesh_shape {mesh_shape} disagrees with pins data={data} tensor={tensor}")
+    return tuple(shape), tuple(axes), roles

@@ -1,0 +1,139 @@
+"""The free pipeline search (``autopar.plan`` without a ``pipeline=`` pin, on a cluster of
+more than one node or when nothing unpipelined fits): pipeline degrees p in {2, 4, 8, 16}
+dividing the node count (each stage whole nodes, so tensor parallelism stays inside a
+node's NVLink, as Megatron-LM does) and at most the number of layers; each planned on the
+full-batch graph (no capture per p) on meshes ``(d,)`` and ``(d / t, t)`` for t in 2, 4, 8
+(t within a node), with prices scaled per sample to choose m and the schedule; the best is
+captured at its micro-batch and planned as ``pipeline_search.plan_pipeline`` does.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from autopar.analysis.layers import repeated_layers, select_layers
+from autopar.analysis.stages import chain
+from autopar.capture import Captured
+from autopar.plan import Plan
+from autopar.solver.pipeline_price import batch_degree, memory_weights, price_plan, state_bytes
+from autopar.solver.pipeline_search import (
+    _allowed_micro_batches, _choose, _has_layers, capture_microbatch, plan_pipeline, solve_intra,
+)
+
+PIPELINE_DEGREES = (2, 4, 8, 16)
+"""Pipeline degrees the free search tries (``search_pipelines``)."""
+
+
+def stage_meshes(cl, d: int, pins: dict) -> list[tuple[int, int]]:
+    """(data, tensor) degrees the free search tries on a stage of ``d`` devices: tensor
+    parallelism t in 1, 2, 4, 8 inside a node, data parallelism over the rest (as pinned)."""
+    ts = [pins["tensor"]] if pins.get("tensor") else \
+        [t for t in (1, 2, 4, 8) if t <= cl.devices_per_node]
+    out = []
+    for t in ts:
+        if d % t or (pins.get("data") and pins["data"] != d // t):
+            continue
+        out.append((d // t, t))
+    return out
+
+
+def pipeline_degrees(cap: Captured, cl, world: int) -> list[int]:
+    """Pipeline degrees the free search tries: whole nodes per stage (devices per stage on
+    one node), at most one stage per layer."""
+    span = cl.nodes if cl.nodes > 1 else world
+    limit = len(repeated_layers(cap.gm)) or len(chain(cap))
+    return [p for p in PIPELINE_DEGREES if span % p == 0 and world % p == 0 and p <= limit]
+
+
+def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int,
+                     pins: dict, *, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
+                     verbose=False) -> tuple[Plan, Captured] | None:
+    """The best pipeline plan over ``pipeline_degrees`` and the graph captured at its
+    micro-batch (None when none fits). ``cap`` is the full-batch graph: each degree's
+    intra-stage plans are made on it (data x tensor meshes, memory left to the pipeline
+    model), priced per sample, with and without every layer recomputed; only the winner is
+    captured at its micro-batch and planned for real."""
+    search = _DegreeSearch(cap, cl, world, pins, int(example_inputs[0].shape[0]),
+                           memory_budget if memory_budget is not None else cl.device.memory_bytes,
+                           optimizer, time_limit_s, verbose)
+    found = []
+    for p in pipeline_degrees(cap, cl, world):
+        t0 = time.perf_counter()
+        best = search.best(p)
+        if verbose:
+            msg = (f"m={best[2].micro_batches} {best[2].schedule} v={best[2].virtual_stages}, "
+                   f"{best[3]}, predicted {best[0]:.4g} s") if best else "nothing fits"
+            print(f"pipeline search p={p}: {msg} ({time.perf_counter() - t0:.1f}s)")
+        if best is not None:
+            found.append(best)
+    for predicted, p, sp, extra in sorted(found, key=lambda x: x[0]):
+        config = (p, sp.virtual_stages, sp.micro_batches, sp.schedule)
+        try:
+            t0 = time.perf_counter()
+            mcap = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
+            return plan_pipeline(mcap, cl, world, pins, config, extra_pins=extra,
+                                 memory_budget=memory_budget, optimizer=optimizer,
+                                 time_limit_s=time_limit_s, capture_s=time.perf_counter() - t0,
+                                 verbose=verbose), mcap
+        except ValueError as e:     # InfeasibleError, PlanError, a schedule that cannot run
+            if verbose:
+                print(f"pipeline p={p} m={config[2]} {config[3]}: {str(e).splitlines()[0][:120]}")
+    return None
+
+
+class _DegreeSearch:
+    """The free search's best configuration for one pipeline degree, priced on the
+    full-batch graph."""
+
+    def __init__(self, cap, cl, world, pins, batch, budget, optimizer, time_limit_s, verbose):
+        self.cap, self.cl, self.world, self.pins, self.batch = cap, cl, world, pins, batch
+        self.budget, self.optimizer, self.time_limit_s, self.verbose = budget, optimizer, time_limit_s, verbose
+        self.layers = select_layers(cap.gm, "full") \
+            if pins.get("recompute") is None and _has_layers(cap) else ()
+        self.state = state_bytes(cap, optimizer, pins.get("precision"))
+
+    def best(self, p: int):
+        """(predicted step, p, StagePlan, intra pins) of least predicted step, or None."""
+        best = None
+        for data, tensor in stage_meshes(self.cl, self.world // p, self.pins):
+            got = self._on_mesh(p, data, tensor)
+            if got is not None and (best is None or got[0] < best[0]):
+                best = got
+        return best
+
+    def _on_mesh(self, p: int, data: int, tensor: int):
+        cap, pins, batch = self.cap, self.pins, self.batch
+        mesh = {"data": data, "tensor": tensor}
+        least = self.state / (p * tensor * (data if pins.get("zero") else 1))
+        if least > self.budget:          # the fullest rank holds at least this much state
+            self._say(p, mesh, f"at least {least / 2**30:.1f} GiB of parameters and optimizer "
+                               "state per device")
+            return None
+        # memory as one rank of a 1F1B pipeline with the smallest micro-batch (one sample per
+        # data-parallel rank) sees it: 1/p of the state, the activations of one micro-batch
+        # of the whole graph (p micro-batches of 1/p of it)
+        weights = memory_weights("1f1b", p, p, 1)
+        weights["activations"] *= data / batch
+        try:
+            intra, sol = solve_intra(cap, self.cl, self.world, p, {**pins, **mesh}, weights=weights,
+                                     memory_budget=self.budget, optimizer=self.optimizer,
+                                     time_limit_s=self.time_limit_s, explain=False)
+            pr = price_plan(cap, intra, sol, self.cl, self.world, p, 4 * p)
+            allowed = _allowed_micro_batches(batch, batch_degree(cap, intra))
+        except ValueError as e:          # InfeasibleError, PinError, ...
+            self._say(p, mesh, str(e).splitlines()[0][:100])
+            return None
+        for rec in ((), self.layers) if self.layers else ((),):
+            if rec:
+                pr = replace(pr, nc=pr.nc.with_recompute(cap, rec))
+            try:
+                sp, predicted = _choose(pr, p, batch, self.budget, pins, allowed)
+            except ValueError:
+                continue
+            # recomputing only when nothing fits without it
+            return predicted, p, sp, {**mesh, **({"recompute": "full"} if rec or intra.recompute else {})}
+        return None
+
+    def _say(self, p, mesh, why):
+        if self.verbose:
+            print(f"pipeline search p={p} data={mesh['data']} tensor={mesh['tensor']}: {why}")

@@ -1,0 +1,228 @@
+"""Prices of a pipeline: one intra-stage solution priced per node (``price_plan``), the cut
+points a stage DP considers, the link between stages, the memory of a pipeline rank, and the
+estimate of a pipeline plan (its simulated schedule).
+
+Read by ``autopar.solver.pipeline_search``; the prices per node are
+``autopar.solver.pipeline_costs``'.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from autopar.capture import Captured
+from autopar.placement import Shard, local_shape, parse_placements
+from autopar.plan import Estimate, Plan
+from autopar.schedule import schedule_actions
+from autopar.solver.pins import OPTIMIZER_STATES
+from autopar.solver.pipeline_costs import node_costs
+from autopar.solver.simulate import simulate
+from autopar.solver.stage_dp import LayerCosts, in_flight, plan_stages
+
+MAX_UNITS = 256
+"""Cut points the stage DP considers at most (the cheapest crossings of a large graph)."""
+FORWARD = 1 / 3      # forward's share of a stage's time (backward = 2 x forward)
+
+
+def memory_weights(schedule: str, p: int, m: int, v: int) -> dict[str, float]:
+    """Factors that turn the whole graph's memory (one micro-batch) into a pipeline rank's,
+    for uniform stages: 1/p of the state; the activations of the micro-batches its stages
+    hold at their peak (``stage_dp.in_flight``), each stage 1/(p v) of the graph."""
+    n = in_flight(schedule, p, m, v)
+    held = max(float(n[r::p].sum()) for r in range(p))
+    state = 1.0 / p
+    return {"params": state, "grads": state, "optimizer": state, "buffers": state,
+            "activations": held / (p * v)}
+
+
+@dataclass
+class Priced:
+    cap: Captured
+    intra: Plan
+    solved: object
+    nc: object                   # autopar.solver.pipeline_costs.NodeCosts
+    bounds: np.ndarray           # chain index where each DP unit starts, then L
+    bandwidth: float             # bytes/s per rank between neighbouring stages
+    latency: float
+    action: float = 0.0          # the runtime's seconds per scheduled action of a stage
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.bounds[1:-1]
+
+    def layer_costs(self):
+        """Per-sample costs of the DP units (``stage_dp.LayerCosts``)."""
+        nc, starts = self.nc, self.bounds[:-1]
+        b = nc.batch
+        fixed = nc.fixed()
+
+        def seg(a):
+            return np.add.reduceat(np.asarray(a, float), starts)
+        t = np.maximum(seg(nc.time) - seg(fixed), 0.0) / b
+        return LayerCosts(time=t, state_bytes=nc.state(starts), activation_bytes=seg(nc.activations) / b,
+                          boundary_bytes=nc.cross[self.positions - 1] / b, fixed_time=seg(fixed),
+                          action_time=self.action)
+
+    def extra_memory(self) -> float:
+        """Bytes every rank may hold besides state and activations: the recompute transient
+        and the micro-batch's inputs."""
+        inputs = sum(t.get("inputs", 0.0) for _, t, _ in self.nc.placeholders)
+        return self.nc.recompute_bytes + inputs
+
+    def rank_sync(self, cuts: Sequence[int], p: int) -> np.ndarray:
+        """Gradient reduction seconds per rank for chain cuts ``cuts``."""
+        bounds = (0, *cuts, len(self.nc.units))
+        sync = np.zeros(p)
+        for k, (j, i) in enumerate(zip(bounds[:-1], bounds[1:])):
+            sync[k % p] += self.nc.sync[j:i].sum()
+        return sync
+
+
+def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages: int) -> Priced:
+    nc = node_costs(cap, solved, lambda n: local_bytes(cap, intra, n), axes=intra.mesh_axes)
+    positions = cut_points(nc.cross, n_stages)
+    bw, lat = pipeline_link(cl, world // p, world)
+    return Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat,
+                   float(getattr(cl.device, "pipeline_action", 0.0)))
+
+
+def cut_points(cross: np.ndarray, n_stages: int) -> list[int]:
+    """Chain positions a cut may fall before: all of them in a small graph; in a large one
+    the ``MAX_UNITS`` where the fewest bytes cross (the boundaries between layers), at least
+    four per stage."""
+    L = len(cross) + 1
+    if L - 1 <= MAX_UNITS:
+        return list(range(1, L))
+    # the least crossing level that offers enough cut points (four per stage, and at least
+    # 64), every point at or under it (all layer boundaries alike), thinned evenly if many
+    want = min(L - 1, max(4 * n_stages, 64))
+    level = float(np.sort(cross)[want - 1]) * (1 + 1e-6)
+    chosen = [int(i) for i in np.flatnonzero(cross <= level)]
+    if len(chosen) > MAX_UNITS:
+        keep = np.linspace(0, len(chosen) - 1, MAX_UNITS).round().astype(int)
+        chosen = [chosen[k] for k in sorted(set(keep.tolist()))]
+    return [i + 1 for i in chosen]
+
+
+def pipeline_link(cl, d: int, world: int) -> tuple[float, float]:
+    """(bytes/s per rank, seconds of latency and wait) between neighbouring stages, ``d``
+    ranks apart.
+    Across nodes each rank gets its share of the node's NICs (one per GPU on a DGX)."""
+    dpn = cl.devices_per_node
+    if cl.nodes > 1 and world > dpn:
+        link = cl.inter
+        bw = min(float(link.bandwidth) / dpn, float(getattr(cl.intra, "bandwidth", math.inf)))
+    else:
+        link = cl.intra
+        bw = float(link.bandwidth)
+    if not math.isfinite(bw) or bw <= 0:
+        bw = 1e30
+    # a receive between computations waits for its peer as a collective does (Link.skew)
+    return bw, float(getattr(link, "latency", 0.0) or 0.0) + float(getattr(link, "skew", 0.0))
+
+
+def batch_degree(cap: Captured, intra: Plan) -> int:
+    """Devices the intra plan splits the batch over (dim 0 of the user inputs)."""
+    degree = 1
+    for name in cap.inputs:
+        np_ = intra.nodes.get(name)
+        if np_ is None or not np_.outputs:
+            continue
+        k = 1
+        for a, pl in enumerate(parse_placements(np_.outputs[0])):
+            if isinstance(pl, Shard) and pl.dim == 0:
+                k *= intra.mesh_shape[a]
+        degree = degree * k // math.gcd(degree, k)
+    return degree
+
+
+def worst_rank_memory(cap, solved, cl, world, config) -> float:
+    """Bytes per device of the fullest rank under the fastest cuts, memory aside."""
+    p, v, m, schedule = config
+    pr = price_plan(cap, solved[0], solved[1], cl, world, p, p * v)
+    sp = plan_stages(pr.layer_costs(), n_devices=p, global_batch=pr.nc.batch * m,
+                     memory_limit=math.inf, bandwidth=pr.bandwidth, n_stages=p, micro_batches=m,
+                     schedule=schedule, virtual_stages=v)
+    cuts = [int(pr.bounds[c]) for c in sp.cuts]
+    bounds = (0, *cuts, len(pr.nc.units))
+    stages = list(zip(bounds[:-1], bounds[1:]))
+    held = in_flight(schedule, p, m, v)
+    return max(sum(pr.nc.rank_memory([stages[k] for k in range(r, p * v, p)],
+                                     held[list(range(r, p * v, p))]).values()) for r in range(p))
+
+
+def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
+    """Step time (simulated schedule + once-per-step gradient reduction), per-device compute
+    and communication of the busiest rank, memory of the fullest rank."""
+    p, v, m, schedule = config
+    nc = pr.nc
+    S = p * v
+    bounds = (0, *cuts, len(nc.units))
+    stages = list(zip(bounds[:-1], bounds[1:]))
+    times = nc.time
+    stage_times = np.array([times[j:i].sum() for j, i in stages])
+    p2p = [float(nc.cross[c - 1] / pr.bandwidth + pr.latency) for c in cuts]
+    # the runtime's cost per action: F and B, or F, I and W (the backward pays two)
+    a = pr.action
+    split = schedule == "zero-bubble"
+    sim = simulate(schedule_actions(schedule, p, m, v), forward=stage_times * FORWARD + a,
+                   backward=stage_times * (1 - FORWARD) + (2 if split else 1) * a,
+                   weight=stage_times * (1 - FORWARD) / 2 + a, p2p=p2p if p2p else 0.0)
+    end = np.zeros(p)
+    for ev in sim.timeline:
+        end[ev["rank"]] = max(end[ev["rank"]], ev["end"])
+    sync = pr.rank_sync(cuts, p)
+    step = float((end + sync).max())
+    held = in_flight(schedule, p, m, v)
+    rank_stages = [[k for k in range(r, S, p)] for r in range(p)]
+    mems = [nc.rank_memory([stages[k] for k in ks], held[ks]) for ks in rank_stages]
+    worst = max(range(p), key=lambda r: sum(mems[r].values()))
+    busiest = max(range(p), key=lambda r: sim.busy[r] + sync[r])
+    comm: dict[str, float] = {}
+    compute = 0.0
+    for k in rank_stages[busiest]:
+        j, i = stages[k]
+        compute += m * float(nc.compute[j:i].sum())
+        for idx in range(j, i):
+            for key, s in nc.comm_by[idx].items():
+                comm[key] = comm.get(key, 0.0) + m * s
+            for key, s in nc.sync_by[idx].items():
+                comm[key] = comm.get(key, 0.0) + s
+        sends = (p2p[k - 1] if k > 0 else 0.0) + (p2p[k] if k < S - 1 else 0.0)
+        if sends:
+            comm["send_recv@pipeline"] = comm.get("send_recv@pipeline", 0.0) + m * sends
+    return Estimate(step_time_s=step, compute_s=float(compute), comm_s=float(sum(comm.values())),
+                    memory_bytes={k: float(b) for k, b in mems[worst].items()},
+                    comm={k: float(s) for k, s in comm.items()},
+                    bubble_fraction=float(sim.bubble_fraction),
+                    stage_times_s=tuple(float(t) for t in stage_times + (3 if split else 2) * a))
+
+
+def state_bytes(cap: Captured, optimizer: str, precision: str | None) -> float:
+    """Bytes of parameters, gradients and optimizer state of the whole model, unsharded:
+    4 (2 + k) per parameter in fp32, 2 + 2 + 4 (1 + k) in mixed precision, for k
+    optimizer tensors per parameter (AdamW: 2)."""
+    k = OPTIMIZER_STATES.get(optimizer, 2)
+    per = 4 + 4 * (1 + k) if precision in ("bf16", "fp16") else 4 * (2 + k)
+    n = sum(cap.node(ph).meta["val"].numel() for ph in cap.params)
+    return float(n * per)
+
+
+def local_bytes(cap: Captured, intra: Plan, node) -> float:
+    if node.target is operator.getitem:
+        base, k = node.args
+        val, name = base.meta["val"][k], base.name
+    else:
+        val, name, k = node.meta["val"], node.name, 0
+    np_ = intra.nodes.get(name)
+    shape = tuple(val.shape)
+    if np_ is not None and k < len(np_.outputs):
+        shape = local_shape(shape, np_.output(k), intra.mesh_shape) or shape
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return float(n * val.element_size())
