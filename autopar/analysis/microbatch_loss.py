@@ -9,32 +9,37 @@ samples in the loss must divide by the count of the WHOLE global batch, not the 
 padded targets with ``ignore_index``, class weights and ``reduction="sum"``).
 
 :func:`rewrite` (applied by ``solver.pipeline_search.capture_microbatch`` to the graph
-captured at micro-batch size) turns every mean-reducing loss over batch values — ATen's
-``cross_entropy_loss`` / ``nll_loss*`` with class-index targets (``weight``, ``ignore_index``,
-``label_smoothing``) or probability targets, the pointwise losses (mse, l1, smooth_l1,
-huber, kl_div, soft_margin, bce, bce_with_logits) and a plain ``mean`` over all elements —
-into ``sum(loss_none * scale)``, where ``scale`` is a new graph input (appended to
-``cap.inputs`` after the target, the shape of the per-element loss) every element of which
-is ``1 / D`` with ``D`` the denominator of the global batch:
+captured at micro-batch size) first finds where the loss sums over the batch. Values from
+the batch are ``B``, from parameters and constants only ``C``; a reduction over the batch
+dim of a ``B`` value (a loss op with ``mean`` / ``sum``, a ``sum`` / ``mean`` over dim 0 or
+over every element) is ``P``, partial over micro-batches. ``P`` stays ``P`` through linear
+ops (``P ± P``, ``P * C``, ``P / C``, views, casts, sums and means); read any other way it
+is a per-micro-batch value again (``B``: ``x - x.mean()`` inside a model is a batch
+statistic, per micro-batch as BatchNorm's). The loss must come out ``P``; then walking back
+from it through ``P`` values gives the batch reductions, and only those are rewritten:
 
-- class-index CE / NLL: the sum over non-ignored targets of ``weight[target]`` (the count
-  without ``weight``) over all micro-batches — torch's label-smoothing mean uses the same;
-- everything else: the per-element count times ``m``.
+- every mean-reducing one — ATen's ``cross_entropy_loss`` / ``nll_loss*`` with class-index
+  targets (``weight``, ``ignore_index``, ``label_smoothing``) or probability targets, the
+  pointwise losses (mse, l1, smooth_l1, huber, kl_div, soft_margin, bce, bce_with_logits),
+  ``mean`` — becomes ``sum(values * scale)`` (over the same dims), where ``scale`` is a new
+  graph input (appended to ``cap.inputs`` after the target, the shape of the values) every
+  element of which is ``1 / D``, ``D`` the denominator of the global batch: for class-index
+  CE / NLL the sum over non-ignored targets of ``weight[target]`` (their count without
+  ``weight``) over all micro-batches — torch's label-smoothing mean divides by the same —,
+  otherwise the count of elements per mean times ``m``;
+- a constant added to the partial loss (``P + C``, a regulariser) becomes ``C / m``;
+- sums stay as they are.
 
 The scale is an input, not a scalar inside the graph, so the solver shards it like the
-per-element loss (the batch on the data axis) and nothing crosses ranks for it; every
+values it multiplies (the batch on the data axis) and nothing crosses ranks for it; every
 element holds the same value, so any split of it is right. :func:`denominator_inputs`
 computes the scales of a step from the whole global batch (every rank has it). A target
 computed inside the graph (a Hugging Face model shifting its labels) is evaluated per
 micro-batch on the unsharded captured graph, ancestors of the target only.
 
-Then a small propagation checks that the loss really is a sum of micro-batch terms: values
-from the batch are ``B``, values from parameters and constants only ``C``, sums over batch
-values ``P`` (partial over micro-batches). ``P`` may go through linear ops (``P ± P``,
-``P * C``, ``P / C``, views, casts, sums and means); ``P ± C`` becomes ``P ± C / m``. Any
-other use of ``P`` (``exp(loss)``, ``loss * loss``) cannot be split into micro-batches: the
-reason is recorded and :func:`denominator_inputs` raises ``MicrobatchLossError`` naming the
-node (planning still works).
+A loss that is not a sum of micro-batch terms (``exp(loss)``, ``loss * loss``) is left as
+it is with the reason recorded: planning still works, and :func:`denominator_inputs` (the
+pipeline's step) raises ``MicrobatchLossError`` naming the op.
 
 Left as is: a division by a batch size baked into the graph as a number
 (``F.kl_div(..., reduction="batchmean")``, ``loss.sum() / x.size(0)``) divides by the
