@@ -22,6 +22,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from autopar.capture_hops import inline_higher_order_ops
+from autopar.capture_inplace import functionalize_inplace
+
 
 _EXPORT_LOCK = threading.Lock()   # torch.export keeps global tracing state: one at a time
 
@@ -100,6 +103,8 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
             with _EXPORT_LOCK:
                 ep = torch.export.export(root, args, strict=False)
             return _from_program(ep, wrapper, len(example_inputs), loss_fn is not None, method)
+        except CaptureError:
+            raise                 # export worked; the graph holds what autopar cannot plan
         except Exception as e:  # noqa: BLE001 - both causes are reported below
             errors.append((method, e))
     (m1, e1), (m2, e2) = errors
@@ -120,6 +125,8 @@ def _first_lines(e: BaseException, n: int = 3) -> str:
 def _from_program(ep, wrapper: nn.Module, n_inputs: int, has_loss: bool, method: str) -> Captured:
     sig = ep.graph_signature
     gm = ep.graph_module
+    inline_higher_order_ops(gm, sig.inputs_to_parameters)   # grad-mode, autocast-off regions
+    functionalize_inplace(gm)                               # x += y -> x + y where exact
     # Aliases: torch.export keeps one placeholder per tensor; name every parameter that is it.
     by_id: dict[int, list[str]] = {}
     for name, p in wrapper.named_parameters(remove_duplicate=False):

@@ -12,3 +12,4 @@ from autopar.sharding.rules import views  # noqa: F401
 from autopar.sharding.rules import embedding  # noqa: F401
 from autopar.sharding.rules import losses  # noqa: F401
 from autopar.sharding.rules import misc  # noqa: F401
+from autopar.sharding.rules import hf_masks  # noqa: F401

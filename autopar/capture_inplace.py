@@ -1,0 +1,118 @@
+"""In-place ATen ops in an exported graph, made out-of-place where that changes nothing.
+
+``torch.export``'s training IR is not functionalized: ``hidden += residual`` (ResNet, T5,
+Falcon, ...) stays ``aten.add_.Tensor(hidden, residual)``, and later readers of the value
+read that node. autopar's sharding rules describe functional ops: an in-place op has none,
+so it runs replicated (every such node gathers its input), and under a placement that hands
+it a slice of a replicated tensor it would write into the tensor the slice views.
+
+:func:`functionalize_inplace` turns ``op_(x, ...)`` into ``op(x, ...)`` when that is exact:
+
+- ``x`` is the fresh result of an op that returns new memory (not a view, not an input of the
+  graph — a parameter, buffer or user input — whose mutation the caller would see);
+- no view of ``x`` is taken by any other node (the view would see the write);
+- the out-of-place op gives the same dtype (every tensor operand has ``x``'s dtype, and no
+  float scalar meets an integer ``x``).
+
+Readers of ``x`` placed after the in-place node then read the new node (in eager they would
+see the written tensor). Anything else stays in place and runs replicated, as before.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+__all__ = ["functionalize_inplace"]
+
+aten = torch.ops.aten
+
+
+def _schema(node: Node):
+    t = node.target
+    return t._schema if node.op == "call_function" and isinstance(t, torch._ops.OpOverload) else None
+
+
+def _functional_twin(node: Node):
+    """``aten.add.Tensor`` for ``aten.add_.Tensor``; None for anything that is not an
+    in-place op writing its first argument, or has no out-of-place twin."""
+    s = _schema(node)
+    if s is None or not s.arguments or not s.returns:
+        return None
+    a0 = s.arguments[0].alias_info
+    if a0 is None or not a0.is_write or s.arguments[0].kwarg_only:
+        return None
+    packet = node.target.overloadpacket.__name__
+    if not packet.endswith("_") or packet.startswith("_"):
+        return None
+    twin = getattr(getattr(aten, packet[:-1], None), node.target._overloadname, None)
+    ts = getattr(twin, "_schema", None)
+    if ts is None or (twin is not aten.detach.default   # detach_ -> detach: same value
+                      and any(a.alias_info is not None for a in ts.arguments)):
+        return None
+    return twin
+
+
+def _returns_alias(node: Node) -> bool:
+    """The node's result may share memory with an input (a view, or an in-place result)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return _returns_alias(node.args[0])
+    s = _schema(node)
+    if s is None:
+        return True                      # placeholders, get_attr, unknown callables
+    return any(r.alias_info is not None for r in s.returns)
+
+
+def _takes_view(user: Node, x: Node) -> bool:
+    """``user`` may return a view of (or write into) ``x``."""
+    s = _schema(user)
+    if s is None:
+        return user.op != "output" and not (
+            user.op == "call_function" and user.target is operator.getitem)
+    return any(r.alias_info is not None for r in s.returns) or any(
+        a.alias_info is not None and a.alias_info.is_write for a in s.arguments)
+
+
+def _same_dtype(node: Node, x: Node) -> bool:
+    xv = x.meta.get("val")
+    if not isinstance(xv, torch.Tensor):
+        return False
+    for a in list(node.args[1:]) + list(node.kwargs.values()):
+        if isinstance(a, Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dtype != xv.dtype and v.ndim > 0:
+                return False
+            if isinstance(v, torch.Tensor) and v.ndim == 0 and (
+                    v.dtype.is_floating_point and not xv.dtype.is_floating_point):
+                return False
+        elif isinstance(a, float) and not xv.dtype.is_floating_point:
+            return False
+    return True
+
+
+def functionalize_inplace(gm: GraphModule) -> list[str]:
+    """Rewrite the in-place ops of ``gm`` that can be made out-of-place exactly (in place on
+    ``gm``); returns the names of the nodes rewritten."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done = []
+    for node in list(graph.nodes):
+        twin = _functional_twin(node)
+        if twin is None:
+            continue
+        x = node.args[0]
+        if not isinstance(x, Node) or _returns_alias(x) or not _same_dtype(node, x):
+            continue
+        others = [u for u in x.users if u is not node]
+        if any(_takes_view(u, x) for u in others):
+            continue
+        node.target = twin
+        for u in others:
+            if order[u] > order[node]:
+                u.replace_input_with(x, node)
+        done.append(node.name)
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done

@@ -1,0 +1,518 @@
+"""Hugging Face ``transformers`` models out of the box: capture, coverage, plans, gloo ranks.
+
+Every architecture in ``MATRIX`` is built from a tiny config (hidden 32, 2 layers, vocabulary
+128, sequence 16, batch 4; every dropout 0; eager attention, no KV cache) with random weights
+(nothing is downloaded) and checked four ways:
+
+- captured: ``autopar.capture`` gives one flat ATen graph, shapes on every node, no
+  higher-order op left (export's grad-mode / autocast-off regions, e.g. the rotary
+  embeddings, are inlined by ``autopar.capture_hops``);
+- coverage: the ops without a sharding rule equal the architecture's ``gaps`` (so a new gap,
+  or a fixed one, fails here until the matrix says so);
+- plans: ``autopar.plan`` free, with ``data=2``, with ``tensor=2``, and under a memory budget
+  below the replicated training state, whose plan holds fewer parameter bytes per device
+  than the model has;
+- gloo: 3 SGD steps on 2 gloo ranks under torchrun (``tests/hf_worker.py``, all cases in
+  one launch, started in the background when the module starts), loss, every gradient and
+  the weights equal to one device (``tests/equivalence.py``).
+
+The loss is the model's own where it computes one from ``labels`` (``loss_fn=None``,
+``OwnLoss`` wraps the call so the labels are an input), otherwise a cross-entropy on
+``out.logits`` with ``target=``. An architecture that cannot pass keeps its row with
+``fails``: the stage, the exception and the message it must raise (asserted, never skipped).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs transformers")
+
+import autopar  # noqa: E402
+from autopar.capture import CaptureError, capture  # noqa: E402
+from autopar.solver.errors import InfeasibleError  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+B, S, V, H = 4, 16, 128, 32
+tf = transformers
+
+
+# ---- building tiny models ------------------------------------------------------------------
+
+def zero_dropout(cfg):
+    """Every ``*drop*`` field (dropout, *_pdrop, layerdrop, drop_path_rate) to 0."""
+    for k, v in list(cfg.to_dict().items()):
+        if "drop" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
+            setattr(cfg, k, 0.0)
+    return cfg
+
+
+def lm_loss(out, y):
+    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def cls_loss(out, y):
+    return F.cross_entropy(out.logits, y)
+
+
+class OwnLoss(torch.nn.Module):
+    """``forward(input_ids, labels) -> model(input_ids=..., labels=...).loss``: a model's own
+    loss, with the labels an example input (autopar's inputs are positional)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def token_ids(seed: int, n: int = S) -> torch.Tensor:
+    return torch.randint(0, V, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+def pixels() -> tuple:
+    return (torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(5)),)
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module
+    inputs: tuple
+    loss_fn: Callable | None
+    target: object
+
+
+def _model(cfg_cls, model_cls, kw, attn="eager", cache=True):
+    cfg = zero_dropout(cfg_cls(**kw))
+    if cache:
+        cfg.use_cache = False
+    torch.manual_seed(0)
+    try:
+        return model_cls._from_config(cfg, attn_implementation=attn)
+    except (ValueError, TypeError):       # models without an attention implementation
+        return model_cls(cfg)
+
+
+def causal_lm(cfg_cls, model_cls, own_loss=False, **kw):
+    def build() -> Built:
+        m = _model(cfg_cls, model_cls, kw)
+        if own_loss:
+            return Built(OwnLoss(m), (token_ids(1), token_ids(2)), None, None)
+        return Built(m, (token_ids(1),), lm_loss, token_ids(2))
+    return build
+
+
+def image_cls(cfg_cls, model_cls, **kw):
+    def build() -> Built:
+        m = _model(cfg_cls, model_cls, {**kw, "num_labels": 10}, cache=False)
+        y = torch.randint(0, 10, (B,), generator=torch.Generator().manual_seed(3))
+        return Built(m, pixels(), cls_loss, y)
+    return build
+
+
+def seq2seq(cfg_cls, model_cls, **kw):
+    def build() -> Built:
+        m = _model(cfg_cls, model_cls, kw)
+        mask = torch.ones(B, S, dtype=torch.long)
+        return Built(m, (token_ids(1), mask, token_ids(4)), lm_loss, token_ids(2))
+    return build
+
+
+DEC = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+ENC = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, max_position_embeddings=64)
+
+
+# ---- the matrix ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fails:
+    """An expected failure: at ``stage`` ("capture", "plan" or "gloo") with ``error`` whose
+    message matches ``match``; ``why`` is the concrete reason."""
+    stage: str
+    error: type
+    match: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Arch:
+    build: Callable[[], Built]
+    family: str
+    gaps: tuple[str, ...] = ()           # ops without a sharding rule (sorted)
+    gloo: tuple[dict, ...] = ({"tensor": 2},)   # pins of the gloo runs
+    fails: Fails | None = None
+    notes: str = ""
+
+
+MATRIX: dict[str, Arch] = {
+    # decoders
+    "gpt2": Arch(causal_lm(tf.GPT2Config, tf.GPT2LMHeadModel, vocab_size=V, n_positions=64,
+                           n_embd=H, n_layer=2, n_head=4), "decoder",
+                 gloo=({"tensor": 2}, {"data": 2})),
+    "gpt2-own-loss": Arch(causal_lm(tf.GPT2Config, tf.GPT2LMHeadModel, own_loss=True,
+                                    vocab_size=V, n_positions=64, n_embd=H, n_layer=2, n_head=4),
+                          "decoder"),
+    "llama": Arch(causal_lm(tf.LlamaConfig, tf.LlamaForCausalLM, **DEC), "decoder",
+                  gloo=({"tensor": 2}, {"data": 2})),
+    "mistral": Arch(causal_lm(tf.MistralConfig, tf.MistralForCausalLM, **DEC), "decoder"),
+    "qwen2": Arch(causal_lm(tf.Qwen2Config, tf.Qwen2ForCausalLM, **DEC), "decoder"),
+    "gemma": Arch(causal_lm(tf.GemmaConfig, tf.GemmaForCausalLM, head_dim=8, **DEC), "decoder"),
+    "phi": Arch(causal_lm(tf.PhiConfig, tf.PhiForCausalLM, **DEC), "decoder"),
+    "gpt_neox": Arch(causal_lm(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
+                               **{k: v for k, v in DEC.items() if k != "num_key_value_heads"}),
+                     "decoder"),
+    "opt": Arch(causal_lm(tf.OPTConfig, tf.OPTForCausalLM, vocab_size=V, hidden_size=H,
+                          ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                          max_position_embeddings=64, word_embed_proj_dim=H), "decoder"),
+    "falcon": Arch(causal_lm(tf.FalconConfig, tf.FalconForCausalLM, vocab_size=V, hidden_size=H,
+                             num_hidden_layers=2, num_attention_heads=4), "decoder"),
+    "bloom": Arch(causal_lm(tf.BloomConfig, tf.BloomForCausalLM, vocab_size=V, hidden_size=H,
+                            n_layer=2, n_head=4), "decoder"),
+    # encoders
+    "bert": Arch(causal_lm(tf.BertConfig, tf.BertForMaskedLM, **ENC), "encoder"),
+    "roberta": Arch(causal_lm(tf.RobertaConfig, tf.RobertaForMaskedLM, pad_token_id=1,
+                              **{**ENC, "max_position_embeddings": 66}), "encoder"),
+    "distilbert": Arch(causal_lm(tf.DistilBertConfig, tf.DistilBertForMaskedLM, vocab_size=V,
+                                 dim=H, hidden_dim=64, n_layers=2, n_heads=4,
+                                 max_position_embeddings=64), "encoder"),
+    # vision
+    "vit": Arch(image_cls(tf.ViTConfig, tf.ViTForImageClassification, image_size=32,
+                          patch_size=8, num_channels=3, hidden_size=H, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4), "vision"),
+    "resnet": Arch(image_cls(tf.ResNetConfig, tf.ResNetForImageClassification,
+                             embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1]), "vision",
+                   gaps=("aten.add_.Tensor",),
+                   notes="gap: BatchNorm's num_batches_tracked += 1, an in-place update of a "
+                         "0-dim buffer (replicated; nothing to shard)"),
+    "convnext": Arch(image_cls(tf.ConvNextConfig, tf.ConvNextForImageClassification,
+                               hidden_sizes=[16, 32], depths=[1, 1], num_stages=2), "vision"),
+    # encoder-decoder
+    "t5": Arch(seq2seq(tf.T5Config, tf.T5ForConditionalGeneration, vocab_size=V, d_model=H,
+                       d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0),
+               "encoder-decoder"),
+    "bart": Arch(seq2seq(tf.BartConfig, tf.BartForConditionalGeneration, vocab_size=V, d_model=H,
+                         encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                         max_position_embeddings=64), "encoder-decoder"),
+}
+NAMES = sorted(MATRIX)
+
+
+@functools.lru_cache(maxsize=None)
+def built(name: str) -> Built:
+    return MATRIX[name].build()
+
+
+def _fails(name: str, stage: str) -> Fails | None:
+    f = MATRIX[name].fails
+    return f if f is not None and f.stage == stage else None
+
+
+def _reached(name: str, stage: str) -> bool:
+    """False when the architecture is expected to fail at an earlier stage."""
+    f = MATRIX[name].fails
+    order = ["capture", "plan", "gloo"]
+    return f is None or order.index(f.stage) >= order.index(stage)
+
+
+# ---- capture and coverage ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_capture_and_coverage(name):
+    b = built(name)
+    f = _fails(name, "capture")
+    if f is not None:
+        with pytest.raises(f.error, match=f.match):
+            capture(b.model, b.inputs, b.loss_fn, b.target)
+        return
+    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+    for n in cap.gm.graph.nodes:
+        assert not isinstance(n.target, torch._ops.HigherOrderOperator), f"{n.name}: {n.target}"
+        assert n.op in ("placeholder", "call_function", "output"), f"{n.name}: {n.op} {n.target}"
+        assert n.op == "output" or "val" in n.meta, f"{n.name} has no shape"
+    assert cap.has_loss and cap.loss
+    cov = autopar.coverage(b.model, b.inputs, b.loss_fn, target=b.target)
+    assert tuple(sorted(cov.missing)) == MATRIX[name].gaps, str(cov)
+
+
+# ---- plans ---------------------------------------------------------------------------------
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plans(name):
+    if not _reached(name, "plan"):
+        pytest.skip(f"expected to fail earlier: {MATRIX[name].fails.why}")
+    b = built(name)
+    kw = dict(target=b.target, cluster="cpu:2")
+    f = _fails(name, "plan")
+    if f is not None:
+        with pytest.raises(f.error, match=f.match):
+            autopar.plan(b.model, b.inputs, b.loss_fn, **kw)
+        return
+    full = _param_bytes(b.model)
+    free = autopar.plan(b.model, b.inputs, b.loss_fn, **kw)
+    dp = autopar.plan(b.model, b.inputs, b.loss_fn, data=2, **kw)
+    tp = autopar.plan(b.model, b.inputs, b.loss_fn, tensor=2, **kw)
+    for p in (free, dp, tp):
+        assert p.world_size == 2 and p.solver.status in ("OPTIMAL", "FEASIBLE"), p.solver
+    assert dp.mesh_shape == (2,) and tp.mesh_shape == (2,)
+    assert tp.estimate.memory_bytes["params"] < full, tp.estimate.memory_bytes
+    # A budget a quarter of the parameters' bytes above the smallest plan: every plan that
+    # keeps the weights whole (even with ZeRO-2 and recomputation) needs at least half of
+    # them more than the smallest one, which stores them sharded.
+    budget = _smallest_plan_bytes(b, **kw) + 0.25 * full
+    tight = autopar.plan(b.model, b.inputs, b.loss_fn, memory_budget=budget, **kw)
+    assert tight.estimate.memory_total <= budget
+    assert tight.estimate.memory_bytes["params"] < full, tight.estimate.memory_bytes
+
+
+def _smallest_plan_bytes(b: Built, **kw) -> float:
+    """The memory of the smallest plan, as autopar reports it for a budget nothing fits."""
+    with pytest.raises(InfeasibleError) as e:
+        autopar.plan(b.model, b.inputs, b.loss_fn, memory_budget=1, **kw)
+    m = re.search(r"smallest plan needs ([\d.]+) (B|KiB|MiB|GiB)", str(e.value))
+    assert m, f"the infeasible plan does not say what fits: {e.value}"
+    return float(m.group(1)) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
+
+
+# ---- higher-order ops, in-place ops and the mask rules, on small modules ------------------
+
+def _grads_through_graph(cap, model, inputs):
+    """Run the captured graph with the model's parameters and return its loss and the
+    parameters' gradients (by graph placeholder)."""
+    state = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    args = []
+    for n in cap.gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if n.name in cap.params:
+            args.append(state[cap.params[n.name][0]])
+        elif n.name in cap.buffers:
+            args.append(buffers[cap.buffers[n.name]])
+    args += list(inputs)
+    out = cap.gm(*args)
+    loss = out[0]
+    model.zero_grad()
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in state.items()}
+
+
+class _NoGradScale(torch.nn.Module):
+    """A weight read twice: once with grad disabled (nested: grad enabled again inside, and
+    an autocast-off region), once normally; only the normal use has a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            gate = self.lin(x).sigmoid()
+            with torch.enable_grad():
+                inner = self.out(x).tanh()
+        with torch.autocast("cpu", enabled=False):
+            y = self.lin(x) * gate + inner
+        return (y * y).sum()
+
+
+def test_grad_mode_and_autocast_off_regions_are_inlined_with_their_semantics():
+    from autopar.capture_hops import higher_order_ops
+    torch.manual_seed(0)
+    model, x = _NoGradScale(), torch.randn(4, 8)
+    ep = torch.export.export(model, (x,), strict=False)
+    assert {name for _, name in higher_order_ops(ep.graph_module)} == {
+        "wrap_with_set_grad_enabled", "wrap_with_autocast"}
+    cap = capture(model, (x,))
+    ops = [n.target for n in cap.gm.graph.nodes if n.op == "call_function"]
+    assert not [t for t in ops if isinstance(t, torch._ops.HigherOrderOperator)]
+    assert not list(cap.gm.named_children()), "the regions' bodies are left on the module"
+    assert torch.ops.aten.detach.default in ops        # no gradient into the no-grad region
+    loss, grads = _grads_through_graph(cap, model, (x,))
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(x)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    for k, p in ref_model.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(grads[k], want, msg=lambda m: f"{k}: {m}")
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda t: self.lin(t), lambda t: -self.lin(t), (x,)).sum()
+
+
+class _Autocast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.lin(x)
+        return y.float().sum()
+
+
+@pytest.mark.parametrize("module,match", [
+    (_Branchy, r"(?s)higher-order op torch.ops.higher_order.cond \(node cond, module .*"
+               r"Fix: .*torch.where"),
+    (_Autocast, r"(?s)torch.autocast\('cpu', dtype=torch.bfloat16, enabled=True\).*"
+                r"Fix: remove the autocast region"),
+])
+def test_other_higher_order_ops_are_named(module, match):
+    with pytest.raises(CaptureError, match=match):
+        capture(module(), (torch.randn(4, 8),))
+    with pytest.raises(CaptureError, match=match):
+        autopar.plan(module(), (torch.randn(4, 8),), cluster="cpu:2")
+
+
+class _InPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h += self.b(x)              # a fresh result: made out-of-place
+        v = h.view(4, 2, 4)
+        v.mul_(2.0)                 # a view: stays in place
+        return self.bn(h).sum()     # num_batches_tracked += 1: a buffer, stays in place
+
+
+def test_inplace_ops_on_fresh_results_become_out_of_place():
+    torch.manual_seed(0)
+    model, x = _InPlace(), torch.randn(4, 8)
+    cap = capture(copy.deepcopy(model), (x,))
+    targets = [str(n.target) for n in cap.gm.graph.nodes if n.op == "call_function"]
+    assert "aten.add.Tensor" in targets and "aten.add_.Tensor" in targets   # the buffer's
+    assert "aten.mul_.Tensor" in targets
+    loss, grads = _grads_through_graph(cap, copy.deepcopy(model), (x,))
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(x)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    for k, p in ref_model.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, msg=lambda m: f"{k}: {m}")
+
+
+def test_mask_rules_match_one_device():
+    from autopar.sharding.check import call_from_tensors, check_strategy
+    from autopar.sharding.registry import axis_strategies, mesh_strategies
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=g)
+    b1, b2 = torch.rand(4, 1, 8, generator=g) > 0.5, torch.rand(4, 8, 8, generator=g) > 0.5
+    ids = torch.randint(0, 9, (4, 8), generator=g)
+    cases = [
+        (aten.__and__.Tensor, (b1, b2), {}),
+        (aten.__or__.Tensor, (b2, b1), {}),
+        (aten.min.other, (x, torch.full_like(x, 0.3)), {}),
+        (aten.max.other, (x, x.flip(0)), {}),
+        (aten.diff.default, (x, 1, -1, x[:, :1].clone()), {}),
+        (aten.diff.default, (ids, 1, -1, ids[:, :1] - 1), {}),
+        (aten.new_ones.default, (x, []), {"dtype": torch.bool}),
+        (aten.new_zeros.default, (x, [3, 2]), {}),
+    ]
+    for op, args, kw in cases:
+        call, _ = call_from_tensors(op, args, kw)
+        assert len(axis_strategies(call)) > 1, f"{op} offers only Replicate"
+        for mesh in [(2,), (2, 2)]:
+            for combo in mesh_strategies(call, mesh):
+                check_strategy(op, args, kw, combo, mesh)
+
+
+# ---- gloo ranks ----------------------------------------------------------------------------
+
+def _pin_id(pins: dict) -> str:
+    return "-".join(f"{k}{v}" for k, v in sorted(pins.items())) or "free"
+
+
+GLOO = [(name, pins) for name in NAMES if _reached(name, "gloo") for pins in MATRIX[name].gloo]
+GLOO_IDS = [f"{name}-{_pin_id(pins)}" for name, pins in GLOO]
+
+
+class _Launch:
+    """One torchrun launch (2 gloo ranks) running every gloo case, started in the background
+    when the module's first test runs (planning tests run meanwhile), read by each case."""
+
+    def __init__(self, tmp):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.out = tmp / "hf_gloo.json"
+        cases = [{"id": i, "name": n, "pins": p} for i, (n, p) in zip(GLOO_IDS, GLOO)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port),
+               os.path.join(HERE, "hf_worker.py"), json.dumps(cases), str(self.out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_CASE_TIMEOUT": "180"}
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        self.done = None
+
+    def result(self, case_id: str) -> dict:
+        if self.done is None:
+            _, err = self.proc.communicate(timeout=1200)
+            results = json.loads(self.out.read_text()) if self.out.exists() else []
+            noise = ("Warning", "warn(", "return func(")
+            log = "\n".join(x for x in err.splitlines() if not any(w in x for w in noise))
+            failed = "" if self.proc.returncode == 0 else f"torchrun failed ({self.proc.returncode}):\n{log[-6000:]}"
+            self.done = ({r["case"]["id"]: r for r in results}, failed,
+                         time.perf_counter() - self.t0)
+        results, failed, _ = self.done
+        r = results.get(case_id)
+        assert r is not None, f"{case_id}: no result, the launch ended before it\n{failed}"
+        return r
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launch(request, tmp_path_factory):
+    """Start the launch at once if any gloo case of this module is selected."""
+    selected = any(getattr(item, "originalname", "") == "test_gloo_equals_one_device"
+                   and item.module is request.module for item in request.session.items)
+    run = _Launch(tmp_path_factory.mktemp("hf_gloo")) if selected and GLOO else None
+    yield run
+    if run is not None and run.proc.poll() is None:
+        run.proc.kill()
+        run.proc.communicate()
+
+
+@pytest.mark.parametrize("name,pins", GLOO, ids=GLOO_IDS)
+def test_gloo_equals_one_device(launch, name, pins):
+    r = launch.result(f"{name}-{_pin_id(pins)}")
+    f = _fails(name, "gloo")
+    if f is not None:
+        assert not r["ok"] and re.search(f.match, r["error"]), r.get("error")
+        return
+    assert r["ok"], f"{r['error']}\n{r.get('trace', '')}"
+    assert r["mesh"] == [2]
+    w = r["worst"]
+    print(f"{name} {pins}: loss {w['loss']:.1e} grad {w['grad']:.1e} weight {w['weight']:.1e} "
+          f"({r['seconds']:.1f}s)")
