@@ -51,134 +51,24 @@ which is what makes a data-parallel sub-mesh cost something against a deeper pip
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from autopar.schedule import SCHEDULES, check_schedule, schedule_actions, torch_schedule_class
+from autopar.schedule import SCHEDULES, check_schedule, schedule_actions
 from autopar.solver.simulate import simulate
+from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
+from autopar.solver.stage_tables import (
+    INF, Candidate, Tables, bubble_rho, in_flight, price, ring_factor,
+)
 
-__all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit", "stage_dp", "plan_stages", "simulate_plan"]
+__all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit", "stage_dp", "plan_stages", "simulate_plan",
+           "in_flight"]
 
-INF = float("inf")
-
-
-class StagesDoNotFit(ValueError):
-    """No cut of the chain into stages fits the memory limit (``plan_stages``)."""
 DEFAULT_VIRTUAL = (2, 3, 4)
-
-
-# ---- inputs and outputs -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """Per-layer costs of a chain of L layers, for one sample on one device."""
-
-    time: Sequence[float]
-    """Forward + backward seconds of layer i, per sample."""
-    state_bytes: Sequence[float]
-    """Parameters + gradients + optimizer state of layer i."""
-    activation_bytes: Sequence[float]
-    """Activations layer i saves for backward, per sample."""
-    boundary_bytes: Sequence[float]
-    """Bytes per sample crossing a cut after layer i, for i = 0 .. L-2 (length L - 1)."""
-    fixed_time: Sequence[float] | None = None
-    """Seconds of layer i per micro-batch that do not shrink with the micro-batch size or
-    the sub-mesh (kernel launches, small-op latency); None = zeros. It is what makes many
-    tiny micro-batches cost something."""
-    sync_bytes: Sequence[float] | None = None
-    """Bytes of layer i all-reduced across its stage's sub-mesh once per step (gradients
-    under data parallelism); None = zeros."""
-    action_time: float = 0.0
-    """Seconds the pipeline runtime adds to every action of a stage (F and B, or F, I and W
-    under zero bubble) whatever its layers: ``Device.pipeline_action``."""
-    forward_fraction: float = 1 / 3
-    """Forward's share of ``time`` (backward = 2 x forward, as Megatron-LM assumes)."""
-    weight_fraction: float = 0.5
-    """Weight-gradient share of the backward (zero-bubble's W; the rest is I)."""
-
-    def __post_init__(self):
-        for name in ("fixed_time", "sync_bytes"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, np.zeros(len(self.time)))
-        arrays = {}
-        for name in ("time", "state_bytes", "activation_bytes", "boundary_bytes", "fixed_time",
-                     "sync_bytes"):
-            arr = np.asarray(getattr(self, name), dtype=float)
-            if arr.ndim != 1:
-                raise ValueError(f"LayerCosts.{name} must be one-dimensional, got shape {arr.shape}")
-            if not np.isfinite(arr).all() or (arr < 0).any():
-                raise ValueError(f"LayerCosts.{name} must be finite and >= 0")
-            arrays[name] = arr
-        n = arrays["time"].shape[0]
-        if n == 0:
-            raise ValueError("LayerCosts needs at least one layer")
-        for name in ("state_bytes", "activation_bytes", "fixed_time", "sync_bytes"):
-            if arrays[name].shape[0] != n:
-                raise ValueError(f"LayerCosts.{name} has {arrays[name].shape[0]} entries for {n} layers")
-        if arrays["boundary_bytes"].shape[0] != n - 1:
-            raise ValueError(f"LayerCosts.boundary_bytes needs one entry per cut point ({n - 1} for "
-                             f"{n} layers), got {arrays['boundary_bytes'].shape[0]}")
-        if not (0 < self.forward_fraction < 1 and 0 <= self.weight_fraction <= 1):
-            raise ValueError("forward_fraction must be in (0, 1) and weight_fraction in [0, 1]")
-        for name, arr in arrays.items():
-            arr.flags.writeable = False
-            object.__setattr__(self, name, arr)
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.time)
-
-    def split(self) -> tuple[float, float, float]:
-        """Fractions (F, I, W) of a stage's forward + backward time."""
-        f = self.forward_fraction
-        return f, (1 - f) * (1 - self.weight_fraction), (1 - f) * self.weight_fraction
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """The pipeline decision: where the chain is cut, how it is scheduled, what it costs."""
-
-    cuts: tuple[int, ...]
-    """First layer of stages 1 .. S-1 (S = n_stages * virtual_stages); stage k holds
-    layers cuts[k-1] .. cuts[k] - 1."""
-    n_stages: int
-    """Pipeline ranks p."""
-    micro_batches: int
-    schedule: str
-    virtual_stages: int
-    """Stages per rank v; stage k runs on rank k mod n_stages."""
-    devices_per_stage: int
-    """Devices of each rank's data/tensor sub-mesh (n_devices / n_stages)."""
-    stage_times: tuple[float, ...]
-    """Forward + backward seconds of each of the S stages for one micro-batch."""
-    boundary_times: tuple[float, ...]
-    """One-way transfer seconds across each of the S - 1 cuts for one micro-batch."""
-    predicted_step_time: float
-    """Pipeline time (what ``simulate_plan`` times) + ``sync_time``."""
-    bubble_fraction: float
-    """1 - busy area / (ranks x pipeline time), idle from fill, drain and imbalance."""
-    memory_per_stage: tuple[float, ...]
-    """Peak bytes per device of each pipeline rank (its v stages together)."""
-    sync_time: float = 0.0
-    """Once-per-step all-reduce of the slowest rank's ``sync_bytes`` over its sub-mesh."""
-    forward_fraction: float = 1 / 3
-    weight_fraction: float = 0.5
-    n_layers: int = field(default=0)
-
-    @property
-    def stage_layers(self) -> tuple[tuple[int, int], ...]:
-        """(first, last + 1) layer of every stage."""
-        bounds = (0, *self.cuts, self.n_layers)
-        return tuple(zip(bounds[:-1], bounds[1:]))
-
-    @property
-    def torch_schedule(self) -> type:
-        return torch_schedule_class(self.schedule)
 
 
 # ---- the DP ---------------------------------------------------------------------------------
@@ -228,98 +118,6 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
     return bottleneck, tuple(reversed(cuts))
 
 
-# ---- building the DP's arrays ---------------------------------------------------------------
-
-
-def _interval(prefix: np.ndarray) -> np.ndarray:
-    """m[j, i] = prefix[i] - prefix[j]: the sum over layers j .. i-1."""
-    return prefix[None, :] - prefix[:, None]
-
-
-def in_flight(schedule: str, n_stages: int, micro_batches: int, virtual: int) -> np.ndarray:
-    """Micro-batches of activations each of the S = p * v stages holds at its peak."""
-    p, m, v = n_stages, micro_batches, virtual
-    ranks = np.arange(p * v) % p
-    if schedule == "gpipe":
-        return np.full(p * v, float(m))
-    if schedule == "1f1b":
-        return np.minimum(p - ranks, m).astype(float)
-    if schedule == "zero-bubble":
-        return np.full(p * v, float(min(p, m)))
-    per_round = m // max(1, m // p)
-    depth = np.minimum((v - 1) * per_round + 2 * (p - 1 - ranks) + 1, m * v)
-    return depth / v
-
-
-def bubble_rho(schedule: str, virtual: int, split: tuple[float, float, float]) -> float:
-    """Fill/drain cost per unit of ``sum R - max R`` (see the module docstring)."""
-    if schedule == "interleaved-1f1b":
-        return 1.0 / virtual
-    if schedule == "zero-bubble":
-        f, i, w = split
-        return max(f + i - w, i, f) / (f + i + w)
-    return 1.0
-
-
-@dataclass(frozen=True)
-class _Candidate:
-    p: int
-    m: int
-    schedule: str
-    v: int
-
-
-class _Tables:
-    """Prefix sums of the per-layer arrays, shared by every candidate."""
-
-    def __init__(self, costs: LayerCosts):
-        self.costs = costs
-        self.L = costs.n_layers
-        zero = np.zeros(1)
-        self.time = _interval(np.concatenate([zero, np.cumsum(costs.time)]))
-        self.fixed = _interval(np.concatenate([zero, np.cumsum(costs.fixed_time)]))
-        self.state = _interval(np.concatenate([zero, np.cumsum(costs.state_bytes)]))
-        self.act = _interval(np.concatenate([zero, np.cumsum(costs.activation_bytes)]))
-        self.sync = _interval(np.concatenate([zero, np.cumsum(costs.sync_bytes)]))
-        j, i = np.indices((self.L + 1, self.L + 1))
-        self.valid = j < i
-        # boundary[i]: bytes per sample crossing a cut before layer i (0 at i = L).
-        self.boundary = np.concatenate([zero, costs.boundary_bytes, zero])
-
-    def arrays(self, c: _Candidate, n_devices: int, global_batch: int, memory_limit: float,
-               bandwidth: float, shard_state: bool):
-        """(cost, tiebreak, memory, share) for candidate c; see the module docstring."""
-        d = n_devices // c.p
-        b = global_batch / c.m
-        n_k = in_flight(c.schedule, c.p, c.m, c.v)
-        actions = 3 if c.schedule == "zero-bubble" else 2
-        time = np.where(self.valid, self.time * b / d + self.fixed
-                        + actions * self.costs.action_time, INF)
-        memory = (self.state / (d if shard_state else 1))[None] + \
-            n_k[:, None, None] * (self.act * b / d)[None]
-        share = memory_limit / c.v
-        cost = np.where(memory <= share, time[None], INF)
-        comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
-        tiebreak = cost + 2 * comm[None, None, :]
-        return cost, tiebreak, memory, share, comm
-
-
-def _price(c: _Candidate, stage_times: np.ndarray, comm_cuts: np.ndarray,
-           split: tuple[float, float, float]) -> tuple[float, float]:
-    """(pipeline time, bubble fraction) of stage times under candidate c."""
-    rank_time = stage_times.reshape(c.v, c.p).sum(axis=0)
-    busy = rank_time.sum()
-    step = c.m * rank_time.max() + bubble_rho(c.schedule, c.v, split) * (busy - rank_time.max()) \
-        + 2 * comm_cuts.sum()
-    bubble = 1 - c.m * busy / (c.p * step) if step > 0 else 0.0
-    return float(step), float(bubble)
-
-
-def ring_factor(d: int) -> float:
-    """A ring all-reduce over d devices moves 2 (d - 1) / d of the bytes through each link."""
-    return 2 * (d - 1) / d
-
-
 # ---- the search -----------------------------------------------------------------------------
 
 
@@ -358,35 +156,17 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
         raise ValueError(f"memory_limit ({memory_limit}) and bandwidth ({bandwidth}) must be > 0")
     candidates = _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule,
                              virtual_stages, micro_batch_options, schedule_options)
-    tables = _Tables(costs)
+    tables = Tables(costs)
     split = costs.split()
     sync_bw = bandwidth if sync_bandwidth is None else sync_bandwidth
     if sync_bw <= 0:
         raise ValueError(f"sync_bandwidth must be > 0, got {sync_bw}")
     args = (n_devices, global_batch, memory_limit, bandwidth, shard_state)
-
-    # Lower bound of each candidate's step (perfect balance, no transfers) to prune with:
-    # the step grows with the slowest rank R, which is at least the mean and the largest layer.
-    def lower_bound(c: _Candidate) -> float:
-        layer = costs.time * (global_batch / c.m / (n_devices // c.p)) + costs.fixed_time
-        busy = float(layer.sum())
-        slowest = max(busy / c.p, float(layer.max()))
-        sync = ring_factor(n_devices // c.p) * float(costs.sync_bytes.sum()) / c.p / sync_bw
-        return c.m * slowest + bubble_rho(c.schedule, c.v, split) * (busy - slowest) + sync
-
-    # A candidate whose stages cannot fit even with its memory spread perfectly evenly (or
-    # whose largest layer alone overflows a stage) is skipped without building its arrays.
-    total_state = float(costs.state_bytes.sum())
-    total_act = float(costs.activation_bytes.sum())
-
-    def cannot_fit(c: _Candidate) -> bool:
-        d, b = n_devices // c.p, global_batch / c.m
-        n = float(in_flight(c.schedule, c.p, c.m, c.v).min())
-        state_div = d if shard_state else 1
-        spread = (total_state / state_div + n * total_act * b / d) / (c.p * c.v)
-        layer = costs.state_bytes / state_div + n * costs.activation_bytes * b / d
-        share = memory_limit / c.v
-        return spread > share * (1 + 1e-9) or float(layer.max()) > share * (1 + 1e-9)
+    lower_bound = functools.partial(_lower_bound, costs=costs, n_devices=n_devices,
+                                    global_batch=global_batch, split=split, sync_bw=sync_bw)
+    cannot_fit = functools.partial(_cannot_fit, costs=costs, n_devices=n_devices,
+                                   global_batch=global_batch, memory_limit=memory_limit,
+                                   shard_state=shard_state)
 
     best: tuple[float, StagePlan] | None = None
     for c in sorted(candidates, key=lower_bound):
@@ -405,6 +185,31 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
         raise StagesDoNotFit(_no_fit_message(candidates, tables, args) if explain else
                              f"no pipeline plan fits {memory_limit / 2**30:.3g} GiB per device")
     return best[1]
+
+
+def _lower_bound(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batch: int,
+                 split: tuple[float, float, float], sync_bw: float) -> float:
+    """Lower bound of candidate c's step (perfect balance, no transfers) to prune with: the
+    step grows with the slowest rank R, which is at least the mean and the largest layer."""
+    layer = costs.time * (global_batch / c.m / (n_devices // c.p)) + costs.fixed_time
+    busy = float(layer.sum())
+    slowest = max(busy / c.p, float(layer.max()))
+    sync = ring_factor(n_devices // c.p) * float(costs.sync_bytes.sum()) / c.p / sync_bw
+    return c.m * slowest + bubble_rho(c.schedule, c.v, split) * (busy - slowest) + sync
+
+
+def _cannot_fit(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batch: int,
+                memory_limit: float, shard_state: bool) -> bool:
+    """Candidate c's stages cannot fit even with its memory spread perfectly evenly, or its
+    largest layer alone overflows a stage: skip it without building its arrays."""
+    d, b = n_devices // c.p, global_batch / c.m
+    n = float(in_flight(c.schedule, c.p, c.m, c.v).min())
+    state_div = d if shard_state else 1
+    spread = (float(costs.state_bytes.sum()) / state_div
+              + n * float(costs.activation_bytes.sum()) * b / d) / (c.p * c.v)
+    layer = costs.state_bytes / state_div + n * costs.activation_bytes * b / d
+    share = memory_limit / c.v
+    return spread > share * (1 + 1e-9) or float(layer.max()) > share * (1 + 1e-9)
 
 
 def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, virtual,
@@ -451,7 +256,7 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
             except ValueError as e:
                 first_error = first_error or e
                 continue
-            out.append(_Candidate(p, m, kind, v))
+            out.append(Candidate(p, m, kind, v))
     if not out:
         pins = ", ".join(f"{k}={v!r}" for k, v in [("n_stages", n_stages), ("micro_batches", micro_batches),
                          ("schedule", schedule), ("virtual_stages", virtual)] if v is not None)
@@ -465,7 +270,7 @@ def _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, syn
     stages = list(zip(bounds[:-1], bounds[1:]))
     stage_times = np.array([cost[k, j, i] for k, (j, i) in enumerate(stages)])
     comm_cuts = np.array([comm[i] for i in cuts])
-    step, bubble = _price(c, stage_times, comm_cuts, split)
+    step, bubble = price(c, stage_times, comm_cuts, split)
     stage_memory = np.array([memory[k, j, i] for k, (j, i) in enumerate(stages)])
     rank_sync = np.array([tables.sync[j, i] for j, i in stages]).reshape(c.v, c.p).sum(axis=0)
     sync = ring_factor(n_devices // c.p) * float(rank_sync.max()) / sync_bw

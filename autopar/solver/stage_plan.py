@@ -1,0 +1,123 @@
+"""The stage DP's input and output: per-layer costs of a chain (:class:`LayerCosts`) and the
+pipeline decision (:class:`StagePlan`); the model they follow is in ``stage_dp``'s docstring."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from autopar.schedule import torch_schedule_class
+
+__all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit"]
+
+
+class StagesDoNotFit(ValueError):
+    """No cut of the chain into stages fits the memory limit (``plan_stages``)."""
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer costs of a chain of L layers, for one sample on one device."""
+
+    time: Sequence[float]
+    """Forward + backward seconds of layer i, per sample."""
+    state_bytes: Sequence[float]
+    """Parameters + gradients + optimizer state of layer i."""
+    activation_bytes: Sequence[float]
+    """Activations layer i saves for backward, per sample."""
+    boundary_bytes: Sequence[float]
+    """Bytes per sample crossing a cut after layer i, for i = 0 .. L-2 (length L - 1)."""
+    fixed_time: Sequence[float] | None = None
+    """Seconds of layer i per micro-batch that do not shrink with the micro-batch size or
+    the sub-mesh (kernel launches, small-op latency); None = zeros. It is what makes many
+    tiny micro-batches cost something."""
+    sync_bytes: Sequence[float] | None = None
+    """Bytes of layer i all-reduced across its stage's sub-mesh once per step (gradients
+    under data parallelism); None = zeros."""
+    action_time: float = 0.0
+    """Seconds the pipeline runtime adds to every action of a stage (F and B, or F, I and W
+    under zero bubble) whatever its layers: ``Device.pipeline_action``."""
+    forward_fraction: float = 1 / 3
+    """Forward's share of ``time`` (backward = 2 x forward, as Megatron-LM assumes)."""
+    weight_fraction: float = 0.5
+    """Weight-gradient share of the backward (zero-bubble's W; the rest is I)."""
+
+    def __post_init__(self):
+        for name in ("fixed_time", "sync_bytes"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(len(self.time)))
+        arrays = {}
+        for name in ("time", "state_bytes", "activation_bytes", "boundary_bytes", "fixed_time",
+                     "sync_bytes"):
+            arr = np.asarray(getattr(self, name), dtype=float)
+            if arr.ndim != 1:
+                raise ValueError(f"LayerCosts.{name} must be one-dimensional, got shape {arr.shape}")
+            if not np.isfinite(arr).all() or (arr < 0).any():
+                raise ValueError(f"LayerCosts.{name} must be finite and >= 0")
+            arrays[name] = arr
+        n = arrays["time"].shape[0]
+        if n == 0:
+            raise ValueError("LayerCosts needs at least one layer")
+        for name in ("state_bytes", "activation_bytes", "fixed_time", "sync_bytes"):
+            if arrays[name].shape[0] != n:
+                raise ValueError(f"LayerCosts.{name} has {arrays[name].shape[0]} entries for {n} layers")
+        if arrays["boundary_bytes"].shape[0] != n - 1:
+            raise ValueError(f"LayerCosts.boundary_bytes needs one entry per cut point ({n - 1} for "
+                             f"{n} layers), got {arrays['boundary_bytes'].shape[0]}")
+        if not (0 < self.forward_fraction < 1 and 0 <= self.weight_fraction <= 1):
+            raise ValueError("forward_fraction must be in (0, 1) and weight_fraction in [0, 1]")
+        for name, arr in arrays.items():
+            arr.flags.writeable = False
+            object.__setattr__(self, name, arr)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.time)
+
+    def split(self) -> tuple[float, float, float]:
+        """Fractions (F, I, W) of a stage's forward + backward time."""
+        f = self.forward_fraction
+        return f, (1 - f) * (1 - self.weight_fraction), (1 - f) * self.weight_fraction
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The pipeline decision: where the chain is cut, how it is scheduled, what it costs."""
+
+    cuts: tuple[int, ...]
+    """First layer of stages 1 .. S-1 (S = n_stages * virtual_stages); stage k holds
+    layers cuts[k-1] .. cuts[k] - 1."""
+    n_stages: int
+    """Pipeline ranks p."""
+    micro_batches: int
+    schedule: str
+    virtual_stages: int
+    """Stages per rank v; stage k runs on rank k mod n_stages."""
+    devices_per_stage: int
+    """Devices of each rank's data/tensor sub-mesh (n_devices / n_stages)."""
+    stage_times: tuple[float, ...]
+    """Forward + backward seconds of each of the S stages for one micro-batch."""
+    boundary_times: tuple[float, ...]
+    """One-way transfer seconds across each of the S - 1 cuts for one micro-batch."""
+    predicted_step_time: float
+    """Pipeline time (what ``simulate_plan`` times) + ``sync_time``."""
+    bubble_fraction: float
+    """1 - busy area / (ranks x pipeline time), idle from fill, drain and imbalance."""
+    memory_per_stage: tuple[float, ...]
+    """Peak bytes per device of each pipeline rank (its v stages together)."""
+    sync_time: float = 0.0
+    """Once-per-step all-reduce of the slowest rank's ``sync_bytes`` over its sub-mesh."""
+    forward_fraction: float = 1 / 3
+    weight_fraction: float = 0.5
+    n_layers: int = field(default=0)
+
+    @property
+    def stage_layers(self) -> tuple[tuple[int, int], ...]:
+        """(first, last + 1) layer of every stage."""
+        bounds = (0, *self.cuts, self.n_layers)
+        return tuple(zip(bounds[:-1], bounds[1:]))
+
+    @property
+    def torch_schedule(self) -> type:
+        return torch_schedule_class(self.schedule)

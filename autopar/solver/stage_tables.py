@@ -1,0 +1,101 @@
+"""The arrays the stage DP reads: interval sums of the per-layer costs, each candidate
+configuration's stage-time and memory tables, activations in flight per schedule, and the
+price of a cut (formulas in ``stage_dp``'s docstring)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.solver.stage_plan import LayerCosts
+
+INF = float("inf")
+
+
+def _interval(prefix: np.ndarray) -> np.ndarray:
+    """m[j, i] = prefix[i] - prefix[j]: the sum over layers j .. i-1."""
+    return prefix[None, :] - prefix[:, None]
+
+
+def in_flight(schedule: str, n_stages: int, micro_batches: int, virtual: int) -> np.ndarray:
+    """Micro-batches of activations each of the S = p * v stages holds at its peak."""
+    p, m, v = n_stages, micro_batches, virtual
+    ranks = np.arange(p * v) % p
+    if schedule == "gpipe":
+        return np.full(p * v, float(m))
+    if schedule == "1f1b":
+        return np.minimum(p - ranks, m).astype(float)
+    if schedule == "zero-bubble":
+        return np.full(p * v, float(min(p, m)))
+    per_round = m // max(1, m // p)
+    depth = np.minimum((v - 1) * per_round + 2 * (p - 1 - ranks) + 1, m * v)
+    return depth / v
+
+
+def bubble_rho(schedule: str, virtual: int, split: tuple[float, float, float]) -> float:
+    """Fill/drain cost per unit of ``sum R - max R`` (see the module docstring)."""
+    if schedule == "interleaved-1f1b":
+        return 1.0 / virtual
+    if schedule == "zero-bubble":
+        f, i, w = split
+        return max(f + i - w, i, f) / (f + i + w)
+    return 1.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    p: int
+    m: int
+    schedule: str
+    v: int
+
+
+class Tables:
+    """Prefix sums of the per-layer arrays, shared by every candidate."""
+
+    def __init__(self, costs: LayerCosts):
+        self.costs = costs
+        self.L = costs.n_layers
+        zero = np.zeros(1)
+        self.time = _interval(np.concatenate([zero, np.cumsum(costs.time)]))
+        self.fixed = _interval(np.concatenate([zero, np.cumsum(costs.fixed_time)]))
+        self.state = _interval(np.concatenate([zero, np.cumsum(costs.state_bytes)]))
+        self.act = _interval(np.concatenate([zero, np.cumsum(costs.activation_bytes)]))
+        self.sync = _interval(np.concatenate([zero, np.cumsum(costs.sync_bytes)]))
+        j, i = np.indices((self.L + 1, self.L + 1))
+        self.valid = j < i
+        # boundary[i]: bytes per sample crossing a cut before layer i (0 at i = L).
+        self.boundary = np.concatenate([zero, costs.boundary_bytes, zero])
+
+    def arrays(self, c: Candidate, n_devices: int, global_batch: int, memory_limit: float,
+               bandwidth: float, shard_state: bool):
+        """(cost, tiebreak, memory, share) for candidate c; see the module docstring."""
+        d = n_devices // c.p
+        b = global_batch / c.m
+        n_k = in_flight(c.schedule, c.p, c.m, c.v)
+        actions = 3 if c.schedule == "zero-bubble" else 2
+        time = np.where(self.valid, self.time * b / d + self.fixed
+                        + actions * self.costs.action_time, INF)
+        memory = (self.state / (d if shard_state else 1))[None] + \
+            n_k[:, None, None] * (self.act * b / d)[None]
+        share = memory_limit / c.v
+        cost = np.where(memory <= share, time[None], INF)
+        comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
+        tiebreak = cost + 2 * comm[None, None, :]
+        return cost, tiebreak, memory, share, comm
+
+
+def price(c: Candidate, stage_times: np.ndarray, comm_cuts: np.ndarray,
+           split: tuple[float, float, float]) -> tuple[float, float]:
+    """(pipeline time, bubble fraction) of stage times under candidate c."""
+    rank_time = stage_times.reshape(c.v, c.p).sum(axis=0)
+    busy = rank_time.sum()
+    step = c.m * rank_time.max() + bubble_rho(c.schedule, c.v, split) * (busy - rank_time.max()) \
+        + 2 * comm_cuts.sum()
+    bubble = 1 - c.m * busy / (c.p * step) if step > 0 else 0.0
+    return float(step), float(bubble)
+
+
+def ring_factor(d: int) -> float:
+    """A ring all-reduce over d devices moves 2 (d - 1) / d of the bytes through each link."""
+    return 2 * (d - 1) / d
