@@ -10,13 +10,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.capture import Captured, fingerprint
-from autopar.ops.comm import DistComm
 from autopar.plan import Plan, PlanError
-from autopar.runtime.parallel_module import ParallelModule
-from autopar.runtime.pipeline_module import PipelineModule
+from autopar.runtime import build
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
 from autopar.solver.pins import KNOWN_PINS, OPTIMIZER_STATES, check_pins
@@ -75,13 +72,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                                     pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
                                     optimizer=optimizer)
     _validate(the_plan, cap, world)
-    if the_plan.pipeline_stages > 1:
-        mesh = init_device_mesh("cpu", tuple(the_plan.mesh_shape), mesh_dim_names=tuple(the_plan.mesh_axes))
-        return PipelineModule(cap, the_plan, mesh, model)
-    if comm is None:
-        comm = _dist_comm(the_plan)
-    # loss_fn without a target runs outside the graph, on the replicated output
-    return ParallelModule(cap, the_plan, comm, model, loss_fn if target is None else None)
+    # loss_fn without a target runs outside the graph, on the replicated output; comm None:
+    # this job's torch.distributed ranks, on a mesh on the rank's device
+    return build(cap, the_plan, model, loss_fn if target is None else None, comm)
 
 
 def _solve_once(model, example_inputs, loss_fn, target, world: int, *, every_rank: bool,
@@ -154,10 +147,3 @@ def _local_cluster(world: int) -> str:
         return f"local-cuda:{world}"
     return f"cpu:{world}"
 
-
-def _dist_comm(p: Plan):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    mesh = init_device_mesh(device, tuple(p.mesh_shape), mesh_dim_names=tuple(p.mesh_axes))
-    return DistComm(mesh)

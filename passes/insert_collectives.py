@@ -12,12 +12,13 @@ For each node in order:
 Gradient synchronisation of replicated parameters (data parallelism) belongs to the step,
 not to each use: where every use of a parameter on a mesh axis reads it replicated into
 an op whose output is not replicated there, no collective is inserted; the axis is
-recorded in ``gm.meta["grad_sync"][attr]`` and the runtime all-reduces the gradient once,
+returned in ``Rewritten.grad_sync[attr]`` and the runtime all-reduces the gradient once,
 bucketed and overlapped with backward.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -84,8 +85,16 @@ def _grad_partial(combo, k) -> tuple[bool, ...]:
                  and any(not isinstance(p, Replicate) for p in s.outputs) for s in combo)
 
 
+@dataclass(frozen=True)
+class Rewritten:
+    """The per-rank program and what the step must do beside it: ``grad_sync`` maps a
+    parameter's attribute path to the mesh axes its gradient is summed over once per step."""
+    gm: GraphModule
+    grad_sync: dict[str, tuple[int, ...]]
+
+
 def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
-                       attr_of: dict[str, str], returns: str = "loss") -> GraphModule:
+                       attr_of: dict[str, str], returns: str = "loss") -> Rewritten:
     """Build the per-rank GraphModule. ``attr_of`` maps a parameter/buffer placeholder to its
     attribute path on ``root``; ``returns`` is ``"loss"`` or ``"model"`` (the model's
     outputs, as a flat tuple)."""
@@ -174,9 +183,8 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
                 results.append(move(local, outs[0], (R,) * n_axes, (False,) * n_axes, None))
             g.output(results[0] if returns == "loss" else tuple(results))
     g.eliminate_dead_code()
-    gm = GraphModule(root, g)
-    gm.meta["grad_sync"] = {attr_of[p]: tuple(axes) for p, axes in deferred.items() if axes}
-    return gm
+    return Rewritten(GraphModule(root, g),
+                     {attr_of[p]: tuple(axes) for p, axes in deferred.items() if axes})
 
 
 def _needed(cap: Captured, outputs: list[str]) -> set[str]:

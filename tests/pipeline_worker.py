@@ -73,7 +73,7 @@ def run_case(case: dict) -> dict:
         if dist.get_rank() == 0:
             plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
                                 cluster=f"cpu:{dist.get_world_size()}", **pins)
-            box = [replace(plan, stage_cuts=tuple(case["cuts"]))]
+            box = [replace(plan, pipeline=replace(plan.pipeline, stage_cuts=tuple(case["cuts"])))]
         dist.broadcast_object_list(box, 0)
         pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, plan=box[0])
     else:
@@ -86,7 +86,7 @@ def run_case(case: dict) -> dict:
     if case.get("owners"):
         # which pipeline ranks each rank thinks hold these tensors (must agree everywhere)
         owners = [None] * dist.get_world_size()
-        dist.all_gather_object(owners, {a: pm._owners[a] for a in case["owners"]})
+        dist.all_gather_object(owners, {a: pm.owners[a] for a in case["owners"]})
         info["owners"] = owners
     if case.get("forward") and not has_bn:
         out = pm(*ex.inputs)
@@ -107,17 +107,17 @@ def run_case(case: dict) -> dict:
     info["worst"] = compare(ref, got, f"{case} rank {dist.get_rank()}")
     # the stages whose data-parallel reductions started during the last step, in order
     order = [None] * dist.get_world_size()
-    dist.all_gather_object(order, list(pm._sync_order))
+    dist.all_gather_object(order, list(pm.runner.sync_order))
     info["sync_order"] = order
     if case.get("skips"):
         # which ranks received which skip values (the middle stages must receive none)
         received = [None] * dist.get_world_size()
         dist.all_gather_object(received, pm.received_skips())
         info["received"] = received
-        info["skip_edges"] = [(e.value, e.src, e.dst) for e in pm.skip_edges["train"].values()]
+        info["skip_edges"] = [(e.value, e.src, e.dst) for e in pm.runner.skip_edges["train"].values()]
         info["stage_inputs"] = {}
         names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, {sg.index: sg.inputs for sg, _ in pm.stages["train"]})
+        dist.all_gather_object(names, {sg.index: sg.inputs for sg, _ in pm.runner.stages["train"]})
         info["stage_inputs"] = names
     return info
 

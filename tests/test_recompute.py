@@ -49,7 +49,7 @@ def _measure(cap, plan, ex):
         pm.train_step(*ex.inputs, target=ex.target)           # warm-up
         for p in pm.parameters():
             p.grad = None
-        graph = pm._graphs["train"]
+        graph = pm.runner.programs["train"]
         with use_comm(pm.comm), PeakMemory() as mem:
             loss = graph(*ex.inputs, ex.target)
             after_forward = mem.current_bytes

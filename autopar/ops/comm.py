@@ -18,6 +18,7 @@ import threading
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 _local = threading.local()
 
@@ -45,9 +46,16 @@ class Comm:
     mesh_shape: tuple[int, ...]
     coord: tuple[int, ...]   # this rank's coordinate on the mesh
     rank: int
+    device: torch.device     # where this rank's tensors live
+    _regathered = None       # ZeRO-3's per-communicator record (ops.collectives.regathered_weights)
 
     def size(self, axis: int) -> int:
         return self.mesh_shape[axis]
+
+    def inner(self) -> "Comm":
+        """The same rank on the mesh without axis 0 (a pipeline stage's own mesh): axis
+        ``a`` of the result is axis ``a + 1`` here."""
+        return _Inner(self)
 
     def all_reduce(self, t: torch.Tensor, axis: int) -> torch.Tensor: ...
     def all_gather(self, t: torch.Tensor, axis: int, dim: int) -> torch.Tensor: ...
@@ -73,17 +81,45 @@ class _Done:
             off += n
 
 
+class _Inner(Comm):
+    """``outer`` without its axis 0 (see :meth:`Comm.inner`)."""
+
+    def __init__(self, outer: Comm):
+        self.outer = outer
+        self.mesh_shape = tuple(outer.mesh_shape[1:])
+        self.coord = tuple(outer.coord[1:])
+        self.rank = outer.rank
+        self.device = outer.device
+
+    def all_reduce(self, t, axis):
+        return self.outer.all_reduce(t, axis + 1)
+
+    def all_gather(self, t, axis, dim):
+        return self.outer.all_gather(t, axis + 1, dim)
+
+    def reduce_scatter(self, t, axis, dim):
+        return self.outer.reduce_scatter(t, axis + 1, dim)
+
+    def all_to_all(self, t, axis, split_dim, cat_dim):
+        return self.outer.all_to_all(t, axis + 1, split_dim, cat_dim)
+
+    def all_reduce_coalesced(self, tensors, axis):
+        return self.outer.all_reduce_coalesced(tensors, axis + 1)
+
+
 class DistComm(Comm):
-    """torch.distributed on the process groups of a DeviceMesh."""
+    """torch.distributed on the process groups of a DeviceMesh. Tensors live on the mesh's
+    device type (the current CUDA device under NCCL, else the CPU)."""
 
     def __init__(self, mesh):
-        import torch.distributed as dist
         self.dist = dist
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
         self.coord = tuple(mesh.get_coordinate())
         self.rank = dist.get_rank()
         self.groups = [mesh.get_group(a) for a in range(mesh.ndim)]
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
+                       else torch.device(mesh.device_type))
 
     def all_reduce(self, t, axis):
         out = t.contiguous().clone()
@@ -180,6 +216,7 @@ class ThreadComm(Comm):
     def __init__(self, world: ThreadWorld, rank: int):
         self.world = world
         self.rank = rank
+        self.device = torch.device("cpu")     # simulated ranks exchange tensors in host memory
         self.mesh_shape = world.mesh_shape
         coord, r = [], rank
         for n in reversed(self.mesh_shape):

@@ -25,8 +25,10 @@ _TAG_STRIDE = 1 << 16
 class StepContext:
     """Per-step state the stage programs read: the batch's micro-batches, skip edges, counters."""
 
-    def __init__(self, side: dict[str, list[torch.Tensor]], edges: dict, rank_of_stage: dict[int, int]):
+    def __init__(self, side: dict[str, list[torch.Tensor]], edges: dict, rank_of_stage: dict[int, int],
+                 device: torch.device):
         self.side = side
+        self.device = device             # where received values are put
         self.edges = edges
         self.rank_of_stage = rank_of_stage
         self.counters: dict[tuple, int] = {}
@@ -49,7 +51,7 @@ class StepContext:
     def recv(self, shape, dtype, src: int, tag: int) -> torch.Tensor:
         if src == dist.get_rank():
             return self.mailbox.pop(tag)
-        buf = torch.empty(shape, dtype=dtype)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(buf, src, tag=tag)
         return buf
 
@@ -62,7 +64,7 @@ class StepContext:
 def _ctx() -> StepContext:
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
-        raise RuntimeError("a pipeline stage program ran outside PipelineModule's step")
+        raise RuntimeError("a pipeline stage program ran outside a pipelined ParallelModule's step")
     return ctx
 
 

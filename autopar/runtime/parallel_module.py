@@ -1,102 +1,148 @@
-"""The module a user trains: the per-rank graphs, the local shards, gradient sync.
+"""The module a user trains, for every plan: the per-rank programs, the local shards,
+gradient sync, checkpoints.
 
-``ParallelModule`` holds this rank's shard of every parameter (under ``module.<name>``, so
-``pm.parameters()`` feeds any torch optimizer), two rewritten graphs (training: returns the
-global loss; forward: returns the model's outputs, replicated) and the communicator.
+``ParallelModule`` holds this rank's shard of every parameter its stages read (under
+``module.<name>``, so ``pm.parameters()`` feeds any torch optimizer), the rewritten programs
+(training: returns the global loss; forward: returns the model's outputs, replicated) and
+the communicator. An unpipelined plan is one stage, run here directly
+(:class:`OneStage`); a pipelined plan's stages are run by
+``autopar.runtime.pipeline_runner.PipelineRunner``. Parameter sharding, state dicts, the
+once-per-step gradient sync (``autopar.runtime.grad_sync``) and input checks are the same
+for both.
 """
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from autopar.capture import Captured
-from autopar.passes.insert_collectives import insert_collectives
 from autopar.analysis.layers import layer_members
+from autopar.capture import Captured
+from autopar.ops.collectives import regathered_weights
+from autopar.ops.comm import Comm, use_comm
+from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
-from autopar.ops.collectives import regathered_weights
-from autopar.ops.comm import Comm, use_comm
+from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
+from autopar.runtime.shards import Shards, get_tensor, set_tensor, shard_model
 
-BUCKET_BYTES = 25 * 2**20
+
+class OneStage:
+    """An unpipelined plan: one stage running the whole per-rank program, no micro-batches."""
+
+    pp_rank = 0
+
+    def __init__(self, cap: Captured, programs: dict[str, GraphModule], loss_fn: Callable | None,
+                 shards: Shards):
+        self.programs = programs        # "train" (when the loss is captured), "forward"
+        self._cap, self._loss_fn, self._shards = cap, loss_fn, shards
+        self._out_spec = model_out_spec(cap)
+
+    def owners(self) -> dict[str, list[int]]:
+        return {attr: [0] for attr in self._shards.placements}
+
+    def train(self, inputs: tuple, target, sync: GradSync, params, owners) -> torch.Tensor:
+        sync.begin()
+        try:
+            if "train" in self.programs:
+                extra = (target,) if self._cap.takes_target else ()
+                loss = self.programs["train"](*inputs, *extra)
+            elif self._loss_fn is not None:
+                loss = self._loss_fn(pytree.tree_unflatten(self.forward(inputs), self._out_spec), target)
+            else:
+                loss = self.forward(inputs)[0]
+            loss.backward()
+        except BaseException:
+            sync.abort()
+            raise
+        with torch.no_grad():
+            sync.finish()
+        return loss.detach()
+
+    def forward(self, inputs: tuple) -> list:
+        return list(self.programs["forward"](*inputs))
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        return t
+
+    def code(self, which: str) -> str:
+        return self.programs[which].code
 
 
 class ParallelModule(nn.Module):
-    """A model parallelized by a Plan. Build it with ``autopar.parallelize``."""
+    """A model parallelized by a Plan. Build it with ``autopar.parallelize`` (or
+    ``autopar.runtime.build``). ``comm`` is this rank's communicator on the plan's whole
+    mesh; under a pipeline, axis 0 is the pipeline axis."""
 
     def __init__(self, cap: Captured, plan: Plan, comm: Comm, model: nn.Module,
                  loss_fn: Callable | None = None):
         super().__init__()
-        self.plan = plan
-        self.comm = comm
-        self._cap = cap
-        self._loss_fn = loss_fn
+        self.plan, self.comm, self._cap = plan, comm, cap
+        self.device = comm.device
+        pipelined = plan.pipeline_stages > 1
+        if pipelined and not cap.has_loss:
+            raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn "
+                             "and target= (the last stage computes each micro-batch's loss)")
+        # inside a stage every collective runs on the stage's own mesh (without the pipeline axis)
+        self._stage_comm = comm.inner() if pipelined else comm
+        splan = stage_plan(plan) if pipelined else plan
+        root, shards = shard_model(cap, splan, self._stage_comm.coord, model, self.device)
+        self._shards, self._stage_mesh = shards, tuple(splan.mesh_shape)
+        programs, grad_axes = self._programs(cap, splan, root, shards, pipelined)
+        if pipelined:
+            self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes)
+        else:
+            self.runner = OneStage(cap, programs, loss_fn, shards)
+        # this rank keeps what its stages read
+        self.owners = self.runner.owners()
         self.module = nn.Module()
-        self._placements: dict[str, tuple] = {}     # attr -> placements
-        self._aliases: dict[str, list[str]] = {}     # attr -> every parameter name it is
-        attr_of: dict[str, str] = {}
-        full = dict(model.named_parameters(remove_duplicate=False))
-        full_buffers = dict(model.named_buffers())
-        mesh = tuple(plan.mesh_shape)
-        for ph, names in cap.params.items():
-            attr = names[0]
-            placements = plan.nodes[ph].output(0)
-            src = full[names[0]]
-            if src.is_meta:
-                raise ValueError(f"parameter {names[0]!r} is on the meta device: build the "
-                                 "model on a real device to run it (plan-only works on meta)")
-            local = shard_tensor(src.detach(), placements, comm.coord, mesh)
-            set_tensor(self.module, attr, nn.Parameter(local, requires_grad=src.requires_grad))
-            self._placements[attr], self._aliases[attr] = placements, list(names)
-            attr_of[ph] = attr
-        for ph, name in cap.buffers.items():
-            placements = plan.nodes[ph].output(0)
-            set_tensor(self.module, name, shard_tensor(full_buffers[name], placements, comm.coord, mesh),
-                 buffer=True)
-            self._placements[name], self._aliases[name] = placements, [name]
-            attr_of[ph] = name
-        graphs = {}
-        if cap.has_loss:
-            graphs["train"] = insert_collectives(cap, plan, self.module, attr_of, "loss")
-        graphs["forward"] = insert_collectives(cap, plan, self.module, attr_of, "model")
-        if plan.recompute and "train" in graphs:
-            graphs["train"] = checkpoint_layers(graphs["train"], layer_members(cap.gm, plan.recompute))
-        self._graphs = graphs            # plain dict: not submodules (params live in .module)
-        self._n_inputs = cap.n_model_inputs
+        for attr in shards.placements:
+            if self.runner.pp_rank in self.owners[attr]:
+                t = get_tensor(root, attr)
+                set_tensor(self.module, attr, t, buffer=not isinstance(t, nn.Parameter))
+        self._grad_sync = GradSync(dict(self.module.named_parameters()), grad_axes, self._stage_comm)
+        if not pipelined:
+            self._grad_sync.launch_on_accumulate()
         self._out_spec = model_out_spec(cap)
-        self._grad_sync = _GradSync(self.module, graphs.get("train", graphs["forward"]).meta["grad_sync"], comm)
+
+    @staticmethod
+    def _programs(cap: Captured, splan: Plan, root: nn.Module, shards: Shards, pipelined: bool):
+        """The per-rank programs and the axes each data-parallel gradient is summed over."""
+        rewritten = {}
+        if cap.has_loss:
+            rewritten["train"] = insert_collectives(cap, splan, root, shards.attr_of, "loss")
+        rewritten["forward"] = insert_collectives(cap, splan, root, shards.attr_of, "model")
+        programs = {which: r.gm for which, r in rewritten.items()}
+        if splan.recompute and "train" in programs and not pipelined:
+            programs["train"] = checkpoint_layers(programs["train"], layer_members(cap.gm, splan.recompute))
+        grad_axes = dict(rewritten.get("train", rewritten["forward"]).grad_sync)
+        return programs, grad_axes
 
     # ---- running ------------------------------------------------------------------------
     def forward(self, *inputs):
         """The model's outputs (whole, on every rank) for the global batch ``inputs``."""
-        self._check_inputs(inputs)
-        with use_comm(self.comm):
-            flat = self._graphs["forward"](*inputs)
-        return pytree.tree_unflatten(list(flat), self._out_spec)
+        inputs = self._check_inputs(inputs)
+        with use_comm(self._stage_comm):
+            flat = self.runner.forward(inputs)
+        return pytree.tree_unflatten(flat, self._out_spec)
 
     def train_step(self, *inputs, target=None) -> torch.Tensor:
         """Forward and backward on the global batch; returns the global mean loss. Gradients
         are added to the local shards' ``.grad`` (call the optimizer's ``zero_grad`` between
         steps as usual)."""
-        self._check_inputs(inputs)
-        with use_comm(self.comm), self._saved_tensor_policy():
-            with self._grad_sync.step():
-                if "train" in self._graphs:
-                    if target is None and self._cap.takes_target:
-                        raise ValueError("train_step needs target=: the loss is part of the plan's graph")
-                    loss = self._graphs["train"](*inputs, *((target,) if self._cap.takes_target else ()))
-                elif self._loss_fn is not None:
-                    out = pytree.tree_unflatten(list(self._graphs["forward"](*inputs)), self._out_spec)
-                    loss = self._loss_fn(out, target)
-                else:
-                    loss = self._graphs["forward"](*inputs)[0]
-                loss.backward()
-        return loss.detach()
+        inputs = self._check_inputs(inputs)
+        if target is None and self._cap.has_loss and self._cap.takes_target:
+            raise ValueError("train_step needs target=: the loss is part of the plan's graph")
+        target = self._to_device(target)
+        params = dict(self.module.named_parameters())
+        with use_comm(self._stage_comm), self._saved_tensor_policy(), _fresh_grads(params):
+            return self.runner.train(inputs, target, self._grad_sync, params, self.owners)
 
     @contextlib.contextmanager
     def _saved_tensor_policy(self):
@@ -111,159 +157,87 @@ class ParallelModule(nn.Module):
         finally:
             reg.clear()
 
-    def _check_inputs(self, inputs) -> None:
-        if len(inputs) != self._n_inputs:
-            raise TypeError(f"expected {self._n_inputs} inputs (the global batch, as in "
+    def _check_inputs(self, inputs) -> tuple:
+        """The inputs on this rank's device, after checking there are as many as captured."""
+        if len(inputs) != self._cap.n_model_inputs:
+            raise TypeError(f"expected {self._cap.n_model_inputs} inputs (the global batch, as in "
                             f"example_inputs), got {len(inputs)}")
+        return tuple(self._to_device(x) for x in inputs)
+
+    def _to_device(self, x):
+        return pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, x)
 
     # ---- state --------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole parameters and buffers by their names in the original model (collective:
-        every rank must call it)."""
+    def _whole(self, attr: str, local: torch.Tensor | None) -> torch.Tensor:
+        """The whole tensor of ``attr`` on every rank, from the first pipeline rank holding
+        it (collective)."""
+        src = self.owners[attr][0]
+        if self.runner.pp_rank == src:
+            with use_comm(self._stage_comm):
+                whole = unshard(local.detach(), self._shards.placements[attr]).contiguous()
+        else:
+            whole = torch.empty(self._shards.shapes[attr], dtype=self._shards.dtypes[attr],
+                                device=self.device)
+        return self.runner.broadcast(whole, src)
+
+    def _by_name(self, whole_of) -> dict[str, torch.Tensor]:
         out = {}
-        with use_comm(self.comm):
-            for attr, t in _named_tensors(self.module):
-                whole = unshard(t.detach(), self._placements[attr])
-                for name in self._aliases[attr]:
-                    out[name] = whole
+        for attr, whole in whole_of:
+            for name in self._shards.aliases[attr]:
+                out[name] = whole
         return out
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load whole tensors (as from ``model.state_dict()``); each rank keeps its block."""
-        mesh = tuple(self.plan.mesh_shape)
-        missing = [n for n in self._placements if n not in state_dict]
-        if missing:
-            raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        with torch.no_grad():
-            for attr, t in _named_tensors(self.module):
-                t.copy_(shard_tensor(state_dict[attr], self._placements[attr], self.comm.coord, mesh))
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole parameters and buffers by their names in the original model, on every rank
+        (collective: every rank must call it)."""
+        mine = dict(self.module.named_parameters()) | dict(self.module.named_buffers())
+        return self._by_name((attr, self._whole(attr, mine.get(attr))) for attr in self._shards.placements)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Whole gradients by original parameter name (collective)."""
-        out = {}
-        with use_comm(self.comm):
-            for attr, p in self.module.named_parameters():
-                if p.grad is None:
-                    continue
-                whole = unshard(p.grad, self._placements[attr])
-                for name in self._aliases[attr]:
-                    out[name] = whole
-        return out
+        """Whole gradients by original parameter name, on every rank (collective); a
+        parameter without a gradient counts as a zero one."""
+        mine = dict(self.module.named_parameters())
+
+        def local(attr):
+            p = mine.get(attr)
+            return None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))
+        return self._by_name((attr, self._whole(attr, local(attr))) for attr in self._shards.params)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load whole tensors (as from ``model.state_dict()``); each rank keeps its blocks of
+        the tensors its stages read."""
+        placements = self._shards.placements
+        missing = [n for n in placements if n not in state_dict]
+        if missing:
+            raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        coord = self._stage_comm.coord
+        with torch.no_grad():
+            for attr, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+                t.copy_(shard_tensor(state_dict[attr], placements[attr], coord, self._stage_mesh))
+
+    def received_skips(self) -> list[tuple[int, int]]:
+        """Pipelines: (skip edge, micro-batch) pairs this rank received in the last train step."""
+        return self.runner.received_skips()
 
     def code(self, which: str = "train") -> str:
-        """The rewritten per-rank program as Python."""
-        return self._graphs[which].code
+        """The rewritten per-rank program as Python (a pipeline rank's: its stage programs)."""
+        return self.runner.code(which)
 
 
-class _GradSync:
-    """All-reduce each step's gradient of replicated parameters, once per step, in buckets
-    launched as soon as backward has produced every gradient of the bucket."""
-
-    def __init__(self, module: nn.Module, axes_of: dict[str, tuple[int, ...]], comm: Comm):
-        self.comm = comm
-        params = dict(module.named_parameters())
-        self.buckets: list[tuple[tuple[int, ...], list[nn.Parameter]]] = []
-        by_axes = defaultdict(list)
-        for attr, axes in axes_of.items():
-            by_axes[tuple(axes)].append(params[attr])
-        for axes, ps in by_axes.items():
-            # backward produces gradients roughly in reverse order of use
-            cur, size = [], 0
-            for p in reversed(ps):
-                cur.append(p)
-                size += p.numel() * p.element_size()
-                if size >= BUCKET_BYTES:
-                    self.buckets.append((axes, cur))
-                    cur, size = [], 0
-            if cur:
-                self.buckets.append((axes, cur))
-        self.bucket_of = {id(p): i for i, (_, ps) in enumerate(self.buckets) for p in ps}
-        for _, ps in self.buckets:
-            for p in ps:
-                p.register_post_accumulate_grad_hook(self._ready)
-        self._active = False
-
-    def step(self):
-        return _SyncContext(self)
-
-    def _ready(self, p: nn.Parameter) -> None:
-        if not self._active:
-            return
-        i = self.bucket_of[id(p)]
-        self.pending[i] += 1
-        axes, ps = self.buckets[i]
-        if self.pending[i] == len(ps):
-            self.handles.append((i, self.comm.all_reduce_coalesced([q.grad for q in ps], axes[0])))
-
-
-class _SyncContext:
-    def __init__(self, sync: _GradSync):
-        self.sync = sync
-
-    def __enter__(self):
-        s = self.sync
-        s._active, s.pending, s.handles = True, defaultdict(int), []
-        # gradients from earlier steps are set aside so only this step's are reduced
-        self.stash = {}
-        for _, ps in s.buckets:
-            for p in ps:
-                if p.grad is not None:
-                    self.stash[id(p)] = p.grad
-                    p.grad = None
-
-    def __exit__(self, exc_type, exc, tb):
-        s = self.sync
-        s._active = False
-        if exc_type is not None:
-            return False
-        done = set()
-        for i, h in s.handles:
-            h.wait()
-            done.add(i)
-            axes, ps = s.buckets[i]
-            for a in axes[1:]:
-                s.comm.all_reduce_coalesced([q.grad for q in ps], a).wait()
-        for i, (axes, ps) in enumerate(s.buckets):
-            if i not in done and any(p.grad is not None for p in ps):
-                for p in ps:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                for a in axes:
-                    s.comm.all_reduce_coalesced([q.grad for q in ps], a).wait()
-        for _, ps in s.buckets:
-            for p in ps:
-                old = self.stash.get(id(p))
-                if old is not None:
-                    p.grad = old if p.grad is None else old + p.grad
-        s.handles, s.pending, self.stash = [], defaultdict(int), {}   # hold no finished work
-        return False
-
-
-def get_tensor(root: nn.Module, path: str):
-    """The parameter or buffer at dotted ``path`` under ``root``."""
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def set_tensor(root: nn.Module, path: str, value, buffer: bool = False) -> None:
-    """Register ``value`` at dotted ``path``, creating the modules on the way."""
-    *mods, leaf = path.split(".")
-    m = root
-    for name in mods:
-        if not hasattr(m, name):
-            m.add_module(name, nn.Module())
-        m = getattr(m, name)
-    if buffer:
-        m.register_buffer(leaf, value)
-    else:
-        m.register_parameter(leaf, value)
-
-
-def _named_tensors(module: nn.Module):
-    yield from module.named_parameters()
-    yield from module.named_buffers()
+@contextlib.contextmanager
+def _fresh_grads(params: dict[str, nn.Parameter]):
+    """The step starts without gradients (so it syncs and scales only its own); those of
+    earlier steps are added back after it."""
+    stash = {a: p.grad for a, p in params.items() if p.grad is not None}
+    for p in params.values():
+        p.grad = None
+    try:
+        yield
+    finally:
+        for a, p in params.items():
+            old = stash.get(a)
+            if old is not None:
+                p.grad = old if p.grad is None else old + p.grad
 
 
 def model_out_spec(cap: Captured):

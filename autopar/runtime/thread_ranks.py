@@ -9,14 +9,14 @@ from typing import Callable
 from torch import nn
 
 from autopar.capture import Captured
-from autopar.plan import Plan
 from autopar.ops.comm import ThreadWorld
+from autopar.plan import Plan
+from autopar.runtime.parallel_module import ParallelModule
 
 
 def simulate(cap: Captured, plan: Plan, model: nn.Module, fn: Callable, loss_fn=None) -> list:
     """``fn(pm, comm)`` on every simulated rank of ``plan``'s mesh; results in rank order.
     Each rank gets its own copy of ``model`` to shard."""
-    from autopar.runtime.parallel_module import ParallelModule
     world = ThreadWorld(plan.mesh_shape)
     copies = [copy.deepcopy(model) for _ in range(world.world)]
 

@@ -1,0 +1,121 @@
+"""Data-parallel gradient synchronisation: once per step, bucketed, overlapped with backward.
+
+``passes.insert_collectives`` leaves out the all-reduce of a replicated parameter's gradient
+where every use of it makes the gradient partial on a mesh axis, and returns those axes
+(``Rewritten.grad_sync``). :class:`GradSync` sums such gradients once per step (never per
+micro-batch), in buckets of about ``BUCKET_BYTES``, each launched as soon as every gradient
+in it is final, so the reduction runs while backward goes on:
+
+- one stage (unpipelined): a parameter's gradient is final when autograd has accumulated
+  it (:meth:`GradSync.launch_on_accumulate` installs the hooks);
+- pipelined: when the last backward of every local stage reading it is done (the pipeline
+  runner calls :meth:`GradSync.ready`).
+
+The ranks of a data-parallel group run the same program in the same order, so they launch
+the same buckets in the same order. A step is ``begin()`` ... ``finish()``.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from autopar.ops.comm import Comm
+
+BUCKET_BYTES = 25 * 2**20
+
+
+class GradSync:
+    """Sums the gradients of ``params`` (attribute path -> parameter) over the mesh axes
+    ``axes_of[attr]`` of ``comm``, once per step."""
+
+    def __init__(self, params: dict[str, nn.Parameter], axes_of: dict[str, tuple[int, ...]],
+                 comm: Comm, bucket_bytes: int = BUCKET_BYTES):
+        self.params = {a: p for a, p in params.items() if axes_of.get(a)}
+        self.axes_of = {a: tuple(axes_of[a]) for a in self.params}
+        self.comm = comm
+        self.bucket_bytes = bucket_bytes
+        self._active = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pending: dict[tuple[int, ...], list[str]] = {}   # axes -> ready, not launched
+        self._pending_bytes: dict[tuple[int, ...], int] = {}
+        self._done: set[str] = set()                            # ready this step
+        self._inflight: list = []                               # (work, grads, axes still to run)
+
+    def launch_on_accumulate(self) -> None:
+        """Launch a bucket once autograd has accumulated every gradient in it (for programs
+        whose backward produces each gradient once per step)."""
+        for attr, p in self.params.items():
+            p.register_post_accumulate_grad_hook(lambda _p, attr=attr: self._accumulated(attr))
+
+    def _accumulated(self, attr: str) -> None:
+        if not self._active or attr in self._done:
+            return
+        axes = self._add(attr)
+        if self._pending_bytes[axes] >= self.bucket_bytes:
+            self._launch(axes)
+
+    # ---- a step ----------------------------------------------------------------------------
+    def begin(self) -> None:
+        self._reset()
+        self._active = True
+
+    def ready(self, attrs) -> None:
+        """``attrs``' gradients are final for this step: launch their reductions now (a
+        gradient backward never produced is a zero one)."""
+        if not self._active:
+            return
+        for attr in attrs:
+            if attr in self.params and attr not in self._done:
+                p = self.params[attr]
+                if p.grad is None:
+                    p.grad = p.new_zeros(p.shape)
+                self._add(attr)
+        for axes in list(self._pending):
+            self._launch(axes)
+
+    def finish(self) -> None:
+        """Launch what is left (gradients that exist but were never declared final), wait
+        for every reduction and run the axes after the first."""
+        self._active = False
+        rest = [a for a, p in self.params.items() if a not in self._done and p.grad is not None]
+        for attr in rest:
+            self._add(attr)
+        for axes in list(self._pending):
+            self._launch(axes)
+        for work, grads, more in self._inflight:
+            work.wait()
+            for a in more:
+                self.comm.all_reduce_coalesced(grads, a).wait()
+        self._reset()      # hold no finished work
+
+    def abort(self) -> None:
+        self._active = False
+        self._reset()
+
+    # ---- buckets ---------------------------------------------------------------------------
+    def _add(self, attr: str) -> tuple[int, ...]:
+        axes = self.axes_of[attr]
+        p = self.params[attr]
+        self._done.add(attr)
+        self._pending.setdefault(axes, []).append(attr)
+        self._pending_bytes[axes] = self._pending_bytes.get(axes, 0) + p.numel() * p.element_size()
+        return axes
+
+    def _launch(self, axes: tuple[int, ...]) -> None:
+        """Start summing the pending gradients on ``axes`` over the first axis, in buckets."""
+        attrs = self._pending.pop(axes, [])
+        self._pending_bytes.pop(axes, None)
+        bucket, size = [], 0
+        for attr in attrs:
+            g = self.params[attr].grad
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= self.bucket_bytes:
+                self._start(bucket, axes)
+                bucket, size = [], 0
+        if bucket:
+            self._start(bucket, axes)
+
+    def _start(self, grads: list, axes: tuple[int, ...]) -> None:
+        self._inflight.append((self.comm.all_reduce_coalesced(grads, axes[0]), grads, axes[1:]))

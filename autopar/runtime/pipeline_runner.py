@@ -1,0 +1,291 @@
+"""How a pipelined plan runs a step: stage programs run by torch.distributed.pipelining.
+
+The mesh is ``(p, *intra)`` with the leading axis ``"pipeline"``. Pipeline rank ``r`` runs
+stages ``r, r + p, ...`` (``v`` of them under an interleaved schedule) as ``PipelineStage``s
+on the pipeline-axis process group; inside a stage every collective runs on the intra mesh
+(``comm.inner()``). autopar chooses the cuts, micro-batches and schedule; torch's schedule
+classes run them. ``autopar.runtime.parallel_module.ParallelModule`` owns the shards, the
+checks and the gradient sync; this runner owns what is particular to a pipeline.
+
+One step (:meth:`PipelineRunner.train`), in order:
+
+1. the schedule runs every micro-batch (its loss is the stage program's own output; the
+   last stage's ``loss_fn`` passes it through), gradients accumulate;
+2. data-parallel gradients are all-reduced over the intra axes once (never per micro-batch:
+   the per-rank graph defers them, see ``passes.insert_collectives``). A weight's all-reduce
+   starts as soon as the last backward of every stage on this rank reading it is done, while
+   the schedule goes on with the other stages and micro-batches; the step waits for it after
+   the schedule (``GradSync.ready`` / ``GradSync.finish``);
+3. a weight held by several pipeline ranks (tied) has its gradient summed among them;
+4. nothing is divided by ``m``: each micro-batch's graph outputs its term of the global loss
+   (means divide by the global batch's denominator, fed as inputs by
+   ``analysis.microbatch_loss``), so the loss is the sum of the micro-batch losses,
+   broadcast from the last stage to every rank.
+
+Skip values travel by ``autopar.ops.stage_ops`` (``skip_send`` / ``skip_recv``).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
+from torch.fx import GraphModule
+
+from autopar.analysis.microbatch_loss import denominator_inputs
+from autopar.analysis.stages import assign_stages, local_meta
+from autopar.capture import Captured
+from autopar.ops.comm import DistComm
+from autopar.ops.stage_ops import StepContext, use_step_context
+from autopar.passes.split_stages import StageGraph, split_stages
+from autopar.placement import parse_placements, placements_str
+from autopar.plan import NodePlacement, Plan
+from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.shards import Shards
+from autopar.schedule import torch_schedule_class
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage that says when its last backward of a step is done (the full
+    backward of the last micro-batch, or under zero bubble its last weight half)."""
+
+    on_last_backward = None
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                   last_backward=last_backward)
+        if last_backward and full_backward and self.on_last_backward is not None:
+            self.on_last_backward(self.stage_index)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if last_backward and self.on_last_backward is not None:
+            self.on_last_backward(self.stage_index)
+
+
+def _identity_loss(output, target):
+    return output
+
+
+def stage_plan(plan: Plan) -> Plan:
+    """The plan of one stage: its placements without the leading pipeline axis."""
+    def strip(x: str) -> str:
+        return placements_str(parse_placements(x)[1:])
+    nodes = {k: NodePlacement(tuple(strip(x) for x in v.inputs), tuple(strip(x) for x in v.outputs))
+             for k, v in plan.nodes.items()}
+    p = plan.pipeline_stages
+    return replace(plan, nodes=nodes, world_size=plan.world_size // p, pipeline=None,
+                   mesh_shape=tuple(plan.mesh_shape[1:]), mesh_axes=tuple(plan.mesh_axes[1:]))
+
+
+class PipelineRunner:
+    """This pipeline rank's stages of the ``programs`` (``"train"``, ``"forward"``: per-rank
+    GraphModules over ``root``, which holds every shard) and the schedules that run them."""
+
+    def __init__(self, cap: Captured, plan: Plan, comm: DistComm, root: nn.Module, shards: Shards,
+                 programs: dict[str, GraphModule], grad_axes: dict[str, tuple[int, ...]]):
+        if not isinstance(comm, DistComm):
+            raise ValueError("a pipelined plan runs on torch.distributed ranks (torchrun), "
+                             "not on simulated ones")
+        self._cap, self._shards = cap, shards
+        p, v, m = plan.pipeline_stages, plan.virtual_stages, plan.n_microbatches
+        self.n_stages, self.n_microbatches, self.p = p * v, m, p
+        self.device = comm.device
+        self.pp_group, self.pp_rank = comm.groups[0], comm.coord[0]
+        self._pp_global = dist.get_process_group_ranks(self.pp_group)
+        self.my_stages = [k for k in range(self.n_stages) if k % p == self.pp_rank]
+        self._rank_of_stage = {k: self._pp_global[k % p] for k in range(self.n_stages)}
+        self._intra = stage_plan(plan)
+        self.stages: dict[str, list[tuple[StageGraph, _Stage]]] = {}
+        self.skip_edges: dict[str, dict] = {}
+        self._reads: dict[str, set[int]] = {}     # attr -> every stage (of any program) reading it
+        for which, gm in programs.items():
+            self._split(which, gm, plan, root)
+        # data-parallel gradients each local train stage completes (see _stage_done)
+        self._stage_grads = {sg.index: sorted({n.target for n in sg.gm.graph.nodes if n.op == "get_attr"}
+                                              & set(grad_axes))
+                             for sg, _ in self.stages.get("train", [])}
+        self._readers: dict[str, int] = {}
+        for attrs in self._stage_grads.values():
+            for a in attrs:
+                self._readers[a] = self._readers.get(a, 0) + 1
+        self._left: dict[str, int] = {}
+        self.sync_order: list[int] = []     # stages whose reductions started, in order
+        self._sync: GradSync | None = None
+        self._skip_log: list = []
+        self._schedule, self._eval = self._schedules(plan)
+
+    # ---- building ---------------------------------------------------------------------------
+    def _split(self, which: str, gm: GraphModule, plan: Plan, root: nn.Module) -> None:
+        """Cut program ``which`` into stages; wrap this rank's as PipelineStages."""
+        cap, S = self._cap, self.n_stages
+        model_inputs = list(cap.inputs[: cap.n_model_inputs])
+        stage_of = assign_stages(cap, plan.stage_cuts, S)
+        parts, edges = split_stages(gm, stage_of, S, model_inputs,
+                                    lambda n: local_meta(cap, self._intra, n), root)
+        self.skip_edges[which] = {e.id: e for e in edges}
+        for sg in parts:
+            for n in sg.gm.graph.nodes:
+                if n.op == "get_attr":
+                    self._reads.setdefault(n.target, set()).add(sg.index)
+        mine = []
+        for sg in parts:
+            if sg.index not in self.my_stages:
+                continue
+            ins, outs = self._stage_examples(which, sg)
+            stage = _Stage(sg.gm, sg.index, S, self.device, input_args=ins, output_args=outs,
+                           group=self.pp_group)
+            if which == "train":
+                stage.on_last_backward = self._stage_done
+            mine.append((sg, stage))
+        self.stages[which] = mine
+
+    def _stage_examples(self, which: str, sg: StageGraph) -> tuple[tuple, tuple]:
+        """Example inputs and outputs of stage ``sg`` (their shapes and dtypes)."""
+        cap, S = self._cap, self.n_stages
+
+        def val(name):
+            return cap.node(name).meta["val"]
+        if sg.index == 0:
+            ins = tuple(self._example(tuple(val(n).shape), val(n).dtype, False)
+                        for n in cap.inputs[: cap.n_model_inputs])
+        else:
+            ins = tuple(self._example(*mt) for mt in sg.input_meta)
+        if sg.index < S - 1:
+            outs = tuple(self._example(*mt) for mt in sg.output_meta)
+        elif which == "train":
+            outs = (self._example((), val(cap.loss).dtype, True),)
+        else:
+            outs = tuple(self._example(tuple(val(o).shape), val(o).dtype, False) for o in cap.output)
+        return ins, outs
+
+    def _example(self, shape, dtype, requires_grad: bool) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=dtype, device=self.device)
+        return t.requires_grad_(requires_grad and dtype.is_floating_point)
+
+    def _schedules(self, plan: Plan):
+        m = self.n_microbatches
+        multi = plan.schedule in ("interleaved-1f1b", "zero-bubble")
+        train_stages = [st for _, st in self.stages.get("train", [])]
+        schedule = None
+        if train_stages:
+            schedule = torch_schedule_class(plan.schedule)(
+                train_stages if multi else train_stages[0], n_microbatches=m,
+                loss_fn=_identity_loss, scale_grads=False)
+        fwd = [st for _, st in self.stages["forward"]]
+        ev = (ScheduleLoopedBFS(fwd, n_microbatches=m, loss_fn=None) if plan.virtual_stages > 1
+              else ScheduleGPipe(fwd[0], n_microbatches=m, loss_fn=None))
+        return schedule, ev
+
+    def owners(self) -> dict[str, list[int]]:
+        """Which pipeline ranks hold each parameter / buffer: those whose stages read it. The
+        same answer on every rank (from all the stage programs, not this rank's): a buffer
+        that feeds recomputed constants is read by every stage recomputing them."""
+        return {attr: sorted({k % self.p for k in self._reads.get(attr, ())} or {0})
+                for attr in self._shards.placements}
+
+    # ---- running ----------------------------------------------------------------------------
+    def _context(self, which: str, inputs: tuple, target) -> StepContext:
+        m = self.n_microbatches
+        side = {}
+        given = tuple(inputs) + ((target,) if target is not None else ())
+        if which == "train":
+            # the loss's scale inputs: 1 / the global batch's denominator (analysis.microbatch_loss)
+            given += tuple(t.to(self.device) for t in denominator_inputs(self._cap, inputs, target, m))
+        for name, t in zip(self._cap.inputs, given):
+            if t.shape[0] % m:
+                raise ValueError(f"the batch of input {name!r} ({t.shape[0]}) does not divide into "
+                                 f"{m} micro-batches; pass the global batch the plan was made for")
+            side[name] = list(t.tensor_split(m, dim=0))
+        return StepContext(side, self.skip_edges[which], self._rank_of_stage, self.device)
+
+    def train(self, inputs: tuple, target, sync: GradSync, params: dict[str, nn.Parameter],
+              owners: dict[str, list[int]]) -> torch.Tensor:
+        """Forward and backward of the global batch through the pipeline; the global mean
+        loss on every rank. ``params`` (this rank's) start the step without gradients."""
+        if self._schedule is None:
+            raise ValueError("this model was captured without a loss: pass loss_fn and target=")
+        losses: list = []
+        self._left, self.sync_order, self._sync = dict(self._readers), [], sync
+        ctx = self._context("train", inputs, target)
+        sync.begin()
+        try:
+            with use_step_context(ctx):
+                self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        except BaseException:
+            sync.abort()
+            raise
+        self._skip_log = list(ctx.received)
+        with torch.no_grad():
+            sync.finish()
+            self._sum_tied(params, owners)
+            # each micro-batch's loss is its term of the global loss: no / m
+        last = (self.n_stages - 1) % self.p
+        loss = torch.zeros((), dtype=self._cap.node(self._cap.loss).meta["val"].dtype, device=self.device)
+        if self.pp_rank == last:
+            loss = torch.stack([torch.as_tensor(x).detach() for x in losses]).sum()
+        dist.broadcast(loss, self._pp_global[last], group=self.pp_group)
+        return loss
+
+    def forward(self, inputs: tuple) -> list:
+        """The model's outputs for the global batch, flat (whole, on every rank)."""
+        ctx = self._context("forward", inputs, None)
+        with torch.no_grad(), use_step_context(ctx):
+            out = self._eval.eval(*inputs)
+        last = (self.n_stages - 1) % self.p
+        flat = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else None
+        box = [flat if self.pp_rank == last else None]
+        dist.broadcast_object_list(box, self._pp_global[last], group=self.pp_group,
+                                   device=self.device if self.device.type == "cuda" else None)
+        return [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in box[0]]
+
+    def _stage_done(self, stage: int) -> None:
+        """Stage ``stage``'s last backward of the step is done: start the all-reduce of every
+        data-parallel gradient no other local stage still adds to. The ranks of an intra
+        group run the same stages in the same order, so they start the same reductions in
+        the same order."""
+        ready = []
+        for attr in self._stage_grads.get(stage, ()):
+            self._left[attr] -= 1
+            if self._left[attr] == 0:
+                ready.append(attr)
+        if ready and self._sync is not None:
+            self.sync_order.append(stage)
+            self._sync.ready(ready)
+
+    def _sum_tied(self, params: dict[str, nn.Parameter], owners: dict[str, list[int]]) -> None:
+        """Sum the gradient of every parameter held by several pipeline ranks among them."""
+        tied = [a for a in self._shards.params if len(owners[a]) > 1]
+        if not tied:
+            return
+        parts = []
+        for attr in tied:
+            p = params.get(attr) if self.pp_rank in owners[attr] else None
+            if p is not None and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            parts.append(p.grad if p is not None else
+                         torch.zeros(self._shards.local_shape(attr, self._intra.mesh_shape),
+                                     dtype=self._shards.dtypes[attr], device=self.device))
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        dist.all_reduce(flat, group=self.pp_group)
+        off = 0
+        for attr, t in zip(tied, parts):
+            n = t.numel()
+            if attr in params and self.pp_rank in owners[attr]:
+                params[attr].grad.copy_(flat[off:off + n].view_as(t))
+            off += n
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """``t`` of pipeline rank ``src`` on every pipeline rank."""
+        dist.broadcast(t, self._pp_global[src], group=self.pp_group)
+        return t
+
+    def received_skips(self) -> list[tuple[int, int]]:
+        """(skip edge, micro-batch) pairs this rank received in the last train step."""
+        return list(self._skip_log)
+
+    def code(self, which: str) -> str:
+        """This rank's stage programs as Python."""
+        return "\n".join(f"# stage {sg.index}\n{sg.gm.code}" for sg, _ in self.stages[which])
