@@ -133,3 +133,27 @@ def test_a_one_rank_mesh_axis_runs_no_collective(captured):
 
     for r, got in enumerate(simulate(cap, plan, ex.model, run)):
         compare(ref, got, f"mesh (1, 2) rank {r}")
+
+
+def test_gradient_buckets_start_during_backward(captured):
+    """With small buckets, data-parallel reductions start from inside backward (as autograd
+    finishes each bucket's gradients), several of them, and training still equals one device."""
+    ex, cap = captured("gpt")
+    plan = plan_captured(cap, parse_cluster("cpu:2"), 2, pins={"data": 2})
+    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+
+    def run(pm, comm):
+        sync = pm._grad_sync
+        sync.bucket_bytes = 4096
+        started = []                    # whether each bucket started before backward ended
+        start = sync._start
+
+        def spy(grads, axes):
+            started.append(sync._active)
+            start(grads, axes)
+        sync._start = spy
+        return parallel_run(pm, ex.inputs, ex.target), started
+
+    for rank, (got, started) in enumerate(simulate(cap, plan, ex.model, run)):
+        compare(ref, got, f"gpt data=2 small buckets rank {rank}")
+        assert sum(started) > 3, f"rank {rank}: {sum(started)} of {len(started)} buckets started in backward"
