@@ -77,8 +77,21 @@ def example(kind: str, seed: int = 0):
     return model, (ids,), target, make_loss(kind, model)
 
 
+def gpt_example():
+    """The small GPT (tied embedding and head, on two pipeline stages) with padded targets."""
+    from examples.models import EXAMPLES
+    ex = EXAMPLES["gpt"]()
+    b, t = ex.target.shape
+    keep = torch.tensor([16, 3, 11, 0, 7, 16, 1, 9])[:b] * t // 16
+    target = torch.where(torch.arange(t)[None, :] < keep[:, None], ex.target, -100)
+    return ex.model, ex.inputs, target, ex.loss_fn
+
+
 def run_case(case: dict) -> dict:
-    model, inputs, target, loss_fn = example(case["loss"])
+    if case.get("model") == "gpt":
+        model, inputs, target, loss_fn = gpt_example()
+    else:
+        model, inputs, target, loss_fn = example(case["loss"])
     pm = autopar.parallelize(model, inputs, loss_fn, target=target, **case["pins"])
     ref = reference_run(model, inputs, target, loss_fn)
     got = parallel_run(pm, inputs, target)

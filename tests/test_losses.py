@@ -46,6 +46,9 @@ MODES = {                                          # name -> (ranks, pins)
     "pp2xdp2-1f1b": (4, {**PP, "data": 2, "schedule": "1f1b"}),
 }
 MATRIX = list(itertools.product(LOSSES, MODES))
+# the small GPT (lm_loss: mean cross entropy, ignore_index -100), its targets padded
+GPT_CASE = {"id": "gpt-ignore-pp2xdp2-interleaved", "model": "gpt", "loss": "ignore",
+            "pins": {**PP, "data": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2}}
 
 
 def _id(loss: str, mode: str) -> str:
@@ -79,6 +82,8 @@ def launch(tmp_path_factory):
             tmp = tmp_path_factory.mktemp(f"losses{nproc}")
             cases = [{"id": _id(loss, mode), "loss": loss, "pins": MODES[mode][1]}
                      for loss, mode in MATRIX if MODES[mode][0] == nproc]
+            if nproc == 4:
+                cases.append(GPT_CASE)
             done[nproc] = _torchrun(nproc, cases, tmp)
         return done[nproc]
     return get
@@ -94,6 +99,17 @@ def test_loss_matches_one_device(launch, loss, mode):
     if "pipeline" in pins:
         assert r["m"] == 4 and r["mesh"][0] == 2 and r["schedule"] == pins["schedule"]
     print(f"{_id(loss, mode)}: loss {r['worst']['loss']:.1e} grad {r['worst']['grad']:.1e} "
+          f"weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
+
+
+def test_gpt_with_padded_targets_pipelined(launch):
+    """Tied embedding and head on different stages, data 2, interleaved 1F1B, padded targets."""
+    results, failed = launch(4)
+    r = results.get(GPT_CASE["id"])
+    assert r is not None, f"{GPT_CASE['id']}: no result, the launch ended before it\n{failed}"
+    assert r["ok"], f"{GPT_CASE['id']}: {r['error']}\n{r.get('trace', '')}"
+    assert r["m"] == 4 and r["mesh"] == [2, 2]
+    print(f"{GPT_CASE['id']}: loss {r['worst']['loss']:.1e} grad {r['worst']['grad']:.1e} "
           f"weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
 
 
