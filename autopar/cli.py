@@ -12,255 +12,42 @@ says what is wrong and how to fix it (no traceback for a user's error).
 """
 from __future__ import annotations
 
-import ast
-import contextlib
-import importlib
-import importlib.util
-import os
-import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 
-from autopar.capture import capture
+from autopar import verify as verify_mod, viz as viz_mod
+from autopar.capture import CaptureError, capture
+from autopar.cli_args import (  # noqa: F401 - _CAPTURED, parse_* and USER_ERRORS: importable from here
+    _CAPTURED, USER_ERRORS, Example, Failed, UserError, _console, _one_line, _progress,
+    build_example, capture_for, factory_options, load_factory, load_plan, parse_bytes,
+    parse_mesh, parse_pairs, parse_pins, parse_value,
+)
 from autopar.cost_models.hardware import parse_cluster
+from autopar.ops.comm import ThreadWorld
+from autopar.report import fmt_bytes, fmt_time
+from autopar.runtime.parallel_module import ParallelModule
+from autopar.solver.costing import INF
 from autopar.solver.driver import solve
-from autopar.solver.pins import KNOWN_PINS, check_pins, pipelined
-
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, NotImplementedError, FileNotFoundError)
-
-
-class UserError(click.ClickException):
-    """Bad input: printed as one line, exit code 2."""
-    exit_code = 2
-
-    def show(self, file=None) -> None:
-        click.echo(f"autopar: error: {self.format_message()}", err=True)
-
-
-class Failed(click.ClickException):
-    """A check failed: exit code 1."""
-    exit_code = 1
-
-    def show(self, file=None) -> None:
-        click.echo(f"autopar: {self.format_message()}", err=True)
+from autopar.solver.pins import check_pins, pipelined
+from autopar.verify import GRAD_RTOL, LOSS_RTOL, STEPS, WEIGHT_RTOL
+from autopar.viz.diff import diff as plan_diff
+from autopar.viz.explain import explain as explain_node
+from autopar.viz.summary import _table, fold_names, print_summary
 
 
 class _Group(click.Group):
     """Turns the library's errors about the user's input into exit code 2 and one line."""
 
     def invoke(self, ctx):
-        from autopar.capture import CaptureError
         try:
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except (CaptureError, *USER_ERRORS) as e:
             raise UserError(_one_line(e)) from e
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return " ".join(lines) if len(lines) <= 6 else " ".join(lines[:6]) + " ..."
-
-
-# ---- consoles --------------------------------------------------------------------------------
-def _console(stderr: bool = False):
-    from rich.console import Console
-    stream = sys.stderr if stderr else sys.stdout
-    tty = stream.isatty()
-    return Console(file=stream, width=None if tty else 200, highlight=False,
-                   soft_wrap=not tty, force_terminal=None if tty else False)
-
-
-@contextlib.contextmanager
-def _progress():
-    """Steps with spinners and times, on stderr (stdout stays for the result)."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=_console(stderr=True), transient=False) as p:
-        @contextlib.contextmanager
-        def step(text: str):
-            task = p.add_task(text, total=1)
-            yield
-            p.update(task, completed=1, description=text + " [green]done[/]")
-        yield step
-
-
-# ---- parsing helpers -------------------------------------------------------------------------
-def parse_value(text: str) -> Any:
-    """``8`` -> 8, ``0.5`` -> 0.5, ``true`` -> True, ``none`` -> None, else the string."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    try:
-        v = ast.literal_eval(text.strip())
-        if isinstance(v, (int, float)):
-            return v
-    except (ValueError, SyntaxError):
-        pass
-    return text.strip()
-
-
-def parse_pairs(items, what: str) -> dict[str, Any]:
-    """``("batch=8", "config=gpt-1.3b,seed=1")`` -> {"batch": 8, "config": "gpt-1.3b", "seed": 1}."""
-    out = {}
-    for item in items or ():
-        for part in filter(None, (p.strip() for p in item.split(","))):
-            if "=" not in part:
-                raise UserError(f"{what} {part!r} is not key=value (e.g. batch=8)")
-            k, v = part.split("=", 1)
-            out[k.strip()] = parse_value(v)
-    return out
-
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.I)
-
-
-def parse_bytes(text: str) -> float:
-    """``40GB`` (10^9) / ``40GiB`` (2^30) / ``512MiB`` / ``1e9`` -> bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise UserError(f"cannot read the memory budget {text!r}: write e.g. 40GB, 40GiB or 512MiB")
-    unit = (m.group(2) or "").lower().rstrip("b")
-    power = " kmgtp".index(unit[0]) if unit else 0
-    base = 1024 if unit.endswith("i") else 1000
-    return float(m.group(1)) * base ** power
-
-
-def parse_pins(items) -> dict[str, Any]:
-    pins = parse_pairs(items, "--pin")
-    unknown = sorted(set(pins) - KNOWN_PINS)
-    if unknown:
-        raise UserError(f"unknown pin(s) {unknown}: pins are {sorted(KNOWN_PINS)} (e.g. --pin tensor=2)")
-    return pins
-
-
-def parse_mesh(text: str | None):
-    if not text:
-        return None
-    try:
-        return tuple(int(n) for n in re.split(r"[x,]", text))
-    except ValueError:
-        raise UserError(f"cannot read --mesh {text!r}: write it as 2x4") from None
-
-
-# ---- factories -------------------------------------------------------------------------------
-def load_factory(spec: str):
-    """``package.module:factory`` or ``path/to/file.py:factory`` -> the callable."""
-    if ":" not in spec:
-        raise UserError(f"{spec!r} is not MODULE:FACTORY (e.g. examples.models:gpt_factory)")
-    mod_name, _, attr = spec.rpartition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())       # as `python -m` does: the current folder
-    try:
-        if mod_name.endswith(".py"):
-            path = Path(mod_name)
-            if not path.exists():
-                raise UserError(f"no file {mod_name} (from {spec!r})")
-            s = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(s)
-            sys.modules[path.stem] = module      # dataclasses and pickling look it up
-            s.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except ModuleNotFoundError as e:
-        raise UserError(f"cannot import {mod_name!r} ({e}); run from the folder that holds it "
-                        "or put it on PYTHONPATH") from e
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's module failed while importing
-        raise UserError(f"importing {mod_name} failed: {type(e).__name__}: {_one_line(e)}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(f"{mod_name} has no callable {attr!r}; FACTORY must be a function "
-                        "returning (model, inputs, loss_fn, target) or an object with those fields")
-    return fn
-
-
-class Example:
-    def __init__(self, model, inputs, loss_fn, target):
-        self.model, self.inputs, self.loss_fn, self.target = model, inputs, loss_fn, target
-
-
-def build_example(spec: str, args: dict, meta: bool = False) -> Example:
-    """Call the factory (under ``torch.device("meta")`` when ``meta``) and normalise what
-    it returns to (model, inputs tuple, loss_fn, target)."""
-    import torch
-    fn = load_factory(spec)
-    try:
-        with torch.device("meta") if meta else contextlib.nullcontext():
-            got = fn(**args)
-    except Exception as e:  # noqa: BLE001 - the factory is the user's code: say which call failed
-        call = f"{spec}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
-        raise UserError(f"{call} failed: {type(e).__name__}: {_one_line(e)}") from e
-    if all(hasattr(got, a) for a in ("model", "inputs")):
-        model, inputs = got.model, got.inputs
-        loss_fn, target = getattr(got, "loss_fn", None), getattr(got, "target", None)
-    elif isinstance(got, (tuple, list)) and 2 <= len(got) <= 4:
-        model, inputs, loss_fn, target = (*got, None, None)[:4]
-    else:
-        raise UserError(f"{spec} returned {type(got).__name__}; it must return (model, inputs, "
-                        "loss_fn, target) or an object with .model .inputs .loss_fn .target")
-    if not isinstance(model, torch.nn.Module):
-        raise UserError(f"{spec} returned a model of type {type(model).__name__}, not a torch.nn.Module")
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if target is None:
-        loss_fn = None        # the model returns its own loss, or there is none
-    return Example(model, tuple(inputs), loss_fn, target)
-
-
-_CAPTURED: dict = {}      # (spec, args, meta) -> (example, captured): one capture per process
-
-
-def capture_for(plan, spec: str, args: dict, meta: bool):
-    """The captured graph of the factory's model, checked against the plan's fingerprint."""
-    from autopar.capture import capture, fingerprint
-    from autopar.plan import PlanError
-    key = (spec, tuple(sorted((k, repr(v)) for k, v in args.items())), meta)
-    if key not in _CAPTURED:
-        ex = build_example(spec, args, meta)
-        _CAPTURED[key] = ex, capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
-    ex, cap = _CAPTURED[key]
-    fp = fingerprint(cap)
-    if fp != plan.fingerprint:
-        raise PlanError(f"the plan was made for another graph (fingerprint {plan.fingerprint}, "
-                        f"{spec} gives {fp}): pass the --factory and --factory-args the plan was "
-                        "made with")
-    return ex, cap
-
-
-def load_plan(path: str):
-    from autopar.plan import Plan, PlanError
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"no plan file {path!r}: make one with `autopar plan MODULE:FACTORY -o {path}`")
-    try:
-        return Plan.load(p)
-    except PlanError as e:
-        raise UserError(f"{path}: {_one_line(e)}; make a new one with `autopar plan`") from e
-    except (UnicodeDecodeError, OSError) as e:
-        raise UserError(f"{path}: cannot read the plan ({e})") from e
-
-
-_factory_options = [
-    click.option("--factory-args", "factory_args", multiple=True, metavar="KEY=VALUE[,...]",
-                 help="keyword arguments for the factory, e.g. batch=8,config=gpt-1.3b"),
-    click.option("--meta", is_flag=True, help='build the model under torch.device("meta") (no memory)'),
-]
-
-
-def factory_options(f):
-    for opt in reversed(_factory_options):
-        f = opt(f)
-    return f
 
 
 def _solve(step, ex: Example, cl, world: int, pins: dict, **kw):
@@ -305,7 +92,6 @@ def cli():
 def plan(factory, cluster, budget, pins, world, mesh, optimizer, time_limit, output, all_nodes,
          factory_args, meta):
     """Plan MODULE:FACTORY for a cluster and print the summary."""
-    from autopar.viz.summary import print_summary
     pins = check_pins(parse_pins(pins))
     args = parse_pairs(factory_args, "--factory-args")
     budget_b = parse_bytes(budget) if budget else None
@@ -337,7 +123,6 @@ def show(plan_file, as_json, code, rank, forward, factory, all_nodes, factory_ar
         click.echo(p.to_json())
         return
     if not code:
-        from autopar.viz.summary import print_summary
         print_summary(p, _console(), all_nodes)
         return
     if factory is None:
@@ -348,8 +133,6 @@ def show(plan_file, as_json, code, rank, forward, factory, all_nodes, factory_ar
     if meta:
         raise UserError("--code builds the per-rank module from real weights: drop --meta "
                         "(use a small config of the model to read its program)")
-    from autopar.ops.comm import ThreadWorld
-    from autopar.runtime.parallel_module import ParallelModule
     ex, cap = capture_for(p, factory, parse_pairs(factory_args, "--factory-args"), meta)
     comm = ThreadWorld(p.mesh_shape).comm(rank)
     pm = ParallelModule(cap, p, comm, ex.model, None if cap.has_loss else ex.loss_fn)
@@ -371,10 +154,6 @@ def explain(plan_file, node, factory, optimizer, show_all, factory_args, meta):
     """Why NODE got its placement: the cost of every option it had.
 
     NODE is a graph node (as `autopar show` lists them) or a parameter's name."""
-    from autopar.report import fmt_bytes, fmt_time
-    from autopar.solver.costing import INF
-    from autopar.viz.explain import explain as explain_node
-    from autopar.viz.summary import _table
     p = load_plan(plan_file)
     _, cap = capture_for(p, factory, parse_pairs(factory_args, "--factory-args"), meta)
     x = explain_node(cap, p, p.params.get(node, node), optimizer)
@@ -426,9 +205,6 @@ def explain(plan_file, node, factory, optimizer, show_all, factory_args, meta):
 @click.argument("b", metavar="B.json")
 def diff(a, b):
     """What changed from plan A to plan B, and what each change costs."""
-    from autopar.report import fmt_bytes, fmt_time
-    from autopar.viz.diff import diff as plan_diff
-    from autopar.viz.summary import _table, fold_names
     pa, pb = load_plan(a), load_plan(b)
     d = plan_diff(pa, pb)
     con = _console()
@@ -486,7 +262,6 @@ def viz(plan_file, output, factory, unfold, schedule, stages, microbatches, virt
     """Pictures of a plan: graph (svg/png/dot), or the HTML report with all of them.
 
     Without a plan, --schedule draws a pipeline swimlane (png/svg)."""
-    from autopar import viz as viz_mod
     p = load_plan(plan_file) if plan_file else None
     if p is None and schedule is None:
         raise UserError("give a PLAN file, or --schedule KIND to draw a pipeline swimlane")
@@ -533,8 +308,6 @@ def verify(factory, plan_file, nproc, pins, timeout, factory_args, meta):
 
 
 def _verify(factory, args, nproc, plan_file, pins, timeout):
-    from autopar.verify import GRAD_RTOL, LOSS_RTOL, STEPS, WEIGHT_RTOL, launch
-    from autopar.viz.summary import _table
     if plan_file:
         p = load_plan(plan_file)
         if pins:
@@ -546,7 +319,7 @@ def _verify(factory, args, nproc, plan_file, pins, timeout):
     con = _console()
     with _progress() as step:
         with step(f"torchrun: {nproc} ranks (gloo), {STEPS} SGD steps each against one device"):
-            res = launch(factory, args, nproc, plan=plan_file, pins=pins, timeout_s=timeout)
+            res = verify_mod.launch(factory, args, nproc, plan=plan_file, pins=pins, timeout_s=timeout)
     mesh = next((r for r in res.results if r.mesh_shape), None)
     t = _table(f"verify {factory} on {nproc} ranks" + (
         f", mesh {mesh.mesh_shape} {mesh.mesh_axes}" if mesh else "") +
@@ -582,7 +355,6 @@ def _verify(factory, args, nproc, plan_file, pins, timeout):
 @click.option("-o", "--output", default=None, help="also write the GPU plan here (JSON)")
 def demo(cluster, config, nproc, skip_verify, output):
     """Plan a GPT for a multi-node GPU cluster, then verify a small plan on CPU ranks."""
-    from autopar.viz.summary import print_summary
     con = _console()
     spec = "examples.models:gpt_factory"
     cl = parse_cluster(cluster)

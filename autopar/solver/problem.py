@@ -104,6 +104,8 @@ def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Com
 def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | None = None,
                   tensor_axis: int | None = None, zero: int = 0,
                   optimizer_states: int = 2) -> Problem:
+    """The problem of ``cap`` on ``mesh_shape``: a decision per node (repeated layers'
+    nodes join their first layer's), an edge per tensor that flows between decisions."""
     mesh_shape = tuple(mesh_shape)
     graph = cap.gm.graph
     index = graph_index(cap)
@@ -123,11 +125,7 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
             if r != node.name:
                 vars[r].members.append(node.name)
                 continue
-            opts = placeholder_options(meta, mesh_shape)
-            if kind == "buffer":
-                opts = [o for o in opts if all(isinstance(s.outputs[0], Replicate) for s in o)]
-            opts = _apply_pins(node.name, kind, meta, opts, data_axis, tensor_axis, zero,
-                               mesh_shape)
+            opts = _placeholder_choices(node.name, kind, meta, mesh_shape, data_axis, tensor_axis, zero)
             vars[r] = NodeVar(node.name, kind, meta, None, opts, [node.name])
         elif node.op == "call_function":
             if node.target is operator.getitem:
@@ -148,15 +146,8 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
             if any(a.name in batch_nodes for a in node.all_input_nodes):
                 batch_nodes.add(node.name)
             if r == node.name:
-                opts = mesh_strategies(call, mesh_shape)
-                opts = _restrict_mutations(node, call, opts)
-                param_inputs = [k for k, a in enumerate(_tensor_args(node)) if a.name in cap.params]
-                if data_axis is not None:
-                    opts = _data_parallel(opts, data_axis, node.name in batch_nodes, param_inputs)
-                if tensor_axis is not None:
-                    weights = [k for k in param_inputs if call.inputs[k].ndim >= 2]
-                    opts = [o for o in opts if all(not isinstance(o[tensor_axis].inputs[k], Replicate)
-                                                   for k in weights)] or opts
+                opts = _op_choices(cap, node, call, mesh_shape, data_axis, tensor_axis,
+                                   node.name in batch_nodes)
                 vars[r] = NodeVar(node.name, "op", None, call, opts, [node.name])
             else:
                 vars[r].members.append(node.name)
@@ -176,6 +167,29 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
             raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
                            f"{mesh_shape}: {_describe(v)}")
     return Problem(mesh_shape, vars, edge_list, rep, sink, dict(cap.params), optimizer_states)
+
+
+def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero) -> list[Combo]:
+    """The options of a parameter, buffer or input under the pins."""
+    opts = placeholder_options(meta, mesh_shape)
+    if kind == "buffer":
+        opts = [o for o in opts if all(isinstance(s.outputs[0], Replicate) for s in o)]
+    return _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape)
+
+
+def _op_choices(cap: Captured, node, call: OpCall, mesh_shape, data_axis, tensor_axis,
+                from_batch: bool) -> list[Combo]:
+    """The options of an op node under the pins (``from_batch``: computed from the batch)."""
+    opts = mesh_strategies(call, mesh_shape)
+    opts = _restrict_mutations(node, call, opts)
+    param_inputs = [k for k, a in enumerate(_tensor_args(node)) if a.name in cap.params]
+    if data_axis is not None:
+        opts = _data_parallel(opts, data_axis, from_batch, param_inputs)
+    if tensor_axis is not None:
+        weights = [k for k in param_inputs if call.inputs[k].ndim >= 2]
+        opts = [o for o in opts if all(not isinstance(o[tensor_axis].inputs[k], Replicate)
+                                       for k in weights)] or opts
+    return opts
 
 
 def _describe(v: NodeVar) -> str:
