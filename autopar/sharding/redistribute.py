@@ -79,44 +79,14 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement],
     dst = list(dst)
     steps: list[Step] = []
 
-    def dims_of(p) -> set[int]:
-        return {p.dim} if isinstance(p, Shard) else set()
-
-    def clear_later(a: int, dims: set[int]) -> None:
-        for b in range(n - 1, a, -1):
-            if isinstance(cur[b], Shard) and cur[b].dim in dims:
-                steps.append(Step("all_gather", b, cur[b].dim, groups=cur[b].groups))
-                cur[b] = R
-
     # Phase A, last axis first: leave Shard / Partial placements that must change.
     for a in range(n - 1, -1, -1):
         s, d = cur[a], dst[a]
         if s == d or isinstance(s, Replicate):
             continue
-        clear_later(a, dims_of(s) | dims_of(d))
-        if isinstance(s, Shard):
-            if isinstance(d, Replicate):
-                steps.append(Step("all_gather", a, s.dim, grad_partial=gp[a], groups=s.groups))
-            elif isinstance(d, Shard) and s.groups == 1 and d.groups == 1:
-                steps.append(Step("all_to_all", a, d.dim, s.dim))
-            elif isinstance(d, Shard):        # strided on either side: through R
-                steps.append(Step("all_gather", a, s.dim, groups=s.groups))
-                cur[a] = R
-                continue
-            elif s.groups == 1:               # Partial: each rank's term is its block, zeros around
-                steps.append(Step("shard_to_partial", a, s.dim))
-            else:
-                raise Unsupported(f"{s} -> {d} on axis {a}")
-        else:  # Partial
-            if isinstance(d, Replicate):
-                steps.append(Step("all_reduce", a, grad_partial=gp[a]))
-            elif d.groups == 1:
-                steps.append(Step("reduce_scatter", a, d.dim))
-            else:                              # to a strided shard: through R
-                steps.append(Step("all_reduce", a))
-                cur[a] = R
-                continue
-        cur[a] = d
+        _clear_later(cur, steps, a, _dims_of(s) | _dims_of(d))
+        step, cur[a] = _leave(s, d, a, gp[a])
+        steps.append(step)
 
     # Phase B, first axis first: shard what is replicated now and must not be.
     for a in range(n):
@@ -125,13 +95,50 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement],
             if isinstance(s, Replicate) and isinstance(src[a], Replicate) and gp[a]:
                 steps.append(Step("grad_all_reduce", a))
             continue
-        clear_later(a, dims_of(d))
-        if isinstance(d, Shard):
-            steps.append(Step("scatter", a, d.dim, groups=d.groups))
-        elif isinstance(d, Partial):
-            steps.append(Step("to_partial", a))
-        else:
-            raise Unsupported(f"{s} -> {d} on axis {a}")
+        _clear_later(cur, steps, a, _dims_of(d))
+        steps.append(_enter(s, d, a))
         cur[a] = d
-    # Axes cleared by clear_later come back in phase B: an axis b > a is visited after a.
+    # Axes cleared by _clear_later come back in phase B: an axis b > a is visited after a.
     return steps
+
+
+def _dims_of(p: Placement) -> set[int]:
+    return {p.dim} if isinstance(p, Shard) else set()
+
+
+def _clear_later(cur: list[Placement], steps: list[Step], a: int, dims: set[int]) -> None:
+    """Gather every axis after ``a`` that shards one of ``dims`` (in ``cur``, in place)."""
+    for b in range(len(cur) - 1, a, -1):
+        if isinstance(cur[b], Shard) and cur[b].dim in dims:
+            steps.append(Step("all_gather", b, cur[b].dim, groups=cur[b].groups))
+            cur[b] = R
+
+
+def _leave(s: Placement, d: Placement, a: int, grad_partial: bool) -> tuple[Step, Placement]:
+    """Phase A on axis ``a``: the step off Shard / Partial ``s`` toward ``d``, and the
+    placement it reaches (``d``, or Replicate where a strided shard goes through it)."""
+    if isinstance(s, Shard):
+        if isinstance(d, Replicate):
+            return Step("all_gather", a, s.dim, grad_partial=grad_partial, groups=s.groups), d
+        if isinstance(d, Shard) and s.groups == 1 and d.groups == 1:
+            return Step("all_to_all", a, d.dim, s.dim), d
+        if isinstance(d, Shard):          # strided on either side: through R
+            return Step("all_gather", a, s.dim, groups=s.groups), R
+        if s.groups == 1:                 # Partial: each rank's term is its block, zeros around
+            return Step("shard_to_partial", a, s.dim), d
+        raise Unsupported(f"{s} -> {d} on axis {a}")
+    # Partial
+    if isinstance(d, Replicate):
+        return Step("all_reduce", a, grad_partial=grad_partial), d
+    if d.groups == 1:
+        return Step("reduce_scatter", a, d.dim), d
+    return Step("all_reduce", a), R        # to a strided shard: through R
+
+
+def _enter(s: Placement, d: Placement, a: int) -> Step:
+    """Phase B on axis ``a``: the step from Replicate ``s`` to ``d``."""
+    if isinstance(d, Shard):
+        return Step("scatter", a, d.dim, groups=d.groups)
+    if isinstance(d, Partial):
+        return Step("to_partial", a)
+    raise Unsupported(f"{s} -> {d} on axis {a}")

@@ -89,6 +89,17 @@ def build_graph(cap: Captured, plan: Plan) -> Graph:
     if stage_of:
         n = plan.pipeline_stages * plan.virtual_stages
         g.stage_ranks = tuple(k % plan.pipeline_stages for k in range(n))
+    alias, loss = _add_nodes(g, cap, plan, stage_of)
+    if loss in g.nodes:
+        g.nodes[loss].kind = "loss"
+    _add_edges(g, cap, plan, alias)
+    return g
+
+
+def _add_nodes(g: Graph, cap: Captured, plan: Plan, stage_of: dict[str, int]
+               ) -> tuple[dict[str, tuple[str, int]], str | None]:
+    """A :class:`GNode` per placed node; returns the aliases (``getitem`` node -> (its
+    source, output index)) and the loss node with aliases resolved."""
     alias: dict[str, tuple[str, int]] = {}
     loss = cap.loss
     for node in cap.gm.graph.nodes:
@@ -99,29 +110,36 @@ def build_graph(cap: Captured, plan: Plan) -> Graph:
             if node.name == loss:
                 loss = base[0]
             continue
-        if node.name not in plan.nodes:
-            continue
-        pl = plan.nodes[node.name]
-        if node.op == "placeholder":
-            kind = ("param" if node.name in cap.params else
-                    "buffer" if node.name in cap.buffers else "input")
-            title = cap.params[node.name][0] if kind == "param" else (
-                cap.buffers[node.name] if kind == "buffer" else node.name)
-            shape = list(node.meta["val"].shape)
-            label = f"{title}\n{shape} {pl.outputs[0]}"
-        else:
-            kind = "op"
-            op = str(node.target).replace("aten.", "").replace(".default", "")
-            label = f"{node.name}\n{op}\n{pl}"
-        sharded = any(c in "SP" for c in str(pl))
-        sig = f"{node.target if node.op == 'call_function' else kind}|{pl}"
-        layer = layer_of(node) if node.op == "call_function" else _layer_of_name(title)
-        stage = stage_of.get(node.name)
-        if stage is not None:
-            label += f"\nstage {stage}"
-        g.nodes[node.name] = GNode(node.name, label, kind, layer, sharded, sig=sig, stage=stage)
-    if loss in g.nodes:
-        g.nodes[loss].kind = "loss"
+        if node.name in plan.nodes:
+            g.nodes[node.name] = _gnode(node, plan.nodes[node.name], cap, stage_of)
+    return alias, loss
+
+
+def _gnode(node, pl, cap: Captured, stage_of: dict[str, int]) -> GNode:
+    """The drawn node of a placeholder (parameter, buffer, input) or op with placement ``pl``."""
+    if node.op == "placeholder":
+        kind = ("param" if node.name in cap.params else
+                "buffer" if node.name in cap.buffers else "input")
+        title = cap.params[node.name][0] if kind == "param" else (
+            cap.buffers[node.name] if kind == "buffer" else node.name)
+        shape = list(node.meta["val"].shape)
+        label = f"{title}\n{shape} {pl.outputs[0]}"
+    else:
+        kind = "op"
+        op = str(node.target).replace("aten.", "").replace(".default", "")
+        label = f"{node.name}\n{op}\n{pl}"
+    sharded = any(c in "SP" for c in str(pl))
+    sig = f"{node.target if node.op == 'call_function' else kind}|{pl}"
+    layer = layer_of(node) if node.op == "call_function" else _layer_of_name(title)
+    stage = stage_of.get(node.name)
+    if stage is not None:
+        label += f"\nstage {stage}"
+    return GNode(node.name, label, kind, layer, sharded, sig=sig, stage=stage)
+
+
+def _add_edges(g: Graph, cap: Captured, plan: Plan, alias: dict[str, tuple[str, int]]) -> None:
+    """An edge per tensor input of every drawn op, through a node per collective that
+    redistributes the producer's placement to what the consumer reads."""
     n_coll = 0
     for node in cap.gm.graph.nodes:
         if node.name not in g.nodes or node.op != "call_function":
@@ -153,7 +171,6 @@ def build_graph(cap: Captured, plan: Plan) -> Graph:
                 g.edges.append((prev, cid, src_pl if prev == src else ""))
                 prev = cid
             g.edges.append((prev, node.name, want if steps else src_pl))
-    return g
 
 
 def fold(g: Graph) -> Graph:
