@@ -450,9 +450,11 @@ def denominator_inputs(cap, inputs: Sequence[torch.Tensor], target, m: int) -> t
         given = dict(zip(cap.inputs, tuple(inputs) + ((target,) if target is not None else ())))
         chunks = {n: given[n].tensor_split(m, dim=0) for n in spec.graph_inputs if n in given}
         vals = []
+        device = next((c[0].device for c in chunks.values()), None)
         with torch.no_grad():
             for i in range(m):
-                args = [chunks[n][i] if n in chunks else spec.values[n] for n in spec.graph_inputs]
+                args = [chunks[n][i] if n in chunks else spec.values[n].to(device)
+                        for n in spec.graph_inputs]
                 vals.append(spec.graph(*args))
     for term in spec.terms:
         if term.kind == "elements":
