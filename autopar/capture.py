@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from autopar.capture_hops import inline_higher_order_ops
+from autopar.capture_constants import inline_constants
 from autopar.capture_inplace import functionalize_inplace
 
 
@@ -127,6 +128,7 @@ def _from_program(ep, wrapper: nn.Module, n_inputs: int, has_loss: bool, method:
     gm = ep.graph_module
     inline_higher_order_ops(gm, sig.inputs_to_parameters)   # grad-mode, autocast-off regions
     functionalize_inplace(gm)                               # x += y -> x + y where exact
+    inline_constants(gm, sig.inputs_to_lifted_tensor_constants, ep.constants)  # torch.tensor(...) in forward
     # Aliases: torch.export keeps one placeholder per tensor; name every parameter that is it.
     by_id: dict[int, list[str]] = {}
     for name, p in wrapper.named_parameters(remove_duplicate=False):

@@ -102,9 +102,17 @@ def _model(cfg_cls, model_cls, kw, attn="eager", cache=True):
         cfg.use_cache = False
     torch.manual_seed(0)
     try:
-        return model_cls._from_config(cfg, attn_implementation=attn)
+        m = model_cls._from_config(cfg, attn_implementation=attn)
     except (ValueError, TypeError):       # models without an attention implementation
-        return model_cls(cfg)
+        m = model_cls(cfg)
+    # Hugging Face initializes biases to 0; a key bias also has an exactly-zero gradient
+    # (softmax ignores a shift shared by a row), so its weights would stay rounding noise
+    # and the relative weight comparison would compare noise with noise. Move every weight.
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    return m
 
 
 def causal_lm(cfg_cls, model_cls, own_loss=False, **kw):
