@@ -45,6 +45,7 @@ from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # gloo_collectives
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -54,7 +55,7 @@ from autopar.cost_models.cpu import cores  # noqa: E402
 from autopar.cost_models.hardware import parse_cluster  # noqa: E402
 from autopar.cost_models.profile import PeakMemory, Profiler  # noqa: E402
 from examples.models import gpt_factory, mlp_factory  # noqa: E402
-from gloo_collectives import constants  # noqa: E402  (the script next to this one)
+from gloo_collectives import constants  # noqa: E402
 
 # (label, model, world, pins): model names a builder below
 CASES = [
