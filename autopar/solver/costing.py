@@ -64,10 +64,33 @@ class CostModel:
     def __post_init__(self):
         self.links = [axis_link(self.cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._edge_cache: dict = {}
+        self._prices = None      # the PriceTable of the last problem priced (autopar.solver.prices)
+
+    @classmethod
+    def for_pins(cls, cluster: Cluster, mesh_shape: tuple[int, ...], pins: dict, *,
+                 data_axis: int | None = None, recompute: tuple | None = None, profiler: Any = None,
+                 memory_weights: dict | None = None, grad_sync_scale: float = 1.0) -> CostModel:
+        """The cost model of a plan with ``pins`` (precision, zero) on ``mesh_shape``;
+        ``recompute`` = (recomputed nodes, kept nodes) (``analysis.layers.recompute_nodes``).
+        The solver and ``explain`` both build theirs here, so they price alike."""
+        rec, kept = recompute or (frozenset(), frozenset())
+        return cls(cluster, tuple(mesh_shape), dtype_key=pins.get("precision") or "fp32",
+                   zero=pins.get("zero") or 0, data_axis=data_axis, profiler=profiler,
+                   recompute=frozenset(rec), recompute_kept=frozenset(kept),
+                   memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
 
     # ---- compute -------------------------------------------------------------------------
     def node_time(self, v: NodeVar, combo) -> tuple[float, float]:
-        """(forward, backward) seconds of one option of an op node."""
+        """(forward, backward) seconds of one option of an op node, recomputation included."""
+        return self.with_recompute(v, self.base_time(v, combo))
+
+    def with_recompute(self, v: NodeVar, t: tuple[float, float]) -> tuple[float, float]:
+        """``t`` = :meth:`base_time` with ``v``'s recomputed members' forward run again."""
+        rec = self._recomputed(v)
+        return t if not rec else (t[0], t[1] + t[0] * rec / len(v.members))
+
+    def base_time(self, v: NodeVar, combo) -> tuple[float, float]:
+        """(forward, backward) seconds of one option of an op node, without recomputation."""
         if v.call is None:
             return 0.0, 0.0
         ins = [_local(m, input_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.inputs)]
@@ -78,11 +101,8 @@ class CostModel:
             local_of = {id(g): m for g, m in zip(v.call.inputs, ins)}
             sub = lambda a: local_of.get(id(a), a) if isinstance(a, TensorMeta) else a  # noqa: E731
             t = self.profiler.node_time(op, ins, outs, tree_map(sub, args), tree_map(sub, kwargs))
-            t = t if t is not None else self._roofline(v, ins, outs)
-        else:
-            t = self._roofline(v, ins, outs)
-        rec = self._recomputed(v)
-        return t if not rec else (t[0], t[1] + t[0] * rec / len(v.members))
+            return t if t is not None else self._roofline(v, ins, outs)
+        return self._roofline(v, ins, outs)
 
     def _roofline(self, v, ins, outs) -> tuple[float, float]:
         return compute_model.node_time(v.call.op, ins, outs, v.call.args, v.call.kwargs,
@@ -99,13 +119,26 @@ class CostModel:
 
     # ---- memory --------------------------------------------------------------------------
     def node_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
-        """Bytes per device of one option, by term (times ``memory_weights``)."""
-        terms = self._node_memory(v, combo, optimizer_states)
+        """Bytes per device of one option, by term (recomputation split, times ``memory_weights``)."""
+        return self.weigh(self.split_recompute(v, self.base_memory(v, combo, optimizer_states)))
+
+    def weigh(self, terms: dict[str, float]) -> dict[str, float]:
+        """``terms`` times ``memory_weights`` (the pipeline planner's per-stage view)."""
         if not self.memory_weights:
             return terms
         return {k: b * self.memory_weights.get(k, 1.0) for k, b in terms.items()}
 
-    def _node_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
+    def split_recompute(self, v: NodeVar, terms: dict[str, float]) -> dict[str, float]:
+        """``terms`` (:meth:`base_memory`) with ``v``'s recomputed members keeping nothing:
+        backward rebuilds one layer's activations at a time (the "recompute" term)."""
+        rec = self._recomputed(v) if v.kind == "op" and "activations" in terms else 0
+        if not rec or any(m in self.recompute_kept for m in v.members):
+            return terms
+        b, n = terms["activations"], len(v.members)
+        return {"activations": b * (n - rec) / n, "recompute": b / n}
+
+    def base_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
+        """Bytes per device of one option, by term, without recomputation or weights."""
         if v.kind == "param":
             placements = output_placements(combo, 0)
             b = _local(v.meta, placements, self.mesh_shape).nbytes
@@ -123,14 +156,8 @@ class CostModel:
             return {"inputs" if v.kind == "input" else "buffers": b}
         if v.call.op in VIEW_OPS:
             return {}
-        b = sum(self._act(_local(m, output_placements(combo, k), self.mesh_shape).nbytes, m.dtype)
-                for k, m in enumerate(v.call.outputs))
-        rec = self._recomputed(v)
-        if not rec or any(m in self.recompute_kept for m in v.members):
-            return {"activations": b}
-        # recomputed members keep nothing; backward rebuilds one layer's activations at a time
-        n = len(v.members)
-        return {"activations": b * (n - rec) / n, "recompute": b / n}
+        return {"activations": sum(self._act(_local(m, output_placements(combo, k), self.mesh_shape).nbytes,
+                                                m.dtype) for k, m in enumerate(v.call.outputs))}
 
     # ---- communication -------------------------------------------------------------------
     def edge_time(self, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
@@ -148,28 +175,33 @@ class CostModel:
         just after its backward, so each pays ``1 / shared`` of the link's wait for the
         peers (``Link.skew``); the bucketed gradient all-reduce pays none.
         """
+        return price_steps(self.edge_steps(meta, src, dst, grad_partial, bucketed, shared),
+                           rerun, self.grad_sync_scale)
+
+    def edge_steps(self, meta: TensorMeta, src, dst, grad_partial, bucketed: bool = False,
+                   shared: int = 1) -> tuple[Collective, ...] | None:
+        """The collectives of :meth:`edge_time`, each priced once (before ``rerun`` and
+        ``grad_sync_scale``, which :func:`price_steps` applies); None when not offered."""
         if not meta.dtype.is_floating_point:
             grad_partial = (False,) * len(grad_partial)   # integer tensors carry no gradient
-        key = (meta.shape, meta.dtype, src, dst, grad_partial, bucketed, rerun, shared)
-        hit = self._edge_cache.get(key)
-        if hit is None:
-            hit = self._edge_cache[key] = self._edge_time(meta, src, dst, grad_partial, bucketed,
-                                                          rerun, shared)
-        return hit
+        key = (meta.shape, meta.dtype, src, dst, grad_partial, bucketed, shared)
+        if key not in self._edge_cache:
+            self._edge_cache[key] = self._edge_steps(meta, src, dst, grad_partial, bucketed, shared)
+        return self._edge_cache[key]
 
-    def _edge_time(self, meta, src, dst, grad_partial, bucketed=False, rerun=0.0, shared=1):
+    def _edge_steps(self, meta, src, dst, grad_partial, bucketed, shared):
         try:
             steps = plan_steps(src, dst, grad_partial)
         except Unsupported:
-            return INF, {}
+            return None
         cur = list(src)
-        total, by = 0.0, {}
+        out = []
         scale = self._act(1.0, meta.dtype)    # 16-bit tensors move half the bytes
         for step in steps:
             before = _local(meta, cur, self.mesh_shape).nbytes
             cur[step.axis] = _after(step, cur[step.axis])
             if local_shape(meta.shape, cur, self.mesh_shape) is None:
-                return INF, {}     # an intermediate placement would not divide evenly
+                return None        # an intermediate placement would not divide evenly
             after = _local(meta, cur, self.mesh_shape).nbytes
             n = self.mesh_shape[step.axis]
             link = self.links[step.axis]
@@ -185,17 +217,42 @@ class CostModel:
                     # the wait for the peers: once per collective between computations, shared
                     # by a consumer's parameters (see ``shared``)
                     t += link.skew / (max(1, shared) if bucketed else 1)
-                if bucketed and backward and kind in GRAD_SYNC:
-                    t *= self.grad_sync_scale
-                if not backward:
-                    regather = (bucketed and self.zero >= 3 and kind == "all_gather"
-                                and step.axis == self.data_axis)
-                    # ZeRO-3 frees a gathered weight after use and gathers it again for
-                    # backward; recomputation runs the forward collectives again
-                    t *= 1.0 + rerun + (1.0 if regather else 0.0)
-                total += t
-                by[(kind, step.axis)] = by.get((kind, step.axis), 0.0) + t
-        return total, by
+                # ZeRO-3 frees a gathered weight after use and gathers it again for backward
+                regather = (not backward and bucketed and self.zero >= 3 and kind == "all_gather"
+                            and step.axis == self.data_axis)
+                out.append(Collective(kind, step.axis, backward, t,
+                                      bucketed and backward and kind in GRAD_SYNC, regather))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a redistribution, priced once (seconds for one run)."""
+    kind: str
+    axis: int
+    backward: bool
+    seconds: float
+    sync: bool          # a parameter's gradient reduction (once per step: ``grad_sync_scale``)
+    regather: bool      # a ZeRO-3 gather, run again in backward
+
+
+def price_steps(steps: tuple[Collective, ...] | None, rerun: float = 0.0,
+                sync_scale: float = 1.0) -> tuple[float, dict]:
+    """(seconds, seconds by (collective, axis)) of ``steps``: the gradient reductions times
+    ``sync_scale``; the forward collectives run ``1 + rerun`` times (recomputation), a
+    ZeRO-3 gather once more. INF when ``steps`` is None (the conversion is not offered)."""
+    if steps is None:
+        return INF, {}
+    total, by = 0.0, {}
+    for c in steps:
+        t = c.seconds
+        if c.sync:
+            t *= sync_scale
+        if not c.backward:
+            t *= 1.0 + rerun + (1.0 if c.regather else 0.0)
+        total += t
+        by[(c.kind, c.axis)] = by.get((c.kind, c.axis), 0.0) + t
+    return total, by
 
 
 def params_read(problem) -> dict[str, int]:

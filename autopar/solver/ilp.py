@@ -18,7 +18,9 @@ Constraints
 
 n_v is the number of graph nodes that share v's choice (repeated layers), n_uv the number
 of graph edges that share an edge. Classes p and q are placements, not options, so an
-edge has at most (#placements)² terms however many options its ends have.
+edge has at most (#placements)² terms however many options its ends have. Every
+coefficient is read from the problem's :class:`autopar.solver.prices.PriceTable`, the
+prices ``explain``, the stage DP and the estimate read too.
 """
 from __future__ import annotations
 
@@ -28,12 +30,10 @@ from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
-from autopar.placement import Replicate
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import INF, CostModel, grad_partial_flags, params_read
-from autopar.solver.problem import VIEW_OPS, Problem, is_unary_elementwise
-
-R = Replicate()
+from autopar.solver.costing import INF, CostModel, grad_partial_flags
+from autopar.solver.prices import PriceTable, price_table
+from autopar.solver.problem import Problem
 
 
 class InfeasibleError(ValueError):
@@ -69,123 +69,70 @@ class _Tables:
     self_comm: dict          # root -> [{(collective, axis): seconds} per option] (absorbed edges)
 
 
-def _followers(problem: Problem) -> dict[str, str]:
-    """Follower -> producer: a view or an elementwise op with one tensor input takes the
-    placement its producer gives it (Alpa's "follow" merging), so it needs no variable."""
-    incoming: dict[str, list] = defaultdict(list)
-    for e in problem.edges:
-        incoming[e.dst].append(e)
-    out = {}
-    for name, v in problem.vars.items():
-        if v.kind != "op" or len(v.call.inputs) != 1 or len(incoming[name]) != 1:
-            continue
-        e = incoming[name][0]
-        if e.src == name or not (v.call.op in VIEW_OPS or is_unary_elementwise(v.call.op)):
-            continue
-        out[name] = e.src
-    return out
-
-
 def tabulate(problem: Problem, cost: CostModel) -> _Tables:
-    node_cost, node_mem, node_terms = {}, {}, {}
-    for name, v in problem.vars.items():
-        n = len(v.members)
-        times, mems, terms = [], [], []
-        for combo in v.options:
-            f, b = cost.node_time(v, combo)
-            times.append(n * (f + b))
-            t = cost.node_memory(v, combo, problem.optimizer_states)
-            terms.append({k: n * b for k, b in t.items()})
-            mems.append(sum(terms[-1].values()))
-        node_cost[name], node_mem[name], node_terms[name] = times, mems, terms
-
-    # Merge followers into their producers: follow[v] = (root, option of v per root option).
-    producer = _followers(problem)
-    follow: dict[str, tuple[str, list[int]]] = {}
+    """The program's coefficients, read from ``cost``'s :class:`PriceTable` for ``problem``:
+    followers folded into their roots, edges settled by one variable folded into it."""
+    pt = price_table(problem, cost)
+    node_cost = {n: [pt.compute_s(n, i) for i in range(len(v.options))] for n, v in problem.vars.items()}
+    node_terms = {n: [pt.memory(n, i) for i in range(len(v.options))] for n, v in problem.vars.items()}
+    node_mem = {n: [sum(t.values()) for t in terms] for n, terms in node_terms.items()}
     self_comm: dict[str, list[dict]] = {}
-    edge_of = {e.dst: e for e in problem.edges if e.dst in producer}
+    scale = cost.grad_sync_scale
+    into = {e.dst: k for k, e in enumerate(problem.edges) if e.dst in pt.follow}
+    for name, (root, pick) in pt.follow.items():     # graph order, as the table merged them
+        k = into[name]
+        e = problem.edges[k]
+        comm = self_comm.setdefault(root, [{} for _ in pick])
+        u, v = problem.vars[e.src], problem.vars[name]
+        for i, j in enumerate(pick):
+            p = output_placements(u.options[pt.option_of(e.src, i)], e.src_out)
+            c = v.options[j]
+            t, by = pt.edge(k, p, input_placements(c, 0), grad_partial_flags(c, 0)).priced(scale)
+            node_cost[root][i] += t + node_cost[name][j]
+            node_mem[root][i] += node_mem[name][j]
+            for key, b in node_terms[name][j].items():
+                node_terms[root][i][key] = node_terms[root][i].get(key, 0.0) + b
+            for key, sec in by.items():
+                comm[i][key] = comm[i].get(key, 0.0) + sec
+    edges = _edge_tables(pt, node_cost, self_comm)
+    sink = None
+    if problem.sink:
+        name = problem.sink[0]
+        root = pt.root(name)
+        priced = [pt.sink(name, pt.option_of(name, i)).priced(scale)
+                  for i in range(len(problem.vars[root].options))]
+        sink = (root, [t for t, _ in priced], [by for _, by in priced])
+    for name in pt.follow:
+        del node_cost[name], node_mem[name], node_terms[name]
+    return _Tables(node_cost, node_mem, node_terms, edges, sink, dict(pt.follow), self_comm)
 
-    def root_of(name):
-        return follow[name][0] if name in follow else name
 
-    def option_of(name, i):        # option of node ``name`` when its root runs option i
-        return follow[name][1][i] if name in follow else i
-
-    for name in problem.vars:      # graph order: a producer is settled before its followers
-        if name not in producer:
-            continue
-        e, v = edge_of[name], problem.vars[name]
-        u, root = problem.vars[e.src], root_of(e.src)
-        pick = []
-        rerun = cost.rerun(v)
-        for i in range(len(problem.vars[root].options)):
-            p = output_placements(u.options[option_of(e.src, i)], e.src_out)
-            best, best_cost, best_by = None, INF, {}
-            for j, c in enumerate(v.options):
-                t, by = cost.edge_time(e.meta, p, input_placements(c, 0), grad_partial_flags(c, 0),
-                                       rerun=rerun)
-                total = t * e.count + node_cost[name][j]
-                if total < best_cost:
-                    best, best_cost, best_by = j, total, {k: s * e.count for k, s in by.items()}
-            if best is None:
-                break
-            pick.append((best, best_cost, best_by))
-        else:
-            follow[name] = (root, [j for j, _, _ in pick])
-            comm = self_comm.setdefault(root, [{} for _ in pick])
-            for i, (j, c, by) in enumerate(pick):
-                node_cost[root][i] += c
-                node_mem[root][i] += node_mem[name][j]
-                for k, b in node_terms[name][j].items():
-                    node_terms[root][i][k] = node_terms[root][i].get(k, 0.0) + b
-                for k, sec in by.items():
-                    comm[i][k] = comm[i].get(k, 0.0) + sec
-
-    n_params = params_read(problem)
+def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict) -> list:
+    """The edges between two variables, each with its price per (class, class) pair; an
+    edge whose ends one variable decides is added to that variable's cost instead."""
+    problem, scale = pt.problem, pt.cost.grad_sync_scale
     edges = []
-    for e in problem.edges:
-        if e.dst in follow:
+    for k, e in enumerate(problem.edges):
+        if e.dst in pt.follow:
             continue
-        src, dst = root_of(e.src), root_of(e.dst)
+        src, dst = pt.root(e.src), pt.root(e.dst)
         u, v = problem.vars[e.src], problem.vars[e.dst]
-        pu = [output_placements(u.options[option_of(e.src, i)], e.src_out)
+        pu = [output_placements(u.options[pt.option_of(e.src, i)], e.src_out)
               for i in range(len(problem.vars[src].options))]
-        qv = [(input_placements(v.options[option_of(e.dst, j)], e.dst_in),
-               grad_partial_flags(v.options[option_of(e.dst, j)], e.dst_in))
+        qv = [(input_placements(v.options[pt.option_of(e.dst, j)], e.dst_in),
+               grad_partial_flags(v.options[pt.option_of(e.dst, j)], e.dst_in))
               for j in range(len(problem.vars[dst].options))]
-        table = {}
-        bucketed = u.kind == "param"
-        rerun = cost.rerun(v)
-        for p in set(pu):
-            for q in set(qv):
-                t, by = cost.edge_time(e.meta, p, q[0], q[1], bucketed, rerun,
-                                       n_params.get(e.dst, 1))
-                table[(p, q)] = (t * e.count if t != INF else INF,
-                                 {k: s * e.count for k, s in by.items()})
+        table = {(p, q): pt.edge(k, p, q[0], q[1]).priced(scale) for p in set(pu) for q in set(qv)}
         if src == dst:   # both ends decided by one variable (repeated layer, or a follower)
             comm = self_comm.setdefault(src, [{} for _ in pu])
             for i in range(len(pu)):
                 t, by = table[(pu[i], qv[i])]
                 node_cost[src][i] = INF if t == INF else node_cost[src][i] + t
-                for k, sec in by.items():
-                    comm[i][k] = comm[i].get(k, 0.0) + sec
+                for key, sec in by.items():
+                    comm[i][key] = comm[i].get(key, 0.0) + sec
             continue
         edges.append((src, dst, pu, qv, table))
-    sink = None
-    if problem.sink:
-        name, k = problem.sink
-        v, root = problem.vars[name], root_of(name)
-        n = len(problem.mesh_shape)
-        ts, bys = [], []
-        for i in range(len(problem.vars[root].options)):
-            c = v.options[option_of(name, i)]
-            t, by = cost.edge_time(v.outputs[k], output_placements(c, k), (R,) * n, (False,) * n)
-            ts.append(t)
-            bys.append(by)
-        sink = (root, ts, bys)
-    for name in follow:
-        del node_cost[name], node_mem[name], node_terms[name]
-    return _Tables(node_cost, node_mem, node_terms, edges, sink, follow, self_comm)
+    return edges
 
 
 def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,

@@ -2,8 +2,9 @@
 
 The core solver prices a plan as a whole (``Solution.compute_s``, ``comm_s``, ``memory``);
 a pipeline needs the same prices per node, so it can add them up per stage. For every
-node of ``chain(cap)`` (the op nodes a cut may fall before), priced the way the solver
-prices them (same :class:`CostModel`: precision, recomputation, the cluster's links):
+node of ``chain(cap)`` (the op nodes a cut may fall before), read from the
+:class:`autopar.solver.prices.PriceTable` the solver used (nothing is priced again: same
+precision, recomputation, the cluster's links), without its per-stage factors:
 
 - ``compute``: forward + backward seconds of one micro-batch (recomputed nodes pay their
   forward again);
@@ -28,9 +29,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from autopar.analysis.layers import recompute_nodes
+from autopar.analysis.stages import chain, crossing_bytes, loss_tail
 from autopar.capture import Captured
+from autopar.cost_models.comm import collective_time
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import GRAD_SYNC, INF, grad_partial_flags, params_read
+from autopar.solver.costing import INF, grad_partial_flags
+from autopar.solver.prices import PriceTable, price_table
 from autopar.solver.problem import VIEW_OPS
 
 
@@ -71,7 +76,6 @@ class NodeCosts:
         """These prices with ``layers`` recomputed (priced from a plan without): their nodes
         run forward again in backward and keep nothing but what leaves the layer; one layer's
         activations are rebuilt at a time."""
-        from autopar.analysis.layers import recompute_nodes
         rec, kept = recompute_nodes(cap.gm, layers)
         where = chain_index(cap, self.units)
         compute, act, flag = self.compute.copy(), self.activations.copy(), self.recomputed.copy()
@@ -139,7 +143,6 @@ def chain_index(cap: Captured, units: list[str]) -> dict[str, int]:
     """Chain position of every call_function node: its own, its producer's (getitem), the
     last one (the loss tail), or the latest before it (anything else) — the stage
     ``split.assign_stages`` puts it in."""
-    from autopar.analysis.stages import loss_tail
     pos = {n: i for i, n in enumerate(units)}
     tail = loss_tail(cap)
     out, last = {}, 0
@@ -159,107 +162,117 @@ def chain_index(cap: Captured, units: list[str]) -> dict[str, int]:
 
 
 def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
-    """Per chain node prices of ``solved`` (:class:`autopar.api.Solved`) on ``cap``;
-    ``local_bytes(node)`` is a value's bytes per device (for the cut crossings), ``axes``
-    the mesh axis names the collectives are reported by."""
-    from autopar.analysis.stages import chain, crossing_bytes
-    problem, choice = solved.problem, solved.choice
-    # the per-node view: no per-stage memory factors, gradient sync at its full price
-    cost = replace(solved.cost, memory_weights=None, grad_sync_scale=1.0)
-    plain = replace(cost, recompute=frozenset(), recompute_kept=frozenset())
+    """Per chain node prices of ``solved`` (a ``Solved``: problem, cost model, choice) on
+    ``cap``, read from the :class:`PriceTable` the solver used; ``local_bytes(node)`` is a
+    value's bytes per device (for the cut crossings), ``axes`` the mesh axis names the
+    collectives are reported by. The per-node view: no per-stage memory factors, gradient
+    reductions at their per-step price."""
+    pt = price_table(solved.problem, solved.cost)
     units = chain(cap)
-    L = len(units)
-    where = chain_index(cap, units)
-    compute, comm, sync, act, alpha = (np.zeros(L) for _ in range(5))
-    from autopar.cost_models.comm import collective_time
-
-    def latency(k) -> float:           # one collective of kind k[0] on axis k[1], no bytes
-        return collective_time(k[0], 1.0, problem.mesh_shape[k[1]], cost.links[k[1]])
-    comm_by = [{} for _ in range(L)]
-    sync_by = [{} for _ in range(L)]
-    recomputed = np.zeros(L, bool)
-    names = list(axes) if axes else [f"axis{a}" for a in range(len(problem.mesh_shape))]
-
-    def add(by: dict, k, s: float):
-        key = f"{k[0]}@{names[k[1]]}"
-        by[key] = by.get(key, 0.0) + s
-
-    placeholders = []
-    node_forward, node_act, node_fwd_comm = {}, {}, {}
-    for name, v in problem.vars.items():
-        combo = v.options[choice[name]]
-        if v.kind != "op":
-            terms = plain.node_memory(v, combo, problem.optimizer_states)
-            for member in v.members:
-                users = frozenset(where[u.name] for u in cap.node(member).users if u.name in where)
-                placeholders.append((member, dict(terms), users or frozenset([0])))
-            continue
-        f, b = plain.node_time(v, combo)
-        mem = plain.node_memory(v, combo, problem.optimizer_states).get("activations", 0.0)
-        for member in v.members:
-            i = where.get(member)
-            if i is None:
-                continue
-            rec = member in cost.recompute
-            node_forward[member], node_act[member] = f, mem
-            compute[i] += f + b + (f if rec else 0.0)
-            if rec and member not in cost.recompute_kept and v.call.op not in VIEW_OPS:
-                recomputed[i] = True
-            else:
-                act[i] += mem
-    # resharding, spread over the consumer's members
-    n_params = params_read(problem)
-    for e in problem.edges:
-        u, v = problem.vars[e.src], problem.vars[e.dst]
-        cu, cv = u.options[choice[e.src]], v.options[choice[e.dst]]
-        args = (e.meta, output_placements(cu, e.src_out), input_placements(cv, e.dst_in),
-                grad_partial_flags(cv, e.dst_in), u.kind == "param")
-        t, by = cost.edge_time(*args, cost.rerun(v), n_params.get(e.dst, 1))
-        if t == INF or t == 0:
-            continue
-        members = [m for m in v.members if m in where]
-        if not members:
-            continue
-        share = e.count / len(members)
-        # its forward collectives, which run again if the consumer is recomputed
-        forward = (plain.edge_time(*args, 1.0, n_params.get(e.dst, 1))[0]
-                   - plain.edge_time(*args, 0.0, n_params.get(e.dst, 1))[0])
-        for m in members:
-            node_fwd_comm[m] = node_fwd_comm.get(m, 0.0) + forward * share
-            i = where[m]
-            for k, s in by.items():
-                if u.kind == "param" and k[0] in GRAD_SYNC:
-                    sync[i] += s * share
-                    add(sync_by[i], k, s * share)
-                else:
-                    comm[i] += s * share
-                    alpha[i] += min(s, latency(k)) * share
-                    add(comm_by[i], k, s * share)
-    if problem.sink:
-        name, k = problem.sink
-        v = problem.vars[name]
-        n = len(problem.mesh_shape)
-        from autopar.placement import Replicate
-        t, by = cost.edge_time(v.outputs[k], output_placements(v.options[choice[name]], k),
-                               (Replicate(),) * n, (False,) * n)
-        if t not in (0, INF):
-            comm[L - 1] += t
-            for key, s in by.items():
-                alpha[L - 1] += min(s, latency(key))
-                add(comm_by[L - 1], key, s)
-    rec_bytes = 0.0
-    if cost.recompute:
-        # the solver's "recompute" term: one layer's activations, rebuilt in backward
-        for name, v in problem.vars.items():
-            if v.kind == "op":
-                terms = cost.node_memory(v, v.options[choice[name]], problem.optimizer_states)
-                rec_bytes += terms.get("recompute", 0.0) * len(v.members)
+    acc = _Acc(cap, pt, solved.choice, units, axes)
+    acc.nodes()
+    acc.edges()
+    acc.sink()
     cross = np.array(crossing_bytes(cap, local_bytes), dtype=float)
     batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0]) if cap.inputs else 1
-    return NodeCosts(units=units, batch=batch, compute=compute, comm=comm, sync=sync,
-                     activations=act, comm_by=comm_by, sync_by=sync_by,
-                     placeholders=placeholders, cross=cross, recompute_bytes=rec_bytes,
-                     recomputed=recomputed, comm_latency=alpha,
-                     launch=float(cost.cluster.device.launch_overhead + cost.cluster.device.fill_time),
-                     node_forward=node_forward, node_activations=node_act,
-                     node_forward_comm=node_fwd_comm)
+    dev = pt.cost.cluster.device
+    return NodeCosts(units=units, batch=batch, compute=acc.compute, comm=acc.comm, sync=acc.sync,
+                     activations=acc.act, comm_by=acc.comm_by, sync_by=acc.sync_by,
+                     placeholders=acc.placeholders, cross=cross, recompute_bytes=acc.rec_bytes,
+                     recomputed=acc.recomputed, comm_latency=acc.alpha,
+                     launch=float(dev.launch_overhead + dev.fill_time), node_forward=acc.node_forward,
+                     node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm)
+
+
+class _Acc:
+    """``node_costs``' running sums, per chain node."""
+
+    def __init__(self, cap: Captured, pt: PriceTable, choice: dict, units: list[str], axes):
+        self.cap, self.pt, self.choice = cap, pt, choice
+        L = len(units)
+        self.L, self.where = L, chain_index(cap, units)
+        self.compute, self.comm, self.sync, self.act, self.alpha = (np.zeros(L) for _ in range(5))
+        self.comm_by = [{} for _ in range(L)]
+        self.sync_by = [{} for _ in range(L)]
+        self.recomputed = np.zeros(L, bool)
+        mesh = pt.problem.mesh_shape
+        self.names = list(axes) if axes else [f"axis{a}" for a in range(len(mesh))]
+        self.placeholders: list = []
+        self.node_forward, self.node_act, self.node_fwd_comm = {}, {}, {}
+        self.rec_bytes = 0.0
+
+    def latency(self, k) -> float:     # one collective of kind k[0] on axis k[1], no bytes
+        return collective_time(k[0], 1.0, self.pt.problem.mesh_shape[k[1]], self.pt.cost.links[k[1]])
+
+    def add(self, by: dict, k, s: float):
+        key = f"{k[0]}@{self.names[k[1]]}"
+        by[key] = by.get(key, 0.0) + s
+
+    def nodes(self):
+        """Compute and bytes of every decision's chosen option, per member."""
+        pt, cost, problem = self.pt, self.pt.cost, self.pt.problem
+        for name, v in problem.vars.items():
+            i = self.choice[name]
+            price = pt.options[name][i]
+            if v.kind != "op":
+                for member in v.members:
+                    users = frozenset(self.where[u.name] for u in self.cap.node(member).users
+                                      if u.name in self.where)
+                    self.placeholders.append((member, dict(price.memory), users or frozenset([0])))
+                continue
+            f, b = price.forward_s, price.backward_s
+            mem = price.memory.get("activations", 0.0)
+            # the solver's "recompute" term: one layer's activations, rebuilt in backward
+            self.rec_bytes += pt.memory(name, i, weighted=False).get("recompute", 0.0)
+            for member in v.members:
+                c = self.where.get(member)
+                if c is None:
+                    continue
+                rec = member in cost.recompute
+                self.node_forward[member], self.node_act[member] = f, mem
+                self.compute[c] += f + b + (f if rec else 0.0)
+                if rec and member not in cost.recompute_kept and v.call.op not in VIEW_OPS:
+                    self.recomputed[c] = True
+                else:
+                    self.act[c] += mem
+
+    def edges(self):
+        """Resharding into each node, spread over the consumer's members; a parameter's
+        gradient reductions as ``sync``."""
+        problem, choice = self.pt.problem, self.choice
+        for k, e in enumerate(problem.edges):
+            u, v = problem.vars[e.src], problem.vars[e.dst]
+            cu, cv = u.options[choice[e.src]], v.options[choice[e.dst]]
+            price = self.pt.edge(k, output_placements(cu, e.src_out), input_placements(cv, e.dst_in),
+                                 grad_partial_flags(cv, e.dst_in))
+            t, _ = price.priced()
+            members = [m for m in v.members if m in self.where]
+            if t == INF or t == 0 or not members:
+                continue
+            share = e.count / len(members)
+            comm, sync = price.split()
+            for m in members:
+                # its forward collectives, which run again if the consumer is recomputed
+                self.node_fwd_comm[m] = self.node_fwd_comm.get(m, 0.0) + price.forward_s * share
+                c = self.where[m]
+                for key, s in sync.items():
+                    self.sync[c] += s * share
+                    self.add(self.sync_by[c], key, s * share)
+                for key, s in comm.items():
+                    self.comm[c] += s * share
+                    self.alpha[c] += min(s, self.latency(key)) * share
+                    self.add(self.comm_by[c], key, s * share)
+
+    def sink(self):
+        """The loss ending replicated, on the last chain node."""
+        problem = self.pt.problem
+        if not problem.sink:
+            return
+        name = problem.sink[0]
+        t, by = self.pt.sink(name, self.choice[name]).priced()
+        if t in (0, INF):
+            return
+        self.comm[self.L - 1] += t
+        for key, s in by.items():
+            self.alpha[self.L - 1] += min(s, self.latency(key))
+            self.add(self.comm_by[self.L - 1], key, s)

@@ -17,11 +17,16 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
+from autopar.analysis.layers import recompute_nodes
 from autopar.capture import Captured
-from autopar.placement import Replicate, parse_placements, placements_str
+from autopar.cost_models.hardware import parse_cluster
+from autopar.placement import parse_placements, placements_str
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import INF, CostModel, grad_partial_flags
+from autopar.solver.pins import OPTIMIZER_STATES
+from autopar.solver.prices import PriceTable, price_table
+from autopar.solver.problem import build_problem
 from autopar.viz.graph import grad_partial
 
 
@@ -69,55 +74,47 @@ def roles(plan: Plan) -> dict:
     return out
 
 
-def explain(cap: Captured, plan: Plan, node: str, optimizer: str = "adamw") -> Explanation:
-    from autopar.api import OPTIMIZER_STATES
-    from autopar.cost_models.hardware import parse_cluster
-    from autopar.solver.ilp import _followers
-    from autopar.solver.problem import build_problem
-    problem = build_problem(cap, plan.mesh_shape, zero=plan.pins.get("zero") or 0,
-                            optimizer_states=OPTIMIZER_STATES.get(optimizer, 2), **roles(plan))
+def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTable:
+    """The price table ``plan`` was solved with, rebuilt from what the plan records: its
+    mesh, cluster, pins (precision, ZeRO stage) and recomputed layers, through the same
+    :meth:`CostModel.for_pins` and :func:`price_table` the solver uses."""
+    if plan.pipeline_stages > 1:
+        raise ValueError("explain prices one intra-stage plan; this is a pipeline plan "
+                         f"({plan.pipeline_stages} stages): its per-stage prices are not rebuilt yet")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
+    r = roles(plan)
+    problem = build_problem(cap, tuple(plan.mesh_shape), zero=plan.pins.get("zero") or 0,
+                            optimizer_states=OPTIMIZER_STATES[optimizer], **r)
+    cost = CostModel.for_pins(parse_cluster(plan.cluster), tuple(plan.mesh_shape), plan.pins,
+                              data_axis=r.get("data_axis"),
+                              recompute=recompute_nodes(cap.gm, plan.recompute))
+    return price_table(problem, cost)
+
+
+def explain(cap: Captured, plan: Plan, node: str, optimizer: str = "adamw",
+            prices: PriceTable | None = None) -> Explanation:
+    """Every option of ``node``'s decision, priced from ``prices`` (default: the plan's own
+    table, :func:`plan_prices`), against the neighbours' placements in the plan."""
+    pt = prices if prices is not None else plan_prices(cap, plan, optimizer)
+    problem = pt.problem
     rep = problem.rep.get(node, node)
     if rep not in problem.vars or node not in plan.nodes:
-        known = [n for n in plan.nodes]
-        close = difflib.get_close_matches(node, known, n=3)
+        close = difflib.get_close_matches(node, list(plan.nodes), n=3)
         raise UnknownNode(f"node {node!r} is not a decision of this plan"
                           + (f"; did you mean {', '.join(close)}?" if close else "")
                           + " (autopar show PLAN --all-nodes lists the nodes)")
     v = problem.vars[rep]
-    cost = CostModel(parse_cluster(plan.cluster), tuple(plan.mesh_shape))
-    n = len(v.members)
     chosen_pl = plan.nodes[rep]
     rows = []
     for i, combo in enumerate(v.options):
         n_in = len(v.call.inputs) if v.call else 0
         ins = tuple(placements_str(input_placements(combo, k)) for k in range(n_in))
         outs = tuple(placements_str(output_placements(combo, k)) for k in range(len(v.outputs)))
-        f, b = cost.node_time(v, combo)
-        mem = sum(cost.node_memory(v, combo, problem.optimizer_states).values()) * n
         row = OptionCost(i, (f"{','.join(ins)}->{','.join(outs)}" if ins else ",".join(outs)),
-                         n * (f + b), 0.0, mem, chosen=(ins == chosen_pl.inputs and outs == chosen_pl.outputs))
-        for e in problem.edges:
-            if e.dst == rep and e.src == rep:          # layer i's output feeds layer i+1
-                src, dst = output_placements(combo, e.src_out), input_placements(combo, e.dst_in)
-                t, _ = cost.edge_time(e.meta, src, dst, grad_partial_flags(combo, e.dst_in))
-                row.edges.append((rep + " (next layer)", "self", t * e.count))
-            elif e.dst == rep:
-                src = parse_placements(plan.nodes[e.src].outputs[e.src_out])
-                t, _ = cost.edge_time(e.meta, src, input_placements(combo, e.dst_in),
-                                      grad_partial_flags(combo, e.dst_in))
-                row.edges.append((e.src, "in", t * e.count))
-            elif e.src == rep:
-                w = plan.nodes[e.dst]
-                dst = parse_placements(w.inputs[e.dst_in])
-                t, _ = cost.edge_time(e.meta, output_placements(combo, e.src_out), dst,
-                                      grad_partial(w.inputs[e.dst_in], w.outputs))
-                row.edges.append((e.dst, "out", t * e.count))
-        if problem.sink and problem.sink[0] == rep:
-            k = problem.sink[1]
-            t, _ = cost.edge_time(v.outputs[k], output_placements(combo, k),
-                                  (Replicate(),) * len(plan.mesh_shape),
-                                  (False,) * len(plan.mesh_shape))
-            row.edges.append(("loss must end replicated", "out", t))
+                         pt.compute_s(rep, i), 0.0, sum(pt.memory(rep, i).values()),
+                         edges=_edges(pt, plan, rep, i),
+                         chosen=(ins == chosen_pl.inputs and outs == chosen_pl.outputs))
         row.reshard_s = sum(t for _, _, t in row.edges) if all(t != INF for _, _, t in row.edges) else INF
         rows.append(row)
     seen = False
@@ -125,5 +122,30 @@ def explain(cap: Captured, plan: Plan, node: str, optimizer: str = "adamw") -> E
         r.chosen, seen = (r.chosen and not seen), seen or r.chosen
     rows.sort(key=lambda r: (r.total_s, not r.chosen))
     op = plan.node_ops.get(node, v.kind)
-    follows = _followers(problem).get(rep)
+    follows = pt.follow[rep][0] if rep in pt.follow else None
     return Explanation(node, op, rep, list(v.members), follows, rows, str(chosen_pl))
+
+
+def _edges(pt: PriceTable, plan: Plan, rep: str, i: int) -> list[tuple[str, str, float]]:
+    """(neighbour, direction, seconds) of every edge of ``rep`` under option ``i``, the
+    neighbours at their placements in the plan, priced as the solver priced them."""
+    problem, scale = pt.problem, pt.cost.grad_sync_scale
+    combo = problem.vars[rep].options[i]
+    out = []
+    for k, e in enumerate(problem.edges):
+        if e.dst == rep and e.src == rep:          # layer i's output feeds layer i+1
+            price = pt.edge(k, output_placements(combo, e.src_out), input_placements(combo, e.dst_in),
+                            grad_partial_flags(combo, e.dst_in))
+            out.append((rep + " (next layer)", "self", price.priced(scale)[0]))
+        elif e.dst == rep:
+            src = parse_placements(plan.nodes[e.src].outputs[e.src_out])
+            price = pt.edge(k, src, input_placements(combo, e.dst_in), grad_partial_flags(combo, e.dst_in))
+            out.append((e.src, "in", price.priced(scale)[0]))
+        elif e.src == rep:
+            w = plan.nodes[e.dst]
+            price = pt.edge(k, output_placements(combo, e.src_out), parse_placements(w.inputs[e.dst_in]),
+                            grad_partial(w.inputs[e.dst_in], w.outputs))
+            out.append((e.dst, "out", price.priced(scale)[0]))
+    if problem.sink and problem.sink[0] == rep:
+        out.append(("loss must end replicated", "out", pt.sink(rep, i).priced(scale)[0]))
+    return out

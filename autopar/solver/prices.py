@@ -1,0 +1,186 @@
+"""Every price of a sharding problem, computed once per (problem, cost model).
+
+The ILP (``autopar.solver.ilp``), the stage DP's per-node costs
+(``autopar.solver.pipeline_costs``), ``explain`` (``autopar.viz.explain``) and the plan's
+estimate all read one :class:`PriceTable`, so the figure any of them shows for an option
+is the figure that entered the plan:
+
+- per decision variable and option, an :class:`OptionPrice`: forward and backward seconds
+  and bytes by term of one member, as the cost model prices them before recomputation and
+  the pipeline's per-stage factors; :meth:`PriceTable.time`, :meth:`PriceTable.compute_s`
+  and :meth:`PriceTable.memory` give the solver's view (recomputation, ``memory_weights``);
+- per edge and (producer placement, consumer placement), an :class:`EdgePrice`: its
+  collectives by (collective, axis), each priced once; :meth:`EdgePrice.priced` applies
+  the gradient-sync factor (the solver's ``grad_sync_scale``, or 1 for the per-step view);
+- which nodes follow their producer (Alpa's "follow" merging) and which option they take
+  for each of the producer's, so every reader prices a follower's input edge alike.
+
+:func:`price_table` returns the table of a cost model, building it on first use: the ILP
+and every later reader of the same ``(problem, cost)`` (``Solved``) share one.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from autopar.placement import Replicate
+from autopar.sharding.registry import input_placements, output_placements
+from autopar.solver.costing import INF, Collective, CostModel, grad_partial_flags, params_read, price_steps
+from autopar.solver.problem import VIEW_OPS, Problem, is_unary_elementwise
+
+
+@dataclass(frozen=True)
+class OptionPrice:
+    """One option of one decision, for one of its members (repeated-layer copies)."""
+    forward_s: float
+    backward_s: float            # without recomputation
+    memory: dict                 # bytes per device by term, before recomputation and weights
+
+
+@dataclass(frozen=True)
+class EdgePrice:
+    """One redistribution of an edge: its collectives (None: not offered), the number of
+    graph edges that share it, and how often the consumer's forward runs again."""
+    steps: tuple[Collective, ...] | None
+    count: int = 1
+    rerun: float = 0.0
+
+    def priced(self, sync_scale: float = 1.0) -> tuple[float, dict]:
+        """(seconds, seconds by (collective, axis)) of all ``count`` edges; INF when not offered."""
+        t, by = price_steps(self.steps, self.rerun, sync_scale)
+        return (t * self.count if t != INF else INF), {k: s * self.count for k, s in by.items()}
+
+    def split(self) -> tuple[dict, dict]:
+        """({(collective, axis): s} per micro-batch, {...: s} gradient reductions per step)
+        of one of the ``count`` edges, the reductions at their full (per-step) price."""
+        comm, sync = {}, {}
+        for c in self.steps or ():
+            t, _ = price_steps((c,), self.rerun)
+            by = sync if c.sync else comm
+            by[(c.kind, c.axis)] = by.get((c.kind, c.axis), 0.0) + t
+        return comm, sync
+
+    @property
+    def forward_s(self) -> float:
+        """Seconds of one run of one edge's forward collectives (what recomputation repeats)."""
+        return price_steps(self.steps, 1.0)[0] - price_steps(self.steps, 0.0)[0] if self.steps else 0.0
+
+
+def followers(problem: Problem) -> dict[str, str]:
+    """Follower -> producer: a view or an elementwise op with one tensor input takes the
+    placement its producer gives it (Alpa's "follow" merging), so it needs no variable."""
+    incoming: dict[str, list] = defaultdict(list)
+    for e in problem.edges:
+        incoming[e.dst].append(e)
+    out = {}
+    for name, v in problem.vars.items():
+        if v.kind != "op" or len(v.call.inputs) != 1 or len(incoming[name]) != 1:
+            continue
+        e = incoming[name][0]
+        if e.src == name or not (v.call.op in VIEW_OPS or is_unary_elementwise(v.call.op)):
+            continue
+        out[name] = e.src
+    return out
+
+
+class PriceTable:
+    """The prices of ``problem``'s options and edges under ``cost`` (module docstring)."""
+
+    def __init__(self, problem: Problem, cost: CostModel):
+        self.problem, self.cost = problem, cost
+        k_opt = problem.optimizer_states
+        self.options = {name: [OptionPrice(*cost.base_time(v, c), cost.base_memory(v, c, k_opt))
+                               for c in v.options] for name, v in problem.vars.items()}
+        self._reads = params_read(problem)
+        self._edges: dict = {}
+        self.follow: dict[str, tuple[str, list[int]]] = {}
+        """Follower -> (root, its option for each of the root's options)."""
+        producer = followers(problem)
+        into = {e.dst: k for k, e in enumerate(problem.edges) if e.dst in producer}
+        for name in problem.vars:      # graph order: a producer is settled before its followers
+            if name in producer:
+                pick = self._pick(into[name])
+                if pick is not None:
+                    self.follow[name] = (self.root(problem.edges[into[name]].src), pick)
+
+    # ---- nodes ---------------------------------------------------------------------------
+    def time(self, name: str, i: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one member under option ``i``, recomputation included."""
+        o = self.options[name][i]
+        return self.cost.with_recompute(self.problem.vars[name], (o.forward_s, o.backward_s))
+
+    def compute_s(self, name: str, i: int) -> float:
+        """Forward + backward seconds of all members of ``name`` under option ``i``."""
+        f, b = self.time(name, i)
+        return len(self.problem.vars[name].members) * (f + b)
+
+    def memory(self, name: str, i: int, weighted: bool = True) -> dict[str, float]:
+        """Bytes per device by term of all members under option ``i``, recomputation split
+        out; ``weighted``: times the cost model's ``memory_weights`` (the solver's view)."""
+        v = self.problem.vars[name]
+        terms = self.cost.split_recompute(v, self.options[name][i].memory)
+        terms = self.cost.weigh(terms) if weighted else terms
+        return {k: len(v.members) * b for k, b in terms.items()}
+
+    # ---- edges ---------------------------------------------------------------------------
+    def root(self, name: str) -> str:
+        """The decision that settles ``name``: its own, or the one it follows."""
+        return self.follow[name][0] if name in self.follow else name
+
+    def option_of(self, name: str, i: int) -> int:
+        """Option of ``name`` when its root runs option ``i``."""
+        return self.follow[name][1][i] if name in self.follow else i
+
+    def edge(self, k: int, src, dst, grad_partial) -> EdgePrice:
+        """Edge ``problem.edges[k]`` carrying producer placement ``src`` into consumer
+        placement ``dst`` (whose gradient comes back partial on ``grad_partial``)."""
+        e = self.problem.edges[k]
+        if e.dst in self.follow:       # a follower's input: priced as in the merge
+            return self._edge(k, src, dst, grad_partial, False, 1)
+        return self._edge(k, src, dst, grad_partial, self.problem.vars[e.src].kind == "param",
+                          self._reads.get(e.dst, 1))
+
+    def sink(self, name: str, i: int) -> EdgePrice:
+        """The loss (output ``problem.sink``) ending replicated, from option ``i`` of its node."""
+        n = len(self.problem.mesh_shape)
+        v, out = self.problem.vars[name], self.problem.sink[1]
+        key = ("sink", output_placements(v.options[i], out))
+        if key not in self._edges:
+            self._edges[key] = EdgePrice(self.cost.edge_steps(v.outputs[out], key[1], (Replicate(),) * n,
+                                                              (False,) * n))
+        return self._edges[key]
+
+    def _edge(self, k, src, dst, grad_partial, bucketed, shared) -> EdgePrice:
+        key = (k, src, dst, grad_partial, bucketed, shared)
+        if key not in self._edges:
+            e = self.problem.edges[k]
+            steps = self.cost.edge_steps(e.meta, src, dst, grad_partial, bucketed, shared)
+            self._edges[key] = EdgePrice(steps, e.count, self.cost.rerun(self.problem.vars[e.dst]))
+        return self._edges[key]
+
+    def _pick(self, k: int) -> list[int] | None:
+        """A follower's cheapest option (input edge + compute) for each of its root's
+        options; None when some root option leaves it none."""
+        e = self.problem.edges[k]
+        u, v = self.problem.vars[e.src], self.problem.vars[e.dst]
+        pick = []
+        for i in range(len(self.problem.vars[self.root(e.src)].options)):
+            p = output_placements(u.options[self.option_of(e.src, i)], e.src_out)
+            best, best_cost = None, INF
+            for j, c in enumerate(v.options):
+                price = self._edge(k, p, input_placements(c, 0), grad_partial_flags(c, 0), False, 1)
+                total = price.priced(self.cost.grad_sync_scale)[0] + self.compute_s(e.dst, j)
+                if total < best_cost:
+                    best, best_cost = j, total
+            if best is None:
+                return None
+            pick.append(best)
+        return pick
+
+
+def price_table(problem: Problem, cost: CostModel) -> PriceTable:
+    """``cost``'s table for ``problem``, built on first use and kept on ``cost``."""
+    table = getattr(cost, "_prices", None)
+    if table is None or table.problem is not problem:
+        table = cost._prices = PriceTable(problem, cost)
+    return table

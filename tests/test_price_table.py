@@ -1,0 +1,134 @@
+"""One price table per (problem, cost model): the ILP, the stage DP's per-node costs,
+``explain`` and the plan's estimate read the same prices.
+
+- ``explain`` rebuilds the table from the plan's own settings (precision, ZeRO stage,
+  recomputed layers), so its figure for a node's chosen option is what entered the plan's
+  estimate: summed over every decision, the chosen rows give the estimate's compute,
+  communication and memory; and the row of one node equals the solver's own table's.
+- A solve builds its table once, and the pipeline planner's per-node costs read it.
+"""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+import autopar
+from autopar import cli as cli_mod
+from autopar.cli import cli
+from autopar.report import fmt_bytes, fmt_time
+from autopar.solver import ilp, pipeline_costs
+from autopar.solver.prices import PriceTable
+from autopar.viz.explain import explain, plan_prices
+from conftest import example_and_capture
+
+GPT = "examples.models:gpt_factory"
+CLUSTER = "1x4xH100"
+FP32 = {"data": 2, "tensor": 2}
+BF16_ZERO3_RECOMPUTE = {"data": 2, "tensor": 2, "zero": 3, "precision": "bf16", "recompute": "full"}
+
+
+class Built:
+    """Every PriceTable built while in use (patched into ``PriceTable.__init__``)."""
+
+    def __init__(self, monkeypatch):
+        self.tables: list[PriceTable] = []
+        init = PriceTable.__init__
+
+        def counting(table, problem, cost):
+            init(table, problem, cost)
+            self.tables.append(table)
+        monkeypatch.setattr(PriceTable, "__init__", counting)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return example_and_capture("gpt")
+
+
+def solve(ex, monkeypatch, **pins):
+    """The plan, and the one table its solve built."""
+    built = Built(monkeypatch)
+    p = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=CLUSTER, **pins)
+    assert len(built.tables) == 1, "a solve of one mesh and recomputation builds one table"
+    monkeypatch.undo()
+    return p, built.tables[0]
+
+
+def chosen_rows(cap, plan, table):
+    """explain's chosen row of every decision of ``plan``, priced from ``table``."""
+    rows = {}
+    for rep in table.problem.vars:
+        x = explain(cap, plan, rep, prices=table)
+        assert x.chosen is not None and x.chosen.placement == str(plan.nodes[rep])
+        rows[rep] = x.chosen
+    return rows
+
+
+@pytest.mark.parametrize("pins", [FP32, BF16_ZERO3_RECOMPUTE], ids=["fp32", "bf16-zero3-recompute"])
+def test_explain_figures_are_the_estimates(gpt, pins, monkeypatch):
+    ex, cap = gpt
+    plan, solved_with = solve(ex, monkeypatch, **pins)
+    assert plan.pins.get("precision") == pins.get("precision")
+    assert bool(plan.recompute) == ("recompute" in pins)
+    table = plan_prices(cap, plan)             # rebuilt from the plan, as `autopar explain` does
+    rows = chosen_rows(cap, plan, table)
+    est = plan.estimate
+    # every decision's chosen compute and memory, and every edge once (into its consumer),
+    # add up to the plan's estimate
+    assert sum(r.compute_s for r in rows.values()) == pytest.approx(est.compute_s, rel=1e-9)
+    assert sum(r.memory_bytes for r in rows.values()) == pytest.approx(est.memory_total, rel=1e-9)
+    comm = sum(t for r in rows.values() for _, d, t in r.edges if d in ("in", "self"))
+    comm += sum(t for r in rows.values() for nb, _, t in r.edges if nb == "loss must end replicated")
+    assert comm == pytest.approx(est.comm_s, rel=1e-9, abs=1e-15)
+    # node by node, the rebuilt table prices the chosen option as the solver's own did
+    for rep, r in rows.items():
+        i = r.index
+        assert r.compute_s == pytest.approx(solved_with.compute_s(rep, i), rel=1e-12)
+        assert r.memory_bytes == pytest.approx(sum(solved_with.memory(rep, i).values()), rel=1e-12)
+    # and explain without a table (what the CLI calls) gives the same row
+    for node in ("linear_4", plan.params["transformer.h.0.attn.c_attn.weight"]):
+        x = explain(cap, plan, node)
+        rep = x.representative
+        assert (x.chosen.compute_s, x.chosen.reshard_s, x.chosen.memory_bytes) == \
+            (rows[rep].compute_s, rows[rep].reshard_s, rows[rep].memory_bytes)
+
+
+def test_cli_explain_shows_the_plans_prices(gpt, tmp_path, monkeypatch):
+    ex, cap = gpt
+    plan, solved_with = solve(ex, monkeypatch, **BF16_ZERO3_RECOMPUTE)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    cli_mod._CAPTURED[(GPT, (), False)] = (ex, cap)
+    res = CliRunner().invoke(cli, ["explain", str(path), "linear_4", "--factory", GPT, "--all"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    row = next(line for line in res.output.splitlines() if line.startswith("* "))
+    rep = solved_with.problem.rep.get("linear_4", "linear_4")
+    i = next(o.index for o in explain(cap, plan, "linear_4", prices=solved_with).options if o.chosen)
+    assert fmt_time(solved_with.compute_s(rep, i)) in row
+    assert fmt_bytes(sum(solved_with.memory(rep, i).values())) in row
+
+
+def test_one_table_per_solve(gpt, monkeypatch):
+    ex, _ = gpt
+    built = Built(monkeypatch)
+    solves, costed = [], []
+    tabulate, node_costs_init = ilp.tabulate, pipeline_costs._Acc.__init__
+
+    def tabulate_(problem, cost):
+        solves.append((problem, cost))
+        return tabulate(problem, cost)
+
+    def acc_(acc, cap, pt, *args):
+        costed.append(pt)
+        node_costs_init(acc, cap, pt, *args)
+    monkeypatch.setattr(ilp, "tabulate", tabulate_)
+    monkeypatch.setattr(pipeline_costs._Acc, "__init__", acc_)
+    autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=CLUSTER, pipeline=2,
+                 schedule="1f1b", micro_batch_size=2)
+    assert solves and costed
+    # one table per (problem, cost model) the ILP solved; the stage DP's per-node costs read
+    # those tables and build none of their own
+    pairs = {(id(p), id(c)) for p, c in solves}
+    assert len(built.tables) == len(pairs)
+    assert all(any(pt is t for t in built.tables) for pt in costed)
