@@ -78,7 +78,7 @@ def worker(out_path: str) -> None:
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
                     if i >= 2:
                         times.append(float(t))
-                nodes = sum(1 for sg, _ in pm.stages["train"] for n in sg.gm.graph.nodes
+                nodes = sum(1 for sg, _ in pm.runner.stages["train"] for n in sg.gm.graph.nodes
                             if n.op == "call_function") / v
                 t_nodes = torch.tensor([nodes], dtype=torch.float64)
                 dist.all_reduce(t_nodes, op=dist.ReduceOp.MAX)
