@@ -32,12 +32,12 @@ import itertools
 import math
 import re
 
-from .cpu import cores, cpu_cluster, cpu_device
-from .devices import Cluster, Device, Link
-from .gpus import A100_80GB, DEVICES, H100_80GB, H200, NODE_OF_DEVICE, NODES, NodePreset
+from .cpu import cores, cpu_cluster
+from .devices import Cluster, Link
+from .gpus import A100_80GB, DEVICES, H100_80GB, NODE_OF_DEVICE, NODES, NodePreset
 
-__all__ = ["A100_80GB", "H100_80GB", "H200", "Cluster", "Device", "Link", "axis_link",
-           "cpu_device", "parse_cluster"]
+# A100_80GB and H100_80GB: the presets, also importable from here as before gpus.py
+__all__ = ["A100_80GB", "H100_80GB", "Cluster", "Link", "axis_link", "parse_cluster"]
 
 
 # --- Parsing -----------------------------------------------------------------------------
