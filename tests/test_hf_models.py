@@ -43,6 +43,7 @@ transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev
 
 import autopar  # noqa: E402
 from autopar.capture import CaptureError, capture  # noqa: E402
+from autopar.solver.driver import solve  # noqa: E402
 from autopar.solver.errors import InfeasibleError  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -243,20 +244,17 @@ def _reached(name: str, stage: str) -> bool:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_capture_and_coverage(name):
+    """``autopar.coverage`` captures the model (a CaptureError if any node lacks a shape or a
+    higher-order op is left) and lists the ops without a rule: exactly the expected gaps."""
     b = built(name)
     f = _fails(name, "capture")
     if f is not None:
         with pytest.raises(f.error, match=f.match):
-            capture(b.model, b.inputs, b.loss_fn, b.target)
+            autopar.coverage(b.model, b.inputs, b.loss_fn, target=b.target)
         return
-    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
-    for n in cap.gm.graph.nodes:
-        assert not isinstance(n.target, torch._ops.HigherOrderOperator), f"{n.name}: {n.target}"
-        assert n.op in ("placeholder", "call_function", "output"), f"{n.name}: {n.op} {n.target}"
-        assert n.op == "output" or "val" in n.meta, f"{n.name} has no shape"
-    assert cap.has_loss and cap.loss
     cov = autopar.coverage(b.model, b.inputs, b.loss_fn, target=b.target)
     assert tuple(sorted(cov.missing)) == MATRIX[name].gaps, str(cov)
+    assert sum(cov.covered.values()) > 20
 
 
 # ---- plans ---------------------------------------------------------------------------------
@@ -267,6 +265,9 @@ def _param_bytes(model) -> int:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_plans(name):
+    """Free (``autopar.plan``, capture included), then on one capture of the graph
+    (``solve(..., captured=)``, the driver ``autopar.plan`` calls): data=2, tensor=2, and a
+    memory budget that only plans storing the weights sharded meet."""
     if not _reached(name, "plan"):
         pytest.skip(f"expected to fail earlier: {MATRIX[name].fails.why}")
     b = built(name)
@@ -278,27 +279,32 @@ def test_plans(name):
         return
     full = _param_bytes(b.model)
     free = autopar.plan(b.model, b.inputs, b.loss_fn, **kw)
-    dp = autopar.plan(b.model, b.inputs, b.loss_fn, data=2, **kw)
-    tp = autopar.plan(b.model, b.inputs, b.loss_fn, tensor=2, **kw)
+    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+
+    def plan(pins=None, **more):
+        return solve(b.model, b.inputs, b.loss_fn, pins=pins, captured=cap, **kw, **more).plan
+
+    dp, tp = plan({"data": 2}), plan({"tensor": 2})
     for p in (free, dp, tp):
         assert p.world_size == 2 and p.solver.status in ("OPTIMAL", "FEASIBLE"), p.solver
     assert dp.mesh_shape == (2,) and tp.mesh_shape == (2,)
+    assert dp.pins == {"data": 2} and tp.pins == {"tensor": 2}
     assert tp.estimate.memory_bytes["params"] < full, tp.estimate.memory_bytes
     # A budget a quarter of the parameters' bytes above the smallest plan: every plan that
     # keeps the weights whole (even with ZeRO-2 and recomputation) needs at least half of
     # them more than the smallest one, which stores them sharded.
-    budget = _smallest_plan_bytes(b, **kw) + 0.25 * full
-    tight = autopar.plan(b.model, b.inputs, b.loss_fn, memory_budget=budget, **kw)
+    with pytest.raises(InfeasibleError) as nothing_fits:
+        plan(memory_budget=1)
+    budget = _smallest_plan_bytes(nothing_fits.value) + 0.25 * full
+    tight = plan(memory_budget=budget)
     assert tight.estimate.memory_total <= budget
     assert tight.estimate.memory_bytes["params"] < full, tight.estimate.memory_bytes
 
 
-def _smallest_plan_bytes(b: Built, **kw) -> float:
+def _smallest_plan_bytes(e: Exception) -> float:
     """The memory of the smallest plan, as autopar reports it for a budget nothing fits."""
-    with pytest.raises(InfeasibleError) as e:
-        autopar.plan(b.model, b.inputs, b.loss_fn, memory_budget=1, **kw)
-    m = re.search(r"smallest plan needs ([\d.]+) (B|KiB|MiB|GiB)", str(e.value))
-    assert m, f"the infeasible plan does not say what fits: {e.value}"
+    m = re.search(r"smallest plan needs ([\d.]+) (B|KiB|MiB|GiB)", str(e))
+    assert m, f"the infeasible plan does not say what fits: {e}"
     return float(m.group(1)) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
 
 
@@ -470,12 +476,12 @@ class _Launch:
     """One torchrun launch (2 gloo ranks) running every gloo case, started in the background
     when the module's first test runs (planning tests run meanwhile), read by each case."""
 
-    def __init__(self, tmp):
+    def __init__(self, tmp, ids: set[str]):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.out = tmp / "hf_gloo.json"
-        cases = [{"id": i, "name": n, "pins": p} for i, (n, p) in zip(GLOO_IDS, GLOO)]
+        cases = [{"id": i, "name": n, "pins": p} for i, (n, p) in zip(GLOO_IDS, GLOO) if i in ids]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-addr", "127.0.0.1", "--master-port", str(port),
                os.path.join(HERE, "hf_worker.py"), json.dumps(cases), str(self.out)]
@@ -502,10 +508,11 @@ class _Launch:
 
 @pytest.fixture(scope="module", autouse=True)
 def launch(request, tmp_path_factory):
-    """Start the launch at once if any gloo case of this module is selected."""
-    selected = any(getattr(item, "originalname", "") == "test_gloo_equals_one_device"
-                   and item.module is request.module for item in request.session.items)
-    run = _Launch(tmp_path_factory.mktemp("hf_gloo")) if selected and GLOO else None
+    """Start the launch at once with the gloo cases of this module that are selected."""
+    selected = {item.callspec.id for item in request.session.items
+                if getattr(item, "originalname", "") == "test_gloo_equals_one_device"
+                and item.module is request.module}
+    run = _Launch(tmp_path_factory.mktemp("hf_gloo"), selected) if selected else None
     yield run
     if run is not None and run.proc.poll() is None:
         run.proc.kill()
