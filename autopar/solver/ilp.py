@@ -162,29 +162,7 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
                 xs[i].SetUb(0)
             elif c > 0 and not minimize_memory:
                 obj.append(c * xs[i])
-    for k, (u, v, pu, qv, table) in enumerate(tab.edges):
-        ys = defaultdict(list)
-        zs = defaultdict(list)
-        for i, p in enumerate(pu):
-            ys[p].append(x[u][i])
-        for j, q in enumerate(qv):
-            zs[q].append(x[v][j])
-        if len(ys) == 1 or len(zs) == 1:
-            # one side has a single class: the cost is linear in the other side's choice
-            for (p, q), (t, _) in table.items():
-                lin = sum(zs[q]) if len(ys) == 1 else sum(ys[p])
-                if t == INF:
-                    m.Add(lin == 0)
-                elif t > 0 and not minimize_memory:
-                    obj.append(t * lin)
-            continue
-        e = {pq: m.NumVar(0.0, 1.0, "") for pq, (t, _) in table.items() if t != INF}
-        for p in ys:
-            m.Add(sum(ev for (pp, _), ev in e.items() if pp == p) == sum(ys[p]))
-        for q in zs:
-            m.Add(sum(ev for (_, qq), ev in e.items() if qq == q) == sum(zs[q]))
-        if not minimize_memory:
-            obj += [table[pq][0] * ev for pq, ev in e.items() if table[pq][0] > 0]
+    _add_edges(m, x, tab, obj, minimize_memory)
     if tab.sink:
         name, ts, _ = tab.sink
         for i, t in enumerate(ts):
@@ -218,6 +196,34 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     bound = m.Objective().BestBound() if not minimize_memory else total
     sol.bound_s = min(total, bound) if status != pywraplp.Solver.OPTIMAL else total
     return sol
+
+
+def _add_edges(m, x: dict, tab: _Tables, obj: list, minimize_memory: bool) -> None:
+    """The edges' terms: linear in one side's choice when the other has a single class,
+    else a transport plan ``e`` between the two sides' classes (module docstring)."""
+    for u, v, pu, qv, table in tab.edges:
+        ys = defaultdict(list)
+        zs = defaultdict(list)
+        for i, p in enumerate(pu):
+            ys[p].append(x[u][i])
+        for j, q in enumerate(qv):
+            zs[q].append(x[v][j])
+        if len(ys) == 1 or len(zs) == 1:
+            # one side has a single class: the cost is linear in the other side's choice
+            for (p, q), (t, _) in table.items():
+                lin = sum(zs[q]) if len(ys) == 1 else sum(ys[p])
+                if t == INF:
+                    m.Add(lin == 0)
+                elif t > 0 and not minimize_memory:
+                    obj.append(t * lin)
+            continue
+        e = {pq: m.NumVar(0.0, 1.0, "") for pq, (t, _) in table.items() if t != INF}
+        for p in ys:
+            m.Add(sum(ev for (pp, _), ev in e.items() if pp == p) == sum(ys[p]))
+        for q in zs:
+            m.Add(sum(ev for (_, qq), ev in e.items() if qq == q) == sum(zs[q]))
+        if not minimize_memory:
+            obj += [table[pq][0] * ev for pq, ev in e.items() if table[pq][0] > 0]
 
 
 def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None:
