@@ -98,93 +98,103 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
     """Build the per-rank GraphModule. ``attr_of`` maps a parameter/buffer placeholder to its
     attribute path on ``root``; ``returns`` is ``"loss"`` or ``"model"`` (the model's
     outputs, as a flat tuple)."""
-    mesh = tuple(plan.mesh_shape)
-    n_axes = len(mesh)
-    src = cap.gm.graph
-    calls = {n.name: make_call(n) for n in src.nodes
-             if n.op == "call_function" and n.target is not operator.getitem}
-    deferred = _deferred_grad_sync(cap, plan, calls)
-    regather = (plan.pins.get("zero") or 0) >= 3
-
+    rw = _Rewriter(cap, plan, attr_of)
     names = [cap.loss] if returns == "loss" else list(cap.output)
     needed = _needed(cap, names)
-    g = Graph()
-    env: dict[str, tuple[Node, list]] = {}   # name -> (local node, placements per output)
+    for node in cap.gm.graph.nodes:
+        if node.op != "output" and node.name not in needed:
+            continue       # e.g. the target and the loss in the forward-only program
+        if node.op == "placeholder":
+            rw.placeholder(node)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            base, k = node.args
+            local, outs = rw.env[base.name]
+            rw.env[node.name] = (rw.g.call_function(operator.getitem, (local, k)), [outs[k]])
+        elif node.op == "call_function" and node.name not in plan.nodes and not node.users:
+            continue   # a check on metadata (aten._assert_tensor_metadata): runs on one device only
+        elif node.op == "call_function":
+            rw.call(node)
+        elif node.op == "output":
+            results = [rw.replicated(name) for name in names]
+            rw.g.output(results[0] if returns == "loss" else tuple(results))
+    rw.g.eliminate_dead_code()
+    return Rewritten(GraphModule(root, rw.g),
+                     {attr_of[p]: tuple(axes) for p, axes in rw.deferred.items() if axes})
 
-    def placed(node: Node):
-        return env[node.name]
 
-    def move(local: Node, meta_src, dst, gp, from_param: str | None) -> Node:
+class _Rewriter:
+    """The per-rank graph under construction: each global node's local node and placements."""
+
+    def __init__(self, cap: Captured, plan: Plan, attr_of: dict[str, str]):
+        self.cap, self.plan, self.attr_of = cap, plan, attr_of
+        self.mesh = tuple(plan.mesh_shape)
+        self.calls = {n.name: make_call(n) for n in cap.gm.graph.nodes
+                      if n.op == "call_function" and n.target is not operator.getitem}
+        self.deferred = _deferred_grad_sync(cap, plan, self.calls)
+        self.regather = (plan.pins.get("zero") or 0) >= 3
+        self.g = Graph()
+        self.env: dict[str, tuple[Node, list]] = {}   # name -> (local node, placements per output)
+
+    def move(self, local: Node, meta_src, dst, gp, from_param: str | None) -> Node:
+        """``local`` (placed ``meta_src``) moved to placements ``dst`` by collective nodes."""
         try:
             steps = plan_steps(meta_src, dst, gp)
         except Unsupported as e:
             raise PlanError(f"the plan asks for an unsupported conversion {e}") from e
         for st in steps:
-            if mesh[st.axis] == 1:
+            if self.mesh[st.axis] == 1:
                 continue       # a group of one rank: every step is the identity there
-            if st.kind == "grad_all_reduce" and from_param and st.axis in deferred.get(from_param, ()):
+            if st.kind == "grad_all_reduce" and from_param and st.axis in self.deferred.get(from_param, ()):
                 continue
             kwargs = _step_kwargs(st)
-            if st.kind == "all_gather" and from_param and regather:
+            if st.kind == "all_gather" and from_param and self.regather:
                 kwargs["regather"] = True     # ZeRO-3: free after use, gather again in backward
-            local = g.call_function(_STEP_FN[st.kind], (local,), kwargs)
+            local = self.g.call_function(_STEP_FN[st.kind], (local,), kwargs)
         return local
 
-    for node in src.nodes:
-        if node.op != "output" and node.name not in needed:
-            continue       # e.g. the target and the loss in the forward-only program
-        if node.op == "placeholder":
-            outs = [plan.nodes[node.name].output(0)] if node.name in plan.nodes else None
-            if outs is None:
-                raise PlanError(f"the plan has no placement for input {node.name!r}")
-            if node.name in attr_of:
-                local = g.get_attr(attr_of[node.name])
-            else:
-                local = g.placeholder(node.name)
-                local = move(local, (R,) * n_axes, outs[0], (False,) * n_axes, None)
-            local.meta["placements"] = outs[0]
-            env[node.name] = (local, outs)
-        elif node.op == "call_function" and node.target is operator.getitem:
-            base, k = node.args
-            local, outs = placed(base)
-            env[node.name] = (g.call_function(operator.getitem, (local, k)), [outs[k]])
-        elif node.op == "call_function" and node.name not in plan.nodes and not node.users:
-            continue   # a check on metadata (aten._assert_tensor_metadata): runs on one device only
-        elif node.op == "call_function":
-            call = calls[node.name]
-            combo = _combo(plan, node.name, len(call.inputs), len(call.outputs))
-            tensor_args = [a for a in pytree.tree_leaves((node.args, dict(node.kwargs)),
-                                                         is_leaf=lambda x: isinstance(x, Node))
-                           if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-            local_of = {}
-            for k, a in enumerate(tensor_args):
-                local, outs = placed(a)
-                dst = tuple(s.inputs[k] for s in combo)
-                param = a.name if a.name in cap.params else None
-                gp = _grad_partial(combo, k)
-                if not call.inputs[k].dtype.is_floating_point:
-                    gp = (False,) * n_axes      # ids, masks, positions carry no gradient
-                local_of[id(call.inputs[k])] = move(local, outs[0], dst, gp, param)
-            target, args, kwargs = localize(call, combo, mesh)
-            if target is aten.view.default:
-                # local tensors may be laid out differently from the global ones (a shard
-                # is a fresh contiguous block), so a view the global graph could take may
-                # need a copy here: reshape is view where possible, copy otherwise
-                target = aten.reshape.default
-            sub = lambda v: local_of[id(v)] if isinstance(v, TensorMeta) else v  # noqa: E731
-            new = g.call_function(target, pytree.tree_map(sub, args), pytree.tree_map(sub, kwargs))
-            new.meta["source"] = node.name
-            outs = [tuple(s.outputs[k] for s in combo) for k in range(len(call.outputs))]
-            env[node.name] = (new, outs)
-        elif node.op == "output":
-            results = []
-            for name in names:
-                local, outs = env[name]
-                results.append(move(local, outs[0], (R,) * n_axes, (False,) * n_axes, None))
-            g.output(results[0] if returns == "loss" else tuple(results))
-    g.eliminate_dead_code()
-    return Rewritten(GraphModule(root, g),
-                     {attr_of[p]: tuple(axes) for p, axes in deferred.items() if axes})
+    def replicated(self, name: str) -> Node:
+        local, outs = self.env[name]
+        n = len(self.mesh)
+        return self.move(local, outs[0], (R,) * n, (False,) * n, None)
+
+    def placeholder(self, node: Node) -> None:
+        """A parameter or buffer: its local shard; a user input: this rank's slice of it."""
+        if node.name not in self.plan.nodes:
+            raise PlanError(f"the plan has no placement for input {node.name!r}")
+        outs = [self.plan.nodes[node.name].output(0)]
+        n = len(self.mesh)
+        if node.name in self.attr_of:
+            local = self.g.get_attr(self.attr_of[node.name])
+        else:
+            local = self.g.placeholder(node.name)
+            local = self.move(local, (R,) * n, outs[0], (False,) * n, None)
+        local.meta["placements"] = outs[0]
+        self.env[node.name] = (local, outs)
+
+    def call(self, node: Node) -> None:
+        """An op: its inputs moved to the placements the plan chose, its shapes made local."""
+        call = self.calls[node.name]
+        combo = _combo(self.plan, node.name, len(call.inputs), len(call.outputs))
+        local_of = {}
+        for k, name in enumerate(_tensor_arg_names(node)):
+            local, outs = self.env[name]
+            dst = tuple(s.inputs[k] for s in combo)
+            param = name if name in self.cap.params else None
+            gp = _grad_partial(combo, k)
+            if not call.inputs[k].dtype.is_floating_point:
+                gp = (False,) * len(self.mesh)      # ids, masks, positions carry no gradient
+            local_of[id(call.inputs[k])] = self.move(local, outs[0], dst, gp, param)
+        target, args, kwargs = localize(call, combo, self.mesh)
+        if target is aten.view.default:
+            # local tensors may be laid out differently from the global ones (a shard
+            # is a fresh contiguous block), so a view the global graph could take may
+            # need a copy here: reshape is view where possible, copy otherwise
+            target = aten.reshape.default
+        sub = lambda v: local_of[id(v)] if isinstance(v, TensorMeta) else v  # noqa: E731
+        new = self.g.call_function(target, pytree.tree_map(sub, args), pytree.tree_map(sub, kwargs))
+        new.meta["source"] = node.name
+        outs = [tuple(s.outputs[k] for s in combo) for k in range(len(call.outputs))]
+        self.env[node.name] = (new, outs)
 
 
 def _needed(cap: Captured, outputs: list[str]) -> set[str]:

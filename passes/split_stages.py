@@ -72,12 +72,24 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
     GraphModules over ``root``'s parameters. ``stage_of`` maps global node names to stages
     (``assign_stages``); ``meta_of(node)`` gives a crossing value's local shape and dtype."""
     nodes = list(gm.graph.nodes)
-    S = n_stages
     params = {name for name, _ in root.named_parameters()}
     for n in nodes:
         if n.op == "get_attr":
             n.meta["is_buffer"] = n.target not in params
-    free = free_nodes(gm.graph)
+    cut = _Cut(nodes, _stages_of(nodes, stage_of, n_stages), free_nodes(gm.graph),
+               _requires_grad(nodes, root), meta_of, n_stages)
+    crossing, far = cut.crossings()
+    skips: list[SkipEdge] = []
+    for v, ts in far.items():
+        shape, dtype, rg = cut.meta(v)
+        for t in ts:
+            skips.append(SkipEdge(len(skips), v.name, cut.st[v], t, shape, dtype, rg))
+    out = [cut.stage_graph(s, crossing, skips, model_inputs, root) for s in range(n_stages)]
+    return out, skips
+
+
+def _stages_of(nodes: list[Node], stage_of: dict[str, int], S: int) -> dict[Node, int]:
+    """The stage of every per-rank op: its global node's, else its first reader's."""
     st: dict[Node, int] = {}
     for n in nodes:
         if n.op == "call_function" and n.meta.get("source") in stage_of:
@@ -94,52 +106,59 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
                 if a in st and st[a] > st[n]:
                     raise SplitError(f"node {n.name} (stage {st[n]}) reads {a.name} from the later "
                                      f"stage {st[a]}: the cuts do not follow the graph's order")
-    requires_grad = _requires_grad(nodes, root)
+    return st
 
-    def readers(v: Node) -> set[int]:
-        return {S - 1 if u.op == "output" else st[u] for u in v.users if u.op == "output" or u in st}
 
-    def meta(v: Node):
-        shape, dtype = meta_of(v)
-        return (shape, dtype, requires_grad[v] and dtype.is_floating_point)
+class _Cut:
+    """The per-rank graph with a stage for every op: what crosses where, and each stage's
+    program."""
 
-    crossing: list[list[Node]] = [[] for _ in range(S)]        # regular values s -> s+1
-    far: dict[Node, list[int]] = {}                              # value -> stages > q + 1 reading it
-    for n in nodes:
-        if n not in st or n.name in free:
-            continue
-        q = st[n]
-        for t in sorted(readers(n)):
-            if t == q + 1:
-                crossing[q].append(n)
-            elif t > q + 1:
-                far.setdefault(n, []).append(t)
-    # A skip value that needs a gradient hangs its backward on a differentiable regular output
-    # of its stage and a differentiable regular input of its reader. Where either has none,
-    # the value goes down the chain instead, every stage between passing it on.
-    changed = True
-    while changed:
-        changed = False
-        for v, ts in list(far.items()):
-            q = st[v]
-            if meta(v)[2] and not (any(meta(u)[2] for u in crossing[q])
-                                   and all(any(meta(u)[2] for u in crossing[t - 1]) for t in ts)):
-                for k in range(q, max(ts)):
-                    if v not in crossing[k]:
-                        crossing[k].append(v)
-                del far[v]
-                changed = True
-    skips: list[SkipEdge] = []
-    skip_of: dict[tuple[str, int], SkipEdge] = {}
-    for v, ts in far.items():
-        shape, dtype, rg = meta(v)
-        for t in ts:
-            e = SkipEdge(len(skips), v.name, st[v], t, shape, dtype, rg)
-            skips.append(e)
-            skip_of[(v.name, t)] = e
+    def __init__(self, nodes, st, free, requires_grad, meta_of, S):
+        self.nodes, self.st, self.free, self.rg, self.meta_of, self.S = nodes, st, free, requires_grad, meta_of, S
+        self.by_name = {n.name: n for n in nodes}
 
-    out: list[StageGraph] = []
-    for s in range(S):
+    def readers(self, v: Node) -> set[int]:
+        return {self.S - 1 if u.op == "output" else self.st[u] for u in v.users
+                if u.op == "output" or u in self.st}
+
+    def meta(self, v: Node):
+        shape, dtype = self.meta_of(v)
+        return (shape, dtype, self.rg[v] and dtype.is_floating_point)
+
+    def crossings(self) -> tuple[list[list[Node]], dict[Node, list[int]]]:
+        """Regular values ``s -> s+1`` per stage, and skip values with the stages > q + 1
+        reading them."""
+        crossing: list[list[Node]] = [[] for _ in range(self.S)]
+        far: dict[Node, list[int]] = {}
+        for n in self.nodes:
+            if n not in self.st or n.name in self.free:
+                continue
+            q = self.st[n]
+            for t in sorted(self.readers(n)):
+                if t == q + 1:
+                    crossing[q].append(n)
+                elif t > q + 1:
+                    far.setdefault(n, []).append(t)
+        # A skip value that needs a gradient hangs its backward on a differentiable regular
+        # output of its stage and a differentiable regular input of its reader. Where either
+        # has none, the value goes down the chain instead, every stage between passing it on.
+        changed = True
+        while changed:
+            changed = False
+            for v, ts in list(far.items()):
+                q = self.st[v]
+                if self.meta(v)[2] and not (any(self.meta(u)[2] for u in crossing[q])
+                                            and all(any(self.meta(u)[2] for u in crossing[t - 1]) for t in ts)):
+                    for k in range(q, max(ts)):
+                        if v not in crossing[k]:
+                            crossing[k].append(v)
+                    del far[v]
+                    changed = True
+        return crossing, far
+
+    def stage_graph(self, s: int, crossing, skips: list[SkipEdge], model_inputs, root) -> StageGraph:
+        """Stage ``s``'s program."""
+        S, meta = self.S, self.meta
         g = Graph()
         env: dict[Node, Node] = {}
         sg = StageGraph(s, None, [v.name for v in crossing[s - 1]] if s else [],  # type: ignore[arg-type]
@@ -147,70 +166,74 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
                         [meta(v) for v in crossing[s - 1]] if s else [],
                         [meta(v) for v in crossing[s]] if s < S - 1 else [])
         if s == 0:
-            by_name = {n.name: n for n in nodes if n.op == "placeholder"}
             for name in model_inputs:
                 ph = g.placeholder(name)
-                if name in by_name:
-                    env[by_name[name]] = ph
+                if name in self.by_name and self.by_name[name].op == "placeholder":
+                    env[self.by_name[name]] = ph
         else:
             for v in crossing[s - 1]:
                 ph = g.placeholder(v.name)
                 env[v] = g.call_function(rt.stage_input, (ph,)) if meta(v)[2] else ph
         anchor_in = next((env[v] for v in crossing[s - 1] if meta(v)[2]), None) if s else None
+        skip_of = {(e.value, e.dst): e for e in skips}
 
         def bring(a: Node) -> Node:
-            if a in env:
-                return env[a]
-            if a.op == "get_attr":
-                env[a] = g.get_attr(a.target)
-            elif a.op == "placeholder":
-                env[a] = g.call_function(rt.side_input, (a.name, s))
-                sg.side_inputs.append(a.name)
-            elif a.name in free:
-                env[a] = g.node_copy(a, bring)
-            else:
-                e = skip_of.get((a.name, s))
-                if e is None:
-                    raise SplitError(f"stage {s} reads {a.name} (stage {st.get(a)}) but nothing "
-                                     "brings it there")
-                if e.requires_grad and anchor_in is None:
-                    raise SplitError(f"the skip value {a.name} (stage {e.src} -> {s}) needs a "
-                                     f"gradient but stage {s} has no differentiable input to "
-                                     "hang its backward on")
-                env[a] = g.call_function(rt.skip_recv, (anchor_in, e.id))
-                sg.skips_in.append(e.id)
+            if a not in env:
+                env[a] = self._bring(a, s, g, sg, skip_of, anchor_in, bring)
             return env[a]
 
-        for n in nodes:
-            if st.get(n) != s or n.op != "call_function":
-                continue
-            env[n] = g.node_copy(n, bring)
+        for n in self.nodes:
+            if self.st.get(n) == s and n.op == "call_function":
+                env[n] = g.node_copy(n, bring)
         if s < S - 1:
-            outs = [env[v] for v in crossing[s]]
-            sends = [e for e in skips if e.src == s]
-            if sends:
-                k = next((i for i, v in enumerate(crossing[s]) if meta(v)[2]), None)
-                if k is None and any(e.requires_grad for e in sends):
-                    raise SplitError(f"stage {s} sends skip values but has no differentiable "
-                                     "output to hang their backward on")
-                for e in sends:
-                    value = env[next(n for n in nodes if n.name == e.value)]
-                    if k is None:
-                        g.call_function(rt.skip_send, (value, None, e.id))
-                    else:
-                        outs[k] = g.call_function(rt.skip_send, (value, outs[k], e.id))
-                    sg.skips_out.append(e.id)
+            outs = self._sends(s, g, sg, [env[v] for v in crossing[s]], crossing[s], skips, env)
             # contiguous (the schedule sends buffers as they are) and not aliasing a value the
-            # stage saved for backward (see runtime.stage_output)
-            outs = [g.call_function(rt.stage_output, (o,)) for o in outs]
-            g.output(tuple(outs))
+            # stage saved for backward (see ops.stage_ops.stage_output)
+            g.output(tuple(g.call_function(rt.stage_output, (o,)) for o in outs))
         else:
-            out_node = next(n for n in nodes if n.op == "output")
+            out_node = next(n for n in self.nodes if n.op == "output")
             g.output(torch.fx.node.map_arg(out_node.args[0], bring))
         g.eliminate_dead_code()
         sg.gm = GraphModule(root, g)
-        out.append(sg)
-    return out, skips
+        return sg
+
+    def _bring(self, a: Node, s: int, g: Graph, sg: StageGraph, skip_of, anchor_in, bring) -> Node:
+        """Value ``a`` read in stage ``s`` but not made there."""
+        if a.op == "get_attr":
+            return g.get_attr(a.target)
+        if a.op == "placeholder":
+            sg.side_inputs.append(a.name)
+            return g.call_function(rt.side_input, (a.name, s))
+        if a.name in self.free:
+            return g.node_copy(a, bring)
+        e = skip_of.get((a.name, s))
+        if e is None:
+            raise SplitError(f"stage {s} reads {a.name} (stage {self.st.get(a)}) but nothing "
+                             "brings it there")
+        if e.requires_grad and anchor_in is None:
+            raise SplitError(f"the skip value {a.name} (stage {e.src} -> {s}) needs a "
+                             f"gradient but stage {s} has no differentiable input to "
+                             "hang its backward on")
+        sg.skips_in.append(e.id)
+        return g.call_function(rt.skip_recv, (anchor_in, e.id))
+
+    def _sends(self, s: int, g: Graph, sg: StageGraph, outs: list, crossing_s, skips, env) -> list:
+        """Stage ``s``'s skip sends, each hung on a differentiable regular output."""
+        sends = [e for e in skips if e.src == s]
+        if not sends:
+            return outs
+        k = next((i for i, v in enumerate(crossing_s) if self.meta(v)[2]), None)
+        if k is None and any(e.requires_grad for e in sends):
+            raise SplitError(f"stage {s} sends skip values but has no differentiable "
+                             "output to hang their backward on")
+        for e in sends:
+            value = env[self.by_name[e.value]]
+            if k is None:
+                g.call_function(rt.skip_send, (value, None, e.id))
+            else:
+                outs[k] = g.call_function(rt.skip_send, (value, outs[k], e.id))
+            sg.skips_out.append(e.id)
+        return outs
 
 
 def _requires_grad(nodes: list[Node], root: torch.nn.Module) -> dict[Node, bool]:
