@@ -91,10 +91,9 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
         rec_nodes, rec_kept = recompute_nodes(cap.gm, recompute)
         errors = []                    # report the last pass's reasons
         for problem, shape, axes, roles in problems:
-            cost = CostModel(cl, shape, dtype_key=pins.get("precision") or "fp32",
-                             zero=pins.get("zero") or 0, data_axis=roles.get("data_axis"),
-                             profiler=profiler, recompute=rec_nodes, recompute_kept=rec_kept,
-                             memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+            cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
+                                      recompute=(rec_nodes, rec_kept), profiler=profiler,
+                                      memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
             try:
                 sol = solve_ilp(problem, cost, budget if budget != float("inf") else None,
                                 time_limit_s, explain=explain and rec == choices[-1])
