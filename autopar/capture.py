@@ -68,6 +68,10 @@ class Captured:
     has_loss: bool                     # the graph computes a scalar loss (ours or the model's)
     takes_target: bool                 # the last input is the loss's target
     method: str = "torch.export"
+    microbatch_loss: Any = None
+    """Set when the graph was captured at micro-batch size and its loss rewritten into
+    partial terms (``autopar.analysis.microbatch_loss.MicrobatchLoss``: the scale inputs and
+    how to compute them from the global batch)."""
 
     def node(self, name: str) -> torch.fx.Node:
         return self._by_name[name]

@@ -13,13 +13,14 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
+import torch.distributed as dist
+
+import autopar
+from autopar.cli_args import build_example
+from autopar.verify import compare, parallel_run, reference_run
+
 
 def main(spec_path: str) -> int:
-    import torch.distributed as dist
-
-    import autopar
-    from autopar.cli import build_example
-    from autopar.verify import compare, parallel_run, reference_run
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -53,6 +53,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 
 aten = torch.ops.aten
 
@@ -271,7 +272,6 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
     if not cap.has_loss or not cap.loss:
         return cap
     g = cap.gm.graph
-    from torch._guards import detect_fake_mode
     fake_mode = detect_fake_mode([n.meta.get("val") for n in g.nodes if n.op == "placeholder"])
     state, origins, consts, lost = _analyse(cap, g)
     loss = next(n for n in g.nodes if n.op == "output").args[0][0]

@@ -41,6 +41,7 @@ from typing import Sequence
 import torch
 
 from autopar.analysis.layers import repeated_layers
+from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
 from autopar.analysis.stages import chain
 from autopar.capture import Captured, capture
 from autopar.plan import NodePlacement, Pipeline, Plan
@@ -107,8 +108,7 @@ def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captur
     inputs = split_batch(example_inputs, m)
     tgt = split_batch((target,), m)[0] if target is not None else None
     # each micro-batch's loss a partial term of the global batch's (summed, never averaged)
-    from autopar.analysis.microbatch_loss import rewrite
-    return rewrite(capture(model, inputs, loss_fn, tgt), m, model)
+    return rewrite_microbatch_loss(capture(model, inputs, loss_fn, tgt), m, model)
 
 
 # ---- one intra-stage solution, priced per node ----------------------------------------------
