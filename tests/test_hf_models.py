@@ -116,9 +116,9 @@ def _model(cfg_cls, model_cls, kw, attn="eager", cache=True):
     return m
 
 
-def causal_lm(cfg_cls, model_cls, own_loss=False, **kw):
+def causal_lm(cfg_cls, model_cls, own_loss=False, attn="eager", **kw):
     def build() -> Built:
-        m = _model(cfg_cls, model_cls, kw)
+        m = _model(cfg_cls, model_cls, kw, attn=attn)
         if own_loss:
             return Built(OwnLoss(m), (token_ids(1), token_ids(2)), None, None)
         return Built(m, (token_ids(1),), lm_loss, token_ids(2))
@@ -179,6 +179,16 @@ MATRIX: dict[str, Arch] = {
                           "decoder"),
     "llama": Arch(causal_lm(tf.LlamaConfig, tf.LlamaForCausalLM, **DEC), "decoder",
                   gloo=({"tensor": 2}, {"data": 2})),
+    "llama-sdpa": Arch(causal_lm(tf.LlamaConfig, tf.LlamaForCausalLM, attn="sdpa", **DEC),
+                       "decoder"),
+    "llama-flex-attention": Arch(
+        causal_lm(tf.LlamaConfig, tf.LlamaForCausalLM, attn="flex_attention", **DEC), "decoder",
+        fails=Fails("capture", CaptureError,
+                    r"(?s)could not capture LlamaForCausalLM.*FlexAttention does not support "
+                    r"backward on CPU",
+                    "attn_implementation='flex_attention': torch's flex attention has no "
+                    "backward on CPU (on other devices export would emit the flex_attention "
+                    "higher-order op, which autopar names and refuses); use 'sdpa' or 'eager'")),
     "mistral": Arch(causal_lm(tf.MistralConfig, tf.MistralForCausalLM, **DEC), "decoder"),
     "qwen2": Arch(causal_lm(tf.Qwen2Config, tf.Qwen2ForCausalLM, **DEC), "decoder"),
     "gemma": Arch(causal_lm(tf.GemmaConfig, tf.GemmaForCausalLM, head_dim=8, **DEC), "decoder"),
@@ -193,8 +203,16 @@ MATRIX: dict[str, Arch] = {
                              num_hidden_layers=2, num_attention_heads=4), "decoder"),
     "bloom": Arch(causal_lm(tf.BloomConfig, tf.BloomForCausalLM, vocab_size=V, hidden_size=H,
                             n_layer=2, n_head=4), "decoder"),
+    "mixtral": Arch(causal_lm(tf.MixtralConfig, tf.MixtralForCausalLM, num_local_experts=4,
+                              num_experts_per_tok=2, **DEC), "decoder (mixture of experts)",
+                    gaps=("aten.histc.default", "aten.index_put.default",
+                          "transformers.grouped_mm_fallback.default"),
+                    notes="gaps: the expert routing (token counts per expert with histc, the "
+                          "scatter of expert outputs with index_put, transformers' own grouped "
+                          "matmul op) runs replicated"),
     # encoders
-    "bert": Arch(causal_lm(tf.BertConfig, tf.BertForMaskedLM, **ENC), "encoder"),
+    "bert": Arch(causal_lm(tf.BertConfig, tf.BertForMaskedLM, **ENC), "encoder",
+                 gloo=({"tensor": 2}, {"data": 2})),
     "roberta": Arch(causal_lm(tf.RobertaConfig, tf.RobertaForMaskedLM, pad_token_id=1,
                               **{**ENC, "max_position_embeddings": 66}), "encoder"),
     "distilbert": Arch(causal_lm(tf.DistilBertConfig, tf.DistilBertForMaskedLM, vocab_size=V,
@@ -206,7 +224,7 @@ MATRIX: dict[str, Arch] = {
                           num_hidden_layers=2, num_attention_heads=4), "vision"),
     "resnet": Arch(image_cls(tf.ResNetConfig, tf.ResNetForImageClassification,
                              embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1]), "vision",
-                   gaps=("aten.add_.Tensor",),
+                   gaps=("aten.add_.Tensor",), gloo=({"tensor": 2}, {"data": 2}),
                    notes="gap: BatchNorm's num_batches_tracked += 1, an in-place update of a "
                          "0-dim buffer (replicated; nothing to shard)"),
     "convnext": Arch(image_cls(tf.ConvNextConfig, tf.ConvNextForImageClassification,
@@ -290,13 +308,14 @@ def test_plans(name):
     assert dp.mesh_shape == (2,) and tp.mesh_shape == (2,)
     assert dp.pins == {"data": 2} and tp.pins == {"tensor": 2}
     assert tp.estimate.memory_bytes["params"] < full, tp.estimate.memory_bytes
-    # A budget a quarter of the parameters' bytes above the smallest plan: every plan that
-    # keeps the weights whole (even with ZeRO-2 and recomputation) needs at least half of
-    # them more than the smallest one, which stores them sharded.
+    # A budget 0.4 x the parameters' bytes above the smallest plan: every plan that keeps
+    # the weights whole (even with ZeRO-2 and recomputation) needs at least half of them more
+    # than the smallest one, which stores them sharded. So close to the smallest plan the
+    # ILP proves optimality slowly (T5: minutes): 5 s per solve, a FEASIBLE plan is enough.
     with pytest.raises(InfeasibleError) as nothing_fits:
         plan(memory_budget=1)
-    budget = _smallest_plan_bytes(nothing_fits.value) + 0.25 * full
-    tight = plan(memory_budget=budget)
+    budget = _smallest_plan_bytes(nothing_fits.value) + 0.4 * full
+    tight = plan(memory_budget=budget, time_limit_s=5.0)
     assert tight.estimate.memory_total <= budget
     assert tight.estimate.memory_bytes["params"] < full, tight.estimate.memory_bytes
 
