@@ -7,11 +7,12 @@ import json
 import os
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from autopar.capture import Captured, fingerprint
+from autopar.cost_models.local_devices import local_cluster
+from autopar.device import backend_for, rank_device
 from autopar.plan import Plan, PlanError
 from autopar.runtime import build
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
@@ -55,10 +56,6 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     >>> loss = pm.train_step(x, target=y)
     """
     pins = check_pins(dict(pins))
-    if pins.get("precision") not in (None, "fp32"):
-        raise NotImplementedError(
-            f"precision={pins['precision']!r} is for planning (autopar.plan) only so far: the "
-            "runtime trains in fp32; drop the pin to run")
     world = _dist_world() if comm is None else (
         comm.world.world if hasattr(comm, "world") else int(dist.get_world_size()))
     if plan is not None:
@@ -129,21 +126,24 @@ def _validate(p: Plan, cap: Captured, world: int) -> None:
 
 
 def _dist_world() -> int:
+    """This job's world size; inside torchrun, the process group is created here if it is
+    not yet: after ``rank_device()`` has made ``LOCAL_RANK`` the current CUDA device, with
+    the backend of that device (NCCL on CUDA, gloo on CPU)."""
     if not dist.is_available():
         return 1
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)
+            dist.init_process_group(backend_for(rank_device()))
         else:
             raise RuntimeError("autopar.parallelize runs inside torchrun (or after "
                                "torch.distributed.init_process_group); to plan without "
                                "processes use autopar.plan")
+    else:
+        rank_device()       # the current CUDA device is LOCAL_RANK's before the mesh is made
     return dist.get_world_size()
 
 
-def _local_cluster(world: int) -> str:
-    if torch.cuda.is_available():
-        return f"local-cuda:{world}"
-    return f"cpu:{world}"
-
+def _local_cluster(world: int):
+    """The cluster of this job's devices (``cost_models.local_devices.local_cluster``): a
+    preset string or a Cluster, never a spec ``parse_cluster`` rejects."""
+    return local_cluster(world)

@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from autopar.device import mesh_device
+
 _local = threading.local()
 
 
@@ -118,8 +120,7 @@ class DistComm(Comm):
         self.coord = tuple(mesh.get_coordinate())
         self.rank = dist.get_rank()
         self.groups = [mesh.get_group(a) for a in range(mesh.ndim)]
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
-                       else torch.device(mesh.device_type))
+        self.device = mesh_device(mesh.device_type)
 
     def all_reduce(self, t, axis):
         out = t.contiguous().clone()

@@ -5,7 +5,6 @@ the rank's device) unless a communicator is given (``ThreadComm`` for simulated 
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -13,21 +12,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.capture import Captured
+from autopar.device import rank_device
 from autopar.ops.comm import Comm, DistComm
 from autopar.plan import Plan
 from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["ParallelModule", "build", "dist_comm", "rank_device"]
-
-
-def rank_device() -> torch.device:
-    """This rank's device: CUDA device ``LOCAL_RANK`` when CUDA is available (made the current
-    device, so call this before the process group and mesh exist), else the CPU."""
-    if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
 
 
 def dist_comm(plan: Plan) -> DistComm:

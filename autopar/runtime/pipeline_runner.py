@@ -37,6 +37,7 @@ from torch.fx import GraphModule
 from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.analysis.stages import assign_stages, local_meta
 from autopar.capture import Captured
+from autopar.device import object_device
 from autopar.ops.comm import DistComm
 from autopar.ops.stage_ops import StepContext, use_step_context
 from autopar.passes.split_stages import StageGraph, split_stages
@@ -238,7 +239,7 @@ class PipelineRunner:
         flat = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else None
         box = [flat if self.pp_rank == last else None]
         dist.broadcast_object_list(box, self._pp_global[last], group=self.pp_group,
-                                   device=self.device if self.device.type == "cuda" else None)
+                                   device=object_device(self.device))
         return [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in box[0]]
 
     def _stage_done(self, stage: int) -> None:

@@ -1,0 +1,50 @@
+"""The one place the runtime names a device type.
+
+Everything in ``autopar/runtime``, ``autopar/ops`` and ``passes`` takes the device from
+here (``rank_device()``), from the communicator (``comm.device``, which ``DistComm`` gets
+from :func:`mesh_device`) or from a tensor it is given; ``tests/test_devices.py`` fails if
+another runtime module writes a device type ("cpu", "cuda", ``torch.device("...")``).
+
+- :func:`rank_device`: CUDA device ``LOCAL_RANK`` when CUDA is available (made the current
+  device: call it before the process group and the mesh exist), else the CPU.
+- :func:`backend_for`: the process group backend for that device (NCCL on CUDA, else gloo).
+- :func:`mesh_device`: the device a mesh of a given device type keeps this rank's tensors on.
+- :func:`object_device`: the ``device=`` argument of ``broadcast_object_list`` and friends
+  (NCCL moves the pickled bytes through the current CUDA device; gloo through host memory).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+CPU = "cpu"
+CUDA = "cuda"
+
+
+def rank_device() -> torch.device:
+    """This rank's device: CUDA device ``LOCAL_RANK`` when CUDA is available (made the current
+    device, so call this before the process group and mesh exist), else the CPU."""
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device(CUDA, index)
+    return torch.device(CPU)
+
+
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend for ranks on ``device``: NCCL on CUDA, gloo otherwise."""
+    return "nccl" if device.type == CUDA else "gloo"
+
+
+def mesh_device(device_type: str) -> torch.device:
+    """Where a rank of a DeviceMesh of ``device_type`` keeps its tensors: the current CUDA
+    device on a CUDA mesh, else the device type itself."""
+    if device_type == CUDA:
+        return torch.device(CUDA, torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def object_device(device: torch.device) -> torch.device | None:
+    """``device=`` for torch.distributed's object collectives on ranks of ``device``."""
+    return device if device.type == CUDA else None
