@@ -6,7 +6,9 @@
 """
 from autopar.api import parallelize, plan
 from autopar.capture import CaptureError, capture
+from autopar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from autopar.coverage import coverage
 from autopar.plan import Plan, PlanError
 
-__all__ = ["plan", "parallelize", "Plan", "PlanError", "CaptureError", "capture", "coverage"]
+__all__ = ["plan", "parallelize", "Plan", "PlanError", "CaptureError", "capture", "coverage",
+           "save_checkpoint", "load_checkpoint", "CheckpointError"]

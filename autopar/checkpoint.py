@@ -1,0 +1,109 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), across plans.
+
+``save_checkpoint(path, pm, optimizer, extra)`` has every rank write only its shards of the
+model's parameters and buffers and of the optimizer's state, under the original model's
+names; ``load_checkpoint(path, pm, optimizer)`` reads them into any plan (data, tensor,
+ZeRO, pipeline, another world size): DCP reads for every local shard the overlapping parts
+of the saved chunks. How autopar's placements are described to DCP is in
+``autopar.runtime.dcp_state``.
+
+``export_checkpoint`` writes the model part as one plain state dict (what
+``model.load_state_dict`` accepts); ``import_state_dict`` writes a plain state dict as a
+checkpoint that ``load_checkpoint`` reads. Both run in one process, without ranks.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from autopar.runtime.dcp_state import FORMAT, MODEL, load_plan, save_state
+
+__all__ = ["save_checkpoint", "load_checkpoint", "export_checkpoint", "import_state_dict",
+           "CheckpointError"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that is missing or is not an autopar / DCP checkpoint."""
+
+
+def save_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimizer | None = None,
+                    extra: dict | None = None) -> None:
+    """Write ``pm``'s shards (and ``optimizer``'s state, and the small picklable dict
+    ``extra``) to the directory ``path``. Collective: every rank calls it with the same
+    path."""
+    dcp.save(save_state(pm, optimizer, extra), storage_writer=dcp.FileSystemWriter(os.fspath(path)))
+
+
+def _metadata(path) -> dict:
+    path = os.fspath(path)
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"{path!r} is not a checkpoint directory (no .metadata in it): pass "
+                              "the directory save_checkpoint or `autopar checkpoint import` wrote")
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def load_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Read the checkpoint at ``path`` into ``pm`` (whatever plan it was saved under) and,
+    when given, into ``optimizer`` (built over ``pm.parameters()``; its state is replaced,
+    its param groups take the saved hyperparameters). Returns the saved ``extra``.
+    Collective."""
+    md = _metadata(path)
+    sd, finish = load_plan(pm, md, optimizer)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(os.fspath(path)))
+    return finish()
+
+
+def _info(path, md) -> dict:
+    if "autopar" not in md:
+        return {"aliases": {}}
+    sd = {"autopar": b""}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(os.fspath(path)), no_dist=True)
+    return pickle.loads(sd["autopar"])
+
+
+def read_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The whole model tensors of a checkpoint, every name of a tied weight included (one
+    process; no ranks needed)."""
+    md = _metadata(path)
+    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+          for k, m in md.items() if k.startswith(MODEL) and isinstance(m, TensorStorageMetadata)}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(os.fspath(path)), no_dist=True)
+    out = {k[len(MODEL):]: v for k, v in sd.items()}
+    for name, aliases in _info(path, md).get("aliases", {}).items():
+        for a in aliases:
+            if name in out:
+                out.setdefault(a, out[name])
+    return out
+
+
+def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Write the model part of checkpoint ``path`` to ``out`` with ``torch.save``: a plain
+    state dict ``model.load_state_dict`` accepts. Returns it."""
+    sd = read_model_state(path)
+    torch.save(sd, os.fspath(out))
+    return sd
+
+
+def import_state_dict(state_dict: dict[str, torch.Tensor] | str | os.PathLike,
+                      out: str | os.PathLike) -> None:
+    """Write a plain state dict (or a ``torch.save`` file of one) as a checkpoint directory
+    ``out`` that ``load_checkpoint`` reads into any plan (model tensors only: no optimizer
+    state, ``extra`` None). One process."""
+    if not isinstance(state_dict, dict):
+        src = os.fspath(state_dict)
+        if not os.path.isfile(src):
+            raise CheckpointError(f"{src!r} does not exist: pass a file written by torch.save(model.state_dict())")
+        state_dict = torch.load(src, map_location="cpu", weights_only=True)
+        if not isinstance(state_dict, dict):
+            raise CheckpointError(f"{src!r} holds a {type(state_dict).__name__}, not a state dict")
+    sd: dict[str, Any] = {MODEL + k: v.detach().cpu() for k, v in state_dict.items()
+                          if isinstance(v, torch.Tensor)}
+    sd["autopar"] = pickle.dumps({"format": FORMAT, "aliases": {}, "param_groups": [],
+                                  "has_optimizer": False})
+    sd["extra"] = pickle.dumps(None)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.fspath(out)), no_dist=True)

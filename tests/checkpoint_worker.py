@@ -1,0 +1,175 @@
+"""Run by tests/test_checkpoint.py under torchrun: sharded checkpoints across plans.
+
+Case kinds (``case["kind"]``):
+
+- ``save``: the example model (seed 0) under plan A, 2 AdamW steps, ``save_checkpoint`` to
+  ``case["dir"]`` with an ``extra`` dict; rank 0 then exports it (``export_checkpoint``) and
+  checks that a fresh model's ``load_state_dict`` (strict) of the file equals
+  ``pm.full_state_dict()``.
+- ``load``: the example model with other weights (seed 1) under plan B (another world
+  size), an AdamW with another learning rate, ``load_checkpoint``, 2 more steps; every
+  parameter and buffer must equal 4 uninterrupted single-device AdamW steps.
+- ``import``: rank 0 writes a seed-5 model's plain state dict as a checkpoint
+  (``import_state_dict``); every rank loads it under the case's plan; the full state dict
+  must equal it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autopar  # noqa: E402
+from autopar.checkpoint import export_checkpoint, import_state_dict  # noqa: E402
+from examples.models import EXAMPLES  # noqa: E402
+from worker_loop import run_cases  # noqa: E402
+
+LR, EPS = 1e-2, 1e-6
+# worst |got - ref| / (max |ref - initial| of that tensor), over every tensor: AdamW divides
+# by sqrt(v), so gradients that are zero in exact arithmetic (a key bias) and ~1e-9 in floats
+# move by up to lr / (1e-9 + eps); eps 1e-6 keeps that near 1e-3 of an lr-sized change
+TOL = 5e-3
+STATE_TOL = 1e-4  # optimizer moments after loading vs one device's after 2 steps
+
+
+def adamw(params, lr=LR):
+    return torch.optim.AdamW(params, lr=lr, eps=EPS)
+
+
+def example(case: dict, seed: int):
+    return EXAMPLES[case["model"]](batch=8, seed=seed)
+
+
+def batch(ex, step: int):
+    """The batch of step ``step`` (the same on every rank): the example's inputs, rolled."""
+    return tuple(torch.roll(x, step, 0) for x in ex.inputs), torch.roll(ex.target, step, 0)
+
+
+def train(pm, opt, ex, steps) -> None:
+    for k in steps:
+        inputs, target = batch(ex, k)
+        pm.train_step(*inputs, target=target)
+        opt.step()
+        opt.zero_grad()
+
+
+def reference(case: dict, steps: int = 4, moments: bool = False):
+    """(initial, final) state dicts of ``steps`` single-device AdamW steps from seed 0 (and
+    the optimizer's state by parameter name, with ``moments``)."""
+    ex = example(case, 0)
+    model = ex.model
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = adamw(model.parameters())
+    for k in range(steps):
+        inputs, target = batch(ex, k)
+        ex.loss_fn(model(*inputs), target).backward()
+        opt.step()
+        opt.zero_grad()
+    final = {k: v.detach() for k, v in model.state_dict().items()}
+    if moments:
+        return init, final, {n: opt.state[p] for n, p in model.named_parameters()}
+    return init, final
+
+
+def check_moments(pm, opt, ref_state: dict) -> float:
+    """Worst relative error of this rank's optimizer state against its shard of one
+    device's (and the step counts exactly)."""
+    from autopar.passes.shard_parameters import shard_tensor
+    attrs = {id(p): a for a, p in pm.module.named_parameters()}
+    coord, mesh = pm._stage_comm.coord, pm._stage_mesh
+    out = 0.0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            attr = attrs[id(p)]
+            ref = ref_state[attr]
+            got = opt.state[p]
+            assert set(got) == set(ref), (attr, set(got), set(ref))
+            assert float(got["step"]) == float(ref["step"]), (attr, got["step"], ref["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                want = shard_tensor(ref[key], pm._shards.placements[attr], coord, mesh)
+                err = float((got[key] - want).abs().max()) / max(float(want.abs().max()), 1e-12)
+                assert err < STATE_TOL, f"{key} of {attr}: rel err {err:.2e}"
+                out = max(out, err)
+    return out
+
+
+def worst(got: dict, ref: dict, init: dict) -> tuple[float, str]:
+    assert set(got) >= set(ref), f"missing {sorted(set(ref) - set(got))[:5]}"
+    out, where = 0.0, ""
+    for k, r in ref.items():
+        scale = max(float((r - init[k]).abs().max()), 1e-6) if r.is_floating_point() else 1.0
+        err = float((got[k].float() - r.float()).abs().max()) / scale
+        if err > out:
+            out, where = err, k
+    return out, where
+
+
+def run_case(case: dict) -> dict:
+    ex = example(case, 0)          # the data of every step; the weights of seed 0 ...
+    model = ex.model if case["kind"] == "save" else example(case, 1).model    # ... or others
+    pm = autopar.parallelize(model, ex.inputs, ex.loss_fn, target=ex.target, **case["pins"])
+    info = {"mesh": list(pm.plan.mesh_shape), "axes": list(pm.plan.mesh_axes)}
+    rank = dist.get_rank()
+    if case["kind"] == "import":
+        src = EXAMPLES[case["model"]](batch=8, seed=5).model.state_dict()
+        if rank == 0:
+            import_state_dict(src, case["dir"])
+        dist.barrier()
+        extra = autopar.load_checkpoint(case["dir"], pm)
+        assert extra is None, extra
+        err, where = worst(pm.full_state_dict(), src, {k: torch.zeros_like(v) for k, v in src.items()})
+        assert err < TOL, f"imported {where}: {err:.2e}"
+        info["err"] = err
+        return info
+    if case["kind"] == "save":
+        opt = adamw(pm.parameters())
+        train(pm, opt, ex, range(2))
+        extra = {"step": 2, "loader": {"position": 16}, "rng": torch.get_rng_state()}
+        autopar.save_checkpoint(case["dir"], pm, opt, extra=extra)
+        full = pm.full_state_dict()
+        dist.barrier()
+        if rank == 0:
+            out = os.path.join(case["dir"] + ".pt")
+            export_checkpoint(case["dir"], out)
+            fresh = example(case, 3).model
+            fresh.load_state_dict(torch.load(out, weights_only=True))   # strict
+            err, where = worst(fresh.state_dict(), full, {k: torch.zeros_like(v) for k, v in full.items()})
+            assert err == 0.0, f"export: {where} differs by {err:.2e}"
+        dist.barrier()
+        init, ref2 = reference(case, 2)
+        info["err_after_2"], info["worst_after_2"] = worst(full, ref2, init)
+        assert info["err_after_2"] < TOL, f"before saving: {info['worst_after_2']} {info['err_after_2']:.2e}"
+        return info
+    # load under plan B, 2 more steps
+    opt = adamw(pm.parameters(), lr=LR * 7)      # the checkpoint's lr must win
+    extra = autopar.load_checkpoint(case["dir"], pm, opt)
+    # what was saved comes back exactly (the export of plan A's weights) ...
+    saved = torch.load(case["dir"] + ".pt", weights_only=True)
+    loaded = pm.full_state_dict()
+    bad = [k for k in saved if not torch.equal(saved[k], loaded[k])]
+    assert not bad, f"loaded weights differ from the saved ones: {bad[:5]}"
+    # ... and the moments are one device's after 2 steps
+    _, _, ref_state = reference(case, 2, moments=True)
+    info["moment_err"] = check_moments(pm, opt, ref_state)
+    assert extra["step"] == 2 and extra["loader"] == {"position": 16}, extra
+    assert torch.equal(extra["rng"], torch.get_rng_state()) or extra["rng"].dtype == torch.uint8
+    assert all(g["lr"] == LR for g in opt.param_groups), [g["lr"] for g in opt.param_groups]
+    train(pm, opt, ex, range(2, 4))
+    init, ref = reference(case, 4)
+    err, where = worst(pm.full_state_dict(), ref, init)
+    info["err"], info["worst_param"] = err, where
+    assert err < TOL, f"after load + 2 steps: {where} off by {err:.2e} of its change"
+    return info
+
+
+def main() -> None:
+    run_cases(run_case)
+
+
+if __name__ == "__main__":
+    main()
