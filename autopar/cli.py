@@ -1,4 +1,4 @@
-"""The ``autopar`` command: plan, show, explain, diff, viz, verify, demo.
+"""The ``autopar`` command: plan, show, explain, diff, viz, verify, demo, checkpoint.
 
 Exit codes: 0 ok; 1 a check failed (``verify``); 2 bad usage or input, with one line that
 says what is wrong and how to fix it (no traceback for a user's error).
@@ -373,6 +373,32 @@ def demo(cluster, config, nproc, skip_verify, output):
     con.rule(f"2. verify the tiny GPT with data=2, tensor=2 on {nproc} CPU ranks (torchrun, gloo)")
     pins = {"data": 2, "tensor": nproc // 2} if nproc % 2 == 0 and nproc > 1 else {}
     _verify(spec, {"batch": 8}, nproc, None, pins, 600.0)
+
+
+@cli.group()
+def checkpoint():
+    """Sharded checkpoints (autopar.save_checkpoint): export to, import from plain state dicts."""
+
+
+@checkpoint.command("export")
+@click.argument("path", metavar="CHECKPOINT_DIR")
+@click.option("-o", "--output", required=True, help="the state dict file to write (torch.save)")
+def checkpoint_export(path, output):
+    """Write a checkpoint's model tensors as one state dict that model.load_state_dict accepts."""
+    from autopar.checkpoint import export_checkpoint
+    sd = export_checkpoint(path, output)
+    _console().print(f"wrote {len(sd)} tensors to {output}")
+
+
+@checkpoint.command("import")
+@click.argument("state_dict", metavar="MODEL.pt")
+@click.option("-o", "--output", required=True, help="the checkpoint directory to write")
+def checkpoint_import(state_dict, output):
+    """Write a torch.save'd state dict as a checkpoint that autopar.load_checkpoint reads
+    into any plan."""
+    from autopar.checkpoint import import_state_dict
+    import_state_dict(state_dict, output)
+    _console().print(f"wrote checkpoint {output}")
 
 
 def main(argv=None) -> int:
