@@ -14,7 +14,9 @@ broadcast           ``S / B`` (pipelined ring)                ``(n-1) alpha``
 send, recv          ``S / B``                                 ``alpha``
 ==================  ========================================  ===========================
 
-``B`` is nccl-tests' "busbw", which is defined so that exactly these factors turn it into
+On GPU links ``B`` grows with the message, ``B(S) = B * S / (S + half_bytes)``
+(``Link.half_bytes``, ``gpus.py``): the bandwidth term becomes ``factor * (S + half_bytes) /
+B``. ``B`` is nccl-tests' "busbw", which is defined so that exactly these factors turn it into
 time; a group of one rank costs nothing. A link may add ``skew`` once per collective: the
 wait for the last peer to leave its computation (CPU ranks; zero for GPUs). Pick the link with
 :func:`~autopar.cost_models.hardware.axis_link`.
@@ -76,7 +78,9 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link, *,
     for kind_, a, b in getattr(link, "collectives", ()):
         if kind_ == key:      # this link's implementation of the collective (gloo)
             alpha, bandwidth = a, b
-    return (_BANDWIDTH_FACTOR[key](n) * nbytes / bandwidth
+    # bus bandwidth grows with the message: bandwidth * S / (S + half_bytes) (gpus.py)
+    size = nbytes + getattr(link, "half_bytes", 0.0)
+    return (_BANDWIDTH_FACTOR[key](n) * size / bandwidth
             + _LATENCY_STEPS[key](n) * alpha + (link.skew if skew else 0.0))
 
 

@@ -69,6 +69,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import torch
+
 from .devices import Device
 from .families import (
     ADD, ATTENTION, BINARY, CE_LOSS, CONV, COPY, DROPOUT, ELEMENTWISE, EMBEDDING, FACTORY,
@@ -299,13 +301,40 @@ def _kernel_time(f: float, b: float, kernels: int, rate: float, bw: float,
     return max(t_compute, b / bw) + kernels * device.launch_overhead
 
 
+def _half(m):
+    """``m`` at 16 bits when it is a 32-bit float (mixed precision keeps activations so)."""
+    if m.dtype == torch.float32:
+        return type(m)(m.shape, torch.bfloat16)
+    return m
+
+
+def _tiles(rows: int, cols: int, batch: int, device: Device) -> float:
+    """Wave quantization of one GEMM of ``batch`` x (rows x cols) outputs: the time of its
+    ``ceil(waves)`` waves over the time of ``waves`` (>= 1; 1 when not modelled)."""
+    tm, tn = device.gemm_tile
+    if not device.sms or not tm or rows <= 0 or cols <= 0:
+        return 1.0
+    # a dimension smaller than the tile gets a smaller tile (cuBLAS picks among several;
+    # 64 is the smallest we assume)
+    tm, tn = min(tm, -(-rows // 64) * 64), min(tn, -(-cols // 64) * 64)
+    tiles = batch * math.ceil(rows / tm) * math.ceil(cols / tn)
+    waves = tiles / device.sms
+    # tiles of partly empty rows / cols run at full time too
+    fill = (rows * cols * batch) / (tiles * tm * tn)
+    return math.ceil(waves) / waves / fill
+
+
 def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
               device: Device | None = None, dtype_key: str | None = "fp32"
               ) -> tuple[float, float]:
     """(forward seconds, backward seconds) of one call on ``device`` by the roofline.
 
     ``dtype_key`` picks the matmul rate ("fp32", "tf32", "bf16", "fp16"); ``None`` takes
-    it from the first floating input. Recomputing the node costs the forward again.
+    it from the first floating input. Under a 16-bit ``dtype_key`` every 32-bit float
+    tensor is moved at 16 bits (mixed precision: activations and weights in bf16/fp16).
+    On a GPU (``device.sms``) a GEMM's time includes wave quantization (:func:`_tiles`) and
+    fused attention runs at ``device.attention_efficiency``. Recomputing the node costs the
+    forward again.
     """
     if device is None:
         raise ValueError("node_time needs a device (e.g. gpus.A100_80GB)")
@@ -314,17 +343,51 @@ def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
     if fam == VIEW:
         return device.view_overhead, device.view_overhead
     f = _FLOPS[fam](op, inputs, outputs, args, kwargs)
-    b = bytes_moved(op, inputs, outputs, args, kwargs)
     if dtype_key is None:
         dtype_key = next((_DTYPE_KEY[str(t.dtype)] for t in inputs
                           if str(t.dtype) in _DTYPE_KEY), "fp32")
+    if dtype_key in ("bf16", "fp16") and device.sms:
+        inputs = [_half(m) for m in inputs]
+        outputs = [_half(m) for m in outputs]
+    b = bytes_moved(op, inputs, outputs, args, kwargs)
     if fam in MATMUL_LIKE:
         rate = device.peak_flops[dtype_key] * device.max_efficiency
     else:
         rate = device.peak_flops["fp32"] * device.max_efficiency
     bw = device.mem_bandwidth * device.mem_efficiency
-    fwd = _kernel_time(f, b, 1, rate, bw, device)
+    q_fwd = q_bwd = 1.0
+    if fam == MATMUL and device.sms:
+        q_fwd, q_bwd = _matmul_waves(op, inputs, outputs, device)
+    elif fam == ATTENTION and device.sms and device.attention_efficiency[0] > 0:
+        rate_f = device.peak_flops[dtype_key] * device.attention_efficiency[0]
+        rate_b = device.peak_flops[dtype_key] * device.attention_efficiency[1]
+        fwd = _kernel_time(f, b, 1, rate_f, bw, device)
+        fb, bb, kernels = _backward(fam, op, inputs, outputs, f, b)
+        return fwd, _kernel_time(fb, bb, kernels, rate_b, bw, device)
+    fwd = _kernel_time(f, b, 1, rate / q_fwd, bw, device)
     if fam == FACTORY or not any(o.dtype.is_floating_point for o in outputs):
         return fwd, 0.0
     fb, bb, kernels = _backward(fam, op, inputs, outputs, f, b)
-    return fwd, _kernel_time(fb, bb, kernels, rate, bw, device)
+    return fwd, _kernel_time(fb, bb, kernels, rate / q_bwd, bw, device)
+
+
+def _matmul_waves(op, inputs, outputs, device: Device) -> tuple[float, float]:
+    """(forward, backward) wave-quantization factors of a matmul (>= 1, on its compute
+    time). Forward tiles the output (batch x M x N); backward tiles grad-input (M x K) and
+    grad-weight (N x K), half of the backward FLOPs each. A linear's or mm's weight grad
+    sums over all rows: one GEMM of N x K."""
+    if not outputs or not inputs or len(outputs[0].shape) < 2 or len(inputs[0].shape) < 1:
+        return 1.0, 1.0
+    out, a = outputs[0].shape, inputs[0].shape
+    name = op_name(op)
+    if name in ("addmm", "baddbmm", "_addmm_activation") and len(inputs) > 1:
+        a = inputs[1].shape
+    k, n = a[-1], out[-1]
+    if name in ("linear", "addmm", "mm", "_addmm_activation"):
+        m, batch, wbatch = math.prod(out[:-1]), 1, 1
+    else:
+        m, batch = out[-2], math.prod(out[:-2])
+        wbatch = batch
+    fwd = _tiles(m, n, batch, device)
+    bwd = 0.5 * _tiles(m, k, batch, device) + 0.5 * _tiles(n, k, wbatch, device)
+    return fwd, bwd

@@ -37,6 +37,14 @@ class Device:
     backward, or zero bubble's input and weight halves): torch.distributed.pipelining's
     bookkeeping, the stage program's call and its point-to-point messages. Measured for CPU
     ranks (``benchmarks/pipeline_overhead.py``); zero for GPUs, whose host runs ahead."""
+    sms: int = 0
+    """Streaming multiprocessors: a GEMM's output tiles run in waves of ``sms`` tiles
+    (wave quantization). 0 = not modelled (the CPU)."""
+    gemm_tile: tuple[int, int] = (0, 0)
+    """(rows, cols) of the output tile one SM computes in a large cuBLAS GEMM."""
+    attention_efficiency: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) fraction of the 16-bit peak a fused (flash) attention kernel
+    reaches; (0, 0) = priced as any matmul-like op at ``max_efficiency``."""
     view_overhead: float = 0.0
     """Seconds per view op (a reshape, transpose, ...: framework dispatch and autograd
     bookkeeping, no kernel), forward and backward alike. Zero for GPUs, whose host runs
@@ -57,6 +65,10 @@ class Link:
     """``(collective, latency, bandwidth)`` for collectives whose implementation reaches a
     different alpha or bus bandwidth on this link than ``latency`` / ``bandwidth`` (gloo's
     all_gather and reduce_scatter are several times slower than its all_reduce)."""
+    half_bytes: float = 0.0
+    """Message size (bytes per rank) at which a collective reaches half of ``bandwidth``:
+    bus bandwidth grows with size as ``bandwidth * S / (S + half_bytes)`` (nccl-tests
+    curves). 0 = flat (the measured gloo links, whose alpha already holds it)."""
     skew: float = 0.0
     """Seconds a collective between computations waits for its last peer beyond the ring's
     latency (ranks leave their computation unevenly), once per collective. Zero where the

@@ -29,6 +29,24 @@ Gbit = 1e9 / 8
 _GPU_FILL = 3e-6
 _GPU_LAUNCH = 5e-6
 _GPU_MEM_EFF = 0.9
+# Wave quantization: a cuBLAS GEMM computes its output in 256 x 128 tiles, one per SM at a
+#   time, so it runs ceil(tiles / SMs) waves and the last one may be mostly empty (NVIDIA
+#   "Matrix Multiplication Background User's Guide", "Wave Quantization": "in the particular
+#   case of 256x128 thread block tiles, it can execute one thread block per SM, leading to a
+#   wave size of 108 tiles" on A100).
+_GEMM_TILE = (256, 128)
+# SMs: A100 SXM 108 (NVIDIA A100 Tensor Core GPU Architecture whitepaper, Table 3);
+#   H100 SXM5 132 (NVIDIA H100 Tensor Core GPU Architecture whitepaper, Table 2).
+_A100_SMS = 108
+_H100_SMS = 132
+# Fused (flash) attention, causal, head dim 128, sequence 2k-16k, fraction of the 16-bit
+#   dense peak (read off the papers' benchmark figures):
+#   A100: FlashAttention-2 (Dao 2023, Fig. 4-6) forward ~190-200 of 312 TFLOP/s (0.62),
+#         backward ~165-175 (0.54); the paper's abstract: "50-73% of the theoretical maximum".
+#   H100: FlashAttention-3 (Shah et al. 2024, Fig. 5-6, FP16/BF16) forward ~560-640 of 989
+#         (0.60), backward ~430-520 (0.48).
+_A100_ATTENTION = (0.62, 0.54)
+_H100_ATTENTION = (0.60, 0.48)
 
 A100_80GB = Device(
     name="A100-80GB-SXM",
@@ -38,6 +56,7 @@ A100_80GB = Device(
     mem_bandwidth=2039 * GB,  # datasheet: HBM2e 2,039 GB/s
     max_efficiency=0.8, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
+    sms=_A100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_A100_ATTENTION,
 )
 
 H100_80GB = Device(
@@ -49,6 +68,7 @@ H100_80GB = Device(
     mem_bandwidth=3350 * GB,  # datasheet: HBM3 3.35 TB/s
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
+    sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
 )
 
 H200 = Device(
@@ -59,6 +79,7 @@ H200 = Device(
     mem_bandwidth=4800 * GB,  # datasheet: 4.8 TB/s
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
+    sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
 )
 
 DEVICES: dict[str, Device] = {"a100": A100_80GB, "h100": H100_80GB, "h200": H200}
@@ -74,11 +95,25 @@ DEVICES: dict[str, Device] = {"a100": A100_80GB, "h100": H100_80GB, "h200": H200
 _NCCL_NVLINK_EFF = 370 / 450
 _IB_EFF = 0.9
 _HOP_LATENCY = 2.5e-6
+# Bus bandwidth by message size S: busbw(S) = plateau * S / (S + half_bytes), i.e. the
+#   size costs ``factor * half_bytes / plateau`` of fixed time per collective on top of the
+#   hop latency. nccl-tests all_reduce_perf curves on DGX A100 / H100 are latency-bound
+#   below ~1 MB and at the plateau above ~256 MB (nccl-tests README / PERFORMANCE.md define
+#   busbw; the issues cited above show full curves). The half points (4 MB on NVLink, 8 MB
+#   across InfiniBand) are ASSUMED from that shape, not read from one published table.
+_NVLINK_HALF = 4 * 2**20
+_IB_HALF = 8 * 2**20
 
-NVLINK3 = Link(bandwidth=300 * GB * _NCCL_NVLINK_EFF, latency=_HOP_LATENCY)  # DGX A100
-NVLINK4 = Link(bandwidth=450 * GB * _NCCL_NVLINK_EFF, latency=_HOP_LATENCY)  # DGX H100/H200
-IB_8xHDR = Link(bandwidth=8 * 200 * Gbit * _IB_EFF, latency=_HOP_LATENCY)    # 8 x 200 Gb/s
-IB_8xNDR = Link(bandwidth=8 * 400 * Gbit * _IB_EFF, latency=_HOP_LATENCY)    # 8 x 400 Gb/s
+# line rates: NVIDIA DGX A100 / DGX H100 datasheets (NVLink3 300 GB/s, NVLink4 450 GB/s per
+# GPU and direction; 8 x 200 Gb/s HDR, 8 x 400 Gb/s NDR InfiniBand NICs)
+NVLINK3 = Link(bandwidth=300 * GB * _NCCL_NVLINK_EFF, latency=_HOP_LATENCY,  # DGX A100
+               half_bytes=_NVLINK_HALF)
+NVLINK4 = Link(bandwidth=450 * GB * _NCCL_NVLINK_EFF, latency=_HOP_LATENCY,  # DGX H100/H200
+               half_bytes=_NVLINK_HALF)
+IB_8xHDR = Link(bandwidth=8 * 200 * Gbit * _IB_EFF, latency=_HOP_LATENCY,    # 8 x 200 Gb/s
+                half_bytes=_IB_HALF)
+IB_8xNDR = Link(bandwidth=8 * 400 * Gbit * _IB_EFF, latency=_HOP_LATENCY,    # 8 x 400 Gb/s
+                half_bytes=_IB_HALF)
 
 
 @dataclass(frozen=True)

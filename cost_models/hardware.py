@@ -124,7 +124,8 @@ def axis_link(cluster: Cluster, mesh_shape: tuple[int, ...], axis: int) -> Link:
         return cluster.intra
     share = cluster.inter.bandwidth * m / dpn
     return Link(bandwidth=min(share, cluster.intra.bandwidth),
-                latency=max(cluster.inter.latency, cluster.intra.latency))
+                latency=max(cluster.inter.latency, cluster.intra.latency),
+                half_bytes=max(cluster.inter.half_bytes, cluster.intra.half_bytes))
 
 
 def _group_starts(mesh_shape: tuple[int, ...], axis: int):

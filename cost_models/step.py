@@ -1,0 +1,78 @@
+"""What a training step costs beyond its operators and collectives: the optimizer step,
+host overhead, and the overlap rules the estimate follows (stated once, here).
+
+Overlap rules (GPU; where each is applied):
+
+- data-parallel gradient reduction overlaps backward, except the last bucket
+  (:func:`~autopar.cost_models.comm.grad_sync_time`: ``exposed = max(t_bucket, total -
+  backward * (1 - 1/k))``);
+- tensor-parallel collectives sit on the critical path: every collective of a
+  redistribution between two ops is added to the step (``solver/costing.edge_time``);
+- pipeline bubbles by schedule (:func:`bubble_fraction`): GPipe and 1F1B idle
+  ``(p - 1) / (m + p - 1)`` of the step, interleaved 1F1B with ``v`` chunks per stage
+  ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021, Sec. 2.2.1-2.2.2);
+- recomputation costs its forward again (``compute.node_time``'s caller adds the forward
+  once more for every recomputed node);
+- the optimizer step (:func:`optimizer_step_time`) and the host's per-step work
+  (:data:`HOST_OVERHEAD_S`) are not overlapped with anything.
+
+Every constant cites its source.
+"""
+from __future__ import annotations
+
+from .devices import Device
+
+# Bytes one optimizer step moves per parameter held by the device (fused multi-tensor
+# Adam, apex FusedAdam / torch.optim.AdamW(fused=True): one pass over the state). State
+# sizes from the ZeRO paper (Rajbhandari et al. 2020, Sec. 3.1): mixed precision keeps a
+# 16-bit weight and grad, an fp32 master weight and two fp32 moments (K = 12 bytes).
+# Mixed: read grad 2 + read/write master 8 + read/write two moments 16 + write weight 2.
+# fp32: read grad 4 + read/write weight 8 + read/write two moments 16.
+OPTIMIZER_BYTES_PER_PARAM = {
+    ("adamw", "mixed"): 28, ("adamw", "fp32"): 28,
+    ("sgd_momentum", "mixed"): 20, ("sgd_momentum", "fp32"): 20,
+    ("sgd", "mixed"): 12, ("sgd", "fp32"): 12,
+}
+# Kernels of one fused optimizer step: multi-tensor apply launches one kernel per chunk of
+# tensors (apex multi_tensor_apply, chunk_size 2**16 elements x 110 tensors per launch);
+# a handful per step beside the bandwidth term. 10 is a stated round figure.
+OPTIMIZER_KERNELS = 10
+
+# Host and data overhead per step (seconds), not overlapped: the loss' .item() sync,
+# logging, learning-rate schedule, the data loader's hand-off of a prefetched batch.
+# Megatron-LM's published throughputs include "data loading, optimization, and even
+# logging" (Megatron-LM README, "Training speed and scalability"). ASSUMED: 10 ms, a
+# stated constant, not measured and not fitted to any published run.
+HOST_OVERHEAD_S = 0.010
+
+
+def optimizer_step_time(params_on_device: float, device: Device, *, optimizer: str = "adamw",
+                        mixed: bool = True) -> float:
+    """Seconds of one optimizer step over ``params_on_device`` parameters (already divided
+    by tensor / pipeline sharding and, under ZeRO >= 1, by the data axis): memory-bound at
+    the device's achieved bandwidth, plus its kernels' launches.
+
+    >>> from autopar.cost_models.gpus import A100_80GB
+    >>> round(optimizer_step_time(1e9, A100_80GB) * 1e3, 1)
+    15.3
+    """
+    if params_on_device <= 0:
+        return 0.0
+    key = ("adam" if optimizer == "adam" else optimizer, "mixed" if mixed else "fp32")
+    key = ("adamw", key[1]) if key[0] == "adam" else key
+    nbytes = OPTIMIZER_BYTES_PER_PARAM[key] * params_on_device
+    return (nbytes / (device.mem_bandwidth * device.mem_efficiency)
+            + OPTIMIZER_KERNELS * device.launch_overhead)
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Fraction of a pipelined step the average stage idles (Narayanan et al. 2021,
+    Sec. 2.2): ``(p - 1) / (v m + p - 1)``; zero bubble schedules: 0 in the ideal."""
+    p, m, v = stages, microbatches, max(1, virtual)
+    if p <= 1:
+        return 0.0
+    if schedule == "zero-bubble":
+        return 0.0
+    if schedule != "interleaved-1f1b":
+        v = 1
+    return (p - 1) / (v * m + p - 1)
