@@ -45,8 +45,11 @@ def _gather(x, axis, dim, groups):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim, grad_partial, regather=False, groups=1):
+    def forward(ctx, x, axis, dim, grad_partial, regather=False, groups=1, dtype=None):
         ctx.axis, ctx.dim, ctx.grad_partial, ctx.groups = axis, dim, grad_partial, groups
+        ctx.master = None
+        if dtype is not None and x.dtype != dtype:   # mixed precision (passes/autocast.py)
+            ctx.master, x = x.dtype, x.to(dtype)
         out = _gather(x, axis, dim, groups)
         if regather:
             regathered_weights().register(out, x, axis, dim, groups)
@@ -54,12 +57,16 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        none = (None,) * 5
+        none = (None,) * 6
+        if ctx.master is not None:     # reduced in fp32 unless grad_reduce says otherwise
+            g = g.to(getattr(current_comm(), "grad_reduce_dtype", None) or ctx.master)
         if ctx.grad_partial:
             comm = current_comm()
             g = _rank_major(g, ctx.dim, comm.size(ctx.axis), ctx.groups)
-            return (comm.reduce_scatter(g, ctx.axis, ctx.dim), *none)
-        return (_slice(g, ctx.axis, ctx.dim, ctx.groups), *none)
+            g = comm.reduce_scatter(g, ctx.axis, ctx.dim)
+        else:
+            g = _slice(g, ctx.axis, ctx.dim, ctx.groups)
+        return (g if ctx.master is None else g.to(ctx.master), *none)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -154,7 +161,7 @@ class RegatheredWeights:
         if isinstance(obj, tuple) and obj and obj[0] == "regather":
             _, shard, axis, dim, groups, size, stride, offset, _dtype = obj
             with torch.no_grad():
-                full = _gather(shard.detach(), axis, dim, groups)
+                full = _gather(shard.detach().to(_dtype), axis, dim, groups)
             return full.as_strided(size, stride, offset)
         return obj
 
@@ -192,10 +199,12 @@ class _ShardToPartial(torch.autograd.Function):
 # The graph's call targets. Keyword names show up in the generated per-rank code.
 
 def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: bool = False,
-               groups: int = 1):
+               groups: int = 1, dtype: torch.dtype | None = None):
     """S(dim) (or strided S(dim/groups)) -> R on ``axis``. ``regather``: a ZeRO-3 weight,
-    which autograd does not keep: backward gathers it again (:class:`RegatheredWeights`)."""
-    return _AllGather.apply(x, axis, dim, grad_partial, regather, groups)
+    which autograd does not keep: backward gathers it again (:class:`RegatheredWeights`).
+    ``dtype``: gather the shard cast to it (mixed precision); the gradient returns in the
+    shard's dtype, reduced in it unless the communicator's ``grad_reduce_dtype`` is set."""
+    return _AllGather.apply(x, axis, dim, grad_partial, regather, groups, dtype)
 
 
 def all_reduce(x, axis: int, grad_partial: bool = False):

@@ -129,7 +129,10 @@ def sharded_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight=None,
     result is this rank's Partial term).
 
     Class-sharded: ``weight`` must be None and ``label_smoothing`` 0 (the rule checks).
+    Under autocast it computes in fp32, as autocast runs the losses it stands in for.
     """
+    if x.dtype in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(x.device.type):
+        x = x.float()
     class_dim = 1 if x.ndim >= 2 else 0
     valid = target != ignore_index
     if not class_axes:

@@ -28,7 +28,8 @@ class GradSync:
     ``axes_of[attr]`` of ``comm``, once per step."""
 
     def __init__(self, params: dict[str, nn.Parameter], axes_of: dict[str, tuple[int, ...]],
-                 comm: Comm, bucket_bytes: int = BUCKET_BYTES):
+                 comm: Comm, bucket_bytes: int = BUCKET_BYTES, reduce_dtype=None):
+        self.reduce_dtype = reduce_dtype    # None: sum in the gradients' dtype; else cast (bf16 pin)
         self.params = {a: p for a, p in params.items() if axes_of.get(a)}
         self.axes_of = {a: tuple(axes_of[a]) for a in self.params}
         self.comm = comm
@@ -83,10 +84,13 @@ class GradSync:
             self._add(attr)
         for axes in list(self._pending):
             self._launch(axes)
-        for work, grads, more in self._inflight:
+        for work, grads, more, dest in self._inflight:
             work.wait()
             for a in more:
                 self.comm.all_reduce_coalesced(grads, a).wait()
+            for d, g in zip(dest, grads):
+                if d is not g:
+                    d.copy_(g)
         self._reset()      # hold no finished work
 
     def abort(self) -> None:
@@ -118,4 +122,7 @@ class GradSync:
             self._start(bucket, axes)
 
     def _start(self, grads: list, axes: tuple[int, ...]) -> None:
-        self._inflight.append((self.comm.all_reduce_coalesced(grads, axes[0]), grads, axes[1:]))
+        dest = grads
+        if self.reduce_dtype is not None:
+            grads = [g.to(self.reduce_dtype) if g.is_floating_point() else g for g in grads]
+        self._inflight.append((self.comm.all_reduce_coalesced(grads, axes[0]), grads, axes[1:], dest))

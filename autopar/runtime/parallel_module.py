@@ -24,13 +24,14 @@ from autopar.analysis.layers import layer_members
 from autopar.capture import Captured
 from autopar.ops.collectives import regathered_weights
 from autopar.ops.comm import Comm, use_comm
+from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
-from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
+from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
 from autopar.runtime.shards import Shards, get_tensor, set_tensor, shard_model
 
 
@@ -38,6 +39,7 @@ class OneStage:
     """An unpipelined plan: one stage running the whole per-rank program, no micro-batches."""
 
     pp_rank = 0
+    device, dtype, loss_scale = None, None, None    # mixed precision (set by ParallelModule)
 
     def __init__(self, cap: Captured, programs: dict[str, GraphModule], loss_fn: Callable | None,
                  shards: Shards):
@@ -51,14 +53,15 @@ class OneStage:
     def train(self, inputs: tuple, target, sync: GradSync, params, owners) -> torch.Tensor:
         sync.begin()
         try:
-            if "train" in self.programs:
-                extra = (target,) if self._cap.takes_target else ()
-                loss = self.programs["train"](*inputs, *extra)
-            elif self._loss_fn is not None:
-                loss = self._loss_fn(pytree.tree_unflatten(self.forward(inputs), self._out_spec), target)
-            else:
-                loss = self.forward(inputs)[0]
-            loss.backward()
+            with autocast(self.device, self.dtype):     # forward only; backward outside autocast
+                if "train" in self.programs:
+                    extra = (target,) if self._cap.takes_target else ()
+                    loss = self.programs["train"](*inputs, *extra)
+                elif self._loss_fn is not None:
+                    loss = self._loss_fn(pytree.tree_unflatten(self.forward(inputs), self._out_spec), target)
+                else:
+                    loss = self.forward(inputs)[0]
+            (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
         except BaseException:
             sync.abort()
             raise
@@ -67,7 +70,8 @@ class OneStage:
         return loss.detach()
 
     def forward(self, inputs: tuple) -> list:
-        return list(self.programs["forward"](*inputs))
+        with autocast(self.device, self.dtype):
+            return list(self.programs["forward"](*inputs))
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         return t
@@ -82,12 +86,10 @@ class ParallelModule(nn.Module):
     mesh; under a pipeline, axis 0 is the pipeline axis."""
 
     def __init__(self, cap: Captured, plan: Plan, comm: Comm, model: nn.Module,
-                 loss_fn: Callable | None = None, batch: str = "global"):
+                 loss_fn: Callable | None = None):
         super().__init__()
         self.plan, self.comm, self._cap = plan, comm, cap
         self.device = comm.device
-        # batch="per_rank": each data rank passes its slice (autopar.runtime.data)
-        self.rank_data = RankData(plan, cap, comm, batch)
         pipelined = plan.pipeline_stages > 1
         if pipelined and not cap.has_loss:
             raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn "
@@ -109,10 +111,34 @@ class ParallelModule(nn.Module):
             if self.runner.pp_rank in self.owners[attr]:
                 t = get_tensor(root, attr)
                 set_tensor(self.module, attr, t, buffer=not isinstance(t, nn.Parameter))
-        self._grad_sync = GradSync(dict(self.module.named_parameters()), grad_axes, self._stage_comm)
+        self._grad_sync = GradSync(dict(self.module.named_parameters()), grad_axes, self._stage_comm,
+                                   reduce_dtype=grad_reduce_dtype(plan.pins))
+        self.scaler = self._mixed_precision(plan, pipelined)
         if not pipelined:
             self._grad_sync.launch_on_accumulate()
         self._out_spec = model_out_spec(cap)
+
+    def _mixed_precision(self, plan: Plan, pipelined: bool) -> LossScaler | None:
+        """Set up the plan's precision (``autopar.runtime.precision``); the loss scaler under fp16."""
+        dtype = compute_dtype(plan.pins)
+        self._stage_comm.grad_reduce_dtype = grad_reduce_dtype(plan.pins)
+        if not pipelined:
+            self.runner.device, self.runner.dtype = self.device, dtype
+        if dtype != torch.float16:
+            return None
+        if pipelined:
+            raise NotImplementedError("precision='fp16' (loss scaling) runs unpipelined plans only "
+                                      "so far; use precision='bf16' with a pipeline")
+        self.runner.loss_scale = LossScaler()
+        return self.runner.loss_scale
+
+    def step(self, optimizer) -> bool:
+        """``optimizer.step()``; under fp16, with dynamic loss scaling (unscale, skip on inf/nan
+        on any rank, adjust the scale). Returns whether the optimizer stepped."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        return self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
 
     @staticmethod
     def _programs(cap: Captured, splan: Plan, root: nn.Module, shards: Shards, pipelined: bool):
@@ -122,29 +148,17 @@ class ParallelModule(nn.Module):
             rewritten["train"] = insert_collectives(cap, splan, root, shards.attr_of, "loss")
         rewritten["forward"] = insert_collectives(cap, splan, root, shards.attr_of, "model")
         programs = {which: r.gm for which, r in rewritten.items()}
+        for gm in programs.values():     # mixed precision: ZeRO-3 gathers 16-bit weights
+            low_precision_gathers(gm, compute_dtype(splan.pins))
         if splan.recompute and "train" in programs and not pipelined:
             programs["train"] = checkpoint_layers(programs["train"], layer_members(cap.gm, splan.recompute))
         grad_axes = dict(rewritten.get("train", rewritten["forward"]).grad_sync)
         return programs, grad_axes
 
-    @property
-    def data_rank(self) -> int:
-        """This rank's index among the data ranks (``DistributedSampler(rank=...)``); 0
-        unless built with ``batch="per_rank"`` on a plan with a data axis."""
-        return self.rank_data.rank
-
-    @property
-    def data_world(self) -> int:
-        """How many slices make the global batch (``DistributedSampler(num_replicas=...)``):
-        the size of the plan's data axes under ``batch="per_rank"``, else 1."""
-        return self.rank_data.world
-
     # ---- running ------------------------------------------------------------------------
     def forward(self, *inputs):
-        """The model's outputs (whole, on every rank) for the global batch ``inputs`` (this
-        data rank's slice of it under ``batch="per_rank"``)."""
+        """The model's outputs (whole, on every rank) for the global batch ``inputs``."""
         inputs = self._check_inputs(inputs)
-        inputs, _ = self.rank_data.global_batch(inputs, None)
         with use_comm(self._stage_comm):
             flat = self.runner.forward(inputs)
         return pytree.tree_unflatten(flat, self._out_spec)
@@ -157,7 +171,6 @@ class ParallelModule(nn.Module):
         if target is None and self._cap.has_loss and self._cap.takes_target:
             raise ValueError("train_step needs target=: the loss is part of the plan's graph")
         target = self._to_device(target)
-        inputs, target = self.rank_data.global_batch(inputs, target)
         params = dict(self.module.named_parameters())
         with use_comm(self._stage_comm), self._saved_tensor_policy(), _fresh_grads(params):
             return self.runner.train(inputs, target, self._grad_sync, params, self.owners)

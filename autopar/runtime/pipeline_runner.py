@@ -44,6 +44,7 @@ from autopar.passes.split_stages import StageGraph, split_stages
 from autopar.placement import parse_placements, placements_str
 from autopar.plan import NodePlacement, Plan
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.precision import AutocastStage, compute_dtype
 from autopar.runtime.shards import Shards
 from autopar.schedule import torch_schedule_class
 
@@ -136,7 +137,9 @@ class PipelineRunner:
             if sg.index not in self.my_stages:
                 continue
             ins, outs = self._stage_examples(which, sg)
-            stage = _Stage(sg.gm, sg.index, S, self.device, input_args=ins, output_args=outs,
+            dtype = compute_dtype(plan.pins)     # mixed precision: the stage runs under autocast
+            mod = sg.gm if dtype is None else AutocastStage(sg.gm, self.device, dtype)
+            stage = _Stage(mod, sg.index, S, self.device, input_args=ins, output_args=outs,
                            group=self.pp_group)
             if which == "train":
                 stage.on_last_backward = self._stage_done

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 KNOWN_PINS = frozenset({"data", "tensor", "zero", "pipeline", "micro_batch_size", "schedule",
-                        "virtual_stages", "recompute", "precision"})
+                        "virtual_stages", "recompute", "precision", "grad_reduce"})
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """Optimizer tensors kept per parameter."""
 
@@ -30,6 +30,12 @@ def check_pins(pins: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"the pin {name}= needs pipeline parallelism: pin pipeline= > 1 too")
     if pins.get("precision") not in (None, "fp32", "bf16", "fp16"):
         raise ValueError(f"precision={pins['precision']!r}: use 'fp32', 'bf16' or 'fp16'")
+    # grad_reduce: the dtype data-parallel gradients are summed in (all-reduce, ZeRO's
+    # reduce-scatter); fp32 by default, "bf16" halves those bytes under mixed precision
+    if pins.get("grad_reduce") not in (None, "fp32", "bf16"):
+        raise ValueError(f"grad_reduce={pins['grad_reduce']!r}: use 'fp32' (the default) or 'bf16'")
+    if pins.get("grad_reduce") == "bf16" and pins.get("precision") not in ("bf16", "fp16"):
+        raise ValueError("grad_reduce='bf16' needs mixed precision: pin precision='bf16' too")
     zero = pins.get("zero", 0) or 0
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero!r}: ZeRO stages are 0 (replicated), 1 and 2 (parameters, "

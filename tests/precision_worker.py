@@ -1,0 +1,122 @@
+"""Run by tests/test_precision.py under torchrun (2 gloo ranks): mixed-precision training of
+the small GPT (layer norms, attention, tied embedding and head, cross-entropy) under a plan,
+against the same model on one device, 3 AdamW steps.
+
+bf16 cases compare with ``torch.autocast(dtype=torch.bfloat16)`` on one device AND with the
+fp32 run, so the test can check the run is nearer the first. fp16 cases compare with
+autocast fp16 + ``torch.amp.GradScaler`` (``pm.step(opt)`` does the scaling). Rank 0 writes
+one JSON result per case (``tests/worker_loop.py``).
+
+Measures (``rel``): the loss of every step, relative; the weights after the steps as
+||W - W_ref|| / ||W_ref - W_0|| over every parameter together (relative to the update, since
+the weights themselves barely move in 3 steps).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autopar  # noqa: E402
+from worker_loop import run_cases  # noqa: E402
+
+STEPS, LR = 3, 1e-2
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def gpt():
+    from examples.models import EXAMPLES
+    ex = EXAMPLES["gpt"]()
+    return ex.model, ex.inputs, ex.target, ex.loss_fn
+
+
+def reference(model, inputs, target, loss_fn, precision: str, init_scale: float,
+              growth_interval: int = 2000):
+    """3 AdamW steps on one device under autocast in ``precision`` (fp16: with GradScaler)."""
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    dtype = DTYPES[precision]
+    scaler = (torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+              if precision == "fp16" else None)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = loss_fn(m(*inputs), target)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        losses.append(loss.item())
+    extra = {"scale": scaler.get_scale()} if scaler is not None else {}
+    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}, extra
+
+
+def weight_dist(w: dict, ref: dict, w0: dict) -> float:
+    num = sum(((w[k].float() - ref[k]) ** 2).sum() for k in ref)
+    den = sum(((ref[k] - w0[k]) ** 2).sum() for k in ref)
+    return float((num / den).sqrt())
+
+
+def loss_dist(a: list, b: list) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def run_case(case: dict) -> dict:
+    model, inputs, target, loss_fn = gpt()
+    precision = case["precision"]
+    init_scale = case.get("init_scale", 2.0 ** 16)
+    growth_interval = case.get("growth_interval", 2000)
+    pins = dict(case["pins"], precision=precision)
+    if case.get("plan_file"):
+        # a saved plan's precision is honoured: parallelize(plan=path) with no pins
+        planned = autopar.plan(model, inputs, loss_fn, target=target, cluster="cpu:2", **pins)
+        path = os.path.join(tempfile.gettempdir(), f"autopar_precision_plan_{os.getpid()}.json")
+        planned.save(path)
+        pm = autopar.parallelize(model, inputs, loss_fn, target=target, plan=path)
+    else:
+        pm = autopar.parallelize(model, inputs, loss_fn, target=target, **pins)
+    if pm.scaler is not None:
+        pm.scaler.scale, pm.scaler.growth_interval = init_scale, growth_interval
+    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    losses, stepped = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses.append(pm.train_step(*inputs, target=target).item())
+        stepped.append(pm.step(opt))
+    master_dtypes = sorted({str(p.dtype) for p in pm.parameters()})
+    w = pm.full_state_dict()
+    w = {k: w[k] for k in w0}
+    ref_losses, ref_w, extra = reference(model, inputs, target, loss_fn, precision, init_scale,
+                                         growth_interval)
+    info = {"rank": dist.get_rank(), "mesh": list(pm.plan.mesh_shape), "plan_pins": pm.plan.pins,
+            "master_dtypes": master_dtypes, "losses": losses, "ref_losses": ref_losses,
+            "loss_err": loss_dist(losses, ref_losses), "weight_err": weight_dist(w, ref_w, w0),
+            "stepped": stepped, "moved": max(float((w[k] - w0[k]).abs().max()) for k in w0)}
+    if pm.scaler is not None:
+        info["scale"], info["ref_scale"] = pm.scaler.scale, extra["scale"]
+    if precision == "bf16":
+        fp_losses, fp_w, _ = reference(model, inputs, target, loss_fn, "fp32", init_scale)
+        info["fp32_loss_dist"] = loss_dist(losses, fp_losses)
+        info["fp32_weight_dist"] = weight_dist(w, fp_w, w0)
+        info["ref_vs_fp32_weight"] = weight_dist(ref_w, fp_w, w0)
+    return info
+
+
+def main() -> None:
+    run_cases(run_case)
+
+
+if __name__ == "__main__":
+    main()
