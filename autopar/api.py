@@ -15,6 +15,7 @@ from autopar.cost_models.local_devices import local_cluster
 from autopar.device import backend_for, rank_device
 from autopar.plan import Plan, PlanError
 from autopar.runtime import build
+from autopar.runtime.data import BATCH_MODES
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
 from autopar.solver.pins import KNOWN_PINS, OPTIMIZER_STATES, check_pins
@@ -44,9 +45,26 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
 def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
                 target: Any = None, plan: "Plan | str | None" = None, cluster=None,
                 memory_budget: float | None = None, mesh_shape: Sequence[int] | None = None,
-                optimizer: str = "adamw", comm=None, **pins):
+                optimizer: str = "adamw", comm=None, batch: str = "global", **pins):
     """Parallelize ``model`` over the ranks of this job (inside torchrun, or after
-    ``torch.distributed.init_process_group``). Every rank passes the same global batch.
+    ``torch.distributed.init_process_group``).
+
+    ``batch``: what each rank passes to ``pm(...)`` / ``pm.train_step(...)``.
+
+    - ``"global"`` (default): every rank passes the same global batch; the plan takes its
+      part.
+    - ``"per_rank"``: the torchrun way. Each rank passes its own slice (dim 0 of every
+      tensor input and of the target); ranks with the same ``pm.data_rank`` pass the same
+      slice, and the slices of data ranks ``0 .. pm.data_world - 1`` make the global batch.
+      Feed it from ``DistributedSampler(ds, num_replicas=pm.data_world, rank=pm.data_rank)``
+      and ``DataLoader(ds, batch_size=<global batch> // pm.data_world, sampler=...,
+      drop_last=True)``. The data ranks are the coordinates on the plan's ``data`` axis (or,
+      in a free plan, the axes the batch is split on); a plan without one has
+      ``data_world == 1``. The slices are all-gathered into the global batch each step
+      (``autopar.runtime.data``).
+
+    ``example_inputs`` / ``target`` describe the *global* batch in both modes (the plan is
+    made for its shapes; only shapes and dtypes matter to it).
 
     Without ``plan=``, rank 0 solves (``autopar.solver.driver.solve``, as ``autopar.plan``
     does) and the other ranks take its plan and capture the graph it runs on. ``comm``: a
@@ -56,6 +74,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     >>> loss = pm.train_step(x, target=y)
     """
     pins = check_pins(dict(pins))
+    if batch not in BATCH_MODES:
+        raise ValueError(f"batch={batch!r}: use 'global' (every rank passes the global batch) "
+                         "or 'per_rank' (each data rank passes its own slice)")
     world = _dist_world() if comm is None else (
         comm.world.world if hasattr(comm, "world") else int(dist.get_world_size()))
     if plan is not None:
@@ -71,7 +92,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     _validate(the_plan, cap, world)
     # loss_fn without a target runs outside the graph, on the replicated output; comm None:
     # this job's torch.distributed ranks, on a mesh on the rank's device
-    return build(cap, the_plan, model, loss_fn if target is None else None, comm)
+    return build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch)
 
 
 def _solve_once(model, example_inputs, loss_fn, target, world: int, *, every_rank: bool,

@@ -1,11 +1,17 @@
-"""Train the small GPT with autopar on every rank of this job.
+"""Train the small GPT with autopar on every rank of this job, from a DataLoader per rank.
 
     torchrun --nproc-per-node 4 examples/train_gpt.py                # the solver decides
     torchrun --nproc-per-node 4 examples/train_gpt.py --pin data=2 --pin tensor=2
+    torchrun --nproc-per-node 2 examples/train_gpt.py --batch-mode global
 
-Every rank builds the same model (same seed) and passes the same global batch; autopar
-plans on rank 0, shares the plan, and each rank trains its shard. Rank 0 prints the plan
-and the loss curve, next to the loss of the same model trained on one device.
+The data: a character-level language model over a small text file
+(``examples/data/lighthouse.txt``, a few KB written for this example), cut into windows of
+the model's block size. Every rank builds the same model (same seed); autopar plans on rank
+0 and shares the plan. With ``--batch-mode per_rank`` (the default) each rank reads its own
+slice through a ``DistributedSampler(num_replicas=pm.data_world, rank=pm.data_rank)`` (ranks
+with the same data rank read the same slice); with ``global`` every rank reads the whole
+global batch. Rank 0 prints the plan and the loss curve, next to the loss of the same model
+trained on one device on the concatenation of the data ranks' slices.
 """
 from __future__ import annotations
 
@@ -16,11 +22,35 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
 from examples.gpt import gpt_factory  # noqa: E402
+
+TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lighthouse.txt")
+
+
+class CharWindows(Dataset):
+    """(ids, next ids) windows of ``block`` characters, ``stride`` apart."""
+
+    def __init__(self, path: str, block: int, stride: int, vocab_size: int):
+        text = open(path, encoding="utf-8").read()
+        chars = sorted(set(text))
+        if len(chars) > vocab_size:
+            raise ValueError(f"{path} has {len(chars)} characters; the model's vocabulary {vocab_size}")
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        self.block, self.stride = block, stride
+
+    def __len__(self) -> int:
+        return (len(self.data) - self.block - 1) // self.stride + 1
+
+    def __getitem__(self, i):
+        s = i * self.stride
+        chunk = self.data[s: s + self.block + 1]
+        return chunk[:-1], chunk[1:]
 
 
 def parse_pins(items):
@@ -31,39 +61,61 @@ def parse_pins(items):
     return pins
 
 
+def loader(ds, batch: int, world: int, rank: int, epoch: int) -> DataLoader:
+    """Data rank ``rank``'s DataLoader: ``batch // world`` windows a step."""
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0,
+                                 drop_last=True)
+    sampler.set_epoch(epoch)
+    return DataLoader(ds, batch_size=batch // world, sampler=sampler, drop_last=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="the global batch (windows a step)")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch-mode", choices=("per_rank", "global"), default="per_rank")
     ap.add_argument("--pin", action="append", default=[], help="e.g. data=2, tensor=2, zero=3")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     ex = gpt_factory(batch=args.batch, seed=0)
+    ds = CharWindows(TEXT, ex.config.block_size, stride=4, vocab_size=ex.config.vocab_size)
     single = copy.deepcopy(ex.model)          # the one-device model, for comparison
 
-    pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, **parse_pins(args.pin))
+    # example inputs: a global batch (the plan is made for its shape)
+    ids, target = (torch.stack(x) for x in zip(*(ds[i] for i in range(args.batch))))
+    pm = autopar.parallelize(ex.model, (ids,), ex.loss_fn, target=target,
+                             batch=args.batch_mode, **parse_pins(args.pin))
+    w, r = pm.data_world, pm.data_rank
     if rank == 0:
         print(pm.plan.summary(), flush=True)
+        print(f"\nbatch={args.batch_mode}: data world {w}, {args.batch // w} windows per data rank "
+              f"a step, {len(ds)} windows of {ex.config.block_size} characters")
         print(f"\n{'step':>4}  {'autopar loss':>12}  {'one device':>12}")
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(single.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(args.steps):
-        # a fresh global batch each step, the same on every rank
-        idx = torch.randint(0, ex.config.vocab_size, ex.inputs[0].shape, generator=gen)
-        target = torch.roll(idx, -1, dims=1)
-        opt.zero_grad()
-        loss = pm.train_step(idx, target=target)
-        opt.step()
-        ref_opt.zero_grad()
-        ref = ex.loss_fn(single(idx), target)
-        ref.backward()
-        ref_opt.step()
-        if rank == 0:
-            print(f"{step:>4}  {loss.item():>12.6f}  {ref.item():>12.6f}", flush=True)
+    step, epoch = 0, 0
+    while step < args.steps:
+        # every data rank's loader (rank 0 trains the one-device model on their concatenation)
+        loaders = [loader(ds, args.batch, w, d, epoch) for d in range(w)]
+        for batches in zip(*loaders):
+            if step >= args.steps:
+                break
+            x, y = batches[r]
+            opt.zero_grad()
+            loss = pm.train_step(x, target=y)
+            opt.step()
+            if rank == 0:
+                ref_opt.zero_grad()
+                xs, ys = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+                ref = ex.loss_fn(single(xs), ys)
+                ref.backward()
+                ref_opt.step()
+                print(f"{step:>4}  {loss.item():>12.6f}  {ref.item():>12.6f}", flush=True)
+            step += 1
+        epoch += 1
     dist.barrier()
     dist.destroy_process_group()
 

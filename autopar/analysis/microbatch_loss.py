@@ -460,8 +460,9 @@ def denominator_inputs(cap, inputs: Sequence[torch.Tensor], target, m: int) -> t
         if term.kind == "elements":
             den.append(float(term.count * m))
             continue
-        total = torch.zeros((), dtype=torch.float64)
         ti, wi = term.outputs
+        # summed where the batch is (the rank's device)
+        total = torch.zeros((), dtype=torch.float64, device=vals[0][ti].device if vals else None)
         for out in vals:
             t = out[ti]
             valid = t != term.ignore_index

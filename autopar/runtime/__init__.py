@@ -29,8 +29,10 @@ def dist_comm(plan: Plan) -> DistComm:
 
 
 def build(cap: Captured, plan: Plan, model: nn.Module, loss_fn: Callable | None = None,
-          comm: Comm | None = None) -> ParallelModule:
+          comm: Comm | None = None, batch: str = "global") -> ParallelModule:
     """The module that runs ``plan`` on this rank. ``loss_fn``: a loss run outside the graph
     on the replicated output (when the capture has none); ``comm``: None for this job's
-    torch.distributed ranks."""
-    return ParallelModule(cap, plan, comm if comm is not None else dist_comm(plan), model, loss_fn)
+    torch.distributed ranks; ``batch``: ``"global"`` or ``"per_rank"``
+    (``autopar.runtime.data``)."""
+    return ParallelModule(cap, plan, comm if comm is not None else dist_comm(plan), model, loss_fn,
+                          batch=batch)

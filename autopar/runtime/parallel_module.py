@@ -29,6 +29,7 @@ from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
+from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
@@ -86,10 +87,12 @@ class ParallelModule(nn.Module):
     mesh; under a pipeline, axis 0 is the pipeline axis."""
 
     def __init__(self, cap: Captured, plan: Plan, comm: Comm, model: nn.Module,
-                 loss_fn: Callable | None = None):
+                 loss_fn: Callable | None = None, batch: str = "global"):
         super().__init__()
         self.plan, self.comm, self._cap = plan, comm, cap
         self.device = comm.device
+        # batch="per_rank": each data rank passes its slice (autopar.runtime.data)
+        self.rank_data = RankData(plan, cap, comm, batch)
         pipelined = plan.pipeline_stages > 1
         if pipelined and not cap.has_loss:
             raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn "
@@ -155,10 +158,24 @@ class ParallelModule(nn.Module):
         grad_axes = dict(rewritten.get("train", rewritten["forward"]).grad_sync)
         return programs, grad_axes
 
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the data ranks (``DistributedSampler(rank=...)``); 0
+        unless built with ``batch="per_rank"`` on a plan with a data axis."""
+        return self.rank_data.rank
+
+    @property
+    def data_world(self) -> int:
+        """How many slices make the global batch (``DistributedSampler(num_replicas=...)``):
+        the size of the plan's data axes under ``batch="per_rank"``, else 1."""
+        return self.rank_data.world
+
     # ---- running ------------------------------------------------------------------------
     def forward(self, *inputs):
-        """The model's outputs (whole, on every rank) for the global batch ``inputs``."""
+        """The model's outputs (whole, on every rank) for the global batch ``inputs`` (this
+        data rank's slice of it under ``batch="per_rank"``)."""
         inputs = self._check_inputs(inputs)
+        inputs, _ = self.rank_data.global_batch(inputs, None)
         with use_comm(self._stage_comm):
             flat = self.runner.forward(inputs)
         return pytree.tree_unflatten(flat, self._out_spec)
@@ -171,6 +188,7 @@ class ParallelModule(nn.Module):
         if target is None and self._cap.has_loss and self._cap.takes_target:
             raise ValueError("train_step needs target=: the loss is part of the plan's graph")
         target = self._to_device(target)
+        inputs, target = self.rank_data.global_batch(inputs, target)
         params = dict(self.module.named_parameters())
         with use_comm(self._stage_comm), self._saved_tensor_policy(), _fresh_grads(params):
             return self.runner.train(inputs, target, self._grad_sync, params, self.owners)

@@ -1,0 +1,113 @@
+"""Where a rank's inputs come from: the global batch on every rank, or a slice per data rank.
+
+``autopar.parallelize(..., batch="global")`` (the default): every rank passes the whole
+global batch and the plan takes its own part. ``batch="per_rank"``: the torchrun way. Each
+rank passes its own slice along dim 0 of every tensor input and of the target; ranks with
+the same *data rank* pass the same slice, and the slices of data ranks ``0 .. data_world-1``
+in that order make the global batch. ``pm.data_rank`` / ``pm.data_world`` are what a
+``DistributedSampler(dataset, num_replicas=pm.data_world, rank=pm.data_rank)`` takes.
+
+The data axes of a plan: the mesh axis named ``"data"`` (``data=`` pins, ZeRO); in a plan
+without one (a free plan's ``axis0`` / ``axis1``), every axis on which each batched model
+input and the target are split along dim 0 (``S(0)``). A plan with no data axis has
+``data_world == 1``: every rank passes the whole batch, as with ``"global"``. Several data
+axes are flattened row-major (as ``S(0)S(0)`` splits a tensor).
+
+The slices are all-gathered over the data axes into the global batch, which then runs as
+under ``"global"`` (the plan slices it again): correct for every plan, at the cost of one
+all-gather of the inputs per step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autopar.capture import Captured
+from autopar.placement import Shard
+from autopar.plan import Plan
+
+BATCH_MODES = ("global", "per_rank")
+
+
+def data_axes(plan: Plan, cap: Captured) -> tuple[int, ...]:
+    """The axes of ``plan``'s whole mesh the batch is split over (see module doc)."""
+    names = tuple(plan.mesh_axes)
+    if "data" in names:
+        return (names.index("data"),)
+    first = 1 if plan.pipeline_stages > 1 else 0      # a pipeline's axis 0 cuts layers
+    batched = [n for n in cap.inputs if len(_shape(cap, n)) >= 1]
+    if not batched:
+        return ()
+    out = []
+    for a in range(first, len(names)):
+        if plan.mesh_shape[a] > 1 and all(_split_on(plan, n, a) for n in batched):
+            out.append(a)
+    return tuple(out)
+
+
+def _shape(cap: Captured, name: str) -> tuple[int, ...]:
+    val = cap.node(name).meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _split_on(plan: Plan, name: str, axis: int) -> bool:
+    node = plan.nodes.get(name)
+    if node is None or not node.outputs:
+        return False
+    pl = node.output(0)
+    return (axis < len(pl) and isinstance(pl[axis], Shard) and pl[axis].dim == 0
+            and pl[axis].groups == 1)
+
+
+class RankData:
+    """This rank's part in building the global batch (see module doc)."""
+
+    def __init__(self, plan: Plan, cap: Captured, comm, batch: str = "global"):
+        if batch not in BATCH_MODES:
+            raise ValueError(f"batch={batch!r}: use 'global' (every rank passes the global "
+                             "batch) or 'per_rank' (each data rank passes its slice)")
+        self.mode, self._comm, self._cap = batch, comm, cap
+        # a pipeline's graph is captured for one micro-batch
+        self._micro = plan.n_microbatches if plan.pipeline_stages > 1 else 1
+        self.axes = data_axes(plan, cap) if batch == "per_rank" else ()
+        sizes = [plan.mesh_shape[a] for a in self.axes]
+        self.world = math.prod(sizes)
+        rank = 0
+        for a, n in zip(self.axes, sizes):
+            rank = rank * n + comm.coord[a]
+        self.rank = rank
+
+    def slice(self, t):
+        """This data rank's slice of a global-batch tensor (dim 0); other values unchanged."""
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or self.world == 1:
+            return t
+        return t.tensor_split(self.world, dim=0)[self.rank]
+
+    def global_batch(self, inputs: tuple, target):
+        """(inputs, target) of the global batch from this rank's slices (collective over the
+        data axes under ``"per_rank"``; unchanged under ``"global"``)."""
+        if self.world == 1:
+            return inputs, target
+        names = list(self._cap.inputs)
+        given = list(inputs) + ([target] if target is not None else [])
+        with torch.no_grad():
+            out = [self._gather(t, names[i] if i < len(names) else f"input {i}")
+                   for i, t in enumerate(given)]
+        return tuple(out[:len(inputs)]), (out[len(inputs)] if target is not None else None)
+
+    def _gather(self, t, name: str):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        shape = _shape(self._cap, name) if name in self._cap.inputs else ()
+        rows = shape[0] * self._micro if shape else 0
+        if rows and rows % self.world == 0 and t.shape[0] != rows // self.world:
+            raise ValueError(
+                f"batch='per_rank': input {name!r} has {t.shape[0]} rows on this rank; the "
+                f"plan's global batch of {rows} over data world {self.world} needs "
+                f"{rows // self.world} per data rank (build the DataLoader with "
+                f"batch_size={rows // self.world} and drop_last=True)")
+        x = t.to(torch.uint8) if t.dtype == torch.bool else t     # gloo gathers no bool
+        for a in reversed(self.axes):      # innermost first: row-major over the data axes
+            x = self._comm.all_gather(x, a, 0)
+        return x.to(torch.bool) if t.dtype == torch.bool else x
