@@ -6,7 +6,7 @@ otherwise; no KV cache) with random weights (nothing is downloaded), and checked
 
 - capture and coverage: ``autopar.coverage`` captures one flat ATen graph (shapes on every
   node; export's grad-mode / autocast-off regions such as the rotary embeddings inlined by
-  ``autopar.capture_hops``, in-place ops on fresh values made out-of-place, tensor constants
+  ``autopar.capture.hops``, in-place ops on fresh values made out-of-place, tensor constants
   made factory ops) and lists the ops without a sharding rule, which must equal the row's
   ``gaps`` (a new gap, or a fixed one, fails until the matrix says so);
 - plans: ``autopar.plan`` free; then, on one capture (``solve(..., captured=)``, the driver
@@ -376,7 +376,7 @@ class _NoGradScale(torch.nn.Module):
 
 
 def test_grad_mode_and_autocast_off_regions_are_inlined_with_their_semantics():
-    from autopar.capture_hops import higher_order_ops
+    from autopar.capture.hops import higher_order_ops
     torch.manual_seed(0)
     model, x = _NoGradScale(), torch.randn(4, 8)
     ep = torch.export.export(model, (x,), strict=False)

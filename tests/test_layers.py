@@ -2,12 +2,12 @@
 
 The layers, bottom to top (a module may import its own layer and the ones below):
 
-    bottom    placement, ops (collectives, local ops, stage ops), schedule
+    bottom    placement, ops (collectives, local ops, stage ops), schedule, device
     data      capture, plan (+ plan_schema, report), cost_models, analysis
     rules     sharding
     deciding  solver (ILP, stage DP, pipeline search, the one driver)
     doing     passes, runtime
-    face      api, cli, viz, verify, coverage, the package itself
+    face      api, cli, viz, verify, coverage, checkpoint, the package itself
 
 Deciding never imports doing, and nothing imports the face's entry points (api, cli).
 The imports are read from the source with ``ast``, so the test sees lazy imports too.
@@ -25,14 +25,14 @@ SOURCES = {"autopar": ROOT / "autopar", "autopar.cost_models": ROOT / "cost_mode
            "autopar.passes": ROOT / "passes"}
 
 LAYERS = [
-    ("bottom", ["autopar.placement", "autopar.ops", "autopar.schedule"]),
+    ("bottom", ["autopar.placement", "autopar.ops", "autopar.schedule", "autopar.device"]),
     ("data", ["autopar.capture", "autopar.plan", "autopar.plan_schema", "autopar.report",
               "autopar.cost_models", "autopar.analysis"]),
     ("rules", ["autopar.sharding"]),
     ("deciding", ["autopar.solver"]),
     ("doing", ["autopar.passes", "autopar.runtime"]),
     ("face", ["autopar.api", "autopar.cli", "autopar.__main__", "autopar.viz", "autopar.verify",
-              "autopar.verify_worker", "autopar.coverage", "autopar"]),
+              "autopar.verify_worker", "autopar.coverage", "autopar.checkpoint", "autopar"]),
 ]
 ENTRY_POINTS = ("autopar.api", "autopar.cli")
 # optional heavy dependencies may be imported where they are used (each says so in a comment)

@@ -17,16 +17,14 @@ refused with a CaptureError that names it and says how to make it a buffer inste
 from __future__ import annotations
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
+
+from autopar.capture.graph import CaptureError
 
 __all__ = ["inline_constants"]
 
 aten = torch.ops.aten
 
-
-def _CaptureError(msg: str) -> Exception:
-    from autopar.capture import CaptureError   # capture imports this module
-    return CaptureError(msg)
 
 
 def _factory(value: torch.Tensor):
@@ -61,7 +59,7 @@ def inline_constants(gm: GraphModule, constants: dict[str, str], values: dict) -
         made = _factory(value)
         if made is None:
             shown = str(value.tolist())[:80]
-            raise _CaptureError(
+            raise CaptureError(
                 f"forward creates the tensor constant {name} = {shown} (shape "
                 f"{list(value.shape)}, {value.dtype}); torch.export makes it an extra graph "
                 f"input that autopar cannot tell from a batch.\nFix: create it once in "

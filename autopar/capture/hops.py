@@ -41,6 +41,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
+from autopar.capture.graph import CaptureError
+
 __all__ = ["inline_higher_order_ops", "higher_order_ops"]
 
 _INLINED = ("wrap_with_set_grad_enabled", "wrap_with_autocast")
@@ -78,10 +80,6 @@ _FIXES = {
 }
 
 
-def _CaptureError(msg: str) -> Exception:
-    from autopar.capture import CaptureError   # capture imports this module
-    return CaptureError(msg)
-
 
 def _hop_name(node: Node) -> str | None:
     t = node.target
@@ -112,7 +110,7 @@ def _where(node: Node) -> str:
 def _refuse(node: Node, name: str, detail: str = "") -> Exception:
     fix = _FIXES.get(name, "autopar inlines only grad-mode and autocast-off regions; rewrite "
                            "this part of forward with plain tensor ops")
-    return _CaptureError(
+    return CaptureError(
         f"the exported graph calls the higher-order op torch.ops.higher_order.{name} "
         f"(node {node.name}, {_where(node)}){detail}; autopar plans a flat graph of ATen ops "
         f"and cannot shard through it.\nFix: {fix}.")
@@ -247,7 +245,7 @@ def inline_higher_order_ops(gm: GraphModule, requires_grad: Iterable[str] = ()) 
         elif name == "wrap_with_autocast":
             device, dtype, enabled, _cache, body, *args = node.args
             if enabled:
-                raise _CaptureError(
+                raise CaptureError(
                     f"the exported graph runs node {node.name} ({_where(node)}) under "
                     f"torch.autocast({device!r}, dtype={dtype}, enabled=True) (higher-order op "
                     f"torch.ops.higher_order.wrap_with_autocast); autopar trains in fp32 and "

@@ -13,25 +13,18 @@ model's output.
 """
 from __future__ import annotations
 
-import hashlib
-import re
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from autopar.capture_hops import inline_higher_order_ops
-from autopar.capture_constants import inline_constants
-from autopar.capture_inplace import functionalize_inplace
-
+from autopar.capture.constants import inline_constants
+from autopar.capture.graph import CaptureError, Captured, _strip
+from autopar.capture.hops import inline_higher_order_ops
+from autopar.capture.inplace import functionalize_inplace
 
 _EXPORT_LOCK = threading.Lock()   # torch.export keeps global tracing state: one at a time
-
-
-class CaptureError(RuntimeError):
-    """The model could not be captured as a graph."""
 
 
 class _WithLoss(nn.Module):
@@ -49,39 +42,6 @@ class _WithLoss(nn.Module):
         if self.loss_fn is None:
             return out, out
         return self.loss_fn(out, *rest), out
-
-
-@dataclass
-class Captured:
-    """A captured training graph and the names around it.
-
-    ``gm`` is the lifted graph: parameters, buffers, then user inputs are placeholders.
-    """
-    gm: torch.fx.GraphModule
-    params: dict[str, list[str]]       # placeholder -> parameter names in the model (aliases)
-    buffers: dict[str, str]            # placeholder -> buffer name in the model
-    inputs: list[str]                  # placeholders of the user inputs, then the target
-    n_model_inputs: int
-    loss: str                          # name of the node holding the loss
-    output: list[str]                  # names of the nodes the model returns
-    output_spec: Any                   # pytree spec of the model's output
-    has_loss: bool                     # the graph computes a scalar loss (ours or the model's)
-    takes_target: bool                 # the last input is the loss's target
-    method: str = "torch.export"
-    microbatch_loss: Any = None
-    """Set when the graph was captured at micro-batch size and its loss rewritten into
-    partial terms (``autopar.analysis.microbatch_loss.MicrobatchLoss``: the scale inputs and
-    how to compute them from the global batch)."""
-
-    def node(self, name: str) -> torch.fx.Node:
-        return self._by_name[name]
-
-    def __post_init__(self):
-        self._by_name = {n.name: n for n in self.gm.graph.nodes}
-
-    @property
-    def placeholder_names(self) -> list[str]:
-        return [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
 
 
 def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None,
@@ -168,28 +128,3 @@ def _from_program(ep, wrapper: nn.Module, n_inputs: int, has_loss: bool, method:
         output_spec=ep.call_spec.out_spec, has_loss=has_loss or is_scalar,
         takes_target=has_loss, method=method)
     return cap
-
-
-def _strip(name: str) -> str:
-    return re.sub(r"^model\.", "", name)
-
-
-def fingerprint(cap: Captured) -> str:
-    """A short hash of the graph's nodes, ops and shapes: a plan is valid for this graph only."""
-    h = hashlib.sha256()
-    for n in cap.gm.graph.nodes:
-        val = n.meta.get("val")
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        h.update(f"{n.name}|{n.op}|{n.target}|{shape}\n".encode())
-    return h.hexdigest()[:16]
-
-
-def layer_of(node: torch.fx.Node) -> tuple[str, int] | None:
-    """(container path, index) of the repeated layer a node belongs to, e.g. ("h", 3) for a
-    node inside ``model.h[3]``; None outside repeated layers."""
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _ in stack.values():
-        m = re.match(r"^(.*?)\.(\d+)(\.|$)", path)
-        if m:
-            return _strip(m.group(1)), int(m.group(2))
-    return None

@@ -1,0 +1,72 @@
+"""The captured graph: what ``capture`` returns and every later step reads, with the
+helpers that name its parts (``fingerprint``, ``layer_of``)."""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured as a graph."""
+
+
+@dataclass
+class Captured:
+    """A captured training graph and the names around it.
+
+    ``gm`` is the lifted graph: parameters, buffers, then user inputs are placeholders.
+    """
+    gm: torch.fx.GraphModule
+    params: dict[str, list[str]]       # placeholder -> parameter names in the model (aliases)
+    buffers: dict[str, str]            # placeholder -> buffer name in the model
+    inputs: list[str]                  # placeholders of the user inputs, then the target
+    n_model_inputs: int
+    loss: str                          # name of the node holding the loss
+    output: list[str]                  # names of the nodes the model returns
+    output_spec: Any                   # pytree spec of the model's output
+    has_loss: bool                     # the graph computes a scalar loss (ours or the model's)
+    takes_target: bool                 # the last input is the loss's target
+    method: str = "torch.export"
+    microbatch_loss: Any = None
+    """Set when the graph was captured at micro-batch size and its loss rewritten into
+    partial terms (``autopar.analysis.microbatch_loss.MicrobatchLoss``: the scale inputs and
+    how to compute them from the global batch)."""
+
+    def node(self, name: str) -> torch.fx.Node:
+        return self._by_name[name]
+
+    def __post_init__(self):
+        self._by_name = {n.name: n for n in self.gm.graph.nodes}
+
+    @property
+    def placeholder_names(self) -> list[str]:
+        return [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+def _strip(name: str) -> str:
+    return re.sub(r"^model\.", "", name)
+
+
+def fingerprint(cap: Captured) -> str:
+    """A short hash of the graph's nodes, ops and shapes: a plan is valid for this graph only."""
+    h = hashlib.sha256()
+    for n in cap.gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        h.update(f"{n.name}|{n.op}|{n.target}|{shape}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def layer_of(node: torch.fx.Node) -> tuple[str, int] | None:
+    """(container path, index) of the repeated layer a node belongs to, e.g. ("h", 3) for a
+    node inside ``model.h[3]``; None outside repeated layers."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in stack.values():
+        m = re.match(r"^(.*?)\.(\d+)(\.|$)", path)
+        if m:
+            return _strip(m.group(1)), int(m.group(2))
+    return None
