@@ -109,10 +109,36 @@ def worst(got: dict, ref: dict, init: dict) -> tuple[float, str]:
     return out, where
 
 
+def strided_plan(ex):
+    """tensor=2 with GPT's fused c_attn projection held as a strided shard S(0/3) (each rank
+    its block of q, of k and of v), edited by hand as in tests/test_equivalence.py."""
+    import dataclasses
+
+    from autopar.api import plan_captured
+    from autopar.capture import capture
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.plan import NodePlacement
+    cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
+    plan = plan_captured(cap, parse_cluster("cpu:2"), 2, pins={"tensor": 2})
+    nodes = dict(plan.nodes)
+    for ph in [ph for name, ph in plan.params.items() if "c_attn" in name]:
+        nodes[ph] = NodePlacement((), ("S(0/3)",))
+        for lin in [u for u in cap.node(ph).users if "linear" in str(u.target)]:
+            nodes[lin.name] = NodePlacement(("R", "S(0/3)", "S(0/3)"), ("S(2/3)",))
+            for split in lin.users:
+                nodes[split.name] = NodePlacement(("S(2/3)",), ("S(2)",) * 3)
+    return dataclasses.replace(plan, nodes=nodes)
+
+
 def run_case(case: dict) -> dict:
     ex = example(case, 0)          # the data of every step; the weights of seed 0 ...
     model = ex.model if case["kind"] == "save" else example(case, 1).model    # ... or others
-    pm = autopar.parallelize(model, ex.inputs, ex.loss_fn, target=ex.target, **case["pins"])
+    if case.get("strided"):
+        pm = autopar.parallelize(model, ex.inputs, ex.loss_fn, target=ex.target, plan=strided_plan(ex))
+        strided = [a for a, p in pm._shards.placements.items() if any(getattr(x, "groups", 1) > 1 for x in p)]
+        assert strided, "the hand-made plan holds no strided shard"
+    else:
+        pm = autopar.parallelize(model, ex.inputs, ex.loss_fn, target=ex.target, **case["pins"])
     info = {"mesh": list(pm.plan.mesh_shape), "axes": list(pm.plan.mesh_axes)}
     rank = dist.get_rank()
     if case["kind"] == "import":

@@ -10,6 +10,9 @@ bitwise and the loaded moments equal one device's. Every save is also exported t
 state dict that a fresh model's ``load_state_dict`` (strict) takes, equal to
 ``pm.full_state_dict()``; an imported plain state dict loads under tensor parallelism.
 
+Two of the plans hold GPT's fused q/k/v weight as a strided shard S(0/3) (saved as 3
+blocks per rank, not one DTensor chunk), one saves and one loads.
+
 Single process: each saved tensor's chunks cover it exactly once (no chunk written twice,
 none missing); the CLI's export and import; bad paths.
 """
@@ -35,9 +38,10 @@ PP = {"pipeline": 2, "micro_batch_size": 2}
 # (pair id, plan A, world A, plan B, world B)
 PAIRS = [
     ("data2@2-to-tensor2xdata2@4", {"data": 2}, 2, {"data": 2, "tensor": 2}, 4),
-    ("tensor2@2-to-zero3@4", {"tensor": 2}, 2, {"data": 4, "zero": 3}, 4),
+    ("tensor2-strided@2-to-zero3@4", {"tensor": 2, "strided": True}, 2, {"data": 4, "zero": 3}, 4),
     ("zero3@4-to-pipeline2@2", {"data": 4, "zero": 3}, 4, {**PP, "schedule": "gpipe"}, 2),
     ("pipeline2xdata2@4-to-data2@2", {**PP, "data": 2, "schedule": "1f1b"}, 4, {"data": 2}, 2),
+    ("tensor2xdata2@4-to-tensor2-strided@2", {"data": 2, "tensor": 2}, 4, {"tensor": 2, "strided": True}, 2),
 ]
 
 
@@ -62,9 +66,11 @@ def runs(tmp_path_factory):
     """Every case's result, from the three launches (2 ranks, 4 ranks, 2 ranks)."""
     tmp = tmp_path_factory.mktemp("ckpt")
 
-    def case(kind, pair, pins, tag=""):
-        return {"id": f"{kind}-{pair}{tag}", "kind": kind, "model": "gpt", "pins": pins,
-                "dir": str(tmp / pair)}
+    def case(kind, pair, pins):
+        pins = dict(pins)
+        strided = pins.pop("strided", False)     # the hand-made S(0/3) plan (checkpoint_worker)
+        return {"id": f"{kind}-{pair}", "kind": kind, "model": "gpt", "pins": pins,
+                "strided": strided, "dir": str(tmp / pair)}
     launches: list[list[dict]] = [[], [], []]      # on 2, 4, then 2 ranks
     for pair, a, wa, b, wb in PAIRS:
         # plan A saves in the first launch of its world size, plan B loads in the next launch
@@ -130,6 +136,8 @@ def test_every_tensor_written_exactly_once(runs):
                     overlap = all(a < b + t and b < a + s for a, s, b, t in zip(o1, s1, o2, s2))
                     assert not overlap, (pair, fqn, o1, o2)
         assert "model.lm_head.weight" not in md or "model.transformer.wte.weight" not in md
+        if pair.startswith("tensor2-strided"):     # 3 blocks (q, k, v rows) from each of 2 ranks
+            assert len(md["model.transformer.h.0.attn.c_attn.weight"].chunks) == 6
 
 
 def test_cli_export_and_import(runs, tmp_path):
