@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
+from autopar.device import backend_for, rank_device  # noqa: E402
 from examples.gpt import gpt_factory  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lighthouse.txt")
@@ -78,7 +79,8 @@ def main() -> None:
     ap.add_argument("--pin", action="append", default=[], help="e.g. data=2, tensor=2, zero=3")
     args = ap.parse_args()
 
-    dist.init_process_group("gloo")
+    # the rank's device first (CUDA device LOCAL_RANK on a GPU machine), then its backend
+    dist.init_process_group(backend_for(rank_device()))
     rank = dist.get_rank()
     ex = gpt_factory(batch=args.batch, seed=0)
     ds = CharWindows(TEXT, ex.config.block_size, stride=4, vocab_size=ex.config.vocab_size)
