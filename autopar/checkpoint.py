@@ -31,11 +31,19 @@ class CheckpointError(ValueError):
     """A checkpoint path that is missing or is not an autopar / DCP checkpoint."""
 
 
+def _check_module(pm) -> None:
+    from autopar.runtime.parallel_module import ParallelModule
+    if not isinstance(pm, ParallelModule):
+        raise TypeError(f"expected the ParallelModule autopar.parallelize returned, got "
+                        f"{type(pm).__name__}")
+
+
 def save_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimizer | None = None,
                     extra: dict | None = None) -> None:
     """Write ``pm``'s shards (and ``optimizer``'s state, and the small picklable dict
     ``extra``) to the directory ``path``. Collective: every rank calls it with the same
     path."""
+    _check_module(pm)
     dcp.save(save_state(pm, optimizer, extra), storage_writer=dcp.FileSystemWriter(os.fspath(path)))
 
 
@@ -52,6 +60,7 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimize
     when given, into ``optimizer`` (built over ``pm.parameters()``; its state is replaced,
     its param groups take the saved hyperparameters). Returns the saved ``extra``.
     Collective."""
+    _check_module(pm)
     md = _metadata(path)
     sd, finish = load_plan(pm, md, optimizer)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(os.fspath(path)))

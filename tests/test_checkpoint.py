@@ -165,7 +165,7 @@ def test_cli_export_and_import(runs, tmp_path):
 
 
 def test_bad_paths(tmp_path):
-    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+    with pytest.raises(TypeError, match="ParallelModule"):
         load_checkpoint(tmp_path / "nowhere", pm=None)
     with pytest.raises(CheckpointError, match="does not exist"):
         import_state_dict(tmp_path / "missing.pt", tmp_path / "out")

@@ -143,8 +143,9 @@ class Layout:
             return local.detach().clone() if copy else local
         if any(isinstance(p, Shard) and p.groups > 1 for p in placements):
             return Pieces(local.detach(), shape, blocks(shape, placements, self.coord, self.mesh_shape), copy)
+        if not all(isinstance(p, (Shard, Replicate)) for p in placements):
+            raise ValueError(f"{attr!r} is held as {placements}: a stored tensor is R or S(d)")
         tp = [TShard(p.dim % len(shape)) if isinstance(p, Shard) else TReplicate() for p in placements]
-        assert all(isinstance(p, (Shard, Replicate)) for p in placements), placements
         src = local.detach().clone() if copy else local.detach()
         return DTensor.from_local(src, self.mesh(), tp, run_check=False, shape=torch.Size(shape),
                                   stride=_contiguous_stride(shape))
