@@ -216,3 +216,46 @@ def test_device_helpers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert device_mod.mesh_device("cuda") == torch.device("cuda", 3)
     assert device_mod.mesh_device("cpu") == torch.device("cpu")
+
+
+# ---- tensors the model creates --------------------------------------------------------------
+def test_created_tensors_follow_the_rank_device():
+    """GPT's positions (``aten.arange(..., device=cpu)`` in the export) are created on the
+    rank's device in every per-rank program: ``passes.place_on_device`` run by
+    ParallelModule with ``comm.device``. Here a fake rank device ("meta") shows the rewrite;
+    with the CPU it is a no-op and the program still runs."""
+    import copy
+
+    from autopar.capture import capture
+    from autopar.passes.place_on_device import place_on
+    from examples.models import EXAMPLES
+
+    ex = EXAMPLES["gpt"]()
+    cap = capture(ex.model, ex.inputs, ex.loss_fn, target=ex.target)
+
+    def devices(gm):
+        return [n.kwargs["device"] for n in gm.graph.nodes if "device" in n.kwargs]
+    assert devices(cap.gm) and all(torch.device(d).type == "cpu" for d in devices(cap.gm))
+    gm = copy.deepcopy(cap.gm)
+    assert place_on(gm, torch.device("cpu")) == 0
+    meta = torch.device("meta")
+    assert place_on(gm, meta) == len(devices(cap.gm))
+    assert all(d == meta for d in devices(gm)) and "meta" in gm.code
+
+
+def test_parallel_module_places_its_programs(monkeypatch):
+    """ParallelModule calls place_on on every program with its device."""
+    import autopar.runtime.parallel_module as pmod
+    from autopar.ops.comm import ThreadWorld
+    from examples.models import EXAMPLES
+
+    seen = []
+    real = pmod.place_on
+    monkeypatch.setattr(pmod, "place_on", lambda gm, dev: seen.append(dev) or real(gm, dev))
+    ex = EXAMPLES["gpt"]()
+    comm = ThreadWorld((1,)).comm(0)
+    pm = api.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, comm=comm,
+                         cluster="cpu:1")
+    assert seen == [comm.device, comm.device]          # train and forward
+    loss = pm.train_step(*ex.inputs, target=ex.target)
+    assert torch.isfinite(loss)

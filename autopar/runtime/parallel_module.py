@@ -26,6 +26,7 @@ from autopar.ops.collectives import regathered_weights
 from autopar.ops.comm import Comm, use_comm
 from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.insert_collectives import insert_collectives
+from autopar.passes.place_on_device import place_on
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
@@ -103,6 +104,8 @@ class ParallelModule(nn.Module):
         root, shards = shard_model(cap, splan, self._stage_comm.coord, model, self.device)
         self._shards, self._stage_mesh = shards, tuple(splan.mesh_shape)
         programs, grad_axes = self._programs(cap, splan, root, shards, pipelined)
+        for gm in programs.values():     # tensors the model creates: on this rank's device
+            place_on(gm, self.device)
         if pipelined:
             self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes)
         else:
