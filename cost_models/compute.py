@@ -50,6 +50,16 @@ quantization; see ``gpus.py``). Algebraically ``flops / (peak * efficiency)`` is
 run at ``peak_flops[dtype_key]`` (tensor cores); everything else at ``peak_flops["fp32"]``
 (vector units).
 
+On a GPU (``Device.sms`` set; the CPU's measured constants are untouched):
+
+- a matmul's compute time is multiplied by its wave quantization (:func:`_tiles`): whole
+  waves of output tiles over the SMs, partly empty edge tiles, the tile chosen as cuBLAS
+  does (the largest that fills every SM); backward tiles grad-input and grad-weight apart;
+- under a 16-bit ``dtype_key`` every fp32 tensor is moved at 16 bits (mixed precision);
+- fused (flash) attention runs at ``Device.attention_efficiency`` (forward, backward);
+  unfused attention is its ops: the scores' matmuls, then mask, softmax and dropout, each
+  memory-bound over ``b * heads * s^2`` elements forward and backward.
+
 Backward, per family, as multiples of the forward (FLOPs, bytes) and its kernel count:
 
 - matmul, conv: 2x FLOPs and bytes, 2 kernels (grad of both operands);
@@ -66,6 +76,7 @@ Recomputation of a node costs its forward time again.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -308,20 +319,33 @@ def _half(m):
     return m
 
 
+# Output tiles cuBLAS chooses among, largest first (NVIDIA "Matrix Multiplication
+# Background User's Guide", "Tile Quantization": 256x128, 128x128, 128x64, 64x64 ... "cuBLAS
+# heuristics pick" the tile; smaller tiles reach less peak but fill more SMs).
+_TILES = ((256, 128), (128, 128), (128, 64), (64, 64))
+
+
+@functools.lru_cache(maxsize=65536)
 def _tiles(rows: int, cols: int, batch: int, device: Device) -> float:
     """Wave quantization of one GEMM of ``batch`` x (rows x cols) outputs: the time of its
-    ``ceil(waves)`` waves over the time of ``waves`` (>= 1; 1 when not modelled)."""
-    tm, tn = device.gemm_tile
-    if not device.sms or not tm or rows <= 0 or cols <= 0:
+    ``ceil(waves)`` waves of whole tiles over the time of the work itself (>= 1; 1 when not
+    modelled). The tile is the device's large-GEMM tile (``device.gemm_tile``) unless that
+    leaves SMs idle in a single wave: then the largest smaller tile that fills every SM, as
+    cuBLAS' heuristics do; a GEMM too small for even 64 x 64 tiles to fill the SMs is split
+    along K (its smallness is priced by ``fill_time`` and the launch)."""
+    tm0, tn0 = device.gemm_tile
+    if not device.sms or not tm0 or rows <= 0 or cols <= 0:
         return 1.0
-    # a dimension smaller than the tile gets a smaller tile (cuBLAS picks among several;
-    # 64 is the smallest we assume)
-    tm, tn = min(tm, -(-rows // 64) * 64), min(tn, -(-cols // 64) * 64)
-    tiles = batch * math.ceil(rows / tm) * math.ceil(cols / tn)
-    waves = tiles / device.sms
-    # tiles of partly empty rows / cols run at full time too
-    fill = (rows * cols * batch) / (tiles * tm * tn)
-    return math.ceil(waves) / waves / fill
+    sms = device.sms
+    for tm, tn in (t for t in _TILES if t[0] <= tm0 and t[1] <= tn0):
+        # a dimension smaller than the tile gets a smaller tile (64 the smallest assumed)
+        tm, tn = min(tm, -(-rows // 64) * 64), min(tn, -(-cols // 64) * 64)
+        tiles = batch * math.ceil(rows / tm) * math.ceil(cols / tn)
+        if tiles >= sms:
+            waves = tiles / sms
+            fill = (rows * cols * batch) / (tiles * tm * tn)   # partly empty edge tiles
+            return math.ceil(waves) / waves / fill
+    return 1.0
 
 
 def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
