@@ -41,8 +41,8 @@ def _check_module(pm) -> None:
 def save_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimizer | None = None,
                     extra: dict | None = None) -> None:
     """Write ``pm``'s shards (and ``optimizer``'s state, and the small picklable dict
-    ``extra``) to the directory ``path``. Collective: every rank calls it with the same
-    path."""
+    ``extra``: rank 0's is kept) to the directory ``path``. Collective: every rank calls it
+    with the same path."""
     _check_module(pm)
     dcp.save(save_state(pm, optimizer, extra), storage_writer=dcp.FileSystemWriter(os.fspath(path)))
 

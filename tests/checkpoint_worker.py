@@ -37,8 +37,13 @@ TOL = 5e-3
 STATE_TOL = 1e-4  # optimizer moments after loading vs one device's after 2 steps
 
 
-def adamw(params, lr=LR):
-    return torch.optim.AdamW(params, lr=lr, eps=EPS)
+def adamw(named, lr=LR, weight_decay=(0.1, 0.0)):
+    """AdamW with two param groups, as GPTs are trained: matrices decay, vectors do not."""
+    named = list(named)
+    return torch.optim.AdamW([
+        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": weight_decay[0]},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": weight_decay[1]},
+    ], lr=lr, eps=EPS)
 
 
 def example(case: dict, seed: int):
@@ -72,7 +77,7 @@ def reference(case: dict, steps: int = 4, moments: bool = False):
     ex = example(case, 0)
     model = ex.model
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    opt = adamw(model.parameters())
+    opt = adamw(model.named_parameters())
     for k in range(steps):
         inputs, target = batch(ex, k)
         ex.loss_fn(model(*inputs), target).backward()
@@ -161,7 +166,7 @@ def run_case(case: dict) -> dict:
         info["err"] = err
         return info
     if case["kind"] == "save":
-        opt = adamw(pm.parameters())
+        opt = adamw(pm.module.named_parameters())
         train(pm, opt, ex, range(2))
         extra = {"step": 2, "loader": {"position": 16}, "rng": seeded_rng_state()}
         autopar.save_checkpoint(case["dir"], pm, opt, extra=extra)
@@ -180,7 +185,8 @@ def run_case(case: dict) -> dict:
         assert info["err_after_2"] < TOL, f"before saving: {info['worst_after_2']} {info['err_after_2']:.2e}"
         return info
     # load under plan B, 2 more steps
-    opt = adamw(pm.parameters(), lr=LR * 7)      # the checkpoint's lr must win
+    # the checkpoint's hyperparameters must win, group by group
+    opt = adamw(pm.module.named_parameters(), lr=LR * 7, weight_decay=(0.5, 0.5))
     extra = autopar.load_checkpoint(case["dir"], pm, opt)
     # what was saved comes back exactly (the export of plan A's weights) ...
     saved = torch.load(case["dir"] + ".pt", weights_only=True)
@@ -192,7 +198,8 @@ def run_case(case: dict) -> dict:
     info["moment_err"] = check_moments(pm, opt, ref_state)
     assert extra["step"] == 2 and extra["loader"] == {"position": 16}, extra
     assert torch.equal(extra["rng"], seeded_rng_state()), "the RNG state in extra differs"
-    assert all(g["lr"] == LR for g in opt.param_groups), [g["lr"] for g in opt.param_groups]
+    got = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+    assert got == [(LR, 0.1), (LR, 0.0)], got
     train(pm, opt, ex, range(2, 4))
     init, ref = reference(case, 4)
     err, where = worst(pm.full_state_dict(), ref, init)

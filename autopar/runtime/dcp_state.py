@@ -20,7 +20,8 @@ data axis). Every owner reads it on load.
 Keys: ``model.<name>`` (the first name of a tied weight; the others are kept in the
 ``autopar`` entry), ``optim.<name>.<state key>`` (state tensors shaped like the local shard
 are sharded like their parameter; others, such as AdamW's ``step``, are plain tensors),
-``optim.param_groups``, ``autopar`` and ``extra`` (pickled bytes).
+``autopar`` (the alias table and every rank's param groups' hyperparameters) and ``extra``
+(pickled bytes, rank 0's).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import pickle
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
 )
@@ -197,10 +199,17 @@ def save_state(pm, optimizer=None, extra=None) -> dict[str, Any]:
                         sd[fqn] = v.detach().clone()
                     else:
                         sd[fqn] = pickle.dumps(v)
-    info = {"format": FORMAT, "aliases": {lay.name[a]: list(al) for a, al in pm._shards.aliases.items()},
-            "param_groups": groups, "has_optimizer": optimizer is not None}
-    sd["autopar"] = pickle.dumps(info)
-    sd["extra"] = pickle.dumps(extra)
+    # every rank's groups (a pipeline rank's optimizer holds only its stages' parameters);
+    # rank 0 writes them, the alias table and its own ``extra``
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, groups)
+        groups = [g for rank_groups in every for g in rank_groups]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        info = {"format": FORMAT, "aliases": {lay.name[a]: list(al) for a, al in pm._shards.aliases.items()},
+                "param_groups": groups, "has_optimizer": optimizer is not None}
+        sd["autopar"] = pickle.dumps(info)
+        sd["extra"] = pickle.dumps(extra)
     return sd
 
 
