@@ -55,44 +55,16 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
+from autopar.analysis.batch_linearity import (
+    CE, MEAN, NLL, NLL_FWD, Linearity, analyse, arg, fake_value, reduction_pos, set_arg, val,
+)
+
 aten = torch.ops.aten
 
 
 class MicrobatchLossError(ValueError):
     """The captured loss is not a sum of micro-batch terms (or its denominator cannot be
     computed): pipelining it would not train to the single-device numbers."""
-
-
-def _ops(*names: str) -> set:
-    out = set()
-    for n in names:
-        packet = getattr(aten, n, None)
-        if packet is None:
-            continue
-        for ov in packet.overloads():
-            out.add(getattr(packet, ov))
-    return out
-
-
-_CE = _ops("cross_entropy_loss")
-_NLL = _ops("nll_loss_nd", "nll_loss", "nll_loss2d")
-_NLL_FWD = _ops("nll_loss_forward", "nll_loss2d_forward")
-# reduction's position in the schema
-_POINTWISE = {op: pos for pos, names in ((2, ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
-                                              "kl_div", "soft_margin_loss")),
-                                         (3, ("binary_cross_entropy",)),
-                                         (4, ("binary_cross_entropy_with_logits",)))
-              for op in _ops(*names)}
-_MEAN = {aten.mean.default, aten.mean.dim}
-_SUM = {aten.sum.default, aten.sum.dim_IntList}
-# ops through which a partial (over micro-batches) value stays partial with any other
-# argument a non-tensor
-_LINEAR_UNARY = _ops("neg", "clone", "alias", "view", "reshape", "_unsafe_view", "squeeze",
-                     "unsqueeze", "expand", "to", "_to_copy", "detach", "contiguous",
-                     "select", "slice", "permute", "t", "transpose", "flatten", "lift_fresh_copy")
-_ADD = _ops("add", "sub")
-_MUL = _ops("mul")
-_DIV = _ops("div")
 
 
 @dataclass
@@ -123,144 +95,6 @@ class MicrobatchLoss:
         return [t.scale for t in self.terms]
 
 
-def _arg(node: fx.Node, pos: int, name: str, default=None):
-    if len(node.args) > pos:
-        return node.args[pos]
-    return node.kwargs.get(name, default)
-
-
-def _set_arg(node: fx.Node, pos: int, name: str, value) -> tuple[tuple, dict]:
-    args, kwargs = list(node.args), dict(node.kwargs)
-    if len(args) > pos:
-        args[pos] = value
-    else:
-        kwargs[name] = value
-    return tuple(args), kwargs
-
-
-def _reduction_pos(node: fx.Node) -> tuple[int, str] | None:
-    if node.target in _CE or node.target in _NLL or node.target in _NLL_FWD:
-        return 3, "reduction"
-    if node.target in _POINTWISE:
-        return _POINTWISE[node.target], "reduction"
-    return None
-
-
-def _val(n):
-    return n.meta.get("val") if isinstance(n, fx.Node) else n
-
-
-def _fake(node_target, args, kwargs, fake_mode):
-    vals = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
-    with fake_mode:
-        return node_target(*vals[0], **vals[1])
-
-
-def _full_reduction(node: fx.Node) -> bool:
-    """A sum / mean over every element of its input."""
-    if node.target in (aten.sum.default, aten.mean.default):
-        return True
-    x = node.args[0]
-    dims = _arg(node, 1, "dim")
-    nd = _val(x).ndim
-    if dims is None or dims == [] or dims == ():
-        return True
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    return sorted(d % max(nd, 1) for d in dims) == list(range(nd))
-
-
-def _reduces_dim0(node: fx.Node) -> bool:
-    dims = _arg(node, 1, "dim")
-    if dims is None:
-        return True
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    nd = max(_val(node.args[0]).ndim, 1)
-    return any(d % nd == 0 for d in dims)
-
-
-def _covers_dim0(node: fx.Node) -> bool:
-    """A sum / mean that reduces dim 0 of its (non-scalar) input."""
-    if _val(node.args[0]).ndim == 0:
-        return False
-    return _full_reduction(node) or _reduces_dim0(node)
-
-
-def _analyse(cap, g: fx.Graph):
-    """(state per node, the batch reductions, the (add/sub node, arg index) of constant terms
-    of the partial loss, the node where the partial loss stopped being one).
-
-    States: ``C`` (no batch), ``B`` (per micro-batch values), ``P`` (a sum over the batch,
-    partial over micro-batches). A ``P`` read non-linearly (``x - x.mean()`` inside the model,
-    ``exp(loss)``) is a per-micro-batch value again (``B``), as batch statistics are."""
-    inputs = set(cap.inputs)
-    st: dict[fx.Node, str] = {}
-    demoted: list[fx.Node] = []
-    for n in g.nodes:
-        if n.op == "placeholder":
-            st[n] = "B" if n.name in inputs else "C"
-            continue
-        if n.op != "call_function":
-            continue
-        t = n.target
-        tensors = [a for a in (n.args + tuple(n.kwargs.values())) if isinstance(a, fx.Node)]
-        tensors += [a for a in n.all_input_nodes if a not in tensors]
-        kinds = [st.get(a, "C") for a in tensors]
-        red = _reduction_pos(n)
-        if "P" not in kinds:
-            if "B" not in kinds:
-                st[n] = "C"
-            elif red is not None and _arg(n, red[0], red[1], 1) in (1, 2):
-                st[n] = "P"              # a loss reduced over its elements
-            elif (t in _SUM or t in _MEAN) and _covers_dim0(n):
-                st[n] = "P"
-            else:
-                st[n] = "B"
-            continue
-        if t in _SUM or t in _MEAN or t in _LINEAR_UNARY or t is operator.getitem:
-            ok = len(tensors) == 1
-        elif t in _MUL:
-            ok = kinds.count("P") == 1 and "B" not in kinds
-        elif t in _DIV:
-            ok = kinds[0] == "P" and all(k == "C" for k in kinds[1:])
-        elif t in _ADD:
-            ok = "B" not in kinds
-        else:
-            ok = False
-        st[n] = "P" if ok else "B"
-        if not ok:
-            demoted.append(n)
-    out = next(n for n in g.nodes if n.op == "output")
-    loss = out.args[0][0]
-    # the last place a partial sum stopped being one on the way to the loss
-    above: set[fx.Node] = set()
-    todo = [loss]
-    while todo:
-        a = todo.pop()
-        if a not in above:
-            above.add(a)
-            todo.extend(a.all_input_nodes)
-    lost = next((d for d in reversed(demoted) if d in above), None)
-    origins: list[fx.Node] = []
-    consts: list[tuple[fx.Node, int]] = []
-    seen: set[fx.Node] = set()
-    stack = [loss] if st.get(loss) == "P" else []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        ins = [a for a in n.all_input_nodes if st.get(a) == "P"]
-        if not ins:
-            origins.append(n)          # a reduction over the batch
-            continue
-        if n.target in _ADD:
-            consts += [(n, i) for i, a in enumerate(n.args[:2])
-                       if (isinstance(a, fx.Node) and st.get(a, "C") == "C")
-                       or (isinstance(a, (int, float)) and not isinstance(a, bool))]
-        stack.extend(ins)
-    return st, [n for n in g.nodes if n in set(origins)], consts, lost
-
-
 def rewrite(cap, m: int, model: torch.nn.Module | None = None):
     """Rewrite ``cap`` (captured at micro-batch size, ``m`` micro-batches a step) in place so
     that the sum over micro-batches of its loss is the loss of the global batch; returns
@@ -272,118 +106,133 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
     if not cap.has_loss or not cap.loss:
         return cap
     g = cap.gm.graph
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in g.nodes if n.op == "placeholder"])
-    state, origins, consts, lost = _analyse(cap, g)
+    found = analyse(cap, g)
     loss = next(n for n in g.nodes if n.op == "output").args[0][0]
-    if state.get(loss) != "P":
-        if state.get(loss) == "C":
-            spec.error = f"the loss {loss.name} does not depend on the batch"
-        elif lost is not None:
-            spec.error = (f"{lost.name} ({lost.target}) reads a sum over the batch in a way that is "
-                          "not linear: the sum over micro-batches of the loss is not the global "
-                          "batch's; write the loss as sums and means over samples")
-        else:
-            spec.error = f"the loss {loss.name} is not a sum or a mean over the samples of the batch"
+    if found.state.get(loss) != "P":
+        spec.error = _why_not_partial(loss, found)
         return cap
-    last_ph = [n for n in g.nodes if n.op == "placeholder"][-1]
-    den_outputs: list[fx.Node] = []
-    k = 0
-
-    def new_scale(shape, dtype, device) -> fx.Node:
-        nonlocal last_ph, k
-        with g.inserting_after(last_ph):
-            ph = g.placeholder(f"loss_scale_{k}" if k else "loss_scale")
-        k += 1
-        with fake_mode:
-            ph.meta["val"] = torch.empty(shape, dtype=dtype, device=device)   # meta models: meta
-        last_ph = ph
-        return ph
-
-    def call(target, args, kwargs, like: fx.Node, before: fx.Node) -> fx.Node:
-        with g.inserting_before(before):
-            n = g.call_function(target, args, kwargs)
-        n.meta["val"] = _fake(target, args, kwargs, fake_mode)
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in like.meta:
-                n.meta[key] = like.meta[key]
-        return n
-
-    for node, i in consts:               # P + c: each micro-batch adds c / m
-        args = list(node.args)
-        a = args[i]
-        if isinstance(a, fx.Node):
-            args[i] = call(aten.div.Tensor, (a, m), {}, node, node)
-        else:
-            args[i] = a / m
-        node.args = tuple(args)
-
-    for node in origins:
-        red = _reduction_pos(node)
-        if red is not None:
-            if _arg(node, red[0], red[1], 1) != 1:
-                continue                 # a sum: already its micro-batch's term
-            users = list(node.users)
-            if node.target in _NLL_FWD:
-                if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
-                    spec.error = (f"{node.name} ({node.target}): its total_weight output is read; "
-                                  "only the loss output can be split into micro-batches")
-                    continue
-            args, kwargs = _set_arg(node, red[0], red[1], 0)
-            target = aten.nll_loss_nd.default if node.target in _NLL_FWD else node.target
-            per = call(target, args, kwargs, node, node)
-            shape, dtype = tuple(per.meta["val"].shape), per.meta["val"].dtype
-            if not shape:
-                spec.error = (f"{node.name} ({node.target}): a mean over one sample does not "
-                              "split into micro-batches")
-                g.erase_node(per)
-                continue
-            class_index = ((node.target in _CE or node.target in _NLL or node.target in _NLL_FWD)
-                           and not _val(node.args[1]).dtype.is_floating_point)
-            term = LossTerm(node.name, "", shape, dtype, "class" if class_index else "elements",
-                            count=_numel(shape))
-            if class_index:
-                term.ignore_index = int(_arg(node, 4, "ignore_index", -100))
-                weight = _arg(node, 2, "weight")
-                term.outputs = (len(den_outputs), len(den_outputs) + 1 if weight is not None else -1)
-                den_outputs.append(node.args[1])
-                if weight is not None:
-                    den_outputs.append(weight)
-            scale = new_scale(shape, dtype, per.meta["val"].device)
-            term.scale = scale.name
-            mul = call(aten.mul.Tensor, (per, scale), {}, node, node)
-            out = call(aten.sum.default, (mul,), {}, node, node)
-            if node.target in _NLL_FWD:
-                for u in users:
-                    u.replace_all_uses_with(out)
-                    g.erase_node(u)
-            else:
-                node.replace_all_uses_with(out)
-            g.erase_node(node)
-            spec.terms.append(term)
-        elif node.target in _MEAN:
-            x = node.args[0]
-            shape, dtype = tuple(_val(x).shape), node.meta["val"].dtype
-            count = _numel(shape) // max(_numel(node.meta["val"].shape), 1)   # elements per mean
-            scale = new_scale(shape, dtype, _val(x).device)
-            spec.terms.append(LossTerm(node.name, scale.name, shape, dtype, "elements", count=count))
-            mul = call(aten.mul.Tensor, (x, scale), {}, node, node)
-            if node.target is aten.mean.dim:
-                args = (mul,) + tuple(node.args[1:])
-                out = call(aten.sum.dim_IntList, args, dict(node.kwargs), node, node)
-            else:
-                out = call(aten.sum.default, (mul,), dict(node.kwargs), node, node)
-            node.replace_all_uses_with(out)
-            g.erase_node(node)
-
+    r = _Rewriter(g, spec, m)
+    for node, i in found.consts:         # P + c: each micro-batch adds c / m
+        r.divide_constant(node, i)
+    for node in found.origins:
+        if reduction_pos(node) is not None:
+            r.loss_op(node)
+        elif node.target in MEAN:
+            r.mean(node)
     g.lint()
     cap.gm.recompile()
     cap.inputs = list(cap.inputs) + spec.scale_inputs
     out_node = next(n for n in g.nodes if n.op == "output")
     cap.loss = out_node.args[0][0].name
     cap.__post_init__()
-    if den_outputs and not spec.error:
-        _denominator_graph(cap, spec, den_outputs, model)
+    if r.den_outputs and not spec.error:
+        _denominator_graph(cap, spec, r.den_outputs, model)
     return cap
+
+
+def _why_not_partial(loss: fx.Node, found: Linearity) -> str:
+    if found.state.get(loss) == "C":
+        return f"the loss {loss.name} does not depend on the batch"
+    if found.lost is not None:
+        return (f"{found.lost.name} ({found.lost.target}) reads a sum over the batch in a way "
+                "that is not linear: the sum over micro-batches of the loss is not the global "
+                "batch's; write the loss as sums and means over samples")
+    return f"the loss {loss.name} is not a sum or a mean over the samples of the batch"
+
+
+class _Rewriter:
+    """The edits of :func:`rewrite` on graph ``g``: new scale inputs, new nodes with their
+    fake values and the module metadata of the node they replace."""
+
+    def __init__(self, g: fx.Graph, spec: MicrobatchLoss, m: int):
+        self.g, self.spec, self.m = g, spec, m
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in g.nodes if n.op == "placeholder"])
+        self.last_ph = [n for n in g.nodes if n.op == "placeholder"][-1]
+        self.den_outputs: list[fx.Node] = []     # targets and weights the denominators read
+
+    def new_scale(self, shape, dtype, device) -> fx.Node:
+        k = len(self.spec.terms)
+        with self.g.inserting_after(self.last_ph):
+            ph = self.g.placeholder(f"loss_scale_{k}" if k else "loss_scale")
+        with self.fake_mode:
+            ph.meta["val"] = torch.empty(shape, dtype=dtype, device=device)   # meta models: meta
+        self.last_ph = ph
+        return ph
+
+    def call(self, target, args, kwargs, like: fx.Node) -> fx.Node:
+        """A new node computing ``target(*args, **kwargs)`` just before ``like``."""
+        with self.g.inserting_before(like):
+            n = self.g.call_function(target, args, kwargs)
+        n.meta["val"] = fake_value(target, args, kwargs, self.fake_mode)
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in like.meta:
+                n.meta[key] = like.meta[key]
+        return n
+
+    def divide_constant(self, node: fx.Node, i: int) -> None:
+        args = list(node.args)
+        a = args[i]
+        args[i] = self.call(aten.div.Tensor, (a, self.m), {}, node) if isinstance(a, fx.Node) else a / self.m
+        node.args = tuple(args)
+
+    def loss_op(self, node: fx.Node) -> None:
+        """A loss op reducing by mean becomes ``sum(loss_none * scale)``; sums stay."""
+        red = reduction_pos(node)
+        if arg(node, red[0], red[1], 1) != 1:
+            return                        # a sum: already its micro-batch's term
+        users = list(node.users)
+        nll_fwd = node.target in NLL_FWD
+        if nll_fwd and any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
+            self.spec.error = (f"{node.name} ({node.target}): its total_weight output is read; "
+                               "only the loss output can be split into micro-batches")
+            return
+        args, kwargs = set_arg(node, red[0], red[1], 0)
+        per = self.call(aten.nll_loss_nd.default if nll_fwd else node.target, args, kwargs, node)
+        shape, dtype = tuple(per.meta["val"].shape), per.meta["val"].dtype
+        if not shape:
+            self.spec.error = (f"{node.name} ({node.target}): a mean over one sample does not "
+                               "split into micro-batches")
+            self.g.erase_node(per)
+            return
+        term = self._term(node, shape, dtype)
+        scale = self.new_scale(shape, dtype, per.meta["val"].device)
+        term.scale = scale.name
+        out = self.call(aten.sum.default, (self.call(aten.mul.Tensor, (per, scale), {}, node),), {}, node)
+        for u in users if nll_fwd else ():
+            u.replace_all_uses_with(out)
+            self.g.erase_node(u)
+        if not nll_fwd:
+            node.replace_all_uses_with(out)
+        self.g.erase_node(node)
+        self.spec.terms.append(term)
+
+    def _term(self, node: fx.Node, shape, dtype) -> LossTerm:
+        class_index = (node.target in CE or node.target in NLL or node.target in NLL_FWD) \
+            and not val(node.args[1]).dtype.is_floating_point
+        term = LossTerm(node.name, "", shape, dtype, "class" if class_index else "elements",
+                        count=_numel(shape))
+        if class_index:
+            term.ignore_index = int(arg(node, 4, "ignore_index", -100))
+            weight = arg(node, 2, "weight")
+            n = len(self.den_outputs)
+            term.outputs = (n, n + 1 if weight is not None else -1)
+            self.den_outputs += [node.args[1]] + ([weight] if weight is not None else [])
+        return term
+
+    def mean(self, node: fx.Node) -> None:
+        """``mean(x)`` over the batch becomes ``sum(x * scale)`` over the same dims."""
+        x = node.args[0]
+        shape, dtype = tuple(val(x).shape), node.meta["val"].dtype
+        count = _numel(shape) // max(_numel(node.meta["val"].shape), 1)   # elements per mean
+        scale = self.new_scale(shape, dtype, val(x).device)
+        self.spec.terms.append(LossTerm(node.name, scale.name, shape, dtype, "elements", count=count))
+        mul = self.call(aten.mul.Tensor, (x, scale), {}, node)
+        if node.target is aten.mean.dim:
+            out = self.call(aten.sum.dim_IntList, (mul,) + tuple(node.args[1:]), dict(node.kwargs), node)
+        else:
+            out = self.call(aten.sum.default, (mul,), dict(node.kwargs), node)
+        node.replace_all_uses_with(out)
+        self.g.erase_node(node)
 
 
 def _numel(shape) -> int:
