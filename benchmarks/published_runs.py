@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -44,8 +44,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
 from examples.base import Example, lm_loss  # noqa: E402
-from dataclasses import replace  # noqa: E402
-
 from autopar.cost_models.devices import Cluster  # noqa: E402
 from autopar.cost_models.gpus import DEVICES, NODES  # noqa: E402
 from autopar.cost_models.step import HOST_OVERHEAD_S, optimizer_step_time  # noqa: E402
