@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.runtime.dcp_state import FORMAT, MODEL, load_plan, save_state
+from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["save_checkpoint", "load_checkpoint", "export_checkpoint", "import_state_dict",
            "CheckpointError"]
@@ -32,7 +33,6 @@ class CheckpointError(ValueError):
 
 
 def _check_module(pm) -> None:
-    from autopar.runtime.parallel_module import ParallelModule
     if not isinstance(pm, ParallelModule):
         raise TypeError(f"expected the ParallelModule autopar.parallelize returned, got "
                         f"{type(pm).__name__}")

@@ -20,6 +20,7 @@ import click
 
 from autopar import verify as verify_mod, viz as viz_mod
 from autopar.capture import CaptureError, capture
+from autopar.checkpoint import export_checkpoint, import_state_dict
 from autopar.cli_args import (  # noqa: F401 - _CAPTURED, parse_* and USER_ERRORS: importable from here
     _CAPTURED, USER_ERRORS, Example, Failed, UserError, _console, _one_line, _progress,
     build_example, capture_for, factory_options, load_factory, load_plan, parse_bytes,
@@ -385,7 +386,6 @@ def checkpoint():
 @click.option("-o", "--output", required=True, help="the state dict file to write (torch.save)")
 def checkpoint_export(path, output):
     """Write a checkpoint's model tensors as one state dict that model.load_state_dict accepts."""
-    from autopar.checkpoint import export_checkpoint
     sd = export_checkpoint(path, output)
     _console().print(f"wrote {len(sd)} tensors to {output}")
 
@@ -396,7 +396,6 @@ def checkpoint_export(path, output):
 def checkpoint_import(state_dict, output):
     """Write a torch.save'd state dict as a checkpoint that autopar.load_checkpoint reads
     into any plan."""
-    from autopar.checkpoint import import_state_dict
     import_state_dict(state_dict, output)
     _console().print(f"wrote checkpoint {output}")
 
