@@ -16,11 +16,7 @@ Single process: the rewritten graph run per micro-batch and summed equals the or
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,6 +25,7 @@ from torch import nn
 
 from autopar.analysis.microbatch_loss import MicrobatchLossError, denominator_inputs, rewrite
 from autopar.capture import capture
+from launch import torchrun_cases
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,20 +53,8 @@ def _id(loss: str, mode: str) -> str:
 
 
 def _torchrun(nproc: int, cases: list[dict], tmp) -> tuple[dict, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp / f"losses_{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           os.path.join(HERE, "loss_worker.py"), json.dumps(cases), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_CASE_TIMEOUT": "120"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    results = json.loads(out.read_text()) if out.exists() else []
-    noise = ("FutureWarning", "return func(")
-    log = "\n".join(x for x in proc.stderr.splitlines() if not any(w in x for w in noise))
-    failed = "" if proc.returncode == 0 else f"torchrun failed ({proc.returncode}):\n{log[-8000:]}"
-    return {r["case"]["id"]: r for r in results}, failed
+    return torchrun_cases("loss_worker.py", nproc, cases, tmp / f"losses_{nproc}.json",
+                          timeout=600, case_timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
 import autopar
 from autopar.plan import Plan
+from launch import torchrun_cases
 from examples.models import EXAMPLES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,22 +79,8 @@ def _cases(nproc: int, tmp) -> list[dict]:
 
 
 def _torchrun(nproc: int, cases: list[dict], tmp) -> tuple[dict, str]:
-    """Run ``cases`` on ``nproc`` gloo ranks: (result by case id, the launch's stderr tail if
-    it failed). A hang ends at the worker's per-case watchdog with every rank's stack."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp / f"pipeline_{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           os.path.join(HERE, "pipeline_worker.py"), json.dumps(cases), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_CASE_TIMEOUT": "120"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    results = json.loads(out.read_text()) if out.exists() else []
-    noise = ("FutureWarning", "return func(")
-    log = "\n".join(x for x in proc.stderr.splitlines() if not any(w in x for w in noise))
-    failed = "" if proc.returncode == 0 else f"torchrun failed ({proc.returncode}):\n{log[-8000:]}"
-    return {r["case"]["id"]: r for r in results}, failed
+    return torchrun_cases("pipeline_worker.py", nproc, cases, tmp / f"pipeline_{nproc}.json",
+                          timeout=900, case_timeout=120)
 
 
 @pytest.fixture(scope="module")

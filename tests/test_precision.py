@@ -25,10 +25,7 @@ Tolerances (bf16 keeps 8 bits of mantissa: unit roundoff 2^-8 = 3.9e-3):
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -42,6 +39,7 @@ from autopar.runtime.precision import LossScaler
 from autopar.runtime.thread_ranks import simulate
 from autopar.solver.flat import plan_captured
 from autopar.solver.pins import check_pins
+from launch import torchrun_cases
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -158,18 +156,8 @@ def test_zero3_gathers_in_bf16_only_for_low_precision_uses():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("precision")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp / "precision.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           os.path.join(HERE, "precision_worker.py"), json.dumps(CASES), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_CASE_TIMEOUT": "200"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    got = json.loads(out.read_text()) if out.exists() else []
-    failed = "" if proc.returncode == 0 else f"torchrun failed ({proc.returncode}):\n{proc.stderr[-8000:]}"
-    return {r["case"]["id"]: r for r in got}, failed
+    return torchrun_cases("precision_worker.py", 2, CASES, tmp / "precision.json",
+                          timeout=900, case_timeout=200)
 
 
 def _result(results, case_id):

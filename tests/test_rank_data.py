@@ -7,13 +7,14 @@ gives it; the run equals one device on the concatenated batch (forward outputs, 
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
 
 import pytest
+
+from launch import torchrun_cases
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,18 +30,8 @@ MATRIX = [(f"{loss}-{cid}", n, pins, w, loss) for cid, n, pins, w in CASES for l
 
 
 def _torchrun(nproc: int, cases: list[dict], tmp) -> tuple[dict, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp / f"rank_data_{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           os.path.join(HERE, "rank_data_worker.py"), json.dumps(cases), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_CASE_TIMEOUT": "120"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    results = json.loads(out.read_text()) if out.exists() else []
-    failed = "" if proc.returncode == 0 else f"torchrun failed ({proc.returncode}):\n{proc.stderr[-8000:]}"
-    return {r["case"]["id"]: r for r in results}, failed
+    return torchrun_cases("rank_data_worker.py", nproc, cases, tmp / f"rank_data_{nproc}.json",
+                          timeout=600, case_timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,35 @@
+"""Launch many cases in one torchrun job (every case of a world size shares one spawn):
+each worker script runs ``worker_loop.run_cases`` and rank 0 writes one result per case."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NOISE = ("FutureWarning", "return func(")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cases(worker: str, nproc: int, cases: list[dict], out: Path, *,
+                   timeout: float = 600, case_timeout: int = 120) -> tuple[dict, str]:
+    """Run ``cases`` through ``tests/<worker>`` on ``nproc`` gloo ranks: (result by case id,
+    the launch's stderr tail if it failed). A hang ends at the worker's per-case watchdog
+    (``case_timeout`` seconds) with every rank's stack."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(HERE, worker), json.dumps(cases), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_CASE_TIMEOUT": str(case_timeout)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    results = json.loads(Path(out).read_text()) if Path(out).exists() else []
+    log = "\n".join(x for x in proc.stderr.splitlines() if not any(w in x for w in NOISE))
+    failed = "" if proc.returncode == 0 else f"torchrun failed ({proc.returncode}):\n{log[-8000:]}"
+    return {r["case"]["id"]: r for r in results}, failed
