@@ -2,7 +2,7 @@
 
 The layers, bottom to top (a module may import its own layer and the ones below):
 
-    bottom    placement, ops (collectives, local ops, stage ops), schedule, device
+    bottom    placement, ops (collectives, local ops, stage ops), schedule, device, errors
     data      capture, plan (+ plan_schema, report), cost_models, analysis
     rules     sharding
     deciding  solver (ILP, stage DP, pipeline search, the one driver)
@@ -25,7 +25,8 @@ SOURCES = {"autopar": ROOT / "autopar", "autopar.cost_models": ROOT / "cost_mode
            "autopar.passes": ROOT / "passes"}
 
 LAYERS = [
-    ("bottom", ["autopar.placement", "autopar.ops", "autopar.schedule", "autopar.device"]),
+    ("bottom", ["autopar.placement", "autopar.ops", "autopar.schedule", "autopar.device",
+                "autopar.errors"]),
     ("data", ["autopar.capture", "autopar.plan", "autopar.plan_schema", "autopar.report",
               "autopar.cost_models", "autopar.analysis"]),
     ("rules", ["autopar.sharding"]),

@@ -1,0 +1,26 @@
+"""The errors that mean "what you passed is wrong", as opposed to a bug in autopar.
+
+Every error autopar raises about its user's input (a model it cannot capture, a pin it
+cannot honour, a plan file it cannot read, a batch of another shape, a checkpoint of another
+model) is an :class:`AutoparInputError`, whose message names the thing that is wrong and how
+to fix it. The ``autopar`` command exits 2 on these and prints that one line; any other
+exception escaping a command is a bug in autopar (exit 3, with the traceback).
+
+The subclasses live next to the code that raises them (``PlanError`` in
+``autopar.plan_schema``, ``CaptureError`` in ``autopar.capture``, ``CheckpointError`` in
+``autopar.checkpoint``, ``PinError`` and ``InfeasibleError`` in ``autopar.solver``, ...);
+this module is at the bottom of the package so that all of them can derive from it.
+"""
+from __future__ import annotations
+
+__all__ = ["AutoparInputError", "ArgumentError"]
+
+
+class AutoparInputError(ValueError):
+    """Bad input from the user of autopar; the message says what and how to fix it."""
+
+
+class ArgumentError(AutoparInputError, TypeError):
+    """An argument of a public call (``autopar.plan``, ``autopar.parallelize``,
+    ``pm.train_step``, ``pm.load_full_state_dict``, ...) of the wrong kind, type or shape.
+    Also a ``TypeError``, as Python reports a call with arguments of the wrong kind."""
