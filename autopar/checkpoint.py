@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from autopar.errors import AutoparInputError
 from autopar.runtime.dcp_state import FORMAT, MODEL, load_plan, save_state
 from autopar.runtime.parallel_module import ParallelModule
 
@@ -28,7 +29,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "export_checkpoint", "import_st
            "CheckpointError"]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(AutoparInputError):
     """A checkpoint path that is missing or is not an autopar / DCP checkpoint."""
 
 

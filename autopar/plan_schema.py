@@ -10,8 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from autopar.errors import AutoparInputError
 
-class PlanError(ValueError):
+
+class PlanError(AutoparInputError):
     """A plan file or plan object is malformed or does not fit the model / world."""
 
 

@@ -15,9 +15,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.capture import layer_of
+from autopar.errors import AutoparInputError
 
 
-class RecomputeError(ValueError):
+class RecomputeError(AutoparInputError):
     """A recompute= request names no layer, or a layer that cannot be recomputed."""
 
 

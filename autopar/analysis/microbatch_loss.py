@@ -58,11 +58,12 @@ from torch._guards import detect_fake_mode
 from autopar.analysis.batch_linearity import (
     CE, MEAN, NLL, NLL_FWD, Linearity, analyse, arg, fake_value, reduction_pos, set_arg, val,
 )
+from autopar.errors import AutoparInputError
 
 aten = torch.ops.aten
 
 
-class MicrobatchLossError(ValueError):
+class MicrobatchLossError(AutoparInputError):
     """The captured loss is not a sum of micro-batch terms (or its denominator cannot be
     computed): pipelining it would not train to the single-device numbers."""
 

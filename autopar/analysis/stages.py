@@ -16,10 +16,11 @@ import torch
 from torch.fx import Graph, Node
 
 from autopar.capture import Captured
+from autopar.errors import AutoparInputError
 from autopar.placement import local_shape
 
 
-class SplitError(ValueError):
+class SplitError(AutoparInputError):
     """The graph cannot be cut as asked."""
 
 

@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+from autopar.errors import AutoparInputError
 
-class CaptureError(RuntimeError):
+
+class CaptureError(AutoparInputError, RuntimeError):
     """The model could not be captured as a graph."""
 
 

@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
+from autopar.errors import AutoparInputError
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import INF, CostModel, grad_partial_flags
 from autopar.solver.prices import PriceTable, price_table
 from autopar.solver.problem import Problem
 
 
-class InfeasibleError(ValueError):
+class InfeasibleError(AutoparInputError):
     """No plan fits the memory budget."""
 
 

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from autopar.capture import Captured, layer_of
+from autopar.errors import AutoparInputError
 from autopar.placement import Replicate, Shard, local_shape
 from autopar.sharding.registry import (
     OpCall, Strategy, TensorMeta, make_call, mesh_strategies,
@@ -87,7 +88,7 @@ class Problem:
     optimizer_states: int           # optimizer tensors per parameter (AdamW: 2)
 
 
-class PinError(ValueError):
+class PinError(AutoparInputError):
     """A pin cannot be honoured for this model and mesh."""
 
 

@@ -7,12 +7,13 @@ from typing import Sequence
 
 import numpy as np
 
+from autopar.errors import AutoparInputError
 from autopar.schedule import torch_schedule_class
 
 __all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit"]
 
 
-class StagesDoNotFit(ValueError):
+class StagesDoNotFit(AutoparInputError):
     """No cut of the chain into stages fits the memory limit (``plan_stages``)."""
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from autopar.analysis.layers import recompute_nodes
 from autopar.capture import Captured
 from autopar.cost_models.hardware import parse_cluster
+from autopar.errors import AutoparInputError
 from autopar.placement import parse_placements, placements_str
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
@@ -60,7 +61,7 @@ class Explanation:
         return next((o for o in self.options if o.chosen), None)
 
 
-class UnknownNode(ValueError):
+class UnknownNode(AutoparInputError):
     pass
 
 
