@@ -18,7 +18,8 @@ from autopar.report import plan_summary
 
 PLAN_VERSION = 2
 """2: the pipeline is one optional part (``Plan.pipeline``) of the one plan. Version 1
-files (the pipeline's fields at the top level) are read and converted on load."""
+files (the pipeline's fields at the top level) are read and converted on load. The
+optional ``accumulate`` field (gradient accumulation) reads as 1 where a file lacks it."""
 
 __all__ = ["PLAN_VERSION", "Estimate", "NodePlacement", "Pipeline", "Plan", "PlanError",
            "SolverReport"]
@@ -111,6 +112,10 @@ class Plan:
     inputs: tuple[str, ...] = ()                                 # user inputs, then the target
     recompute: tuple[str, ...] = ()          # layers run again in backward ("transformer.h.0")
     pipeline: Pipeline | None = None         # None: one stage, no pipeline axis
+    accumulate: int = 1
+    """Without a pipeline: micro-batches per step (gradient accumulation). The graph is
+    captured at micro-batch size; each micro-batch runs forward and backward, gradients
+    are synchronised once per step. 1 under a pipeline (``pipeline.n_microbatches``)."""
     version: int = PLAN_VERSION
 
     # ---- the pipeline part, read flat (one stage when there is none) --------------------
@@ -124,7 +129,8 @@ class Plan:
 
     @property
     def n_microbatches(self) -> int:
-        return self.pipeline.n_microbatches if self.pipeline else 1
+        """Micro-batches per step: the pipeline's, else the accumulation's (1: none)."""
+        return self.pipeline.n_microbatches if self.pipeline else self.accumulate
 
     @property
     def schedule(self) -> str:
@@ -165,6 +171,11 @@ class Plan:
                 raise PlanError(f"plan field pipeline.stages: {pipe['stages']} pipeline stages need "
                                 f"a leading mesh axis 'pipeline' of that size; the mesh is "
                                 f"{d['mesh_shape']} {d['mesh_axes']}")
+            accumulate = int(d.get("accumulate", 1))
+            if pipe and accumulate != 1:
+                raise PlanError(f"plan field accumulate: {accumulate} micro-batches of gradient "
+                                "accumulation beside a pipeline part; a pipeline's micro-batches "
+                                "are pipeline.n_microbatches (set accumulate to 1)")
             return cls(
                 world_size=int(d["world_size"]), mesh_shape=tuple(int(n) for n in d["mesh_shape"]),
                 mesh_axes=tuple(d["mesh_axes"]), cluster=str(d["cluster"]), pins=dict(d["pins"]),
@@ -174,7 +185,8 @@ class Plan:
                 param_shapes={k: list(v) for k, v in d.get("param_shapes", {}).items()},
                 node_ops=dict(d.get("node_ops", {})), inputs=tuple(d.get("inputs", ())),
                 recompute=tuple(d.get("recompute", ())),
-                pipeline=Pipeline(**pipe) if pipe else None, version=PLAN_VERSION)
+                pipeline=Pipeline(**pipe) if pipe else None, accumulate=accumulate,
+                version=PLAN_VERSION)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise

@@ -59,6 +59,7 @@ SCHEMA: dict[str, Any] = {
         "node_ops": {"type": "object", "additionalProperties": _STR},
         "inputs": _STRS,
         "recompute": _STRS,
+        "accumulate": {"type": "integer", "minimum": 1},
         "pipeline": {"type": ["object", "null"],
                      "required": ["stages", "virtual_stages", "n_microbatches", "schedule", "stage_cuts"],
                      "properties": {"stages": {"type": "integer", "minimum": 1},

@@ -62,7 +62,8 @@ def test_pipeline_one_means_no_pipeline():
     p = plan(ex, "cpu:2", pipeline=1)
     assert p.pipeline_stages == 1 and p.mesh_axes[0] != "pipeline" and p.pins == {"pipeline": 1}
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
-        plan(ex, "cpu:2", pipeline=1, micro_batch_size=2)
+        plan(ex, "cpu:2", pipeline=1, schedule="gpipe")
+    # micro_batch_size= without a pipeline is gradient accumulation (tests/test_accumulate.py)
 
 
 # ---- the estimate --------------------------------------------------------------------------

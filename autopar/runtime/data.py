@@ -68,8 +68,8 @@ class RankData:
             raise ValueError(f"batch={batch!r}: use 'global' (every rank passes the global "
                              "batch) or 'per_rank' (each data rank passes its slice)")
         self.mode, self._comm, self._cap = batch, comm, cap
-        # a pipeline's graph is captured for one micro-batch
-        self._micro = plan.n_microbatches if plan.pipeline_stages > 1 else 1
+        # a pipeline's graph (or an accumulating plan's) is captured for one micro-batch
+        self._micro = plan.n_microbatches
         self.axes = data_axes(plan, cap) if batch == "per_rank" else ()
         sizes = [plan.mesh_shape[a] for a in self.axes]
         self.world = math.prod(sizes)

@@ -5,7 +5,8 @@ gradient sync, checkpoints.
 ``module.<name>``, so ``pm.parameters()`` feeds any torch optimizer), the rewritten programs
 (training: returns the global loss; forward: returns the model's outputs, replicated) and
 the communicator. An unpipelined plan is one stage, run here directly
-(:class:`OneStage`); a pipelined plan's stages are run by
+(:class:`OneStage`, micro-batch by micro-batch under gradient accumulation); a pipelined
+plan's stages are run by
 ``autopar.runtime.pipeline_runner.PipelineRunner``. Parameter sharding, state dicts, the
 once-per-step gradient sync (``autopar.runtime.grad_sync``) and input checks are the same
 for both.
@@ -17,10 +18,12 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.pipelining.microbatch import merge_chunks
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from autopar.analysis.layers import layer_members
+from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.capture import Captured
 from autopar.ops.collectives import regathered_weights
 from autopar.ops.comm import Comm, use_comm
@@ -35,45 +38,96 @@ from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
 from autopar.runtime.shards import Shards, get_tensor, set_tensor, shard_model
+from autopar.runtime.weights import load_weights
+from autopar.runtime.zero import (
+    OptimizerShards, ZeroGradSync, optimizer_sharded, stored_shards, working_plan,
+)
 
 
 class OneStage:
-    """An unpipelined plan: one stage running the whole per-rank program, no micro-batches."""
+    """An unpipelined plan: one stage running the whole per-rank program; under gradient
+    accumulation (``plan.accumulate = k > 1``, the graph captured at micro-batch size) once
+    per micro-batch, forward and backward, gradients accumulating.
+
+    The step's gradient sync begins with the last micro-batch: the hooks of
+    :meth:`GradSync.launch_on_accumulate` fire in every backward but launch reductions only
+    in the last one, overlapped with it; so gradients are summed over ranks once per step.
+    Each micro-batch's loss is its term of the global batch's (its means divide by the
+    global denominator, fed by ``analysis.microbatch_loss.denominator_inputs``), so the
+    step's loss is their sum and nothing is divided by ``k``."""
 
     pp_rank = 0
     device, dtype, loss_scale = None, None, None    # mixed precision (set by ParallelModule)
 
     def __init__(self, cap: Captured, programs: dict[str, GraphModule], loss_fn: Callable | None,
-                 shards: Shards):
+                 shards: Shards, n_microbatches: int = 1):
         self.programs = programs        # "train" (when the loss is captured), "forward"
         self._cap, self._loss_fn, self._shards = cap, loss_fn, shards
         self._out_spec = model_out_spec(cap)
+        self.n_microbatches = n_microbatches
+        if n_microbatches > 1 and "train" not in programs:
+            raise ValueError("gradient accumulation needs the loss in the graph: pass loss_fn and "
+                             "target= (each micro-batch's loss is its term of the global batch's)")
 
     def owners(self) -> dict[str, list[int]]:
         return {attr: [0] for attr in self._shards.placements}
 
     def train(self, inputs: tuple, target, sync: GradSync, params, owners) -> torch.Tensor:
-        sync.begin()
+        k = self.n_microbatches
+        total = None
         try:
-            with autocast(self.device, self.dtype):     # forward only; backward outside autocast
-                if "train" in self.programs:
-                    extra = (target,) if self._cap.takes_target else ()
-                    loss = self.programs["train"](*inputs, *extra)
-                elif self._loss_fn is not None:
-                    loss = self._loss_fn(pytree.tree_unflatten(self.forward(inputs), self._out_spec), target)
-                else:
-                    loss = self.forward(inputs)[0]
-            (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
+            for i, (mb_inputs, mb_target, scales) in enumerate(self._microbatches(inputs, target)):
+                if i == k - 1:
+                    sync.begin()        # the step's reductions run in the last backward
+                loss = self._loss(mb_inputs, mb_target, scales)
+                (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
+                total = loss.detach() if total is None else total + loss.detach()
         except BaseException:
             sync.abort()
             raise
         with torch.no_grad():
             sync.finish()
-        return loss.detach()
+        return total
+
+    def _loss(self, inputs: tuple, target, scales: tuple) -> torch.Tensor:
+        with autocast(self.device, self.dtype):     # forward only; backward outside autocast
+            if "train" in self.programs:
+                extra = (target,) if self._cap.takes_target else ()
+                return self.programs["train"](*inputs, *extra, *scales)
+            if self._loss_fn is not None:
+                return self._loss_fn(pytree.tree_unflatten(self.forward(inputs), self._out_spec), target)
+            return self.forward(inputs)[0]
+
+    def _microbatches(self, inputs: tuple, target):
+        """(inputs, target, loss scale inputs) of each micro-batch of the global batch."""
+        k = self.n_microbatches
+        if k == 1:
+            return [(inputs, target, ())]
+        scales = tuple(t.to(self.device) for t in denominator_inputs(self._cap, inputs, target, k))
+        n, has_t = len(inputs), target is not None
+        given = tuple(inputs) + ((target,) if has_t else ()) + scales
+        return [(mb[:n], mb[n] if has_t else None, mb[n + has_t:]) for mb in self._split(given)]
+
+    def _split(self, tensors: tuple) -> list[tuple]:
+        """The ``k`` micro-batches of ``tensors`` (along dim 0), each a tuple like it."""
+        k = self.n_microbatches
+        names = list(self._cap.inputs)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.ndim == 0 or t.shape[0] % k:
+                name = names[i] if i < len(names) else f"input {i}"
+                raise ValueError(f"the batch of input {name!r} ({tuple(getattr(t, 'shape', ()))}) "
+                                 f"does not divide into {k} micro-batches (the plan accumulates "
+                                 f"{k}); pass the global batch the plan was made for")
+        parts = [t.tensor_split(k, dim=0) for t in tensors]
+        return [tuple(p[j] for p in parts) for j in range(k)]
 
     def forward(self, inputs: tuple) -> list:
         with autocast(self.device, self.dtype):
-            return list(self.programs["forward"](*inputs))
+            if self.n_microbatches == 1:
+                return list(self.programs["forward"](*inputs))
+            # the graph is one micro-batch's: run each, join the outputs along the batch
+            outs = [list(self.programs["forward"](*mb)) for mb in self._split(tuple(inputs))]
+        return list(merge_chunks(outs, None))
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         return t
@@ -85,10 +139,12 @@ class OneStage:
 class ParallelModule(nn.Module):
     """A model parallelized by a Plan. Build it with ``autopar.parallelize`` (or
     ``autopar.runtime.build``). ``comm`` is this rank's communicator on the plan's whole
-    mesh; under a pipeline, axis 0 is the pipeline axis."""
+    mesh; under a pipeline, axis 0 is the pipeline axis. ``weights``: a weights source
+    (``autopar.runtime.weights``) the local shards are read from; ``model`` may then be on
+    the meta device."""
 
     def __init__(self, cap: Captured, plan: Plan, comm: Comm, model: nn.Module,
-                 loss_fn: Callable | None = None, batch: str = "global"):
+                 loss_fn: Callable | None = None, batch: str = "global", weights=None):
         super().__init__()
         self.plan, self.comm, self._cap = plan, comm, cap
         self.device = comm.device
@@ -101,15 +157,22 @@ class ParallelModule(nn.Module):
         # inside a stage every collective runs on the stage's own mesh (without the pipeline axis)
         self._stage_comm = comm.inner() if pipelined else comm
         splan = stage_plan(plan) if pipelined else plan
-        root, shards = shard_model(cap, splan, self._stage_comm.coord, model, self.device)
+        if optimizer_sharded(plan):
+            # ZeRO-1/2 (autopar.runtime.zero): the programs run on working parameters,
+            # replicated over the data axis; the module keeps the plan's shards of them
+            plan = working_plan(plan)
+        run_splan = stage_plan(plan) if pipelined else plan
+        root, shards = shard_model(cap, run_splan, self._stage_comm.coord, model, self.device,
+                                   meta_ok=weights is not None)
+        shards = stored_shards(shards, splan)
         self._shards, self._stage_mesh = shards, tuple(splan.mesh_shape)
-        programs, grad_axes = self._programs(cap, splan, root, shards, pipelined)
+        programs, grad_axes = self._programs(cap, run_splan, root, shards, pipelined)
         for gm in programs.values():     # tensors the model creates: on this rank's device
             place_on(gm, self.device)
         if pipelined:
             self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes)
         else:
-            self.runner = OneStage(cap, programs, loss_fn, shards)
+            self.runner = OneStage(cap, programs, loss_fn, shards, plan.accumulate)
         # this rank keeps what its stages read
         self.owners = self.runner.owners()
         self.module = nn.Module()
@@ -117,12 +180,24 @@ class ParallelModule(nn.Module):
             if self.runner.pp_rank in self.owners[attr]:
                 t = get_tensor(root, attr)
                 set_tensor(self.module, attr, t, buffer=not isinstance(t, nn.Parameter))
-        self._grad_sync = GradSync(dict(self.module.named_parameters()), grad_axes, self._stage_comm,
-                                   reduce_dtype=grad_reduce_dtype(plan.pins))
+        working = dict(self.module.named_parameters())
+        self._zero = None
+        if optimizer_sharded(self.plan):
+            self._zero = OptimizerShards(self.plan.pins["zero"], working, shards.placements,
+                                         splan.mesh_axes.index("data"), self._stage_comm)
+            for attr, p in self._zero.params.items():
+                set_tensor(self.module, attr, p)
+            self._grad_sync = ZeroGradSync(working, grad_axes, self._stage_comm, self._zero,
+                                           reduce_dtype=grad_reduce_dtype(plan.pins))
+        else:
+            self._grad_sync = GradSync(working, grad_axes, self._stage_comm,
+                                       reduce_dtype=grad_reduce_dtype(plan.pins))
         self.scaler = self._mixed_precision(plan, pipelined)
         if not pipelined:
             self._grad_sync.launch_on_accumulate()
         self._out_spec = model_out_spec(cap)
+        if weights is not None:
+            load_weights(self, weights, model)
 
     def _mixed_precision(self, plan: Plan, pipelined: bool) -> LossScaler | None:
         """Set up the plan's precision (``autopar.runtime.precision``); the loss scaler under fp16."""
@@ -132,10 +207,7 @@ class ParallelModule(nn.Module):
             self.runner.device, self.runner.dtype = self.device, dtype
         if dtype != torch.float16:
             return None
-        if pipelined:
-            raise NotImplementedError("precision='fp16' (loss scaling) runs unpipelined plans only "
-                                      "so far; use precision='bf16' with a pipeline")
-        self.runner.loss_scale = LossScaler()
+        self.runner.loss_scale = LossScaler()     # a pipeline scales each micro-batch's loss
         return self.runner.loss_scale
 
     def step(self, optimizer) -> bool:
@@ -143,8 +215,17 @@ class ParallelModule(nn.Module):
         on any rank, adjust the scale). Returns whether the optimizer stepped."""
         if self.scaler is None:
             optimizer.step()
-            return True
-        return self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
+            stepped = True
+        else:
+            stepped = self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
+        self._gather_params()
+        return stepped
+
+    def _gather_params(self) -> None:
+        """ZeRO-1/2: all-gather the optimizer shards into the working parameters when a
+        shard changed (an optimizer step, a load) since the last gather."""
+        if self._zero is not None and self._zero.dirty():
+            self._zero.gather()
 
     @staticmethod
     def _programs(cap: Captured, splan: Plan, root: nn.Module, shards: Shards, pipelined: bool):
@@ -179,6 +260,7 @@ class ParallelModule(nn.Module):
         data rank's slice of it under ``batch="per_rank"``)."""
         inputs = self._check_inputs(inputs)
         inputs, _ = self.rank_data.global_batch(inputs, None)
+        self._gather_params()
         with use_comm(self._stage_comm):
             flat = self.runner.forward(inputs)
         return pytree.tree_unflatten(flat, self._out_spec)
@@ -193,6 +275,9 @@ class ParallelModule(nn.Module):
         target = self._to_device(target)
         inputs, target = self.rank_data.global_batch(inputs, target)
         params = dict(self.module.named_parameters())
+        self._gather_params()
+        if self._zero is not None:
+            self._zero.drop_working_grads()
         with use_comm(self._stage_comm), self._saved_tensor_policy(), _fresh_grads(params):
             return self.runner.train(inputs, target, self._grad_sync, params, self.owners)
 

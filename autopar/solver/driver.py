@@ -6,10 +6,14 @@ all call it, so the same model, inputs, cluster and pins give the same plan ever
 
 * ``pipeline=p > 1`` pinned: ``pipeline_search.plan_pipelined`` (the graph is captured at
   the chosen micro-batch);
+* ``accumulate=k`` (or ``micro_batch_size=`` without a pipeline) pinned:
+  ``accumulate.plan_accumulated`` (one stage, the graph captured at the micro-batch);
 * otherwise the full-batch graph is planned unpipelined (``flat.plan_captured``, every mesh
   the pins allow, recomputation when memory binds) and, on a cluster of several nodes or
   when nothing unpipelined fits, pipelines are searched too
-  (``pipeline_free.search_pipelines``); the least predicted step wins.
+  (``pipeline_free.search_pipelines``); when the full batch's activations do not fit,
+  gradient accumulation too (``accumulate.search_accumulation``); the least predicted step
+  wins.
 """
 from __future__ import annotations
 
@@ -20,7 +24,11 @@ import torch
 
 from autopar.capture import Captured, capture
 from autopar.cost_models.hardware import parse_cluster
+from autopar.errors import ArgumentError
 from autopar.plan import Plan
+from autopar.solver.accumulate import (
+    accumulation_pin, capture_accumulated, may_accumulate, plan_accumulated, search_accumulation,
+)
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import plan_captured
 from autopar.solver.pins import check_optimizer, check_pins, pipelined
@@ -29,8 +37,8 @@ from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
 
 
 class Planned(NamedTuple):
-    """A plan and the graph it runs on: captured at the plan's micro-batch when pipelined,
-    at the full batch otherwise."""
+    """A plan and the graph it runs on: captured at the plan's micro-batch when pipelined
+    or accumulating, at the full batch otherwise."""
     plan: Plan
     captured: Captured
 
@@ -55,12 +63,18 @@ def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     in_graph_loss = loss_fn if target is not None else None
     if pipelined(pins):
         if in_graph_loss is None:
-            raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
-                             "target= (the last stage computes the loss of each micro-batch)")
+            raise ArgumentError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
+                                "target= (the last stage computes the loss of each micro-batch)")
         return Planned(*plan_pipelined(model, example_inputs, in_graph_loss, target, cl, world, pins,
                                        memory_budget=memory_budget, optimizer=optimizer,
                                        time_limit_s=time_limit_s, verbose=verbose,
                                        profiler=profiler))
+    k = accumulation_pin(pins, example_inputs)
+    if k is not None and k > 1:
+        return Planned(*plan_accumulated(model, example_inputs, in_graph_loss, target, cl, world, k,
+                                         pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
+                                         optimizer=optimizer, time_limit_s=time_limit_s,
+                                         verbose=verbose, profiler=profiler))
     if captured is None:
         t0 = time.perf_counter()
         captured = capture(model, example_inputs, in_graph_loss, target)
@@ -75,7 +89,8 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
                     pins: dict, memory_budget=None, mesh_shape=None, optimizer="adamw",
                     time_limit_s=60.0, capture_s=0.0, verbose=False, profiler=None) -> Planned:
     """The best plan without a ``pipeline=`` pin > 1: unpipelined on the full-batch graph
-    ``cap`` and, where ``may_pipeline`` says so, pipelined; the least predicted step wins."""
+    ``cap``; with gradient accumulation where ``may_accumulate`` says so; and, where
+    ``may_pipeline`` says so, pipelined; the least predicted step wins."""
     flat, error = None, None
     try:
         flat = plan_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
@@ -83,19 +98,31 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
                              verbose=verbose, pins=pins, profiler=profiler)
     except InfeasibleError as e:
         error = e
-    if may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, flat is None):
+    best = Planned(flat, cap) if flat is not None else None
+    if may_accumulate(cap, example_inputs, pins, flat):
         if verbose:
-            print("searching pipelines" + (" (nothing unpipelined fits)" if flat is None else
-                                            f" against {flat.estimate.step_time_s:.4g} s unpipelined"))
+            print("trying gradient accumulation" + (" (nothing fits the full batch)" if flat is None
+                                                    else " (the full batch fits only recomputed)"))
+        acc = search_accumulation(model, example_inputs, loss_fn, target, cl, world, pins,
+                                  memory_budget=memory_budget, mesh_shape=mesh_shape,
+                                  optimizer=optimizer, time_limit_s=time_limit_s, verbose=verbose,
+                                  profiler=profiler)
+        if acc is not None and (best is None or
+                                acc[0].estimate.step_time_s < best.plan.estimate.step_time_s):
+            best = Planned(*acc)
+    if may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, best is None):
+        if verbose:
+            print("searching pipelines" + (" (nothing unpipelined fits)" if best is None else
+                                            f" against {best.plan.estimate.step_time_s:.4g} s unpipelined"))
         piped = search_pipelines(cap, model, example_inputs, loss_fn, target, cl, world, pins,
                                  memory_budget=memory_budget, optimizer=optimizer,
                                  time_limit_s=time_limit_s, verbose=verbose)
-        if piped is not None and (flat is None or
-                                  piped[0].estimate.step_time_s < flat.estimate.step_time_s):
+        if piped is not None and (best is None or
+                                  piped[0].estimate.step_time_s < best.plan.estimate.step_time_s):
             return Planned(*piped)
-    if flat is None:
+    if best is None:
         raise error
-    return Planned(flat, cap)
+    return best
 
 
 def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,
@@ -123,11 +150,13 @@ def may_pipeline(cap: Captured, example_inputs, cl, world, pins, mesh_shape, pro
 
 def capture_for_plan(model, example_inputs, loss_fn, target, plan: Plan) -> Captured:
     """The graph ``plan`` runs on (the loss in it when ``target`` is given): captured at the
-    plan's micro-batch when it is pipelined, at the full batch otherwise."""
+    plan's micro-batch when it is pipelined or accumulates, at the full batch otherwise."""
     in_graph_loss = loss_fn if target is not None else None
     if plan.pipeline_stages > 1:
         if in_graph_loss is None:
-            raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
-                             "target= (the last stage computes the loss of each micro-batch)")
+            raise ArgumentError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
+                                "target= (the last stage computes the loss of each micro-batch)")
         return capture_microbatch(model, example_inputs, in_graph_loss, target, plan.n_microbatches)
+    if plan.accumulate > 1:
+        return capture_accumulated(model, example_inputs, in_graph_loss, target, plan.accumulate)
     return capture(model, example_inputs, in_graph_loss, target)

@@ -1,0 +1,146 @@
+"""Gradient accumulation without a pipeline: ``k`` micro-batches a step, each run forward
+and backward, the gradients synchronised once per step.
+
+Pinned by ``accumulate=k`` or ``micro_batch_size=`` without ``pipeline=`` (both given must
+agree); chosen by the free search (:func:`search_accumulation`) when the full batch's
+activations do not fit.
+
+The graph is captured at micro-batch size with its loss rewritten so that the micro-batch
+losses sum to the global batch's (``analysis.microbatch_loss``, as for a pipeline), and the
+one-stage solver plans it as it stands, so:
+
+- memory: one micro-batch's activations (about 1/k of the full batch's); parameters,
+  gradients and optimizer state as without accumulation;
+- time: the solver's objective is one micro-batch (its compute, its tensor-parallel and
+  ZeRO collectives) plus the bucketed gradient reductions weighted ``1 / k``
+  (``grad_sync_scale``); the step is ``k`` times that, so the reductions count once and
+  everything else ``k`` times. What a micro-batch costs beyond ``1 / k`` of the batch
+  (every kernel's launch, less efficient small GEMMs) is in its roofline, ``k`` times.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+
+from autopar.capture import Captured
+from autopar.plan import Plan
+from autopar.solver.errors import InfeasibleError
+from autopar.solver.flat import solve_captured
+from autopar.solver.pipeline_search import capture_microbatch
+
+MAX_TRIES = 4
+"""Micro-batch counts the free search plans (the least first) before it stops."""
+
+
+def _batch(example_inputs: Sequence) -> int:
+    t = example_inputs[0] if example_inputs else None
+    if not isinstance(t, torch.Tensor) or t.ndim == 0:
+        raise ValueError("gradient accumulation splits every input and the target along dim 0 "
+                         f"into micro-batches; the first input is {type(t).__name__} "
+                         f"{tuple(getattr(t, 'shape', ()))}")
+    return int(t.shape[0])
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def accumulation_pin(pins: dict, example_inputs: Sequence) -> int | None:
+    """Micro-batches per step the pins ask for without a pipeline (``accumulate=``, or the
+    global batch over ``micro_batch_size=``); None when neither is pinned. Raises
+    ValueError when they do not divide the batch or disagree."""
+    k, mbs = pins.get("accumulate"), pins.get("micro_batch_size")
+    if k is None and mbs is None:
+        return None
+    batch = _batch(example_inputs)
+    if mbs is not None:
+        if batch % mbs:
+            raise ValueError(f"micro_batch_size={mbs} does not divide the global batch {batch}: "
+                             f"micro-batches must be equal; choose one of {_divisors(batch)}")
+        if k is not None and k != batch // mbs:
+            raise ValueError(f"accumulate={k} and micro_batch_size={mbs} disagree: a global batch "
+                             f"of {batch} in micro-batches of {mbs} is {batch // mbs} micro-batches; "
+                             "pin one of them")
+        k = batch // mbs
+    if batch % k:
+        raise ValueError(f"accumulate={k} does not divide the global batch {batch}: micro-batches "
+                         f"must be equal; choose one of {_divisors(batch)}")
+    return k
+
+
+def capture_accumulated(model, example_inputs, loss_fn, target, k: int) -> Captured:
+    """The graph of one of ``k`` micro-batches, its loss a term of the global batch's.
+    ``loss_fn`` is the in-graph loss (None: the model returns its own)."""
+    cap = capture_microbatch(model, example_inputs, loss_fn, target, k)
+    if not cap.has_loss:
+        raise ValueError("gradient accumulation needs the loss in the graph: pass loss_fn and "
+                         "target= (or a model that returns its scalar loss), so that each "
+                         "micro-batch's loss can be made its term of the global batch's")
+    return cap
+
+
+def accumulated_plan(plan: Plan, k: int) -> Plan:
+    """``plan``, solved for one micro-batch, as a step of ``k`` micro-batches: every time
+    ``k`` times (the gradient reductions were weighted ``1 / k``), memory as it is."""
+    e = plan.estimate
+    est = replace(e, step_time_s=e.step_time_s * k, compute_s=e.compute_s * k,
+                  comm_s=e.comm_s * k, comm={n: t * k for n, t in e.comm.items()})
+    return replace(plan, estimate=est, accumulate=k)
+
+
+def plan_accumulated(model, example_inputs, loss_fn, target, cl, world: int, k: int, pins: dict, *,
+                     memory_budget=None, mesh_shape=None, optimizer="adamw", time_limit_s=60.0,
+                     verbose=False, profiler=None) -> tuple[Plan, Captured]:
+    """The one-stage plan of ``k`` micro-batches a step, and the graph it runs on."""
+    t0 = time.perf_counter()
+    cap = capture_accumulated(model, example_inputs, loss_fn, target, k)
+    capture_s = time.perf_counter() - t0
+    plan, _ = solve_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
+                             optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
+                             verbose=verbose, pins=pins, profiler=profiler,
+                             grad_sync_scale=1.0 / k)
+    plan = accumulated_plan(plan, k)
+    if verbose:
+        print(f"accumulate {k} micro-batches: step {plan.estimate.step_time_s * 1e3:.3f} ms, "
+              f"{plan.estimate.memory_total / 2**30:.2f} GiB/device")
+    return plan, cap
+
+
+def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None) -> bool:
+    """Whether the free search tries gradient accumulation: not pinned either way, the loss
+    in the graph, every input split along dim 0, and the full batch's activations do not
+    fit (nothing fits, or only with recomputation the solver turned on)."""
+    if any(pins.get(n) is not None for n in ("accumulate", "micro_batch_size")):
+        return False
+    if not cap.has_loss or not example_inputs:
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in example_inputs):
+        return False
+    if int(example_inputs[0].shape[0]) < 2:
+        return False
+    return flat is None or (bool(flat.recompute) and pins.get("recompute") is None)
+
+
+def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, pins: dict,
+                        **kw) -> tuple[Plan, Captured] | None:
+    """The fastest plan over micro-batch counts ``k`` (divisors of the batch, the least
+    first, at most :data:`MAX_TRIES`), or None when none fits. It stops at the first ``k``
+    that fits without recomputation: more micro-batches only add per-micro-batch costs."""
+    best = None
+    batch = _batch(example_inputs)
+    for k in [d for d in _divisors(batch) if d > 1][:MAX_TRIES]:
+        try:
+            plan, cap = plan_accumulated(model, example_inputs, loss_fn, target, cl, world, k,
+                                         pins, **kw)
+        except InfeasibleError as e:
+            if kw.get("verbose"):
+                print(f"accumulate {k}: nothing fits ({str(e).splitlines()[0]})")
+            continue
+        if best is None or plan.estimate.step_time_s < best[0].estimate.step_time_s:
+            best = (plan, cap)
+        if not plan.recompute:
+            break
+    return best
