@@ -13,7 +13,7 @@ this module is at the bottom of the package so that all of them can derive from 
 """
 from __future__ import annotations
 
-__all__ = ["AutoparInputError", "ArgumentError"]
+__all__ = ["AutoparInputError", "ArgumentError", "PinError"]
 
 
 class AutoparInputError(ValueError):
@@ -24,3 +24,9 @@ class ArgumentError(AutoparInputError, TypeError):
     """An argument of a public call (``autopar.plan``, ``autopar.parallelize``,
     ``pm.train_step``, ``pm.load_full_state_dict``, ...) of the wrong kind, type or shape.
     Also a ``TypeError``, as Python reports a call with arguments of the wrong kind."""
+
+
+class PinError(AutoparInputError):
+    """A pin (``data=``, ``tensor=``, ``pipeline=``, ... of ``autopar.plan`` /
+    ``autopar.parallelize``, ``--pin`` of the command) that is malformed or cannot be honoured
+    for this model and mesh."""

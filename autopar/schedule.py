@@ -41,6 +41,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from autopar.errors import ArgumentError
+
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 
@@ -71,7 +73,7 @@ class Action:
         """Inverse of ``str``: ``Action.from_str("2F0") == Action(2, "F", 0)``."""
         match = _ACTION_RE.match(text.strip())
         if match is None:
-            raise ValueError(f"cannot parse action {text!r}: expected <stage><F|B|I|W><microbatch>, e.g. '2F0'")
+            raise ArgumentError(f"cannot parse action {text!r}: expected <stage><F|B|I|W><microbatch>, e.g. '2F0'")
         return Action(int(match[1]), match[2], int(match[3]))  # type: ignore[arg-type]
 
 
@@ -82,23 +84,23 @@ def check_schedule(kind: str, n_stages: int, n_microbatches: int, virtual: int =
     ``n_stages`` counts pipeline ranks; the model is cut into ``n_stages * virtual`` stages.
     """
     if kind not in SCHEDULES:
-        raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+        raise ArgumentError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
     if n_stages < 1 or n_microbatches < 1 or virtual < 1:
-        raise ValueError(f"n_stages ({n_stages}), n_microbatches ({n_microbatches}) and "
-                         f"virtual ({virtual}) must all be >= 1")
+        raise ArgumentError(f"n_stages ({n_stages}), n_microbatches ({n_microbatches}) and "
+                            f"virtual ({virtual}) must all be >= 1")
     if kind in ("gpipe", "1f1b") and virtual != 1:
-        raise ValueError(f"schedule {kind!r} runs one stage per rank, got virtual={virtual}; "
-                         "use 'interleaved-1f1b' for virtual stages")
+        raise ArgumentError(f"schedule {kind!r} runs one stage per rank, got virtual={virtual}; "
+                            "use 'interleaved-1f1b' for virtual stages")
     if kind in ("1f1b", "zero-bubble") and n_microbatches < n_stages:
-        raise ValueError(f"schedule {kind!r} needs at least as many micro-batches as pipeline "
-                         f"stages: got {n_microbatches} micro-batches for {n_stages} stages "
-                         f"(use m >= {n_stages}, or 'gpipe')")
+        raise ArgumentError(f"schedule {kind!r} needs at least as many micro-batches as pipeline "
+                            f"stages: got {n_microbatches} micro-batches for {n_stages} stages "
+                            f"(use m >= {n_stages}, or 'gpipe')")
     if kind in ("interleaved-1f1b", "zero-bubble"):
         rounds = max(1, n_microbatches // n_stages)
         if n_microbatches % rounds:
-            raise ValueError(f"schedule {kind!r} needs the micro-batch count to be a multiple of "
-                             f"its rounds max(1, m // p) = {rounds}: got m={n_microbatches} for "
-                             f"p={n_stages} (use a multiple of {n_stages}, or m < {n_stages})")
+            raise ArgumentError(f"schedule {kind!r} needs the micro-batch count to be a multiple of "
+                                f"its rounds max(1, m // p) = {rounds}: got m={n_microbatches} for "
+                                f"p={n_stages} (use a multiple of {n_stages}, or m < {n_stages})")
 
 
 def schedule_actions(kind: str, n_stages: int, n_microbatches: int,
@@ -175,7 +177,7 @@ def _interleaved(rank: int, p: int, m: int, v: int, zero_bubble: bool) -> list[A
 def torch_schedule_class(kind: str) -> type:
     """The torch.distributed.pipelining class that runs schedule ``kind``."""
     if kind not in _TORCH_CLASS:
-        raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+        raise ArgumentError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
     # lazy: importing torch.distributed.pipelining takes seconds (it loads torch.distributed)
     # and planning, which only names the class, never needs it
     import torch.distributed.pipelining as pipelining

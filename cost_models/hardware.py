@@ -32,12 +32,19 @@ import itertools
 import math
 import re
 
+from autopar.errors import AutoparInputError
+
 from .cpu import cores, cpu_cluster
 from .devices import Cluster, Link
 from .gpus import A100_80GB, DEVICES, H100_80GB, NODE_OF_DEVICE, NODES, NodePreset
 
 # A100_80GB and H100_80GB: the presets, also importable from here as before gpus.py
-__all__ = ["A100_80GB", "H100_80GB", "Cluster", "Link", "axis_link", "parse_cluster"]
+__all__ = ["A100_80GB", "H100_80GB", "Cluster", "ClusterError", "Link", "axis_link",
+           "parse_cluster"]
+
+
+class ClusterError(AutoparInputError):
+    """A cluster spec that names no known hardware, or a mesh the cluster cannot hold."""
 
 
 # --- Parsing -----------------------------------------------------------------------------
@@ -56,8 +63,8 @@ def parse_cluster(spec: "str | Cluster") -> Cluster:
     if isinstance(spec, Cluster):
         return spec
     if not isinstance(spec, str):
-        raise ValueError(f"cluster spec must be a string or Cluster, got {spec!r}; "
-                         f"valid presets: {_PRESET_HELP}")
+        raise ClusterError(f"cluster spec must be a string or Cluster, got {spec!r}; "
+                           f"valid presets: {_PRESET_HELP}")
     s = spec.strip().lower()
     if s == "local":
         return _local_cluster(cores(), spec)
@@ -71,22 +78,22 @@ def parse_cluster(spec: "str | Cluster") -> Cluster:
     if m and m.group(3) in DEVICES:
         node = NODES[NODE_OF_DEVICE[m.group(3)]]
         return _gpu_cluster(spec, int(m.group(1) or 1), node, int(m.group(2)))
-    raise ValueError(f"unknown cluster spec {spec!r}; valid presets: {_PRESET_HELP}; "
-                     f"or pass a Cluster")
+    raise ClusterError(f"unknown cluster spec {spec!r}; valid presets: {_PRESET_HELP}; "
+                       f"or pass a Cluster")
 
 
 def _gpu_cluster(spec: str, nodes: int, node: NodePreset, per_node: int | None) -> Cluster:
     per_node = node.devices_per_node if per_node is None else per_node
     if nodes < 1 or per_node < 1:
-        raise ValueError(f"cluster spec {spec!r} has no devices; valid presets: {_PRESET_HELP}")
+        raise ClusterError(f"cluster spec {spec!r} has no devices; valid presets: {_PRESET_HELP}")
     return Cluster(name=spec, nodes=nodes, devices_per_node=per_node, device=node.device,
                    intra=node.intra, inter=node.inter)
 
 
 def _local_cluster(ranks: int, spec: str) -> Cluster:
     if ranks < 1:
-        raise ValueError(f"cluster spec {spec!r} needs at least one rank; "
-                         f"valid presets: {_PRESET_HELP}")
+        raise ClusterError(f"cluster spec {spec!r} needs at least one rank; "
+                           f"valid presets: {_PRESET_HELP}")
     return cpu_cluster(ranks, spec)
 
 
@@ -97,8 +104,9 @@ def axis_link(cluster: Cluster, mesh_shape: tuple[int, ...], axis: int) -> Link:
     docstring for the inter-node sharing model)."""
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if math.prod(mesh_shape) != cluster.world_size:
-        raise ValueError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} ranks but cluster "
-                         f"{cluster.name!r} has {cluster.world_size}")
+        raise ClusterError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} ranks but cluster "
+                           f"{cluster.name!r} has {cluster.world_size}: plan for at most "
+                           f"{cluster.world_size} devices (world_size=) or for a larger cluster")
     if not -len(mesh_shape) <= axis < len(mesh_shape):
         raise ValueError(f"axis {axis} out of range for mesh {mesh_shape}")
     axis %= len(mesh_shape)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from autopar.errors import ArgumentError, PinError
+
 
 def mesh_candidates(world: int, pins: dict, mesh_shape) -> list[tuple[tuple[int, ...], tuple[str, ...], dict]]:
     """(mesh shape, axis names, {"data_axis", "tensor_axis"}) to try."""
@@ -11,8 +13,8 @@ def mesh_candidates(world: int, pins: dict, mesh_shape) -> list[tuple[tuple[int,
         mesh_shape = tuple(int(n) for n in mesh_shape)
         prod = math.prod(mesh_shape)
         if prod != world:
-            raise ValueError(f"mesh_shape {mesh_shape} has {prod} devices but the world has "
-                             f"{world}; use a mesh whose product is {world}")
+            raise ArgumentError(f"mesh_shape {mesh_shape} has {prod} devices but the world has "
+                                f"{world}; use a mesh whose product is {world}")
     if pins.get("data") is not None or pins.get("tensor") is not None:
         return [_pinned_mesh(world, pins, mesh_shape)]
     if pins.get("zero"):
@@ -34,8 +36,9 @@ def _pinned_mesh(world: int, pins: dict, mesh_shape):
     if tensor is None:
         tensor = world // data if world % data == 0 else None
     if data is None or tensor is None or data * tensor != world:
-        raise ValueError(f"pins data={pins.get('data')} tensor={pins.get('tensor')} do not "
-                         f"multiply to the world size {world}")
+        raise PinError(f"pins data={pins.get('data')} tensor={pins.get('tensor')} do not "
+                       f"multiply to the world size {world}: pin data and tensor whose product "
+                       f"is {world}, or plan for data x tensor devices (world_size=)")
     axes, shape, roles = [], [], {}
     if data > 1 or tensor == 1:
         roles["data_axis"] = len(shape)
@@ -44,5 +47,5 @@ def _pinned_mesh(world: int, pins: dict, mesh_shape):
         roles["tensor_axis"] = len(shape)
         axes.append("tensor"), shape.append(tensor)
     if mesh_shape is not None and tuple(shape) != mesh_shape:
-        raise ValueError(f"mesh_shape {mesh_shape} disagrees with pins data={data} tensor={tensor}")
+        raise PinError(f"mesh_shape {mesh_shape} disagrees with pins data={data} tensor={tensor}")
     return tuple(shape), tuple(axes), roles

@@ -62,7 +62,7 @@ def check_pins(pins: dict[str, Any]) -> dict[str, Any]:
 def check_optimizer(optimizer: str) -> int:
     """Optimizer tensors per parameter of ``optimizer``; ValueError when unknown."""
     if optimizer not in OPTIMIZER_STATES:
-        raise PinError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
+        raise ArgumentError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
     return OPTIMIZER_STATES[optimizer]
 
 

@@ -44,6 +44,7 @@ from autopar.analysis.layers import repeated_layers
 from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
 from autopar.analysis.stages import chain
 from autopar.capture import Captured, capture
+from autopar.errors import PinError
 from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
 from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
@@ -61,8 +62,8 @@ def micro_batches(batch: int, p: int, v: int, micro_batch_size: int | None) -> i
     if micro_batch_size is not None:
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1 or batch % micro_batch_size:
             divs = [d for d in range(1, batch + 1) if batch % d == 0]
-            raise ValueError(f"micro_batch_size={micro_batch_size!r} does not divide the global batch "
-                             f"{batch}: micro-batches must be equal; choose one of {divs}")
+            raise PinError(f"micro_batch_size={micro_batch_size!r} does not divide the global batch "
+                           f"{batch}: micro-batches must be equal; choose one of {divs}")
         return batch // micro_batch_size
     for m in range(p * v, batch + 1):
         if batch % m == 0:
@@ -75,12 +76,12 @@ def split_batch(tensors: Sequence, m: int) -> tuple:
     out = []
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.ndim == 0:
-            raise ValueError("pipeline parallelism splits every input and the target along dim 0 "
-                             f"into micro-batches; got {type(t).__name__} {getattr(t, 'shape', '')}")
+            raise PinError("pipeline parallelism splits every input and the target along dim 0 "
+                           f"into micro-batches; got {type(t).__name__} {getattr(t, 'shape', '')}")
         if t.shape[0] % m:
-            raise ValueError(f"{m} micro-batches do not divide a batch of {t.shape[0]} "
-                             f"(input of shape {tuple(t.shape)}): pin micro_batch_size= to a "
-                             f"divisor of {t.shape[0]}")
+            raise PinError(f"{m} micro-batches do not divide a batch of {t.shape[0]} "
+                           f"(input of shape {tuple(t.shape)}): pin micro_batch_size= to a "
+                           f"divisor of {t.shape[0]}")
         out.append(t.tensor_split(m, dim=0)[0].clone())
     return tuple(out)
 
@@ -89,18 +90,18 @@ def pipeline_config(example_inputs: Sequence, pins: dict) -> tuple[int, int, int
     """(p, v, m, schedule) from the pins and the batch; raises on what torch cannot run."""
     p = pins["pipeline"]
     if not isinstance(p, int) or p < 1:
-        raise ValueError(f"pin pipeline={p!r} must be a positive integer")
+        raise PinError(f"pin pipeline={p!r} must be a positive integer")
     schedule = pins.get("schedule") or DEFAULT_SCHEDULE
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        raise PinError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     v = pins.get("virtual_stages") or (2 if schedule == "interleaved-1f1b" else 1)
     batch = example_inputs[0].shape[0]
     m = micro_batches(batch, p, v, pins.get("micro_batch_size"))
     try:
         check_schedule(schedule, p, m, v)
     except ValueError as e:
-        raise ValueError(f"schedule {schedule!r} cannot run {p} pipeline stages with {m} "
-                         f"micro-batches ({v} virtual stages per rank): {e}") from e
+        raise PinError(f"schedule {schedule!r} cannot run {p} pipeline stages with {m} "
+                       f"micro-batches ({v} virtual stages per rank): {e}") from e
     return p, v, m, schedule
 
 
@@ -185,13 +186,13 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
     :class:`StageCutError` when the graph cannot be cut into the stages at all."""
     p, v, m, schedule = config
     if world % p:
-        raise ValueError(f"pipeline={p} does not divide the world of {world} devices; every stage "
-                         f"needs an equal sub-mesh: use a divisor of {world}")
+        raise PinError(f"pipeline={p} does not divide the world of {world} devices; every stage "
+                       f"needs an equal sub-mesh: use a divisor of {world}")
     units = chain(cap)
     if p * v > len(units):
-        raise ValueError(f"{p * v} pipeline stages ({p} ranks x {v} virtual) are more than this graph "
-                         f"can be cut into: it has {len(units)} op nodes ({len(units) - 1} cut "
-                         "points); use fewer stages")
+        raise PinError(f"{p * v} pipeline stages ({p} ranks x {v} virtual) are more than this graph "
+                       f"can be cut into: it has {len(units)} op nodes ({len(units) - 1} cut "
+                       "points); use fewer stages")
     cutter = _Cutter(cap, cl, world, config, {**pins, **(extra_pins or {})},
                      memory_budget if memory_budget is not None else cl.device.memory_bytes,
                      dict(optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from autopar.capture import Captured, layer_of
-from autopar.errors import AutoparInputError
+from autopar.errors import PinError
 from autopar.placement import Replicate, Shard, local_shape
 from autopar.sharding.registry import (
     OpCall, Strategy, TensorMeta, make_call, mesh_strategies,
@@ -86,10 +86,6 @@ class Problem:
     sink: tuple[str, int] | None    # the loss (must end replicated)
     param_names: dict[str, list[str]]
     optimizer_states: int           # optimizer tensors per parameter (AdamW: 2)
-
-
-class PinError(AutoparInputError):
-    """A pin cannot be honoured for this model and mesh."""
 
 
 def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Combo]:

@@ -58,6 +58,8 @@ from typing import Sequence
 
 import numpy as np
 
+from autopar.errors import PinError
+
 from autopar.schedule import SCHEDULES, check_schedule, schedule_actions
 from autopar.solver.simulate import simulate
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
@@ -216,22 +218,22 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
                 micro_batch_options=None, schedule_options=None):
     if n_stages is not None:
         if n_stages < 1 or n_devices % n_stages:
-            raise ValueError(f"n_stages={n_stages} must divide n_devices={n_devices} so every stage "
-                             f"gets an equal sub-mesh; choose one of {_divisors(n_devices)}")
+            raise PinError(f"n_stages={n_stages} must divide n_devices={n_devices} so every stage "
+                           f"gets an equal sub-mesh; choose one of {_divisors(n_devices)}")
         if n_stages > L:
-            raise ValueError(f"n_stages={n_stages} is more stages than the chain can hold: {L} layers "
-                             f"have {L - 1} cut points, so at most {L} stages")
+            raise PinError(f"n_stages={n_stages} is more stages than the chain can hold: {L} layers "
+                           f"have {L - 1} cut points, so at most {L} stages")
     if micro_batches is not None and (micro_batches < 1 or global_batch % micro_batches):
-        raise ValueError(f"micro_batches={micro_batches} does not divide the global batch "
-                         f"{global_batch}; choose one of {_divisors(global_batch)}")
+        raise PinError(f"micro_batches={micro_batches} does not divide the global batch "
+                       f"{global_batch}; choose one of {_divisors(global_batch)}")
     if schedule is not None and schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        raise PinError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if virtual is not None:
         if virtual < 1:
-            raise ValueError(f"virtual_stages must be >= 1, got {virtual}")
+            raise PinError(f"virtual_stages must be >= 1, got {virtual}")
         if virtual > 1 and schedule not in (None, "interleaved-1f1b"):
-            raise ValueError(f"virtual_stages={virtual} needs schedule 'interleaved-1f1b'; the "
-                             f"planner runs {schedule!r} with one stage per rank")
+            raise PinError(f"virtual_stages={virtual} needs schedule 'interleaved-1f1b'; the "
+                           f"planner runs {schedule!r} with one stage per rank")
         if schedule is None and virtual > 1:
             schedule = "interleaved-1f1b"
     ps = [n_stages] if n_stages is not None else [p for p in _divisors(n_devices) if p <= L]
@@ -250,9 +252,9 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
             try:
                 check_schedule(kind, p, m, v)
                 if p * v > L:
-                    raise ValueError(f"schedule {kind!r} with {p} stages x {v} virtual stages cuts "
-                                     f"the chain into {p * v} stages, more than its {L} layers "
-                                     f"({L - 1} cut points) allow")
+                    raise PinError(f"schedule {kind!r} with {p} stages x {v} virtual stages cuts "
+                                   f"the chain into {p * v} stages, more than its {L} layers "
+                                   f"({L - 1} cut points) allow")
             except ValueError as e:
                 first_error = first_error or e
                 continue
@@ -260,8 +262,8 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
     if not out:
         pins = ", ".join(f"{k}={v!r}" for k, v in [("n_stages", n_stages), ("micro_batches", micro_batches),
                          ("schedule", schedule), ("virtual_stages", virtual)] if v is not None)
-        raise ValueError(f"no pipeline configuration satisfies the pins ({pins or 'none'}): "
-                         f"{first_error}") from first_error
+        raise PinError(f"no pipeline configuration satisfies the pins ({pins or 'none'}): "
+                       f"{first_error}") from first_error
     return out
 
 
