@@ -17,11 +17,15 @@ import click
 import torch
 
 from autopar.capture import capture, fingerprint
+from autopar.errors import AutoparInputError
 from autopar.plan import Plan, PlanError
+from autopar.solver.accumulate import capture_accumulated
 from autopar.solver.pins import KNOWN_PINS
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, NotImplementedError, FileNotFoundError)
+# bad input (exit 2): the library's input errors, and files the user named that cannot be
+# read or written; any other exception is a bug in autopar (exit 3)
+USER_ERRORS: tuple[type[BaseException], ...] = (AutoparInputError, OSError)
 
 
 class UserError(click.ClickException):
@@ -194,15 +198,18 @@ def build_example(spec: str, args: dict, meta: bool = False) -> Example:
     return Example(model, tuple(inputs), loss_fn, target)
 
 
-_CAPTURED: dict = {}      # (spec, args, meta) -> (example, captured): one capture per process
+_CAPTURED: dict = {}      # (spec, args, meta, accumulate) -> (example, captured): one capture per process
 
 
 def capture_for(plan, spec: str, args: dict, meta: bool):
     """The captured graph of the factory's model, checked against the plan's fingerprint."""
-    key = (spec, tuple(sorted((k, repr(v)) for k, v in args.items())), meta)
+    key = (spec, tuple(sorted((k, repr(v)) for k, v in args.items())), meta, plan.accumulate)
     if key not in _CAPTURED:
         ex = build_example(spec, args, meta)
-        _CAPTURED[key] = ex, capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
+        # gradient accumulation: the graph of one micro-batch, as the plan was made for
+        _CAPTURED[key] = ex, (capture_accumulated(ex.model, ex.inputs, ex.loss_fn, ex.target,
+                                                  plan.accumulate) if plan.accumulate > 1 else
+                              capture(ex.model, ex.inputs, ex.loss_fn, ex.target))
     ex, cap = _CAPTURED[key]
     fp = fingerprint(cap)
     if fp != plan.fingerprint:

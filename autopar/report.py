@@ -41,6 +41,16 @@ def _group_layers(names):
     return out
 
 
+def accumulation_line(plan: Plan) -> str:
+    """What a plan with gradient accumulation does in a step ("" without)."""
+    k = plan.accumulate
+    if k <= 1:
+        return ""
+    return (f"gradient accumulation: {k} micro-batches per step, each forward and backward "
+            "(memory holds one micro-batch's activations); gradients synchronised once per "
+            "step, in the last micro-batch's backward")
+
+
 def plan_summary(plan: Plan) -> str:
     e, s = plan.estimate, plan.solver
     lines = [
@@ -48,6 +58,7 @@ def plan_summary(plan: Plan) -> str:
         f"{plan.cluster}, world {plan.world_size}" + (f", pins {plan.pins}" if plan.pins else ""),
         f"estimate: step {fmt_time(e.step_time_s)} (compute {fmt_time(e.compute_s)}, "
         f"communication {fmt_time(e.comm_s)}), bubble {e.bubble_fraction:.1%}",
+    ] + ([accumulation_line(plan)] if plan.accumulate > 1 else []) + [
         f"memory per device: {fmt_bytes(e.memory_total)} = " + ", ".join(
             f"{k} {fmt_bytes(v)}" for k, v in sorted(e.memory_bytes.items(), key=lambda kv: -kv[1])),
     ]

@@ -7,7 +7,9 @@ micro-batch), in buckets of about ``BUCKET_BYTES``, each launched as soon as eve
 in it is final, so the reduction runs while backward goes on:
 
 - one stage (unpipelined): a parameter's gradient is final when autograd has accumulated
-  it (:meth:`GradSync.launch_on_accumulate` installs the hooks);
+  it (:meth:`GradSync.launch_on_accumulate` installs the hooks); under gradient
+  accumulation, in the last micro-batch's backward: the step begins (``begin()``) just
+  before that micro-batch, so the hooks firing in the earlier ones launch nothing;
 - pipelined: when the last backward of every local stage reading it is done (the pipeline
   runner calls :meth:`GradSync.ready`).
 

@@ -89,7 +89,10 @@ def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTab
                             optimizer_states=OPTIMIZER_STATES[optimizer], **r)
     cost = CostModel.for_pins(parse_cluster(plan.cluster), tuple(plan.mesh_shape), plan.pins,
                               data_axis=r.get("data_axis"),
-                              recompute=recompute_nodes(cap.gm, plan.recompute))
+                              recompute=recompute_nodes(cap.gm, plan.recompute),
+                              # gradient accumulation: one micro-batch's prices, its
+                              # gradient sync a 1/k share (solver.accumulate)
+                              grad_sync_scale=1.0 / plan.accumulate)
     return price_table(problem, cost)
 
 
