@@ -1,7 +1,10 @@
 """The ``autopar`` command: plan, show, explain, diff, viz, verify, demo, checkpoint.
 
 Exit codes: 0 ok; 1 a check failed (``verify``); 2 bad usage or input, with one line that
-says what is wrong and how to fix it (no traceback for a user's error).
+says what is wrong and how to fix it (no traceback for a user's error): click's usage errors,
+the library's input errors (``autopar.errors.AutoparInputError``) and files that cannot be
+read or written; 3 an internal error, any other exception (a bug in autopar): its traceback
+and a request to report it.
 
     autopar plan examples.models:gpt_factory --cluster 2xdgx-a100 --meta \\
         --factory-args config=gpt-1.3b -o plan.json
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import click
@@ -39,8 +43,29 @@ from autopar.viz.explain import explain as explain_node
 from autopar.viz.summary import _table, fold_names, print_summary
 
 
+INTERNAL_ERROR = 3
+"""The exit code of a bug in autopar (an exception that is not about the user's input)."""
+REPORT = "this is a bug in autopar, please report it with the command line and the traceback above"
+
+
+class InternalError(click.ClickException):
+    """An exception that is no input error: the traceback, then the request to report it;
+    exit code 3."""
+    exit_code = INTERNAL_ERROR
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {_one_line(error)}")
+        self.error = error
+
+    def show(self, file=None) -> None:
+        tb = "".join(traceback.format_exception(type(self.error), self.error, self.error.__traceback__))
+        click.echo(tb.rstrip("\n"), err=True)
+        click.echo(f"autopar: internal error: {self.format_message()}\n{REPORT}", err=True)
+
+
 class _Group(click.Group):
-    """Turns the library's errors about the user's input into exit code 2 and one line."""
+    """Turns the library's errors about the user's input into exit code 2 and one line, and
+    any other exception into exit code 3 with its traceback."""
 
     def invoke(self, ctx):
         try:
@@ -49,6 +74,8 @@ class _Group(click.Group):
             raise
         except (CaptureError, *USER_ERRORS) as e:
             raise UserError(_one_line(e)) from e
+        except Exception as e:  # noqa: BLE001 - not the user's input: a bug, reported as one
+            raise InternalError(e) from e
 
 
 def _solve(step, ex: Example, cl, world: int, pins: dict, **kw):
