@@ -8,6 +8,7 @@ thing that crosses from deciding (capture, cost, solve) to doing (passes, runtim
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,10 +195,22 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
+        """The plan in the JSON file ``path``; a PlanError names what is wrong with it."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise PlanError(f"Plan.load takes the path of a plan file, got {type(path).__name__}; "
+                            "a Plan object is passed as it is (plan=the_plan)")
+        file = Path(path)
+        if not file.is_file():
+            what = "is a directory, not a plan file" if file.is_dir() else "does not exist"
+            raise PlanError(f"{str(path)!r} {what}: pass the file plan.save(path) or `autopar plan "
+                            "... -o FILE` wrote")
         try:
-            d = json.loads(Path(path).read_text())
+            d = json.loads(file.read_text())
         except json.JSONDecodeError as e:
-            raise PlanError(f"{path}: not JSON ({e})") from e
+            raise PlanError(f"{path}: not JSON ({e}); pass the file plan.save(path) wrote") from e
+        except (UnicodeDecodeError, OSError) as e:
+            raise PlanError(f"{path}: cannot read the plan ({type(e).__name__}: {e}); pass the file "
+                            "plan.save(path) wrote") from e
         return cls.from_dict(d)
 
     # ---- reading ------------------------------------------------------------------------
