@@ -70,6 +70,19 @@ class Comm:
         out = self.all_reduce(flat, axis)
         return _Done(tensors, out)
 
+    def reduce_scatter_start(self, flat: torch.Tensor, axis: int):
+        """Start summing the 1-D ``flat`` over ``axis``, this rank receiving its block (of
+        ``numel / size``); returns an object whose ``wait()`` returns that block."""
+        return _Ready(self.reduce_scatter(flat, axis, 0).clone())    # a buffer of its own size
+
+
+class _Ready:
+    def __init__(self, out):
+        self.out = out
+
+    def wait(self):
+        return self.out
+
 
 class _Done:
     def __init__(self, tensors, flat):
@@ -107,6 +120,9 @@ class _Inner(Comm):
 
     def all_reduce_coalesced(self, tensors, axis):
         return self.outer.all_reduce_coalesced(tensors, axis + 1)
+
+    def reduce_scatter_start(self, flat, axis):
+        return self.outer.reduce_scatter_start(flat, axis + 1)
 
 
 class DistComm(Comm):
@@ -151,6 +167,20 @@ class DistComm(Comm):
         flat = torch.cat([t.reshape(-1) for t in tensors])
         work = self.dist.all_reduce(flat, group=self.groups[axis], async_op=True)
         return _Pending(work, tensors, flat)
+
+    def reduce_scatter_start(self, flat, axis):
+        out = torch.empty(flat.numel() // self.mesh_shape[axis], dtype=flat.dtype, device=flat.device)
+        work = self.dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.groups[axis], async_op=True)
+        return _Waiting(work, out)
+
+
+class _Waiting:
+    def __init__(self, work, out):
+        self.work, self.out = work, out
+
+    def wait(self):
+        self.work.wait()
+        return self.out
 
 
 class _Pending(_Done):

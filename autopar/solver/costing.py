@@ -142,15 +142,17 @@ class CostModel:
         if v.kind == "param":
             placements = output_placements(combo, 0)
             b = _local(v.meta, placements, self.mesh_shape).nbytes
-            held = b
+            held = grads = b
             if self.zero in (1, 2) and self.data_axis is not None:
-                # ZeRO-1/2: the weight gathered over the data axis lives through the step
+                # ZeRO-1/2: the working weight, whole over the data axis, lives through the
+                # step; stage 1 keeps its whole gradient too (all-reduced), stage 2 its block
                 whole = list(placements)
                 whole[self.data_axis] = Replicate()
                 held = _local(v.meta, whole, self.mesh_shape).nbytes
+                grads = held if self.zero == 1 else b
             if self.mixed:   # 16-bit weights and grads; fp32 master copy + moments
-                return {"params": held / 2, "grads": b / 2, "optimizer": b * (1 + optimizer_states)}
-            return {"params": held, "grads": b, "optimizer": b * optimizer_states}
+                return {"params": held / 2, "grads": grads / 2, "optimizer": b * (1 + optimizer_states)}
+            return {"params": held, "grads": grads, "optimizer": b * optimizer_states}
         if v.kind in ("input", "buffer"):
             b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
             return {"inputs" if v.kind == "input" else "buffers": b}
@@ -205,13 +207,21 @@ class CostModel:
             after = _local(meta, cur, self.mesh_shape).nbytes
             n = self.mesh_shape[step.axis]
             link = self.links[step.axis]
+            # ZeRO-1/2: a parameter's gather over the data axis runs once per step, after the
+            # optimizer step (bucketed); its gradient is all-reduced whole (stage 1) or
+            # reduce-scattered (stage 2), bucketed and once per step as well
+            per_step = (bucketed and self.zero in (1, 2) and step.axis == self.data_axis
+                        and step.kind == "all_gather")
             for backward, kind in ((False, step.forward_collective()), (True, step.backward_collective())):
                 if kind is None:
                     continue
+                if per_step and backward and self.zero == 1:
+                    kind = "all_reduce"
                 size = {"all_gather": max(before, after), "reduce_scatter": max(before, after),
-                        "all_reduce": before, "all_to_all": before}[kind]
+                        "all_reduce": max(before, after) if per_step else before,
+                        "all_to_all": before}[kind]
                 t = comm_model.collective_time(kind, size * scale, n, link, skew=False)
-                if bucketed and step.kind == "grad_all_reduce":
+                if bucketed and (step.kind == "grad_all_reduce" or per_step):
                     t -= comm_model.collective_time(kind, 1.0, n, link, skew=False)   # latency shared by the bucket
                 else:
                     # the wait for the peers: once per collective between computations, shared
@@ -221,7 +231,7 @@ class CostModel:
                 regather = (not backward and bucketed and self.zero >= 3 and kind == "all_gather"
                             and step.axis == self.data_axis)
                 out.append(Collective(kind, step.axis, backward, t,
-                                      bucketed and backward and kind in GRAD_SYNC, regather))
+                                      (bucketed and backward and kind in GRAD_SYNC) or per_step, regather))
         return tuple(out)
 
 
@@ -232,7 +242,8 @@ class Collective:
     axis: int
     backward: bool
     seconds: float
-    sync: bool          # a parameter's gradient reduction (once per step: ``grad_sync_scale``)
+    sync: bool          # once per step (``grad_sync_scale``): a parameter's gradient reduction,
+    #                     or its ZeRO-1/2 gather after the optimizer step
     regather: bool      # a ZeRO-3 gather, run again in backward
 
 
@@ -240,7 +251,8 @@ def price_steps(steps: tuple[Collective, ...] | None, rerun: float = 0.0,
                 sync_scale: float = 1.0) -> tuple[float, dict]:
     """(seconds, seconds by (collective, axis)) of ``steps``: the gradient reductions times
     ``sync_scale``; the forward collectives run ``1 + rerun`` times (recomputation), a
-    ZeRO-3 gather once more. INF when ``steps`` is None (the conversion is not offered)."""
+    ZeRO-3 gather once more, and those once per step (ZeRO-1/2's gathers) once. INF when
+    ``steps`` is None (the conversion is not offered)."""
     if steps is None:
         return INF, {}
     total, by = 0.0, {}
@@ -248,7 +260,7 @@ def price_steps(steps: tuple[Collective, ...] | None, rerun: float = 0.0,
         t = c.seconds
         if c.sync:
             t *= sync_scale
-        if not c.backward:
+        if not c.backward and not c.sync:
             t *= 1.0 + rerun + (1.0 if c.regather else 0.0)
         total += t
         by[(c.kind, c.axis)] = by.get((c.kind, c.axis), 0.0) + t

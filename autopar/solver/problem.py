@@ -251,6 +251,12 @@ def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape
         elif kind == "param":
             if zero >= 1:
                 sharded = [o for o in opts if isinstance(on(data_axis, o), Shard)]
+                if zero in (1, 2):
+                    # the optimizer shard is a block of the working tensor (replicated on the
+                    # data axis only): its dim is one no other axis splits
+                    sharded = [o for o in sharded if not any(
+                        isinstance(on(a, o), Shard) and on(a, o).dim == on(data_axis, o).dim
+                        for a in range(len(mesh_shape)) if a != data_axis)]
                 opts = sharded or [o for o in opts if isinstance(on(data_axis, o), Replicate)]
             else:
                 opts = [o for o in opts if isinstance(on(data_axis, o), Replicate)]

@@ -1,0 +1,213 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, Sec. 5) in the runtime.
+
+A plan pinned ``zero=1`` or ``zero=2`` stores each parameter sharded ``S(d)`` over the data
+axis: that is the optimizer's shard. The per-rank programs run on the *working* parameters,
+the same tensors replicated over the data axis (:func:`working_plan`), so the forward needs
+no gather and each gradient comes back partial over the data axis:
+
+- stage 1: the gradients are all-reduced once per step, bucketed and overlapped with
+  backward (``autopar.runtime.grad_sync.GradSync``); each rank's optimizer shard takes the
+  block of the summed gradient that is its own (a view: the whole gradient stays, as the
+  stage's memory says);
+- stage 2: the gradients are reduce-scattered instead (:class:`ZeroGradSync`, same buckets,
+  same overlap): each rank keeps only its block of each gradient; the whole gradient is
+  freed as soon as its bucket is sent.
+
+``pm.parameters()`` (what the user's optimizer is built on) are the shards: views of the
+working parameters' blocks, so updating a shard updates this rank's block of the working
+tensor in place; :meth:`OptimizerShards.gather` then all-gathers every block over the
+data axis (bucketed). ``pm.step(optimizer)`` gathers right after the step; a step taken
+with ``optimizer.step()`` (or a checkpoint or state dict loaded into the shards) is seen by
+the shards' version counters and gathered before the next forward. Stage 3 does not come
+here: its parameters stay sharded and the rewritten graph gathers them per use
+(``passes.insert_collectives``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from autopar.ops.comm import Comm
+from autopar.placement import Replicate, Shard, parse_placements, placements_str
+from autopar.plan import NodePlacement, Plan
+from autopar.runtime.grad_sync import BUCKET_BYTES, GradSync
+from autopar.runtime.shards import Shards
+
+
+def optimizer_sharded(plan: Plan) -> bool:
+    """Whether ``plan`` runs ZeRO stage 1 or 2 (working parameters, optimizer shards)."""
+    return (plan.pins.get("zero") or 0) in (1, 2) and "data" in plan.mesh_axes
+
+
+def working_plan(plan: Plan) -> Plan:
+    """``plan`` with every parameter replicated on the data axis: what the programs run."""
+    a = plan.mesh_axes.index("data")
+    nodes = dict(plan.nodes)
+    for ph in set(plan.params.values()):
+        np_ = nodes[ph]
+        ps = list(np_.output(0))
+        if isinstance(ps[a], Shard):
+            ps[a] = Replicate()
+            nodes[ph] = NodePlacement(np_.inputs, (placements_str(ps),) + tuple(np_.outputs[1:]))
+    return dataclasses.replace(plan, nodes=nodes)
+
+
+def stored_shards(run: Shards, plan: Plan) -> Shards:
+    """``run`` (the working parameters' description) with the placements ``plan`` stores
+    them in (the optimizer shards)."""
+    placements = dict(run.placements)
+    for ph, attr in run.attr_of.items():
+        if attr in run.params:
+            placements[attr] = tuple(parse_placements(plan.nodes[ph].outputs[0]))
+    return dataclasses.replace(run, placements=placements)
+
+
+class OptimizerShards:
+    """This rank's optimizer shard of every working parameter stored sharded on ``axis``
+    (``placements``: the stored placements of the stage's mesh); a parameter replicated
+    there is its own shard."""
+
+    def __init__(self, stage: int, working: dict[str, nn.Parameter], placements: dict[str, tuple],
+                 axis: int, comm: Comm, bucket_bytes: int = BUCKET_BYTES):
+        self.stage, self.axis, self.comm, self.bucket_bytes = stage, axis, comm, bucket_bytes
+        self.n, self.coord = comm.mesh_shape[axis], comm.coord[axis]
+        self.dims: dict[str, int] = {}          # attr -> the dim its data-axis shard splits
+        self.params: dict[str, nn.Parameter] = {}
+        for attr, w in working.items():
+            p = placements[attr][axis]
+            if isinstance(p, Shard):
+                if p.groups > 1:
+                    raise ValueError(f"parameter {attr!r} is stored as a strided shard {p} on the "
+                                     "data axis; ZeRO-1/2 shards parameters by plain blocks S(d)")
+                d = p.dim % w.dim()
+                self.dims[attr] = d
+                self.params[attr] = nn.Parameter(w.detach().chunk(self.n, d)[self.coord],
+                                                 requires_grad=w.requires_grad)
+            else:
+                self.params[attr] = w
+        self.working = {a: working[a] for a in self.dims}
+        self._versions = self._now()
+
+    def block(self, attr: str, t: torch.Tensor, j: int | None = None) -> torch.Tensor:
+        """Rank ``j``'s (default: this rank's) block of the working-shaped ``t``."""
+        return t.chunk(self.n, self.dims[attr])[self.coord if j is None else j]
+
+    # ---- parameters ----------------------------------------------------------------------
+    def _now(self) -> list[int]:
+        return [self.params[a]._version for a in self.dims]
+
+    def dirty(self) -> bool:
+        """A shard changed since the last gather (an optimizer step, a load)."""
+        return self._now() != self._versions
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """All-gather every shard over the data axis into the working parameters (in
+        buckets of about ``bucket_bytes``, one flat all-gather each). Collective."""
+        for bucket in self._buckets(list(self.dims)):
+            flat = torch.cat([self.params[a].detach().reshape(-1) for a in bucket])
+            parts = self.comm.all_gather(flat, self.axis, 0).view(self.n, -1)
+            for j in range(self.n):
+                off = 0
+                for a in bucket:
+                    s = self.params[a]
+                    self.block(a, self.working[a], j).copy_(parts[j, off: off + s.numel()].view(s.shape))
+                    off += s.numel()
+        self._versions = self._now()
+
+    def _buckets(self, attrs: list[str]) -> list[list[str]]:
+        out, cur, size, dtype = [], [], 0, None
+        for a in attrs:
+            s = self.params[a]
+            if cur and (size >= self.bucket_bytes or s.dtype != dtype):
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(a)
+            size, dtype = size + s.numel() * s.element_size(), s.dtype
+        return out + ([cur] if cur else [])
+
+    # ---- gradients -----------------------------------------------------------------------
+    def drop_working_grads(self) -> None:
+        """A step starts with no gradient on the working parameters (the shards' gradients
+        of earlier steps are kept by the module)."""
+        for w in self.working.values():
+            w.grad = None
+
+    def grads_to_shards(self) -> None:
+        """Give each shard whose gradient has not arrived by a reduce-scatter its block of
+        the working gradient (summed by then): a view under stage 1, a copy under stage 2
+        (which frees the whole gradient)."""
+        for a, w in self.working.items():
+            s = self.params[a]
+            if s.grad is None and w.grad is not None:
+                g = self.block(a, w.grad)
+                if self.stage >= 2:
+                    s.grad, w.grad = g.contiguous().clone(), None
+                else:
+                    s.grad = g
+
+    def start_reduce_scatter(self, attrs: list[str], dtype=None):
+        """Start summing ``attrs``' working gradients over the data axis, each rank receiving
+        its blocks; the working gradients are freed (the flat copy is what is sent)."""
+        grads = [self.working[a].grad for a in attrs]
+        flat = torch.cat([self.block(a, g, j).reshape(-1) for j in range(self.n)
+                          for a, g in zip(attrs, grads)])
+        if dtype is not None:
+            flat = flat.to(dtype)
+        for a in attrs:
+            self.working[a].grad = None
+        return self.comm.reduce_scatter_start(flat, self.axis), grads[0].dtype
+
+    def finish_reduce_scatter(self, started, attrs: list[str], more_axes=()) -> None:
+        """Wait for :meth:`start_reduce_scatter`; sum over ``more_axes`` too; set the shards'
+        gradients (views of the received buffer)."""
+        work, dtype = started
+        out = work.wait()
+        for ax in more_axes:
+            out = self.comm.all_reduce(out, ax)
+        out = out.to(dtype)
+        off = 0
+        for a in attrs:
+            s = self.params[a]
+            s.grad = out[off: off + s.numel()].view(s.shape)
+            off += s.numel()
+
+
+class ZeroGradSync(GradSync):
+    """:class:`GradSync` for ZeRO-1/2: stage 2 reduce-scatters the gradients of parameters
+    stored sharded on the data axis (in the same buckets, launched at the same moments);
+    both stages leave each optimizer shard its block of the summed gradient."""
+
+    def __init__(self, params, axes_of, comm: Comm, shards: OptimizerShards, **kw):
+        super().__init__(params, axes_of, comm, **kw)
+        self.zero = shards
+        self._scattered: list = []
+
+    def begin(self) -> None:
+        self._scattered = []
+        super().begin()
+
+    def abort(self) -> None:
+        super().abort()
+        self._scattered = []
+
+    def _launch(self, axes: tuple[int, ...]) -> None:
+        if self.zero.stage >= 2 and self.zero.axis in axes:
+            attrs = self._pending.get(axes, [])
+            mine = [a for a in attrs if a in self.zero.dims]
+            if mine:
+                self._pending[axes] = [a for a in attrs if a not in self.zero.dims]
+                more = tuple(a for a in axes if a != self.zero.axis)
+                for bucket in self.zero._buckets(mine):
+                    self._scattered.append((self.zero.start_reduce_scatter(bucket, self.reduce_dtype),
+                                            bucket, more))
+        super()._launch(axes)
+
+    def finish(self) -> None:
+        super().finish()
+        for started, bucket, more in self._scattered:
+            self.zero.finish_reduce_scatter(started, bucket, more)
+        self._scattered = []
+        self.zero.grads_to_shards()
