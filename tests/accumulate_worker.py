@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,9 @@ def watch_sync(pm) -> dict:
         log["microbatches"] += 1
         return run_one(*a, **kw)
 
-    def logged_start(grads, axes):
+    def logged_start(*a, **kw):
         log["launched_at"].append(log["microbatches"])
-        return start(grads, axes)
+        return start(*a, **kw)
     runner._loss, sync._start = counted_loss, logged_start
     return log
 
@@ -58,8 +59,15 @@ def local_fraction(pm, model) -> float:
 
 def run_case(case: dict) -> dict:
     model, inputs, target, loss_fn = example(case["loss"])
-    pm = autopar.parallelize(model, inputs, loss_fn, target=target,
-                             memory_budget=case.get("budget"), **case["pins"])
+    if case.get("plan_file"):
+        # a saved accumulating plan: parallelize(plan=path) captures at its micro-batch
+        planned = autopar.plan(model, inputs, loss_fn, target=target, cluster="cpu:2", **case["pins"])
+        path = os.path.join(tempfile.gettempdir(), f"autopar_accumulate_plan_{os.getpid()}.json")
+        planned.save(path)
+        pm = autopar.parallelize(model, inputs, loss_fn, target=target, plan=path)
+    else:
+        pm = autopar.parallelize(model, inputs, loss_fn, target=target,
+                                 memory_budget=case.get("budget"), **case["pins"])
     k = pm.plan.accumulate
     log = watch_sync(pm)
     info = {"mesh": list(pm.plan.mesh_shape), "accumulate": k, "pins": pm.plan.pins,
