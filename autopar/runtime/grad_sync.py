@@ -15,6 +15,9 @@ in it is final, so the reduction runs while backward goes on:
 
 The ranks of a data-parallel group run the same program in the same order, so they launch
 the same buckets in the same order. A step is ``begin()`` ... ``finish()``.
+
+Lossy reduction (pins ``compress=``, ``local_sgd=``): a bucket summed over the data axis goes
+to ``reducer`` (``autopar.runtime.compression``) instead of the exact all-reduce.
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ class GradSync:
     ``axes_of[attr]`` of ``comm``, once per step."""
 
     def __init__(self, params: dict[str, nn.Parameter], axes_of: dict[str, tuple[int, ...]],
-                 comm: Comm, bucket_bytes: int = BUCKET_BYTES, reduce_dtype=None):
+                 comm: Comm, bucket_bytes: int = BUCKET_BYTES, reduce_dtype=None, reducer=None):
         self.reduce_dtype = reduce_dtype    # None: sum in the gradients' dtype; else cast (bf16 pin)
+        self.reducer = reducer              # compression.Reducer on its data axis, or None
         self.params = {a: p for a, p in params.items() if axes_of.get(a)}
         self.axes_of = {a: tuple(axes_of[a]) for a in self.params}
         self.comm = comm
@@ -93,6 +97,8 @@ class GradSync:
             for d, g in zip(dest, grads):
                 if d is not g:
                     d.copy_(g)
+        if self.reducer is not None:
+            self.reducer.end_step()
         self._reset()      # hold no finished work
 
     def abort(self) -> None:
@@ -112,18 +118,23 @@ class GradSync:
         """Start summing the pending gradients on ``axes`` over the first axis, in buckets."""
         attrs = self._pending.pop(axes, [])
         self._pending_bytes.pop(axes, None)
-        bucket, size = [], 0
+        bucket, names, size = [], [], 0
         for attr in attrs:
             g = self.params[attr].grad
             bucket.append(g)
+            names.append(attr)
             size += g.numel() * g.element_size()
             if size >= self.bucket_bytes:
-                self._start(bucket, axes)
-                bucket, size = [], 0
+                self._start(bucket, axes, tuple(names))
+                bucket, names, size = [], [], 0
         if bucket:
-            self._start(bucket, axes)
+            self._start(bucket, axes, tuple(names))
 
-    def _start(self, grads: list, axes: tuple[int, ...]) -> None:
+    def _start(self, grads: list, axes: tuple[int, ...], names: tuple[str, ...] = ()) -> None:
+        if self.reducer is not None and self.reducer.axis in axes:
+            more = tuple(a for a in axes if a != self.reducer.axis)
+            self._inflight.append((self.reducer.start(names, grads), grads, more, grads))
+            return
         dest = grads
         if self.reduce_dtype is not None:
             grads = [g.to(self.reduce_dtype) if g.is_floating_point() else g for g in grads]

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from autopar.analysis.layers import layer_members
 from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.capture import Captured
+from autopar.errors import ArgumentError
 from autopar.ops.collectives import regathered_weights
 from autopar.ops.comm import Comm, use_comm
 from autopar.passes.autocast import low_precision_gathers
@@ -33,6 +34,7 @@ from autopar.passes.place_on_device import place_on
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
+from autopar.runtime.compression import LocalSGD, make_reducer
 from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
@@ -95,8 +97,9 @@ class OneStage:
                 extra = (target,) if self._cap.takes_target else ()
                 return self.programs["train"](*inputs, *extra, *scales)
             if self._loss_fn is not None:
-                return self._loss_fn(pytree.tree_unflatten(self.forward(inputs), self._out_spec), target)
-            return self.forward(inputs)[0]
+                return _scalar(self._loss_fn(pytree.tree_unflatten(self.forward(inputs), self._out_spec),
+                                             target), "loss_fn returned")
+            return _scalar(self.forward(inputs)[0], "without loss_fn, the model's output is")
 
     def _microbatches(self, inputs: tuple, target):
         """(inputs, target, loss scale inputs) of each micro-batch of the global batch."""
@@ -190,8 +193,10 @@ class ParallelModule(nn.Module):
             self._grad_sync = ZeroGradSync(working, grad_axes, self._stage_comm, self._zero,
                                            reduce_dtype=grad_reduce_dtype(plan.pins))
         else:
+            data_axis = splan.mesh_axes.index("data") if "data" in splan.mesh_axes else None
             self._grad_sync = GradSync(working, grad_axes, self._stage_comm,
-                                       reduce_dtype=grad_reduce_dtype(plan.pins))
+                                       reduce_dtype=grad_reduce_dtype(plan.pins),
+                                       reducer=make_reducer(plan.pins, self._stage_comm, data_axis))
         self.scaler = self._mixed_precision(plan, pipelined)
         if not pipelined:
             self._grad_sync.launch_on_accumulate()
@@ -212,12 +217,15 @@ class ParallelModule(nn.Module):
 
     def step(self, optimizer) -> bool:
         """``optimizer.step()``; under fp16, with dynamic loss scaling (unscale, skip on inf/nan
-        on any rank, adjust the scale). Returns whether the optimizer stepped."""
+        on any rank, adjust the scale). Returns whether the optimizer stepped. Under
+        ``local_sgd=H``, averages the parameters over the data axis every ``H`` steps."""
         if self.scaler is None:
             optimizer.step()
             stepped = True
         else:
             stepped = self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
+        if isinstance(getattr(self._grad_sync, "reducer", None), LocalSGD):
+            self._grad_sync.reducer.average(self.module.parameters())
         self._gather_params()
         return stepped
 
@@ -258,7 +266,7 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs):
         """The model's outputs (whole, on every rank) for the global batch ``inputs`` (this
         data rank's slice of it under ``batch="per_rank"``)."""
-        inputs = self._check_inputs(inputs)
+        inputs = self._check_inputs(inputs, None, "forward")
         inputs, _ = self.rank_data.global_batch(inputs, None)
         self._gather_params()
         with use_comm(self._stage_comm):
@@ -269,9 +277,9 @@ class ParallelModule(nn.Module):
         """Forward and backward on the global batch; returns the global mean loss. Gradients
         are added to the local shards' ``.grad`` (call the optimizer's ``zero_grad`` between
         steps as usual)."""
-        inputs = self._check_inputs(inputs)
         if target is None and self._cap.has_loss and self._cap.takes_target:
-            raise ValueError("train_step needs target=: the loss is part of the plan's graph")
+            raise ArgumentError("train_step needs target=: the loss is part of the plan's graph")
+        inputs = self._check_inputs(inputs, target, "train_step")
         target = self._to_device(target)
         inputs, target = self.rank_data.global_batch(inputs, target)
         params = dict(self.module.named_parameters())
@@ -294,11 +302,13 @@ class ParallelModule(nn.Module):
         finally:
             reg.clear()
 
-    def _check_inputs(self, inputs) -> tuple:
-        """The inputs on this rank's device, after checking there are as many as captured."""
+    def _check_inputs(self, inputs, target, call: str) -> tuple:
+        """The inputs on this rank's device, after checking them (and the target) against
+        what the plan was made for: their number, shapes and dtypes (``RankData.check``)."""
         if len(inputs) != self._cap.n_model_inputs:
-            raise TypeError(f"expected {self._cap.n_model_inputs} inputs (the global batch, as in "
-                            f"example_inputs), got {len(inputs)}")
+            raise ArgumentError(f"{call}: expected {self._cap.n_model_inputs} inputs (the global "
+                                f"batch, as in example_inputs), got {len(inputs)}")
+        self.rank_data.check(inputs, target, call)
         return tuple(self._to_device(x) for x in inputs)
 
     def _to_device(self, x):
@@ -344,9 +354,7 @@ class ParallelModule(nn.Module):
         """Load whole tensors (as from ``model.state_dict()``); each rank keeps its blocks of
         the tensors its stages read."""
         placements = self._shards.placements
-        missing = [n for n in placements if n not in state_dict]
-        if missing:
-            raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        check_state_dict(state_dict, placements, self._shards.aliases, self._shards.shapes)
         coord = self._stage_comm.coord
         with torch.no_grad():
             for attr, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
@@ -375,6 +383,43 @@ def _fresh_grads(params: dict[str, nn.Parameter]):
             old = stash.get(a)
             if old is not None:
                 p.grad = old if p.grad is None else old + p.grad
+
+
+def _scalar(loss, what: str) -> torch.Tensor:
+    """``loss`` when it is a scalar tensor that can be trained; else an ArgumentError."""
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point():
+        return loss
+    got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else \
+        f"a {type(loss).__name__}"
+    raise ArgumentError(f"train_step: {what} {got}, not a scalar loss: return one number of "
+                        "floating dtype (reduce with .mean() or .sum()), or pass loss_fn and "
+                        "target= for a model that returns outputs")
+
+
+def check_state_dict(state_dict, placements: dict, aliases: dict, shapes: dict) -> None:
+    """An ArgumentError naming the missing and unexpected keys, or a tensor of another shape,
+    of a whole-model state dict (tied weights may appear under any of their names)."""
+    if not isinstance(state_dict, dict):
+        raise ArgumentError(f"load_full_state_dict takes a dict of tensors (model.state_dict()), "
+                            f"got {type(state_dict).__name__}")
+    known = {a for attr in placements for a in aliases.get(attr, [attr])} | set(placements)
+    missing = [n for n in placements if n not in state_dict]
+    unexpected = [k for k in state_dict if k not in known]
+    if missing or unexpected:
+        def some(names):
+            return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+        raise ArgumentError(
+            "load_full_state_dict: the state dict does not fit the model: "
+            + "; ".join(([f"{len(missing)} missing keys {some(missing)}"] if missing else [])
+                        + ([f"{len(unexpected)} unexpected keys {some(unexpected)}"] if unexpected else []))
+            + ". Pass the state_dict() of the model given to autopar.parallelize (same names)")
+    for attr in placements:
+        t = state_dict[attr]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shapes[attr]):
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ArgumentError(f"load_full_state_dict: {attr!r} is {got}, the model's is "
+                                f"{list(shapes[attr])}: pass the state dict of this model's "
+                                "configuration")
 
 
 def model_out_spec(cap: Captured):

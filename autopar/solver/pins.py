@@ -8,7 +8,8 @@ from typing import Any
 from autopar.errors import ArgumentError, PinError
 
 KNOWN_PINS = frozenset({"data", "tensor", "zero", "pipeline", "micro_batch_size", "schedule",
-                        "virtual_stages", "recompute", "precision", "grad_reduce", "accumulate"})
+                        "virtual_stages", "recompute", "precision", "grad_reduce", "accumulate",
+                        "compress", "local_sgd", "local_sgd_warmup"})
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """Optimizer tensors kept per parameter."""
 
@@ -56,7 +57,62 @@ def check_pins(pins: dict[str, Any]) -> dict[str, Any]:
         v = pins.get(name)
         if v is not None and (not isinstance(v, int) or v < 1):
             raise PinError(f"pin {name}={v!r} must be a positive integer")
+    _check_lossy(pins)
     return pins
+
+
+COMPRESS_HELP = ("'powersgd:R' (rank R, e.g. 'powersgd:4'), 'topk:F' (fraction 0 < F <= 1, e.g. "
+                 "'topk:0.01'), 'bf16', 'int8', 'none', or 'auto' (the solver may choose one)")
+
+
+def compress_scheme(value) -> tuple[str, float] | None:
+    """The data-parallel gradient compression a ``compress=`` pin asks for: ``(kind,
+    parameter)`` with kind "powersgd" (parameter: the rank), "topk" (the fraction), "bf16"
+    or "int8" (parameter 0); None for no compression (None, "none") and for "auto" (the
+    solver's choice: ``autopar.solver.compress``). PinError on anything else."""
+    if value is None or value in ("none", "auto"):
+        return None
+    kind, _, arg = value.partition(":") if isinstance(value, str) else ("", "", "")
+    try:
+        if kind in ("bf16", "int8") and not arg:
+            return kind, 0
+        if kind == "powersgd" and int(arg) >= 1 and str(int(arg)) == arg:
+            return kind, int(arg)
+        if kind == "topk" and 0 < float(arg) <= 1:
+            return kind, float(arg)
+    except ValueError:
+        pass
+    raise PinError(f"compress={value!r}: use {COMPRESS_HELP}")
+
+
+def _check_lossy(pins: dict) -> None:
+    """compress= and local_sgd= (lossy data parallelism, ``autopar.runtime.compression``)."""
+    compress = pins.get("compress")
+    compress_scheme(compress)
+    h, warm = pins.get("local_sgd"), pins.get("local_sgd_warmup")
+    if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
+        raise PinError(f"local_sgd={h!r}: give the period H (a positive integer) of parameter "
+                       "averaging, e.g. local_sgd=8")
+    if warm is not None and (h is None or not isinstance(warm, int) or isinstance(warm, bool)
+                             or warm < 0):
+        raise PinError(f"local_sgd_warmup={warm!r}: the steps of gradient all-reduce before local "
+                       "SGD begins, a non-negative integer, with local_sgd= pinned too")
+    lossy = [f"{n}={pins[n]!r}" for n in ("compress", "local_sgd")
+             if pins.get(n) not in (None, "none")]
+    if len(lossy) == 2:
+        raise PinError(f"{lossy[0]} and {lossy[1]}: local SGD has no per-step gradient reduction "
+                       "to compress; pin one of them")
+    if not lossy:
+        return
+    if (pins.get("zero") or 0) > 0:
+        raise PinError(f"{lossy[0]} works on the replicated data-parallel gradient all-reduce; "
+                       "ZeRO shards it: drop zero= or the lossy pin")
+    if pipelined(pins):
+        raise PinError(f"{lossy[0]} is not supported with a pipeline yet: drop pipeline= or "
+                       "the lossy pin")
+    if pins.get("grad_reduce") == "bf16" and pins.get("compress") not in (None, "none"):
+        raise PinError(f"{lossy[0]} and grad_reduce='bf16' both choose how gradients are "
+                       "reduced: pin one of them (compress='bf16' is the bf16 reduction)")
 
 
 def check_optimizer(optimizer: str) -> int:

@@ -1,0 +1,301 @@
+"""Lossy data-parallel gradient reduction: the pins ``compress=`` and ``local_sgd=``.
+
+:class:`autopar.runtime.grad_sync.GradSync` sums each bucket of gradients over the data axis;
+with one of these it hands the bucket to :meth:`Reducer.start` instead (the other mesh axes
+are still summed exactly). Every reducer returns the SUM over the data ranks, written into
+the bucket's gradients, as the exact all-reduce would.
+
+- ``"bf16"``: torch's ``default_hooks.bf16_compress_hook`` (cast, all-reduce in bf16, cast back).
+- ``"powersgd:R"``: torch's ``powerSGD_hook`` with its ``PowerSGDState`` (rank ``R``, error
+  feedback and warm start on; the first ``POWERSGD_START`` steps are exact all-reduces, the
+  least torch allows with error feedback). Matrices (a gradient viewed as ``shape[0] x
+  rest``) where rank ``R`` saves less than half go uncompressed, as torch decides.
+- ``"topk:F"``: each rank sends the ``ceil(F * n)`` entries of largest magnitude of its bucket
+  (values and int32 indices, all-gathered) and keeps the rest as its error, added to the
+  next step's bucket (error feedback). torch has no top-k hook.
+- ``"int8"``: each chunk of ``INT8_CHUNK`` values is quantised to uint8 against its own min
+  and scale (fp32), all-gathered, and each rank sums the dequantised chunks. torch's
+  ``quantization_perchannel_hook`` does this in a Python loop per chunk; this is the same
+  arithmetic, vectorised. No error feedback (as torch's).
+- ``local_sgd=H``: no gradient reduction after the warm-up (``local_sgd_warmup`` steps of
+  exact all-reduce, default ``LOCAL_SGD_WARMUP``); each rank steps on its own gradient (its
+  term of the global loss times the data size: its local batch's mean), and
+  ``ParallelModule.step`` averages the parameters over the data axis every ``H`` steps with
+  torch's ``PeriodicModelAverager``. Call ``pm.step(optimizer)`` (not ``optimizer.step()``).
+
+torch's hooks take a DDP ``GradBucket``, which Python cannot build; they only call its
+``buffer``/``gradients``/``index``/``is_last``/``set_buffer``, so :class:`FlatBucket` offers
+those over one flat tensor. torch's hooks return the mean over ranks, of gradients in DDP's
+units (each rank's the mean over its batch); the gradients here are each rank's term of the
+global loss, so the bucket is multiplied by the data size going in and the mean is the sum.
+Bucket state (error feedback, warm start) is kept by bucket (its parameters' names), which
+the ranks launch in the same order every step.
+
+These reducers need torch.distributed process groups (``autopar.parallelize``), not the
+thread-simulated ranks.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+from autopar.ops.comm import Comm
+from autopar.solver.pins import compress_scheme
+
+POWERSGD_START = 2
+LOCAL_SGD_WARMUP = 100
+"""Default ``local_sgd_warmup``: torch's post-local-SGD example switches after 100 steps."""
+INT8_CHUNK = 512
+
+
+def data_group(comm: Comm, axis: int):
+    """The torch.distributed process group of mesh axis ``axis`` of ``comm``."""
+    base = comm
+    while hasattr(base, "outer"):      # a stage's mesh inside a pipeline (Comm.inner)
+        base, axis = base.outer, axis + 1
+    groups = getattr(base, "groups", None)
+    if groups is None:
+        raise ValueError("compress= and local_sgd= need torch.distributed ranks: build the module "
+                         "with autopar.parallelize under torchrun, not on simulated (thread) ranks")
+    return groups[axis]
+
+
+def make_reducer(pins: dict, comm: Comm, axis: int | None) -> "Reducer | None":
+    """The reducer of a plan's ``compress=`` / ``local_sgd=`` pins on the data axis ``axis``
+    (None when the plan has none, or no data axis, or its data axis has one rank)."""
+    scheme = compress_scheme(pins.get("compress"))
+    h = pins.get("local_sgd")
+    if axis is None or comm.size(axis) == 1 or (scheme is None and h is None):
+        return None
+    group = data_group(comm, axis)
+    if h is not None:
+        return LocalSGD(h, pins.get("local_sgd_warmup", LOCAL_SGD_WARMUP), group, axis)
+    kind, arg = scheme
+    return {"bf16": Bf16, "powersgd": PowerSGD, "topk": TopK, "int8": Int8}[kind](group, axis, arg)
+
+
+class FlatBucket:
+    """What torch's DDP communication hooks read of a ``GradBucket``, over one flat tensor."""
+
+    def __init__(self, index: int, flat: torch.Tensor, shapes: list[torch.Size]):
+        self._index, self._flat, self._shapes = index, flat, shapes
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+    def set_buffer(self, t: torch.Tensor) -> None:
+        self._flat = t
+
+    def is_last(self) -> bool:
+        return False      # the reducer ends the step itself (Reducer.end_step)
+
+    def gradients(self) -> list[torch.Tensor]:
+        out, off = [], 0
+        for s in self._shapes:
+            n = math.prod(s)
+            out.append(self._flat[off: off + n].view(s if len(s) else (1,)))
+            off += n
+        return out
+
+
+class _Result:
+    """A reduction in flight: ``wait()`` writes the summed flat bucket into the gradients."""
+
+    def __init__(self, grads: list[torch.Tensor], value):
+        self.grads, self.value = grads, value    # a Future, a function giving the sum, or it
+
+    def wait(self) -> None:
+        flat = self.value
+        if callable(flat):
+            flat = flat()
+        elif not isinstance(flat, torch.Tensor):
+            flat = flat.wait()          # a torch Future
+        if isinstance(flat, list):
+            flat = flat[0]
+        off = 0
+        for g in self.grads:
+            g.copy_(flat[off: off + g.numel()].view_as(g))
+            off += g.numel()
+
+
+class Reducer:
+    """Sums a bucket of gradients over the data axis ``axis`` (process group ``group``)."""
+
+    def __init__(self, group, axis: int):
+        self.group, self.axis = group, axis
+        self.size = dist.get_world_size(group)
+        self._index: dict[tuple[str, ...], int] = {}
+        self.wire_bytes = 0         # bytes this rank sent in the last step
+        self._step_bytes = 0
+
+    def bucket_index(self, names: tuple[str, ...]) -> int:
+        return self._index.setdefault(tuple(names), len(self._index))
+
+    def start(self, names: tuple[str, ...], grads: list[torch.Tensor]) -> _Result:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        return _Result(grads, self.reduce(self.bucket_index(names), flat, [g.shape for g in grads]))
+
+    def reduce(self, index: int, flat: torch.Tensor, shapes):
+        """The sum over the data ranks of ``flat``: a Future of it, a function returning it
+        once the collectives it started are done, or it; may overwrite ``flat``."""
+        raise NotImplementedError
+
+    def end_step(self) -> None:
+        self.wire_bytes, self._step_bytes = self._step_bytes, 0
+
+    def _all_gather(self, t: torch.Tensor):
+        """Start gathering ``t`` of every rank: (their stack, the work)."""
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        self._step_bytes += t.numel() * t.element_size()
+        work = dist.all_gather_into_tensor(out, t.contiguous(), group=self.group, async_op=True)
+        return out.view(self.size, *t.shape), work
+
+
+class Bf16(Reducer):
+    def __init__(self, group, axis: int, _arg=None):
+        super().__init__(group, axis)
+        self._hook = bf16_compress_hook
+
+    def reduce(self, index, flat, shapes):
+        self._step_bytes += flat.numel() * 2
+        return self._hook(self.group, FlatBucket(index, flat.mul_(self.size), list(shapes)))
+
+
+class PowerSGD(Reducer):
+    def __init__(self, group, axis: int, rank: int):
+        super().__init__(group, axis)
+        self._hook = psgd.powerSGD_hook
+        logging.getLogger(psgd.__name__).setLevel(logging.WARNING)    # per-bucket info lines
+        self.state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=POWERSGD_START,
+                                        use_error_feedback=True, warm_start=True)
+        self._shapes: dict[int, list] = {}
+
+    def reduce(self, index, flat, shapes):
+        self._shapes[index] = list(shapes)
+        self._step_bytes += self._wire(flat, shapes)
+        return self._hook(self.state, FlatBucket(index, flat.mul_(self.size), list(shapes)))
+
+    def _wire(self, flat, shapes) -> int:
+        """Bytes this bucket sends: all of it before PowerSGD starts; else P and Q of each
+        compressed matrix and the uncompressed rest."""
+        if self.state.iter < self.state.start_powerSGD_iter:
+            return flat.numel() * flat.element_size()
+        n_el = 0
+        for s in shapes:
+            rows = s[0] if len(s) else 1
+            cols = math.prod(s) // rows if rows else 0
+            r = min(rows, cols, self.state.matrix_approximation_rank)
+            low = (rows + cols) * r
+            n_el += low if low * self.state.min_compression_rate < rows * cols else rows * cols
+        return n_el * flat.element_size()
+
+    def end_step(self) -> None:
+        super().end_step()
+        self.state.iter += 1     # torch counts on the bucket that is_last(); ours never is
+
+    def local_error(self, names: tuple[str, ...]) -> torch.Tensor | None:
+        """This rank's error-feedback residual of a bucket, in the gradients' units (torch
+        keeps it in DDP's: times the data size)."""
+        e = self.state.error_dict.get(self._index.get(tuple(names), -1))
+        return None if e is None else e / self.size
+
+
+class TopK(Reducer):
+    def __init__(self, group, axis: int, fraction: float):
+        super().__init__(group, axis)
+        self.fraction = fraction
+        self.errors: dict[int, torch.Tensor] = {}
+
+    def reduce(self, index, flat, shapes):
+        err = self.errors.get(index)
+        if err is not None:
+            flat.add_(err)
+        k = max(1, math.ceil(self.fraction * flat.numel()))
+        idx = flat.abs().topk(k, sorted=False).indices
+        vals = flat[idx]
+        flat[idx] = 0
+        self.errors[index] = flat           # what was not sent, sent later
+        vals_all, w1 = self._all_gather(vals)
+        idx_all, w2 = self._all_gather(idx.to(torch.int32))
+
+        def total():
+            w1.wait()
+            w2.wait()
+            return torch.zeros_like(flat).index_add_(0, idx_all.reshape(-1).long(), vals_all.reshape(-1))
+        return total
+
+    def local_error(self, names: tuple[str, ...]) -> torch.Tensor | None:
+        return self.errors.get(self._index.get(tuple(names), -1))
+
+
+def quantize_int8(flat: torch.Tensor, chunk: int = INT8_CHUNK):
+    """(uint8 codes, per-chunk (min, scale) as fp32) of ``flat``, zero-padded to chunks."""
+    pad = (-flat.numel()) % chunk
+    x = torch.nn.functional.pad(flat.float(), (0, pad)).view(-1, chunk)
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    scale = ((hi - lo) / 255).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.round((x - lo) / scale).clamp_(0, 255).to(torch.uint8)
+    return codes, torch.cat([lo, scale], 1)
+
+
+def dequantize_int8(codes: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    return codes.float() * stats[..., 1:] + stats[..., :1]
+
+
+class Int8(Reducer):
+    def __init__(self, group, axis: int, _arg=None):
+        super().__init__(group, axis)
+
+    def reduce(self, index, flat, shapes):
+        codes, stats = quantize_int8(flat)
+        codes_all, w1 = self._all_gather(codes)
+        stats_all, w2 = self._all_gather(stats)
+
+        def total():
+            w1.wait()
+            w2.wait()
+            return dequantize_int8(codes_all, stats_all).sum(0).reshape(-1)[: flat.numel()].to(flat.dtype)
+        return total
+
+
+class LocalSGD(Reducer):
+    """``local_sgd=H``: gradients stay local after the warm-up (each rank's scaled to its own
+    batch's mean); :meth:`average` (after each optimizer step) averages the parameters every
+    ``H`` steps (torch's ``PeriodicModelAverager``)."""
+
+    def __init__(self, period: int, warmup: int, group, axis: int):
+        super().__init__(group, axis)
+        with warnings.catch_warnings():     # period 1 warns that DDP alone would do
+            warnings.simplefilter("ignore", UserWarning)
+            self.averager = PeriodicModelAverager(period=period, warmup_steps=warmup,
+                                                  process_group=group)
+
+    @property
+    def local(self) -> bool:
+        """Whether this step's gradients stay local (the warm-up is over)."""
+        return self.averager.step >= self.averager.warmup_steps
+
+    def reduce(self, index, flat, shapes):
+        if self.local:
+            return flat.mul_(self.size)
+        self._step_bytes += flat.numel() * flat.element_size()
+        return dist.all_reduce(flat, group=self.group, async_op=True).get_future()
+
+    def average(self, params) -> None:
+        """After an optimizer step: average ``params`` over the data axis when it is time."""
+        params = list(params)
+        step = self.averager.step
+        self.averager.average_parameters(params)
+        if step >= self.averager.warmup_steps and (step - self.averager.warmup_steps) % self.averager.period == 0:
+            self.wire_bytes += sum(p.numel() * p.element_size() for p in params if p.grad is not None)

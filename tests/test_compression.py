@@ -1,0 +1,120 @@
+"""Lossy data parallelism: ``compress=`` (PowerSGD, top-k, bf16, int8) and ``local_sgd=``.
+
+Runtime cases run on 2 gloo ranks in one torchrun launch (``tests/compression_worker.py``,
+whose docstring says what each checks); the pins' errors and the cost model's choice run
+here.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import autopar  # noqa: E402
+from autopar.errors import PinError  # noqa: E402
+from autopar.verify import GRAD_RTOL, LOSS_RTOL, WEIGHT_RTOL  # noqa: E402
+from launch import torchrun_cases  # noqa: E402
+
+CASES = [
+    {"id": "bf16", "check": "equal", "pins": {"compress": "bf16"}, "steps": 3},
+    {"id": "powersgd-exact", "check": "equal", "pins": {"compress": "powersgd:4"}, "steps": 4},
+    {"id": "powersgd-ef", "check": "error_feedback", "pins": {"compress": "powersgd:1"}, "steps": 4},
+    {"id": "topk-all", "check": "equal", "pins": {"compress": "topk:1.0"}, "steps": 3},
+    {"id": "topk-ef", "check": "error_feedback", "pins": {"compress": "topk:0.1"}, "steps": 3},
+    {"id": "int8-reducer", "check": "int8_reducer", "pins": {}, "steps": 0},
+    {"id": "int8", "check": "equal", "pins": {"compress": "int8"}, "steps": 3},
+    {"id": "local_sgd-1", "check": "local_sgd", "pins": {"local_sgd": 1, "local_sgd_warmup": 0},
+     "steps": 3},
+    {"id": "local_sgd-2", "check": "local_sgd", "pins": {"local_sgd": 2, "local_sgd_warmup": 1},
+     "steps": 4},
+]
+BF16_GRAD_TOL = 2 ** -7          # a gradient's relative error after one bf16 rounding and sum
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compression") / "results.json"
+    return torchrun_cases("compression_worker.py", 2, CASES, out, timeout=600, case_timeout=120)
+
+
+def _result(results, cid: str) -> dict:
+    got, failed = results
+    r = got.get(cid)
+    assert r is not None, f"{cid}: no result, the launch ended before it\n{failed}"
+    assert r["ok"], f"{cid}: {r['error']}\n{r.get('trace', '')}"
+    return r
+
+
+@pytest.mark.parametrize("cid", ["powersgd-exact", "topk-all"])
+def test_exact_cases_equal_one_device(results, cid):
+    r = _result(results, cid)
+    assert not r["problems"], r
+    assert r["loss_err"] < LOSS_RTOL and r["grad_err"] < GRAD_RTOL and r["weight_err"] < WEIGHT_RTOL, r
+    if cid == "powersgd-exact":      # after torch's vanilla start, the weight went as P and Q
+        assert r["wire_bytes"] < 0.6 * r["full_bytes"], r
+
+
+def test_bf16_within_bf16_rounding(results):
+    r = _result(results, "bf16")
+    assert not r["problems"], r
+    assert r["grad_err"] < BF16_GRAD_TOL and r["weight_err"] < BF16_GRAD_TOL, r
+    assert r["grad_err"] > GRAD_RTOL, r          # it did round
+    assert r["wire_bytes"] == r["full_bytes"] // 2, r
+
+
+@pytest.mark.parametrize("cid", ["powersgd-ef", "topk-ef"])
+def test_error_feedback_carries_across_steps(results, cid):
+    r = _result(results, cid)
+    assert r["last_step_err"] > 0.05, r          # lossy: a step's sum is not the gradient
+    assert r["last_two_differ"] > 0.05, r        # the residual changed what was sent
+    assert r["conserved_err"] < 1e-5, r          # sums + residuals = steps x gradient
+    assert r["wire_bytes"] < 0.25 * r["full_bytes"], r
+
+
+def test_int8_is_quantised_sum(results):
+    r = _result(results, "int8-reducer")
+    assert r["vs_dequantized"] < 1e-6, r         # the sum of each rank's dequantised chunks
+    assert r["beyond_half_step"] <= 0, r         # within half a step per rank of the true sum
+    assert r["exact_err"] > 0, r                 # and lossy
+    t = _result(results, "int8")
+    assert 0 < t["grad_err"] < 0.05 and t["weight_err"] < 0.05, t
+    assert t["wire_bytes"] < 0.4 * t["full_bytes"], t
+
+
+def test_local_sgd_period_one_equals_one_device(results):
+    r = _result(results, "local_sgd-1")
+    assert r["loss_err"] < LOSS_RTOL and r["weight_err"] < WEIGHT_RTOL, r
+    assert r["rank_spread"] == [0.0, 0.0, 0.0], r
+
+
+def test_local_sgd_averages_every_h_steps_after_warmup(results):
+    r = _result(results, "local_sgd-2")
+    # step 0: warm-up (gradients all-reduced); 1 and 3: averaged; 2: local only
+    assert r["rank_spread"][0] == 0.0 and r["rank_spread"][1] == 0.0 and r["rank_spread"][3] == 0.0, r
+    assert r["rank_spread"][2] > 1e-4, r
+    assert r["wire_bytes"][2] == 0 and r["wire_bytes"][1] == r["full_bytes"], r
+    assert r["loss_err"] > LOSS_RTOL, r          # not the one-device run
+
+
+# ---- pins ------------------------------------------------------------------------------
+@pytest.mark.parametrize("pins,words", [
+    ({"compress": "powersgd:0"}, "powersgd:R"),
+    ({"compress": "topk:1.5"}, "topk:F"),
+    ({"compress": "gzip"}, "'bf16', 'int8'"),
+    ({"local_sgd": 0}, "positive integer"),
+    ({"local_sgd_warmup": 5}, "local_sgd= pinned too"),
+    ({"compress": "int8", "local_sgd": 4}, "pin one of them"),
+    ({"compress": "bf16", "zero": 1}, "drop zero="),
+    ({"local_sgd": 2, "pipeline": 2, "micro_batch_size": 2}, "drop pipeline="),
+])
+def test_bad_pins_say_the_fix(pins, words):
+    model = nn.Linear(4, 2)
+    with pytest.raises(PinError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        autopar.plan(model, (torch.randn(4, 4),), F.cross_entropy, target=torch.tensor([0, 1, 0, 1]),
+                     cluster="cpu:2", **pins)
