@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from torch import nn
 from autopar.capture import Captured, fingerprint
 from autopar.cost_models.local_devices import local_cluster
 from autopar.device import backend_for, rank_device
+from autopar.ops.comm import collective_timeout
 from autopar.plan import Plan, PlanError
 from autopar.runtime import build
 from autopar.runtime.data import BATCH_MODES
@@ -45,7 +47,8 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
 def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
                 target: Any = None, plan: "Plan | str | None" = None, cluster=None,
                 memory_budget: float | None = None, mesh_shape: Sequence[int] | None = None,
-                optimizer: str = "adamw", comm=None, batch: str = "global", **pins):
+                optimizer: str = "adamw", comm=None, batch: str = "global",
+                timeout: float | None = None, **pins):
     """Parallelize ``model`` over the ranks of this job (inside torchrun, or after
     ``torch.distributed.init_process_group``).
 
@@ -66,6 +69,12 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     ``example_inputs`` / ``target`` describe the *global* batch in both modes (the plan is
     made for its shapes; only shapes and dtypes matter to it).
 
+    ``timeout``: seconds a collective may wait for its peers before it raises
+    ``autopar.ops.comm.CollectiveError`` naming the op, the mesh axis and the group's ranks
+    (a peer died or hangs). Default: the environment variable ``AUTOPAR_COLLECTIVE_TIMEOUT``,
+    else the process group's own timeout. When ``parallelize`` creates the process group
+    (inside torchrun), it gets this timeout too.
+
     Without ``plan=``, rank 0 solves (``autopar.solver.driver.solve``, as ``autopar.plan``
     does) and the other ranks take its plan and capture the graph it runs on. ``comm``: a
     communicator of thread ranks (tests); then every rank solves.
@@ -77,7 +86,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     if batch not in BATCH_MODES:
         raise ValueError(f"batch={batch!r}: use 'global' (every rank passes the global batch) "
                          "or 'per_rank' (each data rank passes its own slice)")
-    world = _dist_world() if comm is None else (
+    timeout = collective_timeout(timeout)
+    world = _dist_world(timeout) if comm is None else (
         comm.world.world if hasattr(comm, "world") else int(dist.get_world_size()))
     if plan is not None:
         if pins:
@@ -92,7 +102,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     _validate(the_plan, cap, world)
     # loss_fn without a target runs outside the graph, on the replicated output; comm None:
     # this job's torch.distributed ranks, on a mesh on the rank's device
-    return build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch)
+    return build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch,
+                 timeout=timeout)
 
 
 def _solve_once(model, example_inputs, loss_fn, target, world: int, *, every_rank: bool,
@@ -146,15 +157,17 @@ def _validate(p: Plan, cap: Captured, world: int) -> None:
                         "plan again with autopar.plan")
 
 
-def _dist_world() -> int:
+def _dist_world(timeout: float | None = None) -> int:
     """This job's world size; inside torchrun, the process group is created here if it is
     not yet: after ``rank_device()`` has made ``LOCAL_RANK`` the current CUDA device, with
-    the backend of that device (NCCL on CUDA, gloo on CPU)."""
+    the backend of that device (NCCL on CUDA, gloo on CPU) and ``timeout`` seconds (None:
+    torch's default)."""
     if not dist.is_available():
         return 1
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend_for(rank_device()))
+            dist.init_process_group(backend_for(rank_device()), timeout=None if timeout is None
+                                    else timedelta(seconds=timeout))
         else:
             raise RuntimeError("autopar.parallelize runs inside torchrun (or after "
                                "torch.distributed.init_process_group); to plan without "

@@ -7,6 +7,10 @@ ZeRO, pipeline, another world size): DCP reads for every local shard the overlap
 of the saved chunks. How autopar's placements are described to DCP is in
 ``autopar.runtime.dcp_state``.
 
+For a training job: ``save_step_checkpoint(root, step, ...)`` writes ``root/step-<step>``
+atomically (a temporary directory renamed once every rank has written), and
+``latest_checkpoint(root)`` finds the newest complete one to resume from after a restart.
+
 ``export_checkpoint`` writes the model part as one plain state dict (what
 ``model.load_state_dict`` accepts); ``import_state_dict`` writes a plain state dict as a
 checkpoint that ``load_checkpoint`` reads. Both run in one process, without ranks.
@@ -15,28 +19,29 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import shutil
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from autopar.errors import AutoparInputError
+from autopar.errors import ArgumentError, CheckpointError
 from autopar.runtime.dcp_state import FORMAT, MODEL, load_plan, save_state
 from autopar.runtime.parallel_module import ParallelModule
 
 __all__ = ["save_checkpoint", "load_checkpoint", "export_checkpoint", "import_state_dict",
-           "CheckpointError"]
+           "save_step_checkpoint", "latest_checkpoint", "CheckpointError"]
 
-
-class CheckpointError(AutoparInputError):
-    """A checkpoint path that is missing or is not an autopar / DCP checkpoint."""
+_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def _check_module(pm) -> None:
     if not isinstance(pm, ParallelModule):
-        raise TypeError(f"expected the ParallelModule autopar.parallelize returned, got "
-                        f"{type(pm).__name__}")
+        raise ArgumentError(f"expected the ParallelModule autopar.parallelize returned, got "
+                            f"{type(pm).__name__}")
 
 
 def save_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimizer | None = None,
@@ -66,6 +71,64 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimize
     sd, finish = load_plan(pm, md, optimizer)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(os.fspath(path)))
     return finish()
+
+
+def save_step_checkpoint(root: str | os.PathLike, step: int, pm,
+                         optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
+                         keep: int | None = None) -> str:
+    """``save_checkpoint`` to ``root/step-<step>`` (8 digits), atomically: every rank writes
+    into ``root/.step-<step>.tmp``, which rank 0 renames once the save is complete, so a
+    job killed mid-save leaves no directory ``latest_checkpoint`` would pick. ``keep``: how
+    many of the newest step directories to keep (None: all). Returns the directory.
+    Collective; ``root`` must be one directory every rank sees (a shared file system)."""
+    _check_module(pm)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r}: pass the number of training steps done (an int >= 0)")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep={keep!r}: pass how many newest checkpoints to keep (an int >= 1) or None")
+    root = os.fspath(root)
+    final, tmp = os.path.join(root, f"step-{step:08d}"), os.path.join(root, f".step-{step:08d}.tmp")
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    if lead:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)    # left by a save that was cut short
+    _barrier()
+    save_checkpoint(tmp, pm, optimizer, extra)    # returns once .metadata is written
+    if lead:
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again
+        os.replace(tmp, final)
+        if keep is not None:
+            for old in _step_dirs(root)[:-keep]:
+                shutil.rmtree(old[1], ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete ``step-N`` checkpoints under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.fullmatch(name)
+        path = os.path.join(root, name)
+        if m and os.path.isfile(os.path.join(path, ".metadata")):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint ``save_step_checkpoint`` wrote under ``root`` (the
+    ``step-N`` directory with the largest N holding DCP's ``.metadata``), or None when there
+    is none (or no ``root``): what a restarted job resumes from. Temporary directories of a
+    save cut short are never picked."""
+    found = _step_dirs(os.fspath(root))
+    return found[-1][1] if found else None
 
 
 def _info(path, md) -> dict:

@@ -194,7 +194,7 @@ def test_dist_world_sets_the_device_before_the_group(monkeypatch, cuda):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
     monkeypatch.setattr(dist, "is_initialized", lambda: bool([c for c in calls if c[0] == "init"]))
-    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(("init", backend)))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout=None: calls.append(("init", backend)))
     monkeypatch.setattr(dist, "get_world_size", lambda: 4)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")

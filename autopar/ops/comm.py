@@ -10,11 +10,21 @@ Two implementations of one small interface:
 
 The rewritten per-rank graph never holds a communicator: its collective nodes look up the
 current one (:func:`current_comm`), which the runtime sets around every call.
+
+No hang: :class:`DistComm` waits for each collective at most ``timeout`` seconds
+(:func:`collective_timeout`: ``autopar.parallelize(..., timeout=)`` or the environment
+variable ``AUTOPAR_COLLECTIVE_TIMEOUT``; neither: the process group's own timeout). A
+collective that times out, or fails because a peer died, raises :class:`CollectiveError`
+naming the op, the mesh axis and the ranks of its group.
 """
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import threading
+import time
+from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
@@ -23,6 +33,40 @@ import torch.distributed as dist
 from autopar.device import mesh_device
 
 _local = threading.local()
+
+TIMEOUT_ENV = "AUTOPAR_COLLECTIVE_TIMEOUT"
+
+
+class CollectiveError(RuntimeError):
+    """A collective that did not finish: it timed out (a peer hangs or stopped calling it) or
+    failed (a peer died). The message names the op, the mesh axis and the group's ranks."""
+
+    def __init__(self, message: str, *, op: str, axis: str, ranks: list[int], timed_out: bool):
+        super().__init__(message)
+        self.op, self.axis, self.ranks, self.timed_out = op, axis, ranks, timed_out
+
+
+def collective_timeout(timeout: float | None = None) -> float | None:
+    """Seconds a collective may wait for its peers: ``timeout`` if given, else the
+    environment variable ``AUTOPAR_COLLECTIVE_TIMEOUT``, else None (the process group's
+    own timeout, torch's default 30 minutes for gloo, 10 for NCCL)."""
+    where = "timeout"
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return None
+        where = f"{TIMEOUT_ENV}={raw!r}"
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{where} is not a number of seconds: set it to e.g. 300 "
+                             "(how long a collective may wait for its peers), or unset it") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"{where}={timeout!r} is not a positive number of seconds: give how long a "
+                         "collective may wait for its peers (e.g. 300), or None for the process "
+                         "group's own timeout")
+    return float(timeout)
 
 
 def current_comm() -> "Comm":
@@ -127,9 +171,11 @@ class _Inner(Comm):
 
 class DistComm(Comm):
     """torch.distributed on the process groups of a DeviceMesh. Tensors live on the mesh's
-    device type (the current CUDA device under NCCL, else the CPU)."""
+    device type (the current CUDA device under NCCL, else the CPU). Every collective waits
+    at most ``timeout`` seconds (None: the process group's own timeout), then raises
+    :class:`CollectiveError`."""
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, timeout: float | None = None):
         self.dist = dist
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
@@ -137,59 +183,97 @@ class DistComm(Comm):
         self.rank = dist.get_rank()
         self.groups = [mesh.get_group(a) for a in range(mesh.ndim)]
         self.device = mesh_device(mesh.device_type)
+        self.timeout = timeout
+        self.axis_names = tuple(mesh.mesh_dim_names or (f"dim{a}" for a in range(mesh.ndim)))
+        self.group_ranks = [dist.get_process_group_ranks(g) for g in self.groups]
+
+    def _wait(self, work, op: str, axis: int) -> None:
+        """Wait for ``work`` (collective ``op`` on mesh axis ``axis``) at most ``timeout``
+        seconds; a timeout or a failure (a peer died) is a :class:`CollectiveError`."""
+        t0 = time.monotonic()
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=self.timeout))
+        except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError subclasses
+            raise self._error(op, axis, e, time.monotonic() - t0) from e
+
+    def _error(self, op: str, axis: int, cause: Exception, waited: float) -> CollectiveError:
+        name, ranks = self.axis_names[axis], self.group_ranks[axis]
+        others = [r for r in ranks if r != self.rank]
+        timed_out = "timed out" in str(cause).lower() or (
+            self.timeout is not None and waited >= 0.95 * self.timeout)
+        if timed_out:
+            limit = f"timeout {self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
+            what = f"did not finish within {waited:.1f} s ({limit})"
+        else:
+            what = f"failed after {waited:.1f} s ({type(cause).__name__}: {str(cause)[:300]})"
+        return CollectiveError(
+            f"{op} on mesh axis {name!r} (group ranks {ranks}) {what} on rank {self.rank}: a peer "
+            f"died or stopped calling it; look at the logs of ranks {others}. If they are only "
+            f"slow, raise the limit with autopar.parallelize(..., timeout=SECONDS) or "
+            f"{TIMEOUT_ENV}=SECONDS", op=op, axis=name, ranks=list(ranks), timed_out=timed_out)
 
     def all_reduce(self, t, axis):
         out = t.contiguous().clone()
-        self.dist.all_reduce(out, group=self.groups[axis])
+        self._wait(self.dist.all_reduce(out, group=self.groups[axis], async_op=True), "all_reduce", axis)
         return out
 
     def all_gather(self, t, axis, dim):
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.mesh_shape[axis])]
-        self.dist.all_gather(parts, t, group=self.groups[axis])
+        self._wait(self.dist.all_gather(parts, t, group=self.groups[axis], async_op=True),
+                   "all_gather", axis)
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, t, axis, dim):
         n = self.mesh_shape[axis]
         moved = t.movedim(dim, 0).contiguous()
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=t.dtype, device=t.device)
-        self.dist.reduce_scatter_tensor(out, moved, group=self.groups[axis])
+        self._wait(self.dist.reduce_scatter_tensor(out, moved, group=self.groups[axis], async_op=True),
+                   "reduce_scatter", axis)
         return out.movedim(0, dim)
 
     def all_to_all(self, t, axis, split_dim, cat_dim):
         n = self.mesh_shape[axis]
         stacked = torch.stack(t.chunk(n, dim=split_dim)).contiguous()
         out = torch.empty_like(stacked)
-        self.dist.all_to_all_single(out, stacked, group=self.groups[axis])
+        self._wait(self.dist.all_to_all_single(out, stacked, group=self.groups[axis], async_op=True),
+                   "all_to_all", axis)
         return torch.cat(out.unbind(0), dim=cat_dim)
 
     def all_reduce_coalesced(self, tensors, axis):
         flat = torch.cat([t.reshape(-1) for t in tensors])
         work = self.dist.all_reduce(flat, group=self.groups[axis], async_op=True)
-        return _Pending(work, tensors, flat)
+        return _Pending(self, work, axis, tensors, flat)
 
     def reduce_scatter_start(self, flat, axis):
         out = torch.empty(flat.numel() // self.mesh_shape[axis], dtype=flat.dtype, device=flat.device)
         work = self.dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.groups[axis], async_op=True)
-        return _Waiting(work, out)
+        return _Waiting(self, work, axis, out)
 
 
 class _Waiting:
-    def __init__(self, work, out):
-        self.work, self.out = work, out
+    """A reduce-scatter in flight (:meth:`DistComm.reduce_scatter_start`)."""
+
+    def __init__(self, comm: DistComm, work, axis: int, out):
+        self.comm, self.work, self.axis, self.out = comm, work, axis, out
 
     def wait(self):
-        self.work.wait()
+        self.comm._wait(self.work, "reduce_scatter", self.axis)
         return self.out
 
 
 class _Pending(_Done):
-    def __init__(self, work, tensors, flat):
+    """An all-reduce in flight (:meth:`DistComm.all_reduce_coalesced`)."""
+
+    def __init__(self, comm: DistComm, work, axis: int, tensors, flat):
         super().__init__(tensors, flat)
-        self.work = work
+        self.comm, self.work, self.axis = comm, work, axis
 
     def wait(self):
-        self.work.wait()
+        self.comm._wait(self.work, "all_reduce", self.axis)
         super().wait()
 
 

@@ -20,19 +20,21 @@ from autopar.runtime.parallel_module import ParallelModule
 __all__ = ["ParallelModule", "build", "dist_comm", "rank_device"]
 
 
-def dist_comm(plan: Plan) -> DistComm:
+def dist_comm(plan: Plan, timeout: float | None = None) -> DistComm:
     """The communicator of this torch.distributed rank on ``plan``'s mesh, built on the
-    rank's device."""
+    rank's device; its collectives wait at most ``timeout`` seconds (None: the process
+    group's timeout)."""
     mesh = init_device_mesh(rank_device().type, tuple(plan.mesh_shape),
                             mesh_dim_names=tuple(plan.mesh_axes))
-    return DistComm(mesh)
+    return DistComm(mesh, timeout=timeout)
 
 
 def build(cap: Captured, plan: Plan, model: nn.Module, loss_fn: Callable | None = None,
-          comm: Comm | None = None, batch: str = "global") -> ParallelModule:
+          comm: Comm | None = None, batch: str = "global",
+          timeout: float | None = None) -> ParallelModule:
     """The module that runs ``plan`` on this rank. ``loss_fn``: a loss run outside the graph
     on the replicated output (when the capture has none); ``comm``: None for this job's
     torch.distributed ranks; ``batch``: ``"global"`` or ``"per_rank"``
-    (``autopar.runtime.data``)."""
-    return ParallelModule(cap, plan, comm if comm is not None else dist_comm(plan), model, loss_fn,
-                          batch=batch)
+    (``autopar.runtime.data``); ``timeout``: seconds a collective of ``dist_comm`` may wait."""
+    return ParallelModule(cap, plan, comm if comm is not None else dist_comm(plan, timeout), model,
+                          loss_fn, batch=batch)
