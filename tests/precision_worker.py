@@ -100,13 +100,17 @@ def run_case(case: dict) -> dict:
     w = {k: w[k] for k in w0}
     ref_losses, ref_w, extra = reference(model, inputs, target, loss_fn, precision, init_scale,
                                          growth_interval)
+    local = torch.tensor([float(sum(p.numel() for p in pm.parameters()))])
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
     info = {"rank": dist.get_rank(), "mesh": list(pm.plan.mesh_shape), "plan_pins": pm.plan.pins,
+            "microbatches": pm.plan.n_microbatches, "local_numel_max": float(local),
+            "numel": sum(v.numel() for v in w0.values()),
             "master_dtypes": master_dtypes, "losses": losses, "ref_losses": ref_losses,
             "loss_err": loss_dist(losses, ref_losses), "weight_err": weight_dist(w, ref_w, w0),
             "stepped": stepped, "moved": max(float((w[k] - w0[k]).abs().max()) for k in w0)}
     if pm.scaler is not None:
         info["scale"], info["ref_scale"] = pm.scaler.scale, extra["scale"]
-    if precision == "bf16":
+    if precision in ("bf16", "fp16"):
         fp_losses, fp_w, _ = reference(model, inputs, target, loss_fn, "fp32", init_scale)
         info["fp32_loss_dist"] = loss_dist(losses, fp_losses)
         info["fp32_weight_dist"] = weight_dist(w, fp_w, w0)

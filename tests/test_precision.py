@@ -8,7 +8,9 @@ Distributed (``tests/precision_worker.py``, one torchrun launch of 2 gloo ranks)
 GPT trained 3 AdamW steps (lr 1e-2) under data=2, tensor=2, data=2 x ZeRO-3, pipeline=2
 (1F1B), data=2 with ``grad_reduce="bf16"`` and a saved bf16 plan, each against the same
 model on one device under ``torch.autocast(dtype=torch.bfloat16)``; fp16 with loss scaling
-against one device under autocast fp16 + ``torch.amp.GradScaler``.
+(data=2, tensor=2, data=2 x ZeRO-3, pipeline=2 of 4 micro-batches, each micro-batch's loss
+scaled; an overflowing scale on data=2 and on the pipeline) against one device under
+autocast fp16 + ``torch.amp.GradScaler``.
 
 Tolerances (bf16 keeps 8 bits of mantissa: unit roundoff 2^-8 = 3.9e-3):
 - loss of every step: relative error <= LOSS_TOL = 3e-4 (measured <= 2.2e-4, tensor=2 the
@@ -22,6 +24,13 @@ Tolerances (bf16 keeps 8 bits of mantissa: unit roundoff 2^-8 = 3.9e-3):
   every bf16 case; the weight distance too, except under tensor=2, whose extra bf16
   roundings (above) put it as far from the one-device autocast run as that run is from fp32
   (measured 0.068 vs 0.063): there the dtype test below is the check that it computes bf16.
+
+fp16 (10 bits of mantissa: unit roundoff 2^-11 = 4.9e-4), 3 AdamW steps against autocast
+fp16 + GradScaler: loss <= FP16_LOSS_TOL = 1e-4 (measured <= 1.0e-5, pipeline=2 the worst:
+its loss is the sum of 4 micro-batch terms), weights <= FP16_WEIGHT_TOL = 0.05 (measured
+0.013-0.029), the scale equal to GradScaler's after the steps. "Really fp16": the loss is
+nearer the autocast run than the fp32 run in every case (measured 1e-5 vs 1.8e-4); the
+weights too except under tensor=2 (0.0286 vs 0.0284: its fp16 partial sums, as for bf16).
 """
 from __future__ import annotations
 
@@ -54,10 +63,14 @@ BF16_CASES = {
     "pp2": PP,
     "data2-grad-reduce-bf16": {"data": 2, "grad_reduce": "bf16"},
 }
+FP16_SHARDED = ("tensor2", "zero3", "pp2")
 CASES = ([{"id": k, "precision": "bf16", "pins": v} for k, v in BF16_CASES.items()]
          + [{"id": "plan-file", "precision": "bf16", "pins": {"data": 2}, "plan_file": True},
             {"id": "fp16-data2", "precision": "fp16", "pins": {"data": 2}, "growth_interval": 2},
-            {"id": "fp16-overflow", "precision": "fp16", "pins": {"data": 2}, "init_scale": 1e30}])
+            {"id": "fp16-overflow", "precision": "fp16", "pins": {"data": 2}, "init_scale": 1e30}]
+         + [{"id": f"fp16-{k}", "precision": "fp16", "pins": BF16_CASES[k], "growth_interval": 2}
+            for k in FP16_SHARDED]
+         + [{"id": "fp16-pp2-overflow", "precision": "fp16", "pins": PP, "init_scale": 1e30}])
 
 
 def _gpt():
@@ -124,6 +137,7 @@ def test_grad_reduce_pin_is_checked():
 def test_loss_scaler_skips_shrinks_and_grows():
     class OneRank:
         mesh_shape = (1,)
+        device = torch.device("cpu")
 
         def all_reduce(self, t, axis):
             return t
@@ -136,6 +150,20 @@ def test_loss_scaler_skips_shrinks_and_grows():
         p.grad = torch.tensor([4.0, 4.0]) * (2 if k else 1)
         assert s.step(opt, [p], OneRank())
     assert s.scale == 8.0 and torch.equal(p.data, torch.tensor([-2.0, -2.0]))   # 1 - 4/4 - 8/4
+
+
+def test_loss_scaler_ranks_skip_together_when_one_rank_overflows():
+    """A (pipeline 2, data 2) mesh of thread ranks: only rank 3's gradient is not finite; the
+    found-inf flag crosses both axes, so all four ranks skip and back off alike."""
+    from autopar.ops.comm import ThreadWorld
+
+    def body(comm):
+        p = torch.nn.Parameter(torch.ones(2))
+        p.grad = torch.tensor([4.0, float("nan") if comm.rank == 3 else 4.0])
+        s = LossScaler(init_scale=4.0)
+        stepped = s.step(torch.optim.SGD([p], lr=1.0), [p], comm)
+        return stepped, s.scale, p.data.tolist()
+    assert ThreadWorld((2, 2)).run(body) == [(False, 2.0, [1.0, 1.0])] * 4
 
 
 def test_zero3_gathers_in_bf16_only_for_low_precision_uses():
@@ -190,8 +218,29 @@ def test_fp16_with_loss_scaling_matches_autocast_and_grad_scaler(results):
     assert r["loss_err"] <= FP16_LOSS_TOL and r["weight_err"] <= FP16_WEIGHT_TOL, r
 
 
-def test_fp16_overflow_skips_steps_and_shrinks_the_scale(results):
-    r = _result(results, "fp16-overflow")
+@pytest.mark.parametrize("case_id", ["fp16-overflow", "fp16-pp2-overflow"])
+def test_fp16_overflow_skips_steps_and_shrinks_the_scale(results, case_id):
+    r = _result(results, case_id)
     assert r["stepped"] == [False, False, False] and r["moved"] == 0.0
-    assert r["losses"] == r["ref_losses"]
+    if case_id == "fp16-overflow":
+        assert r["losses"] == r["ref_losses"]
+    else:     # the sum of 4 micro-batches' terms, the unscaled loss
+        assert r["microbatches"] > 1 and r["loss_err"] <= FP16_LOSS_TOL, r
     assert abs(r["scale"] / r["ref_scale"] - 1) < 1e-6 and r["scale"] == 1e30 / 8
+
+
+@pytest.mark.parametrize("case_id", FP16_SHARDED)
+def test_fp16_sharded_and_pipelined_match_autocast_and_grad_scaler(results, case_id):
+    r = _result(results, f"fp16-{case_id}")
+    # the mode really happened: weights split over ranks, or a pipeline of several micro-batches
+    if case_id == "pp2":
+        assert r["mesh"][0] == 2 and r["microbatches"] > 1, r
+    assert r["local_numel_max"] < r["numel"], r
+    assert r["stepped"] == [True, True, True]
+    assert r["scale"] == r["ref_scale"] == 2.0 ** 17      # every rank grew it once, together
+    assert r["loss_err"] <= FP16_LOSS_TOL and r["weight_err"] <= FP16_WEIGHT_TOL, r
+    # it computed in fp16: nearer the autocast fp16 run than the fp32 run (the weights too,
+    # except under tensor=2, for the reason the module's docstring gives)
+    assert r["loss_err"] < r["fp32_loss_dist"], r
+    if case_id != "tensor2":
+        assert r["weight_err"] < r["fp32_weight_dist"], r

@@ -10,7 +10,8 @@ checks and the gradient sync; this runner owns what is particular to a pipeline.
 One step (:meth:`PipelineRunner.train`), in order:
 
 1. the schedule runs every micro-batch (its loss is the stage program's own output; the
-   last stage's ``loss_fn`` passes it through), gradients accumulate;
+   last stage's ``loss_fn`` passes it through, times the loss scale under fp16, so every
+   micro-batch's backward carries scaled gradients), gradients accumulate;
 2. data-parallel gradients are all-reduced over the intra axes once (never per micro-batch:
    the per-rank graph defers them, see ``passes.insert_collectives``). A weight's all-reduce
    starts as soon as the last backward of every stage on this rank reading it is done, while
@@ -44,7 +45,7 @@ from autopar.passes.split_stages import StageGraph, split_stages
 from autopar.placement import parse_placements, placements_str
 from autopar.plan import NodePlacement, Plan
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.precision import AutocastStage, compute_dtype
+from autopar.runtime.precision import AutocastStage, cast_once_per_step, compute_dtype
 from autopar.runtime.shards import Shards
 from autopar.schedule import torch_schedule_class
 
@@ -67,10 +68,6 @@ class _Stage(PipelineStage):
             self.on_last_backward(self.stage_index)
 
 
-def _identity_loss(output, target):
-    return output
-
-
 def stage_plan(plan: Plan) -> Plan:
     """The plan of one stage: its placements without the leading pipeline axis."""
     def strip(x: str) -> str:
@@ -86,6 +83,8 @@ class PipelineRunner:
     """This pipeline rank's stages of the ``programs`` (``"train"``, ``"forward"``: per-rank
     GraphModules over ``root``, which holds every shard) and the schedules that run them."""
 
+    loss_scale = None      # fp16: the LossScaler (set by ParallelModule)
+
     def __init__(self, cap: Captured, plan: Plan, comm: DistComm, root: nn.Module, shards: Shards,
                  programs: dict[str, GraphModule], grad_axes: dict[str, tuple[int, ...]]):
         if not isinstance(comm, DistComm):
@@ -100,6 +99,7 @@ class PipelineRunner:
         self.my_stages = [k for k in range(self.n_stages) if k % p == self.pp_rank]
         self._rank_of_stage = {k: self._pp_global[k % p] for k in range(self.n_stages)}
         self._intra = stage_plan(plan)
+        self._dtype = compute_dtype(plan.pins)     # mixed precision: stages run under autocast
         self.stages: dict[str, list[tuple[StageGraph, _Stage]]] = {}
         self.skip_edges: dict[str, dict] = {}
         self._reads: dict[str, set[int]] = {}     # attr -> every stage (of any program) reading it
@@ -117,6 +117,7 @@ class PipelineRunner:
         self.sync_order: list[int] = []     # stages whose reductions started, in order
         self._sync: GradSync | None = None
         self._skip_log: list = []
+        self._mb_losses: list[torch.Tensor] = []
         self._schedule, self._eval = self._schedules(plan)
 
     # ---- building ---------------------------------------------------------------------------
@@ -137,7 +138,7 @@ class PipelineRunner:
             if sg.index not in self.my_stages:
                 continue
             ins, outs = self._stage_examples(which, sg)
-            dtype = compute_dtype(plan.pins)     # mixed precision: the stage runs under autocast
+            dtype = self._dtype
             mod = sg.gm if dtype is None else AutocastStage(sg.gm, self.device, dtype)
             stage = _Stage(mod, sg.index, S, self.device, input_args=ins, output_args=outs,
                            group=self.pp_group)
@@ -177,11 +178,17 @@ class PipelineRunner:
         if train_stages:
             schedule = torch_schedule_class(plan.schedule)(
                 train_stages if multi else train_stages[0], n_microbatches=m,
-                loss_fn=_identity_loss, scale_grads=False)
+                loss_fn=self._scaled_loss, scale_grads=False)
         fwd = [st for _, st in self.stages["forward"]]
         ev = (ScheduleLoopedBFS(fwd, n_microbatches=m, loss_fn=None) if plan.virtual_stages > 1
               else ScheduleGPipe(fwd[0], n_microbatches=m, loss_fn=None))
         return schedule, ev
+
+    def _scaled_loss(self, output, target):
+        """The last stage's loss of one micro-batch (its program's output) as the schedule
+        back-propagates it: times the fp16 loss scale; the unscaled one is kept for the step."""
+        self._mb_losses.append(output.detach())
+        return output if self.loss_scale is None else output * self.loss_scale.scale
 
     def owners(self) -> dict[str, list[int]]:
         """Which pipeline ranks hold each parameter / buffer: those whose stages read it. The
@@ -212,11 +219,12 @@ class PipelineRunner:
         if self._schedule is None:
             raise ValueError("this model was captured without a loss: pass loss_fn and target=")
         losses: list = []
+        self._mb_losses = []     # unscaled, by _scaled_loss
         self._left, self.sync_order, self._sync = dict(self._readers), [], sync
         ctx = self._context("train", inputs, target)
         sync.begin()
         try:
-            with use_step_context(ctx):
+            with use_step_context(ctx), cast_once_per_step(self.device, self._dtype):
                 self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         except BaseException:
             sync.abort()
@@ -229,14 +237,14 @@ class PipelineRunner:
         last = (self.n_stages - 1) % self.p
         loss = torch.zeros((), dtype=self._cap.node(self._cap.loss).meta["val"].dtype, device=self.device)
         if self.pp_rank == last:
-            loss = torch.stack([torch.as_tensor(x).detach() for x in losses]).sum()
+            loss = torch.stack(self._mb_losses).sum()
         dist.broadcast(loss, self._pp_global[last], group=self.pp_group)
         return loss
 
     def forward(self, inputs: tuple) -> list:
         """The model's outputs for the global batch, flat (whole, on every rank)."""
         ctx = self._context("forward", inputs, None)
-        with torch.no_grad(), use_step_context(ctx):
+        with torch.no_grad(), use_step_context(ctx), cast_once_per_step(self.device, self._dtype):
             out = self._eval.eval(*inputs)
         last = (self.n_stages - 1) % self.p
         flat = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else None

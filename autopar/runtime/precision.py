@@ -18,9 +18,10 @@
   declared by the fp32 capture); the upcast is exact, but the next stage's first
   elementwise op then computes in fp32 where one device would compute it in 16 bits.
 - ``precision="fp16"`` adds dynamic loss scaling (:class:`LossScaler`, ``torch.amp.GradScaler``
-  semantics): ``train_step`` back-propagates ``loss * scale`` and returns the unscaled loss;
-  ``pm.step(opt)`` unscales the gradients, skips the step and shrinks the scale when any
-  rank's gradients hold inf/nan, and grows it after ``growth_interval`` good steps.
+  semantics): ``train_step`` back-propagates ``loss * scale`` (a pipeline: each micro-batch's
+  loss, in the last stage's ``loss_fn``) and returns the unscaled loss; ``pm.step(opt)``
+  unscales the gradients, skips the step and shrinks the scale when any rank's gradients
+  (of any stage) hold inf/nan, and grows it after ``growth_interval`` good steps.
 """
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def cast_once_per_step(device: torch.device, dtype: torch.dtype | None):
+    """Around a pipeline step: autocast's cache of 16-bit weight casts lives until the step
+    ends, so each weight is cast once per step, as on one device, and every micro-batch in
+    flight saves that one copy for backward instead of a copy of its own. An outer
+    ``torch.autocast(enabled=False)``: it only holds the nesting level up (the cache is
+    cleared when the outermost region exits); backward between the stages' forwards still
+    runs outside autocast."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype, enabled=False)
 
 
 class AutocastStage(nn.Module):
@@ -93,16 +106,17 @@ class LossScaler:
 
     def step(self, optimizer, params, comm) -> bool:
         """Unscale ``params``' gradients, then step ``optimizer`` or skip; True if it stepped.
-        Collective: every rank of ``comm`` (the whole mesh) agrees on inf/nan."""
+        Collective over the whole world: the found-inf flag is summed along every axis of
+        ``comm``'s mesh (a pipeline's too), so every rank skips or steps together, and the
+        scales stay equal on every rank."""
         grads = [p.grad for p in params if p.grad is not None]
         inv = 1.0 / self.scale
-        found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+        found = torch.zeros((), dtype=torch.float32, device=comm.device)
         with torch.no_grad():
             for g in grads:
                 g.mul_(inv)
-                found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-            for axis in range(len(comm.mesh_shape)):
-                found = comm.all_reduce(found, axis)
+                found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(found.device))
+            found = found_anywhere(found, comm)
         if found.item() > 0:
             self.scale *= self.backoff_factor
             self._good = 0
@@ -114,3 +128,11 @@ class LossScaler:
             self.scale *= self.growth_factor
             self._good = 0
         return True
+
+
+def found_anywhere(flag: torch.Tensor, comm) -> torch.Tensor:
+    """``flag`` summed over every rank of ``comm``'s mesh: one all-reduce per mesh axis, each
+    over the partial sums of the axes before it, reaches every rank of the world."""
+    for axis in range(len(comm.mesh_shape)):
+        flag = comm.all_reduce(flag, axis)
+    return flag
