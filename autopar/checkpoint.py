@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from autopar.errors import AutoparInputError
+from autopar.errors import ArgumentError, CheckpointError
 from autopar.runtime.dcp_state import FORMAT, MODEL, load_plan, save_state
 from autopar.runtime.parallel_module import ParallelModule
 
@@ -38,14 +38,10 @@ __all__ = ["save_checkpoint", "load_checkpoint", "export_checkpoint", "import_st
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
-class CheckpointError(AutoparInputError):
-    """A checkpoint path that is missing or is not an autopar / DCP checkpoint."""
-
-
 def _check_module(pm) -> None:
     if not isinstance(pm, ParallelModule):
-        raise TypeError(f"expected the ParallelModule autopar.parallelize returned, got "
-                        f"{type(pm).__name__}")
+        raise ArgumentError(f"expected the ParallelModule autopar.parallelize returned, got "
+                            f"{type(pm).__name__}")
 
 
 def save_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimizer | None = None,

@@ -6,14 +6,15 @@ model) is an :class:`AutoparInputError`, whose message names the thing that is w
 to fix it. The ``autopar`` command exits 2 on these and prints that one line; any other
 exception escaping a command is a bug in autopar (exit 3, with the traceback).
 
-The subclasses live next to the code that raises them (``PlanError`` in
-``autopar.plan_schema``, ``CaptureError`` in ``autopar.capture``, ``CheckpointError`` in
-``autopar.checkpoint``, ``PinError`` and ``InfeasibleError`` in ``autopar.solver``, ...);
-this module is at the bottom of the package so that all of them can derive from it.
+Most subclasses live next to the code that raises them (``PlanError`` in
+``autopar.plan_schema``, ``CaptureError`` in ``autopar.capture``, ``InfeasibleError`` in
+``autopar.solver.ilp``, ``ClusterError`` in ``autopar.cost_models.hardware``, ...); those
+raised from several layers are here. This module is at the bottom of the package so that
+all of them can derive from it.
 """
 from __future__ import annotations
 
-__all__ = ["AutoparInputError", "ArgumentError", "PinError"]
+__all__ = ["AutoparInputError", "ArgumentError", "CheckpointError", "PinError"]
 
 
 class AutoparInputError(ValueError):
@@ -24,6 +25,11 @@ class ArgumentError(AutoparInputError, TypeError):
     """An argument of a public call (``autopar.plan``, ``autopar.parallelize``,
     ``pm.train_step``, ``pm.load_full_state_dict``, ...) of the wrong kind, type or shape.
     Also a ``TypeError``, as Python reports a call with arguments of the wrong kind."""
+
+
+class CheckpointError(AutoparInputError):
+    """A checkpoint path that is missing, is not an autopar / DCP checkpoint, or holds another
+    model's tensors (``autopar.load_checkpoint``, ``autopar checkpoint``)."""
 
 
 class PinError(AutoparInputError):

@@ -13,16 +13,19 @@ model's output.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from autopar.capture.constants import inline_constants
 from autopar.capture.graph import CaptureError, Captured, _strip
 from autopar.capture.hops import inline_higher_order_ops
 from autopar.capture.inplace import functionalize_inplace
+from autopar.errors import ArgumentError
 
 _EXPORT_LOCK = threading.Lock()   # torch.export keeps global tracing state: one at a time
 
@@ -52,10 +55,7 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
     >>> [n.target for n in cap.gm.graph.nodes if n.op == "call_function"]
     [<OpOverload(op='aten.linear', overload='default')>]
     """
-    example_inputs = tuple(example_inputs)
-    if loss_fn is not None and target is None:
-        raise ValueError("loss_fn was given without a target: pass target= (an example "
-                         "target batch) so the loss can be captured with the model")
+    example_inputs = check_arguments(model, example_inputs, loss_fn, target)
     args = example_inputs + ((target,) if loss_fn is not None else ())
     wrapper = _WithLoss(model, loss_fn, len(example_inputs))
     errors = []
@@ -68,11 +68,14 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
             with _EXPORT_LOCK:
                 ep = torch.export.export(root, args, strict=False)
             return _from_program(ep, wrapper, len(example_inputs), loss_fn is not None, method)
-        except CaptureError:
+        except (CaptureError, ArgumentError):
             raise                 # export worked; the graph holds what autopar cannot plan
         except Exception as e:  # noqa: BLE001 - both causes are reported below
             errors.append((method, e))
     (m1, e1), (m2, e2) = errors
+    _check_devices(model, args, e1)
+    if loss_fn is not None:
+        _check_loss_runs(model, example_inputs, loss_fn, target, e1)
     raise CaptureError(
         f"could not capture {type(model).__name__} as a graph.\n"
         f"  {m1}: {type(e1).__name__}: {_first_lines(e1)}\n"
@@ -81,6 +84,69 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
         "(use torch.where / torch.cond), no .item() / .tolist() / numpy calls on tensors, "
         "static shapes for the example inputs; HuggingFace models: pass use_cache=False."
     ) from e1
+
+
+def check_arguments(model, example_inputs, loss_fn, target) -> tuple:
+    """``example_inputs`` as a tuple, after checking the arguments every planning call takes
+    (``autopar.plan``, ``autopar.parallelize``, ``autopar.coverage``): an ArgumentError
+    names the argument and the fix."""
+    if not isinstance(model, nn.Module):
+        raise ArgumentError(f"model is a {type(model).__name__}, not a torch.nn.Module: pass the "
+                            "module (wrap a function in an nn.Module whose forward calls it)")
+    if isinstance(example_inputs, torch.Tensor):
+        raise ArgumentError(f"example_inputs is one tensor of shape {list(example_inputs.shape)}; "
+                            "pass a tuple of the model's positional inputs: (x,)")
+    if not isinstance(example_inputs, (tuple, list)):
+        raise ArgumentError(f"example_inputs is a {type(example_inputs).__name__}; pass a tuple of "
+                            "the model's positional inputs, e.g. (x,) or (input_ids, mask)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ArgumentError(f"loss_fn is a {type(loss_fn).__name__}, not a function: pass "
+                            "loss_fn(output, target) -> scalar (e.g. F.cross_entropy), or None")
+    if loss_fn is not None and target is None:
+        raise ArgumentError("loss_fn was given without a target: pass target= (an example "
+                            "target batch) so the loss can be captured with the model")
+    if loss_fn is None and target is not None:
+        raise ArgumentError("target= was given without loss_fn: pass loss_fn= (the loss of the "
+                            "model's output and the target), or drop target= (a model that "
+                            "returns its own loss takes its labels among example_inputs)")
+    return tuple(example_inputs)
+
+
+def _check_devices(model: nn.Module, args: tuple, error: BaseException) -> None:
+    """Export failed: if the model and the example tensors are on different devices (a
+    model on meta with inputs on the CPU), say so instead of a capture problem."""
+    devices = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
+    given = {t.device.type for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
+    if len(devices | given) > 1 and devices:
+        raise ArgumentError(
+            f"the model is on {sorted(devices)} but example_inputs / target are on {sorted(given)} "
+            f"({type(error).__name__}): put them on one device; for a model on the meta device, "
+            "make the example tensors on meta too (torch.empty(shape, dtype=..., device='meta'): "
+            "planning reads only shapes)") from error
+
+
+def _describe(value) -> str:
+    shapes = [f"Tensor{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+              for t in pytree.tree_leaves(value)]
+    return shapes[0] if len(shapes) == 1 else "(" + ", ".join(shapes[:6]) + ")"
+
+
+def _check_loss_runs(model, example_inputs: tuple, loss_fn, target, error: BaseException) -> None:
+    """Export of the model with its loss failed: if the model alone exports, the loss is
+    what failed, and the error names loss_fn, target and the model's output."""
+    try:
+        with _EXPORT_LOCK:
+            ep = torch.export.export(_WithLoss(model, None, len(example_inputs)), example_inputs,
+                                     strict=False)
+        out = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
+        out_vals = [o.meta.get("val") for o in out[len(out) // 2:] if isinstance(o, torch.fx.Node)]
+    except Exception:  # noqa: BLE001 - the model fails too: the error below says so
+        return
+    raise CaptureError(
+        f"loss_fn(output, target) failed: {type(error).__name__}: {_first_lines(error)}\n"
+        f"  the model's output is {_describe(out_vals)}, target is {_describe(target)}.\n"
+        "Fix: pass a target= that loss_fn accepts with this output (the example target of the "
+        "same batch as example_inputs), or a loss_fn that takes (output, target).") from error
 
 
 def _first_lines(e: BaseException, n: int = 3) -> str:
@@ -118,6 +184,10 @@ def _from_program(ep, wrapper: nn.Module, n_inputs: int, has_loss: bool, method:
     loss_node, model_outs = outs[0], outs[n_first:]
     loss_val = loss_node.meta.get("val") if isinstance(loss_node, torch.fx.Node) else None
     is_scalar = isinstance(loss_val, torch.Tensor) and loss_val.ndim == 0 and loss_val.is_floating_point()
+    if has_loss and not is_scalar:
+        raise ArgumentError(f"loss_fn returned {_describe(loss_val)}, not a scalar: return one "
+                            "number of floating dtype, e.g. reduce with .mean() or .sum() (a "
+                            "reduction='none' loss cannot be trained as it is)")
     for n in gm.graph.nodes:
         if n.op != "output" and "val" not in n.meta:
             raise CaptureError(f"node {n.name} ({n.target}) has no shape information after export")

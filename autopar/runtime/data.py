@@ -24,6 +24,7 @@ import math
 import torch
 
 from autopar.capture import Captured
+from autopar.errors import ArgumentError
 from autopar.placement import Shard
 from autopar.plan import Plan
 
@@ -77,6 +78,51 @@ class RankData:
         for a, n in zip(self.axes, sizes):
             rank = rank * n + comm.coord[a]
         self.rank = rank
+
+    def expected_shape(self, captured: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape a rank passes for an input captured as ``captured`` (the micro-batch's
+        under a pipeline or accumulation; this data rank's slice under ``"per_rank"``)."""
+        if not captured:
+            return captured
+        rows = captured[0] * self._micro
+        if self.world > 1 and rows % self.world == 0:
+            rows //= self.world
+        return (rows, *captured[1:])
+
+    def check(self, inputs: tuple, target, call: str) -> None:
+        """An ArgumentError before anything runs when an input or the target is no tensor,
+        or has another shape or kind of dtype than the plan was made for; it names the input,
+        the shape given and the shape expected."""
+        names, n = list(self._cap.inputs), self._cap.n_model_inputs
+        takes_target = self._cap.takes_target and target is not None
+        if len(names) < n + takes_target:
+            return          # non-tensor inputs were specialised away by export: nothing to match
+        given = [(x, names[i], f"input {i}") for i, x in enumerate(inputs)]
+        if takes_target:
+            given.append((target, names[n], "target"))
+        per_rank = (f"this data rank's slice of the global batch ({self.world} data ranks, "
+                    "batch='per_rank')" if self.world > 1 else "the global batch")
+        for x, name, what in given:
+            val = self._cap.node(name).meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            want = self.expected_shape(tuple(val.shape))
+            if not isinstance(x, torch.Tensor):
+                hint = (f"; pass the inputs as separate arguments: pm.{call}(*inputs)"
+                        if isinstance(x, (tuple, list)) else "")
+                raise ArgumentError(f"{call}: {what} is a {type(x).__name__}, but the plan was made "
+                                    f"for a tensor of shape {list(want)}{hint}")
+            if tuple(x.shape) != want:
+                raise ArgumentError(
+                    f"{call}: {what} has shape {list(x.shape)}, but the plan was made for "
+                    f"{list(want)} ({per_rank}, as example_inputs and target= described it); "
+                    "pass batches of that shape (a DataLoader with drop_last=True drops a short "
+                    "last batch), or plan again for the new shape")
+            if x.is_floating_point() != val.is_floating_point() or (
+                    x.is_floating_point() and x.dtype != val.dtype):
+                raise ArgumentError(f"{call}: {what} has dtype {x.dtype}, but the plan was made for "
+                                    f"{val.dtype}: convert it (x.to({val.dtype})) or plan again "
+                                    "with example inputs of this dtype")
 
     def slice(self, t):
         """This data rank's slice of a global-batch tensor (dim 0); other values unchanged."""

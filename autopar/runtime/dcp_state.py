@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
 
+from autopar.errors import ArgumentError, CheckpointError
 from autopar.placement import Replicate, Shard
 
 FORMAT = 1
@@ -131,8 +132,8 @@ class Layout:
         if self._mesh is None:
             comm, plan = self.pm.comm, self.pm.plan
             if not hasattr(comm, "mesh"):
-                raise ValueError("checkpoints run on torch.distributed ranks (torchrun), not on "
-                                 "simulated ones")
+                raise ArgumentError("checkpoints run on torch.distributed ranks (torchrun), not "
+                                    "on simulated ones")
             axes = tuple(plan.mesh_axes)
             self._mesh = comm.mesh[axes[1:]] if plan.pipeline_stages > 1 else comm.mesh
         return self._mesh
@@ -168,8 +169,8 @@ def _optim_names(pm, optimizer) -> dict[int, str]:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in attrs:
-                raise ValueError("the optimizer holds a parameter that is not one of the "
-                                 "ParallelModule's local shards: build it from pm.parameters()")
+                raise ArgumentError("the optimizer holds a parameter that is not one of the "
+                                    "ParallelModule's local shards: build it from pm.parameters()")
             out[id(p)] = attrs[id(p)]
     return out
 
@@ -228,18 +229,26 @@ def load_plan(pm, md: dict, optimizer=None):
     lay = Layout(pm)
     sd: dict[str, Any] = {}
     copies = []
-    missing = []
+    missing, other_shape = [], []
     for attr, t in lay.held.items():
         name = stored_name(pm._shards.aliases[attr], md, MODEL)
         if name is None:
             missing.append(lay.name[attr])
             continue
+        saved = getattr(md[MODEL + name], "size", None)
+        if saved is not None and tuple(saved) != tuple(pm._shards.shapes[attr]):
+            other_shape.append(f"{name} {list(saved)} (the model's: {list(pm._shards.shapes[attr])})")
+            continue
         buf = torch.empty_like(t)
         sd[MODEL + name] = lay.wrap(attr, buf, copy=False)
         copies.append((t, buf))
-    if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors "
-                         f"({missing[:5]}): was it saved from another model?")
+    if missing or other_shape:
+        raise CheckpointError(
+            "the checkpoint does not fit this model: "
+            + "; ".join(([f"it lacks {len(missing)} of the model's tensors {missing[:5]}"] if missing else [])
+                        + ([f"{len(other_shape)} tensors of another shape: {', '.join(other_shape[:3])}"]
+                           if other_shape else []))
+            + ". Load it into the model (and configuration) it was saved from")
     opt_state = []
     if optimizer is not None:
         attr_of = _optim_names(pm, optimizer)
