@@ -226,7 +226,9 @@ def load_plan(path: str):
     try:
         return Plan.load(p)
     except PlanError as e:
-        raise UserError(f"{path}: {_one_line(e)}; make a new one with `autopar plan`") from e
+        msg = _one_line(e)
+        msg = msg if msg.startswith(str(path)) else f"{path}: {msg}"
+        raise UserError(f"{msg}; make a new one with `autopar plan`") from e
     except (UnicodeDecodeError, OSError) as e:
         raise UserError(f"{path}: cannot read the plan ({e})") from e
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from autopar.errors import ArgumentError
 from autopar.plan import Plan
 from autopar.viz import charts, graph, render
 from autopar.viz.html import report_html
@@ -25,8 +26,8 @@ def write(out: str | Path, plan: Plan | None, cap=None, *, schedule: str | None 
     out = Path(out)
     fmt = out.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
-        raise ValueError(f"cannot write {out.name!r}: use an output ending in "
-                         f"{', '.join('.' + f for f in FORMATS)}")
+        raise ArgumentError(f"cannot write {out.name!r}: use an output ending in "
+                            f"{', '.join('.' + f for f in FORMATS)}")
     info: dict = {"renderer": render.renderer()}
     g_full = g_fold = None
     if cap is not None and plan is not None:
@@ -38,7 +39,7 @@ def write(out: str | Path, plan: Plan | None, cap=None, *, schedule: str | None 
              if plan is not None else "autopar")
     if fmt == "html":
         if plan is None:
-            raise ValueError("an HTML report needs a plan file: autopar viz PLAN.json -o out.html")
+            raise ArgumentError("an HTML report needs a plan file: autopar viz PLAN.json -o out.html")
         lane = charts.swimlane(plan, schedule=schedule, stages=stages, microbatches=microbatches,
                                virtual=virtual)
         note = (f"drawn with {info['renderer']}; collectives (red hexagons) sit on the edges "
@@ -56,8 +57,8 @@ def write(out: str | Path, plan: Plan | None, cap=None, *, schedule: str | None 
         info.update(kind="graph")
         return info
     if fmt == "dot":
-        raise ValueError("a DOT graph needs the model: pass --factory MODULE:FACTORY (the plan "
-                         "file holds placements, not the graph's edges)")
+        raise ArgumentError("a DOT graph needs the model: pass --factory MODULE:FACTORY (the plan "
+                            "file holds placements, not the graph's edges)")
     lane = charts.swimlane(plan, schedule=schedule, stages=stages, microbatches=microbatches,
                            virtual=virtual)
     out.write_bytes(charts.swimlane_chart(lane, fmt))

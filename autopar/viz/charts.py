@@ -14,6 +14,7 @@ import io
 from dataclasses import dataclass
 
 from autopar.cost_models.hardware import parse_cluster
+from autopar.errors import ArgumentError
 from autopar.plan import Plan
 from autopar.report import fmt_bytes, fmt_time
 from autopar.schedule import schedule_actions
@@ -117,8 +118,8 @@ def swimlane(plan: Plan | None = None, *, schedule: str | None = None, stages: i
                         "time (units of one micro-batch forward on one stage)", note,
                         sim.bubble_fraction)
     if plan is None:
-        raise ValueError("swimlane needs a plan or a schedule (--schedule 1f1b --stages 4 "
-                         "--microbatches 8)")
+        raise ArgumentError("swimlane needs a plan or a schedule (--schedule 1f1b --stages 4 "
+                            "--microbatches 8)")
     if plan.pipeline_stages > 1:
         return _plan_schedule(plan)
     e = plan.estimate

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from autopar.analysis.layers import recompute_nodes
 from autopar.capture import Captured
 from autopar.cost_models.hardware import parse_cluster
-from autopar.errors import AutoparInputError
+from autopar.errors import ArgumentError, AutoparInputError
 from autopar.placement import parse_placements, placements_str
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
@@ -80,10 +80,10 @@ def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTab
     mesh, cluster, pins (precision, ZeRO stage) and recomputed layers, through the same
     :meth:`CostModel.for_pins` and :func:`price_table` the solver uses."""
     if plan.pipeline_stages > 1:
-        raise ValueError("explain prices one intra-stage plan; this is a pipeline plan "
-                         f"({plan.pipeline_stages} stages): its per-stage prices are not rebuilt yet")
+        raise ArgumentError("explain prices one intra-stage plan; this is a pipeline plan "
+                            f"({plan.pipeline_stages} stages): its per-stage prices are not rebuilt yet")
     if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
+        raise ArgumentError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
     r = roles(plan)
     problem = build_problem(cap, tuple(plan.mesh_shape), zero=plan.pins.get("zero") or 0,
                             optimizer_states=OPTIMIZER_STATES[optimizer], **r)

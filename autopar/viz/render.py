@@ -11,6 +11,7 @@ from html import escape
 
 import pydot
 
+from autopar.errors import ArgumentError
 from autopar.viz.graph import Graph, GNode
 
 # fill colour by node kind; layers get a tinted cluster background in DOT.
@@ -102,7 +103,7 @@ def render(g: Graph, fmt: str, title: str = "autopar plan") -> bytes:
         return layout_svg(g, title).encode()
     if fmt == "png":
         return layout_png(g, title)
-    raise ValueError(f"unknown graph format {fmt!r}; use dot, svg or png")
+    raise ArgumentError(f"unknown graph format {fmt!r}; use dot, svg or png")
 
 
 # ---- our own layered layout (no Graphviz) ------------------------------------------------
