@@ -23,6 +23,8 @@ from dataclasses import replace
 
 import torch
 
+from autopar.errors import ArgumentError
+
 from .devices import Cluster, Device, Link
 from .gpus import DEVICES, NODE_OF_DEVICE, NODES
 
@@ -49,8 +51,8 @@ def _per_node(world: int) -> int:
     n = int(local) if local else min(torch.cuda.device_count(), world)
     n = max(1, min(n, world))
     if world % n:
-        raise ValueError(f"{world} ranks do not fill nodes of {n} devices (LOCAL_WORLD_SIZE); "
-                         "pass cluster= to autopar.parallelize")
+        raise ArgumentError(f"{world} ranks do not fill nodes of {n} devices (LOCAL_WORLD_SIZE); "
+                            "pass cluster= to autopar.parallelize")
     return n
 
 

@@ -68,8 +68,8 @@ class OneStage:
         self._out_spec = model_out_spec(cap)
         self.n_microbatches = n_microbatches
         if n_microbatches > 1 and "train" not in programs:
-            raise ValueError("gradient accumulation needs the loss in the graph: pass loss_fn and "
-                             "target= (each micro-batch's loss is its term of the global batch's)")
+            raise ArgumentError("gradient accumulation needs the loss in the graph: pass loss_fn and "
+                                "target= (each micro-batch's loss is its term of the global batch's)")
 
     def owners(self) -> dict[str, list[int]]:
         return {attr: [0] for attr in self._shards.placements}
@@ -118,9 +118,9 @@ class OneStage:
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.ndim == 0 or t.shape[0] % k:
                 name = names[i] if i < len(names) else f"input {i}"
-                raise ValueError(f"the batch of input {name!r} ({tuple(getattr(t, 'shape', ()))}) "
-                                 f"does not divide into {k} micro-batches (the plan accumulates "
-                                 f"{k}); pass the global batch the plan was made for")
+                raise ArgumentError(f"the batch of input {name!r} ({tuple(getattr(t, 'shape', ()))}) "
+                                    f"does not divide into {k} micro-batches (the plan accumulates "
+                                    f"{k}); pass the global batch the plan was made for")
         parts = [t.tensor_split(k, dim=0) for t in tensors]
         return [tuple(p[j] for p in parts) for j in range(k)]
 
@@ -155,8 +155,8 @@ class ParallelModule(nn.Module):
         self.rank_data = RankData(plan, cap, comm, batch)
         pipelined = plan.pipeline_stages > 1
         if pipelined and not cap.has_loss:
-            raise ValueError("pipeline parallelism needs the loss in the graph: pass loss_fn "
-                             "and target= (the last stage computes each micro-batch's loss)")
+            raise ArgumentError("pipeline parallelism needs the loss in the graph: pass loss_fn "
+                                "and target= (the last stage computes each micro-batch's loss)")
         # inside a stage every collective runs on the stage's own mesh (without the pipeline axis)
         self._stage_comm = comm.inner() if pipelined else comm
         splan = stage_plan(plan) if pipelined else plan

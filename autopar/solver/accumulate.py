@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from autopar.capture import Captured
+from autopar.errors import PinError
 from autopar.plan import Plan
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import solve_captured
@@ -38,9 +39,9 @@ MAX_TRIES = 4
 def _batch(example_inputs: Sequence) -> int:
     t = example_inputs[0] if example_inputs else None
     if not isinstance(t, torch.Tensor) or t.ndim == 0:
-        raise ValueError("gradient accumulation splits every input and the target along dim 0 "
-                         f"into micro-batches; the first input is {type(t).__name__} "
-                         f"{tuple(getattr(t, 'shape', ()))}")
+        raise PinError("gradient accumulation splits every input and the target along dim 0 "
+                       f"into micro-batches; the first input is {type(t).__name__} "
+                       f"{tuple(getattr(t, 'shape', ()))}")
     return int(t.shape[0])
 
 
@@ -58,16 +59,16 @@ def accumulation_pin(pins: dict, example_inputs: Sequence) -> int | None:
     batch = _batch(example_inputs)
     if mbs is not None:
         if batch % mbs:
-            raise ValueError(f"micro_batch_size={mbs} does not divide the global batch {batch}: "
-                             f"micro-batches must be equal; choose one of {_divisors(batch)}")
+            raise PinError(f"micro_batch_size={mbs} does not divide the global batch {batch}: "
+                           f"micro-batches must be equal; choose one of {_divisors(batch)}")
         if k is not None and k != batch // mbs:
-            raise ValueError(f"accumulate={k} and micro_batch_size={mbs} disagree: a global batch "
-                             f"of {batch} in micro-batches of {mbs} is {batch // mbs} micro-batches; "
-                             "pin one of them")
+            raise PinError(f"accumulate={k} and micro_batch_size={mbs} disagree: a global batch "
+                           f"of {batch} in micro-batches of {mbs} is {batch // mbs} micro-batches; "
+                           "pin one of them")
         k = batch // mbs
     if batch % k:
-        raise ValueError(f"accumulate={k} does not divide the global batch {batch}: micro-batches "
-                         f"must be equal; choose one of {_divisors(batch)}")
+        raise PinError(f"accumulate={k} does not divide the global batch {batch}: micro-batches "
+                       f"must be equal; choose one of {_divisors(batch)}")
     return k
 
 
@@ -76,9 +77,9 @@ def capture_accumulated(model, example_inputs, loss_fn, target, k: int) -> Captu
     ``loss_fn`` is the in-graph loss (None: the model returns its own)."""
     cap = capture_microbatch(model, example_inputs, loss_fn, target, k)
     if not cap.has_loss:
-        raise ValueError("gradient accumulation needs the loss in the graph: pass loss_fn and "
-                         "target= (or a model that returns its scalar loss), so that each "
-                         "micro-batch's loss can be made its term of the global batch's")
+        raise PinError("gradient accumulation needs the loss in the graph: pass loss_fn and "
+                       "target= (or a model that returns its scalar loss), so that each "
+                       "micro-batch's loss can be made its term of the global batch's")
     return cap
 
 
