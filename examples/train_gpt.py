@@ -4,6 +4,10 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --pin data=2 --pin tensor=2
     torchrun --nproc-per-node 2 examples/train_gpt.py --batch-mode global
 
+    # survive a dead rank: checkpoint every 5 steps, restart up to 3 times, resume each time
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 \
+        examples/train_gpt.py --pin data=2 --checkpoint-dir ckpt --checkpoint-every 5 --resume
+
 The data: a character-level language model over a small text file
 (``examples/data/lighthouse.txt``, a few KB written for this example), cut into windows of
 the model's block size. Every rank builds the same model (same seed); autopar plans on rank
@@ -12,11 +16,25 @@ slice through a ``DistributedSampler(num_replicas=pm.data_world, rank=pm.data_ra
 with the same data rank read the same slice); with ``global`` every rank reads the whole
 global batch. Rank 0 prints the plan and the loss curve, next to the loss of the same model
 trained on one device on the concatenation of the data ranks' slices.
+
+Checkpoints (``--checkpoint-dir``): every ``--checkpoint-every`` steps and at the end, each
+rank writes its shards of the weights and AdamW's moments to ``DIR/step-<N>``
+(``autopar.checkpoint.save_step_checkpoint``: into a temporary directory renamed when
+complete, so a rank killed mid-save never leaves a checkpoint half written), with the data
+position (epoch, batches read in it) and the RNG state in ``extra``; the two newest are
+kept. ``--resume`` starts from the newest complete one (``latest_checkpoint``), or from
+scratch when there is none, so the same command serves the first launch and every restart
+``torchrun --max-restarts`` makes; the data order goes on where the checkpoint left it, and
+the one-device model on rank 0 replays the steps before it, so the two columns still
+compare the same training. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each restart a
+fresh store for its process group (with torchrun's shared store a restarted rank may read
+the dead attempt's gloo address and fail to connect).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import os
 import sys
 
@@ -27,6 +45,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
+from autopar.checkpoint import latest_checkpoint, save_step_checkpoint  # noqa: E402
 from autopar.device import backend_for, rank_device  # noqa: E402
 from examples.gpt import gpt_factory  # noqa: E402
 
@@ -70,6 +89,18 @@ def loader(ds, batch: int, world: int, rank: int, epoch: int) -> DataLoader:
     return DataLoader(ds, batch_size=batch // world, sampler=sampler, drop_last=True)
 
 
+def data_steps(ds, batch: int, world: int, epoch: int = 0, position: int = 0):
+    """Every data rank's batches, step after step, from batch ``position`` of ``epoch`` on:
+    ``(epoch, position after this step, batches)``. The order depends only on the epoch, so
+    a restart that starts here reads what an uninterrupted run would."""
+    while True:
+        loaders = [loader(ds, batch, world, d, epoch) for d in range(world)]
+        for batches in itertools.islice(zip(*loaders), position, None):
+            position += 1
+            yield epoch, position, batches
+        epoch, position = epoch + 1, 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
@@ -77,7 +108,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--batch-mode", choices=("per_rank", "global"), default="per_rank")
     ap.add_argument("--pin", action="append", default=[], help="e.g. data=2, tensor=2, zero=3")
+    ap.add_argument("--checkpoint-dir", help="write DIR/step-<N> checkpoints (the two newest kept)")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    ap.add_argument("--resume", action="store_true",
+                    help="start from the newest complete checkpoint in --checkpoint-dir, if any")
     args = ap.parse_args()
+    if args.resume and not args.checkpoint_dir:
+        ap.error("--resume reads the checkpoints of --checkpoint-dir: pass --checkpoint-dir DIR")
+    if args.checkpoint_every < 1:
+        ap.error(f"--checkpoint-every {args.checkpoint_every}: pass a number of steps >= 1")
 
     # the rank's device first (CUDA device LOCAL_RANK on a GPU machine), then its backend
     dist.init_process_group(backend_for(rank_device()))
@@ -98,26 +137,41 @@ def main() -> None:
         print(f"\n{'step':>4}  {'autopar loss':>12}  {'one device':>12}")
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(single.parameters(), lr=args.lr)
-    step, epoch = 0, 0
+
+    def reference_step(batches) -> torch.Tensor:
+        """One step of the one-device model on the concatenation of the data ranks' batches."""
+        ref_opt.zero_grad()
+        xs, ys = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        ref = ex.loss_fn(single(xs), ys)
+        ref.backward()
+        ref_opt.step()
+        return ref
+
+    step, epoch, position = 0, 0, 0
+    ckpt = latest_checkpoint(args.checkpoint_dir) if args.resume else None
+    if ckpt is not None:
+        extra = autopar.load_checkpoint(ckpt, pm, opt)      # weights, moments, this dict
+        step, epoch, position = extra["step"], extra["epoch"], extra["position"]
+        torch.set_rng_state(extra["rng"])
+        if rank == 0:
+            print(f"resumed from {ckpt}: step {step}, epoch {epoch}, batch {position} of it", flush=True)
+            for _, _, batches in itertools.islice(data_steps(ds, args.batch, w), step):
+                reference_step(batches)          # the one-device model catches up
+    stream = data_steps(ds, args.batch, w, epoch, position)
     while step < args.steps:
-        # every data rank's loader (rank 0 trains the one-device model on their concatenation)
-        loaders = [loader(ds, args.batch, w, d, epoch) for d in range(w)]
-        for batches in zip(*loaders):
-            if step >= args.steps:
-                break
-            x, y = batches[r]
-            opt.zero_grad()
-            loss = pm.train_step(x, target=y)
-            opt.step()
-            if rank == 0:
-                ref_opt.zero_grad()
-                xs, ys = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-                ref = ex.loss_fn(single(xs), ys)
-                ref.backward()
-                ref_opt.step()
-                print(f"{step:>4}  {loss.item():>12.6f}  {ref.item():>12.6f}", flush=True)
-            step += 1
-        epoch += 1
+        epoch, position, batches = next(stream)
+        x, y = batches[r]
+        opt.zero_grad()
+        loss = pm.train_step(x, target=y)
+        opt.step()
+        if rank == 0:
+            ref = reference_step(batches)
+            print(f"{step:>4}  {loss.item():>12.6f}  {ref.item():>12.6f}", flush=True)
+        step += 1
+        if args.checkpoint_dir and (step % args.checkpoint_every == 0 or step == args.steps):
+            save_step_checkpoint(args.checkpoint_dir, step, pm, opt, keep=2,
+                                 extra={"step": step, "epoch": epoch, "position": position,
+                                        "rng": torch.get_rng_state()})
     dist.barrier()
     dist.destroy_process_group()
 
