@@ -9,9 +9,11 @@ each rank reading its own slice (``batch="per_rank"``) from a ``DistributedSampl
    kills itself with SIGKILL before step ``KILL_AT``; the elastic agent stops rank 0 and
    starts both again. The new attempt resumes from ``latest_checkpoint`` (model, moments,
    data position) and finishes; rank 0 saves the final weights to ``ROOT/final.pt``.
-2. No hang. Then, on the second attempt, the same plan is built again with
-   ``timeout=HANG_TIMEOUT``; rank 1 stops participating (sleeps, then leaves) while rank 0
-   takes a step: it must raise ``CollectiveError`` within the timeout.
+2. No hang. Then, on the second attempt, rank 1 stops taking part in a step (it waits,
+   alive, until rank 0 is done) while rank 0 takes it, twice: under the same plan built
+   again with ``timeout=HANG_TIMEOUT`` (a collective: the all-gather of the per-rank
+   slices) and under a 2-stage pipeline (a send / recv inside
+   ``torch.distributed.pipelining``). Both must raise ``CollectiveError`` in time.
 
 Every event (start, resume, kill, the final figures, the hang's error) is one JSON line in
 ``ROOT/events.jsonl``; the test reads them and compares the final weights with one device.
@@ -39,7 +41,8 @@ from examples.models import mlp_factory  # noqa: E402
 STEPS, EVERY, KILL_AT = 8, 2, 5      # the kill comes after checkpoint 4, before step 5
 BATCH, SAMPLES, LR = 8, 48, 1e-2     # 6 steps an epoch: the run crosses an epoch boundary
 DATA_WORLD = 2
-HANG_TIMEOUT = 3.0
+HANG_TIMEOUT = 2.0
+HANGS = ("data", "pipeline")
 
 
 def example():
@@ -125,26 +128,34 @@ def train(root: str, attempt: int, rank: int) -> autopar.Plan:
     return pm.plan
 
 
-def hang(root: str, plan, rank: int) -> None:
-    """Rank 1 stops taking part; rank 0's step must end with CollectiveError in time."""
+def hang(root: str, kind: str, plan, rank: int) -> None:
+    """Rank 1 stops taking part in a step; rank 0's must end with CollectiveError in time.
+    ``kind``: ``data`` (``plan``, per-rank slices) or ``pipeline`` (2 stages, 4 micro-batches)."""
     ex = example()
-    pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, plan=plan,
-                             batch="per_rank", timeout=HANG_TIMEOUT)
-    x, y = next(iter(loader(dataset(), pm.data_rank, 0)))
+    if kind == "data":
+        pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, plan=plan,
+                                 batch="per_rank", timeout=HANG_TIMEOUT)
+        x, y = next(iter(loader(dataset(), pm.data_rank, 0)))
+    else:
+        pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, pipeline=2,
+                                 micro_batch_size=2, timeout=HANG_TIMEOUT)
+        x, y = ex.inputs[0], ex.target
     dist.barrier()
     if rank == 1:       # never calls the step's collectives; alive until rank 0 is done
         end = time.monotonic() + HANG_TIMEOUT + 30
-        while time.monotonic() < end and not any(e["event"] == "hang" for e in events(root)):
+        while time.monotonic() < end and not any(e["event"] == "hang" and e["kind"] == kind
+                                                 for e in events(root)):
             time.sleep(0.1)
         return
     t0 = time.monotonic()
     try:
         pm.train_step(x, target=y)
-        log(root, event="hang", raised=None, seconds=time.monotonic() - t0)
+        log(root, event="hang", kind=kind, raised=None, seconds=time.monotonic() - t0)
     except Exception as e:  # noqa: BLE001 - the test checks type and message
-        log(root, event="hang", raised=type(e).__name__, error=str(e), seconds=time.monotonic() - t0,
-            op=getattr(e, "op", None), axis=getattr(e, "axis", None), ranks=getattr(e, "ranks", None),
-            timed_out=getattr(e, "timed_out", None), timeout=HANG_TIMEOUT)
+        log(root, event="hang", kind=kind, raised=type(e).__name__, error=str(e),
+            seconds=time.monotonic() - t0, op=getattr(e, "op", None), axis=getattr(e, "axis", None),
+            ranks=getattr(e, "ranks", None), timed_out=getattr(e, "timed_out", None),
+            mesh=list(pm.plan.mesh_axes), microbatches=pm.plan.n_microbatches)
 
 
 def main() -> None:
@@ -153,7 +164,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     plan = train(root, attempt, rank)
-    hang(root, plan, rank)
+    for kind in HANGS:
+        hang(root, kind, plan, rank)
     sys.stdout.flush()
     sys.stderr.flush()
     # rank 0's timed-out collective is still queued in gloo: leave without tearing the group down

@@ -7,8 +7,9 @@ One real ``torchrun --max-restarts 1`` launch of ``tests/restart_worker.py`` on 
   both ranks, which resume from the newest complete checkpoint (step 4: weights, AdamW
   moments, data position) and finish. The final weights equal 8 uninterrupted one-device
   AdamW steps on the same global batches, and not a run that lost the data position.
-- then rank 1 stops taking part in a step while rank 0 runs it with ``timeout=3``: rank 0's
-  step raises ``CollectiveError`` naming the op, the mesh axis and the ranks, in about 3 s.
+- then rank 1 stops taking part in a step while rank 0 runs it with ``timeout=2``, under a
+  data-parallel plan (a collective) and a 2-stage pipeline (a send / recv): rank 0's step
+  raises ``CollectiveError`` naming the op, the mesh axis and the ranks, in about 2 s.
 
 Single process: the timeout setting (argument, environment variable, bad values), the
 error a failed or timed-out wait becomes, and which checkpoint ``latest_checkpoint`` picks.
@@ -99,13 +100,16 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_equals_one_device(run
     assert wrong > 100 * TOL, wrong
 
 
-def test_a_collective_whose_peer_stops_ends_within_the_timeout(run):
+# per-rank batches: the step's first collective gathers the slices over the data axis;
+# a pipeline's stage 0 sends its micro-batches and waits to receive their gradients
+@pytest.mark.parametrize("kind, op", [("data", "all_gather"), ("pipeline", "send/recv")])
+def test_a_step_whose_peer_stops_ends_within_the_timeout(run, kind, op):
     assert run.proc.returncode == 0, run.log
-    hang = _one(run.events, event="hang")
+    hang = _one(run.events, event="hang", kind=kind)
     assert hang["raised"] == "CollectiveError", hang
-    # per-rank batches: the step's first collective gathers the slices over the data axis
-    assert (hang["op"], hang["axis"], hang["ranks"], hang["timed_out"]) == ("all_gather", "data", [0, 1], True)
-    for part in ("all_gather", "mesh axis 'data'", "group ranks [0, 1]", "timeout 3 s",
+    assert hang["mesh"][0] == kind and (kind == "data" or hang["microbatches"] > 1), hang
+    assert (hang["op"], hang["axis"], hang["ranks"], hang["timed_out"]) == (op, kind, [0, 1], True), hang
+    for part in (f"{op} on mesh axis '{kind}' (group ranks [0, 1])", f"timeout {HANG_TIMEOUT:g} s",
                  "timeout=SECONDS", TIMEOUT_ENV):
         assert part in hang["error"], (part, hang["error"])
     assert 0.9 * HANG_TIMEOUT <= hang["seconds"] < HANG_TIMEOUT + 5, hang

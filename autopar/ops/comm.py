@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend   # as torch's device_mesh does
 
 from autopar.device import mesh_device
 
@@ -67,6 +68,28 @@ def collective_timeout(timeout: float | None = None) -> float | None:
                          "collective may wait for its peers (e.g. 300), or None for the process "
                          "group's own timeout")
     return float(timeout)
+
+
+def mesh_group_options(ndim: int, timeout: float | None):
+    """``init_device_mesh``'s ``backend_override`` that creates the process group of each of
+    ``ndim`` mesh axes with ``timeout`` seconds (this job's backend), so that waits outside
+    :class:`DistComm` (``torch.distributed.pipelining``'s send / recv) end too; None without
+    a timeout."""
+    if timeout is None:
+        return None
+    backend = dist.get_backend()
+    return {a: (backend, C10dBackend.Options(backend, timedelta(seconds=timeout))) for a in range(ndim)}
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a backend's report that a collective or a send / recv timed out or
+    lost its peer (torch's ``DistError``, gloo's transport errors, NCCL's), not yet named by
+    a :class:`CollectiveError`."""
+    if isinstance(e, CollectiveError) or not isinstance(e, RuntimeError):
+        return False
+    text = str(e)
+    return (isinstance(e, dist.DistError) or "gloo/transport" in text or "NCCL" in text
+            or "timed out" in text.lower())
 
 
 def current_comm() -> "Comm":
@@ -197,18 +220,23 @@ class DistComm(Comm):
             else:
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError subclasses
-            raise self._error(op, axis, e, time.monotonic() - t0) from e
+            raise self.failure(op, axis, e, time.monotonic() - t0) from e
 
-    def _error(self, op: str, axis: int, cause: Exception, waited: float) -> CollectiveError:
+    def failure(self, op: str, axis: int, cause: BaseException, waited: float | None = None
+                ) -> CollectiveError:
+        """The :class:`CollectiveError` for ``op`` on mesh axis ``axis`` that raised ``cause``
+        after ``waited`` seconds (None: not measured, e.g. a pipeline's send / recv)."""
         name, ranks = self.axis_names[axis], self.group_ranks[axis]
         others = [r for r in ranks if r != self.rank]
         timed_out = "timed out" in str(cause).lower() or (
-            self.timeout is not None and waited >= 0.95 * self.timeout)
+            self.timeout is not None and waited is not None and waited >= 0.95 * self.timeout)
+        after = "" if waited is None else f" after {waited:.1f} s"
         if timed_out:
             limit = f"timeout {self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
-            what = f"did not finish within {waited:.1f} s ({limit})"
+            what = (f"did not finish within {waited:.1f} s ({limit})" if waited is not None
+                    else f"timed out ({limit})")
         else:
-            what = f"failed after {waited:.1f} s ({type(cause).__name__}: {str(cause)[:300]})"
+            what = f"failed{after} ({type(cause).__name__}: {str(cause)[:300]})"
         return CollectiveError(
             f"{op} on mesh axis {name!r} (group ranks {ranks}) {what} on rank {self.rank}: a peer "
             f"died or stopped calling it; look at the logs of ranks {others}. If they are only "

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.capture import Captured
 from autopar.device import rank_device
-from autopar.ops.comm import Comm, DistComm
+from autopar.ops.comm import Comm, DistComm, mesh_group_options
 from autopar.plan import Plan
 from autopar.runtime.parallel_module import ParallelModule
 
@@ -22,10 +22,11 @@ __all__ = ["ParallelModule", "build", "dist_comm", "rank_device"]
 
 def dist_comm(plan: Plan, timeout: float | None = None) -> DistComm:
     """The communicator of this torch.distributed rank on ``plan``'s mesh, built on the
-    rank's device; its collectives wait at most ``timeout`` seconds (None: the process
-    group's timeout)."""
+    rank's device; its collectives wait at most ``timeout`` seconds, and its process groups
+    are made with that timeout (None: the process group's timeout)."""
     mesh = init_device_mesh(rank_device().type, tuple(plan.mesh_shape),
-                            mesh_dim_names=tuple(plan.mesh_axes))
+                            mesh_dim_names=tuple(plan.mesh_axes),
+                            backend_override=mesh_group_options(len(plan.mesh_shape), timeout))
     return DistComm(mesh, timeout=timeout)
 
 

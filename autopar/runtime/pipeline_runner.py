@@ -39,7 +39,7 @@ from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.analysis.stages import assign_stages, local_meta
 from autopar.capture import Captured
 from autopar.device import object_device
-from autopar.ops.comm import DistComm
+from autopar.ops.comm import DistComm, is_comm_failure
 from autopar.ops.stage_ops import StepContext, use_step_context
 from autopar.passes.split_stages import StageGraph, split_stages
 from autopar.placement import parse_placements, placements_str
@@ -94,6 +94,7 @@ class PipelineRunner:
         p, v, m = plan.pipeline_stages, plan.virtual_stages, plan.n_microbatches
         self.n_stages, self.n_microbatches, self.p = p * v, m, p
         self.device = comm.device
+        self._comm = comm       # names a send / recv that failed (axis 0: the pipeline's)
         self.pp_group, self.pp_rank = comm.groups[0], comm.coord[0]
         self._pp_global = dist.get_process_group_ranks(self.pp_group)
         self.my_stages = [k for k in range(self.n_stages) if k % p == self.pp_rank]
@@ -226,8 +227,10 @@ class PipelineRunner:
         try:
             with use_step_context(ctx), cast_once_per_step(self.device, self._dtype):
                 self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
-        except BaseException:
+        except BaseException as e:
             sync.abort()
+            if is_comm_failure(e):     # a stage's send / recv timed out or lost its peer
+                raise self._comm.failure("send/recv", 0, e) from e
             raise
         self._skip_log = list(ctx.received)
         with torch.no_grad():
@@ -245,7 +248,12 @@ class PipelineRunner:
         """The model's outputs for the global batch, flat (whole, on every rank)."""
         ctx = self._context("forward", inputs, None)
         with torch.no_grad(), use_step_context(ctx), cast_once_per_step(self.device, self._dtype):
-            out = self._eval.eval(*inputs)
+            try:
+                out = self._eval.eval(*inputs)
+            except RuntimeError as e:
+                if is_comm_failure(e):
+                    raise self._comm.failure("send/recv", 0, e) from e
+                raise
         last = (self.n_stages - 1) % self.p
         flat = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else None
         box = [flat if self.pp_rank == last else None]
