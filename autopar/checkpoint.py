@@ -83,9 +83,10 @@ def save_step_checkpoint(root: str | os.PathLike, step: int, pm,
     Collective; ``root`` must be one directory every rank sees (a shared file system)."""
     _check_module(pm)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step={step!r}: pass the number of training steps done (an int >= 0)")
+        raise ArgumentError(f"step={step!r}: pass the number of training steps done (an int >= 0)")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep={keep!r}: pass how many newest checkpoints to keep (an int >= 1) or None")
+        raise ArgumentError(f"keep={keep!r}: pass how many newest checkpoints to keep (an int >= 1) "
+                            "or None")
     root = os.fspath(root)
     final, tmp = os.path.join(root, f"step-{step:08d}"), os.path.join(root, f".step-{step:08d}.tmp")
     lead = not dist.is_initialized() or dist.get_rank() == 0

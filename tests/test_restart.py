@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from autopar.checkpoint import latest_checkpoint
+from autopar.errors import ArgumentError
 from autopar.ops.comm import TIMEOUT_ENV, CollectiveError, DistComm, collective_timeout
 from restart_worker import (EVERY, HANG_TIMEOUT, KILL_AT, LR, STEPS, dataset, events, example,
                             global_batches)
@@ -123,10 +124,10 @@ def test_timeout_from_argument_or_environment(monkeypatch):
     assert collective_timeout(None) == 45.5
     assert collective_timeout(7) == 7.0            # the argument wins
     monkeypatch.setenv(TIMEOUT_ENV, "soon")
-    with pytest.raises(ValueError, match=f"{TIMEOUT_ENV}='soon' is not a number of seconds"):
+    with pytest.raises(ArgumentError, match=f"{TIMEOUT_ENV}='soon' is not a number of seconds"):
         collective_timeout(None)
     for bad in (0, -1, float("nan"), "3", True):
-        with pytest.raises(ValueError, match="positive number of seconds"):
+        with pytest.raises(ArgumentError, match="positive number of seconds"):
             collective_timeout(bad)
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend   # as torch's device_mesh does
 
 from autopar.device import mesh_device
+from autopar.errors import ArgumentError
 
 _local = threading.local()
 
@@ -60,13 +61,13 @@ def collective_timeout(timeout: float | None = None) -> float | None:
         try:
             timeout = float(raw)
         except ValueError:
-            raise ValueError(f"{where} is not a number of seconds: set it to e.g. 300 "
-                             "(how long a collective may wait for its peers), or unset it") from None
+            raise ArgumentError(f"{where} is not a number of seconds: set it to e.g. 300 (how "
+                                "long a collective may wait for its peers), or unset it") from None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"{where}={timeout!r} is not a positive number of seconds: give how long a "
-                         "collective may wait for its peers (e.g. 300), or None for the process "
-                         "group's own timeout")
+        raise ArgumentError(f"{where}={timeout!r} is not a positive number of seconds: give how "
+                            "long a collective may wait for its peers (e.g. 300), or None for the "
+                            "process group's own timeout")
     return float(timeout)
 
 
