@@ -38,6 +38,7 @@ from autopar.runtime.compression import LocalSGD, make_reducer
 from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
+from autopar.runtime.plan_check import check_plan_fits
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
 from autopar.runtime.shards import Shards, get_tensor, set_tensor, shard_model
 from autopar.runtime.weights import load_weights
@@ -149,6 +150,7 @@ class ParallelModule(nn.Module):
     def __init__(self, cap: Captured, plan: Plan, comm: Comm, model: nn.Module,
                  loss_fn: Callable | None = None, batch: str = "global", weights=None):
         super().__init__()
+        check_plan_fits(plan, cap)       # a plan file edited by hand: a PlanError naming the node
         self.plan, self.comm, self._cap = plan, comm, cap
         self.device = comm.device
         # batch="per_rank": each data rank passes its slice (autopar.runtime.data)
