@@ -8,7 +8,9 @@ from autopar.api import parallelize, plan
 from autopar.capture import CaptureError, capture
 from autopar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from autopar.coverage import coverage
+from autopar.errors import ArgumentError, AutoparInputError, PinError
 from autopar.plan import Plan, PlanError
 
 __all__ = ["plan", "parallelize", "Plan", "PlanError", "CaptureError", "capture", "coverage",
            "save_checkpoint", "load_checkpoint", "CheckpointError"]
+__all__ += ["AutoparInputError", "ArgumentError", "PinError"]   # autopar.errors

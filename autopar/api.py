@@ -3,6 +3,7 @@
 Both plan with ``autopar.solver.driver.solve``, the one search (as the CLI does)."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from datetime import timedelta
@@ -14,6 +15,7 @@ from torch import nn
 from autopar.capture import Captured, fingerprint
 from autopar.cost_models.local_devices import local_cluster
 from autopar.device import backend_for, rank_device
+from autopar.errors import ArgumentError
 from autopar.ops.comm import collective_timeout
 from autopar.plan import Plan, PlanError
 from autopar.runtime import build
@@ -38,6 +40,11 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
     >>> p = autopar.plan(model, (x,), F.cross_entropy, target=y, cluster="cpu:4", data=4)
     >>> print(p.summary())
     """
+    _check_budget(memory_budget)
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        raise ArgumentError(f"world_size={world_size!r}: pass a number of devices >= 1, or None "
+                            "for all the cluster's")
     return solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
                  world_size=world_size, pins=pins, memory_budget=memory_budget,
                  mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
@@ -83,15 +90,12 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     >>> loss = pm.train_step(x, target=y)
     """
     pins = check_pins(dict(pins))
-    if batch not in BATCH_MODES:
-        raise ValueError(f"batch={batch!r}: use 'global' (every rank passes the global batch) "
-                         "or 'per_rank' (each data rank passes its own slice)")
+    _check_run_arguments(model, plan, pins, batch, memory_budget)
+    _check_not_meta(model)
     timeout = collective_timeout(timeout)
     world = _dist_world(timeout) if comm is None else (
         comm.world.world if hasattr(comm, "world") else int(dist.get_world_size()))
     if plan is not None:
-        if pins:
-            raise ValueError("pass pins to autopar.plan, or pass plan= — not both")
         the_plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         cap = capture_for_plan(model, example_inputs, loss_fn, target, the_plan)
     else:
@@ -104,6 +108,42 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     # this job's torch.distributed ranks, on a mesh on the rank's device
     return build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch,
                  timeout=timeout)
+
+
+def _check_budget(memory_budget) -> None:
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(
+            memory_budget, (int, float)) or not memory_budget > 0):
+        raise ArgumentError(f"memory_budget={memory_budget!r}: pass bytes per device as a number "
+                            "> 0 (e.g. 40e9 or 40 * 2**30), or None for the device's memory")
+
+
+def _check_run_arguments(model, plan, pins: dict, batch: str, memory_budget) -> None:
+    """ArgumentErrors for what ``parallelize`` cannot run, before any process group or
+    capture: a plan that is no Plan or path, pins beside a plan, an unknown batch mode, a
+    memory budget that is no number of bytes."""
+    _check_budget(memory_budget)
+    if batch not in BATCH_MODES:
+        raise ArgumentError(f"batch={batch!r}: use 'global' (every rank passes the global batch) "
+                            "or 'per_rank' (each data rank passes its own slice)")
+    if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
+        raise ArgumentError(f"plan= is a {type(plan).__name__}: pass a Plan (autopar.plan's) or "
+                            "the path of a plan file (plan.save's)")
+    if plan is not None and pins:
+        raise ArgumentError("pass pins to autopar.plan, or pass plan= — not both")
+
+
+def _check_not_meta(model) -> None:
+    """An ArgumentError for a model left on the meta device (nothing to run it with)."""
+    if not isinstance(model, nn.Module):
+        return          # capture names it
+    meta = next((n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+                 if t.is_meta), None)
+    if meta is not None:
+        raise ArgumentError(f"the model is on the meta device ({meta!r} has no data): to run "
+                            "it, build it on a real device, load its weights "
+                            "(model.to_empty(device='cpu'); model.load_state_dict(sd)), or "
+                            "pass weights= (a state-dict file, safetensors or a DCP "
+                            "checkpoint); autopar.plan is what plans a meta model")
 
 
 def _solve_once(model, example_inputs, loss_fn, target, world: int, *, every_rank: bool,
