@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from autopar.schedule import schedule_actions
@@ -87,8 +87,7 @@ layer_values = st.integers(0, 20).map(float)
 def test_dp_matches_brute_force(data, L, schedule):
     v = data.draw(st.integers(2, 3)) if schedule == "interleaved-1f1b" else 1
     p = data.draw(st.integers(1, max(1, L // v)))
-    if p * v > L:
-        return
+    assume(p * v <= L)
     m = data.draw(st.sampled_from([p, 2 * p, 3 * p] if schedule != "gpipe" else [1, 2, p, 2 * p]))
     d = data.draw(st.sampled_from([1, 2]))
     costs = costs_of(

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from autopar.schedule import Action, check_schedule, schedule_actions, torch_schedule_class
@@ -182,10 +182,10 @@ def test_in_flight_matches_planner_memory_model(kind, p, m, v):
 @settings(max_examples=40, deadline=None)
 def test_timeline_respects_dependencies(kind, p, m, v, seed):
     v = v if kind in ("interleaved-1f1b", "zero-bubble") else 1
-    try:
-        acts = schedule_actions(kind, p, m, v)
-    except ValueError:
-        return
+    # the schedules torch can run (written out here, so a valid one that raises fails)
+    assume(not (kind in ("1f1b", "zero-bubble") and m < p))
+    assume(not (kind in ("interleaved-1f1b", "zero-bubble") and m % max(1, m // p)))
+    acts = schedule_actions(kind, p, m, v)
     rng = np.random.default_rng(seed)
     n = p * v
     f, b = rng.uniform(0.1, 2, n), rng.uniform(0.2, 3, n)
