@@ -159,6 +159,10 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
     """Write the model part of checkpoint ``path`` to ``out`` with ``torch.save``: a plain
     state dict ``model.load_state_dict`` accepts. Returns it."""
     sd = read_model_state(path)
+    parent = os.path.dirname(os.path.abspath(os.fspath(out)))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"cannot write {os.fspath(out)!r}: its folder {parent!r} does not "
+                              "exist; create it or write elsewhere")
     torch.save(sd, os.fspath(out))
     return sd
 
@@ -172,7 +176,12 @@ def import_state_dict(state_dict: dict[str, torch.Tensor] | str | os.PathLike,
         src = os.fspath(state_dict)
         if not os.path.isfile(src):
             raise CheckpointError(f"{src!r} does not exist: pass a file written by torch.save(model.state_dict())")
-        state_dict = torch.load(src, map_location="cpu", weights_only=True)
+        try:
+            state_dict = torch.load(src, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a file torch cannot read is the user's input
+            raise CheckpointError(f"{src!r} cannot be read by torch.load ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}): pass a file "
+                                  "written by torch.save(model.state_dict())") from e
         if not isinstance(state_dict, dict):
             raise CheckpointError(f"{src!r} holds a {type(state_dict).__name__}, not a state dict")
     sd: dict[str, Any] = {MODEL + k: v.detach().cpu() for k, v in state_dict.items()

@@ -279,9 +279,9 @@ class ParallelModule(nn.Module):
         """Forward and backward on the global batch; returns the global mean loss. Gradients
         are added to the local shards' ``.grad`` (call the optimizer's ``zero_grad`` between
         steps as usual)."""
+        inputs = self._check_inputs(inputs, target, "train_step")
         if target is None and self._cap.has_loss and self._cap.takes_target:
             raise ArgumentError("train_step needs target=: the loss is part of the plan's graph")
-        inputs = self._check_inputs(inputs, target, "train_step")
         target = self._to_device(target)
         inputs, target = self.rank_data.global_batch(inputs, target)
         params = dict(self.module.named_parameters())
@@ -308,8 +308,10 @@ class ParallelModule(nn.Module):
         """The inputs on this rank's device, after checking them (and the target) against
         what the plan was made for: their number, shapes and dtypes (``RankData.check``)."""
         if len(inputs) != self._cap.n_model_inputs:
+            hint = (" (the target goes in target=)" if self._cap.takes_target
+                    and len(inputs) == self._cap.n_model_inputs + 1 else "")
             raise ArgumentError(f"{call}: expected {self._cap.n_model_inputs} inputs (the global "
-                                f"batch, as in example_inputs), got {len(inputs)}")
+                                f"batch, as in example_inputs), got {len(inputs)}{hint}")
         self.rank_data.check(inputs, target, call)
         return tuple(self._to_device(x) for x in inputs)
 
