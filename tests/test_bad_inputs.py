@@ -254,6 +254,8 @@ CASES = [
         ArgumentError, ("input 0 is a tuple", "pm.train_step(*inputs)")),
     Bad("train-step-too-many-inputs", lambda w: w.pm.train_step(w.x, w.x, target=w.y),
         ArgumentError, ("expected 1 inputs", "got 2")),
+    Bad("train-step-target-positional", lambda w: w.pm.train_step(w.x, w.y),
+        ArgumentError, ("expected 1 inputs", "got 2 (the target goes in target=)")),
     Bad("train-step-target-of-another-batch", lambda w: w.pm.train_step(w.x, target=w.y[:2]),
         ArgumentError, ("target has shape [2, 16], but the plan was made for [4, 16]",)),
     Bad("train-step-without-target", lambda w: w.pm.train_step(w.x),
@@ -281,6 +283,9 @@ CASES = [
         CheckpointError, ("no_ckpt' is not a checkpoint directory", "pass the directory save_checkpoint")),
     Bad("export-checkpoint-missing-dir", lambda w: export_checkpoint(w.tmp / "no_ckpt", w.tmp / "m.pt"),
         CheckpointError, ("is not a checkpoint directory",)),
+    Bad("import-state-dict-not-torch-save", lambda w: import_state_dict(
+            w.bad_file("garbage.pt", "not a torch file"), w.tmp / "ck4"),
+        CheckpointError, ("garbage.pt' cannot be read by torch.load", "torch.save(model.state_dict())")),
     Bad("import-missing-state-dict", lambda w: import_state_dict(w.tmp / "no.pt", w.tmp / "ck2"),
         CheckpointError, ("no.pt' does not exist", "torch.save(model.state_dict())")),
 ]
