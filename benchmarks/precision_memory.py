@@ -7,7 +7,26 @@ activations as ``cost_models`` counts them for ``precision="bf16"``). Measured e
 local parameters and AdamW state plus the peak of live tensor bytes during one
 ``train_step`` (``PeakMemory``), the largest rank. Target (issue 10): within 15% for bf16.
 
-    python benchmarks/precision_memory.py            # 2 ranks, ~2-4 min on 2 busy cores
+What the census showed, and what was fixed (the pipeline=2 row was -26.7%):
+
+- runtime: each micro-batch's forward entered autocast anew, so autocast's cache of 16-bit
+  weight casts was cleared per micro-batch and every micro-batch in flight saved a 16-bit
+  copy of the stage's weights of its own (2 in flight: 6.5 MiB instead of 3.3). A pipeline
+  step now casts each weight once (``precision.cast_once_per_step``): -26.7% -> -22.8%.
+- model: it counted mixed-precision gradients at 2 bytes (the ZeRO paper's fp16 grads), but
+  autocast's cast returns fp32 gradients to the fp32 master weights, and in a pipeline they
+  are live beside the in-flight activations at the peak. Now 4 bytes
+  (``cost_models/memory.py``, ``CostModel.base_memory``, ``pipeline_price.state_bytes``):
+  -22.8% -> -14.0%.
+
+Left (precision-independent; the fp32 rows show them): an unpipelined step peaks at the end
+of its forward, before any gradient exists, while the estimate adds the gradients to all
+activations (dp2: +15.3% bf16, +20.4% fp32); zero-bubble holds more micro-batches'
+activations than ``stage_tables.in_flight``'s min(p, m) (pp2 fp32 -15%). And under bf16 the
+model halves every fp32 activation while autocast keeps norms, residual adds and the loss in
+fp32 (dp2: 19.3 MiB predicted, 21.9 MiB measured), which partly offsets the first.
+
+    python benchmarks/precision_memory.py            # 2 ranks, ~3-6 min on 2 busy cores
 """
 from __future__ import annotations
 

@@ -1,13 +1,17 @@
 """Memory of training state per device: parameters, gradients, optimizer states.
 
-For ``Psi`` parameters (ZeRO paper, Rajbhandari et al. 2020, Sec. 3.1):
+For ``Psi`` parameters (after the ZeRO paper, Rajbhandari et al. 2020, Sec. 3.1, with
+mixed precision as ``torch.autocast`` and autopar's runtime keep it: the parameters are the
+fp32 master weights, their gradients fp32 (the backward of autocast's cast returns fp32),
+the 16-bit weights are the copies autocast makes for the forward, 2 bytes each; the ZeRO
+paper's 2 Psi gradients are fp16 ones, which no one here keeps):
 
 ==============================  ========  ========  =========================================
 precision / optimizer           params    grads     optimizer
 ==============================  ========  ========  =========================================
-bf16 mixed, AdamW               2 Psi     2 Psi     12 Psi (fp32 master, 2 fp32 moments)
-bf16 mixed, SGD with momentum   2 Psi     2 Psi     8 Psi (fp32 master, fp32 momentum)
-bf16 mixed, plain SGD           2 Psi     2 Psi     4 Psi (fp32 master)
+bf16 mixed, AdamW               2 Psi     4 Psi     12 Psi (fp32 master, 2 fp32 moments)
+bf16 mixed, SGD with momentum   2 Psi     4 Psi     8 Psi (fp32 master, fp32 momentum)
+bf16 mixed, plain SGD           2 Psi     4 Psi     4 Psi (fp32 master)
 fp32, AdamW                     4 Psi     4 Psi     8 Psi (2 moments)
 fp32, SGD with momentum         4 Psi     4 Psi     4 Psi
 fp32, plain SGD                 4 Psi     4 Psi     0
@@ -46,8 +50,8 @@ def training_state_bytes(param_numel: int, optimizer: str = "adamw", precision: 
     states = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}[optimizer]
     if precision == "fp32":
         params, grads, opt = 4 * psi, 4 * psi, 4 * states * psi
-    else:  # mixed: half-precision params and grads, fp32 master weights and states
-        params, grads, opt = 2 * psi, 2 * psi, 4 * (1 + states) * psi
+    else:  # mixed: 16-bit weight copies; fp32 grads, master weights and states
+        params, grads, opt = 2 * psi, 4 * psi, 4 * (1 + states) * psi
     if zero >= 1:
         opt /= dp
     if zero >= 2:

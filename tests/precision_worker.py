@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import sys
 import tempfile
 
@@ -110,12 +111,33 @@ def run_case(case: dict) -> dict:
             "stepped": stepped, "moved": max(float((w[k] - w0[k]).abs().max()) for k in w0)}
     if pm.scaler is not None:
         info["scale"], info["ref_scale"] = pm.scaler.scale, extra["scale"]
+    if case.get("resume_pins"):
+        info["scaler_state"], info["resumed_scaler"] = resume(pm, opt, model, inputs, loss_fn, target,
+                                                              dict(case["resume_pins"], precision=precision))
     if precision in ("bf16", "fp16"):
         fp_losses, fp_w, _ = reference(model, inputs, target, loss_fn, "fp32", init_scale)
         info["fp32_loss_dist"] = loss_dist(losses, fp_losses)
         info["fp32_weight_dist"] = weight_dist(w, fp_w, w0)
         info["ref_vs_fp32_weight"] = weight_dist(ref_w, fp_w, w0)
     return info
+
+
+def resume(pm, opt, model, inputs, loss_fn, target, pins: dict) -> tuple[dict, dict]:
+    """Save ``pm`` and ``opt`` with ``autopar.save_checkpoint``, load them into a new module
+    under ``pins``: (the loss scaler's state saved, the new module's after loading)."""
+    box = [tempfile.mkdtemp(prefix="autopar_precision_ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    try:
+        autopar.save_checkpoint(box[0], pm, opt)
+        pm2 = autopar.parallelize(model, inputs, loss_fn, target=target, **pins)
+        fresh = pm2.scaler.state_dict()
+        autopar.load_checkpoint(box[0], pm2, torch.optim.AdamW(pm2.parameters(), lr=LR))
+        assert fresh != pm.scaler.state_dict(), "the test needs a scale other than a new module's"
+        return pm.scaler.state_dict(), pm2.scaler.state_dict()
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
 
 
 def main() -> None:

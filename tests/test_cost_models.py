@@ -256,7 +256,7 @@ def test_grad_sync_overlap():
 
 # --- memory -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("zero,expect", [
-    (0, (2, 2, 12)), (1, (2, 2, 12 / 8)), (2, (2, 2 / 8, 12 / 8)), (3, (2 / 8, 2 / 8, 12 / 8))])
+    (0, (2, 4, 12)), (1, (2, 4, 12 / 8)), (2, (2, 4 / 8, 12 / 8)), (3, (2 / 8, 4 / 8, 12 / 8))])
 def test_zero_memory_mixed_adam(zero, expect):
     psi = 10**9
     got = training_state_bytes(psi, "adamw", "bf16", zero=zero, dp=8)

@@ -68,8 +68,8 @@ CASES = ([{"id": k, "precision": "bf16", "pins": v} for k, v in BF16_CASES.items
          + [{"id": "plan-file", "precision": "bf16", "pins": {"data": 2}, "plan_file": True},
             {"id": "fp16-data2", "precision": "fp16", "pins": {"data": 2}, "growth_interval": 2},
             {"id": "fp16-overflow", "precision": "fp16", "pins": {"data": 2}, "init_scale": 1e30}]
-         + [{"id": f"fp16-{k}", "precision": "fp16", "pins": BF16_CASES[k], "growth_interval": 2}
-            for k in FP16_SHARDED]
+         + [{"id": f"fp16-{k}", "precision": "fp16", "pins": BF16_CASES[k], "growth_interval": 2,
+             **({"resume_pins": {"data": 2}} if k == "pp2" else {})} for k in FP16_SHARDED]
          + [{"id": "fp16-pp2-overflow", "precision": "fp16", "pins": PP, "init_scale": 1e30}])
 
 
@@ -244,3 +244,11 @@ def test_fp16_sharded_and_pipelined_match_autocast_and_grad_scaler(results, case
     assert r["loss_err"] < r["fp32_loss_dist"], r
     if case_id != "tensor2":
         assert r["weight_err"] < r["fp32_weight_dist"], r
+
+
+def test_fp16_checkpoint_keeps_the_loss_scale(results):
+    """The pipelined fp16 run saved by autopar.save_checkpoint, loaded into a data=2 plan:
+    the scale (grown to 2^17), its growth tracker and schedule come back."""
+    r = _result(results, "fp16-pp2")
+    assert r["scaler_state"]["scale"] == 2.0 ** 17 and r["scaler_state"]["growth_interval"] == 2
+    assert r["resumed_scaler"] == r["scaler_state"], r

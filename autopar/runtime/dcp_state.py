@@ -20,7 +20,8 @@ data axis). Every owner reads it on load.
 Keys: ``model.<name>`` (the first name of a tied weight; the others are kept in the
 ``autopar`` entry), ``optim.<name>.<state key>`` (state tensors shaped like the local shard
 are sharded like their parameter; others, such as AdamW's ``step``, are plain tensors),
-``autopar`` (the alias table and every rank's param groups' hyperparameters) and ``extra``
+``autopar`` (the alias table, every rank's param groups' hyperparameters and, under fp16,
+the loss scaler's state) and ``extra``
 (pickled bytes, rank 0's).
 """
 from __future__ import annotations
@@ -208,7 +209,8 @@ def save_state(pm, optimizer=None, extra=None) -> dict[str, Any]:
         groups = [g for rank_groups in every for g in rank_groups]
     if not dist.is_initialized() or dist.get_rank() == 0:
         info = {"format": FORMAT, "aliases": {lay.name[a]: list(al) for a, al in pm._shards.aliases.items()},
-                "param_groups": groups, "has_optimizer": optimizer is not None}
+                "param_groups": groups, "has_optimizer": optimizer is not None,
+                "loss_scaler": pm.scaler.state_dict() if pm.scaler is not None else None}
         sd["autopar"] = pickle.dumps(info)
         sd["extra"] = pickle.dumps(extra)
     return sd
@@ -280,11 +282,13 @@ def load_plan(pm, md: dict, optimizer=None):
         with torch.no_grad():
             for t, buf in copies:
                 t.copy_(buf)
+        info = pickle.loads(sd["autopar"])
         if optimizer is not None:
             for p, key, buf, fqn in opt_state:
                 optimizer.state[p][key] = buf if fqn is None else pickle.loads(sd[fqn])
-            info = pickle.loads(sd["autopar"])
             _restore_groups(pm, optimizer, info.get("param_groups", []), lay)
+        if pm.scaler is not None and info.get("loss_scaler"):    # fp16: resume with the saved scale
+            pm.scaler.load_state_dict(info["loss_scaler"])
         return pickle.loads(sd["extra"])
     return sd, finish
 

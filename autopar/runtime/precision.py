@@ -99,10 +99,16 @@ class LossScaler:
         self.skipped = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self._good}
+        """What resuming needs (``GradScaler.state_dict``'s fields); the same on every rank.
+        ``autopar.save_checkpoint`` saves it, ``load_checkpoint`` restores it."""
+        return {"scale": self.scale, "growth_tracker": self._good, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
 
     def load_state_dict(self, sd: dict) -> None:
         self.scale, self._good = float(sd["scale"]), int(sd["growth_tracker"])
+        self.growth_factor = float(sd.get("growth_factor", self.growth_factor))
+        self.backoff_factor = float(sd.get("backoff_factor", self.backoff_factor))
+        self.growth_interval = int(sd.get("growth_interval", self.growth_interval))
 
     def step(self, optimizer, params, comm) -> bool:
         """Unscale ``params``' gradients, then step ``optimizer`` or skip; True if it stepped.

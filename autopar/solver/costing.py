@@ -53,8 +53,9 @@ class CostModel:
 
     @property
     def mixed(self) -> bool:
-        """Mixed precision: 16-bit compute, activations and gradients; fp32 master weights
-        and optimizer moments (2Ψ params + 2Ψ grads + 12Ψ optimizer for Adam)."""
+        """Mixed precision as ``torch.autocast`` runs it: 16-bit compute and activations;
+        fp32 master weights, gradients and optimizer moments (2Ψ params: the 16-bit copies
+        of the weights, + 4Ψ grads + 12Ψ optimizer for Adam)."""
         return self.dtype_key in ("bf16", "fp16")
 
     def _act(self, nbytes: float, dtype) -> float:
@@ -150,8 +151,8 @@ class CostModel:
                 whole[self.data_axis] = Replicate()
                 held = _local(v.meta, whole, self.mesh_shape).nbytes
                 grads = held if self.zero == 1 else b
-            if self.mixed:   # 16-bit weights and grads; fp32 master copy + moments
-                return {"params": held / 2, "grads": grads / 2, "optimizer": b * (1 + optimizer_states)}
+            if self.mixed:   # 16-bit weight copies; fp32 grads (of the masters), master copy + moments
+                return {"params": held / 2, "grads": grads, "optimizer": b * (1 + optimizer_states)}
             return {"params": held, "grads": grads, "optimizer": b * optimizer_states}
         if v.kind in ("input", "buffer"):
             b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes

@@ -204,10 +204,11 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
 
 def state_bytes(cap: Captured, optimizer: str, precision: str | None) -> float:
     """Bytes of parameters, gradients and optimizer state of the whole model, unsharded:
-    4 (2 + k) per parameter in fp32, 2 + 2 + 4 (1 + k) in mixed precision, for k
-    optimizer tensors per parameter (AdamW: 2)."""
+    4 (2 + k) per parameter in fp32, 2 + 4 + 4 (1 + k) in mixed precision (16-bit weight
+    copies, fp32 grads, fp32 master and moments), for k optimizer tensors per parameter
+    (AdamW: 2)."""
     k = OPTIMIZER_STATES.get(optimizer, 2)
-    per = 4 + 4 * (1 + k) if precision in ("bf16", "fp16") else 4 * (2 + k)
+    per = 2 + 4 + 4 * (1 + k) if precision in ("bf16", "fp16") else 4 * (2 + k)
     n = sum(cap.node(ph).meta["val"].numel() for ph in cap.params)
     return float(n * per)
 
