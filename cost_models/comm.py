@@ -122,3 +122,71 @@ def grad_sync_time(grad_bytes: float, group_size: int, link: Link, backward_time
     total = k * t_b
     exposed = max(t_b, total - max(0.0, backward_time) * (1.0 - 1.0 / k))
     return GradSync(total, exposed)
+
+
+# --- Compressed gradient reduction (pins compress= and local_sgd=) -------------------------
+#: kernels compression adds (launches, each ``Device.launch_overhead``): per bucket (a
+#: parameter pays its share of ``DDP_BUCKET_BYTES``) bf16 casts in and out; int8 min, max,
+#: quantise, cast, dequantise, sum; top-k error add, abs, topk, gather, zero, index_add;
+#: per matrix, PowerSGD's error feedback and three matmuls, plus torch's Gram-Schmidt
+#: (about 4 per column of P and of Q).
+_KERNELS = {"bf16": lambda r: 2, "int8": lambda r: 6, "topk": lambda r: 6,
+            "powersgd": lambda r: 8 + 8 * r}
+INT8_CHUNK = 512     # autopar.runtime.compression.INT8_CHUNK: one fp32 (min, scale) per chunk
+
+
+def compressed_reduce_time(kind: str, arg: float, shape, itemsize: float, group_size: int,
+                           link: Link, device) -> float:
+    """Seconds to sum one parameter's gradient (``shape``, ``itemsize`` bytes a value) over
+    ``group_size`` ranks, compressed by ``kind`` (``autopar.runtime.compression``), as a
+    bucketed gradient: the wire's bandwidth term (the bucket pays the latency) plus the
+    compression's compute on ``device`` (memory passes, FLOPs, kernel launches: per
+    bucket, of which the parameter pays its share, or per matrix for PowerSGD). Bytes on
+    the wire per rank:
+
+    - ``bf16``: an all-reduce of 2 bytes a value;
+    - ``int8``: an all-gather of 1 byte a value and 8 per chunk of ``INT8_CHUNK``;
+    - ``topk`` (fraction ``arg``): an all-gather of ``ceil(arg n)`` values and int32 indices;
+    - ``powersgd`` (rank ``arg``): the gradient as a ``rows x cols`` matrix (``shape[0] x
+      rest``); with ``r = min(rows, cols, arg)``, all-reduces of P (``rows r``) and Q
+      (``cols r``) when ``(rows + cols) r`` is under half of ``rows cols`` (torch's test),
+      else an exact all-reduce.
+    """
+    n_el = math.prod(shape) if len(shape) else 1
+    n = int(group_size)
+    if n <= 1 or n_el == 0:
+        return 0.0
+    bw = lambda kind_, nbytes: (collective_time(kind_, nbytes, n, link, skew=False)  # noqa: E731
+                                - collective_time(kind_, 1.0, n, link, skew=False))
+    full = n_el * itemsize
+    flops, passes = 0.0, 0.0      # passes: bytes through device memory
+    if kind == "bf16":
+        wire = bw("all_reduce", n_el * 2.0)
+        # the runtime's passes: scale by the group size, cast, divide in bf16, cast back
+        passes = (4 * itemsize + 8) * n_el
+    elif kind == "int8":
+        per_rank = n_el + 8.0 * math.ceil(n_el / INT8_CHUNK)
+        wire = bw("all_gather", per_rank * n)
+        passes = (3 * itemsize + 1) * n_el + n * (1 + itemsize) * n_el
+    elif kind == "topk":
+        k = max(1, math.ceil(arg * n_el))
+        wire = bw("all_gather", k * (itemsize + 4.0) * n)
+        # error add, abs, zeroing the sent; torch.topk's radix select reads the keys about
+        # 8 times (a digit a pass, with counting); the scatter-add of every rank's entries
+        passes = 12 * itemsize * n_el + n * k * (itemsize + 4.0)
+    elif kind == "powersgd":
+        rows = shape[0] if len(shape) else 1
+        cols = n_el // rows
+        r = min(rows, cols, int(arg))
+        if (rows + cols) * r * 2 >= rows * cols:
+            return bw("all_reduce", full)
+        wire = bw("all_reduce", rows * r * itemsize) + bw("all_reduce", cols * r * itemsize)
+        flops = 6.0 * rows * cols * r + 4.0 * (rows + cols) * r * r
+        passes = 4 * itemsize * n_el
+    else:
+        raise ValueError(f"unknown gradient compression {kind!r}; known: {', '.join(_KERNELS)}")
+    compute = (flops / (device.peak_flops["fp32"] * device.max_efficiency)
+               + passes / (device.mem_bandwidth * device.mem_efficiency)
+               + _KERNELS[kind](arg) * device.launch_overhead
+               * (1.0 if kind == "powersgd" else min(1.0, full / DDP_BUCKET_BYTES)))
+    return wire + compute

@@ -118,3 +118,49 @@ def test_bad_pins_say_the_fix(pins, words):
     with pytest.raises(PinError, match=words.replace("(", r"\(").replace(")", r"\)")):
         autopar.plan(model, (torch.randn(4, 4),), F.cross_entropy, target=torch.tensor([0, 1, 0, 1]),
                      cluster="cpu:2", **pins)
+
+
+# ---- the cost model's choice -----------------------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.Tanh(), nn.Linear(2048, 2048))
+    return model, (torch.randn(32, 2048),), torch.randint(0, 2048, (32,))
+
+
+@pytest.mark.parametrize("cluster,pays", [("2x8xA100", True), ("16xA100", False)])
+def test_auto_compresses_on_a_slow_inter_node_link_only(cluster, pays):
+    """Data 2 x tensor 8: on two DGX nodes each data group has one GPU per node (one NIC's
+    share of InfiniBand, 22 GB/s); on one 16-GPU NVLink node the same groups get 247 GB/s."""
+    model, inputs, target = _mlp()
+    auto = autopar.plan(model, inputs, F.cross_entropy, target=target, cluster=cluster,
+                        data=2, tensor=8, compress="auto")
+    exact = autopar.plan(model, inputs, F.cross_entropy, target=target, cluster=cluster,
+                         data=2, tensor=8)
+    assert "compress" not in exact.pins          # lossy only when allowed
+    if pays:
+        assert auto.pins.get("compress") is not None, auto.pins
+        assert auto.estimate.step_time_s < exact.estimate.step_time_s
+        assert auto.estimate.comm["all_reduce@data"] < 0.9 * exact.estimate.comm["all_reduce@data"]
+    else:
+        assert auto.pins.get("compress") is None, auto.pins
+        assert auto.estimate.step_time_s == pytest.approx(exact.estimate.step_time_s)
+
+
+def test_compressed_bytes_priced_per_scheme():
+    """PowerSGD's P and Q, top-k's values and indices, int8's quarter: cheaper on the wire
+    than the exact all-reduce of a 4096 x 512 gradient over a slow link, in that order."""
+    from autopar.cost_models.comm import collective_time, compressed_reduce_time
+    from autopar.cost_models.devices import Link
+    from autopar.cost_models.gpus import A100_80GB
+    slow = Link(bandwidth=1e7, latency=0.0)        # the compression's compute: under 5%
+    exact = collective_time("all_reduce", 4096 * 512 * 4, 2, slow, skew=False)   # no latency
+    t = {k: compressed_reduce_time(k, a, (4096, 512), 4, 2, slow, A100_80GB)
+         for k, a in [("bf16", 0), ("int8", 0), ("topk", 0.01), ("powersgd", 4)]}
+    assert t["bf16"] == pytest.approx(exact / 2, rel=0.01)
+    assert t["int8"] == pytest.approx(exact / 4 * (1 + 8 / 512), rel=0.05)   # + its compute
+    assert t["topk"] == pytest.approx(exact * 0.01 * 2, rel=0.05)
+    assert t["powersgd"] == pytest.approx(exact * (4096 + 512) * 4 / (4096 * 512), rel=0.05)
+    # a matrix rank 4 does not shrink by half goes exact
+    assert compressed_reduce_time("powersgd", 4, (8, 8), 4, 2, slow, A100_80GB) == \
+        pytest.approx(collective_time("all_reduce", 256, 2, slow, skew=False)
+                      - collective_time("all_reduce", 1, 2, slow, skew=False))   # as bucketed

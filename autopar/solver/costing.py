@@ -21,6 +21,7 @@ from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
+from autopar.solver.pins import compress_scheme
 from autopar.solver.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
@@ -50,6 +51,12 @@ class CostModel:
     """Factor on a parameter's gradient reduction (the backward all-reduce or
     reduce-scatter of a bucketed parameter edge): 1 / micro-batches when the graph is one
     micro-batch of a step whose gradients are reduced once (pipelines)."""
+    compress: tuple | None = None
+    """The data axis's gradient all-reduce compressed (pin ``compress=``: (kind, parameter),
+    ``pins.compress_scheme``); priced by ``comm.compressed_reduce_time``."""
+    local_sgd: int | None = None
+    """Pin ``local_sgd=H``: parameters averaged every H steps instead of gradients summed
+    every step (priced after the warm-up: the all-reduce's 1/H)."""
 
     @property
     def mixed(self) -> bool:
@@ -78,7 +85,8 @@ class CostModel:
         return cls(cluster, tuple(mesh_shape), dtype_key=pins.get("precision") or "fp32",
                    zero=pins.get("zero") or 0, data_axis=data_axis, profiler=profiler,
                    recompute=frozenset(rec), recompute_kept=frozenset(kept),
-                   memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+                   memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
+                   compress=compress_scheme(pins.get("compress")), local_sgd=pins.get("local_sgd"))
 
     # ---- compute -------------------------------------------------------------------------
     def node_time(self, v: NodeVar, combo) -> tuple[float, float]:
@@ -201,7 +209,8 @@ class CostModel:
         out = []
         scale = self._act(1.0, meta.dtype)    # 16-bit tensors move half the bytes
         for step in steps:
-            before = _local(meta, cur, self.mesh_shape).nbytes
+            local_before = _local(meta, cur, self.mesh_shape)
+            before = local_before.nbytes
             cur[step.axis] = _after(step, cur[step.axis])
             if local_shape(meta.shape, cur, self.mesh_shape) is None:
                 return None        # an intermediate placement would not divide evenly
@@ -224,6 +233,8 @@ class CostModel:
                 t = comm_model.collective_time(kind, size * scale, n, link, skew=False)
                 if bucketed and (step.kind == "grad_all_reduce" or per_step):
                     t -= comm_model.collective_time(kind, 1.0, n, link, skew=False)   # latency shared by the bucket
+                    if step.kind == "grad_all_reduce" and step.axis == self.data_axis:
+                        t = self._lossy_grad_sync(t, local_before, scale, n, link)
                 else:
                     # the wait for the peers: once per collective between computations, shared
                     # by a consumer's parameters (see ``shared``)
@@ -234,6 +245,18 @@ class CostModel:
                 out.append(Collective(kind, step.axis, backward, t,
                                       (bucketed and backward and kind in GRAD_SYNC) or per_step, regather))
         return tuple(out)
+
+
+    def _lossy_grad_sync(self, t: float, local: TensorMeta, scale: float, n: int, link) -> float:
+        """A parameter's gradient all-reduce over the data axis (``t`` seconds exact) under
+        ``local_sgd`` or ``compress``."""
+        if self.local_sgd:
+            return t / self.local_sgd
+        if self.compress is None:
+            return t
+        kind, arg = self.compress
+        return comm_model.compressed_reduce_time(kind, arg, local.shape, local.dtype.itemsize * scale,
+                                                 n, link, self.cluster.device)
 
 
 @dataclass(frozen=True)

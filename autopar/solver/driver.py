@@ -14,6 +14,9 @@ all call it, so the same model, inputs, cluster and pins give the same plan ever
   (``pipeline_free.search_pipelines``); when the full batch's activations do not fit,
   gradient accumulation too (``accumulate.search_accumulation``); the least predicted step
   wins.
+* ``compress="auto"`` (the user allows lossy choices): each of ``AUTO_COMPRESS`` (no
+  compression first) is planned as if pinned; the least predicted step wins, and its plan's
+  pins say which (``compress=None`` when none pays).
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ from autopar.solver.flat import plan_captured
 from autopar.solver.pins import check_optimizer, check_pins, pipelined
 from autopar.solver.pipeline_free import search_pipelines
 from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
+
+AUTO_COMPRESS = (None, "bf16", "int8", "topk:0.01", "powersgd:4")
+"""What ``compress="auto"`` chooses from (``autopar.runtime.compression``)."""
 
 
 class Planned(NamedTuple):
@@ -58,6 +64,21 @@ def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     """
     pins = check_pins(dict(pins or {}))
     check_optimizer(optimizer)
+    if pins.get("compress") not in (None, "none") or pins.get("local_sgd"):
+        pins.setdefault("pipeline", 1)    # lossy reduction is not offered with pipelines yet
+    if pins.get("compress") == "auto":
+        best = None
+        for scheme in AUTO_COMPRESS:
+            got = solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
+                        world_size=world_size, pins={**pins, "compress": scheme},
+                        memory_budget=memory_budget, mesh_shape=mesh_shape, optimizer=optimizer,
+                        time_limit_s=time_limit_s, verbose=verbose, profiler=profiler,
+                        captured=captured, capture_s=capture_s)
+            if verbose:
+                print(f"compress={scheme!r}: {got.plan.estimate.step_time_s * 1e3:.3f} ms")
+            if best is None or got.plan.estimate.step_time_s < best.plan.estimate.step_time_s:
+                best = got
+        return best
     cl = parse_cluster(cluster)
     world = world_size or cl.world_size
     in_graph_loss = loss_fn if target is not None else None
