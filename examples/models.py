@@ -8,6 +8,8 @@ Four models a new user can copy from, each with a factory that returns an ``Exam
             SwiGLU MLP, untied output head
     resnet  a conv stem and two BasicBlocks with BatchNorm2d, avg pool, linear head
     mlp     three Linear layers with GELU, MSE loss
+    inception  a conv stem, 2 or 4 independent towers of unequal depth joined by concat
+               (``inception.py``; branch parallelism)
 
 Each lives in its own file (``gpt.py``, ``llama.py``, ``small.py`` for resnet and mlp) on
 top of ``base.py`` (``Example``, the losses); this module gathers them in ``EXAMPLES``.
@@ -31,6 +33,7 @@ from typing import Callable
 from examples.base import Example, classification_loss, lm_loss, mse_loss
 from examples.gpt import GPT, GPT_PRESETS, GPTConfig, gpt_config, gpt_factory
 from examples.llama import Llama, LlamaConfig, llama_factory
+from examples.inception import Inception, inception_factory
 from examples.small import MLP, ResNet, mlp_factory, resnet_factory
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "LlamaConfig", "Llama", "llama_factory",
     "ResNet", "resnet_factory",
     "MLP", "mlp_factory",
+    "Inception", "inception_factory",
     "lm_loss", "classification_loss", "mse_loss",
 ]
 
@@ -48,4 +52,5 @@ EXAMPLES: dict[str, Callable[..., Example]] = {
     "llama": llama_factory,
     "resnet": resnet_factory,
     "mlp": mlp_factory,
+    "inception": inception_factory,
 }
