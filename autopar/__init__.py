@@ -10,7 +10,9 @@ from autopar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from autopar.coverage import coverage
 from autopar.errors import ArgumentError, AutoparInputError, PinError
 from autopar.plan import Plan, PlanError
+from autopar.runtime.weights import WeightsError, meta_parameters
 
 __all__ = ["plan", "parallelize", "Plan", "PlanError", "CaptureError", "capture", "coverage",
-           "save_checkpoint", "load_checkpoint", "CheckpointError"]
+           "save_checkpoint", "load_checkpoint", "CheckpointError", "meta_parameters",
+           "WeightsError"]
 __all__ += ["AutoparInputError", "ArgumentError", "PinError"]   # autopar.errors

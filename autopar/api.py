@@ -3,6 +3,7 @@
 Both plan with ``autopar.solver.driver.solve``, the one search (as the CLI does)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -20,6 +21,7 @@ from autopar.ops.comm import collective_timeout
 from autopar.plan import Plan, PlanError
 from autopar.runtime import build
 from autopar.runtime.data import BATCH_MODES
+from autopar.runtime.weights import capture_view, has_meta, weights_kind
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
 from autopar.solver.pins import KNOWN_PINS, OPTIMIZER_STATES, check_pins
@@ -55,7 +57,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                 target: Any = None, plan: "Plan | str | None" = None, cluster=None,
                 memory_budget: float | None = None, mesh_shape: Sequence[int] | None = None,
                 optimizer: str = "adamw", comm=None, batch: str = "global",
-                timeout: float | None = None, **pins):
+                timeout: float | None = None, weights: "str | os.PathLike | None" = None, **pins):
     """Parallelize ``model`` over the ranks of this job (inside torchrun, or after
     ``torch.distributed.init_process_group``).
 
@@ -82,6 +84,14 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     else the process group's own timeout. When ``parallelize`` creates the process group
     (inside torchrun), it gets this timeout too.
 
+    ``weights``: pretrained weights each rank reads only its shards of, for a model built
+    on the meta device (``with torch.device("meta"): model = GPT(cfg)``, or under
+    ``autopar.meta_parameters()`` to keep the buffers its init computes): a ``torch.save``
+    state-dict file (``.pt``, ``.pth``, ``.bin``; memory-mapped), a ``.safetensors`` file or
+    directory (Hugging Face), or a ``torch.distributed.checkpoint`` directory
+    (``autopar.save_checkpoint``'s, or ``dcp.save(model.state_dict())``'s). See
+    ``autopar.runtime.weights``.
+
     Without ``plan=``, rank 0 solves (``autopar.solver.driver.solve``, as ``autopar.plan``
     does) and the other ranks take its plan and capture the graph it runs on. ``comm``: a
     communicator of thread ranks (tests); then every rank solves.
@@ -91,23 +101,29 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     """
     pins = check_pins(dict(pins))
     _check_run_arguments(model, plan, pins, batch, memory_budget)
-    _check_not_meta(model)
+    if weights is None:
+        _check_not_meta(model)      # a meta model runs with weights= to load
     timeout = collective_timeout(timeout)
     world = _dist_world(timeout) if comm is None else (
         comm.world.world if hasattr(comm, "world") else int(dist.get_world_size()))
-    if plan is not None:
-        the_plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-        cap = capture_for_plan(model, example_inputs, loss_fn, target, the_plan)
-    else:
-        the_plan, cap = _solve_once(model, example_inputs, loss_fn, target, world, every_rank=comm is not None,
-                                    cluster=cluster if cluster is not None else _local_cluster(world),
-                                    pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
-                                    optimizer=optimizer)
+    if weights is not None:
+        weights_kind(weights)       # a path that is no weights source fails before planning
+    # a meta model is captured as the model on the CPU (autopar.runtime.weights.capture_view)
+    with (capture_view(model, example_inputs, target) if weights is not None and has_meta(model)
+          else contextlib.nullcontext((example_inputs, target))) as (example_inputs, target):
+        if plan is not None:
+            the_plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+            cap = capture_for_plan(model, example_inputs, loss_fn, target, the_plan)
+        else:
+            the_plan, cap = _solve_once(model, example_inputs, loss_fn, target, world, every_rank=comm is not None,
+                                        cluster=cluster if cluster is not None else _local_cluster(world),
+                                        pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
+                                        optimizer=optimizer)
     _validate(the_plan, cap, world)
     # loss_fn without a target runs outside the graph, on the replicated output; comm None:
     # this job's torch.distributed ranks, on a mesh on the rank's device
     return build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch,
-                 timeout=timeout)
+                 timeout=timeout, weights=weights)
 
 
 def _check_budget(memory_budget) -> None:

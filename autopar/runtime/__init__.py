@@ -32,10 +32,11 @@ def dist_comm(plan: Plan, timeout: float | None = None) -> DistComm:
 
 def build(cap: Captured, plan: Plan, model: nn.Module, loss_fn: Callable | None = None,
           comm: Comm | None = None, batch: str = "global",
-          timeout: float | None = None) -> ParallelModule:
+          timeout: float | None = None, weights=None) -> ParallelModule:
     """The module that runs ``plan`` on this rank. ``loss_fn``: a loss run outside the graph
     on the replicated output (when the capture has none); ``comm``: None for this job's
     torch.distributed ranks; ``batch``: ``"global"`` or ``"per_rank"``
-    (``autopar.runtime.data``); ``timeout``: seconds a collective of ``dist_comm`` may wait."""
+    (``autopar.runtime.data``); ``timeout``: seconds a collective of ``dist_comm`` may wait;
+    ``weights``: a weights source each rank reads its shards from (``autopar.runtime.weights``)."""
     return ParallelModule(cap, plan, comm if comm is not None else dist_comm(plan, timeout), model,
-                          loss_fn, batch=batch)
+                          loss_fn, batch=batch, weights=weights)

@@ -34,30 +34,41 @@ class Shards:
 
 
 def shard_model(cap: Captured, plan: Plan, coord, model: nn.Module,
-                device: torch.device) -> tuple[nn.Module, Shards]:
+                device: torch.device, meta_ok: bool = False) -> tuple[nn.Module, Shards]:
     """Cut ``model``'s parameters and buffers by ``plan`` (placements on the mesh whose
     coordinate this rank has is ``coord``), move the shards to ``device`` and register them
-    on a new root module."""
+    on a new root module. ``meta_ok``: a tensor on the meta device gets an uninitialised
+    local shard (``autopar.runtime.weights`` fills it from a weights source)."""
     mesh = tuple(plan.mesh_shape)
     full = dict(model.named_parameters(remove_duplicate=False))
     full_buffers = dict(model.named_buffers())
     root, out = nn.Module(), Shards()
     for ph, names in cap.params.items():
         attr, src = names[0], full[names[0]]
-        if src.is_meta:
-            raise ValueError(f"parameter {attr!r} is on the meta device: build the model on a "
-                             "real device to run it (plan-only works on meta)")
         placements = plan.nodes[ph].output(0)
-        local = shard_tensor(src.detach(), placements, coord, mesh).to(device)
+        local = _local(attr, src.detach(), placements, coord, mesh, device, meta_ok)
         set_tensor(root, attr, nn.Parameter(local, requires_grad=src.requires_grad))
         out.params.append(attr)
         _describe(out, cap, ph, attr, placements, list(names))
     for ph, name in cap.buffers.items():
         placements = plan.nodes[ph].output(0)
-        set_tensor(root, name, shard_tensor(full_buffers[name], placements, coord, mesh).to(device),
+        set_tensor(root, name, _local(name, full_buffers[name], placements, coord, mesh, device, meta_ok),
                    buffer=True)
         _describe(out, cap, ph, name, placements, [name])
     return root, out
+
+
+def _local(name: str, src: torch.Tensor, placements, coord, mesh, device,
+           meta_ok: bool) -> torch.Tensor:
+    """This rank's block of ``src`` on ``device``; uninitialised when ``src`` is on meta."""
+    if src.is_meta and not meta_ok:
+        raise ValueError(f"{name!r} is on the meta device: build the model on a real device to "
+                         "run it, or pass weights= (a state-dict file, safetensors or a DCP "
+                         "checkpoint) to read each rank's shards")
+    if src.is_meta:
+        return torch.empty(local_shape(tuple(src.shape), placements, mesh), dtype=src.dtype,
+                           device=device)
+    return shard_tensor(src, placements, coord, mesh).to(device)
 
 
 def _describe(out: Shards, cap: Captured, ph: str, attr: str, placements, names) -> None:
