@@ -99,6 +99,12 @@ def check_arguments(model, example_inputs, loss_fn, target) -> tuple:
     if not isinstance(example_inputs, (tuple, list)):
         raise ArgumentError(f"example_inputs is a {type(example_inputs).__name__}; pass a tuple of "
                             "the model's positional inputs, e.g. (x,) or (input_ids, mask)")
+    for i, t in enumerate(example_inputs):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(
+                f"example_inputs[{i}] is a {type(t).__name__}: autopar plans and runs models whose "
+                "positional inputs are tensors; pass each tensor as its own input (wrap the model: "
+                "a module whose forward(x, a, b) calls model(x, (a, b)) or model(x, k=3))")
     if loss_fn is not None and not callable(loss_fn):
         raise ArgumentError(f"loss_fn is a {type(loss_fn).__name__}, not a function: pass "
                             "loss_fn(output, target) -> scalar (e.g. F.cross_entropy), or None")

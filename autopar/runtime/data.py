@@ -94,9 +94,10 @@ class RankData:
         or has another shape or kind of dtype than the plan was made for; it names the input,
         the shape given and the shape expected."""
         names, n = list(self._cap.inputs), self._cap.n_model_inputs
+        scales = self._cap.microbatch_loss.scale_inputs if self._cap.microbatch_loss else []
+        if len(names) != n + self._cap.takes_target + len(scales):
+            return          # the target was a tuple or dict: no placeholder per argument
         takes_target = self._cap.takes_target and target is not None
-        if len(names) < n + takes_target:
-            return          # non-tensor inputs were specialised away by export: nothing to match
         given = [(x, names[i], f"input {i}") for i, x in enumerate(inputs)]
         if takes_target:
             given.append((target, names[n], "target"))
