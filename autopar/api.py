@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import numbers
 import os
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -43,6 +44,10 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
     >>> print(p.summary())
     """
     _check_budget(memory_budget)
+    _check_mesh_shape(mesh_shape)
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
+        raise ArgumentError(f"time_limit_s={time_limit_s!r}: pass the solver's time limit in "
+                            "seconds, a number > 0 (e.g. 60)")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 1):
         raise ArgumentError(f"world_size={world_size!r}: pass a number of devices >= 1, or None "
@@ -100,7 +105,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     >>> loss = pm.train_step(x, target=y)
     """
     pins = check_pins(dict(pins))
-    _check_run_arguments(model, plan, pins, batch, memory_budget)
+    _check_run_arguments(model, plan, pins, batch, memory_budget, mesh_shape)
     if weights is None:
         _check_not_meta(model)      # a meta model runs with weights= to load
     timeout = collective_timeout(timeout)
@@ -133,11 +138,20 @@ def _check_budget(memory_budget) -> None:
                             "> 0 (e.g. 40e9 or 40 * 2**30), or None for the device's memory")
 
 
-def _check_run_arguments(model, plan, pins: dict, batch: str, memory_budget) -> None:
+def _check_mesh_shape(mesh_shape) -> None:
+    if mesh_shape is not None and not (isinstance(mesh_shape, (tuple, list)) and mesh_shape and all(
+            isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1 for n in mesh_shape)):
+        raise ArgumentError(f"mesh_shape={mesh_shape!r}: pass a tuple of positive ints, e.g. (2, 4), "
+                            "or None to let the solver choose")
+
+
+def _check_run_arguments(model, plan, pins: dict, batch: str, memory_budget,
+                         mesh_shape=None) -> None:
     """ArgumentErrors for what ``parallelize`` cannot run, before any process group or
     capture: a plan that is no Plan or path, pins beside a plan, an unknown batch mode, a
     memory budget that is no number of bytes."""
     _check_budget(memory_budget)
+    _check_mesh_shape(mesh_shape)
     if batch not in BATCH_MODES:
         raise ArgumentError(f"batch={batch!r}: use 'global' (every rank passes the global batch) "
                             "or 'per_rank' (each data rank passes its own slice)")
