@@ -1,12 +1,23 @@
 """Check a plan on real ranks: train the model on one device and under the plan, side by
-side, and compare the loss, every gradient and the weights after a few SGD steps.
+side, and compare the loss and every gradient at every step, and the weights after a few
+SGD steps.
 
 The comparison is the equivalence tests' (tests/equivalence.py), returning the errors
-instead of raising: a gradient's error is measured against its own norm with a floor of
-1e-5 × the whole gradient's norm (gradients that are zero in exact arithmetic hold only
-rounding noise); weights are compared after SGD with momentum, which is linear in the
-gradients. :func:`launch` runs ``autopar.verify_worker`` under torchrun and collects what
-every rank wrote.
+instead of raising:
+
+- a loss is compared relative to its size;
+- a gradient, at every step, is measured against its own norm with a floor of 1e-5 × that
+  step's whole gradient norm (gradients that are zero in exact arithmetic hold only
+  rounding noise);
+- a weight after the steps is measured against how far it moved from its initial value,
+  not against its size (a weight of norm 6 that moved by 1e-3 must agree to 1e-3 × the
+  tolerance, or a skipped update passes unseen): it passes when
+  ``|w - w_ref| <= WEIGHT_RTOL * |w_ref - w_init| + WEIGHT_ATOL * sqrt(numel)`` (norms
+  over the tensor; the floor is a few float32 rounding steps of weights of size about 1).
+
+Weights are compared after SGD with momentum, which is linear in the gradients.
+:func:`launch` runs ``autopar.verify_worker`` under torchrun and collects what every rank
+wrote.
 """
 from __future__ import annotations
 
@@ -19,55 +30,77 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 LR, MOMENTUM, STEPS = 0.05, 0.9, 3
 LOSS_RTOL, GRAD_RTOL, WEIGHT_RTOL = 1e-5, 1e-4, 1e-4
+# the absolute floor, root mean square per element: four float32 rounding steps of a weight
+# of size 1 (a LayerNorm weight that moved by 3e-5 may differ by one rounding step)
+WEIGHT_ATOL = 4 * torch.finfo(torch.float32).eps
 
 
-def reference_run(model, inputs, target, loss_fn, steps: int = STEPS):
-    """(losses, gradients of step 0 by name, weights after ``steps`` SGD steps) on one device."""
+class Run(NamedTuple):
+    """What a training run is compared by."""
+    losses: list[float]                        # by step
+    grads: list[dict[str, torch.Tensor]]       # by step: whole gradients by parameter name
+    weights: dict[str, torch.Tensor]           # after the steps, by name
+    initial: dict[str, torch.Tensor] | None = None   # before them (the reference run's)
+
+
+def reference_run(model, inputs, target, loss_fn, steps: int = STEPS,
+                  micro_batches: int = 1) -> Run:
+    """``steps`` SGD-with-momentum steps on one device (a copy of ``model``). With
+    ``micro_batches`` > 1 the batch is split into that many equal parts whose mean-loss
+    gradients are accumulated: the single-device model of a pipeline's micro-batches when
+    per-batch statistics (BatchNorm) make the whole batch a different model."""
     model = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    losses, grads0 = [], None
-    for i in range(steps):
+    xs = [x.tensor_split(micro_batches) for x in inputs]
+    ys = target.tensor_split(micro_batches) if micro_batches > 1 else [target]
+    losses, grads = [], []
+    for _ in range(steps):
         opt.zero_grad()
-        out = model(*inputs)
-        loss = loss_fn(out, target) if loss_fn is not None else out
-        loss.backward()
-        losses.append(loss.item())
-        if i == 0:
-            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                      if p.grad is not None}
+        total = 0.0
+        for k in range(micro_batches):
+            out = model(*(x[k] for x in xs))
+            loss = loss_fn(out, ys[k]) if loss_fn is not None else out
+            loss = loss / micro_batches if micro_batches > 1 else loss
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
         opt.step()
-    return losses, grads0, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return Run(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, initial)
 
 
-def parallel_run(pm, inputs, target, steps: int = STEPS):
+def parallel_run(pm, inputs, target, steps: int = STEPS) -> Run:
     """The same on a ParallelModule (called on every rank). A pipeline rank whose stages hold
     no parameter (a stage of the loss alone) steps no optimizer."""
     params = list(pm.parameters())
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM) if params else None
-    losses, grads0 = [], None
-    for i in range(steps):
+    losses, grads = [], []
+    for _ in range(steps):
         if opt is not None:
             opt.zero_grad()
         loss = pm.train_step(*inputs, target=target)
         losses.append(loss.item())
-        if i == 0:
-            grads0 = pm.full_grads()
+        grads.append(pm.full_grads())
         if opt is not None:
             opt.step()
-    return losses, grads0, pm.full_state_dict()
+    return Run(losses, grads, pm.full_state_dict())
 
 
 @dataclass
 class Check:
     loss_err: float = 0.0          # worst relative loss error over the steps
-    grad_err: float = 0.0          # worst gradient error (see module docstring)
+    grad_err: float = 0.0          # worst gradient error over the steps (module docstring)
     grad_worst: str = ""           # the parameter it belongs to
-    weight_err: float = 0.0        # worst relative weight error after the steps
+    grad_step: int = 0             # and the step
+    weight_err: float = 0.0        # worst weight error after the steps, relative to the change
     weight_worst: str = ""
     problems: tuple[str, ...] = ()
 
@@ -77,29 +110,35 @@ class Check:
                 and self.weight_err < WEIGHT_RTOL)
 
 
-def compare(ref, got) -> Check:
-    ref_losses, ref_grads, ref_w = ref
-    losses, grads, weights = got
+def _norm(t: torch.Tensor) -> float:
+    return float(t.double().norm())
+
+
+def compare(ref: Run, got: Run) -> Check:
+    """The worst errors of run ``got`` against the single-device run ``ref``."""
     c, problems = Check(), []
-    for a, b in zip(losses, ref_losses):
+    if len(got.losses) != len(ref.losses) or len(got.grads) != len(ref.grads):
+        problems.append(f"{len(got.losses)} steps against {len(ref.losses)} on one device")
+    for a, b in zip(got.losses, ref.losses):
         c.loss_err = max(c.loss_err, abs(a - b) / max(abs(b), 1e-12))
-    if any(not math.isfinite(x) for x in losses):
-        problems.append(f"non-finite loss {losses}")
-    total = math.sqrt(sum(float(g.double().norm()) ** 2 for g in ref_grads.values()))
-    for name, g_ref in ref_grads.items():
-        if name not in grads:
-            problems.append(f"no gradient for {name}")
-            continue
-        err = float((grads[name].double() - g_ref.double()).norm()) / max(
-            float(g_ref.double().norm()), 1e-5 * total, 1e-30)
-        if err > c.grad_err or not math.isfinite(err):
-            c.grad_err, c.grad_worst = err, name
-    for name, w_ref in ref_w.items():
-        if name not in weights:
+    if any(not math.isfinite(x) for x in got.losses):
+        problems.append(f"non-finite loss {got.losses}")
+    for step, (ref_grads, grads) in enumerate(zip(ref.grads, got.grads)):
+        total = math.sqrt(sum(_norm(g) ** 2 for g in ref_grads.values()))
+        for name, g_ref in ref_grads.items():
+            if name not in grads:
+                problems.append(f"no gradient for {name} at step {step}")
+                continue
+            err = _norm(grads[name].double() - g_ref.double()) / max(_norm(g_ref), 1e-5 * total, 1e-30)
+            if err > c.grad_err or not math.isfinite(err):
+                c.grad_err, c.grad_worst, c.grad_step = err, name, step
+    for name, w_ref in ref.weights.items():
+        if name not in got.weights:
             problems.append(f"no weight for {name}")
             continue
-        err = float((weights[name].double() - w_ref.double()).norm()) / max(
-            float(w_ref.double().norm()), 1e-12)
+        moved = _norm(w_ref - ref.initial[name]) if ref.initial is not None else _norm(w_ref)
+        floor = WEIGHT_ATOL / WEIGHT_RTOL * math.sqrt(w_ref.numel())
+        err = _norm(got.weights[name].double() - w_ref.double()) / max(moved + floor, 1e-30)
         if err > c.weight_err or not math.isfinite(err):
             c.weight_err, c.weight_worst = err, name
     c.problems = tuple(problems)
@@ -136,11 +175,13 @@ class Launch:
 
 
 def launch(factory: str, factory_args: dict, nproc: int, *, plan: str | None = None,
-           pins: dict | None = None, timeout_s: float = 600.0) -> Launch:
-    """Run ``python -m torch.distributed.run --nproc-per-node nproc autopar.verify_worker``."""
+           pins: dict | None = None, setup: str | None = None, timeout_s: float = 600.0) -> Launch:
+    """Run ``python -m torch.distributed.run --nproc-per-node nproc autopar.verify_worker``.
+    ``setup``: ``MODULE:FUNCTION`` called with each rank's ParallelModule before training
+    (instrumentation: a gradient hook, a planted fault that must make the check fail)."""
     with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
         spec = {"factory": factory, "factory_args": factory_args, "plan": plan,
-                "pins": pins or {}, "out": tmp}
+                "pins": pins or {}, "setup": setup, "out": tmp}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "-m", "autopar.verify_worker", str(Path(tmp) / "spec.json")]

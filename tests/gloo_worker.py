@@ -2,8 +2,12 @@
 
 Each case builds an example model, calls ``autopar.parallelize`` (which plans on rank 0 and
 shares the plan) or loads a saved plan, trains 3 steps, and compares loss, every gradient
-and the weights with the same model trained on one device in this process. Rank 0 writes
-one JSON line per case: the worst errors, or the error message.
+at every step and the weights with the same model trained on one device in this process.
+Rank 0 writes one JSON line per case: the worst errors, or the error message.
+
+A ``"verify": spec`` case runs ``autopar verify``'s own rank check
+(``autopar.verify_worker.check_rank``) and returns its Check: with a ``setup`` that plants a
+fault, the check must fail.
 """
 from __future__ import annotations
 
@@ -16,12 +20,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
+from autopar.verify_worker import check_rank  # noqa: E402
 from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
 
 def run_case(case: dict) -> dict:
+    if "verify" in case:
+        res = check_rank(case["verify"])
+        return {"mesh": res["mesh_shape"], "check": res["check"]}
     ex = EXAMPLES[case["model"]]()
     plan = case.get("plan")
     if plan == "saved":

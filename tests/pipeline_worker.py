@@ -9,7 +9,6 @@ the same semantics. Rank 0 writes one JSON result per case.
 """
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
@@ -22,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.verify import LR, MOMENTUM  # noqa: E402
 from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
@@ -33,27 +31,6 @@ def _example(name: str):
         from examples.unet import unet_factory
         return unet_factory()
     return EXAMPLES[name]()
-
-
-def microbatched_reference(model, inputs, target, loss_fn, m: int, steps: int = 3):
-    """One device, the batch in ``m`` equal micro-batches, gradients accumulated (mean)."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    losses, grads0 = [], None
-    xs = [x.tensor_split(m) for x in inputs]
-    ys = target.tensor_split(m)
-    for i in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for k in range(m):
-            loss = loss_fn(model(*(x[k] for x in xs)), ys[k]) / m
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        if i == 0:
-            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-    return losses, grads0, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def run_case(case: dict) -> dict:
@@ -97,7 +74,8 @@ def run_case(case: dict) -> dict:
         info["forward_err"] = err
     seconds["forward"] = time.perf_counter() - t0 - sum(seconds.values())
     if has_bn:
-        ref = microbatched_reference(ex.model, ex.inputs, ex.target, ex.loss_fn, pm.plan.n_microbatches)
+        ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn,
+                            micro_batches=pm.plan.n_microbatches)
     else:
         ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
     seconds["reference"] = time.perf_counter() - t0 - sum(seconds.values())

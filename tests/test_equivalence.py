@@ -1,11 +1,14 @@
 """Training under every family of plans equals training on one device.
 
-For each example model, world sizes 1, 2, 4 and a 2x2 mesh, with the solver's own plan and
-with each pinned family (data parallel, ZeRO-3, tensor parallel, a 2-D mix): the loss, every
-gradient by parameter name and the weights after 3 SGD-with-momentum steps match the
-single-device model (fp32: loss rel err < 1e-5, gradients < 1e-4). Ranks are simulated as
-threads running the same per-rank modules as torchrun does (tests/test_gloo.py runs a
-subset on real gloo processes).
+For each example model, world sizes 2, 4 and a 2x2 mesh, with the solver's own plan and
+with each pinned family (data parallel, ZeRO-3, tensor parallel, a 2-D mix): the loss and
+every gradient by parameter name at each of 3 SGD-with-momentum steps, and the weights after
+them, match the single-device model (fp32: loss rel err < 1e-5, gradients < 1e-4, weights
+< 1e-4 of how far each moved; ``autopar.verify``). The solver's own plan is made under a
+memory budget that replication does not fit, so it really shards (a tiny model's free plan
+replicates everything and would test nothing distributed). Ranks are simulated as threads
+running the same per-rank modules as torchrun does (tests/test_gloo.py runs a subset on
+real gloo processes). A planted fault, one LayerNorm gradient zeroed on one step, must fail.
 """
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ from autopar.api import plan_captured
 from autopar.cost_models.hardware import parse_cluster
 from autopar.placement import parse_placements, Shard
 from autopar.runtime.thread_ranks import simulate
-from equivalence import compare, parallel_run, reference_run
+from equivalence import (
+    FAULT_PARAM, FAULT_STEP, WEIGHT_RTOL, compare, measure, parallel_run, reference_run,
+    zero_grad_on_step,
+)
 
 CONFIGS = [
-    (1, {}),
     (2, {}),
     (2, {"data": 2}),
     (2, {"data": 2, "zero": 2}),
@@ -44,12 +49,36 @@ def _id(case):
 def test_training_matches_one_device(model, case, captured):
     world, pins = case
     ex, cap = captured(model)
-    plan = plan_captured(cap, parse_cluster(f"cpu:{world}"), world, pins=dict(pins))
+    plan = sharding_solver_plan(cap, world) if not pins else \
+        plan_captured(cap, parse_cluster(f"cpu:{world}"), world, pins=dict(pins))
     _check_pins_took_effect(plan, pins)
+    full_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+
+    def run(pm, comm):
+        return parallel_run(pm, ex.inputs, ex.target), sum(p.numel() * p.element_size() for p in pm.parameters())
+
     ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
-    results = simulate(cap, plan, ex.model, lambda pm, comm: parallel_run(pm, ex.inputs, ex.target))
-    for rank, got in enumerate(results):
+    for rank, (got, local_bytes) in enumerate(simulate(cap, plan, ex.model, run)):
         compare(ref, got, f"{model} on {plan.mesh_shape} {pins or 'solver'} rank {rank}")
+        if not pins:
+            assert local_bytes < full_bytes, \
+                f"solver plan: rank {rank} holds {local_bytes} B of {full_bytes} B of parameters"
+
+
+def sharding_solver_plan(cap, world):
+    """The solver's own plan under a memory budget replication does not fit: the
+    data-parallel plan's memory (every parameter replicated, the batch split) less half its
+    replicated training state (parameters, gradients, AdamW moments). One mesh axis and no
+    recomputation keep the solve under a second or two (the solver would otherwise also try
+    a 2x2 mesh and recomputing layers, which the budget makes slow)."""
+    cl = parse_cluster(f"cpu:{world}")
+    replicated = plan_captured(cap, cl, world, pins={"data": world})
+    state = sum(replicated.estimate.memory_bytes.get(k, 0) for k in ("params", "grads", "optimizer"))
+    budget = replicated.estimate.memory_total - state / 2
+    plan = plan_captured(cap, cl, world, memory_budget=budget, mesh_shape=(world,),
+                         pins={"recompute": "none"})
+    assert plan.estimate.memory_total <= budget
+    return plan
 
 
 def _check_pins_took_effect(plan, pins):
@@ -148,12 +177,38 @@ def test_gradient_buckets_start_during_backward(captured):
         started = []                    # whether each bucket started before backward ended
         start = sync._start
 
-        def spy(grads, axes):
+        def spy(grads, axes, *rest):
             started.append(sync._active)
-            start(grads, axes)
+            start(grads, axes, *rest)
         sync._start = spy
         return parallel_run(pm, ex.inputs, ex.target), started
 
     for rank, (got, started) in enumerate(simulate(cap, plan, ex.model, run)):
         compare(ref, got, f"gpt data=2 small buckets rank {rank}")
         assert sum(started) > 3, f"rank {rank}: {sum(started)} of {len(started)} buckets started in backward"
+
+
+def test_a_gradient_zeroed_on_one_step_fails_the_comparison(captured):
+    """A fault planted through a gradient hook on the parallel module's LayerNorm weight,
+    zeroed in step 2's backward only: the loss never sees it (it is the last step), a
+    comparison of the first step's gradients would not either, and the weight moved by
+    little next to its size (its relative-to-size error stays below the tolerance). The
+    gradients of every step and the weights measured against how far they moved catch it."""
+    ex, cap = captured("gpt")
+    plan = plan_captured(cap, parse_cluster("cpu:2"), 2, pins={"data": 2})
+    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+
+    def run(pm, comm):
+        zero_grad_on_step(pm)
+        return parallel_run(pm, ex.inputs, ex.target)
+
+    for rank, got in enumerate(simulate(cap, plan, ex.model, run)):
+        assert got.grads[FAULT_STEP][FAULT_PARAM].abs().max() == 0, "the fault was not planted"
+        c = measure(ref, got)
+        assert (c.grad_worst, c.grad_step) == (FAULT_PARAM, FAULT_STEP) and c.grad_err > 0.99, c
+        assert c.weight_worst == FAULT_PARAM and c.weight_err > WEIGHT_RTOL, c
+        w, w_ref = got.weights[FAULT_PARAM], ref.weights[FAULT_PARAM]
+        assert float((w - w_ref).norm() / w_ref.norm()) < WEIGHT_RTOL, \
+            "the fault is visible against the weight's size: it no longer tests the measure"
+        with pytest.raises(AssertionError, match=f"gradient mismatch for {FAULT_PARAM} at step {FAULT_STEP}"):
+            compare(ref, got, f"planted fault rank {rank}")

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+from autopar.verify import Check
+from equivalence import FAULT_PARAM, FAULT_STEP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,10 +44,16 @@ def test_two_ranks(tmp_path):
         {"model": "llama", "pins": {"data": 2, "zero": 3}},
         {"model": "resnet", "pins": {}},
         {"model": "mlp", "pins": {"tensor": 2}, "plan": "saved", "path": str(tmp_path / "plan2.json")},
+        # autopar verify's rank check with a planted fault (tests/equivalence.py): must fail
+        {"verify": {"factory": "examples.models:gpt_factory", "factory_args": {}, "plan": None,
+                    "pins": {"data": 2}, "setup": "tests.equivalence:zero_layernorm_grad_on_step_2"}},
     ]
     results = torchrun(2, cases, tmp_path)
     check(results)
     assert [r["mesh"] for r in results][:3] == [[2], [2], [2]]
+    caught = results[-1]["check"]
+    assert (caught["grad_worst"], caught["grad_step"]) == (FAULT_PARAM, FAULT_STEP), caught
+    assert not Check(**caught).ok and caught["weight_worst"] == FAULT_PARAM, caught
 
 
 def test_four_ranks_2x2_mesh(tmp_path):
