@@ -157,7 +157,7 @@ class Reducer:
         """Start gathering ``t`` of every rank: (their stack, the work)."""
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         self._step_bytes += t.numel() * t.element_size()
-        work = dist.all_gather_into_tensor(out, t.contiguous(), group=self.group, async_op=True)
+        work = dist.all_gather_single(out, t.contiguous(), group=self.group, async_op=True)
         return out.view(self.size, *t.shape), work
 
 

@@ -1,0 +1,139 @@
+"""Convergence of the lossy data-parallel pins (``compress=``, ``local_sgd=``) against the
+exact all-reduce: the small GPT (``examples/gpt.py`` default config) trained as a
+character-level model over ``examples/data/lighthouse.txt`` on 2 gloo ranks.
+
+Every run starts from the same weights and reads the same batches (``examples/train_gpt.py``'s
+``CharWindows`` and per-rank ``DistributedSampler`` slices, ``batch="per_rank"``), AdamW.
+Reported per run: the final loss (the mean loss over every window of the text, evaluated
+on the weights of the last ``LAST`` evaluations, ``EVAL_EVERY`` steps apart, and averaged:
+one evaluation moves with the last few batches), its ratio to the uncompressed run's, and the bytes of gradient
+(or, under local SGD, parameter) traffic each rank sent per step, averaged over the run
+(at 2 ranks a ring all-reduce of S bytes and an all-gather of S bytes per rank both send
+S per rank). The margin: final loss within ``MARGIN`` of the uncompressed run's.
+
+    nice python benchmarks/compression_convergence.py            # ~1-3 min on 2 busy cores
+    nice python benchmarks/compression_convergence.py --steps 400
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+MARGIN = 0.05
+EVAL_EVERY, LAST = 10, 5       # the final loss: the mean of the last 5 evaluations, 10 steps apart
+RUNS = [("none", {}), ("bf16", {"compress": "bf16"}), ("int8", {"compress": "int8"}),
+        ("topk:0.1", {"compress": "topk:0.1"}), ("topk:0.01", {"compress": "topk:0.01"}),
+        ("powersgd:4", {"compress": "powersgd:4"}), ("powersgd:1", {"compress": "powersgd:1"}),
+        ("local_sgd=4", {"local_sgd": 4, "local_sgd_warmup": 20}),
+        ("local_sgd=16", {"local_sgd": 16, "local_sgd_warmup": 20})]
+
+
+def worker(steps: int, batch: int, lr: float, out: str) -> None:
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+
+    from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+    import autopar
+    from autopar.runtime.compression import LocalSGD
+    from examples.gpt import gpt_factory
+    from examples.train_gpt import TEXT, CharWindows, data_steps
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    rows = []
+    for label, pins in RUNS:
+        ex = gpt_factory(batch=batch, seed=0)
+        ds = CharWindows(TEXT, ex.config.block_size, stride=4, vocab_size=ex.config.vocab_size)
+        ids, target = (torch.stack(x) for x in zip(*(ds[i] for i in range(batch))))
+        pm = autopar.parallelize(ex.model, (ids,), ex.loss_fn, target=target, batch="per_rank",
+                                 data=2, **pins)
+        opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+        reducer = pm._grad_sync.reducer
+        sync = pm._grad_sync     # the gradients summed over the data axis (0) each step
+        full = sum(p.numel() * p.element_size() for a, p in sync.params.items() if 0 in sync.axes_of[a])
+        wire, evals = 0, []
+        xs, ys = (torch.stack(t) for t in zip(*(ds[i] for i in range(len(ds)))))
+
+        def evaluate() -> None:
+            """The mean loss over every window of the text (rank 0, a copy of the weights;
+            under local SGD, of the ranks' average)."""
+            params = list(pm.parameters())
+            own = [p.data for p in params]
+            if isinstance(reducer, LocalSGD):
+                average_parameters(iter(params), reducer.group)
+            state = pm.full_state_dict()
+            for p, d in zip(params, own):      # training goes on from each rank's own
+                p.data = d
+            if rank == 0:
+                model = copy.deepcopy(ex.model)
+                model.load_state_dict(state, strict=False)
+                with torch.no_grad():
+                    evals.append(float(ex.loss_fn(model(xs), ys)))
+        for step, (_, _, batches) in enumerate(itertools.islice(data_steps(ds, batch, pm.data_world), steps)):
+            x, y = batches[pm.data_rank]
+            opt.zero_grad()
+            pm.train_step(x, target=y)
+            pm.step(opt)
+            wire += full if reducer is None else reducer.wire_bytes
+            if steps - step <= LAST * EVAL_EVERY and (steps - step - 1) % EVAL_EVERY == 0:
+                evaluate()
+        if rank == 0:
+            loss = sum(evals) / len(evals)
+            rows.append({"run": label, "loss": loss, "wire": wire / steps, "full": full})
+            print(f"[rank 0] {label}: loss {loss:.4f}", file=sys.stderr, flush=True)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16, help="the global batch (windows a step)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.steps, args.batch, args.lr, args.worker)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__),
+               "--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr),
+               "--worker", out]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        rows = json.load(open(out))
+    base = rows[0]["loss"]
+    print(f"\nsmall GPT, {args.steps} steps of AdamW (lr {args.lr}), global batch {args.batch}, "
+          f"2 gloo ranks; margin: final loss within {MARGIN:.0%} of the uncompressed run")
+    print(f"{'run':<14} {'final loss':>10} {'vs none':>8} {'bytes/step':>11} {'of none':>8}  margin")
+    for r in rows:
+        ratio = r["loss"] / base
+        print(f"{r['run']:<14} {r['loss']:>10.4f} {ratio:>8.3f} {r['wire']:>11.0f} "
+              f"{r['wire'] / r['full']:>8.3f}  {'within' if ratio <= 1 + MARGIN else 'OUTSIDE'}")
+
+
+if __name__ == "__main__":
+    main()
