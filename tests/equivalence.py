@@ -31,6 +31,15 @@ def compare(ref, got, label: str = "") -> dict:
     return {"loss": c.loss_err, "grad": c.grad_err, "weight": c.weight_err}
 
 
+def sharding_budget(replicated) -> float:
+    """A memory budget replication does not fit, for the solver's own plan: the memory of
+    ``replicated``, the data-parallel plan (every parameter replicated, the batch split), less
+    half its replicated training state (parameters, gradients, AdamW moments). Tiny models'
+    free plans replicate everything; under this budget they shard."""
+    state = sum(replicated.estimate.memory_bytes.get(k, 0) for k in ("params", "grads", "optimizer"))
+    return replicated.estimate.memory_total - state / 2
+
+
 def zero_grad_on_step(pm, name: str = FAULT_PARAM, step: int = FAULT_STEP):
     """Plant a fault through the public path: a gradient hook on ``pm``'s (local) parameter
     ``name`` that zeroes its gradient in the ``step``-th backward (counting from 0) only.

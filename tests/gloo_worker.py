@@ -5,7 +5,9 @@ shares the plan) or loads a saved plan, trains 3 steps, and compares loss, every
 at every step and the weights with the same model trained on one device in this process.
 Rank 0 writes one JSON line per case: the worst errors, or the error message.
 
-A ``"verify": spec`` case runs ``autopar verify``'s own rank check
+A case with ``"shard": true`` lets the solver choose under a memory budget replication does
+not fit (``equivalence.sharding_budget``) and checks that every rank holds fewer parameter
+bytes than the model. A ``"verify": spec`` case runs ``autopar verify``'s own rank check
 (``autopar.verify_worker.check_rank``) and returns its Check: with a ``setup`` that plants a
 fault, the check must fail.
 """
@@ -21,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
 from autopar.verify_worker import check_rank  # noqa: E402
-from equivalence import compare, parallel_run, reference_run  # noqa: E402
+from equivalence import compare, parallel_run, reference_run, sharding_budget  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
@@ -39,6 +41,16 @@ def run_case(case: dict) -> dict:
                          cluster=f"cpu:{dist.get_world_size()}", **case["pins"]).save(path)
         dist.barrier()
         pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, plan=path)
+    elif case.get("shard"):
+        world = dist.get_world_size()
+        replicated = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                                  cluster=f"cpu:{world}", data=world)
+        pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                                 memory_budget=sharding_budget(replicated), mesh_shape=(world,),
+                                 recompute="none", **case["pins"])
+        local = sum(p.numel() * p.element_size() for p in pm.parameters())
+        full = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+        assert local < full, f"the solver's plan under a tight budget: {local} of {full} B on this rank"
     else:
         pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, **case["pins"])
     ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)

@@ -21,7 +21,7 @@ from autopar.placement import parse_placements, Shard
 from autopar.runtime.thread_ranks import simulate
 from equivalence import (
     FAULT_PARAM, FAULT_STEP, WEIGHT_RTOL, compare, measure, parallel_run, reference_run,
-    zero_grad_on_step,
+    sharding_budget, zero_grad_on_step,
 )
 
 CONFIGS = [
@@ -66,15 +66,12 @@ def test_training_matches_one_device(model, case, captured):
 
 
 def sharding_solver_plan(cap, world):
-    """The solver's own plan under a memory budget replication does not fit: the
-    data-parallel plan's memory (every parameter replicated, the batch split) less half its
-    replicated training state (parameters, gradients, AdamW moments). One mesh axis and no
-    recomputation keep the solve under a second or two (the solver would otherwise also try
-    a 2x2 mesh and recomputing layers, which the budget makes slow)."""
+    """The solver's own plan under a memory budget replication does not fit
+    (``equivalence.sharding_budget``). One mesh axis and no recomputation keep the solve
+    under a second or two (the solver would otherwise also try a 2x2 mesh and recomputing
+    layers, which the budget makes slow: up to a minute for llama on 4)."""
     cl = parse_cluster(f"cpu:{world}")
-    replicated = plan_captured(cap, cl, world, pins={"data": world})
-    state = sum(replicated.estimate.memory_bytes.get(k, 0) for k in ("params", "grads", "optimizer"))
-    budget = replicated.estimate.memory_total - state / 2
+    budget = sharding_budget(plan_captured(cap, cl, world, pins={"data": world}))
     plan = plan_captured(cap, cl, world, memory_budget=budget, mesh_shape=(world,),
                          pins={"recompute": "none"})
     assert plan.estimate.memory_total <= budget

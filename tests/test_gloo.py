@@ -42,7 +42,7 @@ def test_two_ranks(tmp_path):
         {"model": "gpt", "pins": {"data": 2}},
         {"model": "gpt", "pins": {"tensor": 2}},
         {"model": "llama", "pins": {"data": 2, "zero": 3}},
-        {"model": "resnet", "pins": {}},
+        {"model": "resnet", "pins": {}, "shard": True},
         {"model": "mlp", "pins": {"tensor": 2}, "plan": "saved", "path": str(tmp_path / "plan2.json")},
         # autopar verify's rank check with a planted fault (tests/equivalence.py): must fail
         {"verify": {"factory": "examples.models:gpt_factory", "factory_args": {}, "plan": None,
@@ -61,7 +61,7 @@ def test_four_ranks_2x2_mesh(tmp_path):
         {"model": "gpt", "pins": {"data": 2, "tensor": 2}},
         {"model": "llama", "pins": {"data": 2, "tensor": 2}},
         {"model": "resnet", "pins": {"data": 4, "zero": 3}},
-        {"model": "mlp", "pins": {}},
+        {"model": "mlp", "pins": {}, "shard": True},
     ]
     results = torchrun(4, cases, tmp_path)
     check(results)
