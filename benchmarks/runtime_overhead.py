@@ -1,17 +1,36 @@
-"""Runtime overhead: autopar's data-parallel module against torch's DistributedDataParallel
-on the same model, the same ranks and the same batch, side by side in one run.
+"""Runtime overhead: each autopar pinned plan against the same strategy written by hand in
+torch (``benchmarks/hand_written.py``), on the same small GPT, ranks and global batch, in
+one run, steps alternating (autopar, hand, hand, autopar, ...) so machine noise hits both.
 
-    python benchmarks/runtime_overhead.py [--nproc 2] [--steps 10]
+    python benchmarks/runtime_overhead.py --nproc 2 [--steps 20] [--only data,zero]
+    python benchmarks/runtime_overhead.py --nproc 4
+    python benchmarks/runtime_overhead.py --nproc 1          # rewritten graph vs eager
+    python benchmarks/runtime_overhead.py --nproc 2 --only zero --profile   # cProfile, rank 0
 
-Launches torchrun; each rank times the median training step (forward, backward, gradient
-sync, optimizer) of DDP and of ``autopar.parallelize(..., data=N)``; rank 0 prints both and
-their ratio (autopar / DDP; 1.0 = no overhead).
+=============  ==========================  ===============================================
+strategy       autopar pins                by hand
+=============  ==========================  ===============================================
+data           data=N                      DistributedDataParallel
+zero           data=N, zero=3              FSDP2: fully_shard per block, then the root
+tensor         tensor=N                    parallelize_module, Colwise/RowwiseParallel
+pipeline       pipeline=N, 1F1B, 2N mbs    manual split, PipelineStage + Schedule1F1B
+pipeline-gpipe pipeline=N, GPipe, 2N mbs   manual split, PipelineStage + ScheduleGPipe
+eager (N=1)    the solver's plan at world 1 the model itself (host overhead of the graph)
+=============  ==========================  ===============================================
+
+A timed step is ``zero_grad``, forward, backward, gradient sync and ``optimizer.step``
+(SGD, the same for both), between two barriers. Before timing, each pair runs one step
+from the same weights and prints both global losses (they must agree: the check that the
+two do the same work). Rank 0 prints, per strategy, the median step of each and the median
+of the per-pair ratios autopar / hand (1.00 = no overhead).
 """
 from __future__ import annotations
 
 import argparse
-import copy
+import cProfile
+import io
 import os
+import pstats
 import socket
 import statistics
 import subprocess
@@ -20,73 +39,156 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import autopar  # noqa: E402
+import hand_written  # noqa: E402
 from examples.models import gpt_factory  # noqa: E402
 
+GLOBAL_BATCH = 16
+WARMUP = 3
 
-def worker(steps: int) -> None:
+
+def strategies(world: int) -> dict:
+    """name -> (autopar pins, hand builder(model, x, y, loss_fn) -> Hand)."""
+    mb = 2 * world
+    if world == 1:
+        return {"eager": ({}, eager)}
+    out = {
+        "data": ({"data": world}, hand_written.ddp),
+        "zero": ({"data": world, "zero": 3}, hand_written.fsdp),
+        "tensor": ({"tensor": world}, hand_written.tensor),
+        "pipeline": ({"pipeline": world, "micro_batch_size": GLOBAL_BATCH // mb, "schedule": "1f1b"},
+                     lambda m, x, y, f: hand_written.pipeline(m, x, y, f, mb, "1f1b")),
+        "pipeline-gpipe": ({"pipeline": world, "micro_batch_size": GLOBAL_BATCH // mb,
+                            "schedule": "gpipe"},
+                           lambda m, x, y, f: hand_written.pipeline(m, x, y, f, mb, "gpipe")),
+    }
+    return out
+
+
+def eager(model, x, y, loss_fn) -> hand_written.Hand:
+    import copy
+    m = copy.deepcopy(model)
+
+    def step():
+        loss = loss_fn(m(x), y)
+        loss.backward()
+        return loss
+    return hand_written.Hand(list(m.parameters()), step, lambda loss: loss.detach())
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def compare(name, pins, build, ex, steps, profile) -> dict:
+    rank = dist.get_rank()
+    x, y = ex.inputs[0], ex.target
+    import copy
+    pm = autopar.parallelize(copy.deepcopy(ex.model), ex.inputs, ex.loss_fn, target=ex.target, **pins)
+    popt = torch.optim.SGD(pm.parameters(), lr=0.01)
+    hand = build(ex.model, x, y, ex.loss_fn)
+    hopt = torch.optim.SGD(hand.params, lr=0.01)
+
+    def ap_step():
+        popt.zero_grad()
+        loss = pm.train_step(x, target=y)
+        pm.step(popt)
+        return loss
+
+    def hand_step():
+        hopt.zero_grad()
+        loss = hand.step()
+        hopt.step()
+        return loss
+
+    # the first step, from the same weights: the same global loss
+    l_ap = float(ap_step())
+    l_hand = float(hand.global_loss(hand_step()))
+    ok = abs(l_ap - l_hand) <= 1e-5 * max(1.0, abs(l_hand))
+    if rank == 0:
+        print(f"[{name}] first-step loss autopar {l_ap:.6f}  hand {l_hand:.6f}  "
+              f"|diff| {abs(l_ap - l_hand):.1e}  {'equal' if ok else 'DIFFERENT'}", flush=True)
+    ta, th = [], []
+    for i in range(WARMUP + steps):
+        pair = (ap_step, hand_step) if i % 2 == 0 else (hand_step, ap_step)
+        t = [timed(f) for f in pair]
+        if i >= WARMUP:
+            a, h = (t[0], t[1]) if i % 2 == 0 else (t[1], t[0])
+            ta.append(a)
+            th.append(h)
+    if profile and rank == 0:
+        for label, fn in (("autopar", ap_step), ("hand", hand_step)):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(5):
+                fn()
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            print(f"--- cProfile rank 0, {name} {label}, 5 steps ---\n{buf.getvalue()}", flush=True)
+    elif profile:
+        for _ in range(5):
+            ap_step()
+        for _ in range(5):
+            hand_step()
+    ratios = [a / h for a, h in zip(ta, th)]
+    return dict(name=name, pins=pins, ap=statistics.median(ta), hand=statistics.median(th),
+                ratio=statistics.median(ratios), ok=ok)
+
+
+def worker(steps: int, only: list[str] | None, profile: bool) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    ex = gpt_factory(batch=8 * world, n_embd=128, n_layer=4, n_head=4, vocab_size=256, block_size=64, seq_len=64)
-
-    def timed(step_fn):
-        times = []
-        for i in range(steps + 3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step_fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[3:])
-
-    # DDP: each rank feeds its own slice of the global batch
-    ddp = DDP(copy.deepcopy(ex.model))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    b = ex.inputs[0].shape[0] // world
-    x, y = ex.inputs[0][rank * b:(rank + 1) * b], ex.target[rank * b:(rank + 1) * b]
-
-    def ddp_step():
-        opt.zero_grad()
-        ex.loss_fn(ddp(x), y).backward()
-        opt.step()
-
-    pm = autopar.parallelize(copy.deepcopy(ex.model), ex.inputs, ex.loss_fn, target=ex.target, data=world)
-    popt = torch.optim.SGD(pm.parameters(), lr=0.01)
-
-    def autopar_step():
-        popt.zero_grad()
-        pm.train_step(*ex.inputs, target=ex.target)
-        popt.step()
-
-    t_ddp, t_ap = timed(ddp_step), timed(autopar_step)
+    ex = gpt_factory(batch=GLOBAL_BATCH, n_embd=128, n_layer=4, n_head=4, vocab_size=256,
+                     block_size=64, seq_len=64)
+    todo = strategies(world)
+    if only:
+        unknown = set(only) - set(todo)
+        if unknown:
+            raise SystemExit(f"--only {sorted(unknown)}: not a strategy at {world} ranks; "
+                             f"choose from {sorted(todo)}")
+        todo = {k: v for k, v in todo.items() if k in only}
+    rows = [compare(name, pins, build, ex, steps, profile) for name, (pins, build) in todo.items()]
     if rank == 0:
-        print(f"model: GPT 4 layers, n_embd 128, seq 64, global batch {ex.inputs[0].shape[0]}, "
-              f"{world} gloo ranks, median of {steps} steps")
-        print(f"DDP      step {t_ddp * 1e3:8.2f} ms")
-        print(f"autopar  step {t_ap * 1e3:8.2f} ms   (data={world})")
-        print(f"ratio autopar / DDP: {t_ap / t_ddp:.2f}")
+        print(f"\nmodel: GPT 4 layers, n_embd 128, n_head 4, vocab 256, seq 64, global batch "
+              f"{GLOBAL_BATCH}, {world} gloo rank(s), median of {steps} alternating steps")
+        print(f"{'strategy':<15} {'autopar pins':<44} {'autopar ms':>10} {'hand ms':>9} "
+              f"{'ratio':>6}  first-step loss")
+        for r in rows:
+            pins = ", ".join(f"{k}={v}" for k, v in r["pins"].items()) or "(solver's choice)"
+            print(f"{r['name']:<15} {pins:<44} {r['ap'] * 1e3:10.2f} {r['hand'] * 1e3:9.2f} "
+                  f"{r['ratio']:6.2f}  {'equal' if r['ok'] else 'DIFFERENT'}")
     dist.destroy_process_group()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--only", default="", help="comma-separated strategies (default: all)")
+    ap.add_argument("--profile", action="store_true", help="cProfile 5 steps of each on rank 0")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
+    only = [s for s in args.only.split(",") if s] or None
     if args.worker:
-        worker(args.steps)
+        worker(args.steps, only, args.profile)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(__file__),
-           "--worker", "--steps", str(args.steps)]
+           "--worker", "--steps", str(args.steps), *(["--only", args.only] if args.only else []),
+           *(["--profile"] if args.profile else [])]
     sys.exit(subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}))
 
 
