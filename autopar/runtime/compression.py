@@ -46,6 +46,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
+from autopar.errors import ArgumentError
 from autopar.ops.comm import Comm
 from autopar.solver.pins import compress_scheme
 
@@ -62,8 +63,8 @@ def data_group(comm: Comm, axis: int):
         base, axis = base.outer, axis + 1
     groups = getattr(base, "groups", None)
     if groups is None:
-        raise ValueError("compress= and local_sgd= need torch.distributed ranks: build the module "
-                         "with autopar.parallelize under torchrun, not on simulated (thread) ranks")
+        raise ArgumentError("compress= and local_sgd= need torch.distributed ranks: build the module "
+                            "with autopar.parallelize under torchrun, not on simulated (thread) ranks")
     return groups[axis]
 
 

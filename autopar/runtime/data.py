@@ -66,8 +66,8 @@ class RankData:
 
     def __init__(self, plan: Plan, cap: Captured, comm, batch: str = "global"):
         if batch not in BATCH_MODES:
-            raise ValueError(f"batch={batch!r}: use 'global' (every rank passes the global "
-                             "batch) or 'per_rank' (each data rank passes its slice)")
+            raise ArgumentError(f"batch={batch!r}: use 'global' (every rank passes the global "
+                                "batch) or 'per_rank' (each data rank passes its slice)")
         self.mode, self._comm, self._cap = batch, comm, cap
         # a pipeline's graph (or an accumulating plan's) is captured for one micro-batch
         self._micro = plan.n_microbatches
@@ -149,7 +149,7 @@ class RankData:
         shape = _shape(self._cap, name) if name in self._cap.inputs else ()
         rows = shape[0] * self._micro if shape else 0
         if rows and rows % self.world == 0 and t.shape[0] != rows // self.world:
-            raise ValueError(
+            raise ArgumentError(
                 f"batch='per_rank': input {name!r} has {t.shape[0]} rows on this rank; the "
                 f"plan's global batch of {rows} over data world {self.world} needs "
                 f"{rows // self.world} per data rank (build the DataLoader with "

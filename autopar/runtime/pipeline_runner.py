@@ -39,6 +39,7 @@ from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.analysis.stages import assign_stages, local_meta
 from autopar.capture import Captured
 from autopar.device import object_device
+from autopar.errors import ArgumentError
 from autopar.ops.comm import DistComm, is_comm_failure
 from autopar.ops.stage_ops import StepContext, use_step_context
 from autopar.passes.split_stages import StageGraph, split_stages
@@ -88,8 +89,8 @@ class PipelineRunner:
     def __init__(self, cap: Captured, plan: Plan, comm: DistComm, root: nn.Module, shards: Shards,
                  programs: dict[str, GraphModule], grad_axes: dict[str, tuple[int, ...]]):
         if not isinstance(comm, DistComm):
-            raise ValueError("a pipelined plan runs on torch.distributed ranks (torchrun), "
-                             "not on simulated ones")
+            raise ArgumentError("a pipelined plan runs on torch.distributed ranks (torchrun), "
+                                "not on simulated ones")
         self._cap, self._shards = cap, shards
         p, v, m = plan.pipeline_stages, plan.virtual_stages, plan.n_microbatches
         self.n_stages, self.n_microbatches, self.p = p * v, m, p
@@ -208,8 +209,8 @@ class PipelineRunner:
             given += tuple(t.to(self.device) for t in denominator_inputs(self._cap, inputs, target, m))
         for name, t in zip(self._cap.inputs, given):
             if t.shape[0] % m:
-                raise ValueError(f"the batch of input {name!r} ({t.shape[0]}) does not divide into "
-                                 f"{m} micro-batches; pass the global batch the plan was made for")
+                raise ArgumentError(f"the batch of input {name!r} ({t.shape[0]}) does not divide into "
+                                    f"{m} micro-batches; pass the global batch the plan was made for")
             side[name] = list(t.tensor_split(m, dim=0))
         return StepContext(side, self.skip_edges[which], self._rank_of_stage, self.device)
 
@@ -218,7 +219,7 @@ class PipelineRunner:
         """Forward and backward of the global batch through the pipeline; the global mean
         loss on every rank. ``params`` (this rank's) start the step without gradients."""
         if self._schedule is None:
-            raise ValueError("this model was captured without a loss: pass loss_fn and target=")
+            raise ArgumentError("this model was captured without a loss: pass loss_fn and target=")
         losses: list = []
         self._mb_losses = []     # unscaled, by _scaled_loss
         self._left, self.sync_order, self._sync = dict(self._readers), [], sync
