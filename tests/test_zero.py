@@ -167,3 +167,24 @@ def test_stage_1_and_2_parameter_collectives_run_once_per_step():
         assert all(half[k] == pytest.approx(by(stage)[k] / 2) for k in half)
     assert three[("all_gather", 0)] > 2 * two[("all_gather", 0)]
     assert by(3, rerun=1.0)[("all_gather", 0)] > three[("all_gather", 0)]
+
+
+def test_free_search_picks_a_zero_stage_when_memory_binds(captured):
+    """No zero= pin: under a budget that data parallelism (zero=0) cannot meet, the search
+    weighs ZeRO 1-3 on the data axis and picks the fastest stage that fits; with room to
+    spare it keeps zero=0."""
+    from autopar.solver.ilp import InfeasibleError
+    _, cap = captured("mlp")
+    cl = parse_cluster("cpu:2")
+    roomy = plan_captured(cap, cl, 2, pins={"data": 2})
+    assert not roomy.pins.get("zero")
+    budget = 0.8 * sum(roomy.estimate.memory_bytes.values())
+    with pytest.raises(InfeasibleError):
+        plan_captured(cap, cl, 2, pins={"data": 2, "zero": 0}, memory_budget=budget)
+    tight = plan_captured(cap, cl, 2, pins={"data": 2}, memory_budget=budget)
+    assert tight.pins.get("zero") in (1, 2, 3), tight.pins
+    assert sum(tight.estimate.memory_bytes.values()) <= budget
+    stages = {k: plan_captured(cap, cl, 2, pins={"data": 2, "zero": k}, memory_budget=budget)
+              for k in (1, 2, 3)}
+    fastest = min(stages, key=lambda k: stages[k].estimate.step_time_s)
+    assert tight.pins["zero"] == fastest

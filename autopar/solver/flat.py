@@ -8,6 +8,7 @@ from typing import Any
 
 from autopar.analysis.layers import recompute_nodes, select_layers
 from autopar.capture import Captured, fingerprint
+from autopar.errors import PinError
 from autopar.placement import placements_str
 from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
@@ -19,6 +20,9 @@ from autopar.solver.problem import build_problem
 
 RECOMPUTE_WHEN = 0.9
 """Recompute every repeated layer too when the best plan without it uses this share of memory."""
+ZERO_STAGES = (1, 2, 3)
+"""Without a ``zero=`` pin, the ZeRO stages weighed on the data axis when memory binds (nothing
+fits without them, or the best plan uses more than ``RECOMPUTE_WHEN`` of the budget)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class _Best:
     axes: tuple
     recompute: tuple
     cost: Any
+    pins: dict
 
 
 def node_placements(problem, choice: dict[str, int]) -> dict[str, NodePlacement]:
@@ -71,8 +76,35 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     ``grad_sync_scale`` go to the :class:`CostModel` (the pipeline's per-stage view);
     ``explain=False`` skips working out how far from fitting an infeasible mesh is."""
     pins = pins or {}
-    n_states = check_optimizer(optimizer)
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
+    kw = dict(budget=budget, mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
+              verbose=verbose, profiler=profiler, memory_weights=memory_weights,
+              grad_sync_scale=grad_sync_scale, explain=explain)
+    best, errors = _search(cap, cl, world, pins, **kw)
+    if pins.get("zero") is None and (mesh_shape is None or len(mesh_shape) == 1) and (
+            best is None or sum(best.sol.memory.values()) > RECOMPUTE_WHEN * budget):
+        # memory binds: weigh sharding parameters, gradients and optimizer state over the
+        # data axis (ZeRO 1, 2, 3); the least predicted step wins
+        for stage in ZERO_STAGES:
+            if verbose:
+                print(f"trying zero={stage} on the data axis")
+            try:
+                got, _ = _search(cap, cl, world, {**pins, "zero": stage}, **kw)
+            except PinError:         # e.g. a batch the data axis cannot split
+                break
+            if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
+                best = got
+    if best is None:
+        raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
+    plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s)
+    return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
+
+
+def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, optimizer,
+            time_limit_s, verbose, profiler, memory_weights, grad_sync_scale, explain):
+    """(the best :class:`_Best` under ``pins`` over the meshes they allow, or None; the
+    reasons of the meshes that did not fit)."""
+    n_states = check_optimizer(optimizer)
     # Recomputation is pinned, or chosen here: plans without it first; with every repeated
     # layer recomputed too when memory binds (nothing fits, or the best uses > 90%).
     choices = [pins.get("recompute")] if pins.get("recompute") is not None else [None]
@@ -104,11 +136,8 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
                 print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}: "
                       f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
             if best is None or sol.objective_s < best.sol.objective_s:
-                best = _Best(sol, problem, shape, axes, recompute, cost)
-    if best is None:
-        raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
-    plan = _to_plan(cap, best, cl, world, pins, memory_budget, capture_s)
-    return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
+                best = _Best(sol, problem, shape, axes, recompute, cost, pins)
+    return best, errors
 
 
 def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budget,

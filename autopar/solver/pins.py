@@ -49,10 +49,9 @@ def check_pins(pins: dict[str, Any]) -> dict[str, Any]:
         raise PinError("grad_reduce='bf16' needs mixed precision: pin precision='bf16' too")
     zero = pins.get("zero", 0) or 0
     if zero not in (0, 1, 2, 3):
-        raise PinError(f"zero={zero!r}: ZeRO stages are 0 (replicated), 1 and 2 (parameters, "
-                       "gradients and optimizer state stored sharded over the data-parallel "
-                       "axis, weights gathered once and kept for backward) and 3 (as 2, and "
-                       "gathered weights freed after use and gathered again in backward)")
+        raise PinError(f"zero={zero!r}: ZeRO stages over the data-parallel axis are 0 (none), "
+                       "1 (optimizer state sharded), 2 (gradients too) and 3 (parameters too, "
+                       "gathered per use and again in backward)")
     for name in ("data", "tensor"):
         v = pins.get(name)
         if v is not None and (not isinstance(v, int) or v < 1):

@@ -104,7 +104,8 @@ class _DegreeSearch:
     def _on_mesh(self, p: int, data: int, tensor: int):
         cap, pins, batch = self.cap, self.pins, self.batch
         mesh = {"data": data, "tensor": tensor}
-        least = self.state / (p * tensor * (data if pins.get("zero") else 1))
+        # without a zero= pin the intra-stage search weighs ZeRO over the data axis (flat.py)
+        least = self.state / (p * tensor * (1 if pins.get("zero") == 0 else data))
         if least > self.budget:          # the fullest rank holds at least this much state
             self._say(p, mesh, f"at least {least / 2**30:.1f} GiB of parameters and optimizer "
                                "state per device")
@@ -131,7 +132,9 @@ class _DegreeSearch:
             except ValueError:
                 continue
             # recomputing only when nothing fits without it
-            return predicted, p, sp, {**mesh, **({"recompute": "full"} if rec or intra.recompute else {})}
+            chosen = {"zero": intra.pins["zero"]} if intra.pins.get("zero") and not pins.get("zero") else {}
+            return predicted, p, sp, {**mesh, **chosen,
+                                      **({"recompute": "full"} if rec or intra.recompute else {})}
         return None
 
     def _say(self, p, mesh, why):

@@ -216,7 +216,9 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
              for k, v_ in intra.nodes.items()}
     return replace(intra, nodes=nodes, world_size=world, mesh_shape=(p, *intra.mesh_shape),
                    mesh_axes=("pipeline", *intra.mesh_axes), memory_budget=memory_budget,
-                   pins={k: v_ for k, v_ in pins.items() if v_ is not None}, estimate=estimate,
+                   pins={**{k: v_ for k, v_ in pins.items() if v_ is not None},
+                         **({"zero": intra.pins["zero"]} if intra.pins.get("zero") else {})},
+                   estimate=estimate,
                    pipeline=Pipeline(p, v, m, schedule, tuple(units[c] for c in cuts)))
 
 
