@@ -6,10 +6,10 @@ Every run starts from the same weights and reads the same batches (``examples/tr
 ``CharWindows`` and per-rank ``DistributedSampler`` slices, ``batch="per_rank"``), AdamW.
 Reported per run: the final loss (the mean loss over every window of the text, evaluated
 on the weights of the last ``LAST`` evaluations, ``EVAL_EVERY`` steps apart, and averaged:
-one evaluation moves with the last few batches), its ratio to the uncompressed run's, and the bytes of gradient
-(or, under local SGD, parameter) traffic each rank sent per step, averaged over the run
-(at 2 ranks a ring all-reduce of S bytes and an all-gather of S bytes per rank both send
-S per rank). The margin: final loss within ``MARGIN`` of the uncompressed run's; the
+one evaluation moves with the last few batches), its ratio to the uncompressed run's, and
+the bytes of gradient (or, under local SGD, parameter) traffic each rank sent per step,
+averaged over the run (at 2 ranks a ring all-reduce of S bytes and an all-gather of S bytes
+per rank both send S per rank). The margin: final loss within ``MARGIN`` of the uncompressed run's; the
 uncompressed run from other initial weights ("none, seed 1") shows how far two exact runs
 land apart.
 
