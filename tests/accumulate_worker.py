@@ -35,9 +35,11 @@ STEPS = 3
 
 def watch_sync(pm) -> dict:
     """Count the micro-batches begun and, for each gradient-sync bucket launched, how many
-    had begun when it launched."""
+    had begun when it launched. Buckets of one gradient each: each launches as soon as its
+    gradient is final (the tiny model's would otherwise fill one bucket, launched at the end)."""
     log = {"microbatches": 0, "launched_at": []}
     runner, sync = pm.runner, pm._grad_sync
+    sync.bucket_bytes = 1
     run_one, start = runner._loss, sync._start
 
     def counted_loss(*a, **kw):
@@ -67,12 +69,13 @@ def run_case(case: dict) -> dict:
         pm = autopar.parallelize(model, inputs, loss_fn, target=target, plan=path)
     else:
         pm = autopar.parallelize(model, inputs, loss_fn, target=target,
-                                 memory_budget=case.get("budget"), **case["pins"])
+                                 memory_budget=case.get("budget"), batch=case.get("batch", "global"),
+                                 **case["pins"])
     k = pm.plan.accumulate
     log = watch_sync(pm)
     info = {"mesh": list(pm.plan.mesh_shape), "accumulate": k, "pins": pm.plan.pins,
             "local_fraction": local_fraction(pm, model),
-            "sync_groups": len(set(pm._grad_sync.axes_of.values()))}
+            "synced": len(pm._grad_sync.params)}
     if case.get("precision") == "bf16":
         w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -89,7 +92,10 @@ def run_case(case: dict) -> dict:
                     fp32_loss_dist=loss_dist(losses, fp_losses))
     else:
         ref = reference_run(model, inputs, target, loss_fn, steps=STEPS)
-        got = parallel_run(pm, inputs, target, steps=STEPS)
+        # batch="per_rank": this data rank's slice of the global batch
+        mine = tuple(pm.rank_data.slice(t) for t in inputs), pm.rank_data.slice(target)
+        got = parallel_run(pm, *mine, steps=STEPS)
+        info["rows"] = int(mine[1].shape[0])
         info["worst"] = compare(ref, got, f"{case['id']} rank {dist.get_rank()}")
     info["microbatches"], info["launched_at"] = log["microbatches"], log["launched_at"]
     return info

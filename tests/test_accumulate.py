@@ -8,9 +8,10 @@ choosing ``k > 1`` when the full batch's activations do not fit the memory budge
 Distributed (``tests/accumulate_worker.py``, ONE torchrun launch of 2 gloo ranks): every
 loss of ``tests/test_losses.py`` (mean, sum, padded targets, label smoothing, class
 weights, a target shifted inside the loss) under data 2 with 2 micro-batches, tensor 2,
-ZeRO-3, bf16, ``micro_batch_size=`` from a saved plan, and the free search's own ``k`` under
-a budget; each equal to one device on the whole batch, with every data-parallel gradient
-bucket launched in the last micro-batch of its step (never once per micro-batch).
+ZeRO-3, bf16, ``micro_batch_size=`` from a saved plan, the free search's own ``k`` under a
+budget, and per-rank data (``batch="per_rank"``); each equal to one device on the whole
+batch, with every data-parallel gradient bucket launched in the last micro-batch of its
+step (never once per micro-batch).
 """
 from __future__ import annotations
 
@@ -38,13 +39,16 @@ def _plan(kind: str = "ignore", cluster: str = "cpu:2", **pins) -> Plan:
 
 @pytest.fixture(scope="module")
 def token_plans():
-    """The token classifier (batch 8) on data 2: the whole batch, 2 and 4 micro-batches."""
-    return {k: _plan(data=2, accumulate=k) for k in (1, 2)} | {4: _plan(data=2, micro_batch_size=2)}
+    """The token classifier (batch 8) on data 2 (state replicated): the whole batch, 2 and 4
+    micro-batches."""
+    return ({k: _plan(data=2, zero=0, accumulate=k) for k in (1, 2)}
+            | {4: _plan(data=2, zero=0, micro_batch_size=2)})
 
 
 @pytest.fixture(scope="module")
 def budget(token_plans):
-    """Bytes per device between what the whole batch and 2 micro-batches need."""
+    """Bytes per device between what the whole batch and 2 micro-batches need (state
+    replicated: ``zero=0``, so that the budget binds on activations)."""
     full, two = (token_plans[k].estimate.memory_total for k in (1, 2))
     assert two < full
     return (full + two) / 2
@@ -126,10 +130,10 @@ def test_cost_model_one_micro_batch_of_activations_one_gradient_sync():
 
 def test_free_search_accumulates_when_the_batch_does_not_fit(token_plans, budget):
     with pytest.raises(InfeasibleError):
-        _plan(data=2, accumulate=1, memory_budget=budget)      # k = 1 pinned: nothing fits
-    chosen = _plan(data=2, memory_budget=budget)
+        _plan(data=2, zero=0, accumulate=1, memory_budget=budget)   # k = 1 pinned: nothing fits
+    chosen = _plan(data=2, zero=0, memory_budget=budget)
     assert chosen.accumulate == 2 and chosen.estimate.memory_total <= budget
-    assert chosen.pins == {"data": 2}
+    assert chosen.pins == {"data": 2, "zero": 0}
     assert chosen.estimate.step_time_s == pytest.approx(token_plans[2].estimate.step_time_s, rel=1e-6)
     assert _plan(data=2).accumulate == 1        # no budget: the whole batch at once
 
@@ -143,7 +147,9 @@ CASES = ([{"id": f"{loss}-data2", "loss": loss, "pins": {"data": 2, "accumulate"
              "pins": {"data": 2, "accumulate": 2, "precision": "bf16"}},
             {"id": "shifted-micro-batch-size-plan-file", "loss": "shifted", "plan_file": True,
              "pins": {"data": 2, "micro_batch_size": 2}},
-            {"id": "ignore-free-budget", "loss": "ignore", "pins": {"data": 2}}])
+            {"id": "ignore-free-budget", "loss": "ignore", "pins": {"data": 2, "zero": 0}},
+            {"id": "ignore-data2-per-rank", "loss": "ignore", "batch": "per_rank",
+             "pins": {"data": 2, "accumulate": 2}}])
 EXPECTED_K = {c["id"]: 4 if "micro_batch_size" in c["pins"] else 2 for c in CASES}
 BF16_LOSS_TOL, BF16_WEIGHT_TOL = 3e-4, 0.1      # tests/test_precision.py's
 
@@ -164,12 +170,15 @@ def test_equal_to_one_device_one_sync_per_step(results, case):
     k = EXPECTED_K[case["id"]]
     assert r["accumulate"] == k and r["microbatches"] == STEPS * k, r
     if "data" in case["pins"] and "zero" not in case["pins"]:
-        # each bucket of the step's gradient sync launched in the step's last micro-batch
-        assert r["sync_groups"] >= 1
-        assert len(r["launched_at"]) == STEPS * r["sync_groups"], r["launched_at"]
+        # every gradient's reduction (a bucket each) launched once per step, in the step's
+        # last micro-batch: after k, 2k, ... micro-batches had begun
+        assert r["synced"] >= 1
+        assert len(r["launched_at"]) == STEPS * r["synced"], r["launched_at"]
         assert all(n % k == 0 for n in r["launched_at"]), r["launched_at"]
     if "tensor" in case["pins"] or "zero" in case["pins"]:
         assert r["local_fraction"] < 0.6, r["local_fraction"]       # really sharded
+    if case.get("batch") == "per_rank":
+        assert r["rows"] == 4, r          # each data rank passed half the batch of 8
     if case.get("precision") == "bf16":
         assert r["loss_err"] <= BF16_LOSS_TOL and r["weight_err"] <= BF16_WEIGHT_TOL, r
         assert r["loss_err"] < r["fp32_loss_dist"], r        # it computed in bf16

@@ -188,13 +188,15 @@ def test_one_node_keeps_the_unpipelined_plan():
 
 def test_pipeline_when_nothing_unpipelined_fits():
     """On one node pipelines are searched only when no unpipelined plan fits: at 128 MiB
-    per device two stages of small micro-batches fit where the whole graph does not."""
+    per device two stages of small micro-batches fit where the whole graph does not.
+    (``accumulate=1``: the whole batch a step; micro-batches without a pipeline are the
+    other way to fit, ``tests/test_accumulate.py``.)"""
     from autopar.solver.errors import InfeasibleError
     ex = meta_gpt(batch=64, n_layer=4, n_embd=256, block_size=256, vocab_size=256)
     budget = 128 * 2**20
     with pytest.raises(InfeasibleError):
         plan(ex, "2xA100", memory_budget=budget, pipeline=1)
-    p = plan(ex, "2xA100", memory_budget=budget)
+    p = plan(ex, "2xA100", memory_budget=budget, accumulate=1)
     assert p.pipeline_stages == 2
     assert p.estimate.memory_total <= budget
 

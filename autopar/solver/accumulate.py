@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from autopar.capture import Captured
+from autopar.cost_models.memory import training_state_bytes
 from autopar.errors import PinError
 from autopar.plan import Plan
 from autopar.solver.errors import InfeasibleError
@@ -110,10 +111,12 @@ def plan_accumulated(model, example_inputs, loss_fn, target, cl, world: int, k: 
     return plan, cap
 
 
-def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None) -> bool:
+def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None, *,
+                   world: int, budget: float, optimizer: str = "adamw") -> bool:
     """Whether the free search tries gradient accumulation: not pinned either way, the loss
-    in the graph, every input split along dim 0, and the full batch's activations do not
-    fit (nothing fits, or only with recomputation the solver turned on)."""
+    in the graph, every input split along dim 0, and no plan of the full batch fits (not
+    even recomputed), while the training state could (``budget`` above its bytes sharded
+    over all ``world`` devices: micro-batches shrink activations only)."""
     if any(pins.get(n) is not None for n in ("accumulate", "micro_batch_size")):
         return False
     if not cap.has_loss or not example_inputs:
@@ -122,26 +125,42 @@ def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None)
         return False
     if int(example_inputs[0].shape[0]) < 2:
         return False
-    return flat is None or (bool(flat.recompute) and pins.get("recompute") is None)
+    if flat is not None:
+        return False
+    numel = sum(cap.node(ph).meta["val"].numel() for ph in cap.params)
+    state = training_state_bytes(numel, optimizer, pins.get("precision") or "fp32", zero=3, dp=world)
+    return sum(state.values()) < budget
 
 
 def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, pins: dict,
                         **kw) -> tuple[Plan, Captured] | None:
     """The fastest plan over micro-batch counts ``k`` (divisors of the batch, the least
     first, at most :data:`MAX_TRIES`), or None when none fits. It stops at the first ``k``
-    that fits without recomputation: more micro-batches only add per-micro-batch costs."""
+    that fits without recomputation (more micro-batches only add per-micro-batch costs);
+    when the least ``k`` does not fit, it gives up unless the most (one sample each) does."""
+    counts = [d for d in _divisors(_batch(example_inputs)) if d > 1]
+    planned: dict[int, tuple[Plan, Captured] | None] = {}
+
+    def attempt(k: int):
+        if k not in planned:
+            try:
+                planned[k] = plan_accumulated(model, example_inputs, loss_fn, target, cl, world,
+                                              k, pins, **kw)
+            except InfeasibleError as e:
+                planned[k] = None
+                if kw.get("verbose"):
+                    print(f"accumulate {k}: nothing fits ({str(e).splitlines()[0]})")
+        return planned[k]
+
     best = None
-    batch = _batch(example_inputs)
-    for k in [d for d in _divisors(batch) if d > 1][:MAX_TRIES]:
-        try:
-            plan, cap = plan_accumulated(model, example_inputs, loss_fn, target, cl, world, k,
-                                         pins, **kw)
-        except InfeasibleError as e:
-            if kw.get("verbose"):
-                print(f"accumulate {k}: nothing fits ({str(e).splitlines()[0]})")
+    for i, k in enumerate(counts[:MAX_TRIES]):
+        got = attempt(k)
+        if got is None:
+            if i == 0 and attempt(counts[-1]) is None:
+                return None        # not even micro-batches of one sample fit
             continue
-        if best is None or plan.estimate.step_time_s < best[0].estimate.step_time_s:
-            best = (plan, cap)
-        if not plan.recompute:
+        if best is None or got[0].estimate.step_time_s < best[0].estimate.step_time_s:
+            best = got
+        if not got[0].recompute:
             break
     return best

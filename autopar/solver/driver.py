@@ -120,10 +120,10 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
     except InfeasibleError as e:
         error = e
     best = Planned(flat, cap) if flat is not None else None
-    if may_accumulate(cap, example_inputs, pins, flat):
+    budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
+    if may_accumulate(cap, example_inputs, pins, flat, world=world, budget=budget, optimizer=optimizer):
         if verbose:
-            print("trying gradient accumulation" + (" (nothing fits the full batch)" if flat is None
-                                                    else " (the full batch fits only recomputed)"))
+            print("trying gradient accumulation (nothing fits the full batch)")
         acc = search_accumulation(model, example_inputs, loss_fn, target, cl, world, pins,
                                   memory_budget=memory_budget, mesh_shape=mesh_shape,
                                   optimizer=optimizer, time_limit_s=time_limit_s, verbose=verbose,
@@ -131,10 +131,11 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
         if acc is not None and (best is None or
                                 acc[0].estimate.step_time_s < best.plan.estimate.step_time_s):
             best = Planned(*acc)
-    if may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, best is None):
+    if may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, flat is None):
         if verbose:
-            print("searching pipelines" + (" (nothing unpipelined fits)" if best is None else
-                                            f" against {best.plan.estimate.step_time_s:.4g} s unpipelined"))
+            print("searching pipelines" + (" (nothing fits unpipelined)" if best is None else
+                                            f" against {best.plan.estimate.step_time_s:.4g} s unpipelined"
+                                            + (" (accumulating)" if best.plan.accumulate > 1 else "")))
         piped = search_pipelines(cap, model, example_inputs, loss_fn, target, cl, world, pins,
                                  memory_budget=memory_budget, optimizer=optimizer,
                                  time_limit_s=time_limit_s, verbose=verbose)
