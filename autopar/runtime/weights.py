@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils import _pytree as pytree
 
+from autopar.errors import AutoparInputError
 from autopar.runtime.dcp_state import MODEL, Layout, blocks
 
 __all__ = ["WeightsError", "weights_kind", "load_weights", "capture_view", "has_meta",
@@ -52,7 +53,7 @@ ACCEPTED = ("weights= takes a torch.save state-dict file (.pt, .pth, .bin), a .s
 SHOWN = 8        # names listed in an error
 
 
-class WeightsError(ValueError):
+class WeightsError(AutoparInputError):
     """A weights source that cannot be read into the model (path, kind, names, shapes)."""
 
 
