@@ -188,3 +188,29 @@ def test_free_search_picks_a_zero_stage_when_memory_binds(captured):
               for k in (1, 2, 3)}
     fastest = min(stages, key=lambda k: stages[k].estimate.step_time_s)
     assert tight.pins["zero"] == fastest
+
+
+def test_zero3_prefetch_starts_each_gather_one_consumer_early(captured):
+    """ZeRO-3's program starts every weight's all-gather before the previous consumer of
+    gathered weights runs (``passes.prefetch``), and still trains as one device (simulated
+    ranks here; the gloo zero3 case runs the async collectives)."""
+    from autopar.ops import collectives
+    from equivalence import compare, parallel_run, reference_run
+    ex, cap = captured("mlp")
+    plan = plan_captured(cap, parse_cluster("cpu:2"), 2, pins={"data": 2, "zero": 3})
+
+    def run(pm, comm):
+        g = pm.runner.programs["train"].graph
+        order = {n: i for i, n in enumerate(g.nodes)}
+        plain = [n for n in g.nodes if n.target is collectives.all_gather and n.kwargs.get("regather")]
+        waits = [n for n in g.nodes if n.target is collectives.all_gather_wait]
+        consumers = sorted({order[next(iter(w.users))] for w in waits})
+        early = [(order[w.args[1]], order[next(iter(w.users))]) for w in waits]
+        return plain, consumers, early, parallel_run(pm, ex.inputs, ex.target)
+    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+    for plain, consumers, early, got in simulate(cap, plan, ex.model, run):
+        assert not plain and len(consumers) >= 3, (plain, consumers)
+        for start, consumer in early:
+            before = [c for c in consumers if c < consumer]
+            assert start < (before[-1] if before else consumer), (start, consumer, consumers)
+        compare(ref, got, "zero=3 with prefetch")

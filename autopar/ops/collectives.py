@@ -69,6 +69,25 @@ class _AllGather(torch.autograd.Function):
         return (g if ctx.master is None else g.to(ctx.master), *none)
 
 
+class _AllGatherWait(_AllGather):
+    """The second half of a prefetched all-gather (``all_gather_start`` ... ``all_gather_wait``):
+    the gathered weight when the gather started earlier is done; backward as :class:`_AllGather`."""
+
+    @staticmethod
+    def forward(ctx, x, handle, axis, dim, grad_partial, regather=False, groups=1, dtype=None):
+        ctx.axis, ctx.dim, ctx.grad_partial, ctx.groups = axis, dim, grad_partial, groups
+        ctx.master = x.dtype if dtype is not None and x.dtype != dtype else None
+        out = _group_major(handle.wait(), dim, current_comm().size(axis), groups)
+        if regather:
+            regathered_weights().register(out, x, axis, dim, groups)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        grad = _AllGather.backward(ctx, g)
+        return (grad[0], None, *grad[1:])
+
+
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, grad_partial):
@@ -205,6 +224,23 @@ def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: boo
     ``dtype``: gather the shard cast to it (mixed precision); the gradient returns in the
     shard's dtype, reduced in it unless the communicator's ``grad_reduce_dtype`` is set."""
     return _AllGather.apply(x, axis, dim, grad_partial, regather, groups, dtype)
+
+
+def all_gather_start(x, axis: int, dim: int, groups: int = 1, dtype: torch.dtype | None = None):
+    """Start the all-gather of ``x`` (a ZeRO-3 weight's shard, cast to ``dtype`` when given)
+    that :func:`all_gather_wait` finishes: placed earlier in the graph, it runs while the ops
+    between compute (``passes.prefetch``)."""
+    with torch.no_grad():
+        if dtype is not None and x.dtype != dtype:
+            x = x.to(dtype)
+        return current_comm().all_gather_start(x.detach(), axis, dim)
+
+
+def all_gather_wait(x, handle, axis: int, dim: int, grad_partial: bool = False,
+                    regather: bool = False, groups: int = 1, dtype: torch.dtype | None = None):
+    """:func:`all_gather` of ``x`` whose collective ``handle`` (:func:`all_gather_start`)
+    started earlier."""
+    return _AllGatherWait.apply(x, handle, axis, dim, grad_partial, regather, groups, dtype)
 
 
 def all_reduce(x, axis: int, grad_partial: bool = False):

@@ -143,6 +143,11 @@ class Comm:
         ``numel / size``); returns an object whose ``wait()`` returns that block."""
         return _Ready(self.reduce_scatter(flat, axis, 0).clone())    # a buffer of its own size
 
+    def all_gather_start(self, t: torch.Tensor, axis: int, dim: int):
+        """Start gathering ``t`` along ``dim`` over ``axis``; returns an object whose
+        ``wait()`` returns what :meth:`all_gather` would (ZeRO-3's prefetch)."""
+        return _Ready(self.all_gather(t, axis, dim))
+
 
 class _Ready:
     def __init__(self, out):
@@ -191,6 +196,9 @@ class _Inner(Comm):
 
     def reduce_scatter_start(self, flat, axis):
         return self.outer.reduce_scatter_start(flat, axis + 1)
+
+    def all_gather_start(self, t, axis, dim):
+        return self.outer.all_gather_start(t, axis + 1, dim)
 
 
 class DistComm(Comm):
@@ -281,6 +289,24 @@ class DistComm(Comm):
         out = torch.empty(flat.numel() // self.mesh_shape[axis], dtype=flat.dtype, device=flat.device)
         work = self.dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.groups[axis], async_op=True)
         return _Waiting(self, work, axis, out)
+
+    def all_gather_start(self, t, axis, dim):
+        moved = t.movedim(dim, 0).contiguous()
+        out = torch.empty((moved.shape[0] * self.mesh_shape[axis], *moved.shape[1:]),
+                          dtype=t.dtype, device=t.device)
+        work = self.dist.all_gather_into_tensor(out, moved, group=self.groups[axis], async_op=True)
+        return _Gathering(self, work, axis, out, dim)
+
+
+class _Gathering:
+    """An all-gather in flight (:meth:`DistComm.all_gather_start`)."""
+
+    def __init__(self, comm: DistComm, work, axis: int, out, dim: int):
+        self.comm, self.work, self.axis, self.out, self.dim = comm, work, axis, out, dim
+
+    def wait(self):
+        self.comm._wait(self.work, "all_gather", self.axis)
+        return self.out if self.dim == 0 else self.out.movedim(0, self.dim).contiguous()
 
 
 class _Waiting:

@@ -31,6 +31,7 @@ from autopar.ops.comm import Comm, use_comm
 from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.place_on_device import place_on
+from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
@@ -247,6 +248,8 @@ class ParallelModule(nn.Module):
         programs = {which: r.gm for which, r in rewritten.items()}
         for gm in programs.values():     # mixed precision: ZeRO-3 gathers 16-bit weights
             low_precision_gathers(gm, compute_dtype(splan.pins))
+            if (splan.pins.get("zero") or 0) >= 3 and not pipelined and not splan.recompute:
+                prefetch_gathers(gm)     # each ZeRO-3 gather starts one consumer early
         if splan.recompute and "train" in programs and not pipelined:
             programs["train"] = checkpoint_layers(programs["train"], layer_members(cap.gm, splan.recompute))
         grad_axes = dict(rewritten.get("train", rewritten["forward"]).grad_sync)

@@ -20,9 +20,10 @@ from autopar.solver.problem import build_problem
 
 RECOMPUTE_WHEN = 0.9
 """Recompute every repeated layer too when the best plan without it uses this share of memory."""
-ZERO_STAGES = (1, 2, 3)
+ZERO_STAGES = (3, 1, 2)
 """Without a ``zero=`` pin, the ZeRO stages weighed on the data axis when memory binds (nothing
-fits without them, or the best plan uses more than ``RECOMPUTE_WHEN`` of the budget)."""
+fits without them, or the best plan uses more than ``RECOMPUTE_WHEN`` of the budget). Stage 3
+first: it needs the least memory, so when it does not fit neither do the others."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,10 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             if verbose:
                 print(f"trying zero={stage} on the data axis")
             try:
-                got, _ = _search(cap, cl, world, {**pins, "zero": stage}, **kw)
+                got, _ = _search(cap, cl, world, {**pins, "zero": stage}, **{**kw, "explain": False})
             except PinError:         # e.g. a batch the data axis cannot split
+                break
+            if got is None and stage == ZERO_STAGES[0]:
                 break
             if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
                 best = got
