@@ -161,7 +161,7 @@ CASES = [
                                                             cluster="cpu:4", data=3),
         PinError, ("do not multiply to the world size 4", "whose product is 4")),
     Bad("zero-stage", lambda w: w.plan_with(w.model, (w.x,), w.loss_fn, target=w.y, zero=5),
-        PinError, ("zero=5", "ZeRO stages are 0")),
+        PinError, ("zero=5", "ZeRO stages", "are 0", "1", "2", "and 3")),
     Bad("precision", lambda w: w.plan_with(w.model, (w.x,), w.loss_fn, target=w.y, precision="fp8"),
         PinError, ("precision='fp8'", "use 'fp32', 'bf16' or 'fp16'")),
     Bad("schedule-without-pipeline", lambda w: w.plan_with(w.model, (w.x,), w.loss_fn, target=w.y,
