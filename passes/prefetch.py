@@ -2,8 +2,9 @@
 
 In the rewritten program a ZeRO-3 weight is gathered (``all_gather(..., regather=True)``)
 right before the op that reads it, so the op waits for the collective. This pass splits
-every such gather into ``all_gather_start`` (an async collective) and ``all_gather_wait``
-(the autograd-aware half: same backward, same re-gather in backward), and moves the start
+every such gather into ``all_gather_start`` (an async collective) and the gather itself,
+which now waits for it (``all_gather(..., started=)``: same backward, same re-gather in
+backward), and moves the start
 of the gathers of consumer ``k`` to where consumer ``k - 1``'s gathers wait: the next op's
 weights (the next layer's, at a layer's last op) travel while the current op computes, as
 FSDP's forward prefetch does. At most two consumers' gathered weights are alive at once.
@@ -42,13 +43,11 @@ def prefetch_gathers(gm: GraphModule) -> int:
                 anchor.prepend(shard)            # the get_attr moves up with its gather
                 order[shard] = order[anchor] - 0.5
             kw = dict(g.kwargs)
+            start_kw = {"axis": kw["axis"], "dim": kw["dim"]}
+            start_kw.update({k: kw[k] for k in ("groups", "dtype") if kw.get(k) not in (None, 1)})
             with gm.graph.inserting_before(anchor):
-                start = gm.graph.call_function(
-                    collectives.all_gather_start, (shard,),
-                    {"axis": kw["axis"], "dim": kw["dim"], "groups": kw.get("groups", 1),
-                     "dtype": kw.get("dtype")})
-            g.target = collectives.all_gather_wait
-            g.args = (shard, start)
+                start = gm.graph.call_function(collectives.all_gather_start, (shard,), start_kw)
+            g.kwargs = {**kw, "started": start}
             count += 1
     if count:
         gm.graph.lint()

@@ -202,10 +202,11 @@ def test_zero3_prefetch_starts_each_gather_one_consumer_early(captured):
     def run(pm, comm):
         g = pm.runner.programs["train"].graph
         order = {n: i for i, n in enumerate(g.nodes)}
-        plain = [n for n in g.nodes if n.target is collectives.all_gather and n.kwargs.get("regather")]
-        waits = [n for n in g.nodes if n.target is collectives.all_gather_wait]
+        plain = [n for n in g.nodes if n.target is collectives.all_gather and n.kwargs.get("regather")
+                 and "started" not in n.kwargs]
+        waits = [n for n in g.nodes if n.target is collectives.all_gather and "started" in n.kwargs]
         consumers = sorted({order[next(iter(w.users))] for w in waits})
-        early = [(order[w.args[1]], order[next(iter(w.users))]) for w in waits]
+        early = [(order[w.kwargs["started"]], order[next(iter(w.users))]) for w in waits]
         return plain, consumers, early, parallel_run(pm, ex.inputs, ex.target)
     ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
     for plain, consumers, early, got in simulate(cap, plan, ex.model, run):

@@ -70,8 +70,9 @@ class _AllGather(torch.autograd.Function):
 
 
 class _AllGatherWait(_AllGather):
-    """The second half of a prefetched all-gather (``all_gather_start`` ... ``all_gather_wait``):
-    the gathered weight when the gather started earlier is done; backward as :class:`_AllGather`."""
+    """The second half of a prefetched all-gather (``all_gather_start`` ... ``all_gather(...,
+    started=)``): the gathered weight once the gather started earlier is done; backward as
+    :class:`_AllGather`."""
 
     @staticmethod
     def forward(ctx, x, handle, axis, dim, grad_partial, regather=False, groups=1, dtype=None):
@@ -218,29 +219,25 @@ class _ShardToPartial(torch.autograd.Function):
 # The graph's call targets. Keyword names show up in the generated per-rank code.
 
 def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: bool = False,
-               groups: int = 1, dtype: torch.dtype | None = None):
+               groups: int = 1, dtype: torch.dtype | None = None, started=None):
     """S(dim) (or strided S(dim/groups)) -> R on ``axis``. ``regather``: a ZeRO-3 weight,
     which autograd does not keep: backward gathers it again (:class:`RegatheredWeights`).
     ``dtype``: gather the shard cast to it (mixed precision); the gradient returns in the
-    shard's dtype, reduced in it unless the communicator's ``grad_reduce_dtype`` is set."""
+    shard's dtype, reduced in it unless the communicator's ``grad_reduce_dtype`` is set.
+    ``started``: the collective :func:`all_gather_start` began earlier (prefetch); wait for it."""
+    if started is not None:
+        return _AllGatherWait.apply(x, started, axis, dim, grad_partial, regather, groups, dtype)
     return _AllGather.apply(x, axis, dim, grad_partial, regather, groups, dtype)
 
 
 def all_gather_start(x, axis: int, dim: int, groups: int = 1, dtype: torch.dtype | None = None):
     """Start the all-gather of ``x`` (a ZeRO-3 weight's shard, cast to ``dtype`` when given)
-    that :func:`all_gather_wait` finishes: placed earlier in the graph, it runs while the ops
-    between compute (``passes.prefetch``)."""
+    that ``all_gather(x, ..., started=)`` finishes: placed earlier in the graph, it runs while
+    the ops between compute (``passes.prefetch``)."""
     with torch.no_grad():
         if dtype is not None and x.dtype != dtype:
             x = x.to(dtype)
         return current_comm().all_gather_start(x.detach(), axis, dim)
-
-
-def all_gather_wait(x, handle, axis: int, dim: int, grad_partial: bool = False,
-                    regather: bool = False, groups: int = 1, dtype: torch.dtype | None = None):
-    """:func:`all_gather` of ``x`` whose collective ``handle`` (:func:`all_gather_start`)
-    started earlier."""
-    return _AllGatherWait.apply(x, handle, axis, dim, grad_partial, regather, groups, dtype)
 
 
 def all_reduce(x, axis: int, grad_partial: bool = False):
