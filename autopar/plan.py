@@ -20,9 +20,10 @@ from autopar.report import plan_summary
 PLAN_VERSION = 2
 """2: the pipeline is one optional part (``Plan.pipeline``) of the one plan. Version 1
 files (the pipeline's fields at the top level) are read and converted on load. The
-optional ``accumulate`` field (gradient accumulation) reads as 1 where a file lacks it."""
+optional ``accumulate`` field (gradient accumulation) reads as 1 where a file lacks it, and
+the optional ``branches`` (branch parallelism) as none."""
 
-__all__ = ["PLAN_VERSION", "Estimate", "NodePlacement", "Pipeline", "Plan", "PlanError",
+__all__ = ["PLAN_VERSION", "BranchGroups", "Estimate", "NodePlacement", "Pipeline", "Plan", "PlanError",
            "SolverReport"]
 
 
@@ -96,6 +97,26 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
+class BranchGroups:
+    """Branch parallelism over one set of independent branches (``analysis.branches``):
+    the ranks at coordinate ``g`` of the mesh axis ``"branch"`` run (and store the
+    parameters of) the graph nodes ``groups[g]``; every other node runs on every rank. The
+    fork's value reaches every group (its gradient is summed over the axis); each group
+    feeds the ``join`` its own branches' results and zeros for the others', and the join's
+    result is summed over the axis, so every rank holds all of it."""
+    fork: str
+    join: str
+    groups: tuple[tuple[str, ...], ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "groups", tuple(tuple(g) for g in self.groups))
+
+    def owner(self) -> dict[str, int]:
+        """Graph node -> the branch-axis coordinate that runs it."""
+        return {n: g for g, nodes in enumerate(self.groups) for n in nodes}
+
+
+@dataclass(frozen=True)
 class Plan:
     world_size: int
     mesh_shape: tuple[int, ...]
@@ -117,6 +138,9 @@ class Plan:
     """Without a pipeline: micro-batches per step (gradient accumulation). The graph is
     captured at micro-batch size; each micro-batch runs forward and backward, gradients
     are synchronised once per step. 1 under a pipeline (``pipeline.n_microbatches``)."""
+    branches: tuple[BranchGroups, ...] = ()
+    """Branch parallelism (the mesh axis ``"branch"``): each set of independent branches
+    and which coordinate of that axis runs which branch. Empty: none."""
     version: int = PLAN_VERSION
 
     # ---- the pipeline part, read flat (one stage when there is none) --------------------
@@ -177,6 +201,7 @@ class Plan:
                 raise PlanError(f"plan field accumulate: {accumulate} micro-batches of gradient "
                                 "accumulation beside a pipeline part; a pipeline's micro-batches "
                                 "are pipeline.n_microbatches (set accumulate to 1)")
+            branches = _branches(d)
             return cls(
                 world_size=int(d["world_size"]), mesh_shape=tuple(int(n) for n in d["mesh_shape"]),
                 mesh_axes=tuple(d["mesh_axes"]), cluster=str(d["cluster"]), pins=dict(d["pins"]),
@@ -187,7 +212,7 @@ class Plan:
                 node_ops=dict(d.get("node_ops", {})), inputs=tuple(d.get("inputs", ())),
                 recompute=tuple(d.get("recompute", ())),
                 pipeline=Pipeline(**pipe) if pipe else None, accumulate=accumulate,
-                version=PLAN_VERSION)
+                branches=branches, version=PLAN_VERSION)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise
@@ -220,6 +245,39 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan(mesh={self.mesh_shape} {self.mesh_axes}, world={self.world_size}, "
                 f"step≈{self.estimate.step_time_s * 1e3:.3f} ms, nodes={len(self.nodes)})")
+
+
+def _branches(d: dict) -> tuple[BranchGroups, ...]:
+    """The plan's branch sets, checked against its mesh (a PlanError naming the field)."""
+    sets = d.get("branches") or []
+    if not sets:
+        return ()
+    axes = list(d["mesh_axes"])
+    if "branch" not in axes:
+        raise PlanError(f"plan field branches: branch parallelism needs a mesh axis 'branch'; the "
+                        f"mesh is {d['mesh_shape']} {axes} (add the axis, or empty branches)")
+    if d.get("pipeline"):
+        raise PlanError("plan field branches: branch parallelism beside a pipeline part is not "
+                        "supported; plan without pipeline= or without branch=")
+    size = d["mesh_shape"][axes.index("branch")]
+    seen: dict[str, str] = {}
+    out = []
+    for i, b in enumerate(sets):
+        if len(b["groups"]) != size:
+            raise PlanError(f"plan field branches[{i}].groups: {len(b['groups'])} groups, but the "
+                            f"mesh axis 'branch' has {size} ranks (one group per coordinate)")
+        for g, nodes in enumerate(b["groups"]):
+            if not nodes:
+                raise PlanError(f"plan field branches[{i}].groups[{g}]: empty; every coordinate "
+                                "of the 'branch' axis runs at least one branch")
+            for n in nodes:
+                if n in seen or n in (b["fork"], b["join"]):
+                    raise PlanError(f"plan field branches[{i}].groups[{g}]: node {n!r} is "
+                                    f"{'the fork or the join' if n not in seen else 'also in ' + seen[n]}"
+                                    "; each branch node belongs to one group")
+                seen[n] = f"branches[{i}].groups[{g}]"
+        out.append(BranchGroups(str(b["fork"]), str(b["join"]), b["groups"]))
+    return tuple(out)
 
 
 _V1_PIPELINE = ("pipeline_stages", "virtual_stages", "n_microbatches", "schedule", "stage_cuts")

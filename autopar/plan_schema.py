@@ -60,6 +60,10 @@ SCHEMA: dict[str, Any] = {
         "inputs": _STRS,
         "recompute": _STRS,
         "accumulate": {"type": "integer", "minimum": 1},
+        "branches": {"type": "array", "items": {
+            "type": "object", "required": ["fork", "join", "groups"],
+            "properties": {"fork": _STR, "join": _STR,
+                           "groups": {"type": "array", "minItems": 2, "items": _STRS}}}},
         "pipeline": {"type": ["object", "null"],
                      "required": ["stages", "virtual_stages", "n_microbatches", "schedule", "stage_cuts"],
                      "properties": {"stages": {"type": "integer", "minimum": 1},

@@ -29,6 +29,7 @@ from autopar.errors import ArgumentError
 from autopar.ops.collectives import regathered_weights
 from autopar.ops.comm import Comm, use_comm
 from autopar.passes.autocast import low_precision_gathers
+from autopar.passes.branch_parallel import keep_branches
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.place_on_device import place_on
 from autopar.passes.prefetch import prefetch_gathers
@@ -36,6 +37,7 @@ from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
 from autopar.runtime.compression import LocalSGD, make_reducer
+from autopar.runtime.branch_stage import BranchRanks
 from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
@@ -64,8 +66,11 @@ class OneStage:
     device, dtype, loss_scale = None, None, None    # mixed precision (set by ParallelModule)
 
     def __init__(self, cap: Captured, programs: dict[str, GraphModule], loss_fn: Callable | None,
-                 shards: Shards, n_microbatches: int = 1):
+                 shards: Shards, n_microbatches: int = 1, branches: BranchRanks | None = None):
         self.programs = programs        # "train" (when the loss is captured), "forward"
+        self.branches = branches        # branch parallelism: this rank's group keeps its branches
+        if branches is not None:
+            self.pp_rank = branches.rank
         self._cap, self._loss_fn, self._shards = cap, loss_fn, shards
         self._out_spec = model_out_spec(cap)
         self.n_microbatches = n_microbatches
@@ -74,6 +79,8 @@ class OneStage:
                                 "target= (each micro-batch's loss is its term of the global batch's)")
 
     def owners(self) -> dict[str, list[int]]:
+        if self.branches is not None:
+            return self.branches.owners(self._shards.placements)
         return {attr: [0] for attr in self._shards.placements}
 
     def train(self, inputs: tuple, target, sync: GradSync, params, owners) -> torch.Tensor:
@@ -135,7 +142,7 @@ class OneStage:
         return list(merge_chunks(outs, None))
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        return t
+        return t if self.branches is None else self.branches.broadcast(t, src)
 
     def code(self, which: str) -> str:
         return self.programs[which].code
@@ -173,12 +180,16 @@ class ParallelModule(nn.Module):
         shards = stored_shards(shards, splan)
         self._shards, self._stage_mesh = shards, tuple(splan.mesh_shape)
         programs, grad_axes = self._programs(cap, run_splan, root, shards, pipelined)
+        if plan.branches:        # branch parallelism: this rank's branches only
+            programs = {w: keep_branches(gm, cap, plan, comm.coord, shards.attr_of)
+                        for w, gm in programs.items()}
         for gm in programs.values():     # tensors the model creates: on this rank's device
             place_on(gm, self.device)
         if pipelined:
             self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes)
         else:
-            self.runner = OneStage(cap, programs, loss_fn, shards, plan.accumulate)
+            self.runner = OneStage(cap, programs, loss_fn, shards, plan.accumulate,
+                                   BranchRanks(plan, comm, shards.attr_of) if plan.branches else None)
         # this rank keeps what its stages read
         self.owners = self.runner.owners()
         self.module = nn.Module()

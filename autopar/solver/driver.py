@@ -32,6 +32,7 @@ from autopar.plan import Plan
 from autopar.solver.accumulate import (
     accumulation_pin, capture_accumulated, may_accumulate, plan_accumulated, search_accumulation,
 )
+from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import plan_captured
 from autopar.solver.pins import check_optimizer, check_pins, pipelined
@@ -112,6 +113,10 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
     """The best plan without a ``pipeline=`` pin > 1: unpipelined on the full-batch graph
     ``cap``; with gradient accumulation where ``may_accumulate`` says so; and, where
     ``may_pipeline`` says so, pipelined; the least predicted step wins."""
+    if (pins.get("branch") or 1) > 1:      # branch parallelism pinned (autopar.solver.branches)
+        return Planned(plan_branched(cap, cl, world, pins["branch"], pins, memory_budget=memory_budget,
+                                     optimizer=optimizer, time_limit_s=time_limit_s,
+                                     capture_s=capture_s, verbose=verbose, profiler=profiler), cap)
     flat, error = None, None
     try:
         flat = plan_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
@@ -120,6 +125,12 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
     except InfeasibleError as e:
         error = e
     best = Planned(flat, cap) if flat is not None else None
+    branched = None if mesh_shape is not None else search_branches(
+        cap, cl, world, pins, memory_budget=memory_budget, optimizer=optimizer,
+        time_limit_s=time_limit_s, capture_s=capture_s, profiler=profiler)
+    if branched is not None and (best is None or
+                                 branched.estimate.step_time_s < best.plan.estimate.step_time_s):
+        best = Planned(branched, cap)
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
     if may_accumulate(cap, example_inputs, pins, flat, world=world, budget=budget, optimizer=optimizer):
         if verbose:

@@ -9,7 +9,7 @@ from autopar.errors import ArgumentError, PinError
 
 KNOWN_PINS = frozenset({"data", "tensor", "zero", "pipeline", "micro_batch_size", "schedule",
                         "virtual_stages", "recompute", "precision", "grad_reduce", "accumulate",
-                        "compress", "local_sgd", "local_sgd_warmup"})
+                        "compress", "local_sgd", "local_sgd_warmup", "branch"})
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """Optimizer tensors kept per parameter."""
 
@@ -57,7 +57,23 @@ def check_pins(pins: dict[str, Any]) -> dict[str, Any]:
         if v is not None and (not isinstance(v, int) or v < 1):
             raise PinError(f"pin {name}={v!r} must be a positive integer")
     _check_lossy(pins)
+    _check_branch(pins)
     return pins
+
+
+def _check_branch(pins: dict) -> None:
+    """branch=N: independent branches on N groups of ranks (``autopar.solver.branches``)."""
+    n = pins.get("branch")
+    if n is None:
+        return
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise PinError(f"pin branch={n!r} must be a positive integer (the number of device groups "
+                       "the independent branches are spread over)")
+    if n > 1:
+        for other, none in (("pipeline", 1), ("zero", 0), ("accumulate", 1), ("micro_batch_size", None)):
+            if pins.get(other) not in (None, none):
+                raise PinError(f"branch={n} with {other}={pins[other]!r} is not supported yet: drop "
+                               "one of the two pins")
 
 
 COMPRESS_HELP = ("'powersgd:R' (rank R, e.g. 'powersgd:4'), 'topk:F' (fraction 0 < F <= 1, e.g. "
