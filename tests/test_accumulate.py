@@ -22,8 +22,11 @@ import pytest
 import torch
 
 import autopar
+from autopar.capture import fingerprint
 from autopar.plan import Plan, PlanError
+from autopar.solver.driver import capture_for_plan
 from autopar.solver.errors import InfeasibleError
+from autopar.viz.explain import explain, plan_prices
 from examples.models import gpt_factory
 from launch import torchrun_cases
 from loss_worker import example
@@ -103,6 +106,13 @@ def test_plan_file_round_trip_and_summary(token_plans):
         Plan.from_dict(dict(d, accumulate=0))
     assert "gradient accumulation: 2 micro-batches per step" in p.summary()
     assert "gradient accumulation" not in token_plans[1].summary()
+    # explain prices the graph of one micro-batch, its gradient sync a 1/k share, as solved
+    model, inputs, target, loss_fn = example("ignore")
+    cap = capture_for_plan(model, inputs, loss_fn, target, p)
+    assert fingerprint(cap) == p.fingerprint
+    assert plan_prices(cap, p).cost.grad_sync_scale == 0.5
+    x = explain(cap, p, p.params["head.weight"])
+    assert sum(r.chosen for r in x.options) == 1
 
 
 # ---- the cost model ------------------------------------------------------------------------
