@@ -34,6 +34,7 @@ from autopar.cost_models.hardware import parse_cluster
 from autopar.ops.comm import ThreadWorld
 from autopar.report import fmt_bytes, fmt_time
 from autopar.runtime.parallel_module import ParallelModule
+from autopar.runtime.timing import TimingReport
 from autopar.solver.costing import INF
 from autopar.solver.driver import solve
 from autopar.solver.pins import check_pins, pipelined
@@ -326,16 +327,20 @@ def viz(plan_file, output, factory, unfold, schedule, stages, microbatches, virt
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="ranks")
 @click.option("--pin", "pins", multiple=True, metavar="NAME=VALUE", help="pins for the solve")
 @click.option("--timeout", default=600.0, show_default=True, help="seconds")
+@click.option("--timing", is_flag=True, help="then time training steps: predicted against "
+              "measured per rank (step, compute by op family, comm by collective, peak memory)")
+@click.option("--timing-steps", type=click.IntRange(min=1), default=5, show_default=True,
+              help="steps --timing measures (after one warm-up)")
 @factory_options
-def verify(factory, plan_file, nproc, pins, timeout, factory_args, meta):
+def verify(factory, plan_file, nproc, pins, timeout, timing, timing_steps, factory_args, meta):
     """Run MODULE:FACTORY on NPROC ranks under torchrun and compare with one device."""
     if meta:
         raise UserError("verify trains the model: drop --meta")
     _verify(factory, parse_pairs(factory_args, "--factory-args"), nproc, plan_file,
-            parse_pins(pins), timeout)
+            parse_pins(pins), timeout, timing=timing_steps if timing else 0)
 
 
-def _verify(factory, args, nproc, plan_file, pins, timeout):
+def _verify(factory, args, nproc, plan_file, pins, timeout, timing: int = 0):
     if plan_file:
         p = load_plan(plan_file)
         if pins:
@@ -347,7 +352,8 @@ def _verify(factory, args, nproc, plan_file, pins, timeout):
     con = _console()
     with _progress() as step:
         with step(f"torchrun: {nproc} ranks (gloo), {STEPS} SGD steps each against one device"):
-            res = verify_mod.launch(factory, args, nproc, plan=plan_file, pins=pins, timeout_s=timeout)
+            res = verify_mod.launch(factory, args, nproc, plan=plan_file, pins=pins, timeout_s=timeout,
+                                    timing=timing)
     mesh = next((r for r in res.results if r.mesh_shape), None)
     t = _table(f"verify {factory} on {nproc} ranks" + (
         f", mesh {mesh.mesh_shape} {mesh.mesh_axes}" if mesh else "") +
@@ -373,6 +379,12 @@ def _verify(factory, args, nproc, plan_file, pins, timeout):
         raise Failed(f"verify failed on {sum(not r.ok for r in res.results) + nproc - len(res.results)}"
                      f" of {nproc} ranks (torchrun exit code {res.returncode})")
     con.print(f"all {nproc} ranks match the single-device model")
+    report = next((r.timing for r in res.results if r.timing), None)
+    if timing:
+        if report is None:
+            raise Failed("verify --timing: rank 0 wrote no timing report")
+        con.print()
+        click.echo(str(TimingReport.from_dict(report)))
 
 
 @cli.command()

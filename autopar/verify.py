@@ -155,6 +155,7 @@ class RankResult:
     mesh_axes: tuple = ()
     coord: tuple = ()
     loss: float = float("nan")
+    timing: dict | None = None      # rank 0 with timing=: a runtime.timing.TimingReport as a dict
 
     @property
     def ok(self) -> bool:
@@ -175,13 +176,15 @@ class Launch:
 
 
 def launch(factory: str, factory_args: dict, nproc: int, *, plan: str | None = None,
-           pins: dict | None = None, setup: str | None = None, timeout_s: float = 600.0) -> Launch:
+           pins: dict | None = None, setup: str | None = None, timeout_s: float = 600.0,
+           timing: int = 0) -> Launch:
     """Run ``python -m torch.distributed.run --nproc-per-node nproc autopar.verify_worker``.
     ``setup``: ``MODULE:FUNCTION`` called with each rank's ParallelModule before training
-    (instrumentation: a gradient hook, a planted fault that must make the check fail)."""
+    (instrumentation: a gradient hook, a planted fault that must make the check fail).
+    ``timing``: that many steps more, predicted against measured (rank 0's ``timing``)."""
     with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
         spec = {"factory": factory, "factory_args": factory_args, "plan": plan,
-                "pins": pins or {}, "setup": setup, "out": tmp}
+                "pins": pins or {}, "setup": setup, "out": tmp, "timing": timing}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "-m", "autopar.verify_worker", str(Path(tmp) / "spec.json")]
@@ -203,7 +206,7 @@ def launch(factory: str, factory_args: dict, nproc: int, *, plan: str | None = N
                              for k, v in d["check"].items()}) if d.get("check") else None
             results.append(RankResult(r, check, d.get("error", ""), tuple(d.get("mesh_shape", ())),
                                       tuple(d.get("mesh_axes", ())), tuple(d.get("coord", ())),
-                                      d.get("loss", float("nan"))))
+                                      d.get("loss", float("nan")), d.get("timing")))
     tail = "\n".join(line for line in (err or "").splitlines()
                      if "OMP_NUM_THREADS" not in line and not line.startswith("*****"))[-3000:]
     return Launch(results, nproc, rc, tail)

@@ -25,7 +25,8 @@ def check_rank(spec: dict) -> dict:
     """This rank's check of ``spec`` (the keys of ``autopar.verify.launch``'s spec): the
     :class:`~autopar.verify.Check` as a dict under ``check``, with the mesh, this rank's
     coordinate and the first step's loss. A ``setup`` (``MODULE:FUNCTION``) is called with the
-    ParallelModule before it trains."""
+    ParallelModule before it trains. With ``timing`` (a number of steps), rank 0's
+    dict also holds the ``TimingReport`` of ``pm.timing_report`` under ``timing``."""
     ex = build_example(spec["factory"], spec["factory_args"], meta=False)
     ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
     plan = spec.get("plan")
@@ -34,9 +35,14 @@ def check_rank(spec: dict) -> dict:
     if spec.get("setup"):
         load_factory(spec["setup"])(pm)
     got = parallel_run(pm, ex.inputs, ex.target)
-    return {"check": asdict(compare(ref, got)), "mesh_shape": list(pm.plan.mesh_shape),
-            "mesh_axes": list(pm.plan.mesh_axes), "coord": list(pm.comm.coord),
-            "loss": got.losses[0]}
+    out = {"check": asdict(compare(ref, got)), "mesh_shape": list(pm.plan.mesh_shape),
+           "mesh_axes": list(pm.plan.mesh_axes), "coord": list(pm.comm.coord),
+           "loss": got.losses[0]}
+    if spec.get("timing"):          # predicted against measured, gathered on rank 0
+        report = pm.timing_report(*ex.inputs, target=ex.target, steps=int(spec["timing"]))
+        if report is not None:
+            out["timing"] = report.to_dict()
+    return out
 
 
 def main(spec_path: str) -> int:

@@ -31,7 +31,7 @@ from worker_loop import run_cases  # noqa: E402
 def run_case(case: dict) -> dict:
     if "verify" in case:
         res = check_rank(case["verify"])
-        return {"mesh": res["mesh_shape"], "check": res["check"]}
+        return {"mesh": res["mesh_shape"], "check": res["check"], "timing": res.get("timing")}
     ex = EXAMPLES[case["model"]]()
     plan = case.get("plan")
     if plan == "saved":

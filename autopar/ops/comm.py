@@ -38,6 +38,20 @@ _local = threading.local()
 
 TIMEOUT_ENV = "AUTOPAR_COLLECTIVE_TIMEOUT"
 
+_timer: Callable[[str, str, float], None] | None = None
+
+
+@contextlib.contextmanager
+def collective_timer(fn: Callable[[str, str, float], None]):
+    """Call ``fn(op, axis name, seconds)`` after every :class:`DistComm` wait for a
+    collective inside the block (``autopar.runtime.timing``); off, one check per wait."""
+    global _timer
+    prev, _timer = _timer, fn
+    try:
+        yield
+    finally:
+        _timer = prev
+
 
 class CollectiveError(RuntimeError):
     """A collective that did not finish: it timed out (a peer hangs or stopped calling it) or
@@ -230,6 +244,8 @@ class DistComm(Comm):
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError subclasses
             raise self.failure(op, axis, e, time.monotonic() - t0) from e
+        if _timer is not None:
+            _timer(op, self.axis_names[axis], time.monotonic() - t0)
 
     def failure(self, op: str, axis: int, cause: BaseException, waited: float | None = None
                 ) -> CollectiveError:

@@ -44,6 +44,7 @@ from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
 from autopar.runtime.plan_check import check_plan_fits
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
 from autopar.runtime.shards import Shards, get_tensor, set_tensor, shard_model
+from autopar.runtime.timing import TimingReport, timing_report
 from autopar.runtime.weights import load_weights
 from autopar.runtime.zero import (
     OptimizerShards, ZeroGradSync, optimizer_sharded, stored_shards, working_plan,
@@ -385,6 +386,15 @@ class ParallelModule(nn.Module):
     def code(self, which: str = "train") -> str:
         """The rewritten per-rank program as Python (a pipeline rank's: its stage programs)."""
         return self.runner.code(which)
+
+    def timing_report(self, *inputs, target=None, steps: int = 5, warmup: int = 1,
+                      optimizer=None) -> TimingReport | None:
+        """Run ``warmup`` + 1 + 2 x ``steps`` training steps (AdamW, or ``optimizer(params)``)
+        and return what the plan predicted against what each rank measured: step time,
+        compute by op family, communication by collective, peak memory
+        (``autopar.runtime.timing``). Collective: rank 0 gets the report (print it), the
+        others None. Parameters and gradients are left as they were."""
+        return timing_report(self, tuple(inputs), target, steps, warmup, optimizer)
 
 
 @contextlib.contextmanager
