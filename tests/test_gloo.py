@@ -11,6 +11,7 @@ import sys
 
 from autopar.verify import Check
 from equivalence import FAULT_PARAM, FAULT_STEP
+from test_timing import GLOO_CASES as TIMING_CASES, check_gloo_results as check_timing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,12 +45,14 @@ def test_two_ranks(tmp_path):
         {"model": "llama", "pins": {"data": 2, "zero": 3}},
         {"model": "resnet", "pins": {}, "shard": True},
         {"model": "mlp", "pins": {"tensor": 2}, "plan": "saved", "path": str(tmp_path / "plan2.json")},
+        *TIMING_CASES,      # predicted against measured (tests/test_timing.py)
         # autopar verify's rank check with a planted fault (tests/equivalence.py): must fail
         {"verify": {"factory": "examples.models:gpt_factory", "factory_args": {}, "plan": None,
                     "pins": {"data": 2}, "setup": "tests.equivalence:zero_layernorm_grad_on_step_2"}},
     ]
     results = torchrun(2, cases, tmp_path)
     check(results)
+    check_timing(results)
     assert [r["mesh"] for r in results][:3] == [[2], [2], [2]]
     caught = results[-1]["check"]
     assert (caught["grad_worst"], caught["grad_step"]) == (FAULT_PARAM, FAULT_STEP), caught

@@ -88,13 +88,14 @@ def family_name(op_name: str) -> str:
 
 
 class OpTimer(TorchDispatchMode):
-    """Seconds of every ATen op run under it, by family row (:func:`family_name`); while
+    """Seconds (and calls) of every ATen op run under it, by family row (:func:`family_name`); while
     ``optimizer`` is set, by the row ``optimizer``. Ops of other namespaces (``c10d``) are
     not compute and not counted."""
 
     def __init__(self):
         super().__init__()
         self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self.optimizer = False
         self._rows: dict = {}
 
@@ -107,6 +108,7 @@ class OpTimer(TorchDispatchMode):
             if row is None:
                 row = self._rows[func] = family_name(families.op_name(func))
             self.seconds[row] += dt
+            self.calls[row] += 1
         return out
 
 
@@ -289,6 +291,7 @@ def measure(pm, inputs: tuple, target, steps: int = 5, warmup: int = 1, optimize
         with collective_timer(on_wait):
             for _ in range(steps):
                 timer.seconds.clear()
+                timer.calls.clear()
                 waits.clear()
                 with timer:
                     wall = one_step()
