@@ -70,8 +70,9 @@ FAMILY_NAMES = {getattr(families, n): n.lower() for n in _NAMES}
 
 def family_name(op_name: str) -> str:
     """The family row of an ATen op name (``"mm"``, ``"native_layer_norm_backward"``): a
-    backward op counts in its forward op's family (the name before ``_backward``, then
-    without a ``_dense`` / ``_data`` part); names no family lists are ``elementwise``."""
+    backward op counts in its forward op's family (the name before ``_backward``, then that
+    without ``_dense``: ``embedding_dense_backward`` is ``embedding``); names no family
+    lists are ``elementwise``."""
     candidates = [op_name]
     if "_backward" in op_name:
         base = op_name.split("_backward")[0]
@@ -88,9 +89,9 @@ def family_name(op_name: str) -> str:
 
 
 class OpTimer(TorchDispatchMode):
-    """Seconds (and calls) of every ATen op run under it, by family row (:func:`family_name`); while
-    ``optimizer`` is set, by the row ``optimizer``. Ops of other namespaces (``c10d``) are
-    not compute and not counted."""
+    """Seconds (and calls) of every ATen op run under it, by family row
+    (:func:`family_name`); while ``optimizer`` is set, in the row ``optimizer``. Ops of
+    other namespaces (``c10d``) are not compute and not counted."""
 
     def __init__(self):
         super().__init__()
