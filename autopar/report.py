@@ -51,6 +51,23 @@ def accumulation_line(plan: Plan) -> str:
             "step, in the last micro-batch's backward")
 
 
+def branch_lines(plan: Plan) -> list[str]:
+    """Branch parallelism: each branch set and what each group on the "branch" axis runs
+    (its branches named by the modules of their parameters)."""
+    lines = []
+    param_of = {}
+    for name, ph in plan.params.items():
+        param_of.setdefault(ph, name)
+    for i, b in enumerate(plan.branches):
+        lines.append(f"branches {i}: fork {b.fork} -> join {b.join}, {len(b.groups)} groups on "
+                     f"mesh axis 'branch':")
+        for g, nodes in enumerate(b.groups):
+            mods = list(dict.fromkeys(param_of[n].rsplit(".", 1)[0] for n in nodes if n in param_of))
+            ops = sum(1 for n in nodes if n not in param_of)
+            lines.append(f"  group {g}: {ops} ops, parameters of {', '.join(mods) or 'none'}")
+    return lines
+
+
 def plan_summary(plan: Plan) -> str:
     e, s = plan.estimate, plan.solver
     lines = [
@@ -58,7 +75,7 @@ def plan_summary(plan: Plan) -> str:
         f"{plan.cluster}, world {plan.world_size}" + (f", pins {plan.pins}" if plan.pins else ""),
         f"estimate: step {fmt_time(e.step_time_s)} (compute {fmt_time(e.compute_s)}, "
         f"communication {fmt_time(e.comm_s)}), bubble {e.bubble_fraction:.1%}",
-    ] + ([accumulation_line(plan)] if plan.accumulate > 1 else []) + [
+    ] + ([accumulation_line(plan)] if plan.accumulate > 1 else []) + branch_lines(plan) + [
         f"memory per device: {fmt_bytes(e.memory_total)} = " + ", ".join(
             f"{k} {fmt_bytes(v)}" for k, v in sorted(e.memory_bytes.items(), key=lambda kv: -kv[1])),
     ]

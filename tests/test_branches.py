@@ -20,6 +20,7 @@ import autopar
 from autopar.analysis.branches import find_branches
 from autopar.capture import capture
 from autopar.plan import PlanError
+from autopar.viz.graph import build_graph
 from examples.inception import inception_factory
 from examples.models import EXAMPLES
 from launch import torchrun_cases
@@ -57,6 +58,12 @@ def test_pinned_plan_round_trips_and_bad_edits_are_named(tmp_path):
     assert p.estimate.comm.get("all_reduce@branch", 0) > 0
     groups = p.branches[0].groups
     assert len(groups) == 2 and all(groups)
+    text = p.summary()
+    assert "branches 0: fork gelu -> join cat, 2 groups on mesh axis 'branch'" in text, text
+    assert "group 1:" in text and "towers." in text
+    graph = build_graph(_cap(ex), p)
+    assert "branches 0 join" in graph.nodes["cat"].label
+    assert "branch group" in graph.nodes["conv2d_1"].label
     path = tmp_path / "plan.json"
     p.save(path)
     assert autopar.Plan.load(path) == p

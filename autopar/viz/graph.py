@@ -92,6 +92,14 @@ def build_graph(cap: Captured, plan: Plan) -> Graph:
     alias, loss = _add_nodes(g, cap, plan, stage_of)
     if loss in g.nodes:
         g.nodes[loss].kind = "loss"
+    for i, b in enumerate(plan.branches):      # branch parallelism: which group runs a node
+        for group, names in enumerate(b.groups):
+            for name in names:
+                if name in g.nodes:
+                    g.nodes[name].label += f"\nbranch group {group}"
+        for name, role in ((b.fork, "fork"), (b.join, "join: all_reduce@branch")):
+            if name in g.nodes:
+                g.nodes[name].label += f"\nbranches {i} {role}"
     _add_edges(g, cap, plan, alias)
     return g
 
