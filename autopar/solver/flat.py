@@ -3,7 +3,7 @@ the pins allow, with and without recomputation; also what the pipeline planner s
 inside each stage (``memory_weights``, ``grad_sync_scale``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.analysis.layers import recompute_nodes, select_layers
@@ -13,7 +13,8 @@ from autopar.placement import placements_str
 from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import CostModel
-from autopar.solver.ilp import InfeasibleError, solve as solve_ilp
+from autopar.solver.errors import gib, one_screen
+from autopar.solver.ilp import InfeasibleError, _gib, solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
 from autopar.solver.pins import check_optimizer
 from autopar.solver.problem import build_problem
@@ -98,7 +99,9 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
                 best = got
     if best is None:
-        raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
+        if not explain or not any(hasattr(e, "need_bytes") for e in errors):
+            raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
+        raise infeasible(cap, cl, world, pins, errors, **kw)
     plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s)
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
 
@@ -133,6 +136,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                 sol = solve_ilp(problem, cost, budget if budget != float("inf") else None,
                                 time_limit_s, explain=explain and rec == choices[-1])
             except InfeasibleError as e:
+                e.axes, e.roles, e.recompute = axes, roles, rec
                 errors.append(e)
                 continue
             if verbose:
@@ -141,6 +145,126 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
             if best is None or sol.objective_s < best.sol.objective_s:
                 best = _Best(sol, problem, shape, axes, recompute, cost, pins)
     return best, errors
+
+
+def _family(shape: tuple, axes: tuple) -> str:
+    if len(shape) == 1:
+        return {"data": "data only", "tensor": "tensor only"}.get(axes[0], "1-D (data/tensor per op)")
+    return "data x tensor" if axes == ("data", "tensor") else "2-D"
+
+
+def _row(family, shape, variant, need, terms) -> dict:
+    binding = max(terms.items(), key=lambda kv: kv[1])[0] if terms else "?"
+    return dict(family=family, mesh=tuple(shape), variant=variant, need=need,
+                terms=dict(terms), binding=binding)
+
+
+def _least_memory(cap, cl, shape, roles, pins, rec, *, optimizer, time_limit_s, profiler,
+                  memory_weights, grad_sync_scale, **_):
+    """The least memory per device of any plan of ``cap`` on ``shape`` under ``pins``
+    (``rec``: the recomputation choice): (bytes, {term: bytes})."""
+    recompute = select_layers(cap.gm, rec)
+    problem = build_problem(cap, shape, zero=pins.get("zero") or 0,
+                            optimizer_states=check_optimizer(optimizer), **roles)
+    cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
+                              recompute=recompute_nodes(cap.gm, recompute), profiler=profiler,
+                              memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+    sol = solve_ilp(problem, cost, None, time_limit_s, minimize_memory=True)
+    return sum(sol.memory.values()), dict(sol.memory)
+
+
+def infeasible(cap: Captured, cl, world: int, pins: dict, errors: list, *, budget, verbose=False,
+               **kw) -> InfeasibleError:
+    """One screen for a search where nothing fits: the closest plan per mesh family, what
+    binds, and the smallest changes that fit (a budget, a ZeRO stage, more devices,
+    gradient accumulation), each worked out from the least-memory plans. The error carries
+    ``meshes`` (every mesh's figures), ``closest`` and ``suggestions``."""
+    rows = [_row(_family(e.mesh_shape, e.axes), e.mesh_shape,
+                 f"recompute={e.recompute!r}" if e.recompute else "", e.need_bytes, e.terms)
+            for e in errors if hasattr(e, "need_bytes")]
+    rec = errors[-1].recompute if errors else None
+    zero_free = pins.get("zero") is None and pins.get("tensor") in (None, 1)
+    if zero_free:       # the ZeRO stage that shards the most, on the data axis
+        z3 = {**pins, "zero": 3}
+        try:
+            need, terms = _least_memory(cap, cl, (world,), {"data_axis": 0}, z3, rec, **kw)
+            rows.append(_row("data only", (world,), "zero=3" + (f", recompute={rec!r}" if rec else ""),
+                             need, terms))
+        except (InfeasibleError, PinError):
+            pass
+    closest: dict = {}
+    for r in rows:
+        if r["family"] not in closest or r["need"] < closest[r["family"]]["need"]:
+            closest[r["family"]] = r
+    best = min(closest.values(), key=lambda r: r["need"])
+    fix_pins = {"zero": 3} if "zero=3" in best["variant"] else {}
+    if rec:
+        fix_pins["recompute"] = rec
+    sugg = [dict(change=f"memory_budget={_up(best['need'])}" + _pin_text(fix_pins),
+                 why=f"the smallest plan needs {_gib(best['need'])} ({best['family']}, mesh "
+                     f"{best['mesh']}): raise memory_budget to at least {_gib(best['need'])}",
+                 memory_budget=_up(best["need"]), pins=fix_pins)]
+    if zero_free:
+        more = _more_devices(cap, cl, world, pins, rec, budget, kw)
+        if more is not None:
+            n, need, bigger = more
+            more_pins = {"data": n, "zero": 3, **({"recompute": rec} if rec else {})}
+            sugg.append(dict(change=f"{n} devices" + _pin_text(more_pins),
+                             why=f"ZeRO-3 over {n} devices needs {gib(need)} per device",
+                             world_size=n, cluster=bigger, pins=more_pins))
+    k = _accumulation(cap, best, budget, pins)
+    if k is not None:
+        sugg.append(dict(change=f"accumulate={k}" + _pin_text(fix_pins),
+                         why=f"{best['binding']} bind; one of {k} micro-batches holds about 1/{k} of the "
+                             "activations (estimated)", pins={**fix_pins, "accumulate": k}))
+    if verbose:
+        for r in rows:
+            print(f"  {r['family']:<22} mesh {str(r['mesh']):<10} {r['variant']:<22} needs {gib(r['need'])}")
+    err = InfeasibleError(one_screen(budget, world, list(closest.values()), sugg, len(rows)))
+    err.meshes, err.closest, err.suggestions = rows, list(closest.values()), sugg
+    return err
+
+
+def _up(b: float) -> int:
+    """A budget just above ``b`` bytes (whole 4 KiB)."""
+    return int(-(-b * 1.001 // 4096)) * 4096
+
+
+def _pin_text(pins: dict) -> str:
+    return "".join(f", {k}={v!r}" for k, v in pins.items())
+
+
+def _more_devices(cap, cl, world, pins, rec, budget, kw):
+    """The fewest devices (a multiple of ``world``, batch permitting) on which ZeRO-3 over
+    the data axis fits: (devices, bytes per device), or None within 64x."""
+    for n in (world * 2 ** j for j in range(1, 7)):
+        dpn = cl.devices_per_node
+        bigger = replace(cl, name=f"{cl.name} ({n} devices)", nodes=n // dpn if n % dpn == 0 else 1,
+                         devices_per_node=dpn if n % dpn == 0 else n)
+        try:
+            need, _ = _least_memory(cap, bigger, (n,), {"data_axis": 0}, {**pins, "data": n, "zero": 3},
+                                    rec, **kw)
+        except (InfeasibleError, PinError, ValueError):
+            return None
+        if need <= budget:
+            return n, need, bigger
+    return None
+
+
+def _accumulation(cap, best: dict, budget: float, pins: dict):
+    """The fewest micro-batches whose activations (about 1/k of the batch's) bring the
+    closest plan within ``budget``; None when activations do not bind or no k does it."""
+    act = best["terms"].get("activations", 0.0)
+    if pins.get("pipeline") or pins.get("accumulate") or act <= 0:
+        return None
+    try:
+        batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0])
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    for k in range(2, batch + 1):
+        if batch % k == 0 and best["need"] - act * (1 - 1 / k) <= 0.9 * budget:
+            return k
+    return None
 
 
 def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budget,

@@ -253,11 +253,14 @@ def _explain_infeasible(problem, cost, budget, time_limit_s) -> InfeasibleError:
     need = sum(least.memory.values())
     terms = ", ".join(f"{k} {_gib(b)}" for k, b in sorted(least.memory.items(), key=lambda kv: -kv[1]))
     binding = max(least.memory.items(), key=lambda kv: kv[1])[0] if least.memory else "?"
-    return InfeasibleError(
+    err = InfeasibleError(
         f"no plan on mesh {problem.mesh_shape} fits the memory budget of {_gib(budget)} per "
         f"device: the smallest plan needs {_gib(need)} ({terms}); {binding} is the largest "
         f"term. Fix: raise memory_budget to at least {_gib(need)}, use more devices, or "
         "shard more (zero=3, tensor=...)")
+    # the figures, for a summary over meshes (autopar.solver.flat)
+    err.mesh_shape, err.need_bytes, err.terms = tuple(problem.mesh_shape), need, dict(least.memory)
+    return err
 
 
 def _gib(b: float) -> str:
