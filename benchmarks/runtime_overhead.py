@@ -5,18 +5,21 @@ one run, steps alternating (autopar, hand, hand, autopar, ...) so machine noise 
     python benchmarks/runtime_overhead.py --nproc 2 [--steps 20] [--only data,zero]
     python benchmarks/runtime_overhead.py --nproc 4
     python benchmarks/runtime_overhead.py --nproc 1          # rewritten graph vs eager
-    python benchmarks/runtime_overhead.py --nproc 2 --only zero --profile   # cProfile, rank 0
+    python benchmarks/runtime_overhead.py --nproc 2 --only zero --profile 0   # cProfile, rank 0
 
-=============  ==========================  ===============================================
-strategy       autopar pins                by hand
-=============  ==========================  ===============================================
-data           data=N                      DistributedDataParallel
-zero           data=N, zero=3              FSDP2: fully_shard per block, then the root
-tensor         tensor=N                    parallelize_module, Colwise/RowwiseParallel
-pipeline       pipeline=N, 1F1B, 2N mbs    manual split, PipelineStage + Schedule1F1B
-pipeline-gpipe pipeline=N, GPipe, 2N mbs   manual split, PipelineStage + ScheduleGPipe
-eager (N=1)    the solver's plan at world 1 the model itself (host overhead of the graph)
-=============  ==========================  ===============================================
+strategy (autopar pins; N ranks) -> by hand:
+
+- data (data=N) -> DistributedDataParallel
+- zero (data=N, zero=3) -> FSDP2: fully_shard per block, then the root
+- tensor (tensor=N) -> parallelize_module, Colwise/RowwiseParallel (Megatron's layout)
+- pipeline (pipeline=N, 1F1B, 2N micro-batches) -> manual split into N stages of
+  consecutive blocks, PipelineStage + Schedule1F1B; autopar's cuts are the solver's
+- pipeline-gpipe (the same, GPipe) -> the same, ScheduleGPipe
+- pipeline-samecuts (pipeline 1F1B, the plan's cuts moved to the hand split's) -> as
+  pipeline: the two runtimes on the very same stages
+- eager (N=1: the solver's plan at world 1) -> the model itself: the host overhead of the
+  rewritten graph; eager-tiny: the same on a GPT with negligible compute (n_embd 32,
+  batch 1, seq 16), so the difference is the per-step host overhead
 
 A timed step is ``zero_grad``, forward, backward, gradient sync and ``optimizer.step``
 (SGD, the same for both), between two barriers. Before timing, each pair runs one step
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import os
 import pstats
@@ -56,7 +60,7 @@ def strategies(world: int) -> dict:
     """name -> (autopar pins, hand builder(model, x, y, loss_fn) -> Hand)."""
     mb = 2 * world
     if world == 1:
-        return {"eager": ({}, eager)}
+        return {"eager": ({}, eager), "eager-tiny": ({}, eager)}
     out = {
         "data": ({"data": world}, hand_written.ddp),
         "zero": ({"data": world, "zero": 3}, hand_written.fsdp),
@@ -66,6 +70,11 @@ def strategies(world: int) -> dict:
         "pipeline-gpipe": ({"pipeline": world, "micro_batch_size": GLOBAL_BATCH // mb,
                             "schedule": "gpipe"},
                            lambda m, x, y, f: hand_written.pipeline(m, x, y, f, mb, "gpipe")),
+        # the 1F1B plan with its cuts moved to the hand split's (block boundaries): the
+        # runtimes compared on the very same stages
+        "pipeline-samecuts": ({"pipeline": world, "micro_batch_size": GLOBAL_BATCH // mb,
+                               "schedule": "1f1b"},
+                              lambda m, x, y, f: hand_written.pipeline(m, x, y, f, mb, "1f1b")),
     }
     return out
 
@@ -81,6 +90,14 @@ def eager(model, x, y, loss_fn) -> hand_written.Hand:
     return hand_written.Hand(list(m.parameters()), step, lambda loss: loss.detach())
 
 
+def block_cuts(model, stages: int) -> tuple[str, ...]:
+    """The hand split's cuts as graph nodes: stage ``s`` begins at its first block's ``ln_1``
+    (the captured graph names the GPT's layer norms ``layer_norm``, ``layer_norm_1``, ...,
+    two per block)."""
+    per = len(model.transformer.h) // stages
+    return tuple(f"layer_norm_{2 * s * per}" for s in range(1, stages))
+
+
 def timed(fn) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -94,6 +111,11 @@ def compare(name, pins, build, ex, steps, profile) -> dict:
     x, y = ex.inputs[0], ex.target
     import copy
     pm = autopar.parallelize(copy.deepcopy(ex.model), ex.inputs, ex.loss_fn, target=ex.target, **pins)
+    if name == "pipeline-samecuts":
+        plan = dataclasses.replace(pm.plan, pipeline=dataclasses.replace(
+            pm.plan.pipeline, stage_cuts=block_cuts(ex.model, pm.plan.pipeline_stages)))
+        pm = autopar.parallelize(copy.deepcopy(ex.model), ex.inputs, ex.loss_fn, target=ex.target,
+                                 plan=plan)
     popt = torch.optim.SGD(pm.parameters(), lr=0.01)
     hand = build(ex.model, x, y, ex.loss_fn)
     hopt = torch.optim.SGD(hand.params, lr=0.01)
@@ -115,7 +137,7 @@ def compare(name, pins, build, ex, steps, profile) -> dict:
     l_hand = float(hand.global_loss(hand_step()))
     ok = abs(l_ap - l_hand) <= 1e-5 * max(1.0, abs(l_hand))
     if rank == 0:
-        print(f"[{name}] first-step loss autopar {l_ap:.6f}  hand {l_hand:.6f}  "
+        print(f"[{name}] first-step loss autopar {l_ap:.8f}  hand {l_hand:.8f}  "
               f"|diff| {abs(l_ap - l_hand):.1e}  {'equal' if ok else 'DIFFERENT'}", flush=True)
     ta, th = [], []
     for i in range(WARMUP + steps):
@@ -125,7 +147,7 @@ def compare(name, pins, build, ex, steps, profile) -> dict:
             a, h = (t[0], t[1]) if i % 2 == 0 else (t[1], t[0])
             ta.append(a)
             th.append(h)
-    if profile and rank == 0:
+    if profile is not None and rank == profile:
         for label, fn in (("autopar", ap_step), ("hand", hand_step)):
             prof = cProfile.Profile()
             prof.enable()
@@ -134,8 +156,8 @@ def compare(name, pins, build, ex, steps, profile) -> dict:
             prof.disable()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-            print(f"--- cProfile rank 0, {name} {label}, 5 steps ---\n{buf.getvalue()}", flush=True)
-    elif profile:
+            print(f"--- cProfile rank {rank}, {name} {label}, 5 steps ---\n{buf.getvalue()}", flush=True)
+    elif profile is not None:
         for _ in range(5):
             ap_step()
         for _ in range(5):
@@ -145,7 +167,7 @@ def compare(name, pins, build, ex, steps, profile) -> dict:
                 ratio=statistics.median(ratios), ok=ok)
 
 
-def worker(steps: int, only: list[str] | None, profile: bool) -> None:
+def worker(steps: int, only: list[str] | None, profile: int | None) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     ex = gpt_factory(batch=GLOBAL_BATCH, n_embd=128, n_layer=4, n_head=4, vocab_size=256,
@@ -157,16 +179,20 @@ def worker(steps: int, only: list[str] | None, profile: bool) -> None:
             raise SystemExit(f"--only {sorted(unknown)}: not a strategy at {world} ranks; "
                              f"choose from {sorted(todo)}")
         todo = {k: v for k, v in todo.items() if k in only}
-    rows = [compare(name, pins, build, ex, steps, profile) for name, (pins, build) in todo.items()]
+    tiny = gpt_factory(batch=1, n_embd=32, n_layer=4, n_head=4, vocab_size=64, block_size=16,
+                       seq_len=16)
+    rows = [compare(name, pins, build, tiny if name == "eager-tiny" else ex, steps, profile)
+            for name, (pins, build) in todo.items()]
     if rank == 0:
         print(f"\nmodel: GPT 4 layers, n_embd 128, n_head 4, vocab 256, seq 64, global batch "
-              f"{GLOBAL_BATCH}, {world} gloo rank(s), median of {steps} alternating steps")
-        print(f"{'strategy':<15} {'autopar pins':<44} {'autopar ms':>10} {'hand ms':>9} "
-              f"{'ratio':>6}  first-step loss")
+              f"{GLOBAL_BATCH}, {world} gloo rank(s), median of {steps} alternating steps"
+              + ("; eager-tiny: n_embd 32, vocab 64, seq 16, batch 1" if "eager-tiny" in todo else ""))
+        print(f"{'strategy':<18} {'autopar pins':<44} {'autopar ms':>10} {'hand ms':>9} "
+              f"{'diff ms':>8} {'ratio':>6}  first-step loss")
         for r in rows:
             pins = ", ".join(f"{k}={v}" for k, v in r["pins"].items()) or "(solver's choice)"
-            print(f"{r['name']:<15} {pins:<44} {r['ap'] * 1e3:10.2f} {r['hand'] * 1e3:9.2f} "
-                  f"{r['ratio']:6.2f}  {'equal' if r['ok'] else 'DIFFERENT'}")
+            print(f"{r['name']:<18} {pins:<44} {r['ap'] * 1e3:10.2f} {r['hand'] * 1e3:9.2f} "
+                  f"{(r['ap'] - r['hand']) * 1e3:8.2f} {r['ratio']:6.2f}  {'equal' if r['ok'] else 'DIFFERENT'}")
     dist.destroy_process_group()
 
 
@@ -175,7 +201,8 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--only", default="", help="comma-separated strategies (default: all)")
-    ap.add_argument("--profile", action="store_true", help="cProfile 5 steps of each on rank 0")
+    ap.add_argument("--profile", type=int, default=None, metavar="RANK",
+                    help="after timing, cProfile 5 steps of each on this rank")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s] or None
@@ -188,7 +215,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(__file__),
            "--worker", "--steps", str(args.steps), *(["--only", args.only] if args.only else []),
-           *(["--profile"] if args.profile else [])]
+           *(["--profile", str(args.profile)] if args.profile is not None else [])]
     sys.exit(subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}))
 
 
