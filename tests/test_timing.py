@@ -14,8 +14,11 @@ import math
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import autopar
+from autopar import verify
+from autopar.cli import cli
 from autopar.cost_models import families
 from autopar.ops import comm as comm_mod
 from autopar.runtime.timing import (
@@ -132,3 +135,22 @@ def check_gloo_results(results: list[dict]) -> None:
         assert r["ok"], r.get("trace")
         assert r["mesh"] == [2] and r["timing"], r
         _check_report(TimingReport.from_dict(r["timing"]), r["case"]["timing_axis"])
+
+
+def test_verify_timing_prints_rank_0s_report(monkeypatch, captured):
+    ex, cap = captured("gpt")
+    plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2", data=2)
+    ranks = [RankTiming(r, 0.02, [0.02], 0.05, {"matmul": 0.01}, {"all_reduce@data": 0.004},
+                        1e6, "test") for r in range(2)]
+    rep = report(plan, cap, ranks, steps=1, warmup=0).to_dict()
+    for timing, exit_code in ((rep, 0), (None, 1)):
+        fake = verify.Launch([verify.RankResult(0, verify.Check(), coord=(0,), loss=1.0, timing=timing),
+                              verify.RankResult(1, verify.Check(), coord=(1,), loss=1.0)], 2, 0, "")
+        asked = {}
+        monkeypatch.setattr(verify, "launch", lambda *a, **k: asked.update(k) or fake)
+        res = CliRunner().invoke(cli, ["verify", "examples.models:gpt_factory", "--nproc", "2",
+                                       "--timing", "--timing-steps", "3"], catch_exceptions=False)
+        assert res.exit_code == exit_code, res.output
+        assert asked["timing"] == 3
+        assert ("comm all_reduce@data" in res.output) == (timing is not None), res.output
+    assert "rank 0 wrote no timing report" in res.output
