@@ -118,3 +118,19 @@ def test_branch_parallel_equals_one_device(launches, world, case_id):
               for g in range(groups)]
     assert set().union(*towers) == {str(k) for k in range(r["case"]["branches"])}, towers
     assert sum(map(len, towers)) == r["case"]["branches"], towers
+
+
+def test_free_search_picks_branches_only_where_predicted_faster():
+    """On 4 A100s, the Inception example at batch 8 (launch-bound small convolutions: each
+    group runs fewer ops) is planned branch-parallel, predicted faster than the best plan
+    without branches (``branch=1``); a model without branches never gets a branch axis."""
+    ex = inception_factory(batch=8, width=64, branches=4)
+    kw = dict(cluster="4xA100", pipeline=1)
+    free = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, **kw)
+    flat = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, branch=1, **kw)
+    assert free.mesh_axes[0] == "branch" and free.pins["branch"] > 1, free.summary()
+    assert "branch" not in flat.mesh_axes
+    assert free.estimate.step_time_s < flat.estimate.step_time_s
+    mlp = EXAMPLES["mlp"]()
+    p = autopar.plan(mlp.model, mlp.inputs, mlp.loss_fn, target=mlp.target, **kw)
+    assert "branch" not in p.mesh_axes and not p.branches
