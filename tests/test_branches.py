@@ -121,11 +121,11 @@ def test_branch_parallel_equals_one_device(launches, world, case_id):
 
 
 def test_free_search_picks_branches_only_where_predicted_faster():
-    """On 4 A100s, the Inception example at batch 8 (launch-bound small convolutions: each
+    """On 2 A100s, the Inception example at batch 8 (launch-bound small convolutions: each
     group runs fewer ops) is planned branch-parallel, predicted faster than the best plan
     without branches (``branch=1``); a model without branches never gets a branch axis."""
     ex = inception_factory(batch=8, width=64, branches=4)
-    kw = dict(cluster="4xA100", pipeline=1)
+    kw = dict(cluster="2xA100", pipeline=1)
     free = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, **kw)
     flat = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, branch=1, **kw)
     assert free.mesh_axes[0] == "branch" and free.pins["branch"] > 1, free.summary()
