@@ -195,7 +195,7 @@ def test_pipeline_when_nothing_unpipelined_fits():
     ex = meta_gpt(batch=64, n_layer=4, n_embd=256, block_size=256, vocab_size=256)
     budget = 128 * 2**20
     with pytest.raises(InfeasibleError):
-        plan(ex, "2xA100", memory_budget=budget, pipeline=1)
+        plan(ex, "2xA100", memory_budget=budget, pipeline=1, accumulate=1)
     p = plan(ex, "2xA100", memory_budget=budget, accumulate=1)
     assert p.pipeline_stages == 2
     assert p.estimate.memory_total <= budget
