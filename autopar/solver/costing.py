@@ -25,9 +25,6 @@ from autopar.solver.pins import compress_scheme
 from autopar.solver.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
-# the backward collectives of a parameter edge that reduce its gradient (once per step)
-GRAD_SYNC = ("all_reduce", "reduce_scatter")
-
 
 @dataclass
 class CostModel:
@@ -242,8 +239,11 @@ class CostModel:
                 # ZeRO-3 frees a gathered weight after use and gathers it again for backward
                 regather = (not backward and bucketed and self.zero >= 3 and kind == "all_gather"
                             and step.axis == self.data_axis)
+                # once per step: the deferred gradient reduction (GradSync) and ZeRO-1/2's;
+                # ZeRO-3's reduce-scatter is in the backward graph, so it runs per micro-batch
                 out.append(Collective(kind, step.axis, backward, t,
-                                      (bucketed and backward and kind in GRAD_SYNC) or per_step, regather))
+                                      (bucketed and backward and step.kind == "grad_all_reduce")
+                                      or per_step, regather))
         return tuple(out)
 
 
