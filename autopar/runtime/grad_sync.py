@@ -135,6 +135,9 @@ class GradSync:
             more = tuple(a for a in axes if a != self.reducer.axis)
             self._inflight.append((self.reducer.start(names, grads), grads, more, grads))
             return
+        axes = tuple(a for a in axes if self.comm.size(a) > 1)    # a sum over one rank is a no-op
+        if not axes:
+            return
         dest = grads
         if self.reduce_dtype is not None:
             grads = [g.to(self.reduce_dtype) if g.is_floating_point() else g for g in grads]
