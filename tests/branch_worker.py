@@ -7,7 +7,8 @@ Rank 0 plans (``autopar.plan`` with the case's pins) and saves the plan to a fil
 rank runs the plan read back from that file (``autopar.parallelize(..., plan=path)``).
 Each case reports every rank's losses, its largest parameter difference from one device
 (whole parameters, ``pm.full_state_dict()``), the bytes of the parameters it stores and
-of its optimizer state, and the names of the parameters it stores.
+of its optimizer state, the names of the parameters it stores, and how far its forward
+output (``pm(x)``, after the steps) is from the trained one-device model's.
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def reference(ex):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
+    with torch.no_grad():
+        out = m(*ex.inputs)
+    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}, out
 
 
 def run_case(case: dict) -> dict:
@@ -52,7 +55,7 @@ def run_case(case: dict) -> dict:
     dist.barrier()
     pm = autopar.parallelize(copy.deepcopy(ex.model), ex.inputs, ex.loss_fn, target=ex.target,
                              plan=path)
-    ref_losses, ref_w = reference(ex)
+    ref_losses, ref_w, ref_out = reference(ex)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
@@ -60,7 +63,10 @@ def run_case(case: dict) -> dict:
         losses.append(pm.train_step(*ex.inputs, target=ex.target).item())
         pm.step(opt)
     whole = pm.full_state_dict()
+    with torch.no_grad():
+        out = pm(*ex.inputs)          # the forward program: every rank the whole output
     mine = {
+        "output_err": (out - ref_out).abs().max().item(),
         "losses": losses,
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
         "param_err": {k: (whole[k] - ref_w[k]).abs().max().item() for k in ref_w},

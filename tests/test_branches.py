@@ -105,6 +105,7 @@ def test_branch_parallel_equals_one_device(launches, world, case_id):
     assert r["mesh_axes"][0] == "branch"
     for rank, mine in enumerate(r["ranks"]):
         assert mine["loss_err"] < LOSS_TOL, (rank, mine["losses"], r["ref_losses"])
+        assert mine["output_err"] < PARAM_TOL, (rank, "pm(x) differs", mine["output_err"])
         worst = max(mine["param_err"], key=mine["param_err"].get)
         assert mine["param_err"][worst] < PARAM_TOL, f"rank {rank}: {worst} differs by {mine['param_err'][worst]}"
         # only its group's towers: fewer bytes than the whole model, optimizer state too
