@@ -18,7 +18,8 @@ from autopar.cli import cli
 from autopar.report import fmt_bytes, fmt_time
 from autopar.solver import ilp, pipeline_costs
 from autopar.solver.prices import PriceTable
-from autopar.viz.explain import explain, plan_prices
+from autopar.solver.prices import plan_prices
+from autopar.viz.explain import explain
 from conftest import example_and_capture
 
 GPT = "examples.models:gpt_factory"

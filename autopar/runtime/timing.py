@@ -44,19 +44,14 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.analysis.layers import recompute_nodes
 from autopar.cost_models import families
-from autopar.cost_models.hardware import parse_cluster
 from autopar.errors import ArgumentError
 from autopar.ops.comm import collective_timer
 from autopar.placement import placements_str
 from autopar.plan import Plan
 from autopar.report import fmt_bytes, fmt_time
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import CostModel
-from autopar.solver.pins import OPTIMIZER_STATES
-from autopar.solver.prices import price_table
-from autopar.solver.problem import build_problem
+from autopar.solver.prices import plan_prices
 
 OPTIMIZER = "optimizer"
 OTHER = "other"
@@ -196,20 +191,13 @@ class TimingReport:
 # ---- predicted -----------------------------------------------------------------------------
 def predicted_compute(cap, plan: Plan, optimizer: str = "adamw") -> dict[str, float] | None:
     """Forward + backward seconds per step by family row of every node's chosen option in
-    the plan's price table, rebuilt as the solver built it (``viz.explain.plan_prices``
-    does the same for ``explain``); the parameters' own prices form ``optimizer``. None for
+    the plan's price table, rebuilt as the solver built it (``solver.prices.plan_prices``,
+    as ``explain`` does); the parameters' own prices form ``optimizer``. None for
     pipeline plans."""
     if plan.pipeline_stages > 1:
         return None
-    axes = list(plan.mesh_axes)
-    r = {k: axes.index(a) for k, a in (("data_axis", "data"), ("tensor_axis", "tensor")) if a in axes}
-    problem = build_problem(cap, tuple(plan.mesh_shape), zero=plan.pins.get("zero") or 0,
-                            optimizer_states=OPTIMIZER_STATES[optimizer], **r)
-    cost = CostModel.for_pins(parse_cluster(plan.cluster), tuple(plan.mesh_shape), plan.pins,
-                              data_axis=r.get("data_axis"),
-                              recompute=recompute_nodes(cap.gm, plan.recompute),
-                              grad_sync_scale=1.0 / plan.accumulate)
-    pt = price_table(problem, cost)
+    pt = plan_prices(cap, plan, optimizer)
+    problem = pt.problem
     out: dict[str, float] = defaultdict(float)
     for name, v in problem.vars.items():
         chosen = plan.nodes.get(name)

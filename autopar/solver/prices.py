@@ -23,10 +23,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from autopar.analysis.layers import recompute_nodes
+from autopar.capture import Captured
+from autopar.cost_models.hardware import parse_cluster
+from autopar.errors import ArgumentError
 from autopar.placement import Replicate
+from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import INF, Collective, CostModel, grad_partial_flags, params_read, price_steps
-from autopar.solver.problem import VIEW_OPS, Problem, is_unary_elementwise
+from autopar.solver.pins import OPTIMIZER_STATES
+from autopar.solver.problem import VIEW_OPS, Problem, build_problem, is_unary_elementwise
 
 
 @dataclass(frozen=True)
@@ -184,3 +190,34 @@ def price_table(problem: Problem, cost: CostModel) -> PriceTable:
     if table is None or table.problem is not problem:
         table = cost._prices = PriceTable(problem, cost)
     return table
+
+
+def roles(plan: Plan) -> dict:
+    axes = list(plan.mesh_axes)
+    out = {}
+    if "data" in axes:
+        out["data_axis"] = axes.index("data")
+    if "tensor" in axes:
+        out["tensor_axis"] = axes.index("tensor")
+    return out
+
+
+def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTable:
+    """The price table ``plan`` was solved with, rebuilt from what the plan records: its
+    mesh, cluster, pins (precision, ZeRO stage) and recomputed layers, through the same
+    :meth:`CostModel.for_pins` and :func:`price_table` the solver uses."""
+    if plan.pipeline_stages > 1:
+        raise ArgumentError("explain prices one intra-stage plan; this is a pipeline plan "
+                            f"({plan.pipeline_stages} stages): its per-stage prices are not rebuilt yet")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ArgumentError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
+    r = roles(plan)
+    problem = build_problem(cap, tuple(plan.mesh_shape), zero=plan.pins.get("zero") or 0,
+                            optimizer_states=OPTIMIZER_STATES[optimizer], **r)
+    cost = CostModel.for_pins(parse_cluster(plan.cluster), tuple(plan.mesh_shape), plan.pins,
+                              data_axis=r.get("data_axis"),
+                              recompute=recompute_nodes(cap.gm, plan.recompute),
+                              # gradient accumulation: one micro-batch's prices, its
+                              # gradient sync a 1/k share (solver.accumulate)
+                              grad_sync_scale=1.0 / plan.accumulate)
+    return price_table(problem, cost)
