@@ -77,6 +77,9 @@ class SolverReport:
     n_constraints: int
     n_graph_nodes: int
     n_decisions: int                          # after sharing repeated layers
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per planning phase (capture, each mesh's ILP, ZeRO stages, accumulation,
+    pipeline search, total), as the search measured them."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from autopar.solver.driver import plan_search  # noqa: E402
 from examples.models import EXAMPLES, gpt_factory  # noqa: E402
 
 
-def row(label, build, cluster, world, pins=None, **kw):
+def row(label, build, cluster, world, pins=None, phases=False, **kw):
+    c0 = time.process_time()
     t0 = time.perf_counter()
     ex = build()
     cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
@@ -33,13 +34,18 @@ def row(label, build, cluster, world, pins=None, **kw):
     plan = plan_search(cap, ex.model, ex.inputs, ex.loss_fn, ex.target, parse_cluster(cluster),
                        world, pins=pins or {}, **kw)
     t_plan = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     s = plan.solver
     mem = plan.estimate.memory_total / 2**30
     print(f"{label:<28} {cluster:<10} {str(plan.mesh_shape):<8} {t_capture:>8.2f} {t_plan:>8.2f} "
           f"{t_capture + t_plan:>8.2f} {s.n_graph_nodes:>7} {s.n_decisions:>9} {s.status:>9} "
           f"{mem:>8.2f}" + (f"  pipeline {plan.pipeline_stages}, {plan.schedule}, "
-                            f"m={plan.n_microbatches}" if plan.pipeline_stages > 1 else ""),
-          flush=True)
+                            f"m={plan.n_microbatches}" if plan.pipeline_stages > 1 else "")
+          + f"  cpu {cpu:.2f}s", flush=True)
+    if phases:     # each planning phase's wall seconds (plan.solver.phases)
+        print("    phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in s.phases.items()), flush=True)
+        print(f"    plan: mesh {plan.mesh_shape}, pins {plan.pins}, objective {plan.estimate.step_time_s:.6g} s",
+              flush=True)
     return t_capture + t_plan
 
 
@@ -59,7 +65,8 @@ def main() -> None:
             return gpt_factory(batch=1536, config="gpt-175b")
     # 96 layers, hidden 12288, sequence 2048, global batch 1536; free search over meshes,
     # recomputation and pipelines, bf16 pinned (goal: under 60 s; memory within 80 GB)
-    t = row("gpt-175b (meta), bf16", gpt175b, "128xdgx-a100", 1024, pins={"precision": "bf16"})
+    t = row("gpt-175b (meta), bf16", gpt175b, "128xdgx-a100", 1024, pins={"precision": "bf16"},
+            phases=True)
     print(f"175B on 1024 A100s planned in {t:.1f} s")
 
 

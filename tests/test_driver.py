@@ -35,7 +35,7 @@ PIN_SETS = {"unpipelined": {"tensor": 2}, "pipelined": {"pipeline": 2}}
 # (the test, the torchrun ranks) would price the same plan slightly differently
 TWO = "2xA100"
 BIG = {"config": "gpt-1.3b", "batch": 2048}      # activations do not fit 80 GB unpipelined
-TIMING = {"solve_time_s", "capture_time_s", "capture_s"}
+TIMING = {"solve_time_s", "capture_time_s", "capture_s", "phases"}
 
 
 def comparable(plan) -> dict:

@@ -21,6 +21,7 @@ all call it, so the same model, inputs, cluster and pins give the same plan ever
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -117,6 +118,7 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
         return Planned(plan_branched(cap, cl, world, pins["branch"], pins, memory_budget=memory_budget,
                                      optimizer=optimizer, time_limit_s=time_limit_s,
                                      capture_s=capture_s, verbose=verbose, profiler=profiler), cap)
+    t_start, phases = time.perf_counter(), {"capture": capture_s}
     flat, error = None, None
     try:
         flat = plan_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
@@ -124,21 +126,27 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
                              verbose=verbose, pins=pins, profiler=profiler)
     except InfeasibleError as e:
         error = e
+    phases.update(flat.solver.phases if flat is not None else {})
+    phases["unpipelined"] = time.perf_counter() - t_start
     best = Planned(flat, cap) if flat is not None else None
+    t0 = time.perf_counter()
     branched = None if mesh_shape is not None else search_branches(
         cap, cl, world, pins, memory_budget=memory_budget, optimizer=optimizer,
         time_limit_s=time_limit_s, capture_s=capture_s, profiler=profiler)
     if branched is not None and (best is None or
                                  branched.estimate.step_time_s < best.plan.estimate.step_time_s):
         best = Planned(branched, cap)
+    phases["branches"] = time.perf_counter() - t0
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
     if may_accumulate(cap, example_inputs, pins, flat, world=world, budget=budget, optimizer=optimizer):
         if verbose:
             print("trying gradient accumulation (nothing fits the full batch)")
+        t0 = time.perf_counter()
         acc = search_accumulation(model, example_inputs, loss_fn, target, cl, world, pins,
                                   memory_budget=memory_budget, mesh_shape=mesh_shape,
                                   optimizer=optimizer, time_limit_s=time_limit_s, verbose=verbose,
                                   profiler=profiler)
+        phases["accumulation"] = time.perf_counter() - t0
         if acc is not None and (best is None or
                                 acc[0].estimate.step_time_s < best.plan.estimate.step_time_s):
             best = Planned(*acc)
@@ -147,15 +155,23 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
             print("searching pipelines" + (" (nothing fits unpipelined)" if best is None else
                                             f" against {best.plan.estimate.step_time_s:.4g} s unpipelined"
                                             + (" (accumulating)" if best.plan.accumulate > 1 else "")))
+        t0 = time.perf_counter()
         piped = search_pipelines(cap, model, example_inputs, loss_fn, target, cl, world, pins,
                                  memory_budget=memory_budget, optimizer=optimizer,
                                  time_limit_s=time_limit_s, verbose=verbose)
+        phases["pipeline search"] = time.perf_counter() - t0
         if piped is not None and (best is None or
                                   piped[0].estimate.step_time_s < best.plan.estimate.step_time_s):
-            return Planned(*piped)
+            best = Planned(*piped)
+    phases["total"] = capture_s + time.perf_counter() - t_start
+    if verbose:
+        print("planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()))
     if best is None:
+        tried = [k for k in ("accumulation", "pipeline search") if k in phases]
+        if tried and isinstance(error, InfeasibleError) and hasattr(error, "suggestions"):
+            error.args = (f"{error}\nalso tried, none fits: {', '.join(tried)}",)
         raise error
-    return best
+    return Planned(replace(best.plan, solver=replace(best.plan.solver, phases=phases)), best.captured)
 
 
 def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,

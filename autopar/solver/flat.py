@@ -3,6 +3,7 @@ the pins allow, with and without recomputation; also what the pipeline planner s
 inside each stage (``memory_weights``, ``grad_sync_scale``)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -82,7 +83,8 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     kw = dict(budget=budget, mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
               verbose=verbose, profiler=profiler, memory_weights=memory_weights,
               grad_sync_scale=grad_sync_scale, explain=explain)
-    best, errors = _search(cap, cl, world, pins, **kw)
+    phases: dict = {}
+    best, errors = _search(cap, cl, world, pins, **kw, phases=phases)
     if pins.get("zero") is None and (mesh_shape is None or len(mesh_shape) == 1) and (
             best is None or sum(best.sol.memory.values()) > RECOMPUTE_WHEN * budget):
         # memory binds: weigh sharding parameters, gradients and optimizer state over the
@@ -91,7 +93,8 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             if verbose:
                 print(f"trying zero={stage} on the data axis")
             try:
-                got, _ = _search(cap, cl, world, {**pins, "zero": stage}, **{**kw, "explain": False})
+                got, _ = _search(cap, cl, world, {**pins, "zero": stage}, **{**kw, "explain": False},
+                                 phases=phases, tag=f" zero={stage}")
             except PinError:         # e.g. a batch the data axis cannot split
                 break
             if got is None and stage == ZERO_STAGES[0]:
@@ -102,12 +105,13 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
         if not explain or not any(hasattr(e, "need_bytes") for e in errors):
             raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
         raise infeasible(cap, cl, world, pins, errors, **kw)
-    plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s)
+    plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases)
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
 
 
 def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, optimizer,
-            time_limit_s, verbose, profiler, memory_weights, grad_sync_scale, explain):
+            time_limit_s, verbose, profiler, memory_weights, grad_sync_scale, explain,
+            phases: dict, tag: str = ""):
     """(the best :class:`_Best` under ``pins`` over the meshes they allow, or None; the
     reasons of the meshes that did not fit)."""
     n_states = check_optimizer(optimizer)
@@ -117,9 +121,11 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     if choices == [None] and _has_repeated_layers(cap):
         choices.append("full")
     # the problem depends on the mesh only: built once, costed per recomputation choice
+    t0 = time.perf_counter()
     problems = [(build_problem(cap, shape, zero=pins.get("zero") or 0, optimizer_states=n_states,
                                **roles), shape, axes, roles)
                 for shape, axes, roles in mesh_candidates(world, pins, mesh_shape)]
+    phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
     best, errors = None, []
     for rec in choices:
         if rec == "full" and best is not None and \
@@ -129,6 +135,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
         rec_nodes, rec_kept = recompute_nodes(cap.gm, recompute)
         errors = []                    # report the last pass's reasons
         for problem, shape, axes, roles in problems:
+            t0, key = time.perf_counter(), f"ilp {shape}{tag}"
             cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
                                       recompute=(rec_nodes, rec_kept), profiler=profiler,
                                       memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
@@ -139,6 +146,8 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                 e.axes, e.roles, e.recompute = axes, roles, rec
                 errors.append(e)
                 continue
+            finally:
+                phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
             if verbose:
                 print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}: "
                       f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
@@ -268,7 +277,7 @@ def _accumulation(cap, best: dict, budget: float, pins: dict):
 
 
 def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budget,
-             capture_s: float) -> Plan:
+             capture_s: float, phases: dict | None = None) -> Plan:
     """The Plan of the solver's best solution."""
     sol, problem, axes = best.sol, best.problem, best.axes
     nodes = node_placements(problem, sol.choice)
@@ -278,7 +287,8 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budg
                    comm_s=comm_total, memory_bytes=dict(sol.memory), comm=comm)
     n_graph = sum(1 for n in cap.gm.graph.nodes if n.op in ("placeholder", "call_function"))
     report = SolverReport(sol.status, sol.objective_s, sol.bound_s, sol.gap, sol.solve_time_s,
-                          capture_s, sol.n_variables, sol.n_constraints, n_graph, len(problem.vars))
+                          capture_s, sol.n_variables, sol.n_constraints, n_graph, len(problem.vars),
+                          phases=dict(phases or {}))
     params = {names[i]: ph for ph, names in cap.params.items() for i in range(len(names))}
     return Plan(world_size=world, mesh_shape=best.shape, mesh_axes=axes, cluster=cl.name,
                 pins={k: v for k, v in pins.items() if v is not None}, nodes=nodes,
