@@ -85,6 +85,16 @@ class CostModel:
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
                    compress=compress_scheme(pins.get("compress")), local_sgd=pins.get("local_sgd"))
 
+    def sharing_edges(self, other: "CostModel | None") -> "CostModel":
+        """This model, reusing ``other``'s priced redistributions (:meth:`edge_steps`) when
+        the two differ only in what those prices do not read (recomputation, memory weights,
+        the gradient-sync scale): the solver prices each mesh's edges once, not per
+        recomputation choice."""
+        same = ("cluster", "mesh_shape", "dtype_key", "zero", "data_axis", "compress", "local_sgd")
+        if other is not None and all(getattr(self, f) == getattr(other, f) for f in same):
+            self._edge_cache = other._edge_cache
+        return self
+
     # ---- compute -------------------------------------------------------------------------
     def node_time(self, v: NodeVar, combo) -> tuple[float, float]:
         """(forward, backward) seconds of one option of an op node, recomputation included."""

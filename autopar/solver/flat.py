@@ -126,7 +126,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                                **roles), shape, axes, roles)
                 for shape, axes, roles in mesh_candidates(world, pins, mesh_shape)]
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
-    best, errors = None, []
+    best, errors, priced = None, [], {}     # a mesh's edges priced once (CostModel.sharing_edges)
     for rec in choices:
         if rec == "full" and best is not None and \
                 sum(best.sol.memory.values()) <= RECOMPUTE_WHEN * budget:
@@ -138,7 +138,9 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
             t0, key = time.perf_counter(), f"ilp {shape}{tag}"
             cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
                                       recompute=(rec_nodes, rec_kept), profiler=profiler,
-                                      memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+                                      memory_weights=memory_weights, grad_sync_scale=grad_sync_scale
+                                      ).sharing_edges(priced.get(id(problem)))
+            priced[id(problem)] = cost
             try:
                 sol = solve_ilp(problem, cost, budget if budget != float("inf") else None,
                                 time_limit_s, explain=explain and rec == choices[-1])
