@@ -266,7 +266,7 @@ def _accumulation(cap, best: dict, budget: float, pins: dict):
     """The fewest micro-batches whose activations (about 1/k of the batch's) bring the
     closest plan within ``budget``; None when activations do not bind or no k does it."""
     act = best["terms"].get("activations", 0.0)
-    if pins.get("pipeline") or pins.get("accumulate") or act <= 0:
+    if (pins.get("pipeline") or 1) > 1 or pins.get("accumulate") or act <= 0:
         return None
     try:
         batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0])
