@@ -11,6 +11,10 @@ another runtime module writes a device type ("cpu", "cuda", ``torch.device("..."
 - :func:`mesh_device`: the device a mesh of a given device type keeps this rank's tensors on.
 - :func:`object_device`: the ``device=`` argument of ``broadcast_object_list`` and friends
   (NCCL moves the pickled bytes through the current CUDA device; gloo through host memory).
+- :data:`HOST`: host memory, where weight files are read (memory-mapped) before a rank's
+  shard moves to its device, and where capture's fake tensors stand.
+- :func:`synchronize`, :func:`allocator_peak`: waiting for a device's queued work, and the
+  peak its caching allocator held (timing reports).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 
 CPU = "cpu"
 CUDA = "cuda"
+HOST = CPU
 
 
 def rank_device() -> torch.device:
@@ -48,3 +53,20 @@ def mesh_device(device_type: str) -> torch.device:
 def object_device(device: torch.device) -> torch.device | None:
     """``device=`` for torch.distributed's object collectives on ranks of ``device``."""
     return device if device.type == CUDA else None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA streams); the host runs in order."""
+    if device.type == CUDA:
+        torch.cuda.synchronize(device)
+
+
+def allocator_peak(device: torch.device, fn) -> float | None:
+    """Peak bytes the caching allocator of ``device`` held while ``fn()`` ran; None where the
+    device has no such allocator (the CPU: measure live tensors instead)."""
+    if device.type != CUDA:
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return float(torch.cuda.max_memory_allocated(device))

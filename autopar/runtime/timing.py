@@ -45,6 +45,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.cost_models import families
+from autopar.device import allocator_peak, synchronize
 from autopar.errors import ArgumentError
 from autopar.ops.comm import collective_timer
 from autopar.placement import placements_str
@@ -221,19 +222,16 @@ MEMORY_CPU = "live tensor storage high-water (torch MemTracker)"
 
 
 def _sync(pm) -> None:
-    if pm.device.type == "cuda":
-        torch.cuda.synchronize(pm.device)
+    synchronize(pm.device)
 
 
 def peak_memory(pm, opt, one_step) -> tuple[float, str]:
     """(bytes, how measured) of one step's peak: on CUDA the allocator's peak; on CPU the
     live tensor storage high-water mark of torch's ``MemTracker`` with the module and its
     optimizer tracked (a step of its own: its tracking would slow the timed steps)."""
-    if pm.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(pm.device)
-        one_step()
-        _sync(pm)
-        return float(torch.cuda.max_memory_allocated(pm.device)), MEMORY_CUDA
+    peak = allocator_peak(pm.device, one_step)
+    if peak is not None:
+        return peak, MEMORY_CUDA
     mt = MemTracker()
     mt.track_external(pm, opt)
     with mt:

@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils import _pytree as pytree
 
+from autopar.device import HOST
 from autopar.errors import AutoparInputError
 from autopar.runtime.dcp_state import MODEL, Layout, blocks
 
@@ -90,7 +91,7 @@ class _TorchFile:
 
     def __init__(self, path: str):
         try:
-            sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            sd = torch.load(path, map_location=HOST, mmap=True, weights_only=True)
         except Exception as e:  # noqa: BLE001 - reported with the path
             raise WeightsError(f"{path!r} could not be read by torch.load(mmap=True, "
                                f"weights_only=True): {type(e).__name__}: {str(e)[:200]}; save "
@@ -118,7 +119,7 @@ class _Safetensors:
         files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
         self._where: dict[str, Any] = {}
         for f in files:
-            handle = safe_open(f, framework="pt", device="cpu")
+            handle = safe_open(f, framework="pt", device=HOST)
             for k in handle.keys():
                 if k in self._where:
                     raise WeightsError(f"{k!r} is in two safetensors files of {path!r}")
@@ -186,7 +187,7 @@ def capture_view(model: nn.Module, example_inputs, target) -> Iterator[tuple[Any
                     continue
                 if id(t) not in fakes:      # a tied weight stays one tensor
                     with mode:
-                        f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                        f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=HOST)
                     fakes[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) \
                         if isinstance(t, nn.Parameter) else f
                 swapped.append((store, key, t))
