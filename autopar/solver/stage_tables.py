@@ -79,7 +79,7 @@ class Tables:
         memory = (self.state / (d if shard_state else 1))[None] + \
             n_k[:, None, None] * (self.act * b / d)[None]
         share = memory_limit / c.v
-        cost = np.where(memory <= share, time[None], INF)
+        cost = np.where(memory <= share * (1 + 1e-9), time[None], INF)   # float sums at the limit fit
         comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
         tiebreak = cost + 2 * comm[None, None, :]
         return cost, tiebreak, memory, share, comm
