@@ -13,6 +13,7 @@ another runtime module writes a device type ("cpu", "cuda", ``torch.device("..."
   (NCCL moves the pickled bytes through the current CUDA device; gloo through host memory).
 - :data:`HOST`: host memory, where weight files are read (memory-mapped) before a rank's
   shard moves to its device, and where capture's fake tensors stand.
+- :func:`pin_host_memory`: whether host buffers a device copies to are pinned (ZeRO-Offload).
 - :func:`synchronize`, :func:`allocator_peak`: waiting for a device's queued work, and the
   peak its caching allocator held (timing reports).
 """
@@ -53,6 +54,12 @@ def mesh_device(device_type: str) -> torch.device:
 def object_device(device: torch.device) -> torch.device | None:
     """``device=`` for torch.distributed's object collectives on ranks of ``device``."""
     return device if device.type == CUDA else None
+
+
+def pin_host_memory(device: torch.device) -> bool:
+    """Whether host buffers that ``device`` copies to and from should be pinned (page-locked,
+    so the copies run asynchronously): on CUDA; a CPU rank's host is its device."""
+    return device.type == CUDA
 
 
 def synchronize(device: torch.device) -> None:

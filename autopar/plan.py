@@ -21,7 +21,8 @@ PLAN_VERSION = 2
 """2: the pipeline is one optional part (``Plan.pipeline``) of the one plan. Version 1
 files (the pipeline's fields at the top level) are read and converted on load. The
 optional ``accumulate`` field (gradient accumulation) reads as 1 where a file lacks it, and
-the optional ``branches`` (branch parallelism) as none."""
+the optional ``branches`` (branch parallelism) as none, and the optional ``offload``
+(ZeRO-Offload) and ``host_memory_bytes`` as none."""
 
 __all__ = ["PLAN_VERSION", "BranchGroups", "Estimate", "NodePlacement", "Pipeline", "Plan", "PlanError",
            "SolverReport"]
@@ -144,6 +145,13 @@ class Plan:
     branches: tuple[BranchGroups, ...] = ()
     """Branch parallelism (the mesh axis ``"branch"``): each set of independent branches
     and which coordinate of that axis runs which branch. Empty: none."""
+    offload: str | None = None
+    """ZeRO-Offload: ``"optimizer"`` keeps each rank's optimizer shard (fp32 master copy and
+    moments) on the host and steps it there (``autopar.runtime.offload``); None: on the
+    device. ``estimate.memory_bytes`` is device memory; the host's is ``host_memory_bytes``."""
+    host_memory_bytes: dict[str, float] = field(default_factory=dict)
+    """Host bytes per rank by term under ``offload`` (``"optimizer"``: master copy and
+    moments, ``"grads"``: the gradient shard copied down); empty without offload."""
     version: int = PLAN_VERSION
 
     # ---- the pipeline part, read flat (one stage when there is none) --------------------
@@ -215,7 +223,9 @@ class Plan:
                 node_ops=dict(d.get("node_ops", {})), inputs=tuple(d.get("inputs", ())),
                 recompute=tuple(d.get("recompute", ())),
                 pipeline=Pipeline(**pipe) if pipe else None, accumulate=accumulate,
-                branches=branches, version=PLAN_VERSION)
+                branches=branches, offload=_offload(d),
+                host_memory_bytes={k: float(v) for k, v in (d.get("host_memory_bytes") or {}).items()},
+                version=PLAN_VERSION)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise
@@ -248,6 +258,15 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan(mesh={self.mesh_shape} {self.mesh_axes}, world={self.world_size}, "
                 f"step≈{self.estimate.step_time_s * 1e3:.3f} ms, nodes={len(self.nodes)})")
+
+
+def _offload(d: dict) -> str | None:
+    """The plan's ``offload`` (absent in older files: None)."""
+    v = d.get("offload")
+    if v not in (None, "optimizer"):
+        raise PlanError(f"plan field offload: {v!r} is not an offload choice (expected "
+                        "\"optimizer\" or null)")
+    return v
 
 
 def _branches(d: dict) -> tuple[BranchGroups, ...]:

@@ -45,6 +45,7 @@ from autopar.runtime.plan_check import check_plan_fits
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
 from autopar.runtime.shards import Shards, get_tensor, set_tensor, shard_model
 from autopar.runtime.timing import TimingReport, timing_report
+from autopar.runtime.offload import HostOptimizer, offloaded
 from autopar.runtime.weights import load_weights
 from autopar.runtime.zero import (
     OptimizerShards, ZeroGradSync, optimizer_sharded, stored_shards, working_plan,
@@ -218,6 +219,12 @@ class ParallelModule(nn.Module):
         self._out_spec = model_out_spec(cap)
         if weights is not None:
             load_weights(self, weights, model)
+        self._offload = None
+        if offloaded(self.plan):
+            # ZeRO-Offload (autopar.runtime.offload): pm.parameters() are host master copies
+            self._offload = HostOptimizer(dict(self.module.named_parameters()), self.device)
+            for attr, p in self._offload.masters.items():
+                set_tensor(self.module, attr, p)
 
     def _mixed_precision(self, plan: Plan, pipelined: bool) -> LossScaler | None:
         """Set up the plan's precision (``autopar.runtime.precision``); the loss scaler under fp16."""
@@ -246,7 +253,10 @@ class ParallelModule(nn.Module):
 
     def _gather_params(self) -> None:
         """ZeRO-1/2: all-gather the optimizer shards into the working parameters when a
-        shard changed (an optimizer step, a load) since the last gather."""
+        shard changed (an optimizer step, a load) since the last gather; under offload,
+        the host masters are copied into the device shards first."""
+        if self._offload is not None and self._offload.dirty():
+            self._offload.params_up()
         if self._zero is not None and self._zero.dirty():
             self._zero.gather()
 
@@ -304,7 +314,10 @@ class ParallelModule(nn.Module):
         if self._zero is not None:
             self._zero.drop_working_grads()
         with use_comm(self._stage_comm), self._saved_tensor_policy(), _fresh_grads(params):
-            return self.runner.train(inputs, target, self._grad_sync, params, self.owners)
+            loss = self.runner.train(inputs, target, self._grad_sync, params, self.owners)
+            if self._offload is not None:
+                self._offload.grads_down()      # the synced gradient shards to the host masters
+            return loss
 
     @contextlib.contextmanager
     def _saved_tensor_policy(self):
@@ -340,7 +353,7 @@ class ParallelModule(nn.Module):
         src = self.owners[attr][0]
         if self.runner.pp_rank == src:
             with use_comm(self._stage_comm):
-                whole = unshard(local.detach(), self._shards.placements[attr]).contiguous()
+                whole = unshard(local.detach().to(self.device), self._shards.placements[attr]).contiguous()
         else:
             whole = torch.empty(self._shards.shapes[attr], dtype=self._shards.dtypes[attr],
                                 device=self.device)

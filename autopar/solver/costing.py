@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models import compute as compute_model
+from autopar.cost_models.offload import offload_seconds
 from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
@@ -54,6 +55,10 @@ class CostModel:
     local_sgd: int | None = None
     """Pin ``local_sgd=H``: parameters averaged every H steps instead of gradients summed
     every step (priced after the warm-up: the all-reduce's 1/H)."""
+    offload: bool = False
+    """``offload="optimizer"`` (ZeRO-Offload): a parameter's optimizer state lives on the host
+    (no device bytes) and each step pays its shard's copies and host step
+    (``cost_models.offload``), as that parameter's backward time, once per step."""
 
     @property
     def mixed(self) -> bool:
@@ -83,7 +88,8 @@ class CostModel:
                    zero=pins.get("zero") or 0, data_axis=data_axis, profiler=profiler,
                    recompute=frozenset(rec), recompute_kept=frozenset(kept),
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
-                   compress=compress_scheme(pins.get("compress")), local_sgd=pins.get("local_sgd"))
+                   compress=compress_scheme(pins.get("compress")), local_sgd=pins.get("local_sgd"),
+                   offload=pins.get("offload") == "optimizer")
 
     def sharing_edges(self, other: "CostModel | None") -> "CostModel":
         """This model, reusing ``other``'s priced redistributions (:meth:`edge_steps`) when
@@ -105,9 +111,13 @@ class CostModel:
         rec = self._recomputed(v)
         return t if not rec else (t[0], t[1] + t[0] * rec / len(v.members))
 
-    def base_time(self, v: NodeVar, combo) -> tuple[float, float]:
-        """(forward, backward) seconds of one option of an op node, without recomputation."""
+    def base_time(self, v: NodeVar, combo, optimizer_states: int = 2) -> tuple[float, float]:
+        """(forward, backward) seconds of one option of an op node, without recomputation;
+        a parameter's under ``offload``: its optimizer shard's copies and host step."""
         if v.call is None:
+            if self.offload and v.kind == "param":
+                b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
+                return 0.0, offload_seconds(b, optimizer_states, self.cluster.device) * self.grad_sync_scale
             return 0.0, 0.0
         ins = [_local(m, input_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.inputs)]
         outs = [_local(m, output_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.outputs)]
@@ -166,6 +176,8 @@ class CostModel:
                 whole[self.data_axis] = Replicate()
                 held = _local(v.meta, whole, self.mesh_shape).nbytes
                 grads = held if self.zero == 1 else b
+            if self.offload:     # master copy and moments on the host (ZeRO-Offload)
+                return {"params": held / 2 if self.mixed else held, "grads": grads}
             if self.mixed:   # 16-bit weight copies; fp32 grads (of the masters), master copy + moments
                 return {"params": held / 2, "grads": grads, "optimizer": b * (1 + optimizer_states)}
             return {"params": held, "grads": grads, "optimizer": b * optimizer_states}

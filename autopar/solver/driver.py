@@ -13,7 +13,8 @@ all call it, so the same model, inputs, cluster and pins give the same plan ever
   when nothing unpipelined fits, pipelines are searched too
   (``pipeline_free.search_pipelines``); when the full batch's activations do not fit,
   gradient accumulation too (``accumulate.search_accumulation``); the least predicted step
-  wins.
+  wins. When none of these fits device memory, ZeRO-Offload (``offload="optimizer"``,
+  :func:`may_offload`): the optimizer state on the host.
 * ``compress="auto"`` (the user allows lossy choices): each of ``AUTO_COMPRESS`` (no
   compression first) is planned as if pinned; the least predicted step wins, and its plan's
   pins say which (``compress=None`` when none pays).
@@ -28,7 +29,7 @@ import torch
 
 from autopar.capture import Captured, capture
 from autopar.cost_models.hardware import parse_cluster
-from autopar.errors import ArgumentError
+from autopar.errors import ArgumentError, PinError
 from autopar.plan import Plan
 from autopar.solver.accumulate import (
     accumulation_pin, capture_accumulated, may_accumulate, plan_accumulated, search_accumulation,
@@ -66,8 +67,8 @@ def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     """
     pins = check_pins(dict(pins or {}))
     check_optimizer(optimizer)
-    if pins.get("compress") not in (None, "none") or pins.get("local_sgd"):
-        pins.setdefault("pipeline", 1)    # lossy reduction is not offered with pipelines yet
+    if pins.get("compress") not in (None, "none") or pins.get("local_sgd") or pins.get("offload"):
+        pins.setdefault("pipeline", 1)    # lossy reduction, offload: not offered with pipelines yet
     if pins.get("compress") == "auto":
         best = None
         for scheme in AUTO_COMPRESS:
@@ -163,11 +164,17 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
         if piped is not None and (best is None or
                                   piped[0].estimate.step_time_s < best.plan.estimate.step_time_s):
             best = Planned(*piped)
+    if best is None and may_offload(pins, mesh_shape):
+        t0 = time.perf_counter()
+        best = _offloaded(cap, cl, world, pins, verbose, memory_budget=memory_budget,
+                          optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
+                          profiler=profiler)
+        phases["offload"] = time.perf_counter() - t0
     phases["total"] = capture_s + time.perf_counter() - t_start
     if verbose:
         print("planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()))
     if best is None:
-        tried = [k for k in ("accumulation", "pipeline search") if k in phases]
+        tried = [k for k in ("accumulation", "pipeline search", "offload") if k in phases]
         if tried and isinstance(error, InfeasibleError) and hasattr(error, "suggestions"):
             error.args = (f"{error}\nalso tried, none fits: {', '.join(tried)}",)
         raise error
@@ -178,6 +185,36 @@ def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world
                 pins: dict, **kw) -> Plan:
     """``search_captured``'s plan (for callers that hold the full-batch graph)."""
     return search_captured(cap, model, example_inputs, loss_fn, target, cl, world, pins=pins, **kw).plan
+
+
+OFFLOAD_STAGES = (2, 3)
+"""The ZeRO stages the free search tries with ``offload="optimizer"`` when nothing else fits
+device memory (ZeRO-Offload costs time: host-link copies and a host step): stage 2 first
+(DeepSpeed's pairing), then 3 (parameters sharded too); a pinned ``zero=`` stage alone."""
+
+
+def may_offload(pins: dict, mesh_shape) -> bool:
+    """Whether the free search tries ZeRO-Offload: not pinned either way, no ``zero=0`` pin,
+    and nothing it is not offered with (pipelines, branches, lossy reduction)."""
+    if "offload" in pins or pins.get("zero") == 0 or mesh_shape is not None:
+        return False
+    return ((pins.get("pipeline") or 1) == 1 and (pins.get("branch") or 1) == 1
+            and pins.get("compress") in (None, "none") and not pins.get("local_sgd"))
+
+
+def _offloaded(cap: Captured, cl, world: int, pins: dict, verbose: bool, **kw) -> Planned | None:
+    """The first of :data:`OFFLOAD_STAGES` (or the pinned stage) whose plan with
+    ``offload="optimizer"`` fits, or None."""
+    for stage in ([pins["zero"]] if pins.get("zero") else OFFLOAD_STAGES):
+        if verbose:
+            print(f"trying offload='optimizer', zero={stage} (nothing else fits device memory)")
+        try:
+            plan = plan_captured(cap, cl, world, pins={**pins, "zero": stage, "offload": "optimizer"},
+                                 verbose=verbose, **kw)
+        except (InfeasibleError, PinError):
+            continue
+        return Planned(plan, cap)
+    return None
 
 
 def may_pipeline(cap: Captured, example_inputs, cl, world, pins, mesh_shape, profiler,

@@ -10,7 +10,7 @@ from typing import Any
 from autopar.analysis.layers import recompute_nodes, select_layers
 from autopar.capture import Captured, fingerprint
 from autopar.errors import PinError
-from autopar.placement import placements_str
+from autopar.placement import local_shape, placements_str
 from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import CostModel
@@ -299,7 +299,28 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budg
                 param_shapes={n: list(cap.node(ph).meta["val"].shape) for n, ph in params.items()},
                 node_ops={n.name: str(n.target) for n in cap.gm.graph.nodes
                           if n.op == "call_function" and n.name in nodes},
-                inputs=tuple(cap.inputs), recompute=best.recompute)
+                inputs=tuple(cap.inputs), recompute=best.recompute,
+                offload=pins.get("offload"), host_memory_bytes=_host_bytes(best))
+
+
+def _host_bytes(best: _Best) -> dict[str, float]:
+    """Host bytes per rank under ``offload="optimizer"``: each parameter's optimizer shard
+    (its fp32 master copy and moments) and the gradient shard copied down; {} without."""
+    if best.pins.get("offload") != "optimizer":
+        return {}
+    shard = 0.0
+    for name, v in best.problem.vars.items():
+        if v.kind == "param":
+            placements = output_placements(v.options[best.sol.choice[name]], 0)
+            shard += len(v.members) * _numel(v.meta.shape, placements, best.shape) * 4
+    return {"optimizer": shard * (1 + best.problem.optimizer_states), "grads": shard}
+
+
+def _numel(shape, placements, mesh_shape) -> int:
+    n = 1
+    for s in local_shape(shape, placements, mesh_shape):
+        n *= s
+    return n
 
 
 def _has_repeated_layers(cap: Captured) -> bool:

@@ -9,7 +9,7 @@ from autopar.errors import ArgumentError, PinError
 
 KNOWN_PINS = frozenset({"data", "tensor", "zero", "pipeline", "micro_batch_size", "schedule",
                         "virtual_stages", "recompute", "precision", "grad_reduce", "accumulate",
-                        "compress", "local_sgd", "local_sgd_warmup", "branch"})
+                        "compress", "local_sgd", "local_sgd_warmup", "branch", "offload"})
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """Optimizer tensors kept per parameter."""
 
@@ -56,9 +56,38 @@ def check_pins(pins: dict[str, Any]) -> dict[str, Any]:
         v = pins.get(name)
         if v is not None and (not isinstance(v, int) or v < 1):
             raise PinError(f"pin {name}={v!r} must be a positive integer")
+    _check_offload(pins)
     _check_lossy(pins)
     _check_branch(pins)
     return pins
+
+
+OFFLOAD_DEFAULT_ZERO = 2
+"""``offload="optimizer"`` without a ``zero=`` pin implies ZeRO stage 2, the pairing
+DeepSpeed's ZeRO-Offload uses (Ren et al. 2021)."""
+
+
+def _check_offload(pins: dict) -> None:
+    """offload="optimizer" (ZeRO-Offload, ``autopar.runtime.offload``): each rank's optimizer
+    shard, its fp32 master copy and the step on the host. Implies zero=2 when zero= is not
+    pinned (sets it in ``pins``); zero=0 pinned is an error."""
+    v = pins.get("offload")
+    if v in (None, "none"):
+        pins.pop("offload", None)
+        return
+    if v != "optimizer":
+        raise PinError(f"offload={v!r}: use 'optimizer' (ZeRO-Offload: optimizer state, fp32 "
+                       "master weights and the optimizer step on the host) or None")
+    if pins.get("zero") == 0:
+        raise PinError("offload='optimizer' moves each rank's ZeRO optimizer shard to the host; "
+                       "zero=0 keeps no shard: pin zero=1, 2 or 3, or leave zero= out "
+                       f"(offload implies zero={OFFLOAD_DEFAULT_ZERO}, as DeepSpeed's ZeRO-Offload)")
+    for other, none in (("pipeline", 1), ("branch", 1), ("compress", "none"), ("local_sgd", None)):
+        if pins.get(other) not in (None, none):
+            raise PinError(f"offload='optimizer' with {other}={pins[other]!r} is not supported: "
+                           "drop one of the two pins")
+    if pins.get("zero") is None:
+        pins["zero"] = OFFLOAD_DEFAULT_ZERO
 
 
 def _check_branch(pins: dict) -> None:

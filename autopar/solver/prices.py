@@ -95,7 +95,7 @@ class PriceTable:
     def __init__(self, problem: Problem, cost: CostModel):
         self.problem, self.cost = problem, cost
         k_opt = problem.optimizer_states
-        self.options = {name: [OptionPrice(*cost.base_time(v, c), cost.base_memory(v, c, k_opt))
+        self.options = {name: [OptionPrice(*cost.base_time(v, c, k_opt), cost.base_memory(v, c, k_opt))
                                for c in v.options] for name, v in problem.vars.items()}
         self._reads = params_read(problem)
         self._edges: dict = {}
