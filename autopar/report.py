@@ -5,6 +5,9 @@ import re
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from autopar.cost_models.hardware import ClusterError, parse_cluster
+from autopar.cost_models.offload import offload_times
+
 if TYPE_CHECKING:           # for annotations only: plan.py imports this module
     from autopar.plan import Plan
 
@@ -51,6 +54,27 @@ def accumulation_line(plan: Plan) -> str:
             "step, in the last micro-batch's backward")
 
 
+def offload_line(plan: Plan) -> str:
+    """What ZeRO-Offload does in a plan's step, with its host bytes and the seconds the cost
+    model gives its copies and host step ("" without offload)."""
+    if getattr(plan, "offload", None) != "optimizer":
+        return ""
+    host = plan.host_memory_bytes
+    shard = host.get("grads", 0.0)
+    timing = ""
+    if shard:
+        try:
+            states = round(host.get("optimizer", 0.0) / shard) - 1
+            copies, step = offload_times(shard, states, parse_cluster(plan.cluster).device)
+            timing = f"; per step: copies {fmt_time(copies)}, host step {fmt_time(step)} (in compute)"
+        except ClusterError:
+            pass
+    return (f"ZeRO-Offload (offload='optimizer', zero={plan.pins.get('zero')}): optimizer state on "
+            f"the host, {fmt_bytes(sum(host.values()))} per rank = master copy and moments "
+            f"{fmt_bytes(host.get('optimizer', 0.0))}, gradient shard {fmt_bytes(shard)}; gradient "
+            f"shards go down after the sync, updated shards up before ZeRO's gather{timing}")
+
+
 def branch_lines(plan: Plan) -> list[str]:
     """Branch parallelism: each branch set and what each group on the "branch" axis runs
     (its branches named by the modules of their parameters)."""
@@ -75,7 +99,8 @@ def plan_summary(plan: Plan) -> str:
         f"{plan.cluster}, world {plan.world_size}" + (f", pins {plan.pins}" if plan.pins else ""),
         f"estimate: step {fmt_time(e.step_time_s)} (compute {fmt_time(e.compute_s)}, "
         f"communication {fmt_time(e.comm_s)}), bubble {e.bubble_fraction:.1%}",
-    ] + ([accumulation_line(plan)] if plan.accumulate > 1 else []) + branch_lines(plan) + [
+    ] + ([accumulation_line(plan)] if plan.accumulate > 1 else []) + branch_lines(plan) + (
+        [offload_line(plan)] if plan.offload else []) + [
         f"memory per device: {fmt_bytes(e.memory_total)} = " + ", ".join(
             f"{k} {fmt_bytes(v)}" for k, v in sorted(e.memory_bytes.items(), key=lambda kv: -kv[1])),
     ]

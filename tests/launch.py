@@ -33,3 +33,25 @@ def torchrun_cases(worker: str, nproc: int, cases: list[dict], out: Path, *,
     log = "\n".join(x for x in proc.stderr.splitlines() if not any(w in x for w in NOISE))
     failed = "" if proc.returncode == 0 else f"torchrun failed ({proc.returncode}):\n{log[-8000:]}"
     return {r["case"]["id"]: r for r in results}, failed
+
+
+_REGISTERED: dict[tuple[str, int], list[dict]] = {}
+_SPAWNED: dict[tuple[str, int], tuple[dict, str]] = {}
+
+
+def register_cases(worker: str, nproc: int, cases: list[dict]) -> None:
+    """Add ``cases`` to the one spawn of ``tests/<worker>`` on ``nproc`` ranks that several
+    test modules share (each registers at import, i.e. at collection, before any runs)."""
+    known = _REGISTERED.setdefault((worker, nproc), [])
+    known += [c for c in cases if c not in known]
+
+
+def shared_cases(worker: str, nproc: int, out_dir: Path, **kw) -> tuple[dict, str]:
+    """:func:`torchrun_cases` of every case registered for ``worker`` on ``nproc`` ranks, run
+    once per session (the first module to ask starts it; later ones read its results)."""
+    key = (worker, nproc)
+    if key not in _SPAWNED:
+        _SPAWNED[key] = torchrun_cases(worker, nproc, _REGISTERED[key],
+                                       Path(out_dir) / f"{Path(worker).stem}.json", **kw)
+    return _SPAWNED[key]
+

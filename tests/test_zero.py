@@ -26,7 +26,7 @@ import torch
 from autopar.cost_models.hardware import parse_cluster
 from autopar.runtime.thread_ranks import simulate
 from autopar.solver.flat import plan_captured
-from launch import torchrun_cases
+from launch import register_cases, shared_cases
 
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-3
 CASES = [{"id": f"zero{k}", "pins": {"data": 2, "zero": k}} for k in range(4)] + [
@@ -37,10 +37,14 @@ CASES = [{"id": f"zero{k}", "pins": {"data": 2, "zero": k}} for k in range(4)] +
 ]
 
 
+register_cases("zero_worker.py", 2, CASES)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    return torchrun_cases("zero_worker.py", 2, CASES, tmp / "zero.json", timeout=600, case_timeout=120)
+    # one spawn with tests/test_offload.py's cases too (launch.shared_cases)
+    return shared_cases("zero_worker.py", 2, tmp, timeout=600, case_timeout=120)
 
 
 def _result(results, case_id):
@@ -179,12 +183,12 @@ def test_free_search_picks_a_zero_stage_when_memory_binds(captured):
     cl = parse_cluster("cpu:2")
     roomy = plan_captured(cap, cl, 2, pins={"data": 2})
     assert not roomy.pins.get("zero")
-    budget = 0.8 * sum(roomy.estimate.memory_bytes.values())
+    budget = 0.8 * roomy.estimate.memory_total
     with pytest.raises(InfeasibleError):
         plan_captured(cap, cl, 2, pins={"data": 2, "zero": 0}, memory_budget=budget)
     tight = plan_captured(cap, cl, 2, pins={"data": 2}, memory_budget=budget)
     assert tight.pins.get("zero") in (1, 2, 3), tight.pins
-    assert sum(tight.estimate.memory_bytes.values()) <= budget
+    assert tight.estimate.memory_total <= budget
     stages = {k: plan_captured(cap, cl, 2, pins={"data": 2, "zero": k}, memory_budget=budget)
               for k in (1, 2, 3)}
     fastest = min(stages, key=lambda k: stages[k].estimate.step_time_s)

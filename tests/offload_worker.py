@@ -1,0 +1,86 @@
+"""The offload cases of tests/test_offload.py, run in ``tests/zero_worker.py``'s torchrun spawn
+(2 gloo ranks; a case with ``"offload_case": true`` comes here, see ``launch.shared_cases``):
+the small GPT trained 3 AdamW steps under ``data=2, zero=k, offload="optimizer"`` against the
+same model on one device (``zero_worker``'s model, plans, reference and comparison).
+
+Besides losses and weights, each case reports this rank's bytes from the live tensors, in
+two places (a CPU rank's host and device are one memory, so the place is which tensors, not
+which address): the *device* side is what the programs read (ZeRO-1/2's working parameters
+and the shards that are views of them, ZeRO-3's parameter shards) and their gradients, taken
+at their peak (just before they are copied to the host); the *host* side is
+``pm.parameters()`` (the master copies), their gradients, and the optimizer's state tensors.
+Bytes are counted as ``zero_worker.state_bytes`` counts them: per storage, the union of the
+byte ranges its tensors span.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+
+def span_bytes(tensors) -> int:
+    """Bytes of the memory ``tensors`` cover, once."""
+    spans: dict[int, list] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            es = t.element_size()
+            start = t.storage_offset() * es
+            end = start + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * es
+            spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, end))
+    total = 0
+    for ranges in spans.values():
+        reach = 0
+        for start, end in sorted(ranges):
+            total += max(0, end - max(start, reach))
+            reach = max(reach, end)
+    return total
+
+
+def device_tensors(pm) -> list:
+    return list(pm._offload.device_params.values()) + (list(pm._zero.working.values()) if pm._zero else [])
+
+
+def run_case(case: dict, zw) -> dict:
+    """One case, with ``zw`` the ``zero_worker`` module running the spawn (its capture and
+    plans are made once per process)."""
+    model, inputs, target, loss_fn = zw.gpt()
+    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ref_losses, ref_w = zw.reference(model, inputs, target, loss_fn)
+    pm = zw.parallel(model, inputs, target, loss_fn, case["pins"])
+    assert pm._offload is not None, f"plan {pm.plan.pins} does not offload"
+    peak = {"device_grads": 0}
+    down = pm._offload.grads_down
+
+    def measured_down():      # the device gradients at their peak: the moment they go down
+        peak["device_grads"] = max(peak["device_grads"],
+                                   span_bytes(t.grad for t in device_tensors(pm)))
+        down()
+    pm._offload.grads_down = measured_down
+    opt = torch.optim.AdamW(pm.parameters(), lr=zw.LR)
+    losses = []
+    for _ in range(zw.STEPS):
+        opt.zero_grad()
+        losses.append(pm.train_step(*inputs, target=target).item())
+        if case.get("pm_step", True):
+            pm.step(opt)
+        else:
+            opt.step()
+    masters = {id(p) for p in pm.parameters()}
+    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    w = pm.full_state_dict()
+    w = {k: w[k] for k in w0}
+    return {"rank": dist.get_rank(), "plan_pins": pm.plan.pins,
+            "losses": losses, "ref_losses": ref_losses,
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "weight_err": zw.weight_err(w, ref_w, w0),
+            "device": {"params": span_bytes(device_tensors(pm)), "grads": peak["device_grads"],
+                       "optimizer": 0},
+            "host": {"optimizer": span_bytes(list(pm.parameters()) + state),
+                     "grads": span_bytes(p.grad for p in pm.parameters())},
+            "state_on_masters": all(id(p) in masters for p in opt.state),
+            "masters_apart": not any(p.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+                                     for p in pm.parameters() for d in device_tensors(pm)),
+            "estimate": dict(pm.plan.estimate.memory_bytes), "host_estimate": dict(pm.plan.host_memory_bytes),
+            "numel": sum(v.numel() for v in w0.values())}
+

@@ -1,0 +1,145 @@
+"""ZeRO-Offload (``offload="optimizer"``, Ren et al. 2021): each rank's optimizer shard (fp32
+master copy and AdamW's moments) and the optimizer step on the host.
+
+On 2 gloo ranks (``tests/offload_worker.py``, in ``tests/test_zero.py``'s torchrun spawn): the small GPT trained 3
+AdamW steps under ``data=2, zero=k, offload="optimizer"`` (k = 1, 3; and 2 stepped by
+``opt.step()`` instead of ``pm.step(opt)``) matches one device, losses and weights; each
+rank's device bytes (the programs' parameters, their gradients at their peak) equal the
+plan's device terms, with no optimizer state there, and its host bytes (masters, moments,
+gradient shards) the plan's ``host_memory_bytes``. Single process: the pin's checks, the
+plan file, the cost model's figures, and the free search choosing offload under a device
+budget ZeRO-3 alone does not fit.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.cost_models.gpus import A100_80GB, H100_80GB
+from autopar.cost_models.hardware import parse_cluster
+from autopar.cost_models.offload import host_link, offload_seconds
+from autopar.errors import PinError
+from autopar.plan import Plan, PlanError
+from autopar.solver.pins import check_pins
+from launch import register_cases, shared_cases
+
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-3
+OFF = {"offload": "optimizer"}
+CASES = [
+    {"id": "offload-zero1", "pins": {"data": 2, "zero": 1, **OFF}},
+    {"id": "offload-zero3", "pins": {"data": 2, "zero": 3, **OFF}},
+    {"id": "offload-zero2-opt-step", "pins": {"data": 2, "zero": 2, **OFF}, "pm_step": False},
+]
+for _c in CASES:
+    _c["offload_case"] = True
+register_cases("zero_worker.py", 2, CASES)     # run in test_zero's spawn (launch.shared_cases)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return shared_cases("zero_worker.py", 2, tmp_path_factory.mktemp("zero"), timeout=600, case_timeout=120)
+
+
+def _result(results, case_id):
+    got, failed = results
+    r = got.get(case_id)
+    assert r is not None, f"{case_id}: no result, the launch ended before it\n{failed}"
+    assert r["ok"], f"{case_id}: {r['error']}\n{r.get('trace', '')}"
+    return r
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
+def test_offload_matches_one_device(results, case_id):
+    r = _result(results, case_id)
+    assert r["plan_pins"].get("offload") == "optimizer", r["plan_pins"]
+    assert r["loss_err"] < LOSS_TOL, r
+    assert r["weight_err"] < WEIGHT_TOL, r
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
+def test_memory_per_rank_equals_the_plan_estimate(results, case_id):
+    r = _result(results, case_id)
+    dev, host, est, host_est = r["device"], r["host"], r["estimate"], r["host_estimate"]
+    # the device holds what the programs read and the gradients until they go down
+    assert dev["params"] == est["params"] and dev["grads"] == est["grads"], (dev, est)
+    assert "optimizer" not in est, est                  # no optimizer state on the device
+    assert host == host_est, (host, host_est)
+    # the host: this rank's half of the fp32 master copy and of both moments, and of the gradient
+    whole = 4 * r["numel"]
+    assert host["optimizer"] == 3 * whole / 2 and host["grads"] == whole / 2, host
+    stage = r["plan_pins"]["zero"]
+    assert dev["params"] == (whole if stage <= 2 else whole / 2), dev
+    assert dev["grads"] == (whole if stage == 1 else whole / 2), dev
+    # the optimizer's state belongs to the host masters, which share no memory with the device's
+    assert r["state_on_masters"] and r["masters_apart"], r
+
+
+# ---- single process ------------------------------------------------------------------------
+def test_pin_values():
+    assert check_pins({"offload": "optimizer"}) == {"offload": "optimizer", "zero": 2}   # DeepSpeed's pairing
+    assert check_pins({"offload": "optimizer", "zero": 3})["zero"] == 3
+    assert check_pins({"offload": None}) == {} and check_pins({"offload": "none"}) == {}
+    for pins, words in [({"offload": "cpu"}, "offload='cpu': use 'optimizer'"),
+                        ({"offload": "optimizer", "zero": 0}, "zero=0 keeps no shard"),
+                        ({"offload": "optimizer", "pipeline": 2}, "pipeline=2 is not supported"),
+                        ({"offload": "optimizer", "compress": "bf16"}, "compress='bf16' is not supported")]:
+        with pytest.raises(PinError, match=words):
+            check_pins(dict(pins))
+
+
+def test_host_link_constants():
+    a100, h100 = host_link(A100_80GB), host_link(H100_80GB)
+    assert 24e9 < a100.bandwidth < 26e9              # PCIe 4.0 x16 at 80% of 31.5 GB/s
+    assert h100.bandwidth == pytest.approx(2 * a100.bandwidth)   # PCIe 5.0 doubles the lanes' rate
+    cpu = parse_cluster("cpu:2").device
+    assert host_link(cpu).bandwidth == cpu.mem_bandwidth / 2     # a memcpy reads and writes
+    # 1 GB of fp32 shard with AdamW on an A100: 2 GB over PCIe, 7 GB of host memory traffic
+    assert offload_seconds(1e9, 2, A100_80GB) == pytest.approx(2e9 / a100.bandwidth + 7e9 / a100.host_mem_bandwidth)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
+    return model, (torch.randn(8, 64),), torch.randn(8, 64), nn.functional.mse_loss
+
+
+def _plan(mlp, **kw):
+    model, inputs, target, loss_fn = mlp
+    return autopar.plan(model, inputs, loss_fn, target=target, cluster="cpu:2", **kw)
+
+
+def test_free_search_offloads_when_nothing_else_fits(mlp, tmp_path):
+    z3 = _plan(mlp, data=2, zero=3)
+    pinned = _plan(mlp, data=2, **OFF)
+    assert pinned.pins["zero"] == 2 and pinned.offload == "optimizer"
+    assert pinned.estimate.memory_total < z3.estimate.memory_total
+    budget = (z3.estimate.memory_total + pinned.estimate.memory_total) / 2
+    free = _plan(mlp, memory_budget=budget)
+    assert free.offload == "optimizer" and free.pins["zero"] == 2 and "data" in free.mesh_axes, free.pins
+    assert free.estimate.memory_total <= budget and "offload" in free.solver.phases
+    # with room for ZeRO-3 the search does not offload (it costs time)
+    roomy = _plan(mlp, memory_budget=z3.estimate.memory_total * 1.01)
+    assert roomy.offload is None and "offload" not in roomy.solver.phases
+    # the cost: each parameter's shard copied down and up and stepped on the host, in compute
+    plain = _plan(mlp, data=2, zero=2)
+    shard = pinned.host_memory_bytes["grads"]
+    assert shard == 4 * sum(p.numel() for p in mlp[0].parameters()) / 2
+    assert pinned.estimate.compute_s - plain.estimate.compute_s == pytest.approx(
+        offload_seconds(shard, 2, parse_cluster("cpu:2").device), rel=1e-6)
+    assert "optimizer" in plain.estimate.memory_bytes and "optimizer" not in pinned.estimate.memory_bytes
+    assert "ZeRO-Offload (offload='optimizer', zero=2)" in pinned.summary()
+    # the plan file keeps it; a file without the field (older autopar) loads without offload
+    pinned.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == pinned
+    d = json.loads((tmp_path / "p.json").read_text())
+    for k in ("offload", "host_memory_bytes"):
+        d.pop(k)
+    old = Plan.from_dict(d)
+    assert old.offload is None and old.host_memory_bytes == {}
+    with pytest.raises(PlanError, match="plan field offload: 'gpu'"):
+        Plan.from_dict({**d, "offload": "gpu"})
