@@ -14,6 +14,8 @@ byte ranges its tensors span.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -37,6 +39,35 @@ def span_bytes(tensors) -> int:
     return total
 
 
+def reference_bf16(model, inputs, target, loss_fn, steps: int, lr: float):
+    """``steps`` AdamW steps on one device under ``torch.autocast`` in bf16 (as
+    tests/precision_worker.py's reference)."""
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
+            loss = loss_fn(m(*inputs), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
+
+
+def trained(pm, inputs, target, steps: int, lr: float, pm_step: bool = True):
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(pm.train_step(*inputs, target=target).item())
+        if pm_step:
+            pm.step(opt)
+        else:
+            opt.step()
+    return opt, losses
+
+
 def device_tensors(pm) -> list:
     return list(pm._offload.device_params.values()) + (list(pm._zero.working.values()) if pm._zero else [])
 
@@ -46,7 +77,9 @@ def run_case(case: dict, zw) -> dict:
     plans are made once per process)."""
     model, inputs, target, loss_fn = zw.gpt()
     w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
-    ref_losses, ref_w = zw.reference(model, inputs, target, loss_fn)
+    bf16 = case["pins"].get("precision") == "bf16"
+    ref_losses, ref_w = (reference_bf16(model, inputs, target, loss_fn, zw.STEPS, zw.LR) if bf16
+                         else zw.reference(model, inputs, target, loss_fn))
     pm = zw.parallel(model, inputs, target, loss_fn, case["pins"])
     assert pm._offload is not None, f"plan {pm.plan.pins} does not offload"
     peak = {"device_grads": 0}
@@ -57,20 +90,17 @@ def run_case(case: dict, zw) -> dict:
                                    span_bytes(t.grad for t in device_tensors(pm)))
         down()
     pm._offload.grads_down = measured_down
-    opt = torch.optim.AdamW(pm.parameters(), lr=zw.LR)
-    losses = []
-    for _ in range(zw.STEPS):
-        opt.zero_grad()
-        losses.append(pm.train_step(*inputs, target=target).item())
-        if case.get("pm_step", True):
-            pm.step(opt)
-        else:
-            opt.step()
+    opt, losses = trained(pm, inputs, target, zw.STEPS, zw.LR, case.get("pm_step", True))
     masters = {id(p) for p in pm.parameters()}
     state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
     w = pm.full_state_dict()
     w = {k: w[k] for k in w0}
-    return {"rank": dist.get_rank(), "plan_pins": pm.plan.pins,
+    # the same plan without offload: the host step is the device's, so the weights agree
+    plain = zw.parallel(model, inputs, target, loss_fn, {k: v for k, v in case["pins"].items() if k != "offload"})
+    trained(plain, inputs, target, zw.STEPS, zw.LR)
+    wp = plain.full_state_dict()
+    vs_plain = max(float((w[k] - wp[k]).abs().max()) for k in w0)
+    return {"vs_plain": vs_plain, "rank": dist.get_rank(), "plan_pins": pm.plan.pins,
             "losses": losses, "ref_losses": ref_losses,
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "weight_err": zw.weight_err(w, ref_w, w0),
