@@ -230,10 +230,10 @@ RUNS: list[Run] = [
         extra={"memory_bytes": 96 * 2**30, "mem_bandwidth": 2.4e12}),
     Run("Llama3 405B", "Dubey et al. 2024, Table 4 (8,192 GPUs)", "llama", 126, 16384, 128,
         128256, 8192, 2048, 8192, "h100", 8, 16, micro=1, published_tflops=430,
-        kv_heads=8, ffn=53248, recompute=False, zero=1),
+        kv_heads=8, ffn=53248, recompute=False, zero=2),
     Run("Llama3 405B", "Dubey et al. 2024, Table 4 (16,384 GPUs)", "llama", 126, 16384, 128,
         128256, 8192, 2048, 16384, "h100", 8, 16, micro=1, published_tflops=400,
-        kv_heads=8, ffn=53248, recompute=False, zero=1, held=True),
+        kv_heads=8, ffn=53248, recompute=False, zero=2, held=True),
 ]
 
 
@@ -260,6 +260,9 @@ def pins_of(run: Run) -> dict:
                     schedule=run.schedule)
         if run.virtual > 1:
             pins["virtual_stages"] = run.virtual
+    elif run.micro * run.data < run.batch:
+        # gradient accumulation without a pipeline: the published micro-batch per rank
+        pins["micro_batch_size"] = run.micro * run.data
     return pins
 
 
@@ -270,8 +273,6 @@ def predict(run: Run, time_limit_s: float = 30.0):
     does not price yet: the optimizer step, memory-bound over the parameters this GPU holds
     (``cost_models.step.optimizer_step_time``), and the host's per-step constant
     (``cost_models.step.HOST_OVERHEAD_S``)."""
-    # Without a pipeline there is no gradient accumulation yet (issue 11, part 3): the
-    # unpipelined rows plan the data-parallel rank's whole share of the batch at once.
     ex = build(run, run.batch)
     cluster = f"{run.gpus // 8}xdgx-{run.device}"
     if run.extra:   # the publication's own variant of the GPU (memory, bandwidth)
