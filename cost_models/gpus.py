@@ -43,10 +43,15 @@ _H100_SMS = 132
 #   dense peak (read off the papers' benchmark figures):
 #   A100: FlashAttention-2 (Dao 2023, Fig. 4-6) forward ~190-200 of 312 TFLOP/s (0.62),
 #         backward ~165-175 (0.54); the paper's abstract: "50-73% of the theoretical maximum".
-#   H100: FlashAttention-3 (Shah et al. 2024, Fig. 5-6, FP16/BF16) forward ~560-640 of 989
-#         (0.60), backward ~430-520 (0.48).
+#   H100: what torch's F.scaled_dot_product_attention runs there by default: its flash
+#         backend is FlashAttention-2 (torch.nn.attention._registry: "Restore the default FA2
+#         implementation"; FA3 is an opt-in prototype, torch.nn.attention._fa3). FA2 on H100
+#         reaches "up to 335 TFLOPs/s" forward + backward (Dao 2023, Sec. 4.1, Fig. 7), 0.339
+#         of 989; split into forward and backward in A100's ratio (0.62 : 0.54, above) at
+#         the same combined time (backward 2.5x the forward's FLOPs): 0.375, 0.326.
+#         (FlashAttention-3, Shah et al. 2024, Fig. 5-6, reaches 0.60 / 0.48 when activated.)
 _A100_ATTENTION = (0.62, 0.54)
-_H100_ATTENTION = (0.60, 0.48)
+_H100_ATTENTION = (0.375, 0.326)
 
 A100_80GB = Device(
     name="A100-80GB-SXM",
