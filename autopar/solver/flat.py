@@ -124,7 +124,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     t0 = time.perf_counter()
     problems = [(build_problem(cap, shape, zero=pins.get("zero") or 0, optimizer_states=n_states,
                                **roles), shape, axes, roles)
-                for shape, axes, roles in mesh_candidates(world, pins, mesh_shape)]
+                for shape, axes, roles in mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)]
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
     best, errors, priced = None, [], {}     # a mesh's edges priced once (CostModel.sharing_edges)
     for rec in choices:

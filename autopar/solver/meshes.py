@@ -1,5 +1,9 @@
 """The device meshes the solver tries for a world of devices, as the pins and
-``mesh_shape`` allow."""
+``mesh_shape`` allow: the 1-D mesh and the 2-D meshes ``(world / t, t)``. On one node every
+factorisation; across nodes the inner axis (consecutive ranks) stays inside a node, t
+dividing the node's devices (2, 4, 8 on a DGX), as Megatron-LM keeps tensor parallelism on
+NVLink: an axis that crosses nodes on both sides is never faster, and 2,520 devices would
+otherwise give 46 meshes to solve."""
 from __future__ import annotations
 
 import math
@@ -7,8 +11,10 @@ import math
 from autopar.errors import ArgumentError, PinError
 
 
-def mesh_candidates(world: int, pins: dict, mesh_shape) -> list[tuple[tuple[int, ...], tuple[str, ...], dict]]:
-    """(mesh shape, axis names, {"data_axis", "tensor_axis"}) to try."""
+def mesh_candidates(world: int, pins: dict, mesh_shape, devices_per_node: int | None = None
+                    ) -> list[tuple[tuple[int, ...], tuple[str, ...], dict]]:
+    """(mesh shape, axis names, {"data_axis", "tensor_axis"}) to try; ``devices_per_node``
+    (None: one node) bounds the inner axis of a 2-D mesh across nodes."""
     if mesh_shape is not None:
         mesh_shape = tuple(int(n) for n in mesh_shape)
         prod = math.prod(mesh_shape)
@@ -22,8 +28,9 @@ def mesh_candidates(world: int, pins: dict, mesh_shape) -> list[tuple[tuple[int,
     if mesh_shape is not None:
         return [(mesh_shape, tuple(f"axis{i}" for i in range(len(mesh_shape))), {})]
     out = [((world,), ("axis0",), {})]
+    within = devices_per_node if devices_per_node and world > devices_per_node else world
     for a in range(2, world):
-        if world % a == 0 and world // a >= 2:
+        if world % a == 0 and world // a >= 2 and within % (world // a) == 0:
             out.append(((a, world // a), ("axis0", "axis1"), {}))
     return out
 

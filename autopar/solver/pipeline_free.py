@@ -1,10 +1,11 @@
 """The free pipeline search (``autopar.plan`` without a ``pipeline=`` pin, on a cluster of
-more than one node or when nothing unpipelined fits): pipeline degrees p in {2, 4, 8, 16}
-dividing the node count (each stage whole nodes, so tensor parallelism stays inside a
-node's NVLink, as Megatron-LM does) and at most the number of layers; each planned on the
-full-batch graph (no capture per p) on meshes ``(d,)`` and ``(d / t, t)`` for t in 2, 4, 8
-(t within a node), with prices scaled per sample to choose m and the schedule; the best is
-captured at its micro-batch and planned as ``pipeline_search.plan_pipeline`` does.
+more than one node or when nothing unpipelined fits): every pipeline degree p that divides
+the node count (each stage whole nodes, so tensor parallelism stays inside a node's NVLink,
+as Megatron-LM does; 315 nodes give 3, 5, 7, 9, 15, 21, 35, ...) and is at most the number
+of layers; each planned on the full-batch graph (no capture per p) on meshes ``(d,)`` and
+``(d / t, t)`` for t dividing a node's devices (1, 2, 4, 8 on a DGX), with prices scaled per
+sample to choose m and the schedule; the best is captured at its micro-batch and planned as
+``pipeline_search.plan_pipeline`` does.
 """
 from __future__ import annotations
 
@@ -20,15 +21,13 @@ from autopar.solver.pipeline_search import (
     _allowed_micro_batches, _choose, _has_layers, capture_microbatch, plan_pipeline, solve_intra,
 )
 
-PIPELINE_DEGREES = (2, 4, 8, 16)
-"""Pipeline degrees the free search tries (``search_pipelines``)."""
-
 
 def stage_meshes(cl, d: int, pins: dict) -> list[tuple[int, int]]:
     """(data, tensor) degrees the free search tries on a stage of ``d`` devices: tensor
-    parallelism t in 1, 2, 4, 8 inside a node, data parallelism over the rest (as pinned)."""
-    ts = [pins["tensor"]] if pins.get("tensor") else \
-        [t for t in (1, 2, 4, 8) if t <= cl.devices_per_node]
+    parallelism t dividing a node's devices (1, 2, 4, 8 on a DGX), data parallelism over
+    the rest (as pinned)."""
+    dpn = cl.devices_per_node
+    ts = [pins["tensor"]] if pins.get("tensor") else [t for t in range(1, dpn + 1) if dpn % t == 0]
     out = []
     for t in ts:
         if d % t or (pins.get("data") and pins["data"] != d // t):
@@ -38,11 +37,12 @@ def stage_meshes(cl, d: int, pins: dict) -> list[tuple[int, int]]:
 
 
 def pipeline_degrees(cap: Captured, cl, world: int) -> list[int]:
-    """Pipeline degrees the free search tries: whole nodes per stage (devices per stage on
-    one node), at most one stage per layer."""
+    """Pipeline degrees the free search tries: every p >= 2 dividing the node count (whole
+    nodes per stage; the devices on one node), at most one stage per layer. Not only powers
+    of two: 315 DGX nodes of a 105-layer model give 3, 5, 7, 9, 15, 21, 35, 45, 63, 105."""
     span = cl.nodes if cl.nodes > 1 else world
     limit = len(repeated_layers(cap.gm)) or len(chain(cap))
-    return [p for p in PIPELINE_DEGREES if span % p == 0 and world % p == 0 and p <= limit]
+    return [p for p in range(2, min(span, limit) + 1) if span % p == 0 and world % p == 0]
 
 
 def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int,

@@ -1,0 +1,48 @@
+"""The free pipeline search tries every pipeline degree that divides the node count (not
+only powers of two), at most one stage per layer, with tensor parallelism dividing a node
+(``autopar.solver.pipeline_free``). Plans without processes."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from autopar.capture import capture
+from autopar.cost_models.hardware import parse_cluster
+from autopar.solver.driver import solve
+from autopar.solver.pipeline_free import pipeline_degrees, stage_meshes
+from examples.models import gpt_factory
+
+
+@functools.cache
+def twelve_layers():
+    """A 12-layer GPT small enough to capture in a second, and its graph."""
+    with torch.device("meta"):
+        ex = gpt_factory(batch=48, n_layer=12, n_embd=64, n_head=4, block_size=128, vocab_size=256)
+    return ex, capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
+
+
+def test_degrees_are_the_divisors_of_the_node_count_up_to_the_layers():
+    _, cap = twelve_layers()
+    # 315 DGX nodes (MT-NLG's 2,520 GPUs): every divisor up to the 12 layers
+    assert pipeline_degrees(cap, parse_cluster("315xdgx-a100"), 2520) == [3, 5, 7, 9]
+    assert pipeline_degrees(cap, parse_cluster("6x8xA100"), 48) == [2, 3, 6]
+    assert pipeline_degrees(cap, parse_cluster("128xdgx-a100"), 1024) == [2, 4, 8]
+    # one node: stages of single devices
+    assert pipeline_degrees(cap, parse_cluster("1x6xA100"), 6) == [2, 3, 6]
+    # tensor parallelism divides a node's devices; data takes the rest of the stage
+    assert stage_meshes(parse_cluster("315xdgx-a100"), 72, {}) == [(72, 1), (36, 2), (18, 4), (9, 8)]
+    assert stage_meshes(parse_cluster("2x6xA100"), 6, {}) == [(6, 1), (3, 2), (2, 3), (1, 6)]
+    assert stage_meshes(parse_cluster("315xdgx-a100"), 72, {"tensor": 8}) == [(9, 8)]
+
+
+def test_three_devices_pipeline_three_stages():
+    """Three A100s, a budget no unpipelined plan fits (the whole batch's activations;
+    ``accumulate=1``): the search pipelines over three stages, a degree no power of two
+    reaches, and the plan fits."""
+    ex, cap = twelve_layers()
+    budget = 16 * 2**20
+    plan = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x3xA100",
+                 pins={"accumulate": 1}, memory_budget=budget, captured=cap).plan
+    assert plan.pipeline_stages == 3 and plan.mesh_shape == (3, 1)
+    assert plan.estimate.memory_total <= budget
