@@ -5,7 +5,10 @@ Overlap rules (GPU; where each is applied):
 
 - data-parallel gradient reduction overlaps backward, except the last bucket
   (:func:`~autopar.cost_models.comm.grad_sync_time`: ``exposed = max(t_bucket, total -
-  backward * (1 - 1/k))``);
+  backward * (1 - 1/k))``). NOT applied by the solver yet: its estimate
+  (``solver/flat.py``, ``solver/pipeline_price.py``) adds every gradient reduction, and
+  ZeRO-3's gathers and reduce-scatters, in full after the compute (what Megatron-LM's
+  2021 "local" DDP did; FSDP and DDP overlap them, so plans under those are priced high);
 - tensor-parallel collectives sit on the critical path: every collective of a
   redistribution between two ops is added to the step (``solver/costing.edge_time``);
 - pipeline bubbles by schedule (:func:`bubble_fraction`): GPipe and 1F1B idle
