@@ -1,13 +1,20 @@
-"""ZeRO-3 prefetch: each weight's all-gather starts one consumer early.
+"""ZeRO-3 by blocks: a block's weights gathered in one collective, one block ahead.
 
 In the rewritten program a ZeRO-3 weight is gathered (``all_gather(..., regather=True)``)
-right before the op that reads it, so the op waits for the collective. This pass splits
-every such gather into ``all_gather_start`` (an async collective) and the gather itself,
-which now waits for it (``all_gather(..., started=)``: same backward, same re-gather in
-backward), and moves the start
-of the gathers of consumer ``k`` to where consumer ``k - 1``'s gathers wait: the next op's
-weights (the next layer's, at a layer's last op) travel while the current op computes, as
-FSDP's forward prefetch does. At most two consumers' gathered weights are alive at once.
+right before the op that reads it: one collective per weight and use, each waited for by
+the op. This pass groups those gathers into buckets, one per block (the weights of one
+repeated layer, ``transformer.h.3``, in the order the program reads them; weights outside
+repeated layers make buckets of consecutive reads, and a bucket holds at most
+:data:`BUCKET_BYTES` of shards), and gives each bucket one node,
+``param_buckets.gather_bucket([shards], ...)``, that starts one flat all-gather of them all
+(async). The gather nodes stay where they are, as ``all_gather(..., bucket=, index=)``: they
+take their weight from the bucket (``ops.param_buckets``, which also gathers the bucket
+again in backward with prefetch, and reduce-scatters its gradients in one collective).
+
+A block's bucket starts where the block before it begins (the first of its gathers), so the
+next block's weights travel while the current block computes, as FSDP's forward prefetch
+does; at most two blocks' gathered weights are alive at once. Buckets of mixed mesh axes or
+dtypes are split by them (one collective each).
 
 Every rank runs the same program, so the collectives start in the same order everywhere.
 Programs whose layers are recomputed or split into pipeline stages are left as they are (a
@@ -15,40 +22,103 @@ started gather must not cross a recomputed region or a stage boundary).
 """
 from __future__ import annotations
 
+import re
+
 from torch.fx import GraphModule, Node
 
 from autopar.ops import collectives
+from autopar.ops.param_buckets import gather_bucket
+
+BUCKET_BYTES = 25 * 2**20
+"""The most bytes of shards (this rank's) one bucket gathers."""
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
-def _zero3_gathers(gm: GraphModule) -> list[list[Node]]:
-    """The ZeRO-3 weight gathers, grouped by their first consumer, in program order."""
-    groups: dict[Node, list[Node]] = {}
-    for n in gm.graph.nodes:
-        if (n.op == "call_function" and n.target is collectives.all_gather and n.kwargs.get("regather")
-                and isinstance(n.args[0], Node) and n.args[0].op == "get_attr" and n.users):
-            groups.setdefault(next(iter(n.users)), []).append(n)
-    return list(groups.values())
+def block_of(attr: str) -> str | None:
+    """The repeated layer a parameter path lies in (``"transformer.h.3"`` for
+    ``"transformer.h.3.attn.c_attn.weight"``), or None."""
+    m = _BLOCK.match(attr)
+    return m.group(1) if m else None
 
 
-def prefetch_gathers(gm: GraphModule) -> int:
-    """Rewrite ``gm``'s ZeRO-3 gathers to start one consumer early; returns how many."""
-    groups = _zero3_gathers(gm)
+def _zero3_gathers(gm: GraphModule) -> list[Node]:
+    """The ZeRO-3 weight gathers (of a shard the module holds), in program order."""
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is collectives.all_gather and n.kwargs.get("regather")
+            and n.kwargs.get("bucket") is None and isinstance(n.args[0], Node)
+            and n.args[0].op == "get_attr" and n.users]
+
+
+def _shard(gm: GraphModule, node: Node):
+    obj = gm
+    for part in node.target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def plan_buckets(gm: GraphModule, gathers: list[Node],
+                 bucket_bytes: int = BUCKET_BYTES) -> list[list[list[Node]]]:
+    """``gathers`` as blocks (runs of reads of one repeated layer, or of weights outside
+    any), each block as its buckets (one mesh axis and dtype each, at most ``bucket_bytes``
+    of shards; a weight read twice in a block starts a new block)."""
+    blocks: list[list[Node]] = []
+    key, attrs = object(), set()
+    for g in gathers:
+        attr = g.args[0].target
+        k = block_of(attr)
+        if not blocks or k != key or attr in attrs:
+            blocks.append([])
+            key, attrs = k, set()
+        blocks[-1].append(g)
+        attrs.add(attr)
+    out = []
+    for block in blocks:
+        buckets: dict[tuple, list[list[Node]]] = {}
+        order: list[list[Node]] = []
+        size: dict[int, int] = {}
+        for g in block:
+            s = _shard(gm, g.args[0])
+            kind = (g.kwargs["axis"], g.kwargs.get("dtype"), s.dtype)
+            cur = buckets.get(kind)
+            nbytes = s.numel() * s.element_size()
+            if cur is None or (cur[-1] and size[id(cur[-1])] + nbytes > bucket_bytes):
+                cur = buckets.setdefault(kind, [])
+                cur.append([])
+                order.append(cur[-1])
+                size[id(cur[-1])] = 0
+            cur[-1].append(g)
+            size[id(cur[-1])] += nbytes
+        out.append(order)
+    return out
+
+
+def prefetch_gathers(gm: GraphModule, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Rewrite ``gm``'s ZeRO-3 gathers into per-block buckets started one block early;
+    returns how many gathers now take their weight from a bucket."""
+    blocks = plan_buckets(gm, _zero3_gathers(gm), bucket_bytes)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     count = 0
-    for k, group in enumerate(groups):
-        anchor = groups[k - 1][0] if k else group[0]
-        for g in group:
-            shard = g.args[0]
-            if order[shard] > order[anchor]:
-                anchor.prepend(shard)            # the get_attr moves up with its gather
-                order[shard] = order[anchor] - 0.5
-            kw = dict(g.kwargs)
-            start_kw = {"axis": kw["axis"], "dim": kw["dim"]}
-            start_kw.update({k: kw[k] for k in ("groups", "dtype") if kw.get(k) not in (None, 1)})
+    for b, buckets in enumerate(blocks):
+        anchor = blocks[b - 1][0][0] if b else buckets[0][0]   # where the block before begins
+        for bucket in buckets:
+            shards = []
+            for g in bucket:
+                shard = g.args[0]
+                if order[shard] > order[anchor]:
+                    anchor.prepend(shard)            # the get_attr moves up with its gather
+                    order[shard] = order[anchor] - 0.5
+                shards.append(shard)
+            kw = bucket[0].kwargs
+            start_kw = {"axis": kw["axis"], "dims": tuple(g.kwargs["dim"] for g in bucket),
+                        "groups": tuple(g.kwargs.get("groups", 1) for g in bucket)}
+            if kw.get("dtype") is not None:
+                start_kw["dtype"] = kw["dtype"]
             with gm.graph.inserting_before(anchor):
-                start = gm.graph.call_function(collectives.all_gather_start, (shard,), start_kw)
-            g.kwargs = {**kw, "started": start}
-            count += 1
+                start = gm.graph.call_function(gather_bucket, (shards,), start_kw)
+            for i, g in enumerate(bucket):
+                g.kwargs = {**g.kwargs, "bucket": start, "index": i}
+                count += 1
     if count:
         gm.graph.lint()
         gm.recompile()

@@ -69,26 +69,6 @@ class _AllGather(torch.autograd.Function):
         return (g if ctx.master is None else g.to(ctx.master), *none)
 
 
-class _AllGatherWait(_AllGather):
-    """The second half of a prefetched all-gather (``all_gather_start`` ... ``all_gather(...,
-    started=)``): the gathered weight once the gather started earlier is done; backward as
-    :class:`_AllGather`."""
-
-    @staticmethod
-    def forward(ctx, x, handle, axis, dim, grad_partial, regather=False, groups=1, dtype=None):
-        ctx.axis, ctx.dim, ctx.grad_partial, ctx.groups = axis, dim, grad_partial, groups
-        ctx.master = x.dtype if dtype is not None and x.dtype != dtype else None
-        out = _group_major(handle.wait(), dim, current_comm().size(axis), groups)
-        if regather:
-            regathered_weights().register(out, x, axis, dim, groups)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        grad = _AllGather.backward(ctx, g)
-        return (grad[0], None, *grad[1:])
-
-
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, grad_partial):
@@ -175,13 +155,16 @@ class RegatheredWeights:
         full = entry[0]()
         if full is None or not (t is full or t._base is full):
             return t   # the gathered weight is gone and its memory serves another tensor
+        if not isinstance(entry[1], torch.Tensor):
+            entry[1].packed()      # a bucket's weight (ops.param_buckets): gathered with its bucket
         return ("regather", *entry[1:], t.size(), t.stride(), t.storage_offset(), t.dtype)
 
     def _unpack(self, obj):
         if isinstance(obj, tuple) and obj and obj[0] == "regather":
             _, shard, axis, dim, groups, size, stride, offset, _dtype = obj
             with torch.no_grad():
-                full = _gather(shard.detach().to(_dtype), axis, dim, groups)
+                full = (_gather(shard.detach().to(_dtype), axis, dim, groups)
+                        if isinstance(shard, torch.Tensor) else shard.regather())
             return full.as_strided(size, stride, offset)
         return obj
 
@@ -219,25 +202,16 @@ class _ShardToPartial(torch.autograd.Function):
 # The graph's call targets. Keyword names show up in the generated per-rank code.
 
 def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: bool = False,
-               groups: int = 1, dtype: torch.dtype | None = None, started=None):
+               groups: int = 1, dtype: torch.dtype | None = None, bucket=None, index: int = 0):
     """S(dim) (or strided S(dim/groups)) -> R on ``axis``. ``regather``: a ZeRO-3 weight,
     which autograd does not keep: backward gathers it again (:class:`RegatheredWeights`).
     ``dtype``: gather the shard cast to it (mixed precision); the gradient returns in the
     shard's dtype, reduced in it unless the communicator's ``grad_reduce_dtype`` is set.
-    ``started``: the collective :func:`all_gather_start` began earlier (prefetch); wait for it."""
-    if started is not None:
-        return _AllGatherWait.apply(x, started, axis, dim, grad_partial, regather, groups, dtype)
+    ``bucket``: the ``ops.param_buckets.ParamBucket`` that gathered ``x`` with the rest of its
+    block (``passes.prefetch``), ``x`` its weight ``index``: take it from there."""
+    if bucket is not None:
+        return bucket.member(x, index, grad_partial)
     return _AllGather.apply(x, axis, dim, grad_partial, regather, groups, dtype)
-
-
-def all_gather_start(x, axis: int, dim: int, groups: int = 1, dtype: torch.dtype | None = None):
-    """Start the all-gather of ``x`` (a ZeRO-3 weight's shard, cast to ``dtype`` when given)
-    that ``all_gather(x, ..., started=)`` finishes: placed earlier in the graph, it runs while
-    the ops between compute (``passes.prefetch``)."""
-    with torch.no_grad():
-        if dtype is not None and x.dtype != dtype:
-            x = x.to(dtype)
-        return current_comm().all_gather_start(x.detach(), axis, dim)
 
 
 def all_reduce(x, axis: int, grad_partial: bool = False):
