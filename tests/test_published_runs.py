@@ -1,0 +1,35 @@
+"""benchmarks/published_runs.py pins each run as its publication ran it: valid pins, the
+published micro-batch (gradient accumulation without a pipeline, micro-batches of a
+pipeline), and the publication's ZeRO stage. Planning the rows takes minutes (the
+benchmark); this checks only what the pins say."""
+import pytest
+import torch
+
+from autopar.solver.accumulate import accumulation_pin
+from autopar.solver.pins import check_pins
+from autopar.solver.pipeline_search import pipeline_config
+from benchmarks.published_runs import RUNS, pins_of
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[f"{r.name} ({r.gpus})" for r in RUNS])
+def test_pins_give_the_published_micro_batch(run):
+    pins = check_pins(pins_of(run))
+    assert run.tensor * run.pipeline * run.data == run.gpus
+    assert pins["tensor"] == run.tensor and pins["data"] == run.data
+    batch = [torch.empty(run.batch, 1)]          # only dim 0 is read
+    per_rank = run.batch // run.data              # samples per data-parallel rank a step
+    if run.pipeline > 1:
+        p, v, m, _ = pipeline_config(batch, pins)
+        assert (p, m) == (run.pipeline, per_rank // run.micro)
+    else:
+        k = accumulation_pin(pins, batch)
+        assert (k or 1) == per_rank // run.micro
+
+
+def test_zero_stage_as_published():
+    """Llama 3 405B: optimizer state and gradients sharded, parameters kept after forward
+    (ZeRO-2); BLOOM: Megatron-DeepSpeed's ZeRO-1; torchtitan: FSDP2 (ZeRO-3)."""
+    zero = {(r.name, r.gpus): pins_of(r).get("zero", 0) for r in RUNS}
+    assert zero[("Llama3 405B", 8192)] == zero[("Llama3 405B", 16384)] == 2
+    assert zero[("BLOOM 176B", 384)] == 1
+    assert zero[("Llama3 8B", 64)] == zero[("Llama3 70B", 64)] == 3
