@@ -36,7 +36,7 @@ from autopar.solver.accumulate import (
 )
 from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.errors import InfeasibleError
-from autopar.solver.flat import plan_captured
+from autopar.solver.flat import plan_captured, solve_captured
 from autopar.solver.pins import check_optimizer, check_pins, pipelined
 from autopar.solver.pipeline_free import search_pipelines
 from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
@@ -209,8 +209,8 @@ def _offloaded(cap: Captured, cl, world: int, pins: dict, verbose: bool, **kw) -
         if verbose:
             print(f"trying offload='optimizer', zero={stage} (nothing else fits device memory)")
         try:
-            plan = plan_captured(cap, cl, world, pins={**pins, "zero": stage, "offload": "optimizer"},
-                                 verbose=verbose, **kw)
+            plan, _ = solve_captured(cap, cl, world, pins={**pins, "zero": stage, "offload": "optimizer"},
+                                     verbose=verbose, explain=False, **kw)
         except (InfeasibleError, PinError):
             continue
         return Planned(plan, cap)
