@@ -70,7 +70,8 @@ Backward, per family, as multiples of the forward (FLOPs, bytes) and its kernel 
   only the reduction of broadcast operands (``sub`` adds one negation);
 - reductions: the expand of the grad (bytes of input + output);
 - embedding: zero the weight grad and scatter-add the rows;
-- copies, casts, gathers: 1x; factories, views, ops with no floating output: 0.
+- copies, casts, gathers: 1x; factories, views, ops with no floating output: 0;
+- dropout on a GPU: its one-byte mask too (written forward, read backward), 1x.
 
 Recomputation of a node costs its forward time again.
 """
@@ -374,6 +375,11 @@ def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
         inputs = [_half(m) for m in inputs]
         outputs = [_half(m) for m in outputs]
     b = bytes_moved(op, inputs, outputs, args, kwargs)
+    if fam == DROPOUT and device.sms and len(outputs) == 1:
+        # the CUDA kernel behind dropout, ``aten::native_dropout(Tensor input, float p, bool?
+        # train) -> (Tensor, Tensor)`` (torch's native_functions.yaml), also writes a bool
+        # mask of the output's size, which backward reads (``native_dropout_backward``)
+        b += _numel(outputs[0])
     if fam in MATMUL_LIKE:
         rate = device.peak_flops[dtype_key] * device.max_efficiency
     else:

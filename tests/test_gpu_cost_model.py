@@ -90,6 +90,22 @@ def test_mixed_precision_moves_16_bit_activations():
     assert (t16 - launch) == pytest.approx((t32 - launch) / 2)
 
 
+def test_dropout_moves_its_mask_on_gpu():
+    """aten.dropout on a GPU runs native_dropout, which writes a bool mask beside the
+    output (read again in backward): 5 bytes an element at bf16, as native_dropout's own
+    outputs say."""
+    x = T(4096, 4096)
+    mask = T(4096, 4096, dtype=torch.bool)
+    launch = A100_80GB.launch_overhead
+    drop = node_time(aten.dropout.default, [x], [x], (x, 0.1, True), {}, A100_80GB, "bf16")
+    native = node_time(aten.native_dropout.default, [x], [x, mask], (x, 0.1, True), {},
+                       A100_80GB, "bf16")
+    assert drop == pytest.approx(native)
+    bw = A100_80GB.mem_bandwidth * A100_80GB.mem_efficiency
+    assert drop[0] - launch == pytest.approx(5 * 4096 * 4096 / bw)
+    assert drop[1] - launch == pytest.approx(5 * 4096 * 4096 / bw)
+
+
 # --- attention -----------------------------------------------------------------------------
 def _unfused_score_ops_time(b, h, s, dev=A100_80GB):
     """Forward + backward of the mask, softmax and dropout over materialised scores."""
