@@ -4,7 +4,10 @@ only powers of two), at most one stage per layer, with tensor parallelism dividi
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
+import pytest
 import torch
 
 from autopar.capture import capture
@@ -12,6 +15,9 @@ from autopar.cost_models.hardware import parse_cluster
 from autopar.solver.driver import solve
 from autopar.solver.pipeline_free import pipeline_degrees, stage_meshes
 from examples.models import gpt_factory
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from step_terms import step_terms  # noqa: E402  (benchmarks/plan_quality.py's gain tables)
 
 
 @functools.cache
@@ -39,10 +45,18 @@ def test_degrees_are_the_divisors_of_the_node_count_up_to_the_layers():
 def test_three_devices_pipeline_three_stages():
     """Three A100s, a budget no unpipelined plan fits (the whole batch's activations;
     ``accumulate=1``): the search pipelines over three stages, a degree no power of two
-    reaches, and the plan fits."""
+    reaches, and the plan fits. Its step broken into terms (benchmarks/step_terms.py, priced
+    again from the plan's placements) gives the estimate's compute and communication."""
     ex, cap = twelve_layers()
     budget = 16 * 2**20
-    plan = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x3xA100",
-                 pins={"accumulate": 1}, memory_budget=budget, captured=cap).plan
+    plan, mcap = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x3xA100",
+                       pins={"accumulate": 1}, memory_budget=budget, captured=cap)
     assert plan.pipeline_stages == 3 and plan.mesh_shape == (3, 1)
     assert plan.estimate.memory_total <= budget
+    terms = step_terms(mcap, plan, parse_cluster("1x3xA100"))
+    assert terms["compute"] > 0 and terms["pipeline p2p"] > 0 and terms["pipeline bubble"] > 0
+    assert terms["compute"] + terms["recompute"] == pytest.approx(plan.estimate.compute_s, rel=1e-9)
+    comm = ("tensor-parallel comm", "data-parallel comm", "grad sync (exposed)", "pipeline p2p")
+    assert sum(terms[k] for k in comm) == pytest.approx(plan.estimate.comm_s, rel=1e-9)
+    # the bubble is what the schedule leaves idle: less than the compute it waits around
+    assert terms["pipeline bubble"] < terms["compute"]
