@@ -13,7 +13,18 @@ Gradient synchronisation of replicated parameters (data parallelism) belongs to 
 not to each use: where every use of a parameter on a mesh axis reads it replicated into
 an op whose output is not replicated there, no collective is inserted; the axis is
 returned in ``Rewritten.grad_sync[attr]`` and the runtime all-reduces the gradient once,
-bucketed and overlapped with backward.
+bucketed and overlapped with backward. The same holds through values computed from
+parameters alone, replicated on the axis (GPT's position embedding ``wpe[arange]`` added to
+the batch-sharded token embedding): backward is linear in the gradient and such a value is
+the same on every rank, so its parameters' gradients are partial too; no activation
+gradient is all-reduced for it.
+
+``defer_loss=True``: the loss is returned as this rank's term where summing it over ranks
+is all that is left (``Rewritten.loss_sync`` names the axes); the runtime sums it
+asynchronously, beside backward (its gradient is the same: an all-reduce's is the identity).
+A mean cross-entropy over batch-sharded targets divides by the global count of
+non-ignored targets, computed from the whole target every rank holds
+(``passes.loss_count``) rather than all-reduced.
 """
 from __future__ import annotations
 
@@ -29,6 +40,7 @@ from autopar.capture import Captured
 from autopar.placement import Replicate
 from autopar.plan import Plan, PlanError
 from autopar.ops import collectives
+from autopar.passes.loss_count import global_loss_counts
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import (
     Strategy, TensorMeta, localize, make_call,
@@ -91,13 +103,15 @@ class Rewritten:
     parameter's attribute path to the mesh axes its gradient is summed over once per step."""
     gm: GraphModule
     grad_sync: dict[str, tuple[int, ...]]
+    loss_sync: tuple[int, ...] = ()      # defer_loss: axes the returned loss is summed over
 
 
 def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
-                       attr_of: dict[str, str], returns: str = "loss") -> Rewritten:
+                       attr_of: dict[str, str], returns: str = "loss",
+                       defer_loss: bool = False) -> Rewritten:
     """Build the per-rank GraphModule. ``attr_of`` maps a parameter/buffer placeholder to its
     attribute path on ``root``; ``returns`` is ``"loss"`` or ``"model"`` (the model's
-    outputs, as a flat tuple)."""
+    outputs, as a flat tuple); ``defer_loss``: see the module's docstring."""
     rw = _Rewriter(cap, plan, attr_of)
     names = [cap.loss] if returns == "loss" else list(cap.output)
     needed = _needed(cap, names)
@@ -115,11 +129,16 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
         elif node.op == "call_function":
             rw.call(node)
         elif node.op == "output":
-            results = [rw.replicated(name) for name in names]
+            loss_sync = rw.partial_loss(names[0]) if returns == "loss" and defer_loss else None
+            results = [rw.replicated(name) for name in names] if loss_sync is None else \
+                [rw.env[names[0]][0]]
             rw.g.output(results[0] if returns == "loss" else tuple(results))
+    global_loss_counts(rw.g, cap)
     rw.g.eliminate_dead_code()
     return Rewritten(GraphModule(root, rw.g),
-                     {attr_of[p]: tuple(axes) for p, axes in rw.deferred.items() if axes})
+                     {attr_of[p]: tuple(axes) for p, axes in rw.deferred.items()
+                      if axes and p in cap.params},
+                     loss_sync or ())
 
 
 class _Rewriter:
@@ -135,8 +154,10 @@ class _Rewriter:
         self.g = Graph()
         self.env: dict[str, tuple[Node, list]] = {}   # name -> (local node, placements per output)
 
-    def move(self, local: Node, meta_src, dst, gp, from_param: str | None) -> Node:
-        """``local`` (placed ``meta_src``) moved to placements ``dst`` by collective nodes."""
+    def move(self, local: Node, meta_src, dst, gp, from_param: str | None,
+             deferred: tuple[int, ...] = ()) -> Node:
+        """``local`` (placed ``meta_src``) moved to placements ``dst`` by collective nodes;
+        no gradient all-reduce on the ``deferred`` axes (the step sums those gradients)."""
         try:
             steps = plan_steps(meta_src, dst, gp)
         except Unsupported as e:
@@ -144,7 +165,7 @@ class _Rewriter:
         for st in steps:
             if self.mesh[st.axis] == 1:
                 continue       # a group of one rank: every step is the identity there
-            if st.kind == "grad_all_reduce" and from_param and st.axis in self.deferred.get(from_param, ()):
+            if st.kind == "grad_all_reduce" and st.axis in deferred:
                 continue
             kwargs = _step_kwargs(st)
             if st.kind == "all_gather" and from_param and self.regather:
@@ -156,6 +177,20 @@ class _Rewriter:
         local, outs = self.env[name]
         n = len(self.mesh)
         return self.move(local, outs[0], (R,) * n, (False,) * n, None)
+
+    def partial_loss(self, name: str) -> tuple[int, ...] | None:
+        """The axes over which only a sum (an all-reduce, its gradient the identity) makes
+        the scalar ``name`` replicated; None when anything else is needed."""
+        local, outs = self.env[name]
+        n = len(self.mesh)
+        try:
+            steps = plan_steps(outs[0], (R,) * n, (False,) * n)
+        except Unsupported:
+            return None
+        steps = [st for st in steps if self.mesh[st.axis] > 1]
+        if any(st.kind != "all_reduce" or st.grad_partial for st in steps):
+            return None
+        return tuple(st.axis for st in steps)
 
     def placeholder(self, node: Node) -> None:
         """A parameter or buffer: its local shard; a user input: this rank's slice of it."""
@@ -183,7 +218,8 @@ class _Rewriter:
             gp = _grad_partial(combo, k)
             if not call.inputs[k].dtype.is_floating_point:
                 gp = (False,) * len(self.mesh)      # ids, masks, positions carry no gradient
-            local_of[id(call.inputs[k])] = self.move(local, outs[0], dst, gp, param)
+            local_of[id(call.inputs[k])] = self.move(local, outs[0], dst, gp, param,
+                                                     tuple(self.deferred.get(name, ())))
         target, args, kwargs = localize(call, combo, self.mesh)
         if target is aten.view.default:
             # local tensors may be laid out differently from the global ones (a shard
@@ -217,34 +253,76 @@ def _needed(cap: Captured, outputs: list[str]) -> set[str]:
 
 
 def _deferred_grad_sync(cap: Captured, plan: Plan, calls) -> dict[str, list[int]]:
-    """Parameter placeholder -> mesh axes on which every use reads it replicated into an op
-    whose output is not replicated (its gradient is partial there, to be summed per step)."""
-    n_axes = len(plan.mesh_shape)
-    out: dict[str, list[int]] = {}
-    for ph in cap.params:
-        node = cap.node(ph)
-        pplace = plan.nodes[ph].output(0)
-        axes = []
-        for a in range(n_axes):
-            if not isinstance(pplace[a], Replicate):
-                continue
-            ok = bool(node.users)
-            for user in node.users:
-                if user.name not in plan.nodes and not user.users:
-                    continue   # a metadata check (aten._assert_tensor_metadata): reads no value
-                call = calls.get(user.name)
-                if call is None:
-                    ok = False
-                    break
-                combo = _combo(plan, user.name, len(call.inputs), len(call.outputs))
-                ks = [k for k, t in enumerate(_tensor_arg_names(user)) if t == ph]
-                for k in ks:
-                    if not (isinstance(combo[a].inputs[k], Replicate) and _grad_partial(combo, k)[a]):
-                        ok = False
-            if ok:
-                axes.append(a)
-        out[ph] = axes
+    """Node -> mesh axes on which its gradient is partial at every use, to be summed once per
+    step: a parameter replicated there, or a value computed from such parameters (and
+    constants) alone, replicated there, every use of which reads it replicated into an op
+    whose output is not replicated (``_grad_partial``) or into another such value. Only the
+    parameters' entries matter to the step; the others let the rewrite skip their gradient
+    all-reduce."""
+    out: dict[str, list[int]] = {ph: [] for ph in cap.params}
+    const = _gradient_free(cap)
+    for a in range(len(plan.mesh_shape)):
+        cand = {ph for ph in cap.params if isinstance(plan.nodes[ph].output(0)[a], Replicate)}
+        for node in cap.gm.graph.nodes:       # topological: inputs are decided first
+            if _replicated_from(node, a, cand, const, plan, calls):
+                cand.add(node.name)
+        changed = True
+        while changed:                        # drop any with a use that is not partial
+            changed = False
+            for name in list(cand):
+                if not _uses_partial(cap.node(name), a, cand, plan, calls):
+                    cand.discard(name)
+                    changed = True
+        for name in cand:
+            out.setdefault(name, []).append(a)
     return out
+
+
+def _gradient_free(cap: Captured) -> set[str]:
+    """Nodes no gradient flows through: buffers, and ops on them and on constants only."""
+    free: set[str] = set(cap.buffers)
+    for node in cap.gm.graph.nodes:
+        if node.op == "call_function" and all(i.name in free for i in node.all_input_nodes):
+            free.add(node.name)
+    return free
+
+
+def _replicated_from(node: Node, a: int, cand: set[str], const: set[str], plan: Plan, calls) -> bool:
+    """``node`` is an op replicated on axis ``a`` whose floating inputs are all candidates
+    (read replicated) or gradient free: its value is the same on every rank of ``a``."""
+    call = calls.get(node.name)
+    if call is None or node.name not in plan.nodes or len(call.outputs) != 1 or node.name in const:
+        return False
+    combo = _combo(plan, node.name, len(call.inputs), len(call.outputs))
+    if not isinstance(combo[a].outputs[0], Replicate):
+        return False
+    has_cand = False
+    for k, name in enumerate(_tensor_arg_names(node)):
+        if not isinstance(combo[a].inputs[k], Replicate):
+            return False
+        if name in cand:
+            has_cand = True
+        elif call.inputs[k].dtype.is_floating_point and name not in const:
+            return False
+    return has_cand
+
+
+def _uses_partial(node: Node, a: int, cand: set[str], plan: Plan, calls) -> bool:
+    ok = bool(node.users)
+    for user in node.users:
+        if user.name not in plan.nodes and not user.users:
+            continue   # a metadata check (aten._assert_tensor_metadata): reads no value
+        if user.name in cand:
+            continue
+        call = calls.get(user.name)
+        if call is None:
+            return False
+        combo = _combo(plan, user.name, len(call.inputs), len(call.outputs))
+        for k, t in enumerate(_tensor_arg_names(user)):
+            if t == node.name and not (isinstance(combo[a].inputs[k], Replicate)
+                                       and _grad_partial(combo, k)[a]):
+                return False
+    return ok
 
 
 def _tensor_arg_names(node: Node) -> list[str]:

@@ -118,15 +118,27 @@ def _reduce_loss(per: torch.Tensor, denom: torch.Tensor, reduction: int) -> torc
     return total if reduction == 2 else total / denom
 
 
+def global_target_count(target: torch.Tensor, weight, ignore_index: int) -> torch.Tensor:
+    """The denominator of a mean cross-entropy over the WHOLE ``target``: the count of its
+    non-ignored entries, or the sum of their class weights (``passes.loss_count``)."""
+    valid = target != ignore_index
+    if weight is None:
+        return valid.sum()
+    w = weight[torch.where(valid, target, torch.zeros_like(target))]
+    return (w * valid.to(w.dtype)).sum()
+
+
 def sharded_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight=None,
                           reduction: int = 1, ignore_index: int = -100,
                           label_smoothing: float = 0.0, *, class_axes: Sequence[int] = (),
-                          batch_axes: Sequence[int] = (), log_probs: bool = False):
+                          batch_axes: Sequence[int] = (), log_probs: bool = False,
+                          count: torch.Tensor | None = None):
     """``cross_entropy`` (or ``nll_loss`` on log-probabilities when ``log_probs``) with class
     indices as targets, the classes sharded over ``class_axes`` (vocabulary-parallel: the
     max and the sum of exponentials cross the shards) and the batch sharded over
     ``batch_axes`` (a mean divides by the GLOBAL count of non-ignored targets, and the
-    result is this rank's Partial term).
+    result is this rank's Partial term). ``count``: that global count when known
+    (:func:`global_target_count` of the whole target); else it is all-reduced.
 
     Class-sharded: ``weight`` must be None and ``label_smoothing`` 0 (the rule checks).
     Under autocast it computes in fp32, as autocast runs the losses it stands in for.
@@ -141,12 +153,10 @@ def sharded_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight=None,
         per_sum = fn(x, target, weight, 2 if reduction != 0 else 0, ignore_index, *extra)
         if reduction != 1:
             return per_sum
-        if weight is None:
-            count = valid.sum().to(x.dtype)
-        else:
-            w = weight[torch.where(valid, target, torch.zeros_like(target))]
-            count = (w * valid.to(w.dtype)).sum().to(x.dtype)
-        return per_sum / _sum_no_grad(count, batch_axes)
+        if count is not None:
+            return per_sum / count.to(x.dtype)
+        return per_sum / _sum_no_grad(global_target_count(target, weight, ignore_index).to(x.dtype),
+                                      batch_axes)
 
     if log_probs:
         per = -_target_logit(x, target, valid, class_dim, class_axes)
@@ -156,5 +166,6 @@ def sharded_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight=None,
         lse = sumexp.log() + m.squeeze(class_dim)
         per = lse - _target_logit(x, target, valid, class_dim, class_axes)
     per = per * valid.to(per.dtype)
-    count = _sum_no_grad(valid.sum().to(per.dtype), batch_axes)
-    return _reduce_loss(per, count, reduction)
+    if count is None:
+        count = _sum_no_grad(valid.sum().to(per.dtype), batch_axes)
+    return _reduce_loss(per, count.to(per.dtype), reduction)

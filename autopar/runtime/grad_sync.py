@@ -36,9 +36,13 @@ class GradSync:
                  comm: Comm, bucket_bytes: int = BUCKET_BYTES, reduce_dtype=None, reducer=None):
         self.reduce_dtype = reduce_dtype    # None: sum in the gradients' dtype; else cast (bf16 pin)
         self.reducer = reducer              # compression.Reducer on its data axis, or None
-        self.params = {a: p for a, p in params.items() if axes_of.get(a)}
-        self.axes_of = {a: tuple(axes_of[a]) for a in self.params}
         self.comm = comm
+        # a sum over one rank is a no-op: such axes are dropped (the reducer's is kept), and a
+        # parameter left with none gets no hook and no bookkeeping (world-1 plans)
+        live = {a: tuple(x for x in axes if comm.size(x) > 1 or (reducer is not None and x == reducer.axis))
+                for a, axes in axes_of.items()}
+        self.params = {a: p for a, p in params.items() if live.get(a)}
+        self.axes_of = {a: live[a] for a in self.params}
         self.bucket_bytes = bucket_bytes
         self._active = False
         self._reset()

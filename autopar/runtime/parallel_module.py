@@ -68,8 +68,11 @@ class OneStage:
     device, dtype, loss_scale = None, None, None    # mixed precision (set by ParallelModule)
 
     def __init__(self, cap: Captured, programs: dict[str, GraphModule], loss_fn: Callable | None,
-                 shards: Shards, n_microbatches: int = 1, branches: BranchRanks | None = None):
+                 shards: Shards, n_microbatches: int = 1, branches: BranchRanks | None = None,
+                 loss_sync: tuple[int, ...] = ()):
         self.programs = programs        # "train" (when the loss is captured), "forward"
+        # "train" returns this rank's term of the loss, summed over these axes beside backward
+        self.loss_sync = loss_sync
         self.branches = branches        # branch parallelism: this rank's group keeps its branches
         if branches is not None:
             self.pp_rank = branches.rank
@@ -87,19 +90,25 @@ class OneStage:
 
     def train(self, inputs: tuple, target, sync: GradSync, params, owners) -> torch.Tensor:
         k = self.n_microbatches
-        total = None
+        total, summing = None, None
         try:
             for i, (mb_inputs, mb_target, scales) in enumerate(self._microbatches(inputs, target)):
                 if i == k - 1:
                     sync.begin()        # the step's reductions run in the last backward
                 loss = self._loss(mb_inputs, mb_target, scales)
+                total = loss.detach().clone() if total is None else total + loss.detach()
+                if i == k - 1 and self.loss_sync:    # the loss's sum over ranks, beside backward
+                    summing = sync.comm.all_reduce_coalesced([total], self.loss_sync[0])
                 (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
-                total = loss.detach() if total is None else total + loss.detach()
         except BaseException:
             sync.abort()
             raise
         with torch.no_grad():
             sync.finish()
+            if summing is not None:
+                summing.wait()
+                for a in self.loss_sync[1:]:
+                    total = sync.comm.all_reduce(total, a)
         return total
 
     def _loss(self, inputs: tuple, target, scales: tuple) -> torch.Tensor:
@@ -181,7 +190,9 @@ class ParallelModule(nn.Module):
                                    meta_ok=weights is not None)
         shards = stored_shards(shards, splan)
         self._shards, self._stage_mesh = shards, tuple(splan.mesh_shape)
-        programs, grad_axes = self._programs(cap, run_splan, root, shards, pipelined)
+        # the loss's sum over data ranks is deferred (OneStage), unless pipelined or branched
+        programs, grad_axes, loss_sync = self._programs(cap, run_splan, root, shards, pipelined,
+                                                        defer_loss=not pipelined and not plan.branches)
         if plan.branches:        # branch parallelism: this rank's branches only
             programs = {w: keep_branches(gm, cap, plan, comm.coord, shards.attr_of)
                         for w, gm in programs.items()}
@@ -191,7 +202,8 @@ class ParallelModule(nn.Module):
             self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes)
         else:
             self.runner = OneStage(cap, programs, loss_fn, shards, plan.accumulate,
-                                   BranchRanks(plan, comm, shards.attr_of) if plan.branches else None)
+                                   BranchRanks(plan, comm, shards.attr_of) if plan.branches else None,
+                                   loss_sync)
         # this rank keeps what its stages read
         self.owners = self.runner.owners()
         self.module = nn.Module()
@@ -261,11 +273,14 @@ class ParallelModule(nn.Module):
             self._zero.gather()
 
     @staticmethod
-    def _programs(cap: Captured, splan: Plan, root: nn.Module, shards: Shards, pipelined: bool):
-        """The per-rank programs and the axes each data-parallel gradient is summed over."""
+    def _programs(cap: Captured, splan: Plan, root: nn.Module, shards: Shards, pipelined: bool,
+                  defer_loss: bool = False):
+        """The per-rank programs, the axes each data-parallel gradient is summed over and
+        (``defer_loss``) those the train program's loss is still to be summed over."""
         rewritten = {}
         if cap.has_loss:
-            rewritten["train"] = insert_collectives(cap, splan, root, shards.attr_of, "loss")
+            rewritten["train"] = insert_collectives(cap, splan, root, shards.attr_of, "loss",
+                                                    defer_loss=defer_loss)
         rewritten["forward"] = insert_collectives(cap, splan, root, shards.attr_of, "model")
         programs = {which: r.gm for which, r in rewritten.items()}
         for gm in programs.values():     # mixed precision: ZeRO-3 gathers 16-bit weights
@@ -275,7 +290,8 @@ class ParallelModule(nn.Module):
         if splan.recompute and "train" in programs and not pipelined:
             programs["train"] = checkpoint_layers(programs["train"], layer_members(cap.gm, splan.recompute))
         grad_axes = dict(rewritten.get("train", rewritten["forward"]).grad_sync)
-        return programs, grad_axes
+        loss_sync = rewritten["train"].loss_sync if "train" in rewritten else ()
+        return programs, grad_axes, loss_sync
 
     @property
     def data_rank(self) -> int:
@@ -309,7 +325,7 @@ class ParallelModule(nn.Module):
             raise ArgumentError("train_step needs target=: the loss is part of the plan's graph")
         target = self._to_device(target)
         inputs, target = self.rank_data.global_batch(inputs, target)
-        params = dict(self.module.named_parameters())
+        params = self._local_params()
         self._gather_params()
         if self._zero is not None:
             self._zero.drop_working_grads()
@@ -318,6 +334,13 @@ class ParallelModule(nn.Module):
             if self._offload is not None:
                 self._offload.grads_down()      # the synced gradient shards to the host masters
             return loss
+
+    def _local_params(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by attribute path, built once (every parameter is set by
+        the end of ``__init__``; loads copy into them)."""
+        if self.__dict__.get("_params_cache") is None:
+            self.__dict__["_params_cache"] = dict(self.module.named_parameters())
+        return self.__dict__["_params_cache"]
 
     @contextlib.contextmanager
     def _saved_tensor_policy(self):
