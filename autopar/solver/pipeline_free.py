@@ -16,6 +16,7 @@ from autopar.analysis.layers import repeated_layers, select_layers
 from autopar.analysis.stages import chain
 from autopar.capture import Captured
 from autopar.plan import Plan
+from autopar.solver.errors import InfeasibleError
 from autopar.solver.pipeline_price import batch_degree, memory_weights, price_plan, state_bytes
 from autopar.solver.pipeline_search import (
     _allowed_micro_batches, _choose, _has_layers, capture_microbatch, plan_pipeline, solve_intra,
@@ -93,10 +94,16 @@ class _DegreeSearch:
         self.state = state_bytes(cap, optimizer, pins.get("precision"))
 
     def best(self, p: int):
-        """(predicted step, p, StagePlan, intra pins) of least predicted step, or None."""
+        """(predicted step, p, StagePlan, intra pins) of least predicted step, or None. The
+        most tensor-parallel stage mesh first: it holds the least per device, so when no
+        plan on it fits the memory budget, none on the others does and they are skipped."""
         best = None
-        for data, tensor in stage_meshes(self.cl, self.world // p, self.pins):
+        for k, (data, tensor) in enumerate(sorted(stage_meshes(self.cl, self.world // p, self.pins),
+                                                  key=lambda dt: -dt[1])):
+            self.out_of_memory = False
             got = self._on_mesh(p, data, tensor)
+            if k == 0 and self.out_of_memory:
+                break
             if got is not None and (best is None or got[0] < best[0]):
                 best = got
         return best
@@ -122,6 +129,7 @@ class _DegreeSearch:
             pr = price_plan(cap, intra, sol, self.cl, self.world, p, 4 * p)
             allowed = _allowed_micro_batches(batch, batch_degree(cap, intra))
         except ValueError as e:          # InfeasibleError, PinError, ...
+            self.out_of_memory = isinstance(e, InfeasibleError)
             self._say(p, mesh, str(e).splitlines()[0][:100])
             return None
         for rec in ((), self.layers) if self.layers else ((),):
