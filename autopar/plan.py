@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autopar.cost_models.memory import peak_bytes
 from autopar.placement import parse_placements
 from autopar.plan_schema import PlanError, check
 from autopar.report import plan_summary
@@ -57,13 +58,20 @@ class Estimate:
     stage_times_s: tuple[float, ...] = ()
     """Pipeline plans: each stage's forward + backward seconds for one micro-batch, the
     runtime's cost per action included (what the schedule simulator was given)."""
+    memory_phases: tuple[tuple[str, ...], ...] = ()
+    """Groups of ``memory_bytes`` terms never live at once (an unpipelined step: the end of
+    forward's activations, the end of backward's gradients; ``cost_models.memory.step_phases``).
+    Empty: every term at once (pipelines, gradient accumulation, plan files from before)."""
 
     def __post_init__(self):
         object.__setattr__(self, "stage_times_s", tuple(float(t) for t in self.stage_times_s))
+        object.__setattr__(self, "memory_phases", tuple(tuple(str(k) for k in g) for g in self.memory_phases))
 
     @property
     def memory_total(self) -> float:
-        return float(sum(self.memory_bytes.values()))
+        """Peak bytes per device: the terms in no phase plus the largest phase
+        (``cost_models.memory.peak_bytes``); the sum of the terms when there are no phases."""
+        return peak_bytes(self.memory_bytes, self.memory_phases)
 
 
 @dataclass(frozen=True)

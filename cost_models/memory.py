@@ -20,6 +20,18 @@ fp32, plain SGD                 4 Psi     4 Psi     0
 ZeRO stage ``z`` over ``dp`` data-parallel ranks divides by ``dp``: stage 1 the optimizer
 states, stage 2 also the gradients, stage 3 also the parameters.
 
+Not every term is live at once. An unpipelined step of one micro-batch peaks either at the
+end of its forward (every activation saved for backward, recomputation's extra, and under
+mixed precision the 16-bit weight copies, which backward frees with the activations that
+saved them; no gradient yet) or at the end of its backward (every gradient, and the flat
+buffers the runtime sums them in, ``runtime.grad_sync``; the activations freed). Backward
+trades one for the other layer by layer, so its live bytes lie between the two ends (a
+sum of layers freed and layers produced, linear in the step). :func:`step_phases` names
+the two groups and :func:`peak_bytes` takes the larger: parameters and optimizer state (and
+inputs, buffers) are live throughout. A pipeline or gradient accumulation keeps the
+gradients of earlier micro-batches beside the activations of later ones: all terms add.
+Measured against the runtime's peak: ``benchmarks/precision_memory.py``.
+
 The caching allocator holds more than the sum of live tensors; :func:`allocator_overhead`
 and :func:`allocation_size` state how much we add. They are starting values to be checked
 against measured peaks (``benchmarks/cost_model_accuracy.py``), not fitted to them.
@@ -59,6 +71,32 @@ def training_state_bytes(param_numel: int, optimizer: str = "adamw", precision: 
     if zero >= 3:
         params /= dp
     return {"params": params, "grads": grads, "optimizer": opt}
+
+
+FORWARD_END = ("activations", "recompute")
+"""Terms live only until backward frees them: saved activations, recomputation's extra."""
+BACKWARD_END = ("grads", "grad_buffers")
+"""Terms born in backward: gradients, and the flat buffers they are summed in."""
+
+
+def step_phases(mixed: bool = False) -> tuple[tuple[str, ...], ...]:
+    """The groups of memory terms of an unpipelined step of one micro-batch that are never
+    live at once (module docstring): the end of forward, the end of backward. Under mixed
+    precision the ``params`` term is the 16-bit weight copies, made in forward and freed
+    with the activations that saved them, so it joins the forward's group."""
+    return (FORWARD_END + (("params",) if mixed else ()), BACKWARD_END)
+
+
+def peak_bytes(terms: dict[str, float], phases: tuple[tuple[str, ...], ...] = ()) -> float:
+    """Peak bytes per device of memory ``terms`` (term -> bytes): every term in no group of
+    ``phases`` plus the largest group's sum. No phases: every term live at once.
+
+    >>> peak_bytes({"params": 1, "activations": 5, "grads": 3}, step_phases())
+    6.0
+    """
+    grouped = {k for group in phases for k in group}
+    always = sum(b for k, b in terms.items() if k not in grouped)
+    return float(always + max((sum(terms.get(k, 0.0) for k in g) for g in phases), default=0.0))
 
 
 # Fragmentation of PyTorch's caching allocator: memory reserved beyond memory allocated.

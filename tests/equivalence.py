@@ -34,10 +34,14 @@ def compare(ref, got, label: str = "") -> dict:
 def sharding_budget(replicated) -> float:
     """A memory budget replication does not fit, for the solver's own plan: the memory of
     ``replicated``, the data-parallel plan (every parameter replicated, the batch split), less
-    half its replicated training state (parameters, gradients, AdamW moments). Tiny models'
-    free plans replicate everything; under this budget they shard."""
-    state = sum(replicated.estimate.memory_bytes.get(k, 0) for k in ("params", "grads", "optimizer"))
-    return replicated.estimate.memory_total - state / 2
+    0.4 of its replicated training state live through the step (parameters, AdamW moments;
+    gradients too where they are not born after the activations are freed:
+    ``Estimate.memory_phases``), which sharding over 2 ranks halves. Tiny models' free plans
+    replicate everything; under this budget they shard."""
+    phased = {k for g in replicated.estimate.memory_phases for k in g}
+    state = sum(replicated.estimate.memory_bytes.get(k, 0) for k in ("params", "grads", "optimizer")
+                if k not in phased)
+    return replicated.estimate.memory_total - 0.4 * state
 
 
 def zero_grad_on_step(pm, name: str = FAULT_PARAM, step: int = FAULT_STEP):

@@ -77,7 +77,15 @@ def test_explain_figures_are_the_estimates(gpt, pins, monkeypatch):
     # every decision's chosen compute and memory, and every edge once (into its consumer),
     # add up to the plan's estimate
     assert sum(r.compute_s for r in rows.values()) == pytest.approx(est.compute_s, rel=1e-9)
-    assert sum(r.memory_bytes for r in rows.values()) == pytest.approx(est.memory_total, rel=1e-9)
+    assert sum(r.memory_bytes for r in rows.values()) == pytest.approx(sum(est.memory_bytes.values()), rel=1e-9)
+    # the estimate's peak: the terms in no phase of the step plus its larger phase (the end
+    # of forward's activations, the end of backward's gradients), less than all of them
+    phases = est.memory_phases
+    assert phases and {"activations", "grads"} <= {k for g in phases for k in g}
+    always = sum(b for k, b in est.memory_bytes.items() if all(k not in g for g in phases))
+    ends = [sum(est.memory_bytes.get(k, 0.0) for k in g) for g in phases]
+    assert est.memory_total == pytest.approx(always + max(ends), rel=1e-12)
+    assert est.memory_total < sum(est.memory_bytes.values())
     comm = sum(t for r in rows.values() for _, d, t in r.edges if d in ("in", "self"))
     comm += sum(t for r in rows.values() for nb, _, t in r.edges if nb == "loss must end replicated")
     assert comm == pytest.approx(est.comm_s, rel=1e-9, abs=1e-15)

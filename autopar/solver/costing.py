@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models import compute as compute_model
+from autopar.cost_models import memory as memory_model
 from autopar.cost_models.offload import offload_seconds
 from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
@@ -66,6 +67,17 @@ class CostModel:
         fp32 master weights, gradients and optimizer moments (2Ψ params: the 16-bit copies
         of the weights, + 4Ψ grads + 12Ψ optimizer for Adam)."""
         return self.dtype_key in ("bf16", "fp16")
+
+    @property
+    def memory_phases(self) -> tuple[tuple[str, ...], ...]:
+        """Groups of memory terms never live at once (``cost_models.memory.step_phases``) when
+        this prices a whole step of one micro-batch; none (every term at once) for a
+        pipeline's per-stage view or one of several micro-batches (``memory_weights``,
+        ``grad_sync_scale`` < 1): earlier micro-batches' gradients live beside later ones'
+        activations."""
+        if self.memory_weights or self.grad_sync_scale != 1.0:
+            return ()
+        return memory_model.step_phases(self.mixed)
 
     def _act(self, nbytes: float, dtype) -> float:
         """Bytes of an activation in this precision (float tensors halve under mixed)."""
@@ -179,8 +191,16 @@ class CostModel:
             if self.offload:     # master copy and moments on the host (ZeRO-Offload)
                 return {"params": held / 2 if self.mixed else held, "grads": grads}
             if self.mixed:   # 16-bit weight copies; fp32 grads (of the masters), master copy + moments
-                return {"params": held / 2, "grads": grads, "optimizer": b * (1 + optimizer_states)}
-            return {"params": held, "grads": grads, "optimizer": b * optimizer_states}
+                out = {"params": held / 2, "grads": grads, "optimizer": b * (1 + optimizer_states)}
+            else:
+                out = {"params": held, "grads": grads, "optimizer": b * optimizer_states}
+            if self.memory_phases and self.zero in (0, 1) and any(
+                    n > 1 and (isinstance(p, Replicate) or (self.zero == 1 and a == self.data_axis))
+                    for a, (p, n) in enumerate(zip(placements, self.mesh_shape))):
+                # summed over the ranks it is read whole on once per step, in flat buckets
+                # that live until the step's end (runtime.grad_sync): beside all gradients
+                out["grad_buffers"] = grads
+            return out
         if v.kind in ("input", "buffer"):
             b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
             return {"inputs" if v.kind == "input" else "buffers": b}

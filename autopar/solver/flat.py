@@ -86,7 +86,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     phases: dict = {}
     best, errors = _search(cap, cl, world, pins, **kw, phases=phases)
     if pins.get("zero") is None and (mesh_shape is None or len(mesh_shape) == 1) and (
-            best is None or sum(best.sol.memory.values()) > RECOMPUTE_WHEN * budget):
+            best is None or best.sol.memory_total > RECOMPUTE_WHEN * budget):
         # memory binds: weigh sharding parameters, gradients and optimizer state over the
         # data axis (ZeRO 1, 2, 3); the least predicted step wins
         for stage in ZERO_STAGES:
@@ -129,7 +129,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     best, errors, priced = None, [], {}     # a mesh's edges priced once (CostModel.sharing_edges)
     for rec in choices:
         if rec == "full" and best is not None and \
-                sum(best.sol.memory.values()) <= RECOMPUTE_WHEN * budget:
+                best.sol.memory_total <= RECOMPUTE_WHEN * budget:
             break
         recompute = select_layers(cap.gm, rec)
         rec_nodes, rec_kept = recompute_nodes(cap.gm, recompute)
@@ -181,7 +181,7 @@ def _least_memory(cap, cl, shape, roles, pins, rec, *, optimizer, time_limit_s, 
                               recompute=recompute_nodes(cap.gm, recompute), profiler=profiler,
                               memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
     sol = solve_ilp(problem, cost, None, time_limit_s, minimize_memory=True)
-    return sum(sol.memory.values()), dict(sol.memory)
+    return sol.memory_total, dict(sol.memory)
 
 
 def infeasible(cap: Captured, cl, world: int, pins: dict, errors: list, *, budget, verbose=False,
@@ -286,7 +286,8 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budg
     comm = {f"{kind}@{axes[a]}": s for (kind, a), s in sorted(sol.comm_s.items())}
     comm_total = sum(sol.comm_s.values())
     est = Estimate(step_time_s=sol.compute_s + comm_total, compute_s=sol.compute_s,
-                   comm_s=comm_total, memory_bytes=dict(sol.memory), comm=comm)
+                   comm_s=comm_total, memory_bytes=dict(sol.memory), comm=comm,
+                   memory_phases=sol.memory_phases)
     n_graph = sum(1 for n in cap.gm.graph.nodes if n.op in ("placeholder", "call_function"))
     report = SolverReport(sol.status, sol.objective_s, sol.bound_s, sol.gap, sol.solve_time_s,
                           capture_s, sol.n_variables, sol.n_constraints, n_graph, len(problem.vars),

@@ -14,7 +14,11 @@ Constraints
     edge_out[u->v,p]: Σ_q e[u,p,v,q] = y[u,p],   y[u,p] = Σ_{i: out(i)=p} x[u,i]
     edge_in[u->v,q]:  Σ_p e[u,p,v,q] = z[v,q],   z[v,q] = Σ_{j: in(j)=q} x[v,j]
                      (so e = y·z; no e exists for a pair p -> q with no conversion)
-    memory:          Σ_v Σ_i n_v · bytes[v,i] · x[v,i] ≤ budget  (bytes per device)
+    memory:          for each phase g of the step (``cost_models.memory.step_phases``: the
+                     end of forward's activations, the end of backward's gradients)
+                     Σ_v Σ_i n_v · (always[v,i] + bytes_g[v,i]) · x[v,i] ≤ budget
+                     (bytes per device; ``always``: parameters, optimizer state, inputs;
+                     a pipeline stage's or accumulation's one phase holds every term)
 
 n_v is the number of graph nodes that share v's choice (repeated layers), n_uv the number
 of graph edges that share an edge. Classes p and q are placements, not options, so an
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
+from autopar.cost_models.memory import peak_bytes
 from autopar.errors import AutoparInputError
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import INF, CostModel, grad_partial_flags
@@ -53,6 +58,12 @@ class Solution:
     compute_s: float = 0.0
     comm_s: dict = field(default_factory=dict)     # (collective, axis) -> seconds
     memory: dict = field(default_factory=dict)     # term -> bytes per device
+    memory_phases: tuple = ()                      # groups of terms never live at once
+
+    @property
+    def memory_total(self) -> float:
+        """Peak bytes per device (``cost_models.memory.peak_bytes`` of ``memory``)."""
+        return peak_bytes(self.memory, self.memory_phases)
 
     @property
     def gap(self) -> float:
@@ -171,9 +182,16 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
                 x[name][i].SetUb(0)
             elif t > 0 and not minimize_memory:
                 obj.append(t * x[name][i])
-    mem = sum(b * x[name][i] for name, bs in tab.node_mem.items() for i, b in enumerate(bs) if b)
+    phases = cost.memory_phases
+    peaks = _memory_rows(x, tab, phases)
     if memory_budget is not None and not minimize_memory:
-        m.Add(mem <= float(memory_budget))
+        for row in peaks:
+            if not isinstance(row, (int, float)):  # a number: no memory at all
+                m.Add(row <= float(memory_budget))
+    if minimize_memory:
+        mem = m.NumVar(0.0, pywraplp.Solver.infinity(), "peak")
+        for row in peaks:
+            m.Add(mem >= row)
     m.Minimize(mem if minimize_memory else sum(obj))
     status = m.Solve()
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
@@ -190,13 +208,27 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     for n, (root, pick) in tab.follow.items():
         choice[n] = pick[choice[root]]
     sol = Solution(choice, 0.0, 0.0, name, time.perf_counter() - t0,
-                   m.NumVariables(), m.NumConstraints())
+                   m.NumVariables(), m.NumConstraints(), memory_phases=phases)
     _fill_breakdown(sol, tab, choice)
     total = sol.compute_s + sum(sol.comm_s.values())
     sol.objective_s = total
     bound = m.Objective().BestBound() if not minimize_memory else total
     sol.bound_s = min(total, bound) if status != pywraplp.Solver.OPTIMAL else total
     return sol
+
+
+def _memory_rows(x: dict, tab: _Tables, phases: tuple) -> list:
+    """The peak bytes per device of each phase, linear in ``x``: the terms in no phase plus
+    that phase's (module docstring); one row of every term when there are no phases."""
+    grouped = {k for g in phases for k in g}
+    rows = []
+    for group in phases or ((),):
+        keep = set(group)
+        rows.append(sum(b * x[name][i] for name, options in tab.node_mem_terms.items()
+                        for i, terms in enumerate(options)
+                        for b in [sum(v for k, v in terms.items() if k in keep or k not in grouped)]
+                        if b))
+    return rows
 
 
 def _add_edges(m, x: dict, tab: _Tables, obj: list, minimize_memory: bool) -> None:
@@ -250,7 +282,7 @@ def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None
 
 def _explain_infeasible(problem, cost, budget, time_limit_s) -> InfeasibleError:
     least = solve(problem, cost, None, time_limit_s, minimize_memory=True)
-    need = sum(least.memory.values())
+    need = least.memory_total
     terms = ", ".join(f"{k} {_gib(b)}" for k, b in sorted(least.memory.items(), key=lambda kv: -kv[1]))
     binding = max(least.memory.items(), key=lambda kv: kv[1])[0] if least.memory else "?"
     err = InfeasibleError(
