@@ -8,15 +8,21 @@ and summed beside backward (``OneStage.loss_sync``), and the position embedding 
 summed with the other parameters' by GradSync instead of an activation-gradient all-reduce.
 Training still equals one device, with targets padded unevenly across the two data ranks
 (their local counts differ, so a local count would give another loss and other gradients).
+
+At world 1 a placement on the one-rank axis is the whole tensor: a loss placed
+vocabulary-parallel there runs as the plain ATen op (it ran an all-gather and two
+all-reduces over one rank every step).
 """
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 
 from autopar.api import plan_captured
 from autopar.cost_models.hardware import parse_cluster
+from autopar.plan import NodePlacement
 from autopar.runtime.thread_ranks import simulate
 from equivalence import compare, parallel_run, reference_run
 
@@ -44,3 +50,20 @@ def test_data_parallel_gpt_step_has_no_blocking_collective(captured):
         losses.append(got.losses)
     assert losses[0] == losses[1], "the ranks return different losses"
     assert torch.isfinite(torch.tensor(losses)).all()
+
+
+def test_world_one_runs_no_local_op_over_its_one_rank_axis(captured):
+    ex, cap = captured("gpt")
+    plan = plan_captured(cap, parse_cluster("cpu:1"), 1)
+    ce = next(n for n in plan.nodes if "cross_entropy" in n)
+    plan = replace(plan, nodes={**plan.nodes, ce: NodePlacement(("S(1)", "R"), ("R",))})
+    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+
+    def run(pm, comm):
+        code = pm.code("train")
+        called = re.findall(r"autopar_ops_\w+", code)
+        assert not called, f"autopar ops at world 1: {called}"
+        return parallel_run(pm, ex.inputs, ex.target)
+
+    [got] = simulate(cap, plan, ex.model, run)
+    compare(ref, got, "gpt world 1, the loss placed vocabulary-parallel on the one-rank axis")
