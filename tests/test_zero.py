@@ -232,3 +232,47 @@ def test_zero3_gathers_and_reduces_by_block(captured, monkeypatch):
             assert starts[k] < reads[k - 1] < reads[k], (starts, reads)
         if step_calls is not None:   # rank 0 counts
             assert 4 <= step_calls["all_gather"] <= 8 and step_calls["reduce_scatter"] == 4, step_calls
+
+
+def test_a_bucket_gathers_and_reduces_as_the_per_weight_collectives():
+    """One bucket of shards of dim 0, of dim 1 and strided ``S(0/3)`` (2 thread ranks): the
+    flat all-gather gives each weight whole as ``all_gather`` does, backward's gather again
+    (weights saved for backward packed away, ``RegatheredWeights``) gives them again, and the
+    bucket's one reduce-scatter leaves each shard the gradient the per-weight reduce-scatter
+    leaves (each rank's loss weighs the weights differently: partial gradients)."""
+    from torch import nn
+
+    from autopar.ops import collectives
+    from autopar.ops.comm import ThreadWorld
+    from autopar.ops.param_buckets import gather_bucket
+    from autopar.passes.shard_parameters import shard_tensor
+    from autopar.placement import Shard
+    cases = [((6, 4), 0, 1), ((4, 6), 1, 1), ((12, 2), 0, 3)]      # whole shape, dim, groups
+
+    def body(comm):
+        torch.manual_seed(0)
+        wholes = [torch.randn(shape) for shape, _, _ in cases]
+        weights = [torch.randn(shape) * (comm.rank + 1) for shape, _, _ in cases]
+        out = {}
+        for way in ("per weight", "bucket"):
+            shards = [nn.Parameter(shard_tensor(w, (Shard(d, g),), comm.coord, (2,)))
+                      for w, (_, d, g) in zip(wholes, cases)]
+            bucket = gather_bucket(shards, 0, [d for _, d, _ in cases], [g for _, _, g in cases])
+            reg = collectives.regathered_weights()
+            with reg.hooks():
+                fulls = [collectives.all_gather(s, 0, d, grad_partial=True, regather=True, groups=g,
+                                                **({"bucket": bucket, "index": i} if way == "bucket" else {}))
+                         for i, (s, (_, d, g)) in enumerate(zip(shards, cases))]
+                loss = sum((f * f * c).sum() for f, c in zip(fulls, weights))
+            loss.backward()
+            reg.clear()
+            out[way] = ([f.detach() for f in fulls], [s.grad for s in shards])
+        return out
+    for out in ThreadWorld((2,)).run(body):
+        torch.manual_seed(0)
+        wholes = [torch.randn(shape) for shape, _, _ in cases]
+        for way in ("per weight", "bucket"):
+            for got, whole in zip(out[way][0], wholes):
+                assert torch.equal(got, whole), way
+        for a, b in zip(*(out[w][1] for w in ("per weight", "bucket"))):
+            assert a is not None and b is not None and torch.allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -88,13 +88,17 @@ class ParamBucket:
         """The whole weights from the gathered flat buffer ``[rank 0's shards | rank 1's | ...]``."""
         rows = out.view(self.n, self.total)
         fulls = []
-        for s, off, d, g in zip(self.shards, self.offsets, self.dims, self.groups):
+        for s, d in zip(self.shards, self.dims):
             shape = list(s.shape)
-            if shape:
-                shape[d] *= self.n
-            full = torch.empty(shape, dtype=out.dtype, device=out.device)
+            shape[d] *= self.n
+            fulls.append(torch.empty(shape, dtype=out.dtype, device=out.device))
+        if all(d == 0 for d in self.dims) and all(g == 1 for g in self.groups):
+            # blocks of dim 0: each whole weight is its ranks' blocks one after the other
+            torch.split_with_sizes_copy(rows, [s.numel() for s in self.shards], dim=1,
+                                        out=[f.view(self.n, -1) for f in fulls])
+            return fulls
+        for s, full, off, d, g in zip(self.shards, fulls, self.offsets, self.dims, self.groups):
             rank_blocks(full, d, self.n, g).copy_(self._slot(rows, s, off, d, g))
-            fulls.append(full)
         return fulls
 
     def _slot(self, rows: torch.Tensor, s: torch.Tensor, off: int, d: int, g: int) -> torch.Tensor:
