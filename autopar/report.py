@@ -54,6 +54,14 @@ def accumulation_line(plan: Plan) -> str:
             "step, in the last micro-batch's backward")
 
 
+def memory_phases_note(estimate) -> str:
+    """Which memory terms are never live at once ("" when all are: pipelines, accumulation)."""
+    if not estimate.memory_phases:
+        return ""
+    groups = " or ".join("+".join(g) for g in estimate.memory_phases)
+    return f" (the peak holds {groups}, never both, beside the rest)"
+
+
 def offload_line(plan: Plan) -> str:
     """What ZeRO-Offload does in a plan's step, with its host bytes and the seconds the cost
     model gives its copies and host step ("" without offload)."""
@@ -101,8 +109,9 @@ def plan_summary(plan: Plan) -> str:
         f"communication {fmt_time(e.comm_s)}), bubble {e.bubble_fraction:.1%}",
     ] + ([accumulation_line(plan)] if plan.accumulate > 1 else []) + branch_lines(plan) + (
         [offload_line(plan)] if plan.offload else []) + [
-        f"memory per device: {fmt_bytes(e.memory_total)} = " + ", ".join(
-            f"{k} {fmt_bytes(v)}" for k, v in sorted(e.memory_bytes.items(), key=lambda kv: -kv[1])),
+        f"memory per device: {fmt_bytes(e.memory_total)} " + ("at the peak; " if e.memory_phases else "= ")
+        + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(e.memory_bytes.items(), key=lambda kv: -kv[1]))
+        + memory_phases_note(e),
     ]
     if plan.memory_budget:
         lines.append(f"memory budget: {fmt_bytes(plan.memory_budget)} per device")

@@ -8,7 +8,8 @@ from rich.table import Table
 from rich.text import Text
 
 from autopar.plan import Plan
-from autopar.report import _group_layers, accumulation_line, fmt_bytes, fmt_time, offload_line
+from autopar.report import (_group_layers, accumulation_line, fmt_bytes, fmt_time,
+                            memory_phases_note, offload_line)
 
 
 def _table(title: str, *cols: str, **kw) -> Table:
@@ -58,7 +59,8 @@ def summary_renderable(plan: Plan, all_nodes: bool = False) -> Group:
     parts: list = [head, Text("")]
 
     mem = _table(f"memory per device: {fmt_bytes(e.memory_total)}"
-                 + (f" (budget {fmt_bytes(plan.memory_budget)})" if plan.memory_budget else ""),
+                 + (f" (budget {fmt_bytes(plan.memory_budget)})" if plan.memory_budget else "")
+                 + memory_phases_note(e),
                  "term", "bytes", "share")
     for k, v in sorted(e.memory_bytes.items(), key=lambda kv: -kv[1]):
         mem.add_row(k, fmt_bytes(v), f"{v / max(e.memory_total, 1e-30):.1%}")
