@@ -10,7 +10,9 @@ one run, steps alternating (autopar, hand, hand, autopar, ...) so machine noise 
 strategy (autopar pins; N ranks) -> by hand:
 
 - data (data=N) -> DistributedDataParallel
-- zero (data=N, zero=3) -> FSDP2: fully_shard per block, then the root
+- zero (data=N, zero=3) -> FSDP2: fully_shard per block, then the root (autopar gathers and
+  reduce-scatters per block too, ~19 collectives a step: 0.95-1.03 on 2 ranks, 0.91-1.05 on
+  4, four runs each at load 9-40; per weight, ~140 a step, it was 1.44 and 2.90)
 - tensor (tensor=N) -> parallelize_module, Colwise/RowwiseParallel (Megatron's layout)
 - pipeline (pipeline=N, 1F1B, 2N micro-batches) -> manual split into N stages of
   consecutive blocks, PipelineStage + Schedule1F1B; autopar's cuts are the solver's
