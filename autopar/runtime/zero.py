@@ -20,7 +20,8 @@ data axis (bucketed). ``pm.step(optimizer)`` gathers right after the step; a ste
 with ``optimizer.step()`` (or a checkpoint or state dict loaded into the shards) is seen by
 the shards' version counters and gathered before the next forward. Stage 3 does not come
 here: its parameters stay sharded and the rewritten graph gathers them per use
-(``passes.insert_collectives``).
+(``passes.insert_collectives``), by blocks (``passes.prefetch``: one all-gather of a block's
+weights, one reduce-scatter of their gradients, ``autopar.ops.param_buckets``).
 """
 from __future__ import annotations
 
