@@ -17,11 +17,13 @@ One step (:meth:`PipelineRunner.train`), in order:
    starts as soon as the last backward of every stage on this rank reading it is done, while
    the schedule goes on with the other stages and micro-batches; the step waits for it after
    the schedule (``GradSync.ready`` / ``GradSync.finish``);
-3. a weight held by several pipeline ranks (tied) has its gradient summed among them;
+3. a weight held by several pipeline ranks (tied) has its gradient summed among them (on a
+   process group of those ranks only, as Megatron does for the tied embedding, when they
+   are not the whole pipeline);
 4. nothing is divided by ``m``: each micro-batch's graph outputs its term of the global loss
    (means divide by the global batch's denominator, fed as inputs by
    ``analysis.microbatch_loss``), so the loss is the sum of the micro-batch losses,
-   broadcast from the last stage to every rank.
+   broadcast from the last stage to every rank (started before 2 and 3, waited after them).
 
 Skip values travel by ``autopar.ops.stage_ops`` (``skip_send`` / ``skip_recv``).
 """
@@ -121,6 +123,7 @@ class PipelineRunner:
         self._skip_log: list = []
         self._mb_losses: list[torch.Tensor] = []
         self._schedule, self._eval = self._schedules(plan)
+        self._tied_groups = self._tied_process_groups(comm)
 
     # ---- building ---------------------------------------------------------------------------
     def _split(self, which: str, gm: GraphModule, plan: Plan, root: nn.Module) -> None:
@@ -186,6 +189,22 @@ class PipelineRunner:
               else ScheduleGPipe(fwd[0], n_microbatches=m, loss_fn=None))
         return schedule, ev
 
+    def _tied_process_groups(self, comm: DistComm) -> dict[tuple[int, ...], object]:
+        """For each set of pipeline ranks holding a tied weight (fewer than all of them), the
+        process group of those ranks beside this one (same intra coordinate). Every rank
+        creates every such group, in the same order (``dist.new_group`` is collective)."""
+        owners = self.owners()
+        sets = sorted({tuple(owners[a]) for a in self._shards.params if 1 < len(owners[a]) < self.p})
+        groups = {}
+        ranks = comm.mesh.mesh.reshape(self.p, -1)        # pipeline rank x intra coordinate
+        for pp in sets:
+            for c in range(ranks.shape[1]):
+                members = [int(ranks[k, c]) for k in pp]
+                g = dist.new_group(members)
+                if comm.rank in members:
+                    groups[pp] = g
+        return groups
+
     def _scaled_loss(self, output, target):
         """The last stage's loss of one micro-batch (its program's output) as the schedule
         back-propagates it: times the fp16 loss scale; the unscaled one is kept for the step."""
@@ -234,15 +253,16 @@ class PipelineRunner:
                 raise self._comm.failure("send/recv", 0, e) from e
             raise
         self._skip_log = list(ctx.received)
-        with torch.no_grad():
-            sync.finish()
-            self._sum_tied(params, owners)
-            # each micro-batch's loss is its term of the global loss: no / m
+        # each micro-batch's loss is its term of the global loss: no / m
         last = (self.n_stages - 1) % self.p
         loss = torch.zeros((), dtype=self._cap.node(self._cap.loss).meta["val"].dtype, device=self.device)
         if self.pp_rank == last:
             loss = torch.stack(self._mb_losses).sum()
-        dist.broadcast(loss, self._pp_global[last], group=self.pp_group)
+        sent = dist.broadcast(loss, self._pp_global[last], group=self.pp_group, async_op=True)
+        with torch.no_grad():
+            sync.finish()
+            self._sum_tied(params, owners)
+        sent.wait()
         return loss
 
     def forward(self, inputs: tuple) -> list:
@@ -279,8 +299,19 @@ class PipelineRunner:
     def _sum_tied(self, params: dict[str, nn.Parameter], owners: dict[str, list[int]]) -> None:
         """Sum the gradient of every parameter held by several pipeline ranks among them."""
         tied = [a for a in self._shards.params if len(owners[a]) > 1]
-        if not tied:
-            return
+        by_group: dict[tuple[int, ...], list[str]] = {}
+        for a in tied:
+            pp = tuple(owners[a])
+            if len(pp) < self.p:                # a group of the holders only
+                if self.pp_rank in pp:
+                    by_group.setdefault(pp, []).append(a)
+            else:
+                by_group.setdefault((), []).append(a)
+        for pp, attrs in by_group.items():
+            self._sum_among(attrs, params, owners, self._tied_groups[pp] if pp else self.pp_group)
+
+    def _sum_among(self, tied: list[str], params: dict[str, nn.Parameter],
+                   owners: dict[str, list[int]], group) -> None:
         parts = []
         for attr in tied:
             p = params.get(attr) if self.pp_rank in owners[attr] else None
@@ -290,7 +321,7 @@ class PipelineRunner:
                          torch.zeros(self._shards.local_shape(attr, self._intra.mesh_shape),
                                      dtype=self._shards.dtypes[attr], device=self.device))
         flat = torch.cat([t.reshape(-1) for t in parts])
-        dist.all_reduce(flat, group=self.pp_group)
+        dist.all_reduce(flat, group=group)
         off = 0
         for attr, t in zip(tied, parts):
             n = t.numel()
