@@ -272,8 +272,11 @@ def _accumulation(cap, best: dict, budget: float, pins: dict):
         batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0])
     except (AttributeError, KeyError, IndexError, TypeError):
         return None
+    # k micro-batches keep the gradients beside the next one's activations: every term adds
+    # (no flat buffers of a single step's gradient sync)
+    every = sum(b for t, b in best["terms"].items() if t != "grad_buffers")
     for k in range(2, batch + 1):
-        if batch % k == 0 and best["need"] - act * (1 - 1 / k) <= 0.9 * budget:
+        if batch % k == 0 and every - act * (1 - 1 / k) <= 0.9 * budget:
             return k
     return None
 
