@@ -122,6 +122,9 @@ class _DegreeSearch:
         # of the whole graph (p micro-batches of 1/p of it)
         weights = memory_weights("1f1b", p, p, 1)
         weights["activations"] *= data / batch
+        # per micro-batch too: its inputs, and the transient of rebuilding one recomputed
+        # layer in backward (priced on the full batch, it alone can exceed the budget)
+        weights["inputs"] = weights["recompute"] = data / batch
         try:
             intra, sol = solve_intra(cap, self.cl, self.world, p, {**pins, **mesh}, weights=weights,
                                      memory_budget=self.budget, optimizer=self.optimizer,
@@ -136,7 +139,8 @@ class _DegreeSearch:
             if rec:
                 pr = replace(pr, nc=pr.nc.with_recompute(cap, rec))
             try:
-                sp, predicted = _choose(pr, p, batch, self.budget, pins, allowed)
+                sp, predicted = _choose(_per_micro_batch(pr, data / batch), p, batch, self.budget,
+                                        pins, allowed)
             except ValueError:
                 continue
             # recomputing only when nothing fits without it
@@ -148,3 +152,13 @@ class _DegreeSearch:
     def _say(self, p, mesh, why):
         if self.verbose:
             print(f"pipeline search p={p} data={mesh['data']} tensor={mesh['tensor']}: {why}")
+
+
+def _per_micro_batch(pr, share: float):
+    """``pr`` (priced on the full batch) with what a rank holds once besides its stages'
+    activations (the inputs, one recomputed layer rebuilt in backward) at the smallest
+    micro-batch, ``share`` of the batch: the stage DP adds the activations per sample."""
+    nc = pr.nc
+    held = [(name, {k: b * share if k == "inputs" else b for k, b in terms.items()}, users)
+            for name, terms, users in nc.placeholders]
+    return replace(pr, nc=replace(nc, placeholders=held, recompute_bytes=nc.recompute_bytes * share))
