@@ -19,8 +19,9 @@ weighed: GPT 3.6B, which a first run printed (+12%) before the optimizer step, h
 constant and cuBLAS tile choice were added (none of those was chosen on it); and Llama 3 8B
 on 8 H100, whose error (+29%) was known when H100's fused-attention efficiency was changed
 from FlashAttention-3's to FlashAttention-2's (``gpus.py``: torch's SDPA runs FA2 unless FA3
-is activated; the figure is Dao 2023's, not chosen on the row). No constant is fitted to any
-row (each cites a component-level measurement).
+is activated; the figure is Dao 2023's, not chosen on the row). Dropout's one-byte mask
+(``compute.py``: the bytes native_dropout moves; no constant) was added with every row's
+error in view. No constant is fitted to any row (each cites a component-level measurement).
 
 How each run is pinned beyond its degrees: unpipelined rows with several micro-batches per
 data-parallel rank accumulate gradients over the published micro-batch
