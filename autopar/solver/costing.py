@@ -10,6 +10,7 @@ Compute, communication and memory stay separate all the way to the plan's estima
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,26 @@ from autopar.solver.pins import compress_scheme
 from autopar.solver.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
+
+SHARED_PRICES = 8
+"""Memos of redistribution and op prices kept at once (:func:`_shared`), the most recent."""
+_SHARED: OrderedDict = OrderedDict()
+
+
+def _shared(key: tuple) -> dict:
+    """The memo of every cost model whose prices of one kind read exactly ``key`` (mesh,
+    links, precision, ...): a search prices a mesh's redistributions and op times once,
+    whatever ZeRO stage, recomputation, memory view or graph (same calls) it weighs them
+    for. Only the last :data:`SHARED_PRICES` are kept (a search goes mesh by mesh)."""
+    memo = _SHARED.get(key)
+    if memo is None:
+        memo = _SHARED[key] = {}
+        while len(_SHARED) > SHARED_PRICES:
+            _SHARED.popitem(last=False)
+    else:
+        _SHARED.move_to_end(key)
+    return memo
+
 
 @dataclass
 class CostModel:
@@ -85,7 +106,16 @@ class CostModel:
 
     def __post_init__(self):
         self.links = [axis_link(self.cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
-        self._edge_cache: dict = {}
+        # what each kind of price reads, and so which models may share it: a redistribution
+        # the mesh, its links and the precision; a parameter's (bucketed) one also the ZeRO
+        # stage, the data axis and lossy reduction; an op's time the device and precision
+        base = ("edges", self.mesh_shape, tuple(self.links), self.mixed)
+        self._edge_cache = _shared(base)
+        self._sync_cache = _shared((*base, self.zero, self.data_axis, self.compress, self.local_sgd,
+                                    self.cluster.device))
+        self._time_cache = _shared(("time", self.mesh_shape, self.cluster.device, self.dtype_key)) \
+            if self.profiler is None else {}
+        self._rec_count: dict = {}   # id(NodeVar) -> (it, members recomputed)
         self._prices = None      # the PriceTable of the last problem priced (autopar.solver.prices)
 
     @classmethod
@@ -102,16 +132,6 @@ class CostModel:
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
                    compress=compress_scheme(pins.get("compress")), local_sgd=pins.get("local_sgd"),
                    offload=pins.get("offload") == "optimizer")
-
-    def sharing_edges(self, other: "CostModel | None") -> "CostModel":
-        """This model, reusing ``other``'s priced redistributions (:meth:`edge_steps`) when
-        the two differ only in what those prices do not read (recomputation, memory weights,
-        the gradient-sync scale): the solver prices each mesh's edges once, not per
-        recomputation choice."""
-        same = ("cluster", "mesh_shape", "dtype_key", "zero", "data_axis", "compress", "local_sgd")
-        if other is not None and all(getattr(self, f) == getattr(other, f) for f in same):
-            self._edge_cache = other._edge_cache
-        return self
 
     # ---- compute -------------------------------------------------------------------------
     def node_time(self, v: NodeVar, combo) -> tuple[float, float]:
@@ -131,6 +151,15 @@ class CostModel:
                 b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
                 return 0.0, offload_seconds(b, optimizer_states, self.cluster.device) * self.grad_sync_scale
             return 0.0, 0.0
+        key = (id(v.call), combo)      # the call held in the memo: its id is not reused
+        got = self._time_cache.get(key)
+        if got is not None and got[0] is v.call:
+            return got[1]
+        t = self._op_time(v, combo)
+        self._time_cache[key] = (v.call, t)
+        return t
+
+    def _op_time(self, v: NodeVar, combo) -> tuple[float, float]:
         ins = [_local(m, input_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.inputs)]
         outs = [_local(m, output_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.outputs)]
         if self.profiler is not None and not self.mixed:
@@ -148,7 +177,12 @@ class CostModel:
 
     def _recomputed(self, v: NodeVar) -> int:
         """How many of ``v``'s members (repeated-layer copies) are recomputed."""
-        return sum(1 for m in v.members if m in self.recompute) if self.recompute else 0
+        if not self.recompute:
+            return 0
+        got = self._rec_count.get(id(v))
+        if got is None or got[0] is not v:
+            got = self._rec_count[id(v)] = (v, sum(1 for m in v.members if m in self.recompute))
+        return got[1]
 
     def rerun(self, v: NodeVar) -> float:
         """Fraction of ``v``'s members whose forward runs again in backward: the
@@ -234,10 +268,12 @@ class CostModel:
         ``grad_sync_scale``, which :func:`price_steps` applies); None when not offered."""
         if not meta.dtype.is_floating_point:
             grad_partial = (False,) * len(grad_partial)   # integer tensors carry no gradient
-        key = (meta.shape, meta.dtype, src, dst, grad_partial, bucketed, shared)
-        if key not in self._edge_cache:
-            self._edge_cache[key] = self._edge_steps(meta, src, dst, grad_partial, bucketed, shared)
-        return self._edge_cache[key]
+        cache = self._sync_cache if bucketed else self._edge_cache
+        key = (meta.shape, meta.dtype, src, dst, grad_partial, shared if bucketed else 1)
+        got = cache.get(key, cache)
+        if got is cache:
+            got = cache[key] = self._edge_steps(meta, src, dst, grad_partial, bucketed, shared)
+        return got
 
     def _edge_steps(self, meta, src, dst, grad_partial, bucketed, shared):
         try:

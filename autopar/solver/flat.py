@@ -4,6 +4,7 @@ inside each stage (``memory_weights``, ``grad_sync_scale``)."""
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,6 +19,7 @@ from autopar.solver.errors import gib, one_screen
 from autopar.solver.ilp import InfeasibleError, _gib, solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
 from autopar.solver.pins import check_optimizer
+from autopar.solver.prices import memory_floor
 from autopar.solver.problem import build_problem
 
 RECOMPUTE_WHEN = 0.9
@@ -126,24 +128,26 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                                **roles), shape, axes, roles)
                 for shape, axes, roles in mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)]
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
-    best, errors, priced = None, [], {}     # a mesh's edges priced once (CostModel.sharing_edges)
+    best, errors = None, []     # (a mesh's prices are shared by its cost models: costing._shared)
     for rec in choices:
         if rec == "full" and best is not None and \
                 best.sol.memory_total <= RECOMPUTE_WHEN * budget:
             break
-        recompute = select_layers(cap.gm, rec)
-        rec_nodes, rec_kept = recompute_nodes(cap.gm, recompute)
+        recompute, rec_nodes, rec_kept = _recompute_of(cap, rec)
         errors = []                    # report the last pass's reasons
         for problem, shape, axes, roles in problems:
             t0, key = time.perf_counter(), f"ilp {shape}{tag}"
             cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
                                       recompute=(rec_nodes, rec_kept), profiler=profiler,
-                                      memory_weights=memory_weights, grad_sync_scale=grad_sync_scale
-                                      ).sharing_edges(priced.get(id(problem)))
-            priced[id(problem)] = cost
+                                      memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+            why = explain and rec == choices[-1]
             try:
+                if not why and budget != float("inf") and memory_floor(problem, cost) > budget:
+                    # even each decision's least memory is over: what the ILP would find
+                    # infeasible, without pricing its edges
+                    raise InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits the memory budget")
                 sol = solve_ilp(problem, cost, budget if budget != float("inf") else None,
-                                time_limit_s, explain=explain and rec == choices[-1])
+                                time_limit_s, explain=why)
             except InfeasibleError as e:
                 e.axes, e.roles, e.recompute = axes, roles, rec
                 errors.append(e)
@@ -174,11 +178,11 @@ def _least_memory(cap, cl, shape, roles, pins, rec, *, optimizer, time_limit_s, 
                   memory_weights, grad_sync_scale, **_):
     """The least memory per device of any plan of ``cap`` on ``shape`` under ``pins``
     (``rec``: the recomputation choice): (bytes, {term: bytes})."""
-    recompute = select_layers(cap.gm, rec)
+    _, rec_nodes, rec_kept = _recompute_of(cap, rec)
     problem = build_problem(cap, shape, zero=pins.get("zero") or 0,
                             optimizer_states=check_optimizer(optimizer), **roles)
     cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
-                              recompute=recompute_nodes(cap.gm, recompute), profiler=profiler,
+                              recompute=(rec_nodes, rec_kept), profiler=profiler,
                               memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
     sol = solve_ilp(problem, cost, None, time_limit_s, minimize_memory=True)
     return sol.memory_total, dict(sol.memory)
@@ -329,6 +333,22 @@ def _numel(shape, placements, mesh_shape) -> int:
 
 def _has_repeated_layers(cap: Captured) -> bool:
     try:
-        return bool(select_layers(cap.gm, "full"))
+        return bool(_recompute_of(cap, "full")[0])
     except ValueError:
         return False
+
+
+_RECOMPUTE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""Per captured graph alive: recomputation choice -> what ``_recompute_of`` worked out."""
+
+
+def _recompute_of(cap: Captured, rec) -> tuple:
+    """(layers, recomputed nodes, kept nodes) of the recomputation choice ``rec`` (None,
+    ``"full"`` or layer names; ``analysis.layers``), worked out once per graph: the search
+    weighs the same choices on every mesh, ZeRO stage and pipeline degree."""
+    memo = _RECOMPUTE.setdefault(cap.gm, {})
+    key = rec if rec is None or isinstance(rec, (str, bool)) else tuple(rec)
+    if key not in memo:
+        layers = select_layers(cap.gm, rec)
+        memo[key] = (layers, *recompute_nodes(cap.gm, layers))
+    return memo[key]

@@ -99,6 +99,8 @@ class PriceTable:
                                for c in v.options] for name, v in problem.vars.items()}
         self._reads = params_read(problem)
         self._edges: dict = {}
+        self._times: dict = {}       # (name, option) -> time(): read per edge pair by the ILP
+        self._reruns: dict = {}      # consumer -> cost.rerun(): one sum over members per node
         self.follow: dict[str, tuple[str, list[int]]] = {}
         """Follower -> (root, its option for each of the root's options)."""
         producer = followers(problem)
@@ -112,8 +114,12 @@ class PriceTable:
     # ---- nodes ---------------------------------------------------------------------------
     def time(self, name: str, i: int) -> tuple[float, float]:
         """(forward, backward) seconds of one member under option ``i``, recomputation included."""
-        o = self.options[name][i]
-        return self.cost.with_recompute(self.problem.vars[name], (o.forward_s, o.backward_s))
+        got = self._times.get((name, i))
+        if got is None:
+            o = self.options[name][i]
+            got = self._times[(name, i)] = self.cost.with_recompute(self.problem.vars[name],
+                                                                    (o.forward_s, o.backward_s))
+        return got
 
     def compute_s(self, name: str, i: int) -> float:
         """Forward + backward seconds of all members of ``name`` under option ``i``."""
@@ -161,7 +167,10 @@ class PriceTable:
         if key not in self._edges:
             e = self.problem.edges[k]
             steps = self.cost.edge_steps(e.meta, src, dst, grad_partial, bucketed, shared)
-            self._edges[key] = EdgePrice(steps, e.count, self.cost.rerun(self.problem.vars[e.dst]))
+            rerun = self._reruns.get(e.dst)
+            if rerun is None:
+                rerun = self._reruns[e.dst] = self.cost.rerun(self.problem.vars[e.dst])
+            self._edges[key] = EdgePrice(steps, e.count, rerun)
         return self._edges[key]
 
     def _pick(self, k: int) -> list[int] | None:
@@ -169,19 +178,44 @@ class PriceTable:
         options; None when some root option leaves it none."""
         e = self.problem.edges[k]
         u, v = self.problem.vars[e.src], self.problem.vars[e.dst]
+        scale = self.cost.grad_sync_scale
+        ins = [(input_placements(c, 0), grad_partial_flags(c, 0), self.compute_s(e.dst, j))
+               for j, c in enumerate(v.options)]
+        by_placement: dict = {}      # the pick depends on the producer's placement only
         pick = []
         for i in range(len(self.problem.vars[self.root(e.src)].options)):
             p = output_placements(u.options[self.option_of(e.src, i)], e.src_out)
-            best, best_cost = None, INF
-            for j, c in enumerate(v.options):
-                price = self._edge(k, p, input_placements(c, 0), grad_partial_flags(c, 0), False, 1)
-                total = price.priced(self.cost.grad_sync_scale)[0] + self.compute_s(e.dst, j)
-                if total < best_cost:
-                    best, best_cost = j, total
-            if best is None:
+            if p not in by_placement:
+                best, best_cost = None, INF
+                for j, (q, partial, compute) in enumerate(ins):
+                    total = self._edge(k, p, q, partial, False, 1).priced(scale)[0] + compute
+                    if total < best_cost:
+                        best, best_cost = j, total
+                by_placement[p] = best
+            if by_placement[p] is None:
                 return None
-            pick.append(best)
+            pick.append(by_placement[p])
         return pick
+
+
+def memory_floor(problem: Problem, cost: CostModel) -> float:
+    """Bytes per device no plan of ``problem`` under ``cost`` stays below: the largest of
+    the ILP's memory rows (one per phase of the step, ``CostModel.memory_phases``) with
+    every decision at its least for that row. Memory adds up over decisions and no edge
+    carries any, so a floor above the budget means the ILP is infeasible; it reads no
+    time or edge price."""
+    phases = cost.memory_phases
+    grouped = {k for g in phases for k in g}
+    floors = [0.0] * max(1, len(phases))
+    for v in problem.vars.values():
+        rows = [[0.0] * len(v.options) for _ in floors]
+        for i, combo in enumerate(v.options):
+            terms = cost.node_memory(v, combo, problem.optimizer_states)
+            for r, group in enumerate(phases or ((),)):
+                rows[r][i] = sum(b for k, b in terms.items() if k in group or k not in grouped)
+        for r, row in enumerate(rows):
+            floors[r] += len(v.members) * min(row, default=0.0)
+    return max(floors)
 
 
 def price_table(problem: Problem, cost: CostModel) -> PriceTable:
