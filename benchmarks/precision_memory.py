@@ -1,13 +1,26 @@
 """Mixed precision: the cost model's per-rank memory for bf16 plans against the measured peak
 on this CPU (the same plans in fp32 alongside).
 
-Predicted: the plan's ``estimate.memory_total`` (parameters, gradients, optimizer state and
-activations as ``cost_models`` counts them for ``precision="bf16"``). Measured exactly as
-``benchmarks/cost_model_accuracy.py`` measures (its worker is reused): the bytes of the
-local parameters and AdamW state plus the peak of live tensor bytes during one
-``train_step`` (``PeakMemory``), the largest rank. Target (issue 10): within 15% for bf16.
+Predicted: the plan's ``estimate.memory_total``: parameters, optimizer state and inputs,
+plus, for an unpipelined step, the larger of its two ends (``cost_models.memory.step_phases``,
+``Estimate.memory_phases``): the end of forward (activations, recomputation's extra and,
+under mixed precision, the 16-bit weight copies) or the end of backward (gradients and the
+flat buffers GradSync sums them in, the ``grad_buffers`` term); a pipeline adds every term.
+Measured exactly as ``benchmarks/cost_model_accuracy.py`` measures (its worker is reused):
+the bytes of the local parameters and AdamW state plus the peak of live tensor bytes during
+one ``train_step`` (``PeakMemory``), the largest rank. Target (issue 10): within 15% for bf16.
 
-What the census showed, and what was fixed (the pipeline=2 row was -26.7%):
+Last run (gpt256, 2 gloo ranks; the census is deterministic, two runs gave the same bytes):
+
+    case         bf16 pred / meas          fp32 pred / meas
+    dp2          63.4 / 65.9 MiB   -3.8%   76.4 / 73.9 MiB   +3.3%
+    zero3 dp2    41.4 / 43.8 MiB   -5.5%   57.5 / 64.8 MiB  -11.3%
+    tp2          48.2 / 51.8 MiB   -6.9%   71.0 / 66.6 MiB   +6.6%
+    pp2          32.2 / 37.4 MiB  -14.0%   36.2 / 42.6 MiB  -15.0%
+    mean |error| 7.6% (worst 14.0%)        9.1% (worst 15.0%)
+
+What the census showed, and what was fixed (the pipeline=2 row was -26.7%, dp2 +15.3% bf16
+and +20.4% fp32):
 
 - runtime: each micro-batch's forward entered autocast anew, so autocast's cache of 16-bit
   weight casts was cleared per micro-batch and every micro-batch in flight saved a 16-bit
@@ -18,15 +31,37 @@ What the census showed, and what was fixed (the pipeline=2 row was -26.7%):
   are live beside the in-flight activations at the peak. Now 4 bytes
   (``cost_models/memory.py``, ``CostModel.base_memory``, ``pipeline_price.state_bytes``):
   -22.8% -> -14.0%.
+- model: the peak. A timeline of one dp2 step (live bytes after every op, fp32) rises to
+  35.1 MiB at the end of forward and 36.1 MiB at the first backward ops, then falls as
+  activations are freed while gradients grow, to 25.2 MiB at the end: the 12.6 MiB of
+  gradients and the flat copy GradSync all-reduces them in (``Comm.all_reduce_coalesced``
+  concatenates each bucket; every bucket lives until ``finish``). The estimate added all
+  gradients to all activations (dp2 +15.3% bf16, +20.4% fp32); it now takes the larger end,
+  and the ILP bounds each end by the budget (two linear constraints): -3.8% and +3.3%.
+  Under mixed precision the 16-bit weight copies belong to the forward's end (backward frees
+  them with the activations that saved them; none is left at the step's end).
 
-Left (precision-independent; the fp32 rows show them): an unpipelined step peaks at the end
-of its forward, before any gradient exists, while the estimate adds the gradients to all
-activations (dp2: +15.3% bf16, +20.4% fp32); zero-bubble holds more micro-batches'
-activations than ``stage_tables.in_flight``'s min(p, m) (pp2 fp32 -15%). And under bf16 the
-model halves every fp32 activation while autocast keeps norms, residual adds and the loss in
-fp32 (dp2: 19.3 MiB predicted, 21.9 MiB measured), which partly offsets the first.
+Tried and left out: each op's outputs in the dtype autocast gives them (a fake-tensor pass
+of the problem's ops under CPU autocast: the residual stream, ``layer_norm`` and the loss
+stay fp32) raised the bf16 activations (tp2 26.0 -> 35.5 MiB) and overshot: zero3 dp2
++13.2%, tp2 +11.4%. The activation term counts every op's output as kept for backward,
+which overcounts (fp32 tp2: 52.0 MiB predicted, 46.7 MiB live at the end of forward);
+halving every fp32 output offsets that, so both errors stay until the term counts what
+backward saves.
 
-    python benchmarks/precision_memory.py            # 2 ranks, ~3-6 min on 2 busy cores
+Left:
+
+- pipelines (pp2 -14%, fp32 -15%): zero-bubble's last stage holds 16.5 MiB beside its
+  gradients at its peak (fp32), where the model counts two micro-batches' activations
+  (9.9 MiB). ``stage_tables.in_flight``'s min(p, m) = 2 matches the schedule's action list
+  (each rank runs at most two forwards ahead of their W), so the excess is likely what
+  autograd keeps between a micro-batch's I and its deferred W (the output gradients of the
+  weight ops), which no term counts.
+- ZeRO-3: since the runtime gathers a block's weights at once, one block ahead
+  (``passes/prefetch.py``), the measured zero3 dp2 peak rose from 40.8 to 43.8 MiB (bf16)
+  and from 55.8 to 64.8 MiB (fp32); the model counts no gathered weights.
+
+    nice python benchmarks/precision_memory.py       # 2 ranks, ~5-8 min on 2 busy cores
 """
 from __future__ import annotations
 
