@@ -154,8 +154,9 @@ def explain_gain(base, free, cl, label: str) -> list[str]:
 def describe(p) -> str:
     """Mesh, pipeline, recomputation and memory of a plan, in one line."""
     mesh = " x ".join(f"{a} {n}" for a, n in zip(p.mesh_axes, p.mesh_shape))
-    return (f"{mesh}; {config_note(p)}{'' if p.recompute else 'no recomputation; '}"
-            f"{p.estimate.memory_total / 2**30:.1f} GiB per GPU")
+    parts = [mesh, config_note(p).strip(), "" if p.recompute else "no recomputation",
+             f"{p.estimate.memory_total / 2**30:.1f} GiB per GPU"]
+    return "; ".join(x for x in parts if x)
 
 
 # ---- published configurations -------------------------------------------------------------
