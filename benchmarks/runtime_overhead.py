@@ -9,19 +9,30 @@ one run, steps alternating (autopar, hand, hand, autopar, ...) so machine noise 
 
 strategy (autopar pins; N ranks) -> by hand:
 
-- data (data=N) -> DistributedDataParallel
+- data (data=N) -> DistributedDataParallel (autopar's step, like DDP's, runs only the
+  bucketed gradient all-reduce: the loss's count of targets comes from the whole target,
+  the loss is summed beside backward, wpe's gradient goes to the buckets: 1.00-1.02 on 2
+  and 4 ranks, two runs each at load 8-14; with those three blocking all-reduces it was 1.03
+  and 1.13)
 - zero (data=N, zero=3) -> FSDP2: fully_shard per block, then the root (autopar gathers and
   reduce-scatters per block too, ~19 collectives a step: 0.95-1.03 on 2 ranks, 0.91-1.05 on
   4, four runs each at load 9-40; per weight, ~140 a step, it was 1.44 and 2.90)
 - tensor (tensor=N) -> parallelize_module, Colwise/RowwiseParallel (Megatron's layout)
 - pipeline (pipeline=N, 1F1B, 2N micro-batches) -> manual split into N stages of
   consecutive blocks, PipelineStage + Schedule1F1B; autopar's cuts are the solver's
-- pipeline-gpipe (the same, GPipe) -> the same, ScheduleGPipe
+  (1.04-1.05 on 2 ranks, 1.06-1.07 on 4: the solver cuts mid-block, before a block's c_attn,
+  so the residual and ln_1's output both cross: two sends a micro-batch each way)
+- pipeline-gpipe (the same, GPipe) -> the same, ScheduleGPipe (0.89-1.02 on 2 ranks,
+  0.99-1.07 on 4)
 - pipeline-samecuts (pipeline 1F1B, the plan's cuts moved to the hand split's) -> as
-  pipeline: the two runtimes on the very same stages
+  pipeline: the two runtimes on the very same stages (0.95-1.05 on 2 ranks, 1.03-1.04 on 4)
 - eager (N=1: the solver's plan at world 1) -> the model itself: the host overhead of the
   rewritten graph; eager-tiny: the same on a GPT with negligible compute (n_embd 32,
-  batch 1, seq 16), so the difference is the per-step host overhead
+  batch 1, seq 16), so the difference is the per-step host overhead (the rewritten graph
+  runs the eager model's ATen ops, the same ones and as many; a loss placed
+  vocabulary-parallel on the one-rank axis used to add an all-gather and two all-reduces;
+  what is left, +0.74 ms (1.08) at load 6-9, is ``torch.ops.aten`` overload calls, ~8 us
+  slower each than torch's Python bindings; eager 0.96-1.10, load 6-24)
 
 A timed step is ``zero_grad``, forward, backward, gradient sync and ``optimizer.step``
 (SGD, the same for both), between two barriers. Before timing, each pair runs one step
