@@ -150,11 +150,12 @@ def full_step(terms: dict[str, float]) -> float:
     return sum(terms.values())
 
 
-def gain_table(base: dict[str, float], free: dict[str, float], indent: str = "    ") -> list[str]:
+def gain_table(base: dict[str, float], free: dict[str, float], base_label: str = "published",
+               indent: str = "    ") -> list[str]:
     """Lines: each term of both plans and the seconds it saves (largest first), the total,
     and a one-line reason for the largest saving."""
     saved = {k: base[k] - free[k] for k in TERMS}
-    lines = [f"{indent}{'term':<22}{'published s':>12}{'free s':>10}{'saved s':>10}"]
+    lines = [f"{indent}{'term':<22}{base_label + ' s':>12}{'free s':>10}{'saved s':>10}"]
     for k in sorted(TERMS, key=lambda k: -abs(saved[k])):
         if base[k] == 0 and free[k] == 0:
             continue
