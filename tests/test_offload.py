@@ -30,10 +30,12 @@ from launch import register_cases, shared_cases
 
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-3
 OFF = {"offload": "optimizer"}
+BUCKET = 24_000     # bytes: the small GPT's 112 kB of fp32 gradients in 5 ZeRO-1/2 buckets
 CASES = [
-    {"id": "offload-zero1", "pins": {"data": 2, "zero": 1, **OFF}},
+    {"id": "offload-zero1", "pins": {"data": 2, "zero": 1, **OFF}, "bucket_bytes": BUCKET},
     {"id": "offload-zero3", "pins": {"data": 2, "zero": 3, **OFF}},
-    {"id": "offload-zero2-opt-step", "pins": {"data": 2, "zero": 2, **OFF}, "pm_step": False},
+    {"id": "offload-zero2-opt-step", "pins": {"data": 2, "zero": 2, **OFF}, "pm_step": False,
+     "bucket_bytes": BUCKET},
     {"id": "offload-zero2-bf16", "pins": {"data": 2, "zero": 2, "precision": "bf16", **OFF}},
 ]
 FP32 = [c["id"] for c in CASES if "precision" not in c["pins"]]
@@ -83,6 +85,36 @@ def test_memory_per_rank_equals_the_plan_estimate(results, case_id):
     assert dev["grads"] == (whole if stage == 1 else whole / 2), dev
     # the optimizer's state belongs to the host masters, which share no memory with the device's
     assert r["state_on_masters"] and r["masters_apart"], r
+
+
+def _steps(events: list[str]) -> list[list[str]]:
+    """The recorded events cut after each step's end (the last list: after the last step)."""
+    out, cur = [], []
+    for e in events:
+        cur.append(e)
+        if e == "end":
+            out.append(cur)
+            cur = []
+    return out + [cur]
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES if c.get("bucket_bytes") or c["pins"]["zero"] == 3])
+def test_copies_overlap_the_gradient_sync(results, case_id):
+    """Each bucket's gradients go down as its reduction finishes: the first copy is made
+    before the step's last reduction is launched (backward still running), not after the
+    sync; the masters go up bucket by bucket, one after an all-gather has run."""
+    r = _result(results, case_id)
+    steps = _steps(r["events"])
+    assert len(steps) == 4, r["events"]
+    for ev in steps[:3]:
+        body = ev[ev.index("reduce"):]      # the step's backward (after the last one's gathers)
+        copies = [j for j, e in enumerate(body) if e == "copy"]
+        reduces = [j for j, e in enumerate(body) if e == "reduce"]
+        assert len(copies) >= 2 and copies[0] < reduces[-1], ev
+    if r["plan_pins"]["zero"] <= 2:   # ZeRO-1/2: each bucket's masters just before its gather
+        for ev in steps[1:3]:         # after a step, before the next one's backward
+            head = ev[:ev.index("reduce")]
+            assert head.count("up") >= 2 and head.index("gather") < len(head) - 1 - head[::-1].index("up"), ev
 
 
 # ---- single process ------------------------------------------------------------------------

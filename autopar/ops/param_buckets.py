@@ -17,7 +17,9 @@ shards, launched asynchronously one block ahead of the ops that read them. Each 
   are in flight (an older one is finished first, which frees its buffer); the rest are
   finished when backward ends (an autograd engine callback), which sets each shard's
   ``.grad`` (adding to one already there: gradient accumulation, tied weights gathered
-  twice).
+  twice). A ``bucket_listener`` on the communicator is then handed the bucket's shards
+  (``listener.reduced(shards)``: ZeRO-Offload copies their gradients to the host while
+  backward goes on).
 
 Every rank runs the same program and the same backward, so every rank starts the same
 collectives in the same order. Layouts: a shard of ``dim`` (strided: of ``dim`` in
@@ -198,6 +200,9 @@ class ParamBucket:
                 s.grad = g
             else:
                 s.grad.add_(g)
+        listener = getattr(self.comm, "bucket_listener", None)
+        if listener is not None:      # e.g. ZeRO-Offload: the shards' gradients to the host now
+            listener.reduced([self.shards[j] for j in self._send_layout if self._got[j]])
         self._got = [False] * len(self.shards)
 
 

@@ -37,12 +37,19 @@ def offloaded(plan: Plan) -> bool:
 
 class HostOptimizer:
     """Host master copies of ``device_params`` (attribute path -> the device tensor the
-    optimizer would otherwise step) on ``device``'s host."""
+    optimizer would otherwise step) on ``device``'s host.
+
+    It is the bucket listener of the step's communicator (``comm.bucket_listener``): the
+    bucket machinery calls :meth:`reduced` with the device tensors whose gradient a
+    finished reduction has just made final (``runtime.zero.ZeroGradSync``'s buckets under
+    ZeRO-1/2, ``ops.param_buckets.ParamBucket``'s under ZeRO-3), and :meth:`up` with the
+    tensors a gather is about to read (``OptimizerShards.gather``'s buckets)."""
 
     def __init__(self, device_params: dict[str, nn.Parameter], device: torch.device):
         self.device = device
         self.pinned = pin_host_memory(device)
         self.device_params = dict(device_params)
+        self._attr = {id(p): a for a, p in self.device_params.items()}
         self.masters: dict[str, nn.Parameter] = {}
         with torch.no_grad():
             for attr, p in self.device_params.items():
@@ -50,33 +57,62 @@ class HostOptimizer:
                 host.copy_(p.detach())
                 self.masters[attr] = nn.Parameter(host, requires_grad=p.requires_grad)
         self._versions = self._now()
+        self._down: dict[str, list[torch.Tensor]] = {}   # this step's gradient copies in flight
 
-    def _now(self) -> list[int]:
-        return [m._version for m in self.masters.values()]
+    def _now(self) -> dict[str, int]:
+        return {a: m._version for a, m in self.masters.items()}
 
     def dirty(self) -> bool:
         """A master changed since it was last copied up (an optimizer step, a load)."""
         return self._now() != self._versions
 
+    # ---- gradients down ------------------------------------------------------------------
     @torch.no_grad()
-    def grads_down(self) -> None:
-        """Each device shard's gradient (summed by the step's sync) to its master's ``.grad``
-        (a fresh host buffer: ``train_step`` adds earlier steps' gradients to it); the device
-        gradient is released. Waits once for all the copies."""
-        for attr, p in self.device_params.items():
+    def reduced(self, tensors) -> None:
+        """A bucket's reduction finished: start copying the gradient of each of ``tensors``
+        (device parameters) to a fresh host buffer (``non_blocking``: the copy runs while
+        backward goes on) and release the device gradient. Tensors that are not the
+        optimizer's (another axis's parameters) are left alone."""
+        for p in tensors:
+            attr = self._attr.get(id(p))
             g = p.grad
-            if g is None:
+            if attr is None or g is None:
                 continue
             host = torch.empty(g.shape, dtype=g.dtype, device=HOST, pin_memory=self.pinned)
             host.copy_(g, non_blocking=self.pinned)
-            self.masters[attr].grad = host
+            self._down.setdefault(attr, []).append(host)
             p.grad = None
-        synchronize(self.device)
 
     @torch.no_grad()
+    def grads_down(self) -> None:
+        """The step's sync has finished: copy the gradients no bucket handed over (those
+        synced outside ZeRO's buckets), wait for every copy once (the host step needs them)
+        and make each master's ``.grad`` its copy (the sum of its copies: a weight whose
+        bucket finished twice, as a tied one gathered twice; ``train_step`` adds earlier
+        steps' gradients to it)."""
+        self.reduced([p for p in self.device_params.values() if p.grad is not None])
+        synchronize(self.device)
+        for attr, copies in self._down.items():
+            g = copies[0]
+            for more in copies[1:]:
+                g = g.add_(more)
+            self.masters[attr].grad = g
+        self._down = {}
+
+    # ---- parameters up -------------------------------------------------------------------
+    @torch.no_grad()
+    def up(self, tensors) -> None:
+        """Copy the master of each of ``tensors`` (device parameters) that changed since it
+        was last copied into it (in place: a gather reads it next)."""
+        for p in tensors:
+            attr = self._attr.get(id(p))
+            if attr is None:
+                continue
+            m = self.masters[attr]
+            if m._version != self._versions[attr]:
+                p.copy_(m, non_blocking=self.pinned)
+                self._versions[attr] = m._version
+
     def params_up(self) -> None:
-        """Copy every master into its device shard (in place: the programs' tensors, or ZeRO's
-        shards, which then gather)."""
-        for attr, p in self.device_params.items():
-            p.copy_(self.masters[attr], non_blocking=self.pinned)
-        self._versions = self._now()
+        """Copy every changed master into its device shard."""
+        self.up(self.device_params.values())

@@ -235,6 +235,7 @@ class ParallelModule(nn.Module):
         if offloaded(self.plan):
             # ZeRO-Offload (autopar.runtime.offload): pm.parameters() are host master copies
             self._offload = HostOptimizer(dict(self.module.named_parameters()), self.device)
+            self._stage_comm.bucket_listener = self._offload    # copies by bucket, overlapped
             for attr, p in self._offload.masters.items():
                 set_tensor(self.module, attr, p)
 
@@ -268,7 +269,12 @@ class ParallelModule(nn.Module):
         shard changed (an optimizer step, a load) since the last gather; under offload,
         the host masters are copied into the device shards first."""
         if self._offload is not None and self._offload.dirty():
-            self._offload.params_up()
+            if self._zero is None:
+                self._offload.params_up()
+            else:    # the shards' masters go up bucket by bucket, each just before its gather
+                sharded = {id(self._zero.params[a]) for a in self._zero.dims}
+                self._offload.up(p for p in self._offload.device_params.values() if id(p) not in sharded)
+                self._zero.gather()
         if self._zero is not None and self._zero.dirty():
             self._zero.gather()
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from autopar.ops.comm import Comm
+from autopar.ops.param_buckets import IN_FLIGHT
 from autopar.placement import Replicate, Shard, parse_placements, placements_str
 from autopar.plan import NodePlacement, Plan
 from autopar.runtime.grad_sync import BUCKET_BYTES, GradSync
@@ -106,8 +107,13 @@ class OptimizerShards:
     @torch.no_grad()
     def gather(self) -> None:
         """All-gather every shard over the data axis into the working parameters (in
-        buckets of about ``bucket_bytes``, one flat all-gather each). Collective."""
+        buckets of about ``bucket_bytes``, one flat all-gather each). Collective. Just
+        before a bucket is read, the communicator's ``bucket_listener`` (ZeRO-Offload's
+        host masters) may write its shards: ``listener.up(shards)``."""
+        listener = getattr(self.comm, "bucket_listener", None)
         for bucket in self._buckets(list(self.dims)):
+            if listener is not None:
+                listener.up([self.params[a] for a in bucket])
             flat = torch.cat([self.params[a].detach().reshape(-1) for a in bucket])
             parts = self.comm.all_gather(flat, self.axis, 0).view(self.n, -1)
             for j in range(self.n):
@@ -185,16 +191,61 @@ class ZeroGradSync(GradSync):
         super().__init__(params, axes_of, comm, **kw)
         self.zero = shards
         self._scattered: list = []
+        self._names: dict[int, tuple[str, ...]] = {}   # id(an all-reduce in flight) -> its attrs
 
     def begin(self) -> None:
-        self._scattered = []
+        self._scattered, self._names = [], {}
         super().begin()
 
     def abort(self) -> None:
         super().abort()
         self._scattered = []
 
+    def _start(self, grads: list, axes: tuple[int, ...], names: tuple[str, ...] = ()) -> None:
+        n = len(self._inflight)
+        super()._start(grads, axes, names)
+        if len(self._inflight) > n:
+            self._names[id(self._inflight[-1])] = names
+
+    def _finish_early(self) -> None:
+        """With a ``bucket_listener`` on the communicator (ZeRO-Offload), finish the buckets
+        launched before the last :data:`IN_FLIGHT` as the next is launched (as ZeRO-3's
+        ``param_buckets._Scatters`` does), give their optimizer shards their gradients and
+        hand the shards to ``listener.reduced``, while backward goes on."""
+        listener = getattr(self.comm, "bucket_listener", None)
+        if listener is None:
+            return
+        while len(self._scattered) > IN_FLIGHT:
+            started, bucket, more = self._scattered.pop(0)
+            self.zero.finish_reduce_scatter(started, bucket, more)
+            listener.reduced([self.zero.params[a] for a in bucket])
+        while len(self._inflight) > IN_FLIGHT:
+            entry = self._inflight.pop(0)
+            self._complete(entry)
+            mine = [a for a in self._names.pop(id(entry), ()) if a in self.zero.dims]
+            for a in mine:        # the working gradient is summed: the shard's block of it
+                s, w = self.zero.params[a], self.zero.working[a]
+                if s.grad is None and w.grad is not None:
+                    s.grad = self.zero.block(a, w.grad)
+                    w.grad = None     # the shard's view keeps it until its copy is made
+            listener.reduced([self.zero.params[a] for a in mine])
+
+    def _complete(self, entry) -> None:
+        """Wait for one all-reduce bucket and run its axes after the first (as
+        :meth:`GradSync.finish` does)."""
+        work, grads, more, dest = entry
+        work.wait()
+        for a in more:
+            self.comm.all_reduce_coalesced(grads, a).wait()
+        for d, g in zip(dest, grads):
+            if d is not g:
+                d.copy_(g)
+
     def _launch(self, axes: tuple[int, ...]) -> None:
+        self._launch_buckets(axes)
+        self._finish_early()
+
+    def _launch_buckets(self, axes: tuple[int, ...]) -> None:
         if self.zero.stage >= 2 and self.zero.axis in axes:
             attrs = self._pending.get(axes, [])
             mine = [a for a in attrs if a in self.zero.dims]
@@ -210,5 +261,5 @@ class ZeroGradSync(GradSync):
         super().finish()
         for started, bucket, more in self._scattered:
             self.zero.finish_reduce_scatter(started, bucket, more)
-        self._scattered = []
+        self._scattered, self._names = [], {}
         self.zero.grads_to_shards()
