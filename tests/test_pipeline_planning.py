@@ -109,6 +109,8 @@ def test_node_prices_add_up_to_the_solver_total(pins):
     nc = _price(cap, intra, solved, cl, 4, 2, 2).nc
     assert nc.comm.sum() > 0
     total = nc.compute.sum() + nc.comm.sum() + nc.sync.sum()
+    # less the estimate's row of communication hidden behind compute (ZeRO-3's gathers)
+    total += intra.estimate.comm.get("overlapped", 0.0)
     assert total == pytest.approx(intra.estimate.step_time_s, rel=1e-6)
 
 

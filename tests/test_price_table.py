@@ -88,7 +88,9 @@ def test_explain_figures_are_the_estimates(gpt, pins, monkeypatch):
     assert est.memory_total < sum(est.memory_bytes.values())
     comm = sum(t for r in rows.values() for _, d, t in r.edges if d in ("in", "self"))
     comm += sum(t for r in rows.values() for nb, _, t in r.edges if nb == "loss must end replicated")
-    assert comm == pytest.approx(est.comm_s, rel=1e-9, abs=1e-15)
+    # less what hides behind compute: the estimate's own (negative) row, never the whole sync
+    assert -est.comm.get("overlapped", 0.0) < comm
+    assert comm + est.comm.get("overlapped", 0.0) == pytest.approx(est.comm_s, rel=1e-9, abs=1e-15)
     # node by node, the rebuilt table prices the chosen option as the solver's own did
     for rep, r in rows.items():
         i = r.index

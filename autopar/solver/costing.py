@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils._pytree import tree_map
 
 from autopar.cost_models import comm as comm_model
@@ -28,6 +29,9 @@ from autopar.solver.pins import compress_scheme
 from autopar.solver.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
+OVERLAPPED = "overlapped"
+"""The estimate's ``comm`` row (negative seconds) of communication hidden behind compute,
+so the rows still add up to ``comm_s`` (``CostModel.overlap_rule``)."""
 
 SHARED_PRICES = 8
 """Memos of redistribution and op prices kept at once (:func:`_shared`), the most recent."""
@@ -132,6 +136,29 @@ class CostModel:
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
                    compress=compress_scheme(pins.get("compress")), local_sgd=pins.get("local_sgd"),
                    offload=pins.get("offload") == "optimizer")
+
+    # ---- overlap (cost_models/step.py) --------------------------------------------------
+    def overlap_rule(self) -> tuple[float, bool]:
+        """(seconds never hidden, whether forward compute hides too) of the overlappable
+        collectives (``Collective.overlap``). The data-parallel gradient reduction overlaps
+        backward except its last bucket: ``DDP_BUCKET_BYTES`` (25 MiB, GradSync's ``BUCKET_BYTES``) summed
+        over the data axis; once per step, so times ``grad_sync_scale`` in a micro-batch's
+        view. ZeRO-3 gathers block by block ahead of use (FSDP-style): forward and backward
+        hide them, except the first block's gather, taken as one bucket too."""
+        t = self.last_bucket_s
+        return (t if self.zero >= 3 else t * self.grad_sync_scale), self.zero >= 3
+
+    @property
+    def last_bucket_s(self) -> float:
+        """Seconds of one ``DDP_BUCKET_BYTES`` bucket's reduction (ZeRO-3: gather) over the
+        data axis; 0 without one."""
+        a = self.data_axis
+        if a is None or a >= len(self.mesh_shape) or self.mesh_shape[a] <= 1:
+            return 0.0
+        kind = "all_gather" if self.zero >= 3 else "reduce_scatter" if self.zero == 2 else "all_reduce"
+        scale = self._act(1.0, torch.float32)
+        return comm_model.collective_time(kind, comm_model.DDP_BUCKET_BYTES * scale, self.mesh_shape[a],
+                                          self.links[a], skew=False)
 
     # ---- compute -------------------------------------------------------------------------
     def node_time(self, v: NodeVar, combo) -> tuple[float, float]:
@@ -319,9 +346,15 @@ class CostModel:
                             and step.axis == self.data_axis)
                 # once per step: the deferred gradient reduction (GradSync) and ZeRO-1/2's;
                 # ZeRO-3's reduce-scatter is in the backward graph, so it runs per micro-batch
+                # what may hide behind compute (cost_models/step.py's overlap rule): the
+                # gradient reductions GradSync launches as buckets fill during backward,
+                # ZeRO-1/2's reduce-scatter, ZeRO-3's per-block gathers and reduce-scatters
+                overlap = ((bucketed and backward and step.kind == "grad_all_reduce")
+                           or (per_step and backward)
+                           or (bucketed and self.zero >= 3 and step.axis == self.data_axis))
                 out.append(Collective(kind, step.axis, backward, t,
                                       (bucketed and backward and step.kind == "grad_all_reduce")
-                                      or per_step, regather))
+                                      or per_step, regather, overlap))
         return tuple(out)
 
 
@@ -347,6 +380,7 @@ class Collective:
     sync: bool          # once per step (``grad_sync_scale``): a parameter's gradient reduction,
     #                     or its ZeRO-1/2 gather after the optimizer step
     regather: bool      # a ZeRO-3 gather, run again in backward
+    overlap: bool = False   # may run behind compute (``CostModel.overlap_rule``)
 
 
 def price_steps(steps: tuple[Collective, ...] | None, rerun: float = 0.0,
@@ -367,6 +401,21 @@ def price_steps(steps: tuple[Collective, ...] | None, rerun: float = 0.0,
         total += t
         by[(c.kind, c.axis)] = by.get((c.kind, c.axis), 0.0) + t
     return total, by
+
+
+def hidden_steps_s(steps: tuple[Collective, ...] | None, rerun: float = 0.0,
+                   sync_scale: float = 1.0) -> float:
+    """Seconds of ``steps`` (as :func:`price_steps` counts them) that may overlap compute."""
+    if not steps:
+        return 0.0
+    return price_steps(tuple(c for c in steps if c.overlap), rerun, sync_scale)[0]
+
+
+def exposed_sync(pool_s: float, hide_s: float, last_s: float) -> float:
+    """Seconds of ``pool_s`` of overlappable communication left on the step: all but what
+    ``hide_s`` seconds of compute hide, never less than the last bucket (``last_s``) or
+    ``pool_s`` itself (``cost_models.comm.grad_sync_time``'s rule, without the 1 - 1/k)."""
+    return min(pool_s, max(last_s, pool_s - hide_s)) if pool_s > 0 else 0.0
 
 
 def params_read(problem) -> dict[str, int]:

@@ -14,7 +14,7 @@ from autopar.errors import PinError
 from autopar.placement import local_shape, placements_str
 from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import CostModel
+from autopar.solver.costing import OVERLAPPED, CostModel
 from autopar.solver.errors import gib, one_screen
 from autopar.solver.ilp import InfeasibleError, _gib, solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
@@ -291,7 +291,9 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budg
     sol, problem, axes = best.sol, best.problem, best.axes
     nodes = node_placements(problem, sol.choice)
     comm = {f"{kind}@{axes[a]}": s for (kind, a), s in sorted(sol.comm_s.items())}
-    comm_total = sum(sol.comm_s.values())
+    if sol.overlapped_s > 0:   # gradient sync hidden behind compute (cost_models/step.py)
+        comm[OVERLAPPED] = -sol.overlapped_s
+    comm_total = sum(comm.values())
     est = Estimate(step_time_s=sol.compute_s + comm_total, compute_s=sol.compute_s,
                    comm_s=comm_total, memory_bytes=dict(sol.memory), comm=comm,
                    memory_phases=sol.memory_phases)

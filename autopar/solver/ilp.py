@@ -8,6 +8,11 @@ Objective (seconds of one training step, forward + backward)
     min  Σ_v Σ_i n_v · t_compute[v,i] · x[v,i]          compute
        + Σ_(u,v) Σ_(p,q) n_uv · t_comm[p,q] · e[u,p,v,q]   resharding and gradient sync
        + Σ_i t_comm[out(i), R] · x[loss,i]              the loss ends replicated
+       - (overlappable seconds of those edges) + E       gradient sync, exposed part only
+    E ≥ last,  E ≥ Σ overlappable - Σ_v Σ_i hide[v,i] · x[v,i]
+    (``CostModel.overlap_rule``: the data-parallel gradient reduction overlaps backward
+    compute, ``hide``, except the last 25 MiB bucket; ZeRO-3's gathers and reduce-scatters
+    overlap forward and backward except the first block's)
 
 Constraints
     one_option[v]:   Σ_i x[v,i] = 1
@@ -37,7 +42,7 @@ from ortools.linear_solver import pywraplp
 from autopar.cost_models.memory import peak_bytes
 from autopar.errors import AutoparInputError
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import INF, CostModel, grad_partial_flags
+from autopar.solver.costing import INF, CostModel, exposed_sync, grad_partial_flags
 from autopar.solver.prices import PriceTable, price_table
 from autopar.solver.problem import Problem
 
@@ -57,6 +62,7 @@ class Solution:
     n_constraints: int
     compute_s: float = 0.0
     comm_s: dict = field(default_factory=dict)     # (collective, axis) -> seconds
+    overlapped_s: float = 0.0                      # of comm_s, hidden behind compute
     memory: dict = field(default_factory=dict)     # term -> bytes per device
     memory_phases: tuple = ()                      # groups of terms never live at once
 
@@ -79,6 +85,9 @@ class _Tables:
     sink: tuple | None       # (root, [seconds per option], [by per option])
     follow: dict             # follower -> (root, [its option for each of root's options])
     self_comm: dict          # root -> [{(collective, axis): seconds} per option] (absorbed edges)
+    hidden: dict = field(default_factory=dict)   # root -> [overlappable seconds per option]
+    hide: dict = field(default_factory=dict)     # root -> [compute seconds that hide them]
+    last_s: float = 0.0                          # overlappable seconds never hidden
 
 
 def tabulate(problem: Problem, cost: CostModel) -> _Tables:
@@ -90,6 +99,10 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
     node_mem = {n: [sum(t.values()) for t in terms] for n, terms in node_terms.items()}
     self_comm: dict[str, list[dict]] = {}
     scale = cost.grad_sync_scale
+    last_s, with_forward = cost.overlap_rule()
+    hide = {n: [_hiding(pt, n, i, with_forward, scale) for i in range(len(v.options))]
+            for n, v in problem.vars.items()}
+    hidden = {n: [0.0] * len(v.options) for n, v in problem.vars.items()}
     into = {e.dst: k for k, e in enumerate(problem.edges) if e.dst in pt.follow}
     for name, (root, pick) in pt.follow.items():     # graph order, as the table merged them
         k = into[name]
@@ -99,14 +112,17 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
         for i, j in enumerate(pick):
             p = output_placements(u.options[pt.option_of(e.src, i)], e.src_out)
             c = v.options[j]
-            t, by = pt.edge(k, p, input_placements(c, 0), grad_partial_flags(c, 0)).priced(scale)
+            price = pt.edge(k, p, input_placements(c, 0), grad_partial_flags(c, 0))
+            t, by = price.priced(scale)
             node_cost[root][i] += t + node_cost[name][j]
+            hidden[root][i] += price.hidden(scale) + hidden[name][j]
+            hide[root][i] += hide[name][j]
             node_mem[root][i] += node_mem[name][j]
             for key, b in node_terms[name][j].items():
                 node_terms[root][i][key] = node_terms[root][i].get(key, 0.0) + b
             for key, sec in by.items():
                 comm[i][key] = comm[i].get(key, 0.0) + sec
-    edges = _edge_tables(pt, node_cost, self_comm)
+    edges = _edge_tables(pt, node_cost, self_comm, hidden)
     sink = None
     if problem.sink:
         name = problem.sink[0]
@@ -115,13 +131,24 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
                   for i in range(len(problem.vars[root].options))]
         sink = (root, [t for t, _ in priced], [by for _, by in priced])
     for name in pt.follow:
-        del node_cost[name], node_mem[name], node_terms[name]
-    return _Tables(node_cost, node_mem, node_terms, edges, sink, dict(pt.follow), self_comm)
+        del node_cost[name], node_mem[name], node_terms[name], hidden[name], hide[name]
+    return _Tables(node_cost, node_mem, node_terms, edges, sink, dict(pt.follow), self_comm,
+                   hidden, hide, last_s)
 
 
-def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict) -> list:
-    """The edges between two variables, each with its price per (class, class) pair; an
-    edge whose ends one variable decides is added to that variable's cost instead."""
+def _hiding(pt: PriceTable, name: str, i: int, with_forward: bool, scale: float) -> float:
+    """Compute seconds of ``name``'s option ``i`` that overlappable collectives hide behind:
+    its backward (recomputation included), once per step, so ``scale`` of it in a
+    micro-batch's view; forward and backward in full under ZeRO-3 (``CostModel.overlap_rule``)."""
+    f, b = pt.time(name, i)
+    n = len(pt.problem.vars[name].members)
+    return n * (f + b) if with_forward else n * b * scale
+
+
+def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict, hidden: dict) -> list:
+    """The edges between two variables, each with its price per (class, class) pair and
+    their overlappable seconds; an edge whose ends one variable decides is added to that
+    variable's cost instead."""
     problem, scale = pt.problem, pt.cost.grad_sync_scale
     edges = []
     for k, e in enumerate(problem.edges):
@@ -134,16 +161,19 @@ def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict) -> list:
         qv = [(input_placements(v.options[pt.option_of(e.dst, j)], e.dst_in),
                grad_partial_flags(v.options[pt.option_of(e.dst, j)], e.dst_in))
               for j in range(len(problem.vars[dst].options))]
-        table = {(p, q): pt.edge(k, p, q[0], q[1]).priced(scale) for p in set(pu) for q in set(qv)}
+        prices = {(p, q): pt.edge(k, p, q[0], q[1]) for p in set(pu) for q in set(qv)}
+        table = {pq: price.priced(scale) for pq, price in prices.items()}
+        hid = {pq: price.hidden(scale) for pq, price in prices.items()}
         if src == dst:   # both ends decided by one variable (repeated layer, or a follower)
             comm = self_comm.setdefault(src, [{} for _ in pu])
             for i in range(len(pu)):
                 t, by = table[(pu[i], qv[i])]
                 node_cost[src][i] = INF if t == INF else node_cost[src][i] + t
+                hidden[src][i] += hid[(pu[i], qv[i])]
                 for key, sec in by.items():
                     comm[i][key] = comm[i].get(key, 0.0) + sec
             continue
-        edges.append((src, dst, pu, qv, table))
+        edges.append((src, dst, pu, qv, table, hid))
     return edges
 
 
@@ -167,14 +197,24 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     x = {name: [m.BoolVar("") for _ in range(len(problem.vars[name].options))]
          for name in tab.node_cost}
     obj = []
+    # overlap: Σ overlappable - Σ hiding compute (module docstring's E)
+    overlap = not minimize_memory and _overlaps(tab)
+    sync = []
     for name, xs in x.items():
         m.Add(sum(xs) == 1)
         for i, c in enumerate(tab.node_cost[name]):
             if c == INF:
                 xs[i].SetUb(0)
             elif c > 0 and not minimize_memory:
-                obj.append(c * xs[i])
-    _add_edges(m, x, tab, obj, minimize_memory)
+                h = tab.hidden[name][i] if overlap else 0.0
+                obj.append((c - h) * xs[i])
+                if overlap:
+                    sync.append((h - tab.hide[name][i]) * xs[i])
+    _add_edges(m, x, tab, obj, minimize_memory, sync if overlap else None)
+    if overlap:
+        exposed = m.NumVar(tab.last_s, pywraplp.Solver.infinity(), "exposed_sync")
+        obj.append(exposed)
+        m.Add(exposed >= sum(sync))
     if tab.sink:
         name, ts, _ = tab.sink
         for i, t in enumerate(ts):
@@ -210,7 +250,7 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     sol = Solution(choice, 0.0, 0.0, name, time.perf_counter() - t0,
                    m.NumVariables(), m.NumConstraints(), memory_phases=phases)
     _fill_breakdown(sol, tab, choice)
-    total = sol.compute_s + sum(sol.comm_s.values())
+    total = sol.compute_s + sum(sol.comm_s.values()) - sol.overlapped_s
     sol.objective_s = total
     bound = m.Objective().BestBound() if not minimize_memory else total
     sol.bound_s = min(total, bound) if status != pywraplp.Solver.OPTIMAL else total
@@ -231,10 +271,18 @@ def _memory_rows(x: dict, tab: _Tables, phases: tuple) -> list:
     return rows
 
 
-def _add_edges(m, x: dict, tab: _Tables, obj: list, minimize_memory: bool) -> None:
+def _overlaps(tab: _Tables) -> bool:
+    """Whether any choice has communication that may overlap compute."""
+    return (any(h > 0 for hs in tab.hidden.values() for h in hs)
+            or any(h > 0 for *_, hid in tab.edges for h in hid.values()))
+
+
+def _add_edges(m, x: dict, tab: _Tables, obj: list, minimize_memory: bool,
+               sync: list | None = None) -> None:
     """The edges' terms: linear in one side's choice when the other has a single class,
-    else a transport plan ``e`` between the two sides' classes (module docstring)."""
-    for u, v, pu, qv, table in tab.edges:
+    else a transport plan ``e`` between the two sides' classes (module docstring). With
+    ``sync``, an edge's overlappable seconds go there instead of into ``obj``."""
+    for u, v, pu, qv, table, hid in tab.edges:
         ys = defaultdict(list)
         zs = defaultdict(list)
         for i, p in enumerate(pu):
@@ -248,7 +296,10 @@ def _add_edges(m, x: dict, tab: _Tables, obj: list, minimize_memory: bool) -> No
                 if t == INF:
                     m.Add(lin == 0)
                 elif t > 0 and not minimize_memory:
-                    obj.append(t * lin)
+                    h = hid[(p, q)] if sync is not None else 0.0
+                    obj.append((t - h) * lin)
+                    if h:
+                        sync.append(h * lin)
             continue
         e = {pq: m.NumVar(0.0, 1.0, "") for pq, (t, _) in table.items() if t != INF}
         for p in ys:
@@ -256,7 +307,12 @@ def _add_edges(m, x: dict, tab: _Tables, obj: list, minimize_memory: bool) -> No
         for q in zs:
             m.Add(sum(ev for (_, qq), ev in e.items() if qq == q) == sum(zs[q]))
         if not minimize_memory:
-            obj += [table[pq][0] * ev for pq, ev in e.items() if table[pq][0] > 0]
+            for pq, ev in e.items():
+                if table[pq][0] > 0:
+                    h = hid[pq] if sync is not None else 0.0
+                    obj.append((table[pq][0] - h) * ev)
+                    if h:
+                        sync.append(h * ev)
 
 
 def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None:
@@ -265,10 +321,14 @@ def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None
         for k, sec in per_option[choice[n]].items():
             comm[k] += sec
     sol.compute_s = sum(tab.node_cost[n][choice[n]] for n in tab.node_cost) - sum(comm.values())
-    for u, v, pu, qv, table in tab.edges:
+    pool = sum(tab.hidden[n][choice[n]] for n in tab.hidden)
+    hide = sum(tab.hide[n][choice[n]] for n in tab.hide)
+    for u, v, pu, qv, table, hid in tab.edges:
         _, by = table[(pu[choice[u]], qv[choice[v]])]
+        pool += hid[(pu[choice[u]], qv[choice[v]])]
         for k, s in by.items():
             comm[k] += s
+    sol.overlapped_s = pool - exposed_sync(pool, hide, tab.last_s)
     if tab.sink:
         name, _, bys = tab.sink
         for k, s in bys[choice[name]].items():

@@ -18,6 +18,7 @@ from autopar.capture import Captured
 from autopar.placement import Shard, local_shape, parse_placements
 from autopar.plan import Estimate, Plan
 from autopar.schedule import schedule_actions
+from autopar.solver.costing import OVERLAPPED, exposed_sync
 from autopar.solver.pins import OPTIMIZER_STATES
 from autopar.solver.pipeline_costs import node_costs
 from autopar.solver.simulate import simulate
@@ -175,13 +176,19 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     end = np.zeros(p)
     for ev in sim.timeline:
         end[ev["rank"]] = max(end[ev["rank"]], ev["end"])
+    # a rank's gradient reduction, once per step, overlaps its stages' backward of the last
+    # micro-batch only, except the last bucket (cost_models/step.py); ZeRO-3's per-micro-
+    # batch gathers are priced in full with the stage's time
     sync = pr.rank_sync(cuts, p)
-    step = float((end + sync).max())
+    last = float(pr.solved.cost.last_bucket_s) if pr.solved.cost.zero < 3 else 0.0
+    hide = [float(sum(stage_times[k] for k in range(r, S, p))) * (1 - FORWARD) for r in range(p)]
+    exposed = np.array([exposed_sync(float(sync[r]), hide[r], last) for r in range(p)])
+    step = float((end + exposed).max())
     held = in_flight(schedule, p, m, v)
     rank_stages = [[k for k in range(r, S, p)] for r in range(p)]
     mems = [nc.rank_memory([stages[k] for k in ks], held[ks]) for ks in rank_stages]
     worst = max(range(p), key=lambda r: sum(mems[r].values()))
-    busiest = max(range(p), key=lambda r: sim.busy[r] + sync[r])
+    busiest = max(range(p), key=lambda r: sim.busy[r] + exposed[r])
     comm: dict[str, float] = {}
     compute = 0.0
     for k in rank_stages[busiest]:
@@ -195,6 +202,8 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
         sends = (p2p[k - 1] if k > 0 else 0.0) + (p2p[k] if k < S - 1 else 0.0)
         if sends:
             comm["send_recv@pipeline"] = comm.get("send_recv@pipeline", 0.0) + m * sends
+    if sync[busiest] > exposed[busiest]:
+        comm[OVERLAPPED] = -float(sync[busiest] - exposed[busiest])
     return Estimate(step_time_s=step, compute_s=float(compute), comm_s=float(sum(comm.values())),
                     memory_bytes={k: float(b) for k, b in mems[worst].items()},
                     comm={k: float(s) for k, s in comm.items()},

@@ -30,7 +30,8 @@ from autopar.errors import ArgumentError
 from autopar.placement import Replicate
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import INF, Collective, CostModel, grad_partial_flags, params_read, price_steps
+from autopar.solver.costing import (INF, Collective, CostModel, grad_partial_flags, hidden_steps_s,
+                                     params_read, price_steps)
 from autopar.solver.pins import OPTIMIZER_STATES
 from autopar.solver.problem import VIEW_OPS, Problem, build_problem, is_unary_elementwise
 
@@ -55,6 +56,10 @@ class EdgePrice:
         """(seconds, seconds by (collective, axis)) of all ``count`` edges; INF when not offered."""
         t, by = price_steps(self.steps, self.rerun, sync_scale)
         return (t * self.count if t != INF else INF), {k: s * self.count for k, s in by.items()}
+
+    def hidden(self, sync_scale: float = 1.0) -> float:
+        """Seconds of :meth:`priced` that may overlap compute (``Collective.overlap``)."""
+        return hidden_steps_s(self.steps, self.rerun, sync_scale) * self.count
 
     def split(self) -> tuple[dict, dict]:
         """({(collective, axis): s} per micro-batch, {...: s} gradient reductions per step)
