@@ -5,10 +5,15 @@ Overlap rules (GPU; where each is applied):
 
 - data-parallel gradient reduction overlaps backward, except the last bucket
   (:func:`~autopar.cost_models.comm.grad_sync_time`: ``exposed = max(t_bucket, total -
-  backward * (1 - 1/k))``). NOT applied by the solver yet: its estimate
-  (``solver/flat.py``, ``solver/pipeline_price.py``) adds every gradient reduction, and
-  ZeRO-3's gathers and reduce-scatters, in full after the compute (what Megatron-LM's
-  2021 "local" DDP did; FSDP and DDP overlap them, so plans under those are priced high);
+  backward * (1 - 1/k))``). The solver applies it as ``exposed = max(t_bucket, total -
+  backward)`` with GradSync's 25 MiB bucket (``solver/costing.CostModel.overlap_rule``):
+  the flat ILP through a continuous variable ``E >= t_bucket``, ``E >= overlappable -
+  hiding compute`` (``solver/ilp.py``); a pipeline rank's once-per-step reduction hides
+  behind its stages' backward of the last micro-batch only (``solver/pipeline_price.py``;
+  the stage DP's cuts still weigh it in full). ZeRO-3's per-block gathers and
+  reduce-scatters hide behind forward and backward alike, the first block's (one bucket)
+  exposed (FSDP-style prefetch; flat plans only). The estimate shows the hidden seconds as
+  a negative ``overlapped`` row of ``comm``;
 - tensor-parallel collectives sit on the critical path: every collective of a
   redistribution between two ops is added to the step (``solver/costing.edge_time``);
 - pipeline bubbles by schedule (:func:`bubble_fraction`): GPipe and 1F1B idle
