@@ -88,8 +88,12 @@ def test_explain_figures_are_the_estimates(gpt, pins, monkeypatch):
     assert est.memory_total < sum(est.memory_bytes.values())
     comm = sum(t for r in rows.values() for _, d, t in r.edges if d in ("in", "self"))
     comm += sum(t for r in rows.values() for nb, _, t in r.edges if nb == "loss must end replicated")
-    # less what hides behind compute: the estimate's own (negative) row, never the whole sync
-    assert -est.comm.get("overlapped", 0.0) < comm
+    # less what hides behind compute (cost_models/step.py's overlap rule; ZeRO-3's gathers
+    # and reduce-scatters behind forward and backward): the estimate's own negative row,
+    # never all of the data axis's collectives (the first block's gather stays exposed)
+    hidden = -est.comm.get("overlapped", 0.0)
+    assert hidden < sum(s for k, s in est.comm.items() if k.endswith("@data"))
+    assert hidden > 0 if pins.get("zero") == 3 else hidden >= 0
     assert comm + est.comm.get("overlapped", 0.0) == pytest.approx(est.comm_s, rel=1e-9, abs=1e-15)
     # node by node, the rebuilt table prices the chosen option as the solver's own did
     for rep, r in rows.items():
