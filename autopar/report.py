@@ -6,7 +6,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from autopar.cost_models.hardware import ClusterError, parse_cluster
-from autopar.cost_models.offload import offload_times
+from autopar.cost_models.offload import exposed_share, offload_times
 
 if TYPE_CHECKING:           # for annotations only: plan.py imports this module
     from autopar.plan import Plan
@@ -73,14 +73,16 @@ def offload_line(plan: Plan) -> str:
     if shard:
         try:
             states = round(host.get("optimizer", 0.0) / shard) - 1
-            copies, step = offload_times(shard, states, parse_cluster(plan.cluster).device)
-            timing = f"; per step: copies {fmt_time(copies)}, host step {fmt_time(step)} (in compute)"
+            copies, step = offload_times(shard, states, parse_cluster(plan.cluster).device,
+                                         exposed_share(shard))
+            timing = f"; per step: copies not hidden {fmt_time(copies)}, host step {fmt_time(step)} (in compute)"
         except ClusterError:
             pass
     return (f"ZeRO-Offload (offload='optimizer', zero={plan.pins.get('zero')}): optimizer state on "
             f"the host, {fmt_bytes(sum(host.values()))} per rank = master copy and moments "
-            f"{fmt_bytes(host.get('optimizer', 0.0))}, gradient shard {fmt_bytes(shard)}; gradient "
-            f"shards go down after the sync, updated shards up before ZeRO's gather{timing}")
+            f"{fmt_bytes(host.get('optimizer', 0.0))}, gradient shard {fmt_bytes(shard)}; each bucket's "
+            f"gradient shards go down as its reduction finishes, its updated shards up just before "
+            f"its gather{timing}")
 
 
 def branch_lines(plan: Plan) -> list[str]:

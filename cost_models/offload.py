@@ -11,9 +11,17 @@ working weights are fp32, mixed precision included, see ``memory.py``):
   ``host_mem_bandwidth`` (a roofline on memory: an optimizer step does a few flops per byte);
 - the updated shard goes up, host -> device: ``b / bandwidth``.
 
-The three run one after the other: autopar's runtime starts the copies once the step's
-gradient sync has finished (``autopar.runtime.offload``), so no overlap with backward is
-counted. Device memory drops the optimizer term (``solver.costing``); the host holds it.
+Overlap rule: the copies down overlap backward except the last bucket's, the copies up
+overlap the all-gathers except the first bucket's; the host step is never hidden. The
+runtime (``autopar.runtime.offload``) copies a bucket's gradient shards down as soon as its
+reduction finishes, while backward goes on, and the host step waits only for the copies; a
+bucket's masters go up just before its gather, so the copy of bucket i+1 runs beside the
+gather of bucket i. The bucket left exposed each way is one ``DDP_BUCKET_BYTES`` bucket (as
+``solver.costing.overlap_rule`` takes the last reduction's), or the whole shard when it is
+smaller: of a rank's ``S`` shard bytes the copies expose ``min(1, DDP_BUCKET_BYTES / S)``
+(:func:`exposed_share`). The solver prices per parameter, so each parameter's copies are
+counted at that share (they sum to one bucket each way), beside its whole host step. Device
+memory drops the optimizer term (``solver.costing``); the host holds it.
 
 Every constant cites its source, as in ``gpus.py``; what is assumed says so.
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import comm
 from .devices import Device
 from .gpus import A100_80GB, GB, H100_80GB, H200
 
@@ -72,15 +81,27 @@ def host_link(device: Device) -> HostLink:
     return DEFAULT_GPU_LINK
 
 
-def offload_times(shard_bytes: float, optimizer_states: int, device: Device) -> tuple[float, float]:
-    """(seconds of the two copies, seconds of the host step) for an optimizer shard of
-    ``shard_bytes`` fp32 bytes (module docstring)."""
+def exposed_share(rank_shard_bytes: float, bucket_bytes: float | None = None) -> float:
+    """The share of a rank's copies left on the step when its whole offloaded shard is
+    ``rank_shard_bytes``: one bucket (``bucket_bytes``, default ``comm.DDP_BUCKET_BYTES``)
+    each way, all of it when the shard is smaller (module docstring's overlap rule)."""
+    if bucket_bytes is None:
+        bucket_bytes = comm.DDP_BUCKET_BYTES
+    return 1.0 if rank_shard_bytes <= bucket_bytes else bucket_bytes / rank_shard_bytes
+
+
+def offload_times(shard_bytes: float, optimizer_states: int, device: Device,
+                  exposed: float = 1.0) -> tuple[float, float]:
+    """(seconds of the two copies left on the step, seconds of the host step) for an
+    optimizer shard of ``shard_bytes`` fp32 bytes, ``exposed`` of whose copies are not
+    hidden (:func:`exposed_share`; 1: all of them)."""
     link = host_link(device)
-    transfer = 2 * shard_bytes / link.bandwidth
+    transfer = exposed * 2 * shard_bytes / link.bandwidth
     step = (3 + 2 * optimizer_states) * shard_bytes / link.host_mem_bandwidth
     return transfer, step
 
 
-def offload_seconds(shard_bytes: float, optimizer_states: int, device: Device) -> float:
+def offload_seconds(shard_bytes: float, optimizer_states: int, device: Device,
+                    exposed: float = 1.0) -> float:
     """Seconds per step ZeRO-Offload adds for a shard of ``shard_bytes`` fp32 bytes."""
-    return sum(offload_times(shard_bytes, optimizer_states, device))
+    return sum(offload_times(shard_bytes, optimizer_states, device, exposed))

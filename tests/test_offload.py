@@ -5,11 +5,13 @@ On 2 gloo ranks (``tests/offload_worker.py``, in ``tests/test_zero.py``'s torchr
 the small GPT trained 3 AdamW steps under ``data=2, zero=k, offload="optimizer"`` (k = 1,
 3; 2 stepped by ``opt.step()`` instead of ``pm.step(opt)``; 2 under bf16, against bf16
 autocast) matches one device, losses and weights, and the same plan without offload. In
-each fp32 case every rank's device bytes (the programs' parameters, their gradients at
-their peak) equal the plan's device terms, with no optimizer state there, and its host
-bytes (masters, moments, gradient shards) the plan's ``host_memory_bytes``. Single process: the pin's checks, the
-plan file, the cost model's figures, and the free search choosing offload under a device
-budget ZeRO-3 alone does not fit.
+each fp32 case every rank's device bytes (the programs' parameters, their gradients each
+as it goes down) equal the plan's device terms, with no optimizer state there, and its host
+bytes (masters, moments, gradient shards) the plan's ``host_memory_bytes``; and each step's
+events come in the overlapped order (gradient copies down during backward, masters up
+bucket by bucket between ZeRO-1/2's gathers). Single process: the pin's checks, the plan
+file, the cost model's figures and its overlap rule, and the free search choosing offload
+under a device budget ZeRO-3 alone does not fit.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from torch import nn
 import autopar
 from autopar.cost_models.gpus import A100_80GB, H100_80GB
 from autopar.cost_models.hardware import parse_cluster
-from autopar.cost_models.offload import host_link, offload_seconds
+from autopar.cost_models.comm import DDP_BUCKET_BYTES
+from autopar.cost_models.offload import exposed_share, host_link, offload_seconds, offload_times
 from autopar.errors import PinError
 from autopar.plan import Plan, PlanError
 from autopar.solver.pins import check_pins
@@ -182,3 +185,28 @@ def test_free_search_offloads_when_nothing_else_fits(mlp, tmp_path):
     assert old.offload is None and old.host_memory_bytes == {}
     with pytest.raises(PlanError, match="plan field offload: 'gpu'"):
         Plan.from_dict({**d, "offload": "gpu"})
+
+
+def test_copies_priced_as_overlapped_but_one_bucket_each_way():
+    """The overlap rule (cost_models.offload): a shard over one bucket shows only one
+    bucket's copies each way beside its whole host step; a smaller one all of them."""
+    a100 = host_link(A100_80GB)
+    assert exposed_share(1e6) == 1.0 and exposed_share(4 * DDP_BUCKET_BYTES) == 0.25
+    copies, step = offload_times(4 * DDP_BUCKET_BYTES, 2, A100_80GB, exposed_share(4 * DDP_BUCKET_BYTES))
+    assert copies == pytest.approx(2 * DDP_BUCKET_BYTES / a100.bandwidth)
+    assert step == offload_times(4 * DDP_BUCKET_BYTES, 2, A100_80GB)[1]     # never hidden
+    # a plan: one 4096x4096 layer, fp32 shard of 32 MiB per rank on 2 ranks (> 25 MiB)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096))
+    kw = dict(cluster="cpu:2", data=2)
+    args = (model, (torch.randn(4, 4096),), nn.functional.mse_loss)
+    pinned = autopar.plan(*args, target=torch.randn(4, 4096), **kw, **OFF)
+    plain = autopar.plan(*args, target=torch.randn(4, 4096), zero=2, **kw)
+    shard = pinned.host_memory_bytes["grads"]
+    assert shard > DDP_BUCKET_BYTES
+    dev = parse_cluster("cpu:2").device
+    added = pinned.estimate.compute_s - plain.estimate.compute_s
+    assert added == pytest.approx(offload_seconds(shard, 2, dev, DDP_BUCKET_BYTES / shard), rel=1e-6)
+    hidden = offload_times(shard, 2, dev)[0] * (1 - DDP_BUCKET_BYTES / shard)    # what overlap saves
+    assert added == pytest.approx(offload_seconds(shard, 2, dev) - hidden, rel=1e-6) and hidden > 0
+    assert "copies not hidden" in pinned.summary()

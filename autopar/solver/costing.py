@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models import compute as compute_model
 from autopar.cost_models import memory as memory_model
-from autopar.cost_models.offload import offload_seconds
+from autopar.cost_models.offload import exposed_share, offload_seconds
 from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
@@ -83,8 +83,21 @@ class CostModel:
     every step (priced after the warm-up: the all-reduce's 1/H)."""
     offload: bool = False
     """``offload="optimizer"`` (ZeRO-Offload): a parameter's optimizer state lives on the host
-    (no device bytes) and each step pays its shard's copies and host step
-    (``cost_models.offload``), as that parameter's backward time, once per step."""
+    (no device bytes) and each step pays its shard's host step and the exposed share of its
+    copies (``cost_models.offload``'s overlap rule), as that parameter's backward time, once
+    per step."""
+    offload_exposed: float = 1.0
+    """Under ``offload``: the share of the copies not hidden (``offload.exposed_share`` of the
+    problem's parameters, set by :meth:`offload_share` when a problem is priced)."""
+
+    def offload_share(self, problem) -> float:
+        """``cost_models.offload.exposed_share`` of ``problem``'s parameters in fp32 over every
+        rank of the mesh (the least a rank's shard can be, so the most exposed share)."""
+        whole = sum(len(v.members) * v.meta.numel * 4 for v in problem.vars.values() if v.kind == "param")
+        ranks = 1
+        for n in self.mesh_shape:
+            ranks *= n
+        return exposed_share(whole / ranks)
 
     @property
     def mixed(self) -> bool:
@@ -176,7 +189,8 @@ class CostModel:
         if v.call is None:
             if self.offload and v.kind == "param":
                 b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
-                return 0.0, offload_seconds(b, optimizer_states, self.cluster.device) * self.grad_sync_scale
+                return 0.0, offload_seconds(b, optimizer_states, self.cluster.device,
+                                            self.offload_exposed) * self.grad_sync_scale
             return 0.0, 0.0
         key = (id(v.call), combo)      # the call held in the memo: its id is not reused
         got = self._time_cache.get(key)

@@ -100,6 +100,8 @@ class PriceTable:
     def __init__(self, problem: Problem, cost: CostModel):
         self.problem, self.cost = problem, cost
         k_opt = problem.optimizer_states
+        if cost.offload:       # ZeRO-Offload: the copies' share not hidden (cost_models.offload)
+            cost.offload_exposed = cost.offload_share(problem)
         self.options = {name: [OptionPrice(*cost.base_time(v, c, k_opt), cost.base_memory(v, c, k_opt))
                                for c in v.options] for name, v in problem.vars.items()}
         self._reads = params_read(problem)
