@@ -21,16 +21,16 @@ from step_terms import step_terms  # noqa: E402  (benchmarks/plan_quality.py's g
 
 
 @functools.cache
-def twelve_layers():
-    """A 12-layer GPT small enough to capture in a second, and its graph."""
+def nine_layers():
+    """A 9-layer GPT small enough to capture in a second, and its graph."""
     with torch.device("meta"):
-        ex = gpt_factory(batch=48, n_layer=12, n_embd=64, n_head=4, block_size=128, vocab_size=256)
+        ex = gpt_factory(batch=48, n_layer=9, n_embd=64, n_head=4, block_size=128, vocab_size=256)
     return ex, capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
 
 
 def test_degrees_are_the_divisors_of_the_node_count_up_to_the_layers():
-    _, cap = twelve_layers()
-    # 315 DGX nodes (MT-NLG's 2,520 GPUs): every divisor up to the 12 layers
+    _, cap = nine_layers()
+    # 315 DGX nodes (MT-NLG's 2,520 GPUs): every divisor up to the 9 layers
     assert pipeline_degrees(cap, parse_cluster("315xdgx-a100"), 2520) == [3, 5, 7, 9]
     assert pipeline_degrees(cap, parse_cluster("6x8xA100"), 48) == [2, 3, 6]
     assert pipeline_degrees(cap, parse_cluster("128xdgx-a100"), 1024) == [2, 4, 8]
@@ -47,7 +47,7 @@ def test_three_devices_pipeline_three_stages():
     ``accumulate=1``): the search pipelines over three stages, a degree no power of two
     reaches, and the plan fits. Its step broken into terms (benchmarks/step_terms.py, priced
     again from the plan's placements) gives the estimate's compute and communication."""
-    ex, cap = twelve_layers()
+    ex, cap = nine_layers()
     budget = 16 * 2**20
     plan, mcap = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x3xA100",
                        pins={"accumulate": 1}, memory_budget=budget, captured=cap)
