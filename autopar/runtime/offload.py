@@ -4,19 +4,30 @@ Each rank's optimizer shard lives in host memory (``autopar.device.HOST``): an f
 copy of every parameter block the rank steps (its ZeRO-1/2 optimizer shard, its ZeRO-3
 parameter shard), and with it the optimizer's state (AdamW's moments), which the optimizer
 creates next to the tensors it steps. The device keeps what the programs read (the working
-parameters; ZeRO-3's shards) and the gradients until the step's sync is done.
+parameters; ZeRO-3's shards) and each gradient until its bucket's copy to the host.
 
 - ``pm.parameters()`` are the host master copies: build the optimizer on them as on any
   plan (``torch.optim.AdamW(pm.parameters())``); its ``step`` runs on the host.
-- ``train_step``: once the step's gradient sync has finished (ZeRO's reduce-scatter or
-  all-reduce, so each device shard holds its block of the summed gradient), each device
-  shard's gradient is copied to a host buffer (``non_blocking``; pinned on a GPU, so the
-  copies queue behind backward's last kernels and the host waits once for all of them)
-  and becomes the master's ``.grad``; the device gradient is released.
-- ``pm.step(opt)``: the optimizer steps the host masters; the updated blocks are copied
-  host -> device into the device shards, then ZeRO gathers them as without offload. A step
-  taken with ``opt.step()`` (or a state dict or checkpoint loaded into the masters) is seen
-  by the masters' version counters and copied up before the next forward.
+- ``train_step``: each bucket's gradient shards go down as soon as that bucket's reduction
+  finishes, while backward goes on with earlier layers. The bucket machinery hands them
+  over through a small listener interface: the step's communicator carries this object as
+  ``comm.bucket_listener``, and ``runtime.zero.ZeroGradSync`` (ZeRO-1's all-reduce buckets,
+  ZeRO-2's reduce-scatter buckets: all but the last ``IN_FLIGHT`` finished as the next is
+  launched) and ``ops.param_buckets.ParamBucket`` (ZeRO-3's reduce-scatter per block) call
+  :meth:`HostOptimizer.reduced` with the shards whose gradient is now final. Each copy goes
+  to a fresh host buffer (``non_blocking``, pinned on a GPU: it queues on the stream behind
+  the reduction and the host does not wait) and the device gradient is released. After the
+  sync, :meth:`HostOptimizer.grads_down` copies what no bucket handed over (parameters
+  synced outside ZeRO's buckets), waits once for all the copies (``device.synchronize``) and
+  makes them the masters' ``.grad``.
+- ``pm.step(opt)``: the optimizer steps the host masters; then ZeRO-1/2 copies each bucket's
+  changed masters up just before that bucket's all-gather (``OptimizerShards.gather`` calls
+  :meth:`HostOptimizer.up`), so on a GPU the copy of bucket i+1 runs beside the gather of
+  bucket i; ZeRO-3 copies the changed masters into its shards before the next forward,
+  whose gathers read them by blocks (per-bucket copies there are not done: a shard may be
+  read outside its bucket). A step taken with ``opt.step()`` (or a state dict or checkpoint
+  loaded into the masters) is seen by the masters' version counters and copied up before
+  the next forward.
 
 On a CPU rank host and device are one memory: the masters are still separate tensors and
 every copy is made, so the path the tests run is the one a GPU runs.
