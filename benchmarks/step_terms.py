@@ -15,8 +15,9 @@ the stage DP and the pipeline estimate read). Seconds on the critical rank of on
   per op data or tensor, of an unpipelined free plan), once per micro-batch;
 - ``data-parallel comm``: collectives on the ``data`` axis per micro-batch (ZeRO-3's
   gathers and reduce-scatters);
-- ``grad sync (exposed)``: the once-per-step gradient reduction (and ZeRO-1/2's gathers),
-  as the estimate adds it after the schedule;
+- ``grad sync (exposed)``: the once-per-step gradient reduction (and ZeRO-1/2's gathers)
+  less what the estimate hides behind backward (its ``overlapped`` row; what that row
+  hides beyond the reduction, ZeRO-3's collectives, comes off ``data-parallel comm``);
 - ``pipeline p2p``: the estimate's sends between stages;
 - ``pipeline bubble``: what is left of the step: the schedule's idle time on the
   critical rank and the runtime's cost per scheduled action (0 without a pipeline);
@@ -35,7 +36,7 @@ from autopar.analysis.layers import recompute_nodes
 from autopar.cost_models.step import HOST_OVERHEAD_S, optimizer_step_time
 from autopar.placement import placements_str
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import CostModel
+from autopar.solver.costing import OVERLAPPED, CostModel
 from autopar.solver.flat import Solved
 from autopar.solver.pins import OPTIMIZER_STATES
 from autopar.solver.pipeline_costs import chain_index, node_costs
@@ -130,6 +131,12 @@ def step_terms(cap, plan, cl, optimizer: str = "adamw") -> dict[str, float]:
                 for key, s in d.items():
                     out["grad sync (exposed)" if by is nc.sync_by else _axis_class(key)] += times * s
     out["pipeline p2p"] = float(plan.estimate.comm.get("send_recv@pipeline", 0.0))
+    # what the estimate hides behind compute (its negative "overlapped" row): the gradient
+    # reduction first, the rest of ZeRO-3's per-micro-batch collectives after
+    hidden = -float(plan.estimate.comm.get(OVERLAPPED, 0.0))
+    from_sync = min(hidden, out["grad sync (exposed)"])
+    out["grad sync (exposed)"] -= from_sync
+    out["data-parallel comm"] -= hidden - from_sync
     solver_terms = sum(v for k, v in out.items() if k not in ("pipeline bubble",))
     out["pipeline bubble"] = plan.estimate.step_time_s - solver_terms if p > 1 else 0.0
     out["optimizer step"] = optimizer_step_time(local_params(plan, optimizer), cl.device,
