@@ -196,32 +196,35 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     m.SetTimeLimit(int(time_limit_s * 1000))
     x = {name: [m.BoolVar("") for _ in range(len(problem.vars[name].options))]
          for name in tab.node_cost}
-    obj = []
-    # overlap: Σ overlappable - Σ hiding compute (module docstring's E)
+    # built through the solver's own calls (a row's coefficients, the objective's): OR-Tools'
+    # expression API costs more than the solve on a large mesh
+    obj: dict = defaultdict(float)              # variable -> seconds
+    # overlap: Σ overlappable - Σ hiding compute, by variable (module docstring's E)
     overlap = not minimize_memory and _overlaps(tab)
-    sync = []
+    sync: dict = defaultdict(float)
     for name, xs in x.items():
-        m.Add(sum(xs) == 1)
+        _row(m, 1.0, 1.0, [(v, 1.0) for v in xs])
         for i, c in enumerate(tab.node_cost[name]):
             if c == INF:
                 xs[i].SetUb(0)
             elif c > 0 and not minimize_memory:
                 h = tab.hidden[name][i] if overlap else 0.0
-                obj.append((c - h) * xs[i])
+                obj[xs[i]] += c - h
                 if overlap:
-                    sync.append((h - tab.hide[name][i]) * xs[i])
+                    sync[xs[i]] += h - tab.hide[name][i]
     _add_edges(m, x, tab, obj, minimize_memory, sync if overlap else None)
     if overlap:
         exposed = m.NumVar(tab.last_s, pywraplp.Solver.infinity(), "exposed_sync")
-        obj.append(exposed)
-        m.Add(exposed >= sum(sync))
+        obj[exposed] += 1.0
+        _row(m, 0.0, pywraplp.Solver.infinity(),
+             [(exposed, 1.0)] + [(v, -c) for v, c in sync.items() if c])
     if tab.sink:
         name, ts, _ = tab.sink
         for i, t in enumerate(ts):
             if t == INF:
                 x[name][i].SetUb(0)
             elif t > 0 and not minimize_memory:
-                obj.append(t * x[name][i])
+                obj[x[name][i]] += t
     phases = cost.memory_phases
     peaks = _memory_rows(x, tab, phases)
     if memory_budget is not None and not minimize_memory:
@@ -232,7 +235,13 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
         mem = m.NumVar(0.0, pywraplp.Solver.infinity(), "peak")
         for row in peaks:
             m.Add(mem >= row)
-    m.Minimize(mem if minimize_memory else sum(obj))
+    if minimize_memory:
+        m.Minimize(mem)
+    else:
+        objective = m.Objective()
+        for v, c in obj.items():
+            objective.SetCoefficient(v, c)
+        objective.SetMinimization()
     status = m.Solve()
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED"}
@@ -271,14 +280,21 @@ def _memory_rows(x: dict, tab: _Tables, phases: tuple) -> list:
     return rows
 
 
+def _row(m, lo: float, hi: float, terms) -> None:
+    """The constraint ``lo <= sum(coefficient * variable) <= hi`` (each variable once)."""
+    row = m.Constraint(lo, hi)
+    for v, c in terms:
+        row.SetCoefficient(v, c)
+
+
 def _overlaps(tab: _Tables) -> bool:
     """Whether any choice has communication that may overlap compute."""
     return (any(h > 0 for hs in tab.hidden.values() for h in hs)
             or any(h > 0 for *_, hid in tab.edges for h in hid.values()))
 
 
-def _add_edges(m, x: dict, tab: _Tables, obj: list, minimize_memory: bool,
-               sync: list | None = None) -> None:
+def _add_edges(m, x: dict, tab: _Tables, obj: dict, minimize_memory: bool,
+               sync: dict | None = None) -> None:
     """The edges' terms: linear in one side's choice when the other has a single class,
     else a transport plan ``e`` between the two sides' classes (module docstring). With
     ``sync``, an edge's overlappable seconds go there instead of into ``obj``."""
@@ -292,27 +308,33 @@ def _add_edges(m, x: dict, tab: _Tables, obj: list, minimize_memory: bool,
         if len(ys) == 1 or len(zs) == 1:
             # one side has a single class: the cost is linear in the other side's choice
             for (p, q), (t, _) in table.items():
-                lin = sum(zs[q]) if len(ys) == 1 else sum(ys[p])
-                if t == INF:
-                    m.Add(lin == 0)
+                lin = zs[q] if len(ys) == 1 else ys[p]
+                if t == INF:                   # that class is not offered: its options neither
+                    for var in lin:
+                        var.SetUb(0)
                 elif t > 0 and not minimize_memory:
                     h = hid[(p, q)] if sync is not None else 0.0
-                    obj.append((t - h) * lin)
-                    if h:
-                        sync.append(h * lin)
+                    for var in lin:
+                        obj[var] += t - h
+                        if h:
+                            sync[var] += h
             continue
         e = {pq: m.NumVar(0.0, 1.0, "") for pq, (t, _) in table.items() if t != INF}
-        for p in ys:
-            m.Add(sum(ev for (pp, _), ev in e.items() if pp == p) == sum(ys[p]))
-        for q in zs:
-            m.Add(sum(ev for (_, qq), ev in e.items() if qq == q) == sum(zs[q]))
+        out, into = defaultdict(list), defaultdict(list)
+        for (p, q), ev in e.items():
+            out[p].append((ev, 1.0))
+            into[q].append((ev, 1.0))
+        for p, xs in ys.items():
+            _row(m, 0.0, 0.0, out[p] + [(var, -1.0) for var in xs])
+        for q, xs in zs.items():
+            _row(m, 0.0, 0.0, into[q] + [(var, -1.0) for var in xs])
         if not minimize_memory:
             for pq, ev in e.items():
                 if table[pq][0] > 0:
                     h = hid[pq] if sync is not None else 0.0
-                    obj.append((table[pq][0] - h) * ev)
+                    obj[ev] += table[pq][0] - h
                     if h:
-                        sync.append(h * ev)
+                        sync[ev] += h
 
 
 def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None:

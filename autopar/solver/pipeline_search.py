@@ -34,7 +34,9 @@ The free search over pipeline degrees (no ``pipeline=`` pin) is
 """
 from __future__ import annotations
 
+import math
 import time
+import weakref
 from dataclasses import replace
 from typing import Sequence
 
@@ -115,12 +117,15 @@ def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captur
 # ---- one intra-stage solution, priced per node ----------------------------------------------
 
 
-def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None):
+def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None,
+            bound: float = math.inf):
     """(StagePlan, predicted step) of least predicted step for pipeline degree p, over what
     the pins leave free (m among ``allowed_m``). ``plan_stages`` picks cuts and m per
     schedule by its closed form; the schedules are then ranked by simulating their
     timelines (the closed form takes transfers as overlapped, which 1F1B-like schedules
-    on a slow link are not), plus the once-per-step gradient reduction."""
+    on a slow link are not), plus the once-per-step gradient reduction.
+    ``bound``: a step found elsewhere; None when no schedule's closed form (a lower bound
+    of its simulated step) is below it, without simulating any."""
     mbs = pins.get("micro_batch_size")
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
@@ -140,10 +145,10 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         raise error
     best = None
     # the closed form is a lower bound of the simulated step: simulate in its order, stop
-    # once it cannot beat the best simulated
+    # once it cannot beat the best simulated (or ``bound``)
     for sp in sorted(plans, key=lambda sp: sp.predicted_step_time):
         sync = float(pr.rank_sync([int(pr.bounds[c]) for c in sp.cuts], p).max())
-        if best is not None and sp.predicted_step_time - sp.sync_time + sync >= best[1]:
+        if sp.predicted_step_time - sp.sync_time + sync >= (bound if best is None else best[1]):
             break
         step = simulate_plan(sp).makespan + sync
         if best is None or step < best[1]:
@@ -340,8 +345,15 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     return base, cap0
 
 
+_LAYERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _has_layers(cap: Captured) -> bool:
-    return bool(repeated_layers(cap.gm))
+    """Whether the graph has repeated layers (worked out once per graph)."""
+    got = _LAYERED.get(cap.gm)
+    if got is None:
+        got = _LAYERED[cap.gm] = bool(repeated_layers(cap.gm))
+    return got
 
 
 def _sub_cluster(cl, d: int):
