@@ -103,10 +103,19 @@ def cut_points(cross: np.ndarray, n_stages: int) -> list[int]:
     want = min(L - 1, max(4 * n_stages, 64))
     level = float(np.sort(cross)[want - 1]) * (1 + 1e-6)
     chosen = [int(i) for i in np.flatnonzero(cross <= level)]
-    if len(chosen) > MAX_UNITS:
-        keep = np.linspace(0, len(chosen) - 1, MAX_UNITS).round().astype(int)
+    # every stretch of the chain offers a cut: a window of it (``want`` equal ones) with
+    # none gets its cheapest crossing (a graph whose prologue - token ids, rotary tables -
+    # crosses fewer bytes than any layer boundary had every point there, so the last stage
+    # held every layer)
+    edges = np.linspace(0, L - 1, want + 1).round().astype(int)
+    marks = np.zeros(L - 1, bool)
+    marks[chosen] = True
+    spread = [int(a + np.argmin(cross[a:b])) for a, b in zip(edges[:-1], edges[1:])
+              if b > a and not marks[a:b].any()]
+    if len(chosen) > MAX_UNITS - len(spread):
+        keep = np.linspace(0, len(chosen) - 1, max(MAX_UNITS - len(spread), 1)).round().astype(int)
         chosen = [chosen[k] for k in sorted(set(keep.tolist()))]
-    return [i + 1 for i in chosen]
+    return [i + 1 for i in sorted(set(chosen) | set(spread))]
 
 
 def pipeline_link(cl, d: int, world: int) -> tuple[float, float]:
