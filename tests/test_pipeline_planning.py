@@ -212,3 +212,12 @@ def test_cut_points_of_a_large_graph_are_layer_boundaries():
     points = _cut_points(cross, 4)
     assert len(points) <= MAX_UNITS
     assert points == [10 * (k + 1) for k in range(100)]
+    # a prologue crossing fewer bytes than any layer boundary (token ids, rotary tables)
+    # does not take every point: the layers keep cut points all along (Llama 3 405B's
+    # p=16 found only prologue cuts, its last stage held all 126 layers)
+    cross = np.array([0.5] * 300 + layer * 100, dtype=float)
+    points = _cut_points(cross, 16)
+    assert len(points) <= MAX_UNITS
+    layers = [q for q in points if q > 300]
+    assert len(layers) >= 32 and max(layers) > 1200
+    assert all((q - 300) % 10 == 0 for q in layers)
