@@ -30,6 +30,7 @@ from autopar.ops.collectives import regathered_weights
 from autopar.ops.comm import Comm, use_comm
 from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.branch_parallel import keep_branches
+from autopar.passes.fast_bindings import fast_bindings
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.place_on_device import place_on
 from autopar.passes.prefetch import prefetch_gathers
@@ -198,6 +199,7 @@ class ParallelModule(nn.Module):
                         for w, gm in programs.items()}
         for gm in programs.values():     # tensors the model creates: on this rank's device
             place_on(gm, self.device)
+            fast_bindings(gm)      # last: ops called through torch's Python bindings
         if pipelined:
             self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes)
         else:
