@@ -143,6 +143,17 @@ def test_swimlane_of_a_plan_without_pipeline_is_labelled(planned):
     assert charts.memory_chart(p)[:8] == PNG_MAGIC
 
 
+def test_memory_bars_are_the_phases_and_the_tallest_is_the_estimate(planned):
+    """An unpipelined step's estimate is a peak of phases: one bar each, the tallest equal to
+    memory_total (the old chart stacked every term, taller than the estimate it titled)."""
+    p = planned[1]
+    bars = charts.memory_bars(p)
+    assert len(bars) == len(p.estimate.memory_phases) >= 2
+    heights = [sum(b for _, b in terms) for _, terms in bars]
+    assert max(heights) == pytest.approx(p.estimate.memory_total)
+    assert sum(p.estimate.memory_bytes.values()) > max(heights)
+
+
 @pytest.fixture(scope="module")
 def report(planned, tmp_path_factory):
     out = tmp_path_factory.mktemp("report") / "report.html"

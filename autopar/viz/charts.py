@@ -52,20 +52,40 @@ def device_memory(plan: Plan) -> float | None:
         return None
 
 
+def memory_bars(plan: Plan) -> list[tuple[str, list[tuple[str, float]]]]:
+    """The bars of the memory chart: (label, [(term, bytes), ...]) bottom to top. An
+    estimate with memory phases (an unpipelined step peaks at the end of forward or at the
+    end of backward, never both) gets one bar per phase: the terms always live plus that
+    phase's own, so the tallest bar is the estimate; otherwise one bar of every term."""
+    est = plan.estimate
+    grouped = {k for group in est.memory_phases for k in group}
+    always = sorted(((k, b) for k, b in est.memory_bytes.items() if k not in grouped),
+                    key=lambda kv: -kv[1])
+    if not est.memory_phases:
+        return [(f"every device\n(x{plan.world_size}, SPMD)", always)]
+    names = ("end of forward", "end of backward")
+    return [(names[i] if i < len(names) else f"phase {i + 1}",
+             always + [(k, est.memory_bytes.get(k, 0.0)) for k in group])
+            for i, group in enumerate(est.memory_phases)]
+
+
 def memory_chart(plan: Plan, fmt: str = "png") -> bytes:
-    """One stacked bar per device group: the plan's per-device estimate by term, with the
+    """Stacked bars per device of the plan's estimate by term (``memory_bars``), with the
     memory budget and the device's memory as lines."""
     plt = _plt()
-    terms = sorted(plan.estimate.memory_bytes.items(), key=lambda kv: -kv[1])
-    total = plan.estimate.memory_total
+    est = plan.estimate
+    total = est.memory_total
     unit, div = _unit(max(total, plan.memory_budget or 0))
     fig, ax = plt.subplots(figsize=(6.0, 4.2))
-    bottom = 0.0
-    label = f"every device\n(x{plan.world_size}, SPMD)"
-    for term, b in terms:
-        ax.bar([label], [b / div], bottom=bottom, color=TERM_COLORS.get(term, "#999999"),
-               label=f"{term} {fmt_bytes(b)}", width=0.5)
-        bottom += b / div
+    bars = memory_bars(plan)
+    labelled = set()
+    for label, terms in bars:
+        bottom = 0.0
+        for term, b in terms:
+            ax.bar([label], [b / div], bottom=bottom, color=TERM_COLORS.get(term, "#999999"),
+                   label=None if term in labelled else f"{term} {fmt_bytes(b)}", width=0.5)
+            labelled.add(term)
+            bottom += b / div
     if plan.memory_budget:
         ax.axhline(plan.memory_budget / div, color="#d62728", ls="--", lw=1.2,
                    label=f"budget {fmt_bytes(plan.memory_budget)}")
@@ -73,9 +93,10 @@ def memory_chart(plan: Plan, fmt: str = "png") -> bytes:
     if dev and dev < 4 * max(total, 1):
         ax.axhline(dev / div, color="#333333", ls=":", lw=1.2, label=f"device {fmt_bytes(dev)}")
     ax.set_ylabel(f"{unit} per device")
-    ax.set_title(f"memory per device: {fmt_bytes(total)} (estimate)")
+    peak = " (peak of the phases)" if est.memory_phases else ""
+    ax.set_title(f"memory per device: {fmt_bytes(total)} (estimate{peak})")
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
-    ax.set_xlim(-0.8, 0.8)
+    ax.set_xlim(-0.8, len(bars) - 0.2)
     return _save(fig, fmt)
 
 
