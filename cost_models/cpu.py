@@ -207,6 +207,12 @@ GLOO_COLLECTIVES = {
     "reduce_scatter": (483e-6, 0.297e9),
     "all_to_all": (201e-6, 0.421e9),
 }
+# gloo's send / recv (a pipeline's activations and gradients, one message per tensor), not
+# fitted on their own: a 2-rank all_to_all is one send and one receive per rank, so a
+# message costs its alpha. Timing the pipeline's case here (two gloo ranks exchanging one
+# or two 64 KB tensors each way between computations, 2 and 4 ranks, load 12) gave 0.4-1.1
+# ms per extra message, above it under load, as every alpha here is.
+GLOO_COLLECTIVES["send"] = GLOO_COLLECTIVES["recv"] = GLOO_COLLECTIVES["all_to_all"]
 # The pipeline runtime's cost per action on this machine, one rank per core:
 # ``benchmarks/pipeline_overhead.py`` (2 ranks, a stage of one tiny layer, 2 against 8
 # micro-batches) measured 230-850 us per action over the four schedules and three runs on

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from autopar.schedule import schedule_actions
 from autopar.solver.simulate import simulate
 from autopar.solver.stage_dp import LayerCosts, plan_stages, simulate_plan, stage_dp
+from autopar.solver.stage_tables import cut_latency
 
 GiB = 2**30
 
@@ -37,9 +38,11 @@ def simulated_in_flight(schedule, p, m, v):
 
 
 def brute_force(costs, p, v, m, schedule, n_devices, batch, limit):
-    """Least bottleneck over every feasible cut, or inf."""
+    """Least bottleneck over every feasible cut, or inf. A stage pays its cuts' messages
+    (``cut_latency``, the one function the DP prices them with)."""
     t, s, a, fx = (np.asarray(x, float) for x in (costs.time, costs.state_bytes, costs.activation_bytes,
                                                   costs.fixed_time))
+    n = [0.0, *costs.boundary_tensors, 0.0]
     L, S = len(t), p * v
     d, b = n_devices // p, batch / m
     held = simulated_in_flight(schedule, p, m, v)
@@ -52,7 +55,8 @@ def brute_force(costs, p, v, m, schedule, n_devices, batch, limit):
             if s[j:i].sum() + held[k] * a[j:i].sum() * b / d > limit / v * (1 + 1e-12):
                 ok = False
                 break
-            times.append(t[j:i].sum() * b / d + fx[j:i].sum())
+            times.append(t[j:i].sum() * b / d + fx[j:i].sum()
+                         + cut_latency(n[j], costs.message_time) + cut_latency(n[i], costs.message_time))
         if ok:
             best = min(best, max(times))
     return best
@@ -72,9 +76,11 @@ def check_against_brute_force(costs, p, v, m, schedule, n_devices, batch, limit)
     assert slowest >= expected * (1 - 1e-9)          # brute force is optimal: sanity of both
     # the cuts the plan reports really give those stage times
     t, fx = np.asarray(costs.time), np.asarray(costs.fixed_time)
+    n = [0.0, *costs.boundary_tensors, 0.0]
     scale = batch / m / (n_devices // p)
     for (j, i), got in zip(plan.stage_layers, plan.stage_times):
-        assert got == pytest.approx(t[j:i].sum() * scale + fx[j:i].sum())
+        assert got == pytest.approx(t[j:i].sum() * scale + fx[j:i].sum()
+                                    + 2 * (n[j] + n[i]) * costs.message_time)
     return plan
 
 
@@ -94,7 +100,9 @@ def test_dp_matches_brute_force(data, L, schedule):
         time=data.draw(st.lists(layer_values.map(lambda x: x + 1), min_size=L, max_size=L)),
         state=data.draw(st.lists(layer_values, min_size=L, max_size=L)),
         act=data.draw(st.lists(st.integers(0, 5).map(float), min_size=L, max_size=L)),
-        fixed=data.draw(st.lists(st.integers(0, 3).map(float), min_size=L, max_size=L)))
+        fixed=data.draw(st.lists(st.integers(0, 3).map(float), min_size=L, max_size=L)),
+        boundary_tensors=data.draw(st.lists(st.integers(1, 3).map(float), min_size=L - 1, max_size=L - 1)),
+        message_time=data.draw(st.sampled_from([0.0, 0.5, 2.0])))
     limit = float(data.draw(st.integers(10, 150)))
     check_against_brute_force(costs, p, v, m, schedule, n_devices=p * d, batch=m * d * 2, limit=limit)
 
@@ -168,6 +176,22 @@ def test_cuts_prefer_small_boundaries_when_the_bottleneck_ties():
     costs = costs_of([1.0, 0.0, 1.0], boundary=[1.0, 8.0])
     assert plan_stages(costs, n_devices=2, global_batch=2, memory_limit=1e9, bandwidth=1.0,
                        n_stages=2, micro_batches=2, schedule="gpipe").cuts == (1,)
+
+
+def test_each_tensor_crossing_a_cut_costs_a_message_each_way():
+    """Mid-block a residual and a norm's output both cross (2 tensors), at a block boundary
+    only the residual (1): the stage time charges 2 x alpha per tensor per micro-batch at
+    each of a stage's cuts, so a cut that balances the stages slightly better but sends
+    twice the messages loses to the block boundary."""
+    time = [1.0, 0.9, 0.2, 1.0, 1.0]        # the boundary is before layer 2 (the norm)
+    tensors = [2.0, 1.0, 2.0, 2.0]
+    kw = dict(n_devices=2, global_batch=2, memory_limit=1e9, bandwidth=1e9, n_stages=2,
+              micro_batches=2, schedule="1f1b")
+    assert plan_stages(costs_of(time, boundary_tensors=tensors), **kw).cuts == (3,)  # 2.1 / 2.0
+    plan = plan_stages(costs_of(time, boundary_tensors=tensors, message_time=0.1), **kw)
+    assert plan.cuts == (2,)                # 1.9 + 0.2 / 2.2 + 0.2 against 2.1 + 0.4
+    assert plan.stage_times == pytest.approx((2.1, 2.4))
+    assert plan.predicted_step_time == pytest.approx(simulate_plan(plan).makespan)
 
 
 def test_memory_follows_the_schedule():
@@ -266,6 +290,10 @@ def test_bad_layer_arrays():
         LayerCosts(time=[1, 1, 1], state_bytes=[0, 0, 0], activation_bytes=[0, 0, 0], boundary_bytes=[0, 0, 0])
     with pytest.raises(ValueError, match=r"LayerCosts.time must be finite and >= 0"):
         costs_of([1.0, -1.0])
+    with pytest.raises(ValueError, match=r"boundary_tensors needs one entry per cut point \(1 for 2 layers\), got 2"):
+        costs_of([1.0, 1.0], boundary_tensors=[1.0, 1.0])
+    with pytest.raises(ValueError, match=r"LayerCosts.message_time must be finite and >= 0, got -1"):
+        costs_of([1.0, 1.0], message_time=-1.0)
 
 
 def test_gradient_sync_prices_the_sub_mesh():

@@ -13,6 +13,8 @@ precision, recomputation, the cluster's links), without its per-stage factors:
 - ``sync``: the gradient reductions of the parameters it reads, once per **step** (the
   runtime accumulates gradients over micro-batches and reduces once);
 - ``activations``: bytes it keeps for backward, per micro-batch;
+- ``cross``, ``cross_tensors``: bytes and tensors live across the cut before it (a
+  pipeline sends each tensor as a message of its own);
 - placeholders (parameters, buffers, inputs) with their bytes by term and the chain nodes
   that read them, so a stage holds exactly the parameters its nodes use (a tied weight
   is held by both of its stages).
@@ -57,6 +59,9 @@ class NodeCosts:
     """(name, {term: bytes}, chain indices of its users) of every parameter, buffer, input."""
     cross: np.ndarray
     """Bytes (per device) live across the cut before chain node i, i = 1 .. L-1."""
+    cross_tensors: np.ndarray
+    """Tensors live across the cut before chain node i, i = 1 .. L-1: the messages a
+    micro-batch sends over it each way."""
     recompute_bytes: float = 0.0
     """The transient of rebuilding one recomputed layer in backward (held once)."""
     recomputed: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -174,11 +179,13 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
     acc.edges()
     acc.sink()
     cross = np.array(crossing_bytes(cap, local_bytes), dtype=float)
+    tensors = np.array(crossing_bytes(cap, lambda n: 1.0), dtype=float)
     batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0]) if cap.inputs else 1
     dev = pt.cost.cluster.device
     return NodeCosts(units=units, batch=batch, compute=acc.compute, comm=acc.comm, sync=acc.sync,
                      activations=acc.act, comm_by=acc.comm_by, sync_by=acc.sync_by,
-                     placeholders=acc.placeholders, cross=cross, recompute_bytes=acc.rec_bytes,
+                     placeholders=acc.placeholders, cross=cross, cross_tensors=tensors,
+                     recompute_bytes=acc.rec_bytes,
                      recomputed=acc.recomputed, comm_latency=acc.alpha,
                      launch=float(dev.launch_overhead + dev.fill_time), node_forward=acc.node_forward,
                      node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm)

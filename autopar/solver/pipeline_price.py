@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from autopar.capture import Captured
+from autopar.cost_models.comm import collective_time
 from autopar.placement import Shard, local_shape, parse_placements
 from autopar.plan import Estimate, Plan
 from autopar.schedule import schedule_actions
@@ -23,6 +24,7 @@ from autopar.solver.pins import OPTIMIZER_STATES
 from autopar.solver.pipeline_costs import node_costs
 from autopar.solver.simulate import simulate
 from autopar.solver.stage_dp import LayerCosts, in_flight, plan_stages
+from autopar.solver.stage_tables import cut_latency
 
 MAX_UNITS = 256
 """Cut points the stage DP considers at most (the cheapest crossings of a large graph)."""
@@ -50,6 +52,7 @@ class Priced:
     bandwidth: float             # bytes/s per rank between neighbouring stages
     latency: float
     action: float = 0.0          # the runtime's seconds per scheduled action of a stage
+    message: float = 0.0         # seconds of latency per tensor sent between stages
 
     @property
     def positions(self) -> np.ndarray:
@@ -66,7 +69,8 @@ class Priced:
         t = np.maximum(seg(nc.time) - seg(fixed), 0.0) / b
         return LayerCosts(time=t, state_bytes=nc.state(starts), activation_bytes=seg(nc.activations) / b,
                           boundary_bytes=nc.cross[self.positions - 1] / b, fixed_time=seg(fixed),
-                          action_time=self.action)
+                          action_time=self.action, boundary_tensors=nc.cross_tensors[self.positions - 1],
+                          message_time=self.message)
 
     def extra_memory(self) -> float:
         """Bytes every rank may hold besides state and activations: the recompute transient
@@ -85,10 +89,12 @@ class Priced:
 
 def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages: int) -> Priced:
     nc = node_costs(cap, solved, lambda n: local_bytes(cap, intra, n), axes=intra.mesh_axes)
-    positions = cut_points(nc.cross, n_stages)
+    # a cut nothing crosses leaves a stage whose work no later stage reads (free nodes,
+    # recomputed where needed): no stage
+    positions = [i for i in cut_points(nc.cross, n_stages) if nc.cross_tensors[i - 1] > 0]
     bw, lat = pipeline_link(cl, world // p, world)
     return Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat,
-                   float(getattr(cl.device, "pipeline_action", 0.0)))
+                   float(getattr(cl.device, "pipeline_action", 0.0)), message_latency(cl, world))
 
 
 def cut_points(cross: np.ndarray, n_stages: int) -> list[int]:
@@ -135,6 +141,14 @@ def pipeline_link(cl, d: int, world: int) -> tuple[float, float]:
     return bw, float(getattr(link, "latency", 0.0) or 0.0) + float(getattr(link, "skew", 0.0))
 
 
+def message_latency(cl, world: int) -> float:
+    """Seconds of latency of one tensor sent between neighbouring stages: a send of next to
+    no bytes on their link (``pipeline_link``'s), without the wait for the peer (that is in
+    ``pipeline_link``'s latency, once per cut)."""
+    link = cl.inter if cl.nodes > 1 and world > cl.devices_per_node else cl.intra
+    return collective_time("send", 1.0, 2, link, skew=False)
+
+
 def batch_degree(cap: Captured, intra: Plan) -> int:
     """Devices the intra plan splits the batch over (dim 0 of the user inputs)."""
     degree = 1
@@ -174,7 +188,9 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     bounds = (0, *cuts, len(nc.units))
     stages = list(zip(bounds[:-1], bounds[1:]))
     times = nc.time
-    stage_times = np.array([times[j:i].sum() for j, i in stages])
+    # every tensor crossing a stage's cuts is a message each way per micro-batch (stage_dp)
+    at = cut_latency(np.concatenate([[0.0], nc.cross_tensors, [0.0]]), pr.message)
+    stage_times = np.array([times[j:i].sum() + at[j] + at[i] for j, i in stages])
     p2p = [float(nc.cross[c - 1] / pr.bandwidth + pr.latency) for c in cuts]
     # the runtime's cost per action: F and B, or F, I and W (the backward pays two)
     a = pr.action

@@ -33,6 +33,11 @@ Transfers (activation forward, its gradient back) are counted once per boundary 
 on the fill and drain; steady-state transfers are taken as overlapped with compute (GPipe
 meets this exactly, interleaved 1F1B in the cases checked; 1F1B with slow links is
 latency-bound, each steady-state step waiting a round trip: ``simulate_plan`` shows it).
+Their bytes are overlapped, not their messages: every tensor crossing a cut is a send and
+a receive of its own per micro-batch each way, whose latency alpha (``message_time``, the
+link's) the ranks at both ends pay in their stage time (``stage_tables.cut_latency``, see
+the time model). A cut mid-block, where a residual and a norm's output both cross, costs
+two messages where a block boundary costs one.
 
 Memory per device of stage k on layers j .. i-1 with micro-batch size b:
 
@@ -45,9 +50,17 @@ warm-up depth shared evenly by its v stages (checked per rank by ``simulate``).
 
 Time model (replaced by the per-stage intra-operator plan once the core solver provides
 it): a stage's compute divides evenly over its d devices and scales linearly with b, plus
-a fixed per-micro-batch part (``LayerCosts.fixed_time``) that does neither; once per step
-each rank all-reduces its layers' ``sync_bytes`` over its sub-mesh (ring, not overlapped),
-which is what makes a data-parallel sub-mesh cost something against a deeper pipeline.
+a fixed per-micro-batch part (``LayerCosts.fixed_time``) that does neither, the runtime's
+cost per action and its cuts' messages:
+
+    c[k, j, i] = b / d * sum_{l=j}^{i-1} t_l + sum_{l=j}^{i-1} f_l + A * a
+                 + 2 alpha (n_j + n_i)                        (inf where over memory)
+
+for A actions per micro-batch (2; 3 under zero bubble) of ``action_time`` a each, n_j
+tensors crossing the cut before layer j (``boundary_tensors``; n_0 = n_L = 0: no cut) and
+alpha = ``message_time``; once per step each rank all-reduces its layers' ``sync_bytes``
+over its sub-mesh (ring, not overlapped), which is what makes a data-parallel sub-mesh cost
+something against a deeper pipeline.
 """
 from __future__ import annotations
 

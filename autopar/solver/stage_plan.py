@@ -2,6 +2,7 @@
 pipeline decision (:class:`StagePlan`); the model they follow is in ``stage_dp``'s docstring."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -39,6 +40,12 @@ class LayerCosts:
     action_time: float = 0.0
     """Seconds the pipeline runtime adds to every action of a stage (F and B, or F, I and W
     under zero bubble) whatever its layers: ``Device.pipeline_action``."""
+    boundary_tensors: Sequence[float] | None = None
+    """Tensors crossing a cut after layer i, for i = 0 .. L-2 (None = zeros): each is a
+    message of its own per micro-batch, forward (the value) and backward (its gradient)."""
+    message_time: float = 0.0
+    """Seconds of latency per message between neighbouring stages (the link's alpha of a
+    send), paid by both stages of a cut (``stage_tables.cut_latency``)."""
     forward_fraction: float = 1 / 3
     """Forward's share of ``time`` (backward = 2 x forward, as Megatron-LM assumes)."""
     weight_fraction: float = 0.5
@@ -48,9 +55,13 @@ class LayerCosts:
         for name in ("fixed_time", "sync_bytes"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.time)))
+        if self.boundary_tensors is None:
+            object.__setattr__(self, "boundary_tensors", np.zeros(max(len(self.time) - 1, 0)))
+        if not (math.isfinite(self.message_time) and self.message_time >= 0):
+            raise ValueError(f"LayerCosts.message_time must be finite and >= 0, got {self.message_time}")
         arrays = {}
         for name in ("time", "state_bytes", "activation_bytes", "boundary_bytes", "fixed_time",
-                     "sync_bytes"):
+                     "sync_bytes", "boundary_tensors"):
             arr = np.asarray(getattr(self, name), dtype=float)
             if arr.ndim != 1:
                 raise ValueError(f"LayerCosts.{name} must be one-dimensional, got shape {arr.shape}")
@@ -63,9 +74,10 @@ class LayerCosts:
         for name in ("state_bytes", "activation_bytes", "fixed_time", "sync_bytes"):
             if arrays[name].shape[0] != n:
                 raise ValueError(f"LayerCosts.{name} has {arrays[name].shape[0]} entries for {n} layers")
-        if arrays["boundary_bytes"].shape[0] != n - 1:
-            raise ValueError(f"LayerCosts.boundary_bytes needs one entry per cut point ({n - 1} for "
-                             f"{n} layers), got {arrays['boundary_bytes'].shape[0]}")
+        for name in ("boundary_bytes", "boundary_tensors"):
+            if arrays[name].shape[0] != n - 1:
+                raise ValueError(f"LayerCosts.{name} needs one entry per cut point ({n - 1} for "
+                                 f"{n} layers), got {arrays[name].shape[0]}")
         if not (0 < self.forward_fraction < 1 and 0 <= self.weight_fraction <= 1):
             raise ValueError("forward_fraction must be in (0, 1) and weight_fraction in [0, 1]")
         for name, arr in arrays.items():

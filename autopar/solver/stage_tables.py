@@ -1,6 +1,7 @@
 """The arrays the stage DP reads: interval sums of the per-layer costs, each candidate
 configuration's stage-time and memory tables, activations in flight per schedule, and the
-price of a cut (formulas in ``stage_dp``'s docstring)."""
+price of a cut: its transfer, and its messages' latency in the stage time (``cut_latency``)
+(formulas in ``stage_dp``'s docstring)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,6 +67,9 @@ class Tables:
         self.valid = j < i
         # boundary[i]: bytes per sample crossing a cut before layer i (0 at i = L).
         self.boundary = np.concatenate([zero, costs.boundary_bytes, zero])
+        # latency[j, i]: the messages of a stage on layers j .. i-1 at its two cuts
+        at = cut_latency(np.concatenate([zero, costs.boundary_tensors, zero]), costs.message_time)
+        self.latency = at[:, None] + at[None, :]
 
     def arrays(self, c: Candidate, n_devices: int, global_batch: int, memory_limit: float,
                bandwidth: float, shard_state: bool):
@@ -74,7 +78,7 @@ class Tables:
         b = global_batch / c.m
         n_k = in_flight(c.schedule, c.p, c.m, c.v)
         actions = 3 if c.schedule == "zero-bubble" else 2
-        time = np.where(self.valid, self.time * b / d + self.fixed
+        time = np.where(self.valid, self.time * b / d + self.fixed + self.latency
                         + actions * self.costs.action_time, INF)
         memory = (self.state / (d if shard_state else 1))[None] + \
             n_k[:, None, None] * (self.act * b / d)[None]
@@ -94,6 +98,14 @@ def price(c: Candidate, stage_times: np.ndarray, comm_cuts: np.ndarray,
         + 2 * comm_cuts.sum()
     bubble = 1 - c.m * busy / (c.p * step) if step > 0 else 0.0
     return float(step), float(bubble)
+
+
+def cut_latency(tensors, message_time: float):
+    """Seconds a stage pays per micro-batch at one of its cuts crossed by ``tensors``
+    tensors: each is a message forward (the value) and one backward (its gradient), each
+    the link's latency ``message_time``. Both stages of the cut pay it (one sends, the
+    other receives)."""
+    return 2.0 * np.asarray(tensors, dtype=float) * message_time
 
 
 def ring_factor(d: int) -> float:
