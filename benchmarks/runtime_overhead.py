@@ -31,8 +31,10 @@ strategy (autopar pins; N ranks) -> by hand:
   batch 1, seq 16), so the difference is the per-step host overhead (the rewritten graph
   runs the eager model's ATen ops, the same ones and as many; a loss placed
   vocabulary-parallel on the one-rank axis used to add an all-gather and two all-reduces;
-  what is left, +0.74 ms (1.08) at load 6-9, is ``torch.ops.aten`` overload calls, ~8 us
-  slower each than torch's Python bindings; eager 0.96-1.10, load 6-24)
+  the program's ops are called through torch's Python bindings, as eager calls them
+  (``passes/fast_bindings.py``; as ``torch.ops.aten`` overloads, ~6-12 us slower a call,
+  it was 1.08, +0.74 ms at load 6-9): 0.96-1.07, the median step 0.2-0.65 ms below
+  eager's, three runs at load 10-18; eager 1.00-1.03)
 
 A timed step is ``zero_grad``, forward, backward, gradient sync and ``optimizer.step``
 (SGD, the same for both), between two barriers. Before timing, each pair runs one step
