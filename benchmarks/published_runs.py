@@ -59,8 +59,9 @@ Not modelled, and why a row may differ:
   the layers: the prologue's token ids and rotary tables crossed fewer bytes than any layer
   boundary and took every point, so the last stage held all 126 layers) but are predicted
   at a quarter of the published throughput: the busiest rank's point-to-point sends are
-  22 s of a 44 s step (row 15), about 17 GB a boundary, i.e. the whole micro-batch's (64
-  samples x 8192 x 16384 x 2 bytes) rather than one data-parallel rank's; not yet traced.
+  22 s of a 44 s step (row 15): the bytes priced as crossing a cut (``NodeCosts.cross``)
+  grow by ~134 MB a layer along the chain (1.1 GB at the first cut, 16 GB at the last), as
+  if a tensor of every layer were live to the graph's end; not yet traced.
 
 Last run (under load, 2 cores shared; rows 0-14 with ``--rows`` in one run, 15-16 in
 another), pred / publ error: 0 +10.8%, 1 +10.0%, 2 +6.2%, 3 +3.3%, 4 -4.4%, 5 +6.6%,
