@@ -9,6 +9,7 @@ sample to choose m and the schedule; the best is captured at its micro-batch and
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -67,7 +68,9 @@ def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, 
             print(f"pipeline search p={p}: {msg} ({time.perf_counter() - t0:.1f}s)")
         if best is not None:
             found.append(best)
-    for predicted, p, sp, extra in sorted(found, key=lambda x: x[0]):
+    pending, first = sorted(found, key=lambda x: x[0]), True
+    while pending:
+        predicted, p, sp, extra = pending.pop(0)
         config = (p, sp.virtual_stages, sp.micro_batches, sp.schedule)
         try:
             t0 = time.perf_counter()
@@ -79,6 +82,12 @@ def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, 
         except ValueError as e:     # InfeasibleError, PlanError, a schedule that cannot run
             if verbose:
                 print(f"pipeline p={p} m={config[2]} {config[3]}: {str(e).splitlines()[0][:120]}")
+        if first:   # the best failed: the meshes the bound skipped join, priced in full
+            first, rest = False, {x[1]: x for x in pending}
+            for q, got in search.unpruned().items():
+                if q not in rest or got[0] < rest[q][0]:
+                    rest[q] = got
+            pending = sorted(rest.values(), key=lambda x: x[0])
     return None
 
 
@@ -92,6 +101,19 @@ class _DegreeSearch:
         self.layers = select_layers(cap.gm, "full") \
             if pins.get("recompute") is None and _has_layers(cap) else ()
         self.state = state_bytes(cap, optimizer, pins.get("precision"))
+        # branch and bound: the least predicted step found so far; a mesh whose schedules'
+        # closed forms (lower bounds of their simulated steps) cannot beat it is skipped
+        self.bound, self.pruned = math.inf, []
+
+    def unpruned(self) -> dict:
+        """{p: best} over the meshes the bound skipped, priced in full."""
+        out, pruned = {}, self.pruned
+        self.bound, self.pruned = math.inf, []
+        for p, data, tensor in pruned:
+            got = self._on_mesh(p, data, tensor)
+            if got is not None and (p not in out or got[0] < out[p][0]):
+                out[p] = got
+        return out
 
     def best(self, p: int):
         """(predicted step, p, StagePlan, intra pins) of least predicted step, or None. The
@@ -139,10 +161,16 @@ class _DegreeSearch:
             if rec:
                 pr = replace(pr, nc=pr.nc.with_recompute(cap, rec))
             try:
-                sp, predicted = _choose(_per_micro_batch(pr, data / batch), p, batch, self.budget,
-                                        pins, allowed)
+                got = _choose(_per_micro_batch(pr, data / batch), p, batch, self.budget,
+                              pins, allowed, bound=self.bound)
             except ValueError:
                 continue
+            if got is None:      # cannot beat the best found (recomputing would not either)
+                self.pruned.append((p, data, tensor))
+                self._say(p, mesh, f"cannot beat {self.bound:.4g} s")
+                return None
+            sp, predicted = got
+            self.bound = min(self.bound, predicted)
             # recomputing only when nothing fits without it
             chosen = {"zero": intra.pins["zero"]} if intra.pins.get("zero") and not pins.get("zero") else {}
             return predicted, p, sp, {**mesh, **chosen,

@@ -54,7 +54,8 @@ from autopar.solver.flat import Solved, solve_captured
 from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
 )
-from autopar.solver.stage_dp import plan_stages, simulate_plan
+from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan
+from autopar.solver.stage_tables import bubble_rho
 
 DEFAULT_SCHEDULE = "1f1b"
 INTRA_PINS = ("data", "tensor", "zero", "precision", "recompute")
@@ -131,8 +132,11 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
     limit = max(budget - pr.extra_memory(), 1.0)
     kinds = [pins["schedule"]] if pins.get("schedule") else \
         ["interleaved-1f1b"] if pins.get("virtual_stages") else list(SCHEDULES)
-    plans, error = [], None
+    plans, error, skipped = [], None, False
     for kind in kinds:
+        if bound < math.inf and _step_floor(costs, p, batch, kind, mbs, pins, allowed_m) >= bound:
+            skipped = True          # no configuration of this schedule can beat ``bound``
+            continue
         try:
             plans.append(plan_stages(costs, n_devices=p, global_batch=batch, memory_limit=limit,
                                      bandwidth=pr.bandwidth, n_stages=p,
@@ -142,6 +146,8 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         except ValueError as e:
             error = error or e
     if not plans:
+        if skipped:
+            return None
         raise error
     best = None
     # the closed form is a lower bound of the simulated step: simulate in its order, stop
@@ -154,6 +160,26 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         if best is None or step < best[1]:
             best = (sp, step)
     return best
+
+
+def _step_floor(costs, p: int, batch: int, kind: str, mbs, pins: dict, allowed_m) -> float:
+    """A lower bound of the simulated step of every configuration ``plan_stages`` weighs for
+    schedule ``kind`` on ``p`` ranks, the gradient sync aside: perfectly balanced ranks, no
+    transfers (``stage_dp._lower_bound`` without its sync term; the closed form is above
+    it, the simulated step above that). -inf when the pins leave no configuration."""
+    try:
+        candidates = _candidates(costs.n_layers, p, batch, p, batch // mbs if mbs else None, kind,
+                                 pins.get("virtual_stages"), allowed_m)
+    except ValueError:
+        return -math.inf
+    split = costs.split()
+    floor = math.inf
+    for c in candidates:
+        layer = costs.time * (batch / c.m) + costs.fixed_time     # one device per stage here
+        busy = float(layer.sum())
+        slowest = max(busy / c.p, float(layer.max()))
+        floor = min(floor, c.m * slowest + bubble_rho(c.schedule, c.v, split) * (busy - slowest))
+    return floor
 
 
 def _allowed_micro_batches(batch: int, degree: int) -> list[int]:
