@@ -62,6 +62,9 @@ class NodeCosts:
     cross_tensors: np.ndarray
     """Tensors live across the cut before chain node i, i = 1 .. L-1: the messages a
     micro-batch sends over it each way."""
+    cross_learned: np.ndarray
+    """Of those, the ones computed from a parameter: a cut none crosses leaves the stages
+    before it without a backward (buffer slices, masks), which is no pipeline stage."""
     recompute_bytes: float = 0.0
     """The transient of rebuilding one recomputed layer in backward (held once)."""
     recomputed: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -180,15 +183,27 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
     acc.sink()
     cross = np.array(crossing_bytes(cap, local_bytes), dtype=float)
     tensors = np.array(crossing_bytes(cap, lambda n: 1.0), dtype=float)
+    learned = _from_parameters(cap)
+    from_params = np.array(crossing_bytes(cap, lambda n: float(n.name in learned)), dtype=float)
     batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0]) if cap.inputs else 1
     dev = pt.cost.cluster.device
     return NodeCosts(units=units, batch=batch, compute=acc.compute, comm=acc.comm, sync=acc.sync,
                      activations=acc.act, comm_by=acc.comm_by, sync_by=acc.sync_by,
                      placeholders=acc.placeholders, cross=cross, cross_tensors=tensors,
+                     cross_learned=from_params,
                      recompute_bytes=acc.rec_bytes,
                      recomputed=acc.recomputed, comm_latency=acc.alpha,
                      launch=float(dev.launch_overhead + dev.fill_time), node_forward=acc.node_forward,
                      node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm)
+
+
+def _from_parameters(cap: Captured) -> set[str]:
+    """Nodes computed from a parameter (directly or through other nodes)."""
+    out = set(cap.params)
+    for n in cap.gm.graph.nodes:
+        if any(a.name in out for a in n.all_input_nodes):
+            out.add(n.name)
+    return out
 
 
 class _Acc:

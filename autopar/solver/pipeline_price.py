@@ -89,9 +89,9 @@ class Priced:
 
 def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages: int) -> Priced:
     nc = node_costs(cap, solved, lambda n: local_bytes(cap, intra, n), axes=intra.mesh_axes)
-    # a cut nothing crosses leaves a stage whose work no later stage reads (free nodes,
-    # recomputed where needed): no stage
-    positions = [i for i in cut_points(nc.cross, n_stages) if nc.cross_tensors[i - 1] > 0]
+    # a cut no parameter's value crosses leaves the stages before it without a backward
+    # (nothing, free nodes, buffer slices): no stage
+    positions = [i for i in cut_points(nc.cross, n_stages) if nc.cross_learned[i - 1] > 0]
     bw, lat = pipeline_link(cl, world // p, world)
     return Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat,
                    float(getattr(cl.device, "pipeline_action", 0.0)), message_latency(cl, world))
