@@ -20,8 +20,10 @@ strategy (autopar pins; N ranks) -> by hand:
 - tensor (tensor=N) -> parallelize_module, Colwise/RowwiseParallel (Megatron's layout)
 - pipeline (pipeline=N, 1F1B, 2N micro-batches) -> manual split into N stages of
   consecutive blocks, PipelineStage + Schedule1F1B; autopar's cuts are the solver's
-  (1.04-1.05 on 2 ranks, 1.06-1.07 on 4: the solver cuts mid-block, before a block's c_attn,
-  so the residual and ln_1's output both cross: two sends a micro-batch each way)
+  (0.98-1.02 on 2 ranks, 1.01-1.05 on 4, two runs each at load 12-16: the solver now cuts
+  at block boundaries, as the hand split, since each tensor crossing a cut costs a message
+  each way per micro-batch (stage_dp); it cut mid-block, before a block's c_attn, so the
+  residual and ln_1's output both crossed: 1.04-1.05 and 1.06-1.07)
 - pipeline-gpipe (the same, GPipe) -> the same, ScheduleGPipe (0.89-1.02 on 2 ranks,
   0.99-1.07 on 4)
 - pipeline-samecuts (pipeline 1F1B, the plan's cuts moved to the hand split's) -> as
