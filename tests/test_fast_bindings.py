@@ -147,7 +147,8 @@ def test_every_binding_calls_its_overload():
 def test_a_wrong_binding_is_caught():
     assert {"outputs differ", "gradients differ"} <= set(check(aten.tanh.default, torch.sigmoid, (X,), {}))
     # the same values through another op: caught by the ops dispatched
-    assert [p.split(" ")[0] for p in check(aten.sum.dim_IntList, torch.nansum, (X, [1]), {})] == ["dispatches"]
+    nansum = check(aten.sum.dim_IntList, torch.nansum, (X, [1]), {})
+    assert [p.split(" ")[0] for p in nansum] == ["dispatches"], nansum
     # a binding whose name in the generated code is another function (torch.functional.split)
     assert any("generated code" in p
                for p in check(aten.split.Tensor, torch._C._VariableFunctions.split, (X, 3, 1), {}))
