@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,7 +21,7 @@ from autopar.solver.ilp import InfeasibleError, _gib, solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
 from autopar.solver.pins import check_optimizer
 from autopar.solver.prices import memory_floor
-from autopar.solver.problem import build_problem
+from autopar.solver.problem import _describe, _placeholder_choices, build_problem
 
 RECOMPUTE_WHEN = 0.9
 """Recompute every repeated layer too when the best plan without it uses this share of memory."""
@@ -124,8 +125,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
         choices.append("full")
     # the problem depends on the mesh only: built once, costed per recomputation choice
     t0 = time.perf_counter()
-    problems = [(build_problem(cap, shape, zero=pins.get("zero") or 0, optimizer_states=n_states,
-                               **roles), shape, axes, roles)
+    problems = [(_problem(cap, shape, roles, pins.get("zero") or 0, n_states), shape, axes, roles)
                 for shape, axes, roles in mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)]
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
     best, errors = None, []     # (a mesh's prices are shared by its cost models: costing._shared)
@@ -179,8 +179,7 @@ def _least_memory(cap, cl, shape, roles, pins, rec, *, optimizer, time_limit_s, 
     """The least memory per device of any plan of ``cap`` on ``shape`` under ``pins``
     (``rec``: the recomputation choice): (bytes, {term: bytes})."""
     _, rec_nodes, rec_kept = _recompute_of(cap, rec)
-    problem = build_problem(cap, shape, zero=pins.get("zero") or 0,
-                            optimizer_states=check_optimizer(optimizer), **roles)
+    problem = _problem(cap, shape, roles, pins.get("zero") or 0, check_optimizer(optimizer))
     cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
                               recompute=(rec_nodes, rec_kept), profiler=profiler,
                               memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
@@ -338,6 +337,45 @@ def _has_repeated_layers(cap: Captured) -> bool:
         return bool(_recompute_of(cap, "full")[0])
     except ValueError:
         return False
+
+
+PROBLEMS_KEPT = 8
+"""Problems ``_problem`` keeps per graph (the most recent): a mesh's ZeRO stages and retries."""
+_PROBLEMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _problem(cap: Captured, shape, roles: dict, zero: int, n_states: int):
+    """``build_problem(cap, shape, zero=zero, optimizer_states=n_states, **roles)``, kept for
+    the graph's next asks (the ZeRO stages of a mesh, a pipeline's retries); a ZeRO stage's
+    problem is the stage-0 one's with its parameters' options re-chosen (nothing else
+    reads the stage)."""
+    memo = _PROBLEMS.setdefault(cap.gm, OrderedDict())
+    roles_key = tuple(sorted(roles.items()))
+    key = (tuple(shape), roles_key, zero, n_states)
+    got = memo.get(key)
+    if got is None:
+        base = memo.get((tuple(shape), roles_key, 0, n_states))
+        got = build_problem(cap, shape, zero=zero, optimizer_states=n_states, **roles) \
+            if base is None or zero == 0 else _with_zero(base, zero, roles)
+        memo[key] = got
+        while len(memo) > PROBLEMS_KEPT:
+            memo.popitem(last=False)
+    memo.move_to_end(key)
+    return got
+
+
+def _with_zero(base, zero: int, roles: dict):
+    """``base`` (built with ZeRO stage 0) with its parameters' options under ``zero``."""
+    vars_ = dict(base.vars)
+    for name, v in base.vars.items():
+        if v.kind == "param":
+            opts = _placeholder_choices(name, v.kind, v.meta, base.mesh_shape, roles.get("data_axis"),
+                                        roles.get("tensor_axis"), zero)
+            if not opts:
+                raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
+                               f"{base.mesh_shape}: {_describe(v)}")
+            vars_[name] = replace(v, options=opts)
+    return replace(base, vars=vars_)
 
 
 _RECOMPUTE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
