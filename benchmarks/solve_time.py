@@ -1,13 +1,28 @@
-"""Capture and solve time: the examples on this machine's ranks, and GPT models of growing
-depth on the meta device planned for a 2x4 mesh of A100s.
+"""Capture and solve time: the examples on this machine's ranks, GPT models of growing depth
+on the meta device planned for a 2x4 mesh of A100s, and two large models planned as
+``autopar.plan`` plans them (capture, free search, the winner's micro-batch capture):
 
-    python benchmarks/solve_time.py            # prints a table; goal: 24 layers under 10 s
+- ``175b``: GPT-175B (96 layers, hidden 12288, sequence 2048, global batch 1536) on 1,024
+  A100s (128 DGX nodes), bf16 pinned, everything else free (goal: 20 s);
+- ``405b``: a Llama-3-shaped 405B (``examples/llama.py``: 126 layers, hidden 16,384,
+  grouped-query attention 128 heads / 8 kv heads, SwiGLU 53,248, vocabulary 128,256,
+  sequence 8,192, global batch 2,048 = 16M tokens) on 16,384 H100s (2,048 DGX nodes), bf16
+  pinned (goal: 60 s); ``405b-pinned``: the same with Meta's Llama 3 degrees pinned
+  (tensor 8, pipeline 16, data 128).
+
+    python benchmarks/solve_time.py                      # every row
+    python benchmarks/solve_time.py --rows 175b,405b     # some rows
 
 Repeated layers share one solution, so solve time should grow much slower than the layer
-count; the last columns show the graph size and the number of decisions the ILP makes.
+count; the columns show the graph size, the number of decisions the ILP makes and the
+plan's predicted step (the objective: a faster search must not make it worse). Every
+row prints its wall and CPU seconds (``time.process_time``: the comparable figure on a
+machine others load too); the large rows also each planning phase's wall seconds
+(``plan.solver.phases``) and the plan with its predicted step (the objective).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -16,58 +31,81 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autopar.capture import capture  # noqa: E402
-from autopar.cost_models.hardware import parse_cluster  # noqa: E402
-from autopar.solver.driver import plan_search  # noqa: E402
+from autopar.solver.driver import solve  # noqa: E402
+from examples.llama import LlamaConfig, llama_factory  # noqa: E402
 from examples.models import EXAMPLES, gpt_factory  # noqa: E402
+
+ROWS = ("examples", "depth", "175b", "405b", "405b-pinned")
 
 
 def row(label, build, cluster, world, pins=None, phases=False, **kw):
-    c0 = time.process_time()
-    t0 = time.perf_counter()
+    """Plan ``build()``'s example as ``autopar.plan`` does; print one line (and the phases)."""
     ex = build()
-    cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
-    t_capture = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    # what autopar.plan does after capturing: the unpipelined plan and, on more than one
-    # node, the pipeline search (its micro-batch capture counts as solve time here)
-    plan = plan_search(cap, ex.model, ex.inputs, ex.loss_fn, ex.target, parse_cluster(cluster),
-                       world, pins=pins or {}, **kw)
-    t_plan = time.perf_counter() - t0
-    cpu = time.process_time() - c0
+    c0, t0 = time.process_time(), time.perf_counter()
+    plan = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cluster,
+                 world_size=world, pins=pins or {}, **kw).plan
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = plan.solver
+    t_capture = s.phases.get("capture", s.capture_time_s)
     mem = plan.estimate.memory_total / 2**30
-    print(f"{label:<28} {cluster:<10} {str(plan.mesh_shape):<8} {t_capture:>8.2f} {t_plan:>8.2f} "
-          f"{t_capture + t_plan:>8.2f} {s.n_graph_nodes:>7} {s.n_decisions:>9} {s.status:>9} "
-          f"{mem:>8.2f}" + (f"  pipeline {plan.pipeline_stages}, {plan.schedule}, "
-                            f"m={plan.n_microbatches}" if plan.pipeline_stages > 1 else "")
-          + f"  cpu {cpu:.2f}s", flush=True)
+    print(f"{label:<28} {cluster:<13} {str(plan.mesh_shape):<14} {t_capture:>8.2f} "
+          f"{wall - t_capture:>8.2f} {wall:>8.2f} {cpu:>8.2f} {s.n_graph_nodes:>7} "
+          f"{s.n_decisions:>9} {s.status:>9} {mem:>8.2f} {plan.estimate.step_time_s:>12.6g}"
+          + (f"  pipeline {plan.pipeline_stages}, {plan.schedule}, m={plan.n_microbatches}"
+             if plan.pipeline_stages > 1 else ""), flush=True)
     if phases:     # each planning phase's wall seconds (plan.solver.phases)
         print("    phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in s.phases.items()), flush=True)
-        print(f"    plan: mesh {plan.mesh_shape}, pins {plan.pins}, objective {plan.estimate.step_time_s:.6g} s",
-              flush=True)
-    return t_capture + t_plan
+        print(f"    plan: mesh {plan.mesh_shape} {plan.mesh_axes}, pins {plan.pins}, "
+              f"objective {plan.estimate.step_time_s:.6g} s", flush=True)
+    return wall, cpu
+
+
+def gpt175b():
+    with torch.device("meta"):
+        return gpt_factory(batch=1536, config="gpt-175b")
+
+
+def llama405b():
+    config = LlamaConfig(vocab_size=128256, max_seq_len=8192, n_layer=126, n_head=128,
+                         n_kv_head=8, dim=16384, hidden_dim=53248, rope_theta=500000.0)
+    with torch.device("meta"):
+        return llama_factory(batch=2048, config=config)
 
 
 def main() -> None:
-    print(f"{'model':<28} {'cluster':<10} {'mesh':<8} {'capture':>8} {'solve':>8} {'total':>8} "
-          f"{'nodes':>7} {'decisions':>9} {'status':>9} {'GiB/dev':>8}")
-    for name in EXAMPLES:
-        row(f"{name} (examples)", lambda: EXAMPLES[name](), "cpu:4", 4)
-    for layers in (6, 12, 24, 48):
-        def build(layers=layers):
-            with torch.device("meta"):
-                return gpt_factory(batch=16, config="gpt-24layer", n_layer=layers)
-        row(f"gpt {layers} layers h1024 (meta)", build, "8xA100", 8, mesh_shape=(2, 4))
-
-    def gpt175b():
-        with torch.device("meta"):
-            return gpt_factory(batch=1536, config="gpt-175b")
-    # 96 layers, hidden 12288, sequence 2048, global batch 1536; free search over meshes,
-    # recomputation and pipelines, bf16 pinned (goal: under 60 s; memory within 80 GB)
-    t = row("gpt-175b (meta), bf16", gpt175b, "128xdgx-a100", 1024, pins={"precision": "bf16"},
-            phases=True)
-    print(f"175B on 1024 A100s planned in {t:.1f} s")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=",".join(ROWS),
+                    help=f"comma-separated, of {', '.join(ROWS)} (default: all)")
+    args = ap.parse_args()
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
+    print(f"{'model':<28} {'cluster':<13} {'mesh':<14} {'capture':>8} {'solve':>8} {'total':>8} "
+          f"{'cpu':>8} {'nodes':>7} {'decisions':>9} {'status':>9} {'GiB/dev':>8} {'objective s':>12}")
+    if "examples" in rows:
+        for name in EXAMPLES:
+            row(f"{name} (examples)", lambda: EXAMPLES[name](), "cpu:4", 4)
+    if "depth" in rows:
+        for layers in (6, 12, 24, 48):
+            def build(layers=layers):
+                with torch.device("meta"):
+                    return gpt_factory(batch=16, config="gpt-24layer", n_layer=layers)
+            row(f"gpt {layers} layers h1024 (meta)", build, "8xA100", 8, mesh_shape=(2, 4))
+    if "175b" in rows:
+        wall, cpu = row("gpt-175b (meta), bf16", gpt175b, "128xdgx-a100", 1024,
+                        pins={"precision": "bf16"}, phases=True)
+        print(f"175B on 1024 A100s planned in {wall:.1f} s ({cpu:.1f} s of CPU; goal 20 s)")
+    if "405b" in rows:
+        wall, cpu = row("llama3-405b (meta), bf16", llama405b, "2048xdgx-h100", 16384,
+                        pins={"precision": "bf16"}, phases=True)
+        print(f"405B on 16,384 H100s planned in {wall:.1f} s ({cpu:.1f} s of CPU; goal 60 s)")
+    if "405b-pinned" in rows:
+        wall, cpu = row("llama3-405b t8 p16 d128", llama405b, "2048xdgx-h100", 16384,
+                        pins={"precision": "bf16", "tensor": 8, "pipeline": 16, "data": 128},
+                        phases=True)
+        print(f"405B pinned (tensor 8, pipeline 16, data 128) planned in {wall:.1f} s "
+              f"({cpu:.1f} s of CPU; goal 60 s)")
 
 
 if __name__ == "__main__":

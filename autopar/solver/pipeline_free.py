@@ -21,6 +21,7 @@ from autopar.solver.errors import InfeasibleError
 from autopar.solver.pipeline_price import batch_degree, memory_weights, price_plan, state_bytes
 from autopar.solver.pipeline_search import (
     _allowed_micro_batches, _choose, _has_layers, capture_microbatch, plan_pipeline, solve_intra,
+    step_floor,
 )
 
 
@@ -101,8 +102,8 @@ class _DegreeSearch:
         self.layers = select_layers(cap.gm, "full") \
             if pins.get("recompute") is None and _has_layers(cap) else ()
         self.state = state_bytes(cap, optimizer, pins.get("precision"))
-        # branch and bound: the least predicted step found so far; a mesh whose schedules'
-        # closed forms (lower bounds of their simulated steps) cannot beat it is skipped
+        # branch and bound: the least predicted step found so far; a mesh whose step floor
+        # (pipeline_search.step_floor: its busiest rank's work) cannot beat it is skipped
         self.bound, self.pruned = math.inf, []
 
     def unpruned(self) -> dict:
@@ -157,19 +158,19 @@ class _DegreeSearch:
             self.out_of_memory = isinstance(e, InfeasibleError)
             self._say(p, mesh, str(e).splitlines()[0][:100])
             return None
+        if step_floor(pr, p, batch, pins, allowed) >= self.bound:
+            # its busiest rank alone takes longer than the best found (recomputing only adds)
+            self.pruned.append((p, data, tensor))
+            self._say(p, mesh, f"cannot beat {self.bound:.4g} s")
+            return None
         for rec in ((), self.layers) if self.layers else ((),):
             if rec:
                 pr = replace(pr, nc=pr.nc.with_recompute(cap, rec))
             try:
-                got = _choose(_per_micro_batch(pr, data / batch), p, batch, self.budget,
-                              pins, allowed, bound=self.bound)
+                sp, predicted = _choose(_per_micro_batch(pr, data / batch), p, batch, self.budget,
+                                        pins, allowed)
             except ValueError:
                 continue
-            if got is None:      # cannot beat the best found (recomputing would not either)
-                self.pruned.append((p, data, tensor))
-                self._say(p, mesh, f"cannot beat {self.bound:.4g} s")
-                return None
-            sp, predicted = got
             self.bound = min(self.bound, predicted)
             # recomputing only when nothing fits without it
             chosen = {"zero": intra.pins["zero"]} if intra.pins.get("zero") and not pins.get("zero") else {}

@@ -55,7 +55,6 @@ from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
 )
 from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan
-from autopar.solver.stage_tables import bubble_rho
 
 DEFAULT_SCHEDULE = "1f1b"
 INTRA_PINS = ("data", "tensor", "zero", "precision", "recompute")
@@ -118,25 +117,17 @@ def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captur
 # ---- one intra-stage solution, priced per node ----------------------------------------------
 
 
-def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None,
-            bound: float = math.inf):
+def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None):
     """(StagePlan, predicted step) of least predicted step for pipeline degree p, over what
     the pins leave free (m among ``allowed_m``). ``plan_stages`` picks cuts and m per
     schedule by its closed form; the schedules are then ranked by simulating their
     timelines (the closed form takes transfers as overlapped, which 1F1B-like schedules
-    on a slow link are not), plus the once-per-step gradient reduction.
-    ``bound``: a step found elsewhere; None when no schedule's closed form (a lower bound
-    of its simulated step) is below it, without simulating any."""
+    on a slow link are not), plus the once-per-step gradient reduction."""
     mbs = pins.get("micro_batch_size")
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
-    kinds = [pins["schedule"]] if pins.get("schedule") else \
-        ["interleaved-1f1b"] if pins.get("virtual_stages") else list(SCHEDULES)
-    plans, error, skipped = [], None, False
-    for kind in kinds:
-        if bound < math.inf and _step_floor(costs, p, batch, kind, mbs, pins, allowed_m) >= bound:
-            skipped = True          # no configuration of this schedule can beat ``bound``
-            continue
+    plans, error = [], None
+    for kind in _kinds(pins):
         try:
             plans.append(plan_stages(costs, n_devices=p, global_batch=batch, memory_limit=limit,
                                      bandwidth=pr.bandwidth, n_stages=p,
@@ -146,15 +137,13 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         except ValueError as e:
             error = error or e
     if not plans:
-        if skipped:
-            return None
         raise error
     best = None
     # the closed form is a lower bound of the simulated step: simulate in its order, stop
-    # once it cannot beat the best simulated (or ``bound``)
+    # once it cannot beat the best simulated
     for sp in sorted(plans, key=lambda sp: sp.predicted_step_time):
         sync = float(pr.rank_sync([int(pr.bounds[c]) for c in sp.cuts], p).max())
-        if sp.predicted_step_time - sp.sync_time + sync >= (bound if best is None else best[1]):
+        if best is not None and sp.predicted_step_time - sp.sync_time + sync >= best[1]:
             break
         step = simulate_plan(sp).makespan + sync
         if best is None or step < best[1]:
@@ -162,23 +151,31 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
     return best
 
 
-def _step_floor(costs, p: int, batch: int, kind: str, mbs, pins: dict, allowed_m) -> float:
-    """A lower bound of the simulated step of every configuration ``plan_stages`` weighs for
-    schedule ``kind`` on ``p`` ranks, the gradient sync aside: perfectly balanced ranks, no
-    transfers (``stage_dp._lower_bound`` without its sync term; the closed form is above
-    it, the simulated step above that). -inf when the pins leave no configuration."""
-    try:
-        candidates = _candidates(costs.n_layers, p, batch, p, batch // mbs if mbs else None, kind,
-                                 pins.get("virtual_stages"), allowed_m)
-    except ValueError:
-        return -math.inf
-    split = costs.split()
+def _kinds(pins: dict) -> list[str]:
+    """The schedules ``_choose`` weighs under ``pins``."""
+    return [pins["schedule"]] if pins.get("schedule") else \
+        ["interleaved-1f1b"] if pins.get("virtual_stages") else list(SCHEDULES)
+
+
+def step_floor(pr: Priced, p: int, batch: int, pins: dict, allowed_m=None) -> float:
+    """A lower bound of ``_choose``'s predicted step, without planning any cut: whatever
+    the cuts and schedule, the busiest of the p ranks runs each of the m micro-batches
+    through its stages, at least 1/p of every layer's time and at least the longest layer
+    (per micro-batch: its share of the batch, plus its fixed time), and the simulated
+    timeline cannot be shorter than that; the gradient sync only adds. The least over the
+    micro-batch counts the pins and ``allowed_m`` leave; -inf when they leave none."""
+    costs = pr.layer_costs()
+    mbs = pins.get("micro_batch_size")
     floor = math.inf
-    for c in candidates:
-        layer = costs.time * (batch / c.m) + costs.fixed_time     # one device per stage here
-        busy = float(layer.sum())
-        slowest = max(busy / c.p, float(layer.max()))
-        floor = min(floor, c.m * slowest + bubble_rho(c.schedule, c.v, split) * (busy - slowest))
+    for kind in _kinds(pins):
+        try:
+            candidates = _candidates(costs.n_layers, p, batch, p, batch // mbs if mbs else None,
+                                     kind, pins.get("virtual_stages"), allowed_m)
+        except ValueError:
+            return -math.inf      # let ``_choose`` raise what the pins cannot run
+        for c in candidates:
+            layer = costs.time * (batch / c.m) + costs.fixed_time
+            floor = min(floor, c.m * max(float(layer.sum()) / c.p, float(layer.max())))
     return floor
 
 
