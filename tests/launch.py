@@ -55,3 +55,12 @@ def shared_cases(worker: str, nproc: int, out_dir: Path, **kw) -> tuple[dict, st
                                        Path(out_dir) / f"{Path(worker).stem}.json", **kw)
     return _SPAWNED[key]
 
+
+def case_result(results: tuple[dict, str], case_id: str) -> dict:
+    """One case's result from :func:`torchrun_cases` / :func:`shared_cases`, failing the test
+    with the launch's output when the case did not run or raised."""
+    got, failed = results
+    r = got.get(case_id)
+    assert r is not None, f"{case_id}: no result, the launch ended before it\n{failed}"
+    assert r["ok"], f"{case_id}: {r['error']}\n{r.get('trace', '')}"
+    return r

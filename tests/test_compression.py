@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autopar  # noqa: E402
 from autopar.errors import PinError  # noqa: E402
 from autopar.verify import GRAD_RTOL, LOSS_RTOL, WEIGHT_RTOL  # noqa: E402
-from launch import torchrun_cases  # noqa: E402
+from launch import case_result, torchrun_cases  # noqa: E402
 
 CASES = [
     {"id": "bf16", "check": "equal", "pins": {"compress": "bf16"}, "steps": 3},
@@ -43,17 +43,9 @@ def results(tmp_path_factory):
     return torchrun_cases("compression_worker.py", 2, CASES, out, timeout=600, case_timeout=120)
 
 
-def _result(results, cid: str) -> dict:
-    got, failed = results
-    r = got.get(cid)
-    assert r is not None, f"{cid}: no result, the launch ended before it\n{failed}"
-    assert r["ok"], f"{cid}: {r['error']}\n{r.get('trace', '')}"
-    return r
-
-
 @pytest.mark.parametrize("cid", ["powersgd-exact", "topk-all"])
 def test_exact_cases_equal_one_device(results, cid):
-    r = _result(results, cid)
+    r = case_result(results, cid)
     assert not r["problems"], r
     assert r["loss_err"] < LOSS_RTOL and r["grad_err"] < GRAD_RTOL and r["weight_err"] < WEIGHT_RTOL, r
     if cid == "powersgd-exact":      # after torch's vanilla start, the weight went as P and Q
@@ -61,7 +53,7 @@ def test_exact_cases_equal_one_device(results, cid):
 
 
 def test_bf16_within_bf16_rounding(results):
-    r = _result(results, "bf16")
+    r = case_result(results, "bf16")
     assert not r["problems"], r
     assert r["grad_err"] < BF16_GRAD_TOL and r["weight_err"] < BF16_GRAD_TOL, r
     assert r["grad_err"] > GRAD_RTOL, r          # it did round
@@ -70,7 +62,7 @@ def test_bf16_within_bf16_rounding(results):
 
 @pytest.mark.parametrize("cid", ["powersgd-ef", "topk-ef"])
 def test_error_feedback_carries_across_steps(results, cid):
-    r = _result(results, cid)
+    r = case_result(results, cid)
     assert r["last_step_err"] > 0.05, r          # lossy: a step's sum is not the gradient
     assert r["last_two_differ"] > 0.05, r        # the residual changed what was sent
     assert r["conserved_err"] < 1e-5, r          # sums + residuals = steps x gradient
@@ -78,23 +70,23 @@ def test_error_feedback_carries_across_steps(results, cid):
 
 
 def test_int8_is_quantised_sum(results):
-    r = _result(results, "int8-reducer")
+    r = case_result(results, "int8-reducer")
     assert r["vs_dequantized"] < 1e-6, r         # the sum of each rank's dequantised chunks
     assert r["beyond_half_step"] <= 0, r         # within half a step per rank of the true sum
     assert r["exact_err"] > 0, r                 # and lossy
-    t = _result(results, "int8")
+    t = case_result(results, "int8")
     assert 0 < t["grad_err"] < 0.05 and t["weight_err"] < 0.05, t
     assert t["wire_bytes"] < 0.4 * t["full_bytes"], t
 
 
 def test_local_sgd_period_one_equals_one_device(results):
-    r = _result(results, "local_sgd-1")
+    r = case_result(results, "local_sgd-1")
     assert r["loss_err"] < LOSS_RTOL and r["weight_err"] < WEIGHT_RTOL, r
     assert r["rank_spread"] == [0.0, 0.0, 0.0], r
 
 
 def test_local_sgd_averages_every_h_steps_after_warmup(results):
-    r = _result(results, "local_sgd-2")
+    r = case_result(results, "local_sgd-2")
     # step 0: warm-up (gradients all-reduced); 1 and 3: averaged; 2: local only
     assert r["rank_spread"][0] == 0.0 and r["rank_spread"][1] == 0.0 and r["rank_spread"][3] == 0.0, r
     assert r["rank_spread"][2] > 1e-4, r

@@ -29,7 +29,7 @@ from autopar.cost_models.offload import exposed_share, host_link, offload_second
 from autopar.errors import PinError
 from autopar.plan import Plan, PlanError
 from autopar.solver.pins import check_pins
-from launch import register_cases, shared_cases
+from launch import case_result, register_cases, shared_cases
 
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-3
 OFF = {"offload": "optimizer"}
@@ -53,17 +53,9 @@ def results(tmp_path_factory):
     return shared_cases("zero_worker.py", 2, tmp_path_factory.mktemp("zero"), timeout=600, case_timeout=120)
 
 
-def _result(results, case_id):
-    got, failed = results
-    r = got.get(case_id)
-    assert r is not None, f"{case_id}: no result, the launch ended before it\n{failed}"
-    assert r["ok"], f"{case_id}: {r['error']}\n{r.get('trace', '')}"
-    return r
-
-
 @pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
 def test_offload_matches_one_device(results, case_id):
-    r = _result(results, case_id)
+    r = case_result(results, case_id)
     assert r["plan_pins"].get("offload") == "optimizer", r["plan_pins"]
     bf16 = case_id not in FP32
     assert r["loss_err"] < (BF16_LOSS_TOL if bf16 else LOSS_TOL), r
@@ -74,7 +66,7 @@ def test_offload_matches_one_device(results, case_id):
 
 @pytest.mark.parametrize("case_id", FP32)
 def test_memory_per_rank_equals_the_plan_estimate(results, case_id):
-    r = _result(results, case_id)
+    r = case_result(results, case_id)
     dev, host, est, host_est = r["device"], r["host"], r["estimate"], r["host_estimate"]
     # the device holds what the programs read and the gradients until they go down
     assert dev["params"] == est["params"] and dev["grads"] == est["grads"], (dev, est)
@@ -106,7 +98,7 @@ def test_copies_overlap_the_gradient_sync(results, case_id):
     """Each bucket's gradients go down as its reduction finishes: the first copy is made
     before the step's last reduction is launched (backward still running), not after the
     sync; the masters go up bucket by bucket, one after an all-gather has run."""
-    r = _result(results, case_id)
+    r = case_result(results, case_id)
     steps = _steps(r["events"])
     assert len(steps) == 4, r["events"]
     for ev in steps[:3]:

@@ -48,7 +48,7 @@ from autopar.runtime.precision import LossScaler
 from autopar.runtime.thread_ranks import simulate
 from autopar.solver.flat import plan_captured
 from autopar.solver.pins import check_pins
-from launch import torchrun_cases
+from launch import case_result, torchrun_cases
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -189,10 +189,7 @@ def results(tmp_path_factory):
 
 
 def _result(results, case_id):
-    got, failed = results
-    r = got.get(case_id)
-    assert r is not None, f"{case_id}: no result, the launch ended before it\n{failed}"
-    assert r["ok"], f"{case_id}: {r['error']}\n{r.get('trace', '')}"
+    r = case_result(results, case_id)
     assert r["master_dtypes"] == ["torch.float32"]
     return r
 

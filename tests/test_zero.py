@@ -26,7 +26,7 @@ import torch
 from autopar.cost_models.hardware import parse_cluster
 from autopar.runtime.thread_ranks import simulate
 from autopar.solver.flat import plan_captured
-from launch import register_cases, shared_cases
+from launch import case_result, register_cases, shared_cases
 
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-3
 CASES = [{"id": f"zero{k}", "pins": {"data": 2, "zero": k}} for k in range(4)] + [
@@ -47,24 +47,16 @@ def results(tmp_path_factory):
     return shared_cases("zero_worker.py", 2, tmp, timeout=600, case_timeout=120)
 
 
-def _result(results, case_id):
-    got, failed = results
-    r = got.get(case_id)
-    assert r is not None, f"{case_id}: no result, the launch ended before it\n{failed}"
-    assert r["ok"], f"{case_id}: {r['error']}\n{r.get('trace', '')}"
-    return r
-
-
 @pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
 def test_zero_stage_matches_one_device(results, case_id):
-    r = _result(results, case_id)
+    r = case_result(results, case_id)
     assert r["loss_err"] < LOSS_TOL, r
     assert r["weight_err"] < WEIGHT_TOL, r
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_per_rank_equals_the_plan_estimate(results, stage):
-    r = _result(results, f"zero{stage}")
+    r = case_result(results, f"zero{stage}")
     m, est, numel = r["measured"], r["estimate"], r["numel"]
     for term in ("params", "grads", "optimizer"):
         assert m[term] == est[term], (term, m, est)
@@ -78,7 +70,7 @@ def test_memory_per_rank_equals_the_plan_estimate(results, stage):
 
 
 def test_stage2_small_buckets_keep_gradient_blocks_only(results):
-    r = _result(results, "zero2-small-buckets")
+    r = case_result(results, "zero2-small-buckets")
     assert r["measured"] == r["estimate"], r
 
 
@@ -88,7 +80,7 @@ def test_stage2_small_buckets_keep_gradient_blocks_only(results):
     (3, ["reduce_scatter@data", "all_gather@data"], []),
 ])
 def test_plan_counts_each_stages_collectives(results, stage, has, lacks):
-    r = _result(results, f"zero{stage}")
+    r = case_result(results, f"zero{stage}")
     for key in has:
         assert key in r["comm"], (stage, r["comm"])
     for key in lacks:
@@ -99,7 +91,7 @@ def test_cost_model_prices_each_stages_communication(results):
     """Stage 1: gradients all-reduced (as data parallel) + parameters all-gathered once per
     step; stage 2: the all-reduce's bytes become a reduce-scatter; stage 3: the gathers run
     per use and again in backward, far more than stage 2's once per step."""
-    comm = {k: _result(results, f"zero{k}")["comm"] for k in range(4)}
+    comm = {k: case_result(results, f"zero{k}")["comm"] for k in range(4)}
     dp_reduce = comm[0]["all_reduce@data"]
     assert comm[1]["all_reduce@data"] == pytest.approx(dp_reduce)
     assert comm[1]["all_gather@data"] > 0
