@@ -94,16 +94,22 @@ class GradSync:
             self._add(attr)
         for axes in list(self._pending):
             self._launch(axes)
-        for work, grads, more, dest in self._inflight:
-            work.wait()
-            for a in more:
-                self.comm.all_reduce_coalesced(grads, a).wait()
-            for d, g in zip(dest, grads):
-                if d is not g:
-                    d.copy_(g)
+        for entry in self._inflight:
+            self._complete(entry)
         if self.reducer is not None:
             self.reducer.end_step()
         self._reset()      # hold no finished work
+
+    def _complete(self, entry) -> None:
+        """Wait for one launched bucket, reduce it over its axes after the first, and copy
+        the sums into the gradients that were not reduced in place."""
+        work, grads, more, dest = entry
+        work.wait()
+        for a in more:
+            self.comm.all_reduce_coalesced(grads, a).wait()
+        for d, g in zip(dest, grads):
+            if d is not g:
+                d.copy_(g)
 
     def abort(self) -> None:
         self._active = False

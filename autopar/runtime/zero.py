@@ -230,17 +230,6 @@ class ZeroGradSync(GradSync):
                     w.grad = None     # the shard's view keeps it until its copy is made
             listener.reduced([self.zero.params[a] for a in mine])
 
-    def _complete(self, entry) -> None:
-        """Wait for one all-reduce bucket and run its axes after the first (as
-        :meth:`GradSync.finish` does)."""
-        work, grads, more, dest = entry
-        work.wait()
-        for a in more:
-            self.comm.all_reduce_coalesced(grads, a).wait()
-        for d, g in zip(dest, grads):
-            if d is not g:
-                d.copy_(g)
-
     def _launch(self, axes: tuple[int, ...]) -> None:
         self._launch_buckets(axes)
         self._finish_early()
