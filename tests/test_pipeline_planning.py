@@ -221,3 +221,34 @@ def test_cut_points_of_a_large_graph_are_layer_boundaries():
     layers = [q for q in points if q > 300]
     assert len(layers) >= 32 and max(layers) > 1200
     assert all((q - 300) % 10 == 0 for q in layers)
+
+
+def test_bytes_crossing_a_layer_boundary_do_not_grow_along_the_layers():
+    """Every layer boundary of a Llama crosses the same bytes: a value read by a check that
+    returns nothing (``aten._assert_tensor_metadata``, from ``.to(dtype)``) is not live to the
+    graph's end (it was, and Llama 3 405B's last cuts priced 16 GB a micro-batch)."""
+    from autopar.analysis.stages import chain, crossing_bytes
+    from autopar.capture import capture
+    from examples.base import lm_loss
+    from examples.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(vocab_size=256, max_seq_len=16, n_layer=4, n_head=4, n_kv_head=2, dim=32,
+                      hidden_dim=64)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    cap = capture(model, (tokens,), lm_loss, target=torch.zeros_like(tokens))
+    nodes = {n.name: n for n in cap.gm.graph.nodes}
+    units = chain(cap)
+    assert any(n.target is torch.ops.aten._assert_tensor_metadata.default
+               for n in cap.gm.graph.nodes)      # what the test is about is in the graph
+    cross = crossing_bytes(cap, lambda n: float(n.meta["val"].numel() * n.meta["val"].element_size()))
+
+    def first_of(layer):   # the first chain node inside layers.<layer>
+        return next(i for i, u in enumerate(units)
+                    if any(path in (f"model.layers.{layer}", f"layers.{layer}")
+                           for path, _ in nodes[u].meta.get("nn_module_stack", {}).values()))
+
+    at = [cross[first_of(k) - 1] for k in range(1, 4)]
+    activation = 2 * 16 * 32 * 4
+    assert at[0] == at[1] == at[2], at
+    assert at[0] <= 2 * activation, (at[0], activation)

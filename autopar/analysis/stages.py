@@ -78,6 +78,28 @@ def assign_stages(cap: Captured, cuts: tuple[str, ...] | list[str], n_stages: in
     return out
 
 
+def chain_index(cap: Captured, units: list[str]) -> dict[str, int]:
+    """Chain position of every call_function node: its own, its producer's (getitem), the
+    last one (the loss tail), or the latest before it (anything else) — the stage
+    ``split.assign_stages`` puts it in."""
+    pos = {n: i for i, n in enumerate(units)}
+    tail = loss_tail(cap)
+    out, last = {}, 0
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.name in pos:
+            last = pos[n.name]
+            out[n.name] = last
+        elif n.name in tail:
+            out[n.name] = len(units) - 1
+        elif n.target is operator.getitem and n.args[0].name in out:
+            out[n.name] = out[n.args[0].name]
+        else:
+            out[n.name] = last
+    return out
+
+
 def crossing_bytes(cap: Captured, local_bytes: Callable[[Node], float]) -> list[float]:
     """Bytes live across the cut before chain node i, for i = 1 .. L-1 (per rank, through
     ``local_bytes``). Values that depend on no input or parameter are recomputed, not sent."""
@@ -85,6 +107,10 @@ def crossing_bytes(cap: Captured, local_bytes: Callable[[Node], float]) -> list[
     L = len(units)
     pos = {name: i for i, name in enumerate(units)}
     free = free_nodes(cap.gm.graph)
+    # where each reader runs (``chain_index``): an op that is not a chain node, such as a
+    # check returning nothing (aten._assert_tensor_metadata), beside the chain node before
+    # it, not at the graph's end
+    at = chain_index(cap, units)
     diff = [0.0] * (L + 2)
     for n in cap.gm.graph.nodes:
         if n.op != "call_function" or n.name in free:
@@ -101,7 +127,7 @@ def crossing_bytes(cap: Captured, local_bytes: Callable[[Node], float]) -> list[
         for u in n.users:
             if u.op == "call_function" and u.target is operator.getitem:
                 continue
-            far = max(far, pos.get(u.name, L))
+            far = max(far, at.get(u.name, L - 1))
         if far > src:
             b = local_bytes(n)
             diff[src + 1] += b

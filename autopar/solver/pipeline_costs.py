@@ -26,13 +26,12 @@ over the members of its consumer. ``sum(compute + comm + sync)`` equals the solv
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from autopar.analysis.layers import recompute_nodes
-from autopar.analysis.stages import chain, crossing_bytes, loss_tail
+from autopar.analysis.stages import chain, chain_index, crossing_bytes
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
 from autopar.sharding.registry import input_placements, output_placements
@@ -145,28 +144,6 @@ class NodeCosts:
         if self.recompute_bytes and bool((held & self.recomputed).any()):
             out["recompute"] = self.recompute_bytes
         return out
-
-
-def chain_index(cap: Captured, units: list[str]) -> dict[str, int]:
-    """Chain position of every call_function node: its own, its producer's (getitem), the
-    last one (the loss tail), or the latest before it (anything else) — the stage
-    ``split.assign_stages`` puts it in."""
-    pos = {n: i for i, n in enumerate(units)}
-    tail = loss_tail(cap)
-    out, last = {}, 0
-    for n in cap.gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.name in pos:
-            last = pos[n.name]
-            out[n.name] = last
-        elif n.name in tail:
-            out[n.name] = len(units) - 1
-        elif n.target is operator.getitem and n.args[0].name in out:
-            out[n.name] = out[n.args[0].name]
-        else:
-            out[n.name] = last
-    return out
 
 
 def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
