@@ -147,3 +147,30 @@ def test_one_table_per_solve(gpt, monkeypatch):
     pairs = {(id(p), id(c)) for p, c in solves}
     assert len(built.tables) == len(pairs)
     assert all(any(pt is t for t in built.tables) for pt in costed)
+
+
+def test_a_value_no_parameter_reaches_costs_no_gradient_collective():
+    """Llama's rotary tables (buffer slices) multiply batch-sharded q and k replicated: no
+    gradient comes back to them, so the edge costs nothing in backward (it cost an
+    all-reduce over the data axis per micro-batch: 0.8 s of Llama 3 405B's step)."""
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.placement import Replicate
+    from autopar.solver.costing import CostModel
+    from autopar.solver.problem import build_problem
+    ex, cap = example_and_capture("llama")
+    problem = build_problem(cap, (2,), data_axis=0)
+    cost = CostModel.for_pins(parse_cluster("1x2xA100"), (2,), {}, data_axis=0)
+    table = PriceTable(problem, cost)
+    buffers = set(cap.buffers)
+    from_buffer = [k for k, e in enumerate(problem.edges)
+                   if not e.needs_grad and e.meta.dtype.is_floating_point
+                   and problem.vars[e.dst].kind == "op"]
+    from_param = [k for k, e in enumerate(problem.edges) if problem.vars[e.src].kind == "param"]
+    assert buffers and from_buffer and from_param
+    assert all(problem.edges[k].needs_grad for k in from_param)
+    rep, partial = (Replicate(),), (True,)
+    for k in from_buffer:
+        assert table.edge(k, rep, rep, partial).steps == (), problem.edges[k]
+    # a parameter read replicated by a sharded op gets its gradient all-reduced
+    k = from_param[0]
+    assert table.edge(k, rep, rep, partial).steps

@@ -170,6 +170,8 @@ class PriceTable:
         return self._edges[key]
 
     def _edge(self, k, src, dst, grad_partial, bucketed, shared) -> EdgePrice:
+        if not self.problem.edges[k].needs_grad:     # no gradient comes back: nothing to reduce
+            grad_partial = (False,) * len(grad_partial)
         key = (k, src, dst, grad_partial, bucketed, shared)
         if key not in self._edges:
             e = self.problem.edges[k]

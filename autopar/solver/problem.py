@@ -75,6 +75,9 @@ class Edge:
     dst_in: int
     meta: TensorMeta
     count: int = 1
+    needs_grad: bool = True
+    """The value depends on a parameter: its gradient flows back (a buffer's slice, such as
+    a rotary table, or a mask does not, and costs no collective in backward)."""
 
 
 @dataclass
@@ -110,7 +113,9 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
     vars: dict[str, NodeVar] = {}
     alias: dict[str, tuple[str, int]] = {}   # getitem node -> (producer, output index)
     edges: dict[tuple, list] = {}
+    learned: set[tuple] = set()             # edges whose value depends on a parameter
     batch_nodes = set(cap.inputs)           # nodes computed from the batch
+    grad_nodes = set(cap.params)            # nodes computed from a parameter
 
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -129,6 +134,8 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
                 src, k = node.args
                 if src.name in batch_nodes:
                     batch_nodes.add(node.name)
+                if src.name in grad_nodes:
+                    grad_nodes.add(node.name)
                 base = alias.get(src.name, (src.name, 0))
                 alias[node.name] = (base[0], k)
                 continue
@@ -142,6 +149,8 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
             r = rep.get(node.name, node.name)
             if any(a.name in batch_nodes for a in node.all_input_nodes):
                 batch_nodes.add(node.name)
+            if any(a.name in grad_nodes for a in node.all_input_nodes):
+                grad_nodes.add(node.name)
             if r == node.name:
                 opts = _op_choices(cap, node, call, mesh_shape, data_axis, tensor_axis,
                                    node.name in batch_nodes)
@@ -153,12 +162,15 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
                 src, out = alias.get(a.name, (a.name, 0))
                 key = (rep.get(src, src), out, r, k_in)
                 edges.setdefault(key, []).append(call.inputs[k_in])
+                if a.name in grad_nodes:
+                    learned.add(key)
                 k_in += 1
     sink = None
     if cap.loss:
         src, out = alias.get(cap.loss, (cap.loss, 0))
         sink = (rep.get(src, src), out)
-    edge_list = [Edge(s, so, d, di, metas[0], len(metas)) for (s, so, d, di), metas in edges.items()]
+    edge_list = [Edge(s, so, d, di, metas[0], len(metas), (s, so, d, di) in learned)
+                 for (s, so, d, di), metas in edges.items()]
     for v in vars.values():
         if not v.options:
             raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
