@@ -151,7 +151,7 @@ def explain_gain(base, free, cl, label: str, column: str = "published") -> list[
             *gain_table(tb, tf, column),
             f"    {label}: {describe(base[0])}",
             f"    free: {describe(free[0])}",
-            *[f"    does it hold up: {c}" for c in caveats(base[0], free[0], tb, tf, cl)]]
+            *[f"    does it hold up: {c}" for c in caveats(base, free, tb, tf, cl)]]
 
 
 HEADROOM = 0.9
@@ -160,9 +160,11 @@ CUDA context, NCCL's buffers and the allocator's fragmentation."""
 
 
 def caveats(base, free, tb: dict, tf: dict, cl) -> list[str]:
-    """What in the free plan's gain the cost model may not bear out, checked on the plans."""
+    """What in the free plan's gain (``base`` and ``free`` each (plan, captured graph)) the
+    cost model may not bear out, checked on the plans."""
     out = []
     saved = {k: tb[k] - tf[k] for k in tb}
+    (base, base_cap), (free, free_cap) = base, free
     top = max(saved, key=saved.get)
     cap, use = cl.device.memory_bytes, free.estimate.memory_total
     if top == "recompute" and base.recompute and not free.recompute:
@@ -176,12 +178,34 @@ def caveats(base, free, tb: dict, tf: dict, cl) -> list[str]:
                    f"per GPU ({use / cap:.0%}); the budget keeps nothing for the CUDA context, "
                    "NCCL buffers and fragmentation (1-4 GiB on a real run), so on the cluster it "
                    "may need recomputation or a smaller micro-batch, and lose part of this gain")
+    if saved["pipeline bubble"] > 0.05 * full_step(tb) and free.pipeline_stages > 1 \
+            and free.schedule == "zero-bubble" and base.schedule != "zero-bubble":
+        out.append(f"{saved['pipeline bubble']:.3f} s of bubble goes with the zero-bubble schedule "
+                   "(Qi et al. 2024, after the published run); its memory is priced as ZB-H1's "
+                   "(every stage holds p micro-batches, as 1F1B's first)")
+    if saved["tensor-parallel comm"] > 0.05 * full_step(tb) and _split_partial(base_cap, base):
+        out.append("PARTLY PRICED HIGH: a fused QKV projection split after it is not sharded by "
+                   "columns as Megatron-LM does (its weight permuted per head): the plans reduce-"
+                   "scatter Q, K and V apiece (GPT 39.1B, tensor 8: 2.87 ms of collectives per "
+                   "layer and micro-batch against 1.82 ms for Megatron-LM's four, priced alike), "
+                   f"so part of the {saved['tensor-parallel comm']:.3f} s tensor-parallel saving "
+                   "is a layout the published run did not pay")
     if tf["pipeline p2p"] > tb["pipeline p2p"] and top != "pipeline p2p":
         out.append("point-to-point is priced as every tensor-parallel rank sending the whole "
                    "boundary activation (published_runs.py's docstring): the free plan's extra "
                    f"{tf['pipeline p2p'] - tb['pipeline p2p']:.3f} s of sends is, if anything, "
                    "overpriced (against the gain)")
     return out
+
+
+def _split_partial(cap, plan) -> bool:
+    """Whether ``plan`` splits a projection's output while it is still a partial sum (a
+    fused QKV projection it could not shard by columns)."""
+    for n in cap.gm.graph.nodes:
+        if n.target is torch.ops.aten.split.Tensor and n.name in plan.nodes \
+                and "P" in plan.nodes[n.name].inputs[0]:
+            return True
+    return False
 
 
 def describe(p) -> str:
