@@ -33,3 +33,30 @@ def test_zero_stage_as_published():
     assert zero[("Llama3 405B", 8192)] == zero[("Llama3 405B", 16384)] == 2
     assert zero[("BLOOM 176B", 384)] == 1
     assert zero[("Llama3 8B", 64)] == zero[("Llama3 70B", 64)] == 3
+
+
+def test_selective_recomputation_runs_the_even_matmuls_and_no_attention_again():
+    """torchtitan's op policy saves attention and the 1st, 3rd, ... matmul of each block:
+    a Llama block recomputes wk, wo and w3 and its elementwise ops, never wq, wv, w1, w2 or
+    attention; nothing outside the blocks."""
+    from autopar.capture import capture
+    from benchmarks.published_runs import selective_ac_nodes
+    from examples.base import lm_loss
+    from examples.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(vocab_size=64, max_seq_len=8, n_layer=2, n_head=4, n_kv_head=2, dim=32,
+                      hidden_dim=48)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    cap = capture(model, (tokens,), lm_loss, target=torch.zeros_like(tokens))
+    nodes = {n.name: n for n in cap.gm.graph.nodes}
+    again = selective_ac_nodes(cap)
+
+    def module(name):
+        return list(nodes[name].meta["nn_module_stack"].values())[-1][0].split("model.", 1)[-1]
+    linears = sorted(module(n) for n in again if nodes[n].target is torch.ops.aten.linear.default)
+    assert linears == sorted(f"layers.{i}.{w}" for i in range(2)
+                             for w in ("attention.wk", "attention.wo", "feed_forward.w3"))
+    assert not any("scaled_dot_product" in str(nodes[n].target) for n in again)
+    assert any(nodes[n].target is torch.ops.aten.silu.default for n in again)
+    assert all(".layers." in "." + module(n) or module(n).startswith("layers.") for n in again)
