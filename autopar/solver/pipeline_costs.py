@@ -26,6 +26,7 @@ over the members of its consumer. ``sum(compute + comm + sync)`` equals the solv
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -159,9 +160,7 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
     acc.edges()
     acc.sink()
     cross = np.array(crossing_bytes(cap, local_bytes), dtype=float)
-    tensors = np.array(crossing_bytes(cap, lambda n: 1.0), dtype=float)
-    learned = _from_parameters(cap)
-    from_params = np.array(crossing_bytes(cap, lambda n: float(n.name in learned)), dtype=float)
+    tensors, from_params = _crossings(cap)
     batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0]) if cap.inputs else 1
     dev = pt.cost.cluster.device
     return NodeCosts(units=units, batch=batch, compute=acc.compute, comm=acc.comm, sync=acc.sync,
@@ -172,6 +171,21 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
                      recomputed=acc.recomputed, comm_latency=acc.alpha,
                      launch=float(dev.launch_overhead + dev.fill_time), node_forward=acc.node_forward,
                      node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm)
+
+
+_CROSSINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _crossings(cap: Captured) -> tuple[np.ndarray, np.ndarray]:
+    """(tensors, tensors computed from a parameter) crossing each cut: the same under every
+    plan, so worked out once per graph (the free search prices many plans of one graph)."""
+    got = _CROSSINGS.get(cap.gm)
+    if got is None:
+        learned = _from_parameters(cap)
+        got = _CROSSINGS[cap.gm] = (
+            np.array(crossing_bytes(cap, lambda n: 1.0), dtype=float),
+            np.array(crossing_bytes(cap, lambda n: float(n.name in learned)), dtype=float))
+    return got[0].copy(), got[1].copy()
 
 
 def _from_parameters(cap: Captured) -> set[str]:

@@ -71,51 +71,72 @@ def _dependencies(a: Action, n_stages: int) -> list[tuple[Action | tuple, int | 
 
 def _run(actions: Sequence[Sequence[Action]], dur: dict[str, np.ndarray],
          p2p: np.ndarray) -> tuple[dict[Action, float], dict[Action, float], list[int]]:
-    """Start/end of every action (Kahn's order over rank order + data dependencies)."""
+    """Start/end of every action (Kahn's order over rank order + data dependencies).
+    Actions are numbered in rank order and worked on by number (a large schedule has
+    hundreds of thousands; hashing the dataclass each time was most of the cost)."""
     ranks = _stage_ranks(actions)
     n_stages = max(ranks) + 1
-    where = {a: (r, k) for r, rank_actions in enumerate(actions) for k, a in enumerate(rank_actions)}
-    if len(where) != sum(len(x) for x in actions):
+    flat = [a for rank_actions in actions for a in rank_actions]
+    if len(set(flat)) != len(flat):
         raise ValueError("schedule lists an action twice")
-    grad = {("grad", a.stage, a.microbatch): a for a in where if a.kind in ("B", "I")}
+    rank_of, prev = [], []
+    for r, rank_actions in enumerate(actions):
+        base = len(prev)
+        rank_of.extend([r] * len(rank_actions))
+        prev.extend(range(base - 1, base + len(rank_actions) - 1))
+        if rank_actions:
+            prev[base] = -1
+    key = {(a.stage, a.kind, a.microbatch): n for n, a in enumerate(flat)}
+    grad = {(a.stage, a.microbatch): n for n, a in enumerate(flat) if a.kind in ("B", "I")}
+    links = [float(x) for x in np.asarray(p2p, dtype=float).ravel()]
 
-    def resolve(dep):
-        return grad.get(dep) if isinstance(dep, tuple) and not isinstance(dep, Action) else dep
+    waits: list[list[tuple[int, float]]] = []
+    users: list[list[int]] = [[] for _ in flat]
+    indegree: list[int] = []
+    for n, a in enumerate(flat):      # _dependencies' pairs, by number
+        r, s, i = rank_of[n], a.stage, a.microbatch
+        if a.kind == "F":
+            deps = [(key.get((s - 1, "F", i)), s - 1)] if s > 0 else []
+        elif a.kind in ("B", "I"):
+            deps = [(key.get((s, "F", i)), None)]
+            if s < n_stages - 1:
+                deps.append((grad.get((s + 1, i)), s))
+        else:
+            deps = [(key.get((s, "I", i)), None)]
+        for k, (target, boundary) in enumerate(deps):
+            if target is None:
+                dep = _dependencies(a, n_stages)[k][0]
+                raise ValueError(f"action {a} on rank {r} depends on {dep}, which no rank runs")
+            cost = 0.0 if boundary is None or ranks[flat[target].stage] == r else links[boundary]
+            deps[k] = (target, cost)
+            users[target].append(n)
+        waits.append(deps)
+        indegree.append(len(deps) + (prev[n] >= 0))
+    for n, q in enumerate(prev):
+        if q >= 0:
+            users[q].append(n)
 
-    waits: dict[Action, list] = {}
-    users: dict[Action, list[Action]] = {a: [] for a in where}
-    indegree: dict[Action, int] = {}
-    for a, (r, k) in where.items():
-        deps = []
-        for dep, boundary in _dependencies(a, n_stages):
-            target = resolve(dep)
-            if target is None or target not in where:
-                raise ValueError(f"action {a} on rank {r} depends on {dep if target is None else target}, "
-                                 "which no rank runs")
-            cost = 0.0 if boundary is None or ranks[target.stage] == r else float(p2p[boundary])
-            deps.append((target, cost))
-            users[target].append(a)
-        waits[a] = deps
-        indegree[a] = len(deps) + (k > 0)
-    for rank_actions in actions:
-        for prev, nxt in zip(rank_actions, rank_actions[1:]):
-            users[prev].append(nxt)
-
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-    ready = deque(a for a, d in indegree.items() if d == 0)
+    table = {k: [float(x) for x in np.asarray(v, dtype=float).ravel()] for k, v in dur.items()}
+    length = [table[a.kind][a.stage] for a in flat]
+    t_start: list[float] = [0.0] * len(flat)
+    t_end: list[float] = [0.0] * len(flat)
+    order: list[int] = []
+    ready = deque(n for n, d in enumerate(indegree) if d == 0)
     while ready:
-        a = ready.popleft()
-        r, k = where[a]
-        t = end[actions[r][k - 1]] if k > 0 else 0.0
-        for dep, cost in waits[a]:
-            t = max(t, end[dep] + cost)
-        start[a] = t
-        end[a] = t + float(dur[a.kind][a.stage])
-        for u in users[a]:
+        n = ready.popleft()
+        order.append(n)
+        q = prev[n]
+        t = t_end[q] if q >= 0 else 0.0
+        for dep, cost in waits[n]:
+            t = max(t, t_end[dep] + cost)
+        t_start[n] = t
+        t_end[n] = t + length[n]
+        for u in users[n]:
             indegree[u] -= 1
             if indegree[u] == 0:
                 ready.append(u)
+    start = {flat[n]: t_start[n] for n in order}
+    end = {flat[n]: t_end[n] for n in order}
     done = [sum(1 for a in rank_actions if a in end) for rank_actions in actions]
     return start, end, done
 

@@ -115,14 +115,14 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
 
     # total[k, i]: least sum of tiebreak over stages 0..k holding layers 0..i-1, every
     # stage within the bottleneck; arg[k, i]: first layer of stage k in that optimum.
+    # (stage by stage: the tables may be ``stage_tables.Stack``s, one table per in-flight count)
     tie = cost if tiebreak is None else tiebreak
-    allowed = cost <= bottleneck + 1e-9 * max(abs(bottleneck), 1e-30)
-    step = np.where(allowed, tie, INF)
+    within = bottleneck + 1e-9 * max(abs(bottleneck), 1e-30)
     total = np.full((n_stages, rows), INF)
     arg = np.zeros((n_stages, rows), dtype=np.int64)
-    total[0] = step[0, 0]
+    total[0] = np.where(cost[0, 0] <= within, tie[0, 0], INF)
     for k in range(1, n_stages):
-        cand = total[k - 1][:, None] + step[k]
+        cand = total[k - 1][:, None] + np.where(cost[k] <= within, tie[k], INF)
         arg[k] = cand.argmin(axis=0)
         total[k] = cand[arg[k], np.arange(rows)]
     cuts = []
@@ -305,7 +305,7 @@ def _no_fit_message(candidates, tables, args) -> str:
     closest = None
     for c in candidates:
         _, _, memory, share, _ = tables.arrays(c, *args)
-        over = np.where(tables.valid[None], memory - share, INF)
+        over = np.where(tables.valid[None], np.asarray(memory) - share, INF)
         excess, cuts = stage_dp(over)
         if closest is None or excess * c.v < closest[0] * closest[1].v:   # compare per rank
             closest = (excess, c, cuts, memory, share)

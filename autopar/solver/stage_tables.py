@@ -76,17 +76,37 @@ class Tables:
         """(cost, tiebreak, memory, share) for candidate c; see the module docstring."""
         d = n_devices // c.p
         b = global_batch / c.m
-        n_k = in_flight(c.schedule, c.p, c.m, c.v)
+        # a stage's tables depend on it only through its micro-batches in flight: one
+        # table per distinct count (one for GPipe and zero bubble), shared by its stages
+        counts, which = np.unique(in_flight(c.schedule, c.p, c.m, c.v), return_inverse=True)
         actions = 3 if c.schedule == "zero-bubble" else 2
         time = np.where(self.valid, self.time * b / d + self.fixed + self.latency
                         + actions * self.costs.action_time, INF)
         memory = (self.state / (d if shard_state else 1))[None] + \
-            n_k[:, None, None] * (self.act * b / d)[None]
+            counts[:, None, None] * (self.act * b / d)[None]
         share = memory_limit / c.v
         cost = np.where(memory <= share * (1 + 1e-9), time[None], INF)   # float sums at the limit fit
         comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
         tiebreak = cost + 2 * comm[None, None, :]
-        return cost, tiebreak, memory, share, comm
+        return Stack(cost, which), Stack(tiebreak, which), Stack(memory, which), share, comm
+
+
+class Stack:
+    """An (S, L+1, L+1) table of S stages held as its distinct tables ``tables`` (U, L+1,
+    L+1) and each stage's ``which`` (S,): indexes as the full array would."""
+
+    def __init__(self, tables: np.ndarray, which: np.ndarray):
+        self.tables, self.which = tables, np.asarray(which).reshape(-1)
+        self.shape = (len(self.which), *tables.shape[1:])
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            return self.tables[(self.which[key[0]], *key[1:])]
+        return self.tables[self.which[key]]
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.tables[self.which]
+        return out if dtype is None else out.astype(dtype)
 
 
 def price(c: Candidate, stage_times: np.ndarray, comm_cuts: np.ndarray,
