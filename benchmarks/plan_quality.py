@@ -45,7 +45,6 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -53,15 +52,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from autopar.capture import capture  # noqa: E402
-from autopar.cost_models.devices import Cluster  # noqa: E402
-from autopar.cost_models.gpus import NODES  # noqa: E402
 from autopar.cost_models.hardware import parse_cluster  # noqa: E402
 from autopar.solver.driver import search_captured, solve  # noqa: E402
 from autopar.solver.flat import plan_captured  # noqa: E402
 from autopar.solver.ilp import InfeasibleError  # noqa: E402
 from autopar.solver.pipeline_search import plan_pipelined  # noqa: E402
 from examples.models import gpt_factory  # noqa: E402
-from published_runs import RUNS, build, pins_of  # noqa: E402
+from published_runs import RUNS, build, pins_of, run_cluster  # noqa: E402
 from step_terms import full_step, gain_table, step_terms  # noqa: E402
 
 # GPT config overrides per model
@@ -164,7 +161,7 @@ def caveats(base, free, tb: dict, tf: dict, cl) -> list[str]:
     cost model may not bear out, checked on the plans."""
     out = []
     saved = {k: tb[k] - tf[k] for k in tb}
-    (base, base_cap), (free, free_cap) = base, free
+    (base, base_cap), (free, _) = base, free
     top = max(saved, key=saved.get)
     cap, use = cl.device.memory_bytes, free.estimate.memory_total
     if top == "recompute" and base.recompute and not free.recompute:
@@ -229,17 +226,6 @@ SKIP = {
 """Rows not planned free here, and why (``--all`` plans them too)."""
 
 
-def run_cluster(run):
-    """The run's cluster, as ``published_runs.predict`` builds it (the publication's own
-    variant of the GPU where it states one)."""
-    name = f"{run.gpus // 8}xdgx-{run.device}"
-    if not run.extra:
-        return parse_cluster(name)
-    node = NODES[f"dgx-{run.device}"]
-    dev = replace(node.device, name=node.device.name + "-variant", **run.extra)
-    return Cluster(f"{run.gpus // 8}x{dev.name}", run.gpus // 8, 8, dev, node.intra, node.inter)
-
-
 def published(args) -> bool:
     rows = [int(r) for r in args.rows.split(",") if r] or list(range(len(RUNS)))
     print("published configuration (pinned) against the free plan, same cost model; step = "
@@ -252,7 +238,7 @@ def published(args) -> bool:
         if run.name in SKIP and not args.all:
             print(f"{i:>2} {run.name:<13}{run.gpus:>6}  skipped: {SKIP[run.name]}", flush=True)
             continue
-        cl = run_cluster(run)
+        cl = parse_cluster(run_cluster(run))
         ex = build(run, run.batch)
         got = []
         for pins in (pins_of(run), {"precision": "bf16"}):
