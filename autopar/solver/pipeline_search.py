@@ -145,7 +145,7 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         sync = float(pr.rank_sync([int(pr.bounds[c]) for c in sp.cuts], p).max())
         if best is not None and sp.predicted_step_time - sp.sync_time + sync >= best[1]:
             break
-        step = simulate_plan(sp).makespan + sync
+        step = simulate_plan(sp, timeline=False) + sync
         if best is None or step < best[1]:
             best = (sp, step)
     return best

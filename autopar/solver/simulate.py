@@ -175,6 +175,36 @@ def simulate(actions: Sequence[Sequence[Action]], forward, backward, weight=None
     >>> round(sim.bubble_fraction, 4)   # (p - 1) / (m + p - 1)
     0.4286
     """
+    start, end = _timed(actions, forward, backward, weight, p2p)
+    ranks = _stage_ranks(actions)
+    n_stages = max(ranks) + 1
+    makespan = max(end.values())
+    busy = tuple(float(sum(end[a] - start[a] for a in rank_actions)) for rank_actions in actions)
+    area = len(actions) * makespan
+    utilization = sum(busy) / area if area > 0 else 1.0
+    timeline = tuple(
+        {"rank": r, "action": str(a), "stage": a.stage, "kind": a.kind,
+         "microbatch": a.microbatch, "start": start[a], "end": end[a]}
+        for r, rank_actions in enumerate(actions) for a in rank_actions)
+    return Simulation(makespan=float(makespan), utilization=float(utilization),
+                      bubble_fraction=float(1.0 - utilization), busy=busy,
+                      peak_in_flight=_peak_in_flight(start, end, [[s] for s in range(n_stages)]),
+                      rank_peak_in_flight=_peak_in_flight(
+                          start, end, [sorted(s for s, r in ranks.items() if r == rank)
+                                       for rank in range(len(actions))]),
+                      timeline=timeline)
+
+
+def makespan(actions: Sequence[Sequence[Action]], forward, backward, weight=None,
+             p2p=0.0) -> float:
+    """``simulate(...).makespan`` alone (no timeline, no in-flight counts): what a search
+    ranking many schedules reads."""
+    _, end = _timed(actions, forward, backward, weight, p2p)
+    return float(max(end.values()))
+
+
+def _timed(actions: Sequence[Sequence[Action]], forward, backward, weight, p2p):
+    """(start, end) of every action (``simulate``'s arguments, checked)."""
     ranks = _stage_ranks(actions)
     if not ranks:
         raise ValueError("empty schedule")
@@ -198,22 +228,7 @@ def simulate(actions: Sequence[Sequence[Action]], forward, backward, weight=None
     start, end, done = _run(actions, dur, links)
     if any(d < len(x) for d, x in zip(done, actions)):
         raise ValueError(_deadlock_message(actions, done))
-
-    makespan = max(end.values())
-    busy = tuple(float(sum(end[a] - start[a] for a in rank_actions)) for rank_actions in actions)
-    area = len(actions) * makespan
-    utilization = sum(busy) / area if area > 0 else 1.0
-    timeline = tuple(
-        {"rank": r, "action": str(a), "stage": a.stage, "kind": a.kind,
-         "microbatch": a.microbatch, "start": start[a], "end": end[a]}
-        for r, rank_actions in enumerate(actions) for a in rank_actions)
-    return Simulation(makespan=float(makespan), utilization=float(utilization),
-                      bubble_fraction=float(1.0 - utilization), busy=busy,
-                      peak_in_flight=_peak_in_flight(start, end, [[s] for s in range(n_stages)]),
-                      rank_peak_in_flight=_peak_in_flight(
-                          start, end, [sorted(s for s, r in ranks.items() if r == rank)
-                                       for rank in range(len(actions))]),
-                      timeline=timeline)
+    return start, end
 
 
 def _peak_in_flight(start: dict[Action, float], end: dict[Action, float],

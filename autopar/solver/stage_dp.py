@@ -74,7 +74,7 @@ import numpy as np
 from autopar.errors import PinError
 
 from autopar.schedule import SCHEDULES, check_schedule, schedule_actions
-from autopar.solver.simulate import simulate
+from autopar.solver.simulate import makespan, simulate
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
 from autopar.solver.stage_tables import (
     INF, Candidate, Tables, bubble_rho, in_flight, price, ring_factor,
@@ -326,11 +326,13 @@ def _no_fit_message(candidates, tables, args) -> str:
 # ---- timing a plan --------------------------------------------------------------------------
 
 
-def simulate_plan(plan: StagePlan):
-    """Per-rank timeline of ``plan`` from ``autopar.solver.simulate``."""
+def simulate_plan(plan: StagePlan, timeline: bool = True):
+    """Per-rank timeline of ``plan`` from ``autopar.solver.simulate``; ``timeline=False``:
+    its makespan alone (``simulate.makespan``, the same figure without the timeline)."""
     times = np.asarray(plan.stage_times)
     f = plan.forward_fraction
     actions = schedule_actions(plan.schedule, plan.n_stages, plan.micro_batches, plan.virtual_stages)
     p2p = plan.boundary_times if plan.boundary_times else 0.0
-    return simulate(actions, forward=times * f, backward=times * (1 - f),
-                    weight=times * (1 - f) * plan.weight_fraction, p2p=p2p)
+    return (simulate if timeline else makespan)(
+        actions, forward=times * f, backward=times * (1 - f),
+        weight=times * (1 - f) * plan.weight_fraction, p2p=p2p)
