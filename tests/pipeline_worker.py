@@ -87,6 +87,11 @@ def run_case(case: dict) -> dict:
     order = [None] * dist.get_world_size()
     dist.all_gather_object(order, list(pm.runner.sync_order))
     info["sync_order"] = order
+    # which stages split their backward in two halves (zero bubble), by stage index
+    split = [None] * dist.get_world_size()
+    dist.all_gather_object(split, {st.stage_index: st.split_backward
+                                   for _, st in pm.runner.stages.get("train", [])})
+    info["split_backward"] = {k: v for d in split for k, v in d.items()}
     if case.get("skips"):
         # which ranks received which skip values (the middle stages must receive none)
         received = [None] * dist.get_world_size()

@@ -59,6 +59,11 @@ def _extra_cases(nproc: int, tmp) -> list[dict]:
              "pins": {"pipeline": 2, "schedule": "interleaved-1f1b", "micro_batch_size": 2,
                       "virtual_stages": 2},
              "cuts": ["slice_2", "linear", "neg_1"], "owners": ["rope_cos", "rope_sin"]},
+            # zero bubble with a second stage whose only inputs are the rotary tables (no
+            # gradient): the token embedding's gradient reaches no differentiable input
+            {"id": "llama-pp2-zero-bubble-no-grad-inputs", "model": "llama",
+             "pins": {"pipeline": 2, "schedule": "zero-bubble", "micro_batch_size": 2},
+             "cuts": ["slice_2"]},
         ]
     return [
         # every stage holds parameters (the cuts are fixed: the planner's may leave a stage
@@ -111,6 +116,8 @@ def test_matrix(launch, model, mesh, schedule):
     assert r["schedule"] == schedule and r["m"] == 4
     assert r["mesh"][0] == pins["pipeline"] and r["mesh"][1:] in ([], [1], [2])
     assert r["v"] == (2 if schedule == "interleaved-1f1b" else 1)
+    # the planner's stages keep zero bubble's split backward (every weight behind an input)
+    assert all(r["split_backward"].values()), r["split_backward"]
     print(f"{_case_id(model, mesh, schedule)}: v={r['v']} loss {r['worst']['loss']:.1e} "
           f"grad {r['worst']['grad']:.1e} weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
 
@@ -128,6 +135,16 @@ def test_two_ranks_default_and_saved_plan(launch):
     r = _result(launch, 2, "gpt-pp2-default")
     assert r["mesh"] == [2, 1]
     _result(launch, 2, "gpt-pp2-saved")
+
+
+def test_zero_bubble_keeps_weights_no_differentiable_input_reaches(launch):
+    """A zero-bubble stage whose inputs need no gradient runs its whole backward at once
+    (torch's weight half finds only weights behind a differentiable input): the token
+    embedding's gradient equals one device's (it was 0, rel err 1.0)."""
+    r = _result(launch, 2, "llama-pp2-zero-bubble-no-grad-inputs")
+    assert r["cuts"] == ["slice_2"] and r["schedule"] == "zero-bubble"
+    assert r["split_backward"] == {"0": True, "1": False}, r["split_backward"]
+    assert r["worst"]["grad"] < 1e-5
 
 
 def test_buffer_holders_agree_across_ranks(launch):

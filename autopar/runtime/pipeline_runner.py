@@ -55,20 +55,57 @@ from autopar.schedule import torch_schedule_class
 
 class _Stage(PipelineStage):
     """A PipelineStage that says when its last backward of a step is done (the full
-    backward of the last micro-batch, or under zero bubble its last weight half)."""
+    backward of the last micro-batch, or under zero bubble its last weight half).
+
+    Zero bubble splits a backward into the inputs' half (I) and the weights' half (W);
+    torch computes W only for weights whose gradient reaches the stage output through a
+    value computed from a differentiable stage input (its ``param_groups``), and the first
+    stage as a whole at W. A later stage with a weight off that path (an embedding of
+    token ids behind a stage of rotary tables only, whose inputs need no gradient) would
+    lose that weight's gradient: such a stage (``split_backward=False``,
+    :func:`split_backward_safe`) runs its whole backward at I and nothing at W."""
 
     on_last_backward = None
+    split_backward = True
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+        whole = not full_backward and not self.split_backward
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward or whole,
                                    last_backward=last_backward)
         if last_backward and full_backward and self.on_last_backward is not None:
             self.on_last_backward(self.stage_index)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.split_backward:
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         if last_backward and self.on_last_backward is not None:
             self.on_last_backward(self.stage_index)
+
+
+def split_backward_safe(gm: GraphModule, input_requires_grad: list[bool]) -> bool:
+    """Whether every weight's gradient in stage program ``gm`` flows only through values
+    computed from its differentiable inputs (the placeholders flagged in
+    ``input_requires_grad``, in order): then zero bubble's weight half finds every weight
+    (see :class:`_Stage`). False when some weight reaches the output by a path that no
+    differentiable input joins."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    joined = {n for n, rg in zip(placeholders, input_requires_grad) if rg}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and any(a in joined for a in n.all_input_nodes):
+            joined.add(n)
+    params = dict(gm.named_parameters())
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or not getattr(params.get(n.target), "requires_grad", False):
+            continue
+        todo, seen = [n], {n}
+        while todo:
+            for u in todo.pop().users:
+                if u.op == "output":
+                    return False        # out of the stage without meeting an input's value
+                if u not in joined and u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+    return True
 
 
 def stage_plan(plan: Plan) -> Plan:
@@ -147,6 +184,9 @@ class PipelineRunner:
             mod = sg.gm if dtype is None else AutocastStage(sg.gm, self.device, dtype)
             stage = _Stage(mod, sg.index, S, self.device, input_args=ins, output_args=outs,
                            group=self.pp_group)
+            # (the first stage torch runs whole at W already)
+            stage.split_backward = sg.index == 0 or split_backward_safe(
+                sg.gm, [t.requires_grad for t in ins])
             if which == "train":
                 stage.on_last_backward = self._stage_done
             mine.append((sg, stage))
