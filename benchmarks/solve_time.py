@@ -19,6 +19,17 @@ plan's predicted step (the objective: a faster search must not make it worse). E
 row prints its wall and CPU seconds (``time.process_time``: the comparable figure on a
 machine others load too); the large rows also each planning phase's wall seconds
 (``plan.solver.phases``) and the plan with its predicted step (the objective).
+
+Measured 2026-11-22, 19:00-19:50 UTC, on the loaded 2-core machine (load 5-12; CPU seconds,
+before -> after the exact speed-ups of commits 5641dd8 and c3defd5, same objectives):
+``175b`` 92.4 -> 81.9 s (another run 76.5 s; wall 215-276 s), objective 18.5593 s;
+``405b`` 217.8 -> 224.2 s (no gain within the noise), objective 9.06496 s;
+``405b-pinned`` 49.9 -> 49.7 s, objective 9.06496 s; the ``depth`` rows' objectives unchanged
+(the ``examples`` rows' cluster, ``cpu:4``, is measured in each process, so their objectives
+move a little between runs either way). Where the 175B's CPU seconds go (after): two
+captures ~27 s, the sharding ILPs of 29 meshes ~21 s (edge pricing most of it), ranking
+pipeline schedules ~13 s (stage DP ~6, simulation ~5), problems ~4 s, garbage collection
+~6 s spread over all of it. Goals (20 s, 60 s) not met.
 """
 from __future__ import annotations
 
