@@ -199,8 +199,7 @@ class ParallelModule(nn.Module):
                         for w, gm in programs.items()}
         for gm in programs.values():     # tensors the model creates: on this rank's device
             place_on(gm, self.device)
-            if not pipelined:      # last: ops through torch's Python bindings (a pipeline's
-                fast_bindings(gm)  # zero-bubble lost llama's embedding gradient with them)
+            fast_bindings(gm)      # last: ops through torch's Python bindings
         if pipelined:
             self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes)
         else:
