@@ -17,10 +17,9 @@ defaults may differ (``torch._C._nn.cross_entropy_loss`` reduces with ``"none"``
 told). A node passing a positional parameter by name is left alone (the captured graph
 passes them by position). ``tests/test_fast_bindings.py`` checks every entry on sample
 inputs against its overload (the ops dispatched, values, gradients) and that the name the
-generated code calls resolves to the binding itself. Only the runtime's unpipelined programs
-are rewritten (``autopar.runtime.parallel_module``), after every other pass: capture, the
-planner and the other passes see the overloads. Pipelines keep the overloads: with the
-bindings, llama's zero-bubble pipeline lost its embedding's gradient (not yet understood).
+generated code calls resolves to the binding itself. The runtime's programs are rewritten
+(``autopar.runtime.parallel_module``, pipelined or not), after every other pass: capture,
+the planner and the other passes see the overloads.
 """
 from __future__ import annotations
 
