@@ -60,7 +60,7 @@ top = the term that saves most (seconds); cpu = CPU seconds to plan, pinned / fr
      6 GPT 145.6B   1536  8x8x24      24.15  p12 d16 t8, zb m=144 zero=2        17.30  1.40x  recompute 4.63     19/124
      7 GPT 310.1B   1920  8x16x15     36.79  p24 d20 t4, zb m=108, recompute    31.90  1.15x  tensor comm 3.10   18/184
      8 GPT 529.6B   2520  8x35x9      52.48  p35 d18 t4, zb m=140, recompute    45.53  1.15x  tensor comm 3.09   30/219
-     9 GPT 1008B    3072  8x64x6     skipped (SKIP)
+     9 GPT 1008B    3072  8x64x6     106.60  p32 d12 t8, zb m=256, recompute    92.25  1.16x  compute 5.28       28/395
     10 MT-NLG 530B  2240  8x35x8      45.79  p35 d16 t4, zb m=120, recompute    39.52  1.16x  tensor comm 2.64   24/150
     11 BLOOM 176B    384  4x12x8     87.75  p24 d2 t8, 1f1b m=1024               77.74  1.13x  recompute 18.04    15/130
     12 Llama3 8B      64  1x1x64      2.16  d64 zero=3 (the published plan)     2.16  1.00x  -                   9/153
@@ -74,9 +74,9 @@ Omni-Path nodes (a quarter of a DGX's network) got ZeRO-3 over 64 ranks, pipelin
 predicted 82 s by the per-sample prices and planned 167 s (0.53x), and the search returned
 it without looking further; it now plans the next configurations while their predictions
 beat the best real step (``pipeline_free.search_pipelines``; the per-sample prices of
-ZeRO-3's per-micro-batch gathers are left as they are). The Llama 3 405B rows, skipped before, now plan
-(39 + 202 and 44 + 224 CPU s; 10 and 21 minutes' wall time at load 5-18): the free plan is
-the published mesh and micro-batches under zero-bubble instead of interleaved 1F1B (v=4
+ZeRO-3's per-micro-batch gathers are left as they are). The rows skipped before now plan: GPT 1008B in 28 + 395 CPU s
+(12 minutes' wall time), the Llama 3 405B rows in 39 + 202 and 44 + 224 (10 and 21 minutes
+at load 5-18). On 405B the free plan is the published mesh and micro-batches under zero-bubble instead of interleaved 1F1B (v=4
 sends four times as often: the p2p saving). Every gain above 1.3x (rows 1-6) is mostly not
 recomputing (the published Megatron-LM runs recomputed every layer; Korthikanti et al.
 2022 measured 1.29x on the 530B run from dropping most of it) and fewer tensor-parallel
@@ -84,7 +84,7 @@ collectives (a smaller tensor degree with more pipeline stages; row 3's largest)
 zero-bubble schedule. What does not hold up in them, said in the output: the tensor-parallel saving is
 partly a layout the published runs did not pay (GPT's fused QKV projection is split as a
 partial sum: 2.87 ms of collectives per layer and micro-batch at tensor 8 against 1.82 ms
-in Megatron-LM's layout, priced alike), and rows 5, 8 and 10 hold 95-97% of the GPU's memory
+in Megatron-LM's layout, priced alike), and rows 5, 8, 9 and 10 hold 95-97% of the GPU's memory
 with no allowance for the CUDA context, NCCL buffers or fragmentation. Not a loss against
 the published runs, but a gap of the free search: it tries gradient accumulation only when
 nothing fits the full batch even recomputed; row 0 accumulating 8 micro-batches without
@@ -266,12 +266,9 @@ def describe(p) -> str:
 
 # ---- published configurations -------------------------------------------------------------
 
-SKIP = {
-    "GPT 1008B": "3,072 GPUs, 128 layers: the free search weighs 13 pipeline degrees "
-                 "(2 .. 128) of a 1T model; not finished here (2026-11-22: stopped after "
-                 "3 min at a load of 16, behind the 530B row's ~10 degrees)",
-}
-"""Rows not planned free here, and why (``--all`` plans them too)."""
+SKIP: dict[str, str] = {}
+"""Rows not planned free here, and why (``--all`` plans them too): none since every row
+planned in under 15 minutes (2026-11-22; the largest, GPT 1008B, 423 CPU s)."""
 
 
 def published(args) -> bool:
