@@ -73,8 +73,8 @@ The free plan is never predicted slower, once one search miss was fixed: BLOOM o
 Omni-Path nodes (a quarter of a DGX's network) got ZeRO-3 over 64 ranks, pipeline 6,
 predicted 82 s by the per-sample prices and planned 167 s (0.53x), and the search returned
 it without looking further; it now plans the next configurations while their predictions
-beat the best real step (``pipeline_free.search_pipelines``; the per-sample prices of
-ZeRO-3's per-micro-batch gathers are left as they are). The rows skipped before now plan: GPT 1008B in 28 + 395 CPU s
+beat the best real step (``pipeline_free.search_pipelines``; why the per-sample prices
+missed by 2x, likely ZeRO-3's gathers per micro-batch on the slow network, is not traced). The rows skipped before now plan: GPT 1008B in 28 + 395 CPU s
 (12 minutes' wall time), the Llama 3 405B rows in 39 + 202 and 44 + 224 (10 and 21 minutes
 at load 5-18). On 405B the free plan is the published mesh and micro-batches under zero-bubble instead of interleaved 1F1B (v=4
 sends four times as often: the p2p saving). Every gain above 1.3x (rows 1-6) is mostly not
