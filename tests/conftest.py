@@ -23,6 +23,20 @@ def example_and_capture(name: str):
     return ex, capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
 
 
+def meta_llama_capture(*, n_layer: int, seq: int, vocab: int, hidden_dim: int):
+    """A small Llama (dim 32, 4 heads, 2 kv heads) built on the meta device and captured
+    with its loss over a batch of 2 sequences of ``seq`` tokens."""
+    import torch
+    from examples.base import lm_loss
+    from examples.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(vocab_size=vocab, max_seq_len=seq, n_layer=n_layer, n_head=4, n_kv_head=2,
+                      dim=32, hidden_dim=hidden_dim)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    tokens = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    return capture(model, (tokens,), lm_loss, target=torch.zeros_like(tokens))
+
+
 @pytest.fixture
 def captured():
     return example_and_capture

@@ -228,15 +228,8 @@ def test_bytes_crossing_a_layer_boundary_do_not_grow_along_the_layers():
     returns nothing (``aten._assert_tensor_metadata``, from ``.to(dtype)``) is not live to the
     graph's end (it was, and Llama 3 405B's last cuts priced 16 GB a micro-batch)."""
     from autopar.analysis.stages import chain, crossing_bytes
-    from autopar.capture import capture
-    from examples.base import lm_loss
-    from examples.llama import Llama, LlamaConfig
-    cfg = LlamaConfig(vocab_size=256, max_seq_len=16, n_layer=4, n_head=4, n_kv_head=2, dim=32,
-                      hidden_dim=64)
-    with torch.device("meta"):
-        model = Llama(cfg)
-    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    cap = capture(model, (tokens,), lm_loss, target=torch.zeros_like(tokens))
+    from conftest import meta_llama_capture
+    cap = meta_llama_capture(n_layer=4, seq=16, vocab=256, hidden_dim=64)
     nodes = {n.name: n for n in cap.gm.graph.nodes}
     units = chain(cap)
     assert any(n.target is torch.ops.aten._assert_tensor_metadata.default

@@ -39,16 +39,9 @@ def test_selective_recomputation_runs_the_even_matmuls_and_no_attention_again():
     """torchtitan's op policy saves attention and the 1st, 3rd, ... matmul of each block:
     a Llama block recomputes wk, wo and w3 and its elementwise ops, never wq, wv, w1, w2 or
     attention; nothing outside the blocks."""
-    from autopar.capture import capture
     from benchmarks.published_runs import selective_ac_nodes
-    from examples.base import lm_loss
-    from examples.llama import Llama, LlamaConfig
-    cfg = LlamaConfig(vocab_size=64, max_seq_len=8, n_layer=2, n_head=4, n_kv_head=2, dim=32,
-                      hidden_dim=48)
-    with torch.device("meta"):
-        model = Llama(cfg)
-    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    cap = capture(model, (tokens,), lm_loss, target=torch.zeros_like(tokens))
+    from conftest import meta_llama_capture
+    cap = meta_llama_capture(n_layer=2, seq=8, vocab=64, hidden_dim=48)
     nodes = {n.name: n for n in cap.gm.graph.nodes}
     again = selective_ac_nodes(cap)
 
