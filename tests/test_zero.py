@@ -242,9 +242,10 @@ def test_a_bucket_gathers_and_reduces_as_the_per_weight_collectives():
     cases = [((6, 4), 0, 1), ((4, 6), 1, 1), ((12, 2), 0, 3)]      # whole shape, dim, groups
 
     def body(comm):
-        torch.manual_seed(0)
-        wholes = [torch.randn(shape) for shape, _, _ in cases]
-        weights = [torch.randn(shape) * (comm.rank + 1) for shape, _, _ in cases]
+        # a generator of its own: the ranks are threads, the global RNG is shared between them
+        gen = torch.Generator().manual_seed(0)
+        wholes = [torch.randn(shape, generator=gen) for shape, _, _ in cases]
+        weights = [torch.randn(shape, generator=gen) * (comm.rank + 1) for shape, _, _ in cases]
         out = {}
         for way in ("per weight", "bucket"):
             shards = [nn.Parameter(shard_tensor(w, (Shard(d, g),), comm.coord, (2,)))
@@ -261,8 +262,8 @@ def test_a_bucket_gathers_and_reduces_as_the_per_weight_collectives():
             out[way] = ([f.detach() for f in fulls], [s.grad for s in shards])
         return out
     for out in ThreadWorld((2,)).run(body):
-        torch.manual_seed(0)
-        wholes = [torch.randn(shape) for shape, _, _ in cases]
+        gen = torch.Generator().manual_seed(0)
+        wholes = [torch.randn(shape, generator=gen) for shape, _, _ in cases]
         for way in ("per weight", "bucket"):
             for got, whole in zip(out[way][0], wholes):
                 assert torch.equal(got, whole), way
