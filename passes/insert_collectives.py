@@ -25,6 +25,22 @@ asynchronously, beside backward (its gradient is the same: an all-reduce's is th
 A mean cross-entropy over batch-sharded targets divides by the global count of
 non-ignored targets, computed from the whole target every rank holds
 (``passes.loss_count``) rather than all-reduced.
+
+One conversion per value and placement: readers of one value that need it in the same
+placement (with the same partial-gradient flags) share one chain of collective nodes,
+emitted before the first of them (Llama's q, k and v projections gather the normed,
+sequence-sharded hidden state once, as Megatron-LM does). Autograd sums the readers'
+gradients into the shared tensor, so backward runs the reverse collective once on the
+sum; readers whose gradients come back partial on an axis never share with readers whose
+gradients do not, since a sum of a partial and a whole gradient is neither. Not shared:
+a parameter's conversions (ZeRO-3 frees a gathered weight after its use and gathers it
+again; the step syncs replicated gradients), the conversions of a branch-parallel plan
+(``passes.branch_parallel`` rewires each branch's own), and, with ``stage_of`` (a
+pipeline's stage of every captured node), conversions across stages: each stage
+converts what it reads, so a stage never receives a converted copy (its crossing bytes
+are the value's own). Under recomputation (``plan.recompute``) sharing stays within one
+repeated layer, so a layer's region recomputes its own conversions. The solver prices
+the same sharing (``autopar.solver.prices.PriceTable.shared``).
 """
 from __future__ import annotations
 
@@ -36,7 +52,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from autopar.capture import Captured
+from autopar.capture import Captured, layer_of
 from autopar.placement import Replicate
 from autopar.plan import Plan, PlanError
 from autopar.ops import collectives
@@ -108,11 +124,13 @@ class Rewritten:
 
 def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
                        attr_of: dict[str, str], returns: str = "loss",
-                       defer_loss: bool = False) -> Rewritten:
+                       defer_loss: bool = False, stage_of: dict[str, int] | None = None) -> Rewritten:
     """Build the per-rank GraphModule. ``attr_of`` maps a parameter/buffer placeholder to its
     attribute path on ``root``; ``returns`` is ``"loss"`` or ``"model"`` (the model's
-    outputs, as a flat tuple); ``defer_loss``: see the module's docstring."""
-    rw = _Rewriter(cap, plan, attr_of)
+    outputs, as a flat tuple); ``defer_loss``: see the module's docstring; ``stage_of``:
+    the pipeline stage of every captured op (``analysis.stages.assign_stages``), so no
+    conversion is shared across stages."""
+    rw = _Rewriter(cap, plan, attr_of, stage_of)
     names = [cap.loss] if returns == "loss" else list(cap.output)
     needed = _needed(cap, names)
     for node in cap.gm.graph.nodes:
@@ -144,7 +162,8 @@ def insert_collectives(cap: Captured, plan: Plan, root: torch.nn.Module,
 class _Rewriter:
     """The per-rank graph under construction: each global node's local node and placements."""
 
-    def __init__(self, cap: Captured, plan: Plan, attr_of: dict[str, str]):
+    def __init__(self, cap: Captured, plan: Plan, attr_of: dict[str, str],
+                 stage_of: dict[str, int] | None = None):
         self.cap, self.plan, self.attr_of = cap, plan, attr_of
         self.mesh = tuple(plan.mesh_shape)
         self.calls = {n.name: make_call(n) for n in cap.gm.graph.nodes
@@ -153,6 +172,16 @@ class _Rewriter:
         self.regather = (plan.pins.get("zero") or 0) >= 3
         self.g = Graph()
         self.env: dict[str, tuple[Node, list]] = {}   # name -> (local node, placements per output)
+        # one conversion per (value, placement, partial-gradient flags, region): module docstring
+        self.share = not plan.branches
+        self.stage_of, self.by_layer = stage_of, bool(plan.recompute)
+        self.converted: dict[tuple, Node] = {}
+
+    def region(self, node: Node) -> tuple:
+        """Where a conversion read by ``node`` may be shared: its pipeline stage, and its
+        repeated layer under recomputation (module docstring)."""
+        return (None if self.stage_of is None else self.stage_of.get(node.name),
+                layer_of(node) if self.by_layer else None)
 
     def move(self, local: Node, meta_src, dst, gp, from_param: str | None,
              deferred: tuple[int, ...] = ()) -> Node:
@@ -218,8 +247,13 @@ class _Rewriter:
             gp = _grad_partial(combo, k)
             if not call.inputs[k].dtype.is_floating_point:
                 gp = (False,) * len(self.mesh)      # ids, masks, positions carry no gradient
-            local_of[id(call.inputs[k])] = self.move(local, outs[0], dst, gp, param,
-                                                     tuple(self.deferred.get(name, ())))
+            key = (name, dst, gp, self.region(node)) if self.share and param is None else None
+            moved = self.converted.get(key) if key is not None else None
+            if moved is None:
+                moved = self.move(local, outs[0], dst, gp, param, tuple(self.deferred.get(name, ())))
+                if key is not None:
+                    self.converted[key] = moved
+            local_of[id(call.inputs[k])] = moved
         target, args, kwargs = localize(call, combo, self.mesh)
         if target is aten.view.default:
             # local tensors may be laid out differently from the global ones (a shard

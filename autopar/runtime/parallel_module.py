@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.analysis.layers import layer_members
 from autopar.analysis.microbatch_loss import denominator_inputs
+from autopar.analysis.stages import assign_stages
 from autopar.capture import Captured
 from autopar.errors import ArgumentError
 from autopar.ops.collectives import regathered_weights
@@ -192,8 +193,11 @@ class ParallelModule(nn.Module):
         shards = stored_shards(shards, splan)
         self._shards, self._stage_mesh = shards, tuple(splan.mesh_shape)
         # the loss's sum over data ranks is deferred (OneStage), unless pipelined or branched
-        programs, grad_axes, loss_sync = self._programs(cap, run_splan, root, shards, pipelined,
-                                                        defer_loss=not pipelined and not plan.branches)
+        programs, grad_axes, loss_sync = self._programs(
+            cap, run_splan, root, shards, pipelined, defer_loss=not pipelined and not plan.branches,
+            # a conversion is shared by readers of one stage only (passes.insert_collectives)
+            stage_of=assign_stages(cap, plan.stage_cuts, plan.pipeline_stages * plan.virtual_stages)
+            if pipelined else None)
         if plan.branches:        # branch parallelism: this rank's branches only
             programs = {w: keep_branches(gm, cap, plan, comm.coord, shards.attr_of)
                         for w, gm in programs.items()}
@@ -282,14 +286,15 @@ class ParallelModule(nn.Module):
 
     @staticmethod
     def _programs(cap: Captured, splan: Plan, root: nn.Module, shards: Shards, pipelined: bool,
-                  defer_loss: bool = False):
+                  defer_loss: bool = False, stage_of: dict[str, int] | None = None):
         """The per-rank programs, the axes each data-parallel gradient is summed over and
         (``defer_loss``) those the train program's loss is still to be summed over."""
         rewritten = {}
         if cap.has_loss:
             rewritten["train"] = insert_collectives(cap, splan, root, shards.attr_of, "loss",
-                                                    defer_loss=defer_loss)
-        rewritten["forward"] = insert_collectives(cap, splan, root, shards.attr_of, "model")
+                                                    defer_loss=defer_loss, stage_of=stage_of)
+        rewritten["forward"] = insert_collectives(cap, splan, root, shards.attr_of, "model",
+                                                  stage_of=stage_of)
         programs = {which: r.gm for which, r in rewritten.items()}
         for gm in programs.values():     # mixed precision: ZeRO-3 gathers 16-bit weights
             low_precision_gathers(gm, compute_dtype(splan.pins))
