@@ -5,7 +5,8 @@
   consumer's input placement, forward and backward (gradient synchronisation of a replicated
   parameter is the backward of its ``grad_all_reduce`` step);
 - memory: bytes each option keeps on a device — a parameter's shard with its gradient and
-  optimizer states, an activation's shard (saved for backward).
+  optimizer states, the shards of what autograd saves for backward
+  (``autopar.analysis.saved``: not every output, and tensors ops save inside).
 Compute, communication and memory stay separate all the way to the plan's estimate.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from autopar.analysis.saved import Kept
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models import compute as compute_model
 from autopar.cost_models import memory as memory_model
@@ -279,10 +281,29 @@ class CostModel:
         if v.kind in ("input", "buffer"):
             b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
             return {"inputs" if v.kind == "input" else "buffers": b}
-        if v.call.op in VIEW_OPS:
-            return {}
-        return {"activations": sum(self._act(_local(m, output_placements(combo, k), self.mesh_shape).nbytes,
-                                                m.dtype) for k, m in enumerate(v.call.outputs))}
+        return {"activations": self.saved_bytes(v, combo)}
+
+    def saved_bytes(self, v: NodeVar, combo) -> float:
+        """Bytes per device an op node keeps for backward (``v.kept``, from
+        ``autopar.analysis.saved``: the outputs autograd saves, its own or a consumer's, and
+        the tensors the op saves inside, each the local share of what it follows). A layer
+        output that recomputation keeps (``recompute_kept``) is kept whole."""
+        kept, view = v.kept, v.call.op in VIEW_OPS
+        if kept is None and view:
+            return 0.0
+        if kept is None or (not view and self.recompute_kept
+                            and any(m in self.recompute_kept for m in v.members)):
+            kept = Kept((1.0,) * len(v.call.outputs))
+        local = lambda m, ps: _local(m, ps, self.mesh_shape).nbytes  # noqa: E731
+        total = sum(self._act(share * local(m, output_placements(combo, k)), m.dtype)
+                    for k, (share, m) in enumerate(zip(kept.outputs, v.call.outputs)) if share)
+        for e in kept.extras:
+            side, k = e.ref
+            m = (v.call.inputs if side == "in" else v.call.outputs)[k]
+            ps = input_placements(combo, k) if side == "in" else output_placements(combo, k)
+            b = e.nbytes * local(m, ps) / max(m.nbytes, 1)
+            total += b if e.fp32 else self._act(b, m.dtype)
+        return total
 
     # ---- communication -------------------------------------------------------------------
     def edge_time(self, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from autopar.analysis.saved import Kept, merge, saved_activations
 from autopar.capture import Captured, layer_of
 from autopar.errors import PinError
 from autopar.placement import Replicate, Shard, local_shape
@@ -59,6 +60,9 @@ class NodeVar:
     call: OpCall | None             # the op call (ops only)
     options: list[Combo]
     members: list[str] = field(default_factory=list)   # including itself
+    kept: Kept | None = None
+    """What backward keeps of the op's outputs (``autopar.analysis.saved``), averaged over
+    the members; None: every output (a problem not built from a captured graph)."""
 
     @property
     def outputs(self) -> tuple[TensorMeta, ...]:
@@ -175,6 +179,10 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
         if not v.options:
             raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
                            f"{mesh_shape}: {_describe(v)}")
+    saved = saved_activations(cap)
+    for v in vars.values():
+        if v.kind == "op":
+            v.kept = merge([saved[m] for m in v.members])
     return Problem(mesh_shape, vars, edge_list, rep, sink, dict(cap.params), optimizer_states)
 
 
