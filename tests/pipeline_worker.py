@@ -5,7 +5,8 @@ model with ``autopar.parallelize``, trains 3 SGD-momentum steps and compares los
 gradient and the weights with one device (``tests/equivalence.py``). Models with BatchNorm
 compare with one device running the same micro-batches with gradient accumulation: batch
 statistics are per micro-batch under any pipeline, so that is the single-device model with
-the same semantics. Rank 0 writes one JSON result per case.
+the same semantics. Rank 0 writes one JSON result per case. The cases of one example model
+share its capture (``tests/capture_reuse.py``): torch.export was most of each case's time.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
+from capture_reuse import same_model  # noqa: E402
 from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
@@ -34,6 +36,11 @@ def _example(name: str):
 
 
 def run_case(case: dict) -> dict:
+    with same_model(case["model"]):
+        return _run_case(case)
+
+
+def _run_case(case: dict) -> dict:
     t0 = time.perf_counter()
     ex = _example(case["model"])
     pins = dict(case["pins"])
