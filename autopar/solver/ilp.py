@@ -3,6 +3,7 @@ r"""Intra-operator sharding as one mixed-integer linear program (OR-Tools).
 Variables
     x[v,i] ∈ {0,1}      node v runs option i (an N-D strategy; placeholders: a placement)
     e[u,p,v,q] ∈ [0,1]  edge u->v carries producer placement p into consumer placement q
+    s[g,p,q] ∈ [0,1]    the shared conversion p -> q of value group g runs (below)
 
 Objective (seconds of one training step, forward + backward)
     min  Σ_v Σ_i n_v · t_compute[v,i] · x[v,i]          compute
@@ -24,6 +25,13 @@ Constraints
                      Σ_v Σ_i n_v · (always[v,i] + bytes_g[v,i]) · x[v,i] ≤ budget
                      (bytes per device; ``always``: parameters, optimizer state, inputs;
                      a pipeline stage's or accumulation's one phase holds every term)
+
+Shared conversions: readers of one value that need it in the same class q convert it once
+(``passes.insert_collectives``; the groups are ``PriceTable.shared``). A conversion p -> q
+that two or more edges of a group can carry gets its own s[g,p,q] ≥ (each such edge's
+indicator of carrying p -> q: its e, or y / z where one side has a single class), and its
+price goes on s instead of on each edge; the rest of a group's pairs stay on their edge.
+The estimate (``_fill_breakdown``) counts each group's chosen pairs once the same way.
 
 n_v is the number of graph nodes that share v's choice (repeated layers), n_uv the number
 of graph edges that share an edge. Classes p and q are placements, not options, so an
@@ -82,12 +90,14 @@ class _Tables:
     node_mem: dict           # root -> [bytes per option]
     node_mem_terms: dict     # root -> [dict term -> bytes]
     edges: list              # (u, v, [class of u's options], [class of v's options], {(p,q): (t, by)})
+    #                          and {(p,q): overlappable seconds}
     sink: tuple | None       # (root, [seconds per option], [by per option])
     follow: dict             # follower -> (root, [its option for each of root's options])
     self_comm: dict          # root -> [{(collective, axis): seconds} per option] (absorbed edges)
     hidden: dict = field(default_factory=dict)   # root -> [overlappable seconds per option]
     hide: dict = field(default_factory=dict)     # root -> [compute seconds that hide them]
     last_s: float = 0.0                          # overlappable seconds never hidden
+    group: list = field(default_factory=list)    # per edge: its shared-conversion group or None
 
 
 def tabulate(problem: Problem, cost: CostModel) -> _Tables:
@@ -122,7 +132,7 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
                 node_terms[root][i][key] = node_terms[root][i].get(key, 0.0) + b
             for key, sec in by.items():
                 comm[i][key] = comm[i].get(key, 0.0) + sec
-    edges = _edge_tables(pt, node_cost, self_comm, hidden)
+    edges, group = _edge_tables(pt, node_cost, self_comm, hidden)
     sink = None
     if problem.sink:
         name = problem.sink[0]
@@ -133,7 +143,7 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
     for name in pt.follow:
         del node_cost[name], node_mem[name], node_terms[name], hidden[name], hide[name]
     return _Tables(node_cost, node_mem, node_terms, edges, sink, dict(pt.follow), self_comm,
-                   hidden, hide, last_s)
+                   hidden, hide, last_s, group)
 
 
 def _hiding(pt: PriceTable, name: str, i: int, with_forward: bool, scale: float) -> float:
@@ -145,12 +155,13 @@ def _hiding(pt: PriceTable, name: str, i: int, with_forward: bool, scale: float)
     return n * (f + b) if with_forward else n * b * scale
 
 
-def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict, hidden: dict) -> list:
+def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict, hidden: dict) -> tuple[list, list]:
     """The edges between two variables, each with its price per (class, class) pair and
-    their overlappable seconds; an edge whose ends one variable decides is added to that
-    variable's cost instead."""
+    their overlappable seconds, and each one's shared-conversion group (None: its own);
+    an edge whose ends one variable decides is added to that variable's cost instead."""
     problem, scale = pt.problem, pt.cost.grad_sync_scale
-    edges = []
+    shared = pt.shared()
+    edges, group = [], []
     for k, e in enumerate(problem.edges):
         if e.dst in pt.follow:
             continue
@@ -174,7 +185,8 @@ def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict, hidden: dict)
                     comm[i][key] = comm[i].get(key, 0.0) + sec
             continue
         edges.append((src, dst, pu, qv, table, hid))
-    return edges
+        group.append(shared.get(k))
+    return edges, group
 
 
 def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
@@ -297,8 +309,18 @@ def _add_edges(m, x: dict, tab: _Tables, obj: dict, minimize_memory: bool,
                sync: dict | None = None) -> None:
     """The edges' terms: linear in one side's choice when the other has a single class,
     else a transport plan ``e`` between the two sides' classes (module docstring). With
-    ``sync``, an edge's overlappable seconds go there instead of into ``obj``."""
-    for u, v, pu, qv, table, hid in tab.edges:
+    ``sync``, an edge's overlappable seconds go there instead of into ``obj``. A priced
+    pair that several edges of one shared-conversion group can carry is paid once, on its
+    own variable ``s`` (module docstring)."""
+    carriers = defaultdict(list)     # (group, pair) -> each edge's indicator: its variables
+
+    def pay(variables, t: float, h: float) -> None:
+        for var in variables:
+            obj[var] += t - h
+            if h:
+                sync[var] += h
+
+    for (u, v, pu, qv, table, hid), g in zip(tab.edges, tab.group):
         ys = defaultdict(list)
         zs = defaultdict(list)
         for i, p in enumerate(pu):
@@ -313,11 +335,10 @@ def _add_edges(m, x: dict, tab: _Tables, obj: dict, minimize_memory: bool,
                     for var in lin:
                         var.SetUb(0)
                 elif t > 0 and not minimize_memory:
-                    h = hid[(p, q)] if sync is not None else 0.0
-                    for var in lin:
-                        obj[var] += t - h
-                        if h:
-                            sync[var] += h
+                    if g is not None:
+                        carriers[(g, (p, q))].append((lin, t, hid[(p, q)]))
+                    else:
+                        pay(lin, t, hid[(p, q)] if sync is not None else 0.0)
             continue
         e = {pq: m.NumVar(0.0, 1.0, "") for pq, (t, _) in table.items() if t != INF}
         out, into = defaultdict(list), defaultdict(list)
@@ -331,10 +352,22 @@ def _add_edges(m, x: dict, tab: _Tables, obj: dict, minimize_memory: bool,
         if not minimize_memory:
             for pq, ev in e.items():
                 if table[pq][0] > 0:
-                    h = hid[pq] if sync is not None else 0.0
-                    obj[ev] += table[pq][0] - h
-                    if h:
-                        sync[ev] += h
+                    if g is not None:
+                        carriers[(g, pq)].append(([ev], table[pq][0], hid[pq]))
+                    else:
+                        pay([ev], table[pq][0], hid[pq] if sync is not None else 0.0)
+    for ways in carriers.values():
+        t, h = ways[0][1], (ways[0][2] if sync is not None else 0.0)
+        # indicators over the same variables (readers whose class is fixed: the producer's y)
+        # are one
+        indicators = list({tuple(sorted(map(id, vs))): vs for vs, _, _ in ways}.values())
+        if len(indicators) == 1:      # one way to carry it: priced on that indicator
+            pay(indicators[0], t, h)
+            continue
+        shared = m.NumVar(0.0, 1.0, "")
+        for variables in indicators:  # shared >= each edge's indicator of carrying the pair
+            _row(m, 0.0, pywraplp.Solver.infinity(), [(shared, 1.0)] + [(var, -1.0) for var in variables])
+        pay([shared], t, h)
 
 
 def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None:
@@ -345,9 +378,15 @@ def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None
     sol.compute_s = sum(tab.node_cost[n][choice[n]] for n in tab.node_cost) - sum(comm.values())
     pool = sum(tab.hidden[n][choice[n]] for n in tab.hidden)
     hide = sum(tab.hide[n][choice[n]] for n in tab.hide)
-    for u, v, pu, qv, table, hid in tab.edges:
-        _, by = table[(pu[choice[u]], qv[choice[v]])]
-        pool += hid[(pu[choice[u]], qv[choice[v]])]
+    paid = set()          # (group, pair): a shared conversion is counted once
+    for (u, v, pu, qv, table, hid), g in zip(tab.edges, tab.group):
+        pq = (pu[choice[u]], qv[choice[v]])
+        if g is not None and table[pq][0] > 0:
+            if (g, pq) in paid:
+                continue
+            paid.add((g, pq))
+        _, by = table[pq]
+        pool += hid[pq]
         for k, s in by.items():
             comm[k] += s
     sol.overlapped_s = pool - exposed_sync(pool, hide, tab.last_s)

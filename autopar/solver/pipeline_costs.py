@@ -9,7 +9,8 @@ precision, recomputation, the cluster's links), without its per-stage factors:
 - ``compute``: forward + backward seconds of one micro-batch (recomputed nodes pay their
   forward again);
 - ``comm``: resharding into the node, once per micro-batch (tensor-parallel all-reduces,
-  ZeRO-3 all-gathers, the loss ending replicated);
+  ZeRO-3 all-gathers, the loss ending replicated), a conversion several readers share
+  (``PriceTable.shared``) on the first of them;
 - ``sync``: the gradient reductions of the parameters it reads, once per **step** (the
   runtime accumulates gradients over micro-batches and reduces once);
 - ``activations``: bytes it keeps for backward, per micro-batch;
@@ -253,15 +254,21 @@ class _Acc:
         """Resharding into each node, spread over the consumer's members; a parameter's
         gradient reductions as ``sync``."""
         problem, choice = self.pt.problem, self.choice
+        shared, paid = self.pt.shared(), set()
         for k, e in enumerate(problem.edges):
             u, v = problem.vars[e.src], problem.vars[e.dst]
             cu, cv = u.options[choice[e.src]], v.options[choice[e.dst]]
-            price = self.pt.edge(k, output_placements(cu, e.src_out), input_placements(cv, e.dst_in),
-                                 grad_partial_flags(cv, e.dst_in))
+            pair = (output_placements(cu, e.src_out), input_placements(cv, e.dst_in),
+                    grad_partial_flags(cv, e.dst_in))
+            price = self.pt.edge(k, *pair)
             t, _ = price.priced()
             members = [m for m in v.members if m in self.where]
             if t == INF or t == 0 or not members:
                 continue
+            if k in shared:      # a conversion its group shares: on its first reader only
+                if (shared[k], pair) in paid:
+                    continue
+                paid.add((shared[k], pair))
             share = e.count / len(members)
             comm, sync = price.split()
             for m in members:

@@ -13,7 +13,10 @@ is the figure that entered the plan:
   collectives by (collective, axis), each priced once; :meth:`EdgePrice.priced` applies
   the gradient-sync factor (the solver's ``grad_sync_scale``, or 1 for the per-step view);
 - which nodes follow their producer (Alpa's "follow" merging) and which option they take
-  for each of the producer's, so every reader prices a follower's input edge alike.
+  for each of the producer's, so every reader prices a follower's input edge alike;
+- which edges share one conversion (:meth:`PriceTable.shared`): readers of one value that
+  need it in the same placement convert it once (``passes.insert_collectives``), so such
+  a conversion is paid once by all of them.
 
 :func:`price_table` returns the table of a cost model, building it on first use: the ILP
 and every later reader of the same ``(problem, cost)`` (``Solved``) share one.
@@ -108,6 +111,7 @@ class PriceTable:
         self._edges: dict = {}
         self._times: dict = {}       # (name, option) -> time(): read per edge pair by the ILP
         self._reruns: dict = {}      # consumer -> cost.rerun(): one sum over members per node
+        self._shared: dict[int, int] | None = None
         self.follow: dict[str, tuple[str, list[int]]] = {}
         """Follower -> (root, its option for each of the root's options)."""
         producer = followers(problem)
@@ -159,6 +163,32 @@ class PriceTable:
         return self._edge(k, src, dst, grad_partial, self.problem.vars[e.src].kind == "param",
                           self._reads.get(e.dst, 1))
 
+    def shared(self) -> dict[int, int]:
+        """Edge index -> the index of the first edge of its group, for the edges whose
+        conversions are shared: the ones that read one value (``src``, ``src_out``) and that
+        the same graph edges and recomputation repeat (equal ``count`` and consumer
+        ``rerun``), so one conversion a member serves every reader that needs the same
+        (placement, partial-gradient flags), as the rewrite runs it. Each group's price
+        per such class is any member's :meth:`edge` (the same value, count and rerun). Left
+        out, each paying its own as before: a parameter's edges (not shared at run time),
+        a follower's input (priced into its root's option) and an edge whose ends one
+        decision settles (priced into that decision's cost). Only groups of two or more."""
+        if self._shared is None:
+            groups: dict[tuple, list[int]] = defaultdict(list)
+            for k, e in enumerate(self.problem.edges):
+                if (e.dst in self.follow or self.problem.vars[e.src].kind == "param"
+                        or self.root(e.src) == self.root(e.dst)):
+                    continue
+                groups[(e.src, e.src_out, e.count, e.needs_grad, self._rerun(e.dst))].append(k)
+            self._shared = {k: ks[0] for ks in groups.values() if len(ks) > 1 for k in ks}
+        return self._shared
+
+    def _rerun(self, name: str) -> float:
+        rerun = self._reruns.get(name)
+        if rerun is None:
+            rerun = self._reruns[name] = self.cost.rerun(self.problem.vars[name])
+        return rerun
+
     def sink(self, name: str, i: int) -> EdgePrice:
         """The loss (output ``problem.sink``) ending replicated, from option ``i`` of its node."""
         n = len(self.problem.mesh_shape)
@@ -176,10 +206,7 @@ class PriceTable:
         if key not in self._edges:
             e = self.problem.edges[k]
             steps = self.cost.edge_steps(e.meta, src, dst, grad_partial, bucketed, shared)
-            rerun = self._reruns.get(e.dst)
-            if rerun is None:
-                rerun = self._reruns[e.dst] = self.cost.rerun(self.problem.vars[e.dst])
-            self._edges[key] = EdgePrice(steps, e.count, rerun)
+            self._edges[key] = EdgePrice(steps, e.count, self._rerun(e.dst))
         return self._edges[key]
 
     def _pick(self, k: int) -> list[int] | None:

@@ -100,21 +100,32 @@ def _edges(pt: PriceTable, plan: Plan, rep: str, i: int) -> list[tuple[str, str,
     neighbours at their placements in the plan, priced as the solver priced them."""
     problem, scale = pt.problem, pt.cost.grad_sync_scale
     combo = problem.vars[rep].options[i]
+    shared = pt.shared()
+
+    def pair(k):       # edge k's (source, consumer placements, partial flags): rep at option i
+        e = problem.edges[k]
+        src = (output_placements(combo, e.src_out) if e.src == rep
+               else parse_placements(plan.nodes[e.src].outputs[e.src_out]))
+        if e.dst == rep:
+            return src, input_placements(combo, e.dst_in), grad_partial_flags(combo, e.dst_in)
+        w = plan.nodes[e.dst]
+        return src, parse_placements(w.inputs[e.dst_in]), grad_partial(w.inputs[e.dst_in], w.outputs)
+
+    def seconds(k) -> float:   # a conversion an earlier reader of its group makes is free here
+        here = pair(k)
+        g = shared.get(k)
+        if g is not None and any(shared.get(j) == g and pair(j) == here for j in range(g, k)):
+            return 0.0
+        return pt.edge(k, *here).priced(scale)[0]
+
     out = []
     for k, e in enumerate(problem.edges):
         if e.dst == rep and e.src == rep:          # layer i's output feeds layer i+1
-            price = pt.edge(k, output_placements(combo, e.src_out), input_placements(combo, e.dst_in),
-                            grad_partial_flags(combo, e.dst_in))
-            out.append((rep + " (next layer)", "self", price.priced(scale)[0]))
+            out.append((rep + " (next layer)", "self", seconds(k)))
         elif e.dst == rep:
-            src = parse_placements(plan.nodes[e.src].outputs[e.src_out])
-            price = pt.edge(k, src, input_placements(combo, e.dst_in), grad_partial_flags(combo, e.dst_in))
-            out.append((e.src, "in", price.priced(scale)[0]))
+            out.append((e.src, "in", seconds(k)))
         elif e.src == rep:
-            w = plan.nodes[e.dst]
-            price = pt.edge(k, output_placements(combo, e.src_out), parse_placements(w.inputs[e.dst_in]),
-                            grad_partial(w.inputs[e.dst_in], w.outputs))
-            out.append((e.dst, "out", price.priced(scale)[0]))
+            out.append((e.dst, "out", seconds(k)))
     if problem.sink and problem.sink[0] == rep:
         out.append(("loss must end replicated", "out", pt.sink(rep, i).priced(scale)[0]))
     return out
