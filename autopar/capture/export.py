@@ -65,9 +65,12 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
             if method != "torch.export":
                 traced = torch.fx.symbolic_trace(model)
                 root = _WithLoss(traced, loss_fn, len(example_inputs))
-            with _EXPORT_LOCK:
-                ep = torch.export.export(root, args, strict=False)
-            return _from_program(ep, wrapper, len(example_inputs), loss_fn is not None, method)
+            ep = _export(root, args, stack_traces=False)
+            try:
+                return _from_program(ep, wrapper, len(example_inputs), loss_fn is not None, method)
+            except CaptureError:  # say where in the source: again with the stack traces
+                ep = _export(root, args, stack_traces=True)
+                return _from_program(ep, wrapper, len(example_inputs), loss_fn is not None, method)
         except (CaptureError, ArgumentError):
             raise                 # export worked; the graph holds what autopar cannot plan
         except Exception as e:  # noqa: BLE001 - both causes are reported below
@@ -84,6 +87,20 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
         "(use torch.where / torch.cond), no .item() / .tolist() / numpy calls on tensors, "
         "static shapes for the example inputs; HuggingFace models: pass use_cache=False."
     ) from e1
+
+
+def _export(root: nn.Module, args: tuple, stack_traces: bool):
+    """``torch.export.export(root, args, strict=False)``; ``stack_traces=False`` skips
+    recording each node's Python stack (``torch.fx.config.do_not_emit_stack_traces``): about
+    a tenth of a large model's capture, read only by the messages of a graph autopar refuses
+    (``hops._where``), which :func:`capture` exports again with them."""
+    with _EXPORT_LOCK:
+        before = torch.fx.config.do_not_emit_stack_traces
+        torch.fx.config.do_not_emit_stack_traces = not stack_traces
+        try:
+            return torch.export.export(root, args, strict=False)
+        finally:
+            torch.fx.config.do_not_emit_stack_traces = before
 
 
 def check_arguments(model, example_inputs, loss_fn, target) -> tuple:

@@ -21,6 +21,8 @@ all call it, so the same model, inputs, cluster and pins give the same plan ever
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple, Sequence
@@ -65,6 +67,31 @@ def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     ``autopar.solver.pins``). ``captured``: the full-batch graph when the caller has it
     already (``capture_s`` the seconds it took), so it is not captured again.
     """
+    with _collector_paused():
+        return _solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
+                      world_size=world_size, pins=pins, memory_budget=memory_budget,
+                      mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
+                      verbose=verbose, profiler=profiler, captured=captured, capture_s=capture_s)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while planning, as it was after: planning
+    allocates millions of small objects (placements, prices, the captured graph's nodes),
+    and each pass of the collector walks every live one; what planning leaves behind is
+    collected when the caller's collector next runs. Nested solves leave it to the outer."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local", world_size=None,
+           pins=None, memory_budget=None, mesh_shape=None, optimizer="adamw", time_limit_s=60.0,
+           verbose=False, profiler=None, captured=None, capture_s=None) -> Planned:
     pins = check_pins(dict(pins or {}))
     check_optimizer(optimizer)
     if pins.get("compress") not in (None, "none") or pins.get("local_sgd") or pins.get("offload"):

@@ -179,10 +179,15 @@ class _DegreeSearch:
             if rec:
                 pr = replace(pr, nc=pr.nc.with_recompute(cap, rec))
             try:
-                sp, predicted = _choose(_per_micro_batch(pr, data / batch), p, batch, self.budget,
-                                        pins, allowed)
+                got = _choose(_per_micro_batch(pr, data / batch), p, batch, self.budget, pins,
+                              allowed, bound=self.bound * (1 + 1e-6))
             except ValueError:
                 continue
+            if got is None:     # nothing on this mesh can beat the best found (nor recomputing)
+                self.pruned.append((p, data, tensor))
+                self._say(p, mesh, f"cannot beat {self.bound:.4g} s")
+                return None
+            sp, predicted = got
             self.bound = min(self.bound, predicted)
             # recomputing only when nothing fits without it
             chosen = {"zero": intra.pins["zero"]} if intra.pins.get("zero") and not pins.get("zero") else {}

@@ -40,6 +40,7 @@ import weakref
 from dataclasses import replace
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from autopar.analysis.layers import repeated_layers
@@ -117,26 +118,40 @@ def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captur
 # ---- one intra-stage solution, priced per node ----------------------------------------------
 
 
-def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None):
+def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None,
+            bound: float = math.inf):
     """(StagePlan, predicted step) of least predicted step for pipeline degree p, over what
     the pins leave free (m among ``allowed_m``). ``plan_stages`` picks cuts and m per
     schedule by its closed form; the schedules are then ranked by simulating their
     timelines (the closed form takes transfers as overlapped, which 1F1B-like schedules
-    on a slow link are not), plus the once-per-step gradient reduction."""
+    on a slow link are not), plus the once-per-step gradient reduction.
+
+    ``bound``: a search's best predicted step so far. A configuration whose busiest rank
+    alone works that long (m micro-batches of its stages, one action at a time: a floor of
+    the simulated step) cannot beat it: it is neither planned nor simulated, and None is
+    returned when every configuration is such (an error when one that could beat it does
+    not fit: recomputing, which only adds time, may then make it fit)."""
     mbs = pins.get("micro_batch_size")
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
-    plans, error = [], None
+    plans, error, beaten = [], None, False
     for kind in _kinds(pins):
         try:
-            plans.append(plan_stages(costs, n_devices=p, global_batch=batch, memory_limit=limit,
-                                     bandwidth=pr.bandwidth, n_stages=p,
-                                     micro_batches=batch // mbs if mbs else None, schedule=kind,
-                                     virtual_stages=pins.get("virtual_stages"),
-                                     micro_batch_options=allowed_m, explain=False))
+            sp = plan_stages(costs, n_devices=p, global_batch=batch, memory_limit=limit,
+                             bandwidth=pr.bandwidth, n_stages=p,
+                             micro_batches=batch // mbs if mbs else None, schedule=kind,
+                             virtual_stages=pins.get("virtual_stages"),
+                             micro_batch_options=allowed_m, explain=False, above=bound)
         except ValueError as e:
             error = error or e
+            continue
+        if sp is None:
+            beaten = True
+        else:
+            plans.append(sp)
     if not plans:
+        if beaten and error is None:
+            return None
         raise error
     best = None
     # the closed form is a lower bound of the simulated step: simulate in its order, stop
@@ -145,6 +160,9 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         sync = float(pr.rank_sync([int(pr.bounds[c]) for c in sp.cuts], p).max())
         if best is not None and sp.predicted_step_time - sp.sync_time + sync >= best[1]:
             break
+        busiest = sp.micro_batches * float(np.reshape(sp.stage_times, (sp.virtual_stages, p)).sum(axis=0).max())
+        if busiest + sync >= bound:
+            continue                       # its busiest rank alone is too slow
         step = simulate_plan(sp, timeline=False) + sync
         if best is None or step < best[1]:
             best = (sp, step)

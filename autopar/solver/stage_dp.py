@@ -144,7 +144,8 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
                 bandwidth: float, sync_bandwidth: float | None = None, n_stages: int | None = None, micro_batches: int | None = None,
                 schedule: str | None = None, virtual_stages: int | None = None,
                 shard_state: bool = False, micro_batch_options: Sequence[int] | None = None,
-                schedule_options: Sequence[str] | None = None, explain: bool = True) -> StagePlan:
+                schedule_options: Sequence[str] | None = None, explain: bool = True,
+                above: float = INF) -> StagePlan | None:
     """Choose pipeline degree, cuts, micro-batch count and schedule of least predicted step.
 
     ``memory_limit`` is bytes per device; ``bandwidth`` bytes/s of the link between
@@ -156,6 +157,11 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
     count (default: every divisor of the batch) and schedule (default: all) may be.
     ``explain=False`` skips working out, when nothing fits, which configuration came
     closest (the error then says only that nothing fits).
+    ``above``: a search's best step so far. A configuration whose busiest rank alone works
+    at least that long (``_busiest_floor``: m micro-batches of at least 1/p of every layer
+    and of the longest layer; the simulated step cannot be shorter) is not planned; None
+    is returned when every configuration is such (an error when one below ``above`` does
+    not fit: a caller may then recompute, which only adds time).
 
     >>> costs = LayerCosts(time=[1.0] * 8, state_bytes=[1.0] * 8, activation_bytes=[1.0] * 8,
     ...                    boundary_bytes=[0.0] * 7)
@@ -184,9 +190,13 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
                                    shard_state=shard_state)
 
     best: tuple[float, StagePlan] | None = None
+    tried = False          # a configuration that could beat ``above`` was tried
     for c in sorted(candidates, key=lower_bound):
         if best is not None and lower_bound(c) >= best[0] * (1 - 1e-12):
             break
+        if above < INF and _busiest_floor(c, costs, n_devices, global_batch) >= above:
+            continue
+        tried = True
         if cannot_fit(c):
             continue
         cost, tiebreak, memory, share, comm = tables.arrays(c, *args)
@@ -196,6 +206,8 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
         plan = _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, sync_bw)
         if best is None or plan.predicted_step_time < best[0]:
             best = (plan.predicted_step_time, plan)
+    if best is None and not tried and above < INF:
+        return None
     if best is None:
         raise StagesDoNotFit(_no_fit_message(candidates, tables, args) if explain else
                              f"no pipeline plan fits {memory_limit / 2**30:.3g} GiB per device")
@@ -211,6 +223,15 @@ def _lower_bound(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batc
     slowest = max(busy / c.p, float(layer.max()))
     sync = ring_factor(n_devices // c.p) * float(costs.sync_bytes.sum()) / c.p / sync_bw
     return c.m * slowest + bubble_rho(c.schedule, c.v, split) * (busy - slowest) + sync
+
+
+def _busiest_floor(c: Candidate, costs: LayerCosts, n_devices: int, global_batch: int) -> float:
+    """A floor of any simulated timeline of candidate c (``simulate_plan``): its busiest
+    rank runs m micro-batches of its stages one action at a time, and holds at least 1/p
+    of the layers' time and at least the longest layer (a stage's time is at least its
+    layers'; transfers, latency and the bubble only add)."""
+    layer = costs.time * (global_batch / c.m / (n_devices // c.p)) + costs.fixed_time
+    return c.m * max(float(layer.sum()) / c.p, float(layer.max()))
 
 
 def _cannot_fit(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batch: int,

@@ -1,0 +1,138 @@
+"""Planning shortcuts give what the long way gives:
+
+- capture records no Python stack per node (``torch.fx.config.do_not_emit_stack_traces``)
+  and its graph is the one captured with them, node for node; a refused graph is exported
+  again with them, so its message still names the source line;
+- the free pipeline search's bound (``stage_dp.plan_stages(above=)``,
+  ``pipeline_search._choose(bound=)``): a configuration is skipped only when its busiest
+  rank alone (``stage_dp._busiest_floor``) is at least the bound, and that floor is never
+  above the simulated step; below the bound the answer is the unbounded one;
+- ``solve`` pauses the garbage collector while it plans and restores it after.
+"""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+import autopar.solver.driver as driver
+from autopar.capture import CaptureError, capture
+from autopar.capture import export as export_mod
+from autopar.schedule import SCHEDULES
+from autopar.solver.stage_dp import LayerCosts, _busiest_floor, _candidates, plan_stages, simulate_plan
+from autopar.solver.stage_tables import Candidate
+from examples.models import gpt_factory
+
+
+def _graph(cap):
+    return [(n.name, n.op, str(n.target), repr(n.args), repr(n.kwargs),
+             tuple(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None,
+             repr(n.meta.get("nn_module_stack")))
+            for n in cap.gm.graph.nodes]
+
+
+def test_capture_without_stack_traces_is_the_same_graph():
+    ex = gpt_factory(batch=2, n_layer=1, n_embd=16, n_head=2, block_size=8, vocab_size=32)
+    fast = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
+    assert not any(n.meta.get("stack_trace") for n in fast.gm.graph.nodes)
+    assert not torch.fx.config.do_not_emit_stack_traces        # restored
+    wrapper = export_mod._WithLoss(ex.model, ex.loss_fn, 1)
+    slow = export_mod._from_program(export_mod._export(wrapper, (*ex.inputs, ex.target), stack_traces=True),
+                                    wrapper, 1, True, "torch.export")
+    assert any(n.meta.get("stack_trace") for n in slow.gm.graph.nodes)
+    assert _graph(fast) == _graph(slow)
+    assert (fast.params, fast.buffers, fast.inputs, fast.loss, fast.output) == \
+        (slow.params, slow.buffers, slow.inputs, slow.loss, slow.output)
+
+
+class _Branchy(torch.nn.Module):
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (x,)).sum()
+
+
+def test_refused_graph_names_its_source_line():
+    with pytest.raises(CaptureError, match=r"test_planning_shortcuts\.py.*line \d+"):
+        capture(_Branchy(), (torch.randn(4, 8),))
+
+
+def _costs(rng, n=10) -> LayerCosts:
+    return LayerCosts(time=rng.random(n) * rng.choice([1, 10], n), state_bytes=rng.random(n),
+                      activation_bytes=rng.random(n), boundary_bytes=rng.random(n - 1),
+                      fixed_time=rng.random(n) * 0.05, action_time=0.01,
+                      boundary_tensors=np.ones(n - 1), message_time=0.003)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_busiest_floor_is_a_floor_of_the_simulated_step(seed):
+    rng = np.random.default_rng(seed)
+    costs = _costs(rng)
+    for c in _candidates(costs.n_layers, 4, 8, 4, None, None, None):
+        try:
+            sp = plan_stages(costs, n_devices=4, global_batch=8, memory_limit=1e9, bandwidth=5.0,
+                             n_stages=c.p, micro_batches=c.m, schedule=c.schedule,
+                             virtual_stages=c.v)
+        except ValueError:
+            continue
+        assert simulate_plan(sp, timeline=False) >= _busiest_floor(c, costs, 4, 8) * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bound_skips_only_what_cannot_beat_it(seed):
+    rng = np.random.default_rng(100 + seed)
+    costs = _costs(rng)
+    kw = dict(n_devices=4, global_batch=16, bandwidth=5.0, n_stages=4)
+    limit = 6.0 if seed % 2 else 1e9          # some configurations over memory
+    skipped = 0
+    for kind in SCHEDULES:
+        try:
+            full = plan_stages(costs, memory_limit=limit, schedule=kind, **kw)
+        except ValueError:
+            full = None
+        floors = sorted(_busiest_floor(c, costs, 4, 16)
+                        for c in _candidates(costs.n_layers, 4, 16, 4, None, kind, None))
+        for above in (floors[0] * 0.5, *floors, floors[-1] * 2):
+            try:
+                got = plan_stages(costs, memory_limit=limit, schedule=kind, above=above, **kw)
+            except ValueError:
+                got = "raised"
+            if full is None:
+                assert got in ("raised", None)   # nothing fits; None: every one was over the bound
+                assert got == "raised" or floors[0] >= above
+                continue
+            floor = _busiest_floor(_as_candidate(full), costs, 4, 16)
+            if floor < above:
+                assert got == full               # the unbounded answer could beat it: kept
+            elif got is None:
+                skipped += 1
+                assert all(f >= above for f in floors)
+            elif got != "raised":                # only configurations over the bound skipped
+                assert _busiest_floor(_as_candidate(got), costs, 4, 16) < above
+            # raised: one under the bound does not fit (a caller may recompute and retry)
+    assert skipped > 0
+
+
+def _as_candidate(sp):
+    return Candidate(sp.n_stages, sp.micro_batches, sp.schedule, sp.virtual_stages)
+
+
+def test_solve_pauses_the_collector_and_restores_it(monkeypatch):
+    seen = []
+    monkeypatch.setattr(driver, "_solve", lambda *a, **kw: seen.append(gc.isenabled()) or "planned")
+    assert gc.isenabled()
+    assert driver.solve(torch.nn.Linear(2, 2), (torch.randn(2, 2),)) == "planned"
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        driver.solve(torch.nn.Linear(2, 2), (torch.randn(2, 2),))
+        assert seen == [False, False] and not gc.isenabled()     # the caller's choice stays
+    finally:
+        gc.enable()
+
+    def fails(*a, **kw):
+        raise ValueError("no plan")
+    monkeypatch.setattr(driver, "_solve", fails)
+    with pytest.raises(ValueError, match="no plan"):
+        driver.solve(torch.nn.Linear(2, 2), (torch.randn(2, 2),))
+    assert gc.isenabled()
