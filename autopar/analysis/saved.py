@@ -164,14 +164,25 @@ EXTRAS: dict[str, Callable[[Node, dict], "Extra | None"]] = {
 }
 
 
+# The loss's backward runs first, while every saved tensor is alive: the gradients it makes
+# are the step's peak beyond the saved bytes (an eager census of the GPT of
+# benchmarks/precision_memory.py: saved 34.1 MiB, peak 37.1 MiB, the 3 MiB the logits and
+# their two gradients). Input-sized fp32 tensors: cross-entropy makes nll_loss's gradient
+# and log_softmax's; any other loss its input's gradient.
+LOSS_GRADIENTS = {"cross_entropy_loss": 2}
+
+
 # ---- the analysis -----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Kept:
     """What backward keeps of one op node: the share of each output (1.0 kept, 0.0 not;
-    an average over repeated-layer copies by :func:`merge`), and the extras it saves."""
+    an average over repeated-layer copies by :func:`merge`), and the extras it saves.
+    ``transient``: not saved, but live at the step's peak beside every saved tensor: the
+    gradients the loss's backward, the first backward op, makes (:data:`LOSS_GRADIENTS`)."""
     outputs: tuple[float, ...]
     extras: tuple[Extra, ...] = ()
+    transient: tuple[Extra, ...] = ()
 
     def nbytes(self, outputs) -> float:
         """Global bytes, given the node's output metas (anything with ``nbytes``)."""
@@ -183,9 +194,10 @@ def merge(kept: list[Kept]) -> Kept:
     """The average of the ``Kept`` of a node's repeated-layer copies (equal in practice)."""
     n = len(kept)
     outs = tuple(sum(k.outputs[i] for k in kept) / n for i in range(len(kept[0].outputs)))
-    extras = tuple(Extra(e.what, e.ref, e.nbytes * sum(1 for k in kept if e in k.extras) / n, e.fp32)
-                   for e in dict.fromkeys(e for k in kept for e in k.extras))
-    return Kept(outs, extras)
+    def mean(field):
+        return tuple(Extra(e.what, e.ref, e.nbytes * sum(1 for k in kept if e in getattr(k, field)) / n, e.fp32)
+                     for e in dict.fromkeys(e for k in kept for e in getattr(k, field)))
+    return Kept(outs, mean("extras"), mean("transient"))
 
 
 def op_name(target) -> str:
@@ -287,8 +299,19 @@ def _analyse(cap: Captured) -> dict[str, Kept]:
             n = len(_outputs(node))
             aliased = all((node.name, k) in base for k in range(n))
             out[node.name] = Kept(tuple(0.0 if aliased else float(kept.get((node.name, k), False))
-                                        for k in range(n)), tuple(extras.get(node.name, ())))
+                                        for k in range(n)), tuple(extras.get(node.name, ())),
+                                  _loss_gradients(cap, node))
     return out
+
+
+def _loss_gradients(cap: Captured, node: Node) -> tuple[Extra, ...]:
+    if node.name != cap.loss or not node.all_input_nodes:
+        return ()
+    x = node.all_input_nodes[0].meta.get("val")
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        return ()
+    k = LOSS_GRADIENTS.get(op_name(node.target), 1)
+    return (Extra("loss gradients", ("in", 0), 4.0 * k * x.numel(), True),)
 
 
 # ---- helpers ----------------------------------------------------------------------------

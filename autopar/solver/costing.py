@@ -286,7 +286,8 @@ class CostModel:
     def saved_bytes(self, v: NodeVar, combo) -> float:
         """Bytes per device an op node keeps for backward (``v.kept``, from
         ``autopar.analysis.saved``: the outputs autograd saves, its own or a consumer's, and
-        the tensors the op saves inside, each the local share of what it follows). A layer
+        the tensors the op saves inside, each the local share of what it follows; the loss
+        node adds the gradients its backward makes beside them, ``Kept.transient``). A layer
         output that recomputation keeps (``recompute_kept``) is kept whole."""
         kept, view = v.kept, v.call.op in VIEW_OPS
         if kept is None and view:
@@ -297,7 +298,7 @@ class CostModel:
         local = lambda m, ps: _local(m, ps, self.mesh_shape).nbytes  # noqa: E731
         total = sum(self._act(share * local(m, output_placements(combo, k)), m.dtype)
                     for k, (share, m) in enumerate(zip(kept.outputs, v.call.outputs)) if share)
-        for e in kept.extras:
+        for e in kept.extras + kept.transient:
             side, k = e.ref
             m = (v.call.inputs if side == "in" else v.call.outputs)[k]
             ps = input_placements(combo, k) if side == "in" else output_placements(combo, k)
