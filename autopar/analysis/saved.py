@@ -359,15 +359,34 @@ def _aliases(node: Node, name: str) -> bool:
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         return False
     if name in ("reshape", "flatten"):
-        return _viewable(x, tuple(y.shape))
+        return _viewable(x, tuple(y.shape)) or _heads_last(node.args[0])
     if name == "contiguous":
-        return x.is_contiguous()
+        return x.is_contiguous() or _heads_last(node.args[0])
     if name in ("to", "type_as"):     # to(): self when nothing changes, else _to_copy
         return x.dtype == y.dtype and x.device == y.device and not _named_args(node).get("copy", False)
     if name == "dropout":             # returns its input unless p > 0 in training
         args = _named_args(node)
         return not (args.get("train") and 0 < float(args.get("p", 0.0)))
     return False
+
+
+FUSED_ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                             "_scaled_dot_product_efficient_attention",
+                             "_scaled_dot_product_flash_attention_for_cpu"})
+
+
+def _heads_last(a: Node) -> bool:
+    """``a`` is a fused attention's output with heads and sequence swapped back
+    (``transpose(1, 2)``): flash and memory-efficient kernels write their output in
+    (batch, sequence, heads, dim) order, so that is contiguous however the capture's device
+    (meta) laid it out, and the reshape that follows is a view."""
+    if not (a.op == "call_function" and op_name(a.target) == "transpose"
+            and sorted(int(d) % 4 for d in a.args[1:3]) == [1, 2]):
+        return False
+    src = a.args[0]
+    if src.op == "call_function" and src.target is operator.getitem:
+        src = src.args[0]
+    return src.op == "call_function" and op_name(src.target) in FUSED_ATTENTION
 
 
 def _viewable(x: torch.Tensor, shape: tuple) -> bool:
