@@ -1,5 +1,7 @@
 """The loop the torchrun workers share: run each case on every rank, gather every rank's
-verdict, and let rank 0 write one result per case (the first failing rank's, if any).
+verdict, and let rank 0 write one result per case (the first failing rank's, if any), with
+every rank's CPU seconds for it (``cpu_by_rank``) and before the first case
+(``startup_cpu_by_rank``): the machine is shared, and wall time alone says little.
 
 A case that raises on one rank while the others wait in a collective would hang the launch:
 every rank therefore prints the error at once (stderr), and a watchdog
@@ -30,11 +32,14 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
         with open(out, "w") as f:
             json.dump([], f)
     limit = float(os.environ.get("AUTOPAR_CASE_TIMEOUT", "240"))
+    # each rank's CPU seconds before its first case (interpreter, imports, process group)
+    startup = [None] * dist.get_world_size()
+    dist.all_gather_object(startup, round(time.process_time(), 3))
     results = []
     for case in cases:
         print(f"[rank {rank}] case {case}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback_later(limit, exit=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             res = {"case": case, "ok": True, **run_case(case)}
         except Exception as e:  # noqa: BLE001 - reported to the test
@@ -42,14 +47,17 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
                    "trace": traceback.format_exc()[-3000:]}
             print(f"[rank {rank}] FAILED {case}\n{res['trace']}", file=sys.stderr, flush=True)
         res["seconds"] = round(time.perf_counter() - t0, 3)
+        res["cpu"] = round(time.process_time() - c0, 3)     # this rank's CPU seconds
         verdicts = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, res)
         faulthandler.cancel_dump_traceback_later()
         if rank == 0:
             bad = [v for v in verdicts if not v["ok"]]
-            results.append(bad[0] if bad else res)
-            print(f"[rank 0] {'ok' if not bad else 'FAIL'} in {res['seconds']:.2f}s: {case}",
-                  file=sys.stderr, flush=True)
+            results.append({**(bad[0] if bad else res),
+                            "cpu_by_rank": [v["cpu"] for v in verdicts],
+                            "startup_cpu_by_rank": startup})
+            print(f"[rank 0] {'ok' if not bad else 'FAIL'} in {res['seconds']:.2f}s "
+                  f"(CPU s by rank {[v['cpu'] for v in verdicts]}): {case}", file=sys.stderr, flush=True)
             with open(out, "w") as f:      # after every case: a launch that dies keeps the rest
                 json.dump(results, f)
     gc.collect()       # drop every module (and its work handles) before the groups go
