@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
 from autopar.checkpoint import export_checkpoint, import_state_dict  # noqa: E402
+from capture_reuse import same_model  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
@@ -146,6 +147,11 @@ def strided_plan(ex):
 
 
 def run_case(case: dict) -> dict:
+    with same_model(case["model"]):      # one capture of the model per spawn (capture_reuse)
+        return _run_case(case)
+
+
+def _run_case(case: dict) -> dict:
     ex = example(case, 0)          # the data of every step; the weights of seed 0 ...
     model = ex.model if case["kind"] == "save" else example(case, 1).model    # ... or others
     if case.get("strided"):

@@ -13,6 +13,7 @@ fault, the check must fail.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -23,12 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
 from autopar.verify_worker import check_rank  # noqa: E402
+from capture_reuse import same_model  # noqa: E402
 from equivalence import compare, parallel_run, reference_run, sharding_budget  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
 
 def run_case(case: dict) -> dict:
+    # one capture per model per spawn (capture_reuse): a verify case's factory names its model
+    name = case.get("model") or json.dumps([case["verify"]["factory"], case["verify"]["factory_args"]])
+    with same_model(name):
+        return _run_case(case)
+
+
+def _run_case(case: dict) -> dict:
     if "verify" in case:
         res = check_rank(case["verify"])
         return {"mesh": res["mesh_shape"], "check": res["check"], "timing": res.get("timing")}

@@ -26,8 +26,10 @@ import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from autopar.checkpoint import CheckpointError, export_checkpoint, import_state_dict, load_checkpoint
+from autopar.cli import cli
 from autopar.placement import Shard
 from autopar.runtime.dcp_state import blocks
 
@@ -150,16 +152,20 @@ def test_every_tensor_written_exactly_once(runs):
             assert len(md["model.transformer.h.0.attn.c_attn.weight"].chunks) == 6
 
 
+def _cli(*args):
+    """``autopar <args>`` in this process (click's CliRunner, as tests/test_cli.py runs the
+    commands that need no process of their own: a fresh interpreter costs seconds of imports)."""
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
 def test_cli_export_and_import(runs, tmp_path):
     _, _, tmp = runs
     src = tmp / PAIRS[0][0]
     if not (src / ".metadata").exists():
         pytest.skip("the save case did not run")
     out = tmp_path / "model.pt"
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-m", "autopar", "checkpoint", "export", str(src), "-o", str(out)],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
+    r = _cli("checkpoint", "export", src, "-o", out)
+    assert r.exit_code == 0, r.output
     sys.path.insert(0, ROOT)
     from examples.models import EXAMPLES
     model = EXAMPLES["gpt"](batch=8, seed=3).model
@@ -167,9 +173,8 @@ def test_cli_export_and_import(runs, tmp_path):
     ref = export_checkpoint(src, tmp_path / "direct.pt")
     assert all(torch.equal(model.state_dict()[k], ref[k]) for k in model.state_dict())
     back = tmp_path / "back"
-    r = subprocess.run([sys.executable, "-m", "autopar", "checkpoint", "import", str(out), "-o", str(back)],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
+    r = _cli("checkpoint", "import", out, "-o", back)
+    assert r.exit_code == 0, r.output
     again = export_checkpoint(back, tmp_path / "again.pt")
     assert set(again) == set(ref) and all(torch.equal(again[k], ref[k]) for k in ref)
 
@@ -179,10 +184,8 @@ def test_bad_paths(tmp_path):
         load_checkpoint(tmp_path / "nowhere", pm=None)
     with pytest.raises(CheckpointError, match="does not exist"):
         import_state_dict(tmp_path / "missing.pt", tmp_path / "out")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-m", "autopar", "checkpoint", "export", str(tmp_path / "nowhere"),
-                        "-o", str(tmp_path / "m.pt")], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 2 and "not a checkpoint directory" in r.stderr, (r.returncode, r.stderr)
+    r = _cli("checkpoint", "export", tmp_path / "nowhere", "-o", tmp_path / "m.pt")
+    assert r.exit_code == 2 and "not a checkpoint directory" in r.output, (r.exit_code, r.output)
 
 
 def test_blocks_of_a_strided_shard():
