@@ -7,12 +7,13 @@ planning and ``parallelize`` make (the full batch: ``driver.capture``; at micro-
 ``capture_microbatch``) return the graph captured before for the same model key, batch
 shapes and micro-batch count; the first call captures as usual.
 
-The key must name what decides the graph: the worker passes the example's name, and every
-instance it builds traces to the same graph (parameters and buffers are placeholders; the
-runtime reads the weights from the case's own instance). A graph whose loss rewrite keeps
-a model's buffers (``MicrobatchLoss.values``) is never shared. Each time a graph is handed
-out again it is checked unchanged (code and fingerprint): passes must leave their input
-alone, and one that does not fails the case that reuses the graph, naming it.
+The key must name what decides the graph, the model and its loss: the worker passes the
+example's name, and every instance it builds, with that loss, traces to the same graph
+(parameters and buffers are placeholders; the runtime reads the weights from the case's own
+instance). A graph whose loss rewrite keeps a model's buffers (``MicrobatchLoss.values``)
+is never shared. Each time a graph is handed out again it is checked unchanged (code and
+fingerprint): passes must leave their input alone, and one that does not fails the case
+that reuses the graph, naming it.
 """
 from __future__ import annotations
 
@@ -47,16 +48,16 @@ def _reused(key: tuple, make):
 
 @contextlib.contextmanager
 def same_model(name: str):
-    """Inside, autopar captures each model named ``name`` once per batch shape, loss and
+    """Inside, autopar captures the model and loss named ``name`` once per batch shape and
     micro-batch count (see the module docstring)."""
     full, micro = driver.capture, pipeline_search.capture_microbatch
 
     def capture(model, inputs, loss_fn=None, target=None):
-        key = (name, "full", _shapes(inputs), _shapes([target]), loss_fn)
+        key = (name, "full", _shapes(inputs), _shapes([target]), loss_fn is None)
         return _reused(key, lambda: full(model, inputs, loss_fn, target))
 
     def capture_microbatch(model, inputs, loss_fn, target, m):
-        key = (name, m, _shapes(inputs), _shapes([target]), loss_fn)
+        key = (name, m, _shapes(inputs), _shapes([target]), loss_fn is None)
         return _reused(key, lambda: micro(model, inputs, loss_fn, target, m))
 
     patched = [(driver, "capture", capture), (driver, "capture_microbatch", capture_microbatch),

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
+from capture_reuse import same_model  # noqa: E402
 from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
@@ -88,6 +89,12 @@ def gpt_example():
 
 
 def run_case(case: dict) -> dict:
+    # one capture per model and loss in this spawn (tests/capture_reuse.py)
+    with same_model(f"{case.get('model', 'classifier')}-{case['loss']}"):
+        return _run_case(case)
+
+
+def _run_case(case: dict) -> dict:
     if case.get("model") == "gpt":
         model, inputs, target, loss_fn = gpt_example()
     else:
