@@ -26,6 +26,13 @@ from autopar.solver.costing import grad_partial_flags
 from autopar.solver.flat import solve_captured
 from autopar.solver.prices import price_table
 from conftest import example_and_capture
+from launch import case_result, register_cases, shared_cases
+
+# the sharded-activations case: a budget 0.9 of Megatron's layout's memory (no recomputation)
+SEQUENCE_CASE = {"id": "shared-conversions-sequence-parallel-llama", "model": "llama",
+                 "pins": {"tensor": 2, "recompute": "none"}, "budget": 0.9,
+                 "shared_conversion_case": True}
+register_cases("zero_worker.py", 2, [SEQUENCE_CASE])     # run in test_zero's spawn
 
 _MOVES = {collectives.all_gather, collectives.all_reduce, collectives.grad_all_reduce,
           collectives.scatter, collectives.reduce_scatter, collectives.all_to_all,
@@ -127,3 +134,21 @@ def test_one_conversion_per_value_and_placement_within_a_stage(tensor_parallel_l
     local = {n.meta.get("source"): n for n in split.graph.nodes}
     assert local[q].args[0] is not local[k].args[0] and local[k].args[0] is local[linears[2]].args[0]
     assert local[q].args[0].args[0].name == twice[0][1] == local[k].args[0].args[0].name
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return shared_cases("zero_worker.py", 2, tmp_path_factory.mktemp("zero"), timeout=600, case_timeout=120)
+
+
+def test_sequence_parallel_llama_gathers_once_per_value_on_gloo(results):
+    """Under the budget the plan shards the activations between the tensor-parallel regions
+    (below Megatron's memory: the norms' inputs and outputs split on the sequence or the
+    batch, whichever the solver finds cheaper) and gathers the normed hidden states: each
+    once, for all of wq, wk, wv (3 readers) or w1, w3 (2); no collective repeated on one
+    value; 3 training steps equal one device (loss, every gradient, every weight)."""
+    r = case_result(results, SEQUENCE_CASE["id"])
+    assert r["memory"] < r["megatron_memory"], r
+    assert r["moves"] and set(r["moves"].values()) == {1}, r["moves"]
+    readers = sorted(n for _, dim, n in r["gathers"] if dim in (0, 1))    # [batch, sequence, dim]
+    assert readers.count(3) >= 2 and readers.count(2) >= 2, r["gathers"]      # two layers

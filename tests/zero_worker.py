@@ -126,6 +126,9 @@ def weight_err(w: dict, ref: dict, w0: dict) -> float:
 
 
 def run_case(case: dict) -> dict:
+    if case.get("shared_conversion_case"):   # tests/test_shared_conversions.py's case too
+        import shared_conversion_worker
+        return shared_conversion_worker.run_case(case)
     if case.get("offload_case"):     # tests/test_offload.py's cases share this spawn
         import offload_worker
         return offload_worker.run_case(case, sys.modules[__name__])
