@@ -4,9 +4,10 @@ prices it once.
 
 Llama's tensor-parallel layer reads the normed hidden state in wq, wk and wv (and the FFN's
 in w1 and w3): Megatron-LM converts it once per group, so does autopar. The multi-rank check
-(a sequence-sharded tiny Llama trained on gloo, one gather per value, equal to one device)
-is a case of tests/test_gloo.py's two-rank spawn; here the prices, and the per-rank program
-built on one process.
+(a tiny Llama whose activations are sharded between the tensor-parallel regions, trained on
+gloo: one gather per value, equal to one device) is a case of tests/test_zero.py's two-rank
+spawn (``launch.register_cases``); here the prices, and the per-rank program built on one
+process.
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ from conftest import example_and_capture
 from launch import case_result, register_cases, shared_cases
 
 # the sharded-activations case: a budget 0.9 of Megatron's layout's memory (no recomputation)
-SEQUENCE_CASE = {"id": "shared-conversions-sequence-parallel-llama", "model": "llama",
+SHARDED_CASE = {"id": "shared-conversions-sharded-activations-llama", "model": "llama",
                  "pins": {"tensor": 2, "recompute": "none"}, "budget": 0.9,
                  "shared_conversion_case": True}
-register_cases("zero_worker.py", 2, [SEQUENCE_CASE])     # run in test_zero's spawn
+register_cases("zero_worker.py", 2, [SHARDED_CASE])     # run in test_zero's spawn
 
 _MOVES = {collectives.all_gather, collectives.all_reduce, collectives.grad_all_reduce,
           collectives.scatter, collectives.reduce_scatter, collectives.all_to_all,
@@ -141,13 +142,13 @@ def results(tmp_path_factory):
     return shared_cases("zero_worker.py", 2, tmp_path_factory.mktemp("zero"), timeout=600, case_timeout=120)
 
 
-def test_sequence_parallel_llama_gathers_once_per_value_on_gloo(results):
+def test_sharded_activations_llama_gathers_once_per_value_on_gloo(results):
     """Under the budget the plan shards the activations between the tensor-parallel regions
     (below Megatron's memory: the norms' inputs and outputs split on the sequence or the
     batch, whichever the solver finds cheaper) and gathers the normed hidden states: each
     once, for all of wq, wk, wv (3 readers) or w1, w3 (2); no collective repeated on one
     value; 3 training steps equal one device (loss, every gradient, every weight)."""
-    r = case_result(results, SEQUENCE_CASE["id"])
+    r = case_result(results, SHARDED_CASE["id"])
     assert r["memory"] < r["megatron_memory"], r
     assert r["moves"] and set(r["moves"].values()) == {1}, r["moves"]
     readers = sorted(n for _, dim, n in r["gathers"] if dim in (0, 1))    # [batch, sequence, dim]
