@@ -39,7 +39,6 @@ from autopar.cost_models.comm import collective_time
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import INF, grad_partial_flags
 from autopar.solver.prices import PriceTable, price_table
-from autopar.solver.problem import VIEW_OPS
 
 
 @dataclass
@@ -245,7 +244,9 @@ class _Acc:
                 rec = member in cost.recompute
                 self.node_forward[member], self.node_act[member] = f, mem
                 self.compute[c] += f + b + (f if rec else 0.0)
-                if rec and member not in cost.recompute_kept and v.call.op not in VIEW_OPS:
+                # a recomputed view keeps nothing either (a reshape that copies, such as
+                # repeat_kv's, may be saved: autopar.analysis.saved)
+                if rec and member not in cost.recompute_kept:
                     self.recomputed[c] = True
                 else:
                     self.act[c] += mem
