@@ -10,14 +10,19 @@ Measured exactly as ``benchmarks/cost_model_accuracy.py`` measures (its worker i
 the bytes of the local parameters and AdamW state plus the peak of live tensor bytes during
 one ``train_step`` (``PeakMemory``), the largest rank. Target (issue 10): within 15% for bf16.
 
-Last run (gpt256, 2 gloo ranks; the census is deterministic, two runs gave the same bytes):
+Last run (gpt256, 2 gloo ranks; the census is deterministic, two runs gave the same bytes),
+with the activation term counting what autograd saves (``autopar.analysis.saved``) plus
+the loss's backward gradients beside it (2026-11-22):
 
     case         bf16 pred / meas          fp32 pred / meas
-    dp2          63.4 / 65.9 MiB   -3.8%   76.4 / 73.9 MiB   +3.3%
-    zero3 dp2    41.4 / 43.8 MiB   -5.5%   57.5 / 64.8 MiB  -11.3%
-    tp2          48.2 / 51.8 MiB   -6.9%   71.0 / 66.6 MiB   +6.6%
-    pp2          32.2 / 37.4 MiB  -14.0%   36.2 / 42.6 MiB  -15.0%
-    mean |error| 7.6% (worst 14.0%)        9.1% (worst 15.0%)
+    dp2          63.8 / 65.9 MiB   -3.3%   74.0 / 73.9 MiB   +0.0%
+    zero3 dp2    41.7 / 43.8 MiB   -4.8%   55.0 / 64.8 MiB  -15.1%
+    tp2          46.3 / 51.8 MiB  -10.6%   64.1 / 66.6 MiB   -3.8%
+    pp2          31.7 / 36.5 MiB  -13.0%   34.9 / 42.3 MiB  -17.5%
+    mean |error| 7.9% (worst 13.0%)        9.1% (worst 17.5%)
+
+Before (every op output counted, fp32 halved under bf16): bf16 7.8% (worst 14.0%), fp32
+8.7% (worst 15.0%); the overcount had hidden part of the zero3 and pp2 gaps below.
 
 What the census showed, and what was fixed (the pipeline=2 row was -26.7%, dp2 +15.3% bf16
 and +20.4% fp32):
@@ -44,10 +49,8 @@ and +20.4% fp32):
 Tried and left out: each op's outputs in the dtype autocast gives them (a fake-tensor pass
 of the problem's ops under CPU autocast: the residual stream, ``layer_norm`` and the loss
 stay fp32) raised the bf16 activations (tp2 26.0 -> 35.5 MiB) and overshot: zero3 dp2
-+13.2%, tp2 +11.4%. The activation term counts every op's output as kept for backward,
-which overcounts (fp32 tp2: 52.0 MiB predicted, 46.7 MiB live at the end of forward);
-halving every fp32 output offsets that, so both errors stay until the term counts what
-backward saves.
++13.2%, tp2 +11.4% (then with every op output counted; not tried again since the term
+counts what backward saves).
 
 Left:
 
