@@ -31,16 +31,17 @@ captures ~27 s, the sharding ILPs of 29 meshes ~21 s (edge pricing most of it), 
 pipeline schedules ~13 s (stage DP ~6, simulation ~5), problems ~4 s, garbage collection
 ~6 s spread over all of it. Goals (20 s, 60 s) not met.
 
-Measured 2026-11-22, 22:30-23:30 UTC (load 5-20: CPU seconds inflate with the load, so
-each "before" ran beside its "after" at once, both on HEAD's tree of the time; before ->
-after capture without per-node stacks, the bounded pipeline search and the collector's
-threshold raised while planning, 167ee4f + 22c2421): ``175b`` 143.8 -> 134.2 and 117.1 ->
-115.0 s, objective 17.6155 s both (the cost model's commits since the figures above moved
-it from 18.5593); ``405b-pinned`` 60.0 -> 53.2 s, objective 14.1489 s both (was 9.06496 s
-before those commits); ``405b`` not measured. Garbage collection on 175B: 9.6-11.4 s ->
-3.1 s (peak memory 0.77 -> 0.79 GB; with the collector off it was 2.1 GB); one capture of
-175B 20.1 -> 17.3-19.0 s. Goals not met: the two captures (~30% of 175B's CPU seconds)
-are what remains of this file's levers.
+Measured 2026-11-22, 22:30-23:30 UTC (each "before" ran beside its "after", at the same
+time, both on HEAD's tree of the time; before -> after capture without per-node stacks,
+the bounded pipeline search and the collector's threshold raised while planning, 167ee4f +
+22c2421; CPU seconds; the row's objective in both): ``175b`` at load 10-20: 143.8 -> 134.2
+and 117.1 -> 115.0 s; at load ~1: 96.5 -> 95.7 and 102.7 -> 101.1 s, objective 17.6155 s
+(the cost model's commits since the figures above moved it from 18.5593);
+``405b-pinned`` 60.0 -> 53.2 and 49.7 -> 41.5 s, objective 14.1489 s (was 9.06496 s before
+those commits); ``405b`` not measured. On 175B the collector's seconds fall from 7.8-11.4
+to 2.8-3.1 (peak memory 0.77 -> 0.79 GB; with the collector off it was 2.1 GB) and one
+capture from 20.1 to 17.3-19.0 s, but the row gains only 1-7%: its pipeline search (75 of
+~100 s at load ~1, the second capture inside) prunes little. Goals not met.
 """
 from __future__ import annotations
 
