@@ -330,3 +330,17 @@ def test_runtime_cost_per_action_is_paid_per_stage_and_micro_batch():
     m_cheap = plan_stages(costs_of([1.0] * 8), **free).micro_batches
     m_dear = plan_stages(costs_of([1.0] * 8, action_time=0.5), **free).micro_batches
     assert m_dear < m_cheap
+
+
+def test_interleaving_tries_one_layer_per_virtual_stage():
+    """Beyond 2-4 virtual stages the planner tries the most the chain allows (L // p): on a
+    bubble-bound chain with free sends it is the fastest, and no pinned count beats it."""
+    costs = costs_of([1.0] * 16)
+    common = dict(n_devices=2, global_batch=2, memory_limit=1.0, bandwidth=1.0, n_stages=2,
+                  micro_batches=2, schedule="interleaved-1f1b")
+    free = plan_stages(costs, **common)
+    assert free.virtual_stages == 8
+    for v in (2, 4, 8):
+        pinned = plan_stages(costs, **common, virtual_stages=v)
+        assert free.predicted_step_time <= pinned.predicted_step_time * (1 + 1e-12)
+    assert plan_stages(costs, **common, virtual_stages=4).predicted_step_time > free.predicted_step_time
