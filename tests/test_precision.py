@@ -13,17 +13,22 @@ scaled; an overflowing scale on data=2 and on the pipeline) against one device u
 autocast fp16 + ``torch.amp.GradScaler``.
 
 Tolerances (bf16 keeps 8 bits of mantissa: unit roundoff 2^-8 = 3.9e-3):
-- loss of every step: relative error <= LOSS_TOL = 3e-4 (measured <= 2.2e-4, tensor=2 the
-  worst: its row-parallel partial sums are rounded to bf16 and summed in bf16, as
-  Megatron does; one device rounds the whole sum once);
+- loss of every step: relative error <= LOSS_TOL = 6e-4 (measured <= 2.2e-4 in the other
+  cases; tensor=2 the worst: its row-parallel partial sums are rounded to bf16 and summed
+  in bf16, as Megatron does; one device rounds the whole sum once. Since the solver prices
+  a conversion its readers share once (issue 11), its tensor=2 plan also shards the QKV
+  projection by rows, one more partial sum rounded in bf16: 4.5e-4, the same with the
+  runtime's sharing switched off, so the plan, not the sharing, rounds more; 6e-4 is 0.15
+  of bf16's unit roundoff, and a wrong gradient moves the loss by far more in 3 steps);
 - weights after 3 steps: ||W - W_ref|| / ||W_ref - W_0|| <= WEIGHT_TOL = 0.1 over every
   parameter together (measured 0.031-0.068): AdamW's first steps move each weight by about
   lr * sign(gradient), so rounding that flips the sign of a tiny gradient moves that weight
   by 2 lr; the autocast run itself is 0.067 from the fp32 run by this measure.
-- "really bf16": the loss distance to the autocast run is smaller than to the fp32 run in
-  every bf16 case; the weight distance too, except under tensor=2, whose extra bf16
-  roundings (above) put it as far from the one-device autocast run as that run is from fp32
-  (measured 0.068 vs 0.063): there the dtype test below is the check that it computes bf16.
+- "really bf16": the loss and weight distances to the autocast run are smaller than to the
+  fp32 run in every bf16 case except tensor=2, whose extra bf16 roundings (above) put it
+  as far from the one-device autocast run as that run is from fp32 (weights: measured 0.068
+  vs 0.063; loss, with the row-sharded QKV: 4.5e-4 vs 1.35e-4): there the dtype test below
+  is the check that it computes bf16.
 
 fp16 (10 bits of mantissa: unit roundoff 2^-11 = 4.9e-4), 3 AdamW steps against autocast
 fp16 + GradScaler: loss <= FP16_LOSS_TOL = 1e-4 (measured <= 1.0e-5, pipeline=2 the worst:
@@ -53,7 +58,7 @@ from launch import case_result, torchrun_cases
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-LOSS_TOL, WEIGHT_TOL = 3e-4, 0.1
+LOSS_TOL, WEIGHT_TOL = 6e-4, 0.1
 FP16_LOSS_TOL, FP16_WEIGHT_TOL = 1e-4, 0.05
 PP = {"pipeline": 2, "micro_batch_size": 2, "schedule": "1f1b"}
 BF16_CASES = {
@@ -200,9 +205,9 @@ def test_bf16_matches_one_device_autocast(results, case_id):
     assert r["plan_pins"]["precision"] == "bf16"
     assert r["loss_err"] <= LOSS_TOL, r
     assert r["weight_err"] <= WEIGHT_TOL, r
-    # it computed in bf16: nearer the autocast run than the fp32 run
-    assert r["loss_err"] < r["fp32_loss_dist"], r
+    # it computed in bf16: nearer the autocast run than the fp32 run (tensor=2: docstring)
     if case_id != "tensor2":
+        assert r["loss_err"] < r["fp32_loss_dist"], r
         assert r["weight_err"] < r["fp32_weight_dist"], r
     if case_id in ("pp2",):
         assert r["mesh"][0] == 2

@@ -55,7 +55,7 @@ from autopar.solver.flat import Solved, solve_captured
 from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
 )
-from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan
+from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan, virtual_options
 
 DEFAULT_SCHEDULE = "1f1b"
 INTRA_PINS = ("data", "tensor", "zero", "precision", "recompute")
@@ -135,13 +135,13 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
     plans, error, beaten = [], None, False
-    for kind in _kinds(pins):
+    for kind, v in _kinds_and_virtual(pins, len(costs.time), p):
         try:
             sp = plan_stages(costs, n_devices=p, global_batch=batch, memory_limit=limit,
                              bandwidth=pr.bandwidth, n_stages=p,
                              micro_batches=batch // mbs if mbs else None, schedule=kind,
-                             virtual_stages=pins.get("virtual_stages"),
-                             micro_batch_options=allowed_m, explain=False, above=bound)
+                             virtual_stages=v, micro_batch_options=allowed_m, explain=False,
+                             above=bound)
         except ValueError as e:
             error = error or e
             continue
@@ -154,12 +154,10 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
             return None
         raise error
     best = None
-    # the closed form is a lower bound of the simulated step: simulate in its order, stop
-    # once it cannot beat the best simulated
+    # every schedule's (and virtual stage count's) best cut is simulated: the closed form is
+    # no lower bound of the simulated step (unequal stages and transfers: 0.8-0.9x of it)
     for sp in sorted(plans, key=lambda sp: sp.predicted_step_time):
         sync = float(pr.rank_sync([int(pr.bounds[c]) for c in sp.cuts], p).max())
-        if best is not None and sp.predicted_step_time - sp.sync_time + sync >= best[1]:
-            break
         busiest = sp.micro_batches * float(np.reshape(sp.stage_times, (sp.virtual_stages, p)).sum(axis=0).max())
         if busiest + sync >= bound:
             continue                       # its busiest rank alone is too slow
@@ -167,6 +165,16 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         if best is None or step < best[1]:
             best = (sp, step)
     return best
+
+
+def _kinds_and_virtual(pins: dict, L: int, p: int) -> list[tuple[str, int | None]]:
+    """(schedule, virtual stages) pairs ``_choose`` plans apart and then simulates: each
+    interleaved virtual stage count on its own (``stage_dp.virtual_options``) unless pinned,
+    since the closed form that ``plan_stages`` ranks them by does not order their timelines."""
+    v = pins.get("virtual_stages")
+    return [(kind, u) for kind in _kinds(pins)
+            for u in ([v] if v is not None or kind != "interleaved-1f1b" or p < 2
+                      else virtual_options(L, p))]
 
 
 def _kinds(pins: dict) -> list[str]:

@@ -90,7 +90,7 @@ and a deep model's bubble keeps shrinking up to the last (Llama 3 405B on 16 sta
 predicts 14.3 s a step against v=4's 15.3 s, ``benchmarks/published_runs.py`` row 15)."""
 
 
-def _virtual_options(L: int, p: int) -> list[int]:
+def virtual_options(L: int, p: int) -> list[int]:
     """The virtual stage counts tried for p stages on a chain of L layers (ascending)."""
     return sorted(set(DEFAULT_VIRTUAL) | ({L // p} if L // p > 1 else set()))
 
@@ -288,7 +288,7 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
     out, first_error = [], None
     for p, m, kind in itertools.product(ps, ms, kinds):
         if kind == "interleaved-1f1b":
-            vs = [virtual] if virtual is not None else _virtual_options(L, p) if p > 1 else []
+            vs = [virtual] if virtual is not None else virtual_options(L, p) if p > 1 else []
         else:
             vs = [1]
         for v in vs:
