@@ -333,7 +333,7 @@ def test_runtime_cost_per_action_is_paid_per_stage_and_micro_batch():
 
 
 def test_interleaving_tries_one_layer_per_virtual_stage():
-    """Beyond 2-4 virtual stages the planner tries the most the chain allows (L // p): on a
+    """Beyond 2-4 virtual stages the planner tries 8 (one layer per virtual stage here): on a
     bubble-bound chain with free sends it is the fastest, and no pinned count beats it."""
     costs = costs_of([1.0] * 16)
     common = dict(n_devices=2, global_batch=2, memory_limit=1.0, bandwidth=1.0, n_stages=2,

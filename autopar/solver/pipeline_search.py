@@ -55,7 +55,7 @@ from autopar.solver.flat import Solved, solve_captured
 from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
 )
-from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan, virtual_options
+from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan, DEFAULT_VIRTUAL
 
 DEFAULT_SCHEDULE = "1f1b"
 INTRA_PINS = ("data", "tensor", "zero", "precision", "recompute")
@@ -135,7 +135,7 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
     plans, error, beaten = [], None, False
-    for kind, v in _kinds_and_virtual(pins, len(costs.time), p):
+    for kind, v in _kinds_and_virtual(pins, p):
         try:
             sp = plan_stages(costs, n_devices=p, global_batch=batch, memory_limit=limit,
                              bandwidth=pr.bandwidth, n_stages=p,
@@ -167,14 +167,14 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
     return best
 
 
-def _kinds_and_virtual(pins: dict, L: int, p: int) -> list[tuple[str, int | None]]:
+def _kinds_and_virtual(pins: dict, p: int) -> list[tuple[str, int | None]]:
     """(schedule, virtual stages) pairs ``_choose`` plans apart and then simulates: each
-    interleaved virtual stage count on its own (``stage_dp.virtual_options``) unless pinned,
+    interleaved virtual stage count on its own (``stage_dp.DEFAULT_VIRTUAL``) unless pinned,
     since the closed form that ``plan_stages`` ranks them by does not order their timelines."""
     v = pins.get("virtual_stages")
     return [(kind, u) for kind in _kinds(pins)
             for u in ([v] if v is not None or kind != "interleaved-1f1b" or p < 2
-                      else virtual_options(L, p))]
+                      else DEFAULT_VIRTUAL)]
 
 
 def _kinds(pins: dict) -> list[str]:

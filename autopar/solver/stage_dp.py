@@ -83,16 +83,14 @@ from autopar.solver.stage_tables import (
 __all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit", "stage_dp", "plan_stages", "simulate_plan",
            "in_flight"]
 
-DEFAULT_VIRTUAL = (2, 3, 4)
-"""Virtual stages the planner tries on an interleaved schedule, besides the most the chain
-allows (one layer per virtual stage, ``L // p``): Megatron-LM runs either end of this range,
-and a deep model's bubble keeps shrinking up to the last (Llama 3 405B on 16 stages: v=8
-predicts 14.3 s a step against v=4's 15.3 s, ``benchmarks/published_runs.py`` row 15)."""
-
-
-def virtual_options(L: int, p: int) -> list[int]:
-    """The virtual stage counts tried for p stages on a chain of L layers (ascending)."""
-    return sorted(set(DEFAULT_VIRTUAL) | ({L // p} if L // p > 1 else set()))
+DEFAULT_VIRTUAL = (2, 3, 4, 8)
+"""Virtual stages the planner tries on an interleaved schedule. Megatron-LM runs 2-4 on most
+models and one or two layers per virtual stage on deep ones, whose bubble keeps shrinking
+(Llama 3 405B on 16 stages, ``benchmarks/published_runs.py`` row 15: pinned, v=8 predicts
+14.3 s a step against v=4's 15.3 s; left free, the search ranks the counts by simulating
+one intra-stage plan, solved for the reference count's memory, and keeps 4). More would
+grow the stage DP's tables (p v stages by the chain squared) for a bubble already under
+1/8 of 1F1B's."""
 
 
 # ---- the DP ---------------------------------------------------------------------------------
@@ -288,7 +286,7 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
     out, first_error = [], None
     for p, m, kind in itertools.product(ps, ms, kinds):
         if kind == "interleaved-1f1b":
-            vs = [virtual] if virtual is not None else virtual_options(L, p) if p > 1 else []
+            vs = [virtual] if virtual is not None else list(DEFAULT_VIRTUAL) if p > 1 else []
         else:
             vs = [1]
         for v in vs:
