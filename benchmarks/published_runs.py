@@ -72,27 +72,34 @@ Not modelled, and why a row may differ:
   530B run on the same machine published 163; the model prices both alike (pipeline
   bubble 12.4% against 10.8%), so it over-predicts MT-NLG: what DeepSpeed's engine spent
   beyond Megatron-LM's (blocking point-to-point, its schedule) has no component source here.
-- The Llama 3 405B rows are predicted 28-32% slow. Found and fixed on the way (2026-11-22):
+- The Llama 3 405B rows are predicted 21-26% slow. Found and fixed on the way (2026-11-22):
   every Llama layer's residual was priced as crossing every later pipeline cut (a
   ``.to()``'s ``aten._assert_tensor_metadata`` reader was placed at the graph's end; -72%
-  before), and the rotary tables' gradient, which does not exist, as an all-reduce over the
-  data axis per micro-batch (0.8 s). What is left, seconds of the 16.75 s step on 8,192
-  GPUs (``benchmarks/step_terms.py``): compute 8.15, recomputation 2.71 (the activation
-  model counts every op's output as saved for backward, 1.58 GiB a layer a micro-batch
-  here, ~2x what autograd keeps: the tensor-parallel matmuls' partial outputs are not
-  saved; 197 GiB per GPU without recomputation, so the solver recomputes every layer, where
-  Llama 3 trained 8K sequences without), tensor-parallel collectives 3.46 (autopar gathers
-  a sequence-sharded input once per reader: SwiGLU's w1 and w3 gather the same tensor
-  twice, which Megatron-style code does once), bubble 1.99, pipeline sends 0.43.
+  before), the rotary tables' gradient, which does not exist, as an all-reduce over the
+  data axis per micro-batch (0.8 s), and a value several readers convert alike was
+  converted (and priced) once per reader, where Megatron-style code gathers the normed,
+  sequence-sharded hidden state once for q, k and v and once for w1 and w3 (tensor-parallel
+  collectives 3.46 -> 2.16 s; ``PriceTable.shared``, ``passes/insert_collectives``). What is
+  left, seconds of the 15.30 s step on 8,192 GPUs (``benchmarks/step_terms.py``): compute
+  8.22, recomputation 2.73, tensor-parallel collectives 2.16, bubble 1.74, pipeline sends
+  0.43. Activations now count what autograd saves (``autopar/analysis/saved.py``): 0.94 GiB
+  a layer a micro-batch (1.58 counted every op's output), still ~16 micro-batches x 8
+  layers in flight on the first stage, over 80 GiB without recomputation, so the solver
+  recomputes every layer where Llama 3 trained 8K sequences without (part of the gap: this
+  Llama's ``repeat_kv`` copies, which a grouped-query flash kernel does not make). Pinned to
+  8 virtual stages the row predicts 14.28 s (-15.8%); the free choice of the count keeps 4
+  (``stage_dp.DEFAULT_VIRTUAL``: it simulates one intra-stage plan solved for the reference
+  count's memory).
 - The ILP's time limit (``--time-limit``) bounds the search: on a loaded machine a row may
   get a worse plan than the optimum and print a lower throughput.
 
-Last run (2026-11-22, 2 cores shared with other work), pred / publ error: 0 +9.5%, 1 +6.9%,
-2 -1.7%, 3 -1.1%, 4 -5.7%, 5 +5.4%, 6 +2.1%, 7 +1.8%, 8 +2.9%, 9 -3.8%, 10 (MT-NLG) +30.7%,
-11 (BLOOM) +18.6%, 12 +17.2%, 13 +13.4%, 14 +17.7%, 15 -28.2%, 16 -32.2%. Mean |error|
-11.7% over all 17 (tuned-on 12.3%, held out 11.2%); 9.2% over rows 0-14. Targets (every row
-within 20%, mean within 10%) not met: MT-NLG and the two 405B rows. Before this session's
-changes: rows 0-14 11.9%, all 17 19.3%.
+Last run (2026-11-22/23, 2 cores shared with other work), pred / publ error: 0 +9.5%,
+1 +6.9%, 2 -1.7%, 3 -1.1%, 4 -5.7%, 5 +5.4%, 6 +2.1%, 7 +1.8%, 8 +2.9%, 9 -4.0%, 10 (MT-NLG)
++30.7%, 11 (BLOOM) +18.6%, 12 +17.2%, 13 +13.4%, 14 +17.7%, 15 -21.4%, 16 -25.8%. Mean
+|error| 10.9% over all 17 (tuned-on 11.4%, held out 10.5%); 9.2% over rows 0-14. Targets
+(every row within 20%, mean within 10%) not met: MT-NLG and the two 405B rows. Before the
+shared conversions and the saved-activation count: 15 -28.2%, 16 -32.2%, mean 11.7%;
+before the session of 2026-11-22: rows 0-14 11.9%, all 17 19.3%.
 """
 from __future__ import annotations
 
