@@ -113,6 +113,13 @@ def _run_case(case: dict) -> dict:
     dist.all_gather_object(split, {st.stage_index: st.split_backward
                                    for _, st in pm.runner.stages.get("train", [])})
     info["split_backward"] = {k: v for d in split for k, v in d.items()}
+    if case.get("regions"):
+        # the layers each train stage runs under checkpointing (passes/recompute), by stage
+        regions = [None] * dist.get_world_size()
+        dist.all_gather_object(regions, {sg.index: list(sg.gm.meta.get("recompute", ()))
+                                         for sg, _ in pm.runner.stages.get("train", [])})
+        info["regions"] = {k: v for d in regions for k, v in d.items()}
+        info["recompute"] = list(pm.plan.recompute)
     if case.get("skips"):
         # which ranks received which skip values (the middle stages must receive none)
         received = [None] * dist.get_world_size()

@@ -48,10 +48,12 @@ def _matrix_case(model: str, mesh: str, schedule: str) -> dict:
 def _extra_cases(nproc: int, tmp) -> list[dict]:
     if nproc == 2:
         return [
-            # the plan's own micro-batch count, and a plan through a file
+            # the plan's own micro-batch count, and a plan through a file that recomputes one
+            # of the two layers (its stage checkpoints it: passes/recompute)
             {"id": "gpt-pp2-default", "model": "gpt", "pins": {"pipeline": 2}, "forward": True},
-            {"id": "gpt-pp2-saved", "model": "gpt", "pins": {"pipeline": 2, "schedule": "1f1b"},
-             "plan": "saved", "path": str(tmp / "pp2.json")},
+            {"id": "gpt-pp2-saved", "model": "gpt",
+             "pins": {"pipeline": 2, "schedule": "1f1b", "recompute": ["h.0"]},
+             "plan": "saved", "path": str(tmp / "pp2.json"), "regions": True},
             # a buffer (the rotary tables) whose first reader is in stage 1 but which stage 2
             # recomputes from: the ranks holding it must agree, or the broadcast that gathers
             # the state hangs (the interleaved-1F1B deadlock)
@@ -120,6 +122,13 @@ def test_matrix(launch, model, mesh, schedule):
     assert all(r["split_backward"].values()), r["split_backward"]
     print(f"{_case_id(model, mesh, schedule)}: v={r['v']} loss {r['worst']['loss']:.1e} "
           f"grad {r['worst']['grad']:.1e} weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
+
+
+def test_partial_recompute_list_under_a_pipeline(launch):
+    r = _result(launch, 2, "gpt-pp2-saved")      # equal to one device (the worker checks)
+    assert r["recompute"] == ["transformer.h.0"]
+    regions = [layer for layers in r["regions"].values() for layer in layers]
+    assert regions == ["transformer.h.0"], r["regions"]       # checkpointed once, nothing else
 
 
 def test_data_parallel_reduction_starts_inside_the_schedule(launch):

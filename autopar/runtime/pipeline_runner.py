@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
 from torch.fx import GraphModule
 
+from autopar.analysis.layers import layer_members
 from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.analysis.stages import assign_stages, local_meta
 from autopar.capture import Captured
@@ -44,6 +45,7 @@ from autopar.device import object_device
 from autopar.errors import ArgumentError
 from autopar.ops.comm import DistComm, is_comm_failure
 from autopar.ops.stage_ops import StepContext, use_step_context
+from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.split_stages import StageGraph, split_stages
 from autopar.placement import parse_placements, placements_str
 from autopar.plan import NodePlacement, Plan
@@ -175,10 +177,15 @@ class PipelineRunner:
             for n in sg.gm.graph.nodes:
                 if n.op == "get_attr":
                     self._reads.setdefault(n.target, set()).add(sg.index)
+        # recomputation: each of this rank's train stages checkpoints its share of the plan's
+        # layers (passes/recompute; a layer across a cut is a region in each of its stages)
+        regions = layer_members(cap.gm, plan.recompute) if which == "train" and plan.recompute else {}
         mine = []
         for sg in parts:
             if sg.index not in self.my_stages:
                 continue
+            if regions:
+                sg = replace(sg, gm=checkpoint_layers(sg.gm, regions))
             ins, outs = self._stage_examples(which, sg)
             dtype = self._dtype
             mod = sg.gm if dtype is None else AutocastStage(sg.gm, self.device, dtype)

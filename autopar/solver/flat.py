@@ -3,6 +3,7 @@ the pins allow, with and without recomputation; also what the pipeline planner s
 inside each stage (``memory_weights``, ``grad_sync_scale``)."""
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections import OrderedDict
@@ -119,7 +120,8 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     reasons of the meshes that did not fit)."""
     n_states = check_optimizer(optimizer)
     # Recomputation is pinned, or chosen here: plans without it first; with every repeated
-    # layer recomputed too when memory binds (nothing fits, or the best uses > 90%).
+    # layer recomputed too when memory binds (nothing fits, or the best uses > 90%), and
+    # then the fewest layers that fit (``_fewest_layers``).
     choices = [pins.get("recompute")] if pins.get("recompute") is not None else [None]
     if choices == [None] and _has_repeated_layers(cap):
         choices.append("full")
@@ -159,7 +161,52 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                       f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
             if best is None or sol.objective_s < best.sol.objective_s:
                 best = _Best(sol, problem, shape, axes, recompute, cost, pins)
+    if pins.get("recompute") is None and choices[-1] == "full" and best is not None \
+            and best.recompute:
+        best = _fewest_layers(cap, cl, best, budget=budget, time_limit_s=time_limit_s,
+                              profiler=profiler, memory_weights=memory_weights,
+                              grad_sync_scale=grad_sync_scale, verbose=verbose)
     return best, errors
+
+
+PARTIAL_PROBES = 4
+"""ILPs ``_fewest_layers`` solves at most."""
+
+
+def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, profiler,
+                   memory_weights, grad_sync_scale, verbose) -> _Best:
+    """``full`` (every one of the L repeated layers recomputed) or, if predicted faster, the
+    plan on its mesh recomputing only the first k layers, k the fewest that fit ``budget``
+    (Megatron-LM's ``--recompute-num-layers``). Layers alike, recomputing one saves what its
+    rebuild holds, R (``full``'s "recompute" term: one layer's activations rebuilt in
+    backward), so ``full``'s choices need M(k) = M(L) + (L - k) R and the first probe is the
+    least k with M(k) <= budget; the ILP (which may choose other placements) then says: an
+    infeasible k goes up halfway to L, a feasible one down by one, within ``PARTIAL_PROBES``
+    solves; the least objective of them and ``full`` wins."""
+    layers, per = full.recompute, full.sol.memory.get("recompute", 0.0)
+    n = len(layers)
+    if n < 2 or per <= 0 or budget == float("inf"):
+        return full
+    k = max(1, math.ceil(n - (budget - full.sol.memory_total) / per - 1e-9))
+    best, fits, fails = full, n, 0
+    for _ in range(PARTIAL_PROBES):
+        if not fails < k < fits:
+            break
+        _, rec_nodes, rec_kept = _recompute_of(cap, layers[:k])
+        cost = CostModel.for_pins(cl, full.shape, full.pins, data_axis=full.cost.data_axis,
+                                  recompute=(rec_nodes, rec_kept), profiler=profiler,
+                                  memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+        try:
+            sol = solve_ilp(full.problem, cost, budget, time_limit_s, explain=False)
+        except InfeasibleError:
+            fails, k = k, k + max(1, (fits - k) // 2)
+            continue
+        if verbose:
+            print(f"mesh {full.shape} recompute {k} of {n} layers: {sol.objective_s * 1e3:.3f} ms")
+        if sol.objective_s < best.sol.objective_s:
+            best = _Best(sol, full.problem, full.shape, full.axes, layers[:k], cost, full.pins)
+        fits, k = k, k - 1
+    return best
 
 
 def _family(shape: tuple, axes: tuple) -> str:

@@ -52,6 +52,7 @@ from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
 from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
 from autopar.solver.flat import Solved, solve_captured
+from autopar.solver.partial_recompute import partial_pipeline
 from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
 )
@@ -250,7 +251,8 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
     cutter = _Cutter(cap, cl, world, config, {**pins, **(extra_pins or {})},
                      memory_budget if memory_budget is not None else cl.device.memory_bytes,
                      dict(optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
-                          verbose=verbose, mesh_shape=mesh_shape, profiler=profiler))
+                          verbose=verbose, mesh_shape=mesh_shape, profiler=profiler),
+                     free_recompute=pins.get("recompute") is None)
     t0 = time.perf_counter()
     try:
         solved, pr, sp = cutter.fitting(solved or cutter.solve(cutter.pins))
@@ -279,9 +281,10 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
 class _Cutter:
     """Intra-stage solutions of one graph for one pipeline configuration, and their cuts."""
 
-    def __init__(self, cap, cl, world, config, pins, budget, solve_kw):
+    def __init__(self, cap, cl, world, config, pins, budget, solve_kw, free_recompute=False):
         self.cap, self.cl, self.world, self.config = cap, cl, world, config
         self.pins, self.budget, self.solve_kw = pins, budget, solve_kw
+        self.free_recompute = free_recompute    # the user left recompute= to the solver
 
     def solve(self, pins: dict, limit: float | None = None) -> tuple[Plan, Solved]:
         p, v, m, schedule = self.config
@@ -301,6 +304,15 @@ class _Cutter:
         return pr, sp
 
     def fitting(self, solved):
+        """(solved, Priced, StagePlan) whose cut fits (``_fitting``); when that recomputes
+        and the user left recompute= free, per rank only the fewest layers that fit
+        (``partial_recompute.partial_pipeline``) if predicted faster."""
+        got = self._fitting(solved)
+        if self.free_recompute and got[0][0].recompute:
+            return partial_pipeline(self.cap, got, self.cl, self.world, self.config, self.budget)
+        return got
+
+    def _fitting(self, solved):
         """(solved, Priced, StagePlan) whose cut fits. The solver saw uniform stages; the
         real ones (embedding, head, whole layers) hold more: when no cut of ``solved`` fits,
         solve again with the budget short by the real overflow, then with every layer

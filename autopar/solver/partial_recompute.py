@@ -1,0 +1,183 @@
+"""Partial recomputation of a pipeline plan: per rank, the fewest repeated layers to recompute
+so that the rank fits its memory (Megatron-LM's ``--recompute-num-layers``, block method),
+instead of every layer of the model.
+
+Given a pipeline configuration (p ranks, v virtual stages, m micro-batches, a schedule), the
+cuts, and the per-node prices of an intra-stage plan *without* recomputation
+(``pipeline_costs.NodeCosts``), rank r holds stages K_r = {r, r + p, ...}; stage k holds
+``n_k`` micro-batches of activations at its peak (``stage_tables.in_flight``: 1F1B's first
+rank holds p, its last one 1). For a layer l (``analysis.layers``) let
+
+    s_l = sum_{x in l, x not kept} n_{k(x)} a_x      (bytes rank r(l) saves by recomputing l)
+    t_l = sum_{x in l} m (f_x + g_x)                 (seconds it adds to r(l)'s step)
+
+where ``a_x`` is what node x keeps for backward per micro-batch, ``f_x`` its forward seconds
+and ``g_x`` those of the forward collectives into it (both run again in backward), and
+k(x) is the stage of x. Rank r's memory with layers R recomputed is
+
+    M_r(R) = M_r(0) - sum_{l in R, r(l) = r} s_l + [R meets r] T
+
+(T: one layer's activations rebuilt at a time in backward, ``NodeCosts.recompute_bytes``).
+The choice solves, for every rank apart (ranks share no layer's bytes),
+
+    minimize sum_{l in R_r} t_l   subject to   M_r(R_r) <= budget
+
+Layers of a transformer are alike (t_l equal), so taking layers in decreasing s_l / t_l
+order until the rank fits is optimal up to the last layer taken: a rank recomputes the
+layers of its stages with the most micro-batches in flight first (under interleaving, its
+first virtual stage), and an earlier rank, which holds more in flight, recomputes at least
+as many layers as a later one. The sums above are the model; the result is then checked
+against the exact prices (``NodeCosts.with_recompute`` and ``rank_memory``, what
+``pipeline_price.pipeline_estimate`` reports) and a rank still over takes its next layer.
+
+``partial_pipeline`` applies it to an intra-stage solution that recomputes every layer and
+its cut: the same per-node choices priced without recomputation, under the cuts of the
+fully recomputed plan (which fit) and under the fastest cuts regardless of memory, each
+with its fewest layers; the fastest by the simulated schedule (``pipeline_estimate``) of
+those and the plan it was given is returned, its plan's ``recompute`` naming the layers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from autopar.analysis.layers import recompute_nodes, select_layers
+from autopar.analysis.stages import chain_index
+from autopar.solver.flat import Solved
+from autopar.solver.pipeline_price import pipeline_estimate, price_plan
+from autopar.solver.stage_dp import plan_stages
+from autopar.solver.stage_plan import StagesDoNotFit
+from autopar.solver.stage_tables import in_flight
+
+
+def rank_stages(p: int, v: int) -> list[list[int]]:
+    """The stages of each rank: stage k runs on rank k mod p."""
+    return [list(range(r, p * v, p)) for r in range(p)]
+
+
+def rank_bytes(nc, config, cuts) -> np.ndarray:
+    """Bytes per device of every rank under ``nc``'s prices (``NodeCosts.rank_memory``)."""
+    p, v, m, schedule = config
+    bounds = (0, *cuts, len(nc.units))
+    stages = list(zip(bounds[:-1], bounds[1:]))
+    held = in_flight(schedule, p, m, v)
+    return np.array([sum(nc.rank_memory([stages[k] for k in ks], held[ks]).values())
+                     for ks in rank_stages(p, v)])
+
+
+def layer_terms(cap, nc, layers, config, cuts) -> list[tuple[str, int, float, float, float]]:
+    """(layer, rank, bytes saved s_l, seconds added t_l, activations rebuilt per micro-batch)
+    of every layer in ``layers`` under cuts ``cuts`` (chain indices); a layer across a cut
+    is counted on the rank of its first node."""
+    p, v, m, schedule = config
+    where = chain_index(cap, nc.units)
+    held = in_flight(schedule, p, m, v)
+    cut_arr = np.asarray(cuts, dtype=int)
+    out = []
+    for lay in layers:
+        rec, kept = recompute_nodes(cap.gm, [lay])
+        idx = sorted(where[x] for x in rec if x in where)
+        if not idx:
+            continue
+        saved = rebuilt = added = 0.0
+        for x in rec:
+            i = where.get(x)
+            if i is None:
+                continue
+            added += m * (nc.node_forward.get(x, 0.0) + nc.node_forward_comm.get(x, 0.0))
+            if x not in kept:
+                a = nc.node_activations.get(x, 0.0)
+                k = int(np.searchsorted(cut_arr, i, side="right"))
+                saved += held[k] * a
+                rebuilt += a
+        rank = int(np.searchsorted(cut_arr, idx[0], side="right")) % p
+        out.append((lay, rank, saved, added, rebuilt))
+    return out
+
+
+def fewest_layers(cap, nc, layers, config, cuts, budget: float) -> tuple[str, ...] | None:
+    """The layers (graph order) of least added time whose recomputation brings every rank
+    within ``budget`` bytes under cuts ``cuts`` (module docstring); () when every rank fits
+    as it is, None when some rank does not fit even recomputing all of its layers."""
+    base = rank_bytes(nc, config, cuts)
+    if float(base.max()) <= budget:
+        return ()
+    terms = layer_terms(cap, nc, layers, config, cuts)
+    if not terms:
+        return None
+    transient = max(max(t[4] for t in terms), nc.recompute_bytes)
+    order = {lay: k for k, lay in enumerate(layers)}
+    queue = {r: sorted([t for t in terms if t[1] == r],
+                       key=lambda t: (-t[2] / max(t[3], 1e-30), order[t[0]]))
+             for r in range(config[0])}
+    chosen: set[str] = set()
+    for r, mine in queue.items():      # the model: take layers until the rank fits
+        need = float(base[r]) - budget
+        if need <= 0:
+            continue
+        need += transient
+        while mine and need > 0:
+            lay, _, s, _, _ = mine.pop(0)
+            chosen.add(lay)
+            need -= s
+        if need > 0:
+            return None
+    while True:                        # the exact prices: a rank still over takes one more
+        got = rank_bytes(nc.with_recompute(cap, sorted(chosen, key=order.get)), config, cuts)
+        over = [r for r in range(config[0]) if got[r] > budget]
+        if not over:
+            return tuple(sorted(chosen, key=order.get))
+        for r in over:
+            if not queue[r]:
+                return None
+            chosen.add(queue[r].pop(0)[0])
+
+
+def without_recompute(solved):
+    """``solved`` (a ``flat.Solved``) priced with nothing recomputed: the same choice per
+    node, its cost model without the recomputed layers."""
+    cost = replace(solved.cost, recompute=frozenset(), recompute_kept=frozenset())
+    return Solved(solved.problem, cost, solved.choice)
+
+
+def partial_pipeline(cap, fitted, cl, world: int, config, budget: float):
+    """``fitted`` = ((Plan, Solved), Priced, StagePlan), an intra-stage solution that
+    recomputes layers and its cut, or the same with, per rank, only the fewest layers
+    recomputed that fit ``budget`` (module docstring) when that is predicted faster."""
+    p, v, m, schedule = config
+    solved, pr_full, sp_full = fitted
+    layers = select_layers(cap.gm, "full")
+    bare = without_recompute(solved[1])
+    pr0 = price_plan(cap, solved[0], bare, cl, world, p, p * v)
+    if len(pr0.bounds) != len(pr_full.bounds) or (pr0.bounds != pr_full.bounds).any():
+        return fitted                      # (the cut points are the same: not recomputed)
+    full_cuts = tuple(int(pr_full.bounds[c]) for c in sp_full.cuts)
+    best = (pipeline_estimate(pr_full, config, full_cuts).step_time_s, fitted)
+    plans = [sp_full]
+    try:
+        plans.append(_cut(pr0, config, math.inf))      # the fastest cuts, memory aside
+    except StagesDoNotFit:
+        pass
+    for sp in plans:
+        cuts = tuple(int(pr0.bounds[c]) for c in sp.cuts)
+        chosen = fewest_layers(cap, pr0.nc, layers, config, cuts, budget)
+        if chosen is None:
+            continue
+        pr = replace(pr0, nc=pr0.nc.with_recompute(cap, chosen)) if chosen else pr0
+        step = pipeline_estimate(pr, config, cuts).step_time_s
+        if step < best[0]:
+            rec, kept = recompute_nodes(cap.gm, chosen)
+            again = Solved(bare.problem, replace(bare.cost, recompute=frozenset(rec),
+                                                 recompute_kept=frozenset(kept)), bare.choice)
+            best = (step, ((replace(solved[0], recompute=chosen), again),
+                           replace(pr, solved=again), sp))
+    return best[1]
+
+
+def _cut(pr, config, limit: float):
+    p, v, m, schedule = config
+    return plan_stages(pr.layer_costs(), n_devices=p, global_batch=pr.nc.batch * m,
+                       memory_limit=max(limit, 1.0), bandwidth=pr.bandwidth, n_stages=p,
+                       micro_batches=m, schedule=schedule, virtual_stages=v, explain=False)

@@ -1,0 +1,64 @@
+"""Partial recomputation as a solver choice: under a memory budget between a model's needs
+without recomputation and with every layer recomputed, the solver recomputes a strict,
+non-empty subset of the layers (the fewest that fit), its estimate fits the budget and is
+predicted faster than recomputing every layer; in a pipeline an earlier stage, holding more
+micro-batches in flight, recomputes at least as many layers as a later one
+(``autopar.solver.partial_recompute``; the runtime side: tests/test_pipeline_runtime.py
+``test_partial_recompute_list_under_a_pipeline``)."""
+import pytest
+
+import autopar
+from autopar.analysis.layers import repeated_layers
+from autopar.solver.pipeline_search import capture_microbatch
+from examples.models import gpt_factory
+
+LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def ex():
+    # activations outweigh the training state (a sequence of 64): recomputing pays
+    return gpt_factory(batch=8, n_layer=LAYERS, n_embd=32, block_size=64)
+
+
+def _plan(ex, **pins):
+    return autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, **pins)
+
+
+def _between(ex, **pins):
+    """(plan without recomputation, plan recomputing every layer, the budget half-way)."""
+    none = _plan(ex, recompute="none", **pins)
+    full = _plan(ex, recompute="full", **pins)
+    low, high = full.estimate.memory_total, none.estimate.memory_total
+    assert low < 0.8 * high, (low, high)            # recomputing saves memory here
+    return none, full, int((low + high) / 2)
+
+
+def test_unpipelined_plan_recomputes_the_fewest_layers_that_fit(ex):
+    none, full, budget = _between(ex, cluster="cpu:1")
+    plan = _plan(ex, cluster="cpu:1", memory_budget=budget)
+    k = len(plan.recompute)
+    assert 0 < k < LAYERS, plan.recompute
+    assert plan.estimate.memory_total <= budget
+    assert none.estimate.step_time_s < plan.estimate.step_time_s < full.estimate.step_time_s
+    # the fewest: with one layer fewer the plan needs more than the budget
+    fewer = _plan(ex, cluster="cpu:1", recompute=list(plan.recompute[:-1]))
+    assert fewer.estimate.memory_total > budget
+
+
+def test_pipeline_recomputes_more_layers_on_earlier_stages(ex):
+    pins = dict(cluster="cpu:2", pipeline=2, schedule="1f1b", micro_batch_size=1)
+    none, full, budget = _between(ex, **pins)
+    plan = _plan(ex, memory_budget=budget, **pins)
+    assert 0 < len(plan.recompute) < LAYERS, plan.recompute
+    assert plan.estimate.memory_total <= budget
+    assert plan.estimate.step_time_s < full.estimate.step_time_s
+    # the stage of each layer: after how many cuts its first node comes (in graph order)
+    cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, plan.n_microbatches)
+    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+    cuts = [order[c] for c in plan.pipeline.stage_cuts]
+    per_stage = [0] * (len(cuts) + 1)
+    for layer, names in repeated_layers(cap.gm).items():
+        if layer in plan.recompute:
+            per_stage[sum(order[names[0]] >= c for c in cuts)] += 1
+    assert per_stage[0] > 0 and per_stage == sorted(per_stage, reverse=True), per_stage
