@@ -59,3 +59,83 @@ def test_makespan_is_the_simulated_makespan(schedule, p, m, v):
     p2p = rng.random(max(S - 1, 1)) * 0.2
     actions = schedule_actions(schedule, p, m, v)
     assert makespan(actions, f, b, w, p2p) == simulate(actions, f, b, w, p2p).makespan
+
+
+def _reference_makespan(actions, f, b, w, p2p) -> float:
+    """The timeline worked out the plain way: sweep the ranks, each running its next
+    action once what it waits for has ended (``simulate``'s rules), until all have run."""
+    rank_of = {a.stage: r for r, acts in enumerate(actions) for a in acts}
+    n_stages = max(rank_of) + 1
+    dur = {"F": f, "B": b, "I": b - w, "W": w}
+    split = any(a.kind == "I" for acts in actions for a in acts)
+    end, pos, free = {}, [0] * len(actions), [0.0] * len(actions)
+    while any(k < len(acts) for k, acts in zip(pos, actions)):
+        moved = False
+        for r, acts in enumerate(actions):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                s, i = a.stage, a.microbatch
+                if a.kind == "F":
+                    deps = [((s - 1, "F", i), s - 1)] if s > 0 else []
+                elif a.kind in ("B", "I"):
+                    deps = [((s, "F", i), None)]
+                    if s < n_stages - 1:     # the next stage's gradient (B, or I when split)
+                        deps.append(((s + 1, "I" if split else "B", i), s))
+                else:
+                    deps = [((s, "I", i), None)]
+                if any(d not in end for d, _ in deps):
+                    break
+                t = free[r]
+                for d, boundary in deps:
+                    cross = boundary is not None and rank_of[d[0]] != r
+                    t = max(t, end[d] + (p2p[boundary] if cross else 0.0))
+                end[(s, a.kind, i)] = free[r] = t + dur[a.kind][s]
+                pos[r] += 1
+                moved = True
+        assert moved, "deadlock"
+    return max(end.values())
+
+
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_one_compiled_schedule_times_every_set_of_durations(schedule, p, m, v):
+    """``stage_dp.simulate_plan`` keeps one dependency structure per schedule
+    (``simulate.compile_schedule``) and times every cut with it: each set of durations
+    gives exactly the makespan of a plain sweep of the schedule (and ``simulate``'s)."""
+    from autopar.solver.simulate import compile_schedule, makespan_compiled
+    comp = compile_schedule(schedule_actions(schedule, p, m, v))
+    rng = np.random.default_rng(11 * p + m + v)
+    S = p * v
+    for _ in range(3):
+        f = rng.random(S)
+        b = f * (1 + rng.random(S))
+        w = b * rng.random(S) * 0.5
+        p2p = rng.random(max(S - 1, 1)) * rng.choice([0.0, 0.2, 5.0])
+        actions = schedule_actions(schedule, p, m, v)
+        want = _reference_makespan(actions, f, b, w if "I" in {a.kind for x in actions for a in x}
+                                   else np.zeros(S), p2p)
+        assert makespan_compiled(comp, f, b, w, p2p) == want
+        assert simulate(actions, f, b, w, p2p).makespan == want
+
+
+def test_simulate_plan_makespan_is_its_timeline_end():
+    """The cached path (``timeline=False``) and the full simulation agree on a plan, also
+    when the same schedule is timed again under other stage times."""
+    from autopar.solver.stage_dp import plan_stages, simulate_plan
+    rng = np.random.default_rng(3)
+    for schedule in ("1f1b", "zero-bubble", "interleaved-1f1b"):
+        for _ in range(2):
+            sp = plan_stages(_costs(rng), n_devices=4, global_batch=16, memory_limit=1e9,
+                             bandwidth=10.0, n_stages=4, micro_batches=8, schedule=schedule,
+                             virtual_stages=2 if schedule == "interleaved-1f1b" else None)
+            assert simulate_plan(sp, timeline=False) == simulate_plan(sp).makespan
+
+
+def test_deadlocked_schedule_raises_from_the_compiled_path():
+    from autopar.schedule import Action
+    from autopar.solver.simulate import compile_schedule, makespan_compiled
+    # rank 0 runs B before the F it needs
+    actions = [[Action(0, "B", 0), Action(0, "F", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
+    with pytest.raises(ValueError, match="deadlocks"):
+        makespan_compiled(compile_schedule(actions), 1.0, 2.0)
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate(actions, 1.0, 2.0)

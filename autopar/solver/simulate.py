@@ -69,13 +69,39 @@ def _dependencies(a: Action, n_stages: int) -> list[tuple[Action | tuple, int | 
     return [(Action(s, "I", i), None)]
 
 
-def _run(actions: Sequence[Sequence[Action]], dur: dict[str, np.ndarray],
-         p2p: np.ndarray) -> tuple[dict[Action, float], dict[Action, float], list[int]]:
-    """Start/end of every action (Kahn's order over rank order + data dependencies).
-    Actions are numbered in rank order and worked on by number (a large schedule has
-    hundreds of thousands; hashing the dataclass each time was most of the cost)."""
+@dataclass(frozen=True)
+class Compiled:
+    """A schedule's dependency structure, worked out once whatever the durations: actions
+    numbered in rank order (``flat``), each one's predecessor on its rank (``prev``, -1 for
+    the first), what it waits for (``waits``: (action, boundary crossed or -1 when the
+    transfer is free)), where its duration sits in the concatenated F, B, I, W per-stage
+    arrays (``slot``), a topological order of the actions that can run (``order``) and how
+    many of each rank's actions that is (``done``: fewer than it lists when it deadlocks).
+    Timing along any topological order gives the same times, so one order serves every
+    set of durations (``stage_dp.simulate_plan`` keeps one per schedule)."""
+    actions: tuple
+    flat: tuple
+    n_stages: int
+    kinds: frozenset
+    prev: tuple
+    waits: tuple
+    slot: tuple
+    order: tuple
+    done: tuple
+
+    @property
+    def deadlocked(self) -> bool:
+        return any(d < len(x) for d, x in zip(self.done, self.actions))
+
+
+_KINDS = "FBIW"
+
+
+def compile_schedule(actions: Sequence[Sequence[Action]]) -> Compiled:
+    """``actions``' :class:`Compiled` structure (raises on an action listed twice or one
+    that waits for an action no rank runs)."""
     ranks = _stage_ranks(actions)
-    n_stages = max(ranks) + 1
+    n_stages = max(ranks) + 1 if ranks else 0
     flat = [a for rank_actions in actions for a in rank_actions]
     if len(set(flat)) != len(flat):
         raise ValueError("schedule lists an action twice")
@@ -88,9 +114,8 @@ def _run(actions: Sequence[Sequence[Action]], dur: dict[str, np.ndarray],
             prev[base] = -1
     key = {(a.stage, a.kind, a.microbatch): n for n, a in enumerate(flat)}
     grad = {(a.stage, a.microbatch): n for n, a in enumerate(flat) if a.kind in ("B", "I")}
-    links = [float(x) for x in np.asarray(p2p, dtype=float).ravel()]
 
-    waits: list[list[tuple[int, float]]] = []
+    waits: list[tuple[tuple[int, int], ...]] = []
     users: list[list[int]] = [[] for _ in flat]
     indegree: list[int] = []
     for n, a in enumerate(flat):      # _dependencies' pairs, by number
@@ -107,38 +132,65 @@ def _run(actions: Sequence[Sequence[Action]], dur: dict[str, np.ndarray],
             if target is None:
                 dep = _dependencies(a, n_stages)[k][0]
                 raise ValueError(f"action {a} on rank {r} depends on {dep}, which no rank runs")
-            cost = 0.0 if boundary is None or ranks[flat[target].stage] == r else links[boundary]
-            deps[k] = (target, cost)
+            free = boundary is None or ranks[flat[target].stage] == r
+            deps[k] = (target, -1 if free else boundary)
             users[target].append(n)
-        waits.append(deps)
+        waits.append(tuple(deps))
         indegree.append(len(deps) + (prev[n] >= 0))
     for n, q in enumerate(prev):
         if q >= 0:
             users[q].append(n)
-
-    table = {k: [float(x) for x in np.asarray(v, dtype=float).ravel()] for k, v in dur.items()}
-    length = [table[a.kind][a.stage] for a in flat]
-    t_start: list[float] = [0.0] * len(flat)
-    t_end: list[float] = [0.0] * len(flat)
     order: list[int] = []
     ready = deque(n for n, d in enumerate(indegree) if d == 0)
     while ready:
         n = ready.popleft()
         order.append(n)
-        q = prev[n]
-        t = t_end[q] if q >= 0 else 0.0
-        for dep, cost in waits[n]:
-            t = max(t, t_end[dep] + cost)
-        t_start[n] = t
-        t_end[n] = t + length[n]
         for u in users[n]:
             indegree[u] -= 1
             if indegree[u] == 0:
                 ready.append(u)
-    start = {flat[n]: t_start[n] for n in order}
-    end = {flat[n]: t_end[n] for n in order}
-    done = [sum(1 for a in rank_actions if a in end) for rank_actions in actions]
-    return start, end, done
+    ran = set(order)
+    done = tuple(sum(1 for n in range(len(prev)) if rank_of[n] == r and n in ran)
+                 for r in range(len(actions))) if len(order) < len(flat) else \
+        tuple(len(x) for x in actions)
+    return Compiled(actions=tuple(tuple(x) for x in actions), flat=tuple(flat), n_stages=n_stages,
+                    kinds=frozenset(a.kind for a in flat), prev=tuple(prev), waits=tuple(waits),
+                    slot=tuple(_KINDS.index(a.kind) * n_stages + a.stage for a in flat),
+                    order=tuple(order), done=done)
+
+
+def _times(comp: Compiled, dur: dict[str, np.ndarray], p2p: np.ndarray,
+           starts: bool = True) -> tuple[list[float] | None, list[float]]:
+    """(start, end) of every action of ``comp`` by number (unset for those a deadlock
+    leaves unrun); ``starts=False`` skips the starts."""
+    table = [float(x) for k in _KINDS
+             for x in np.broadcast_to(np.asarray(dur.get(k, 0.0), dtype=float), (comp.n_stages,))]
+    links = [float(x) for x in np.asarray(p2p, dtype=float).ravel()]
+    prev, waits, slot = comp.prev, comp.waits, comp.slot
+    t_start = [0.0] * len(slot) if starts else None
+    t_end = [0.0] * len(slot)
+    for n in comp.order:
+        q = prev[n]
+        t = t_end[q] if q >= 0 else 0.0
+        for dep, b in waits[n]:
+            t = max(t, t_end[dep] + (0.0 if b < 0 else links[b]))
+        if starts:
+            t_start[n] = t
+        t_end[n] = t + table[slot[n]]
+    return t_start, t_end
+
+
+def _run(actions: Sequence[Sequence[Action]], dur: dict[str, np.ndarray],
+         p2p: np.ndarray) -> tuple[dict[Action, float], dict[Action, float], list[int]]:
+    """Start/end of every action (Kahn's order over rank order + data dependencies).
+    Actions are numbered in rank order and worked on by number (a large schedule has
+    hundreds of thousands; hashing the dataclass each time was most of the cost)."""
+    comp = compile_schedule(actions)
+    t_start, t_end = _times(comp, dur, p2p)
+    flat = comp.flat
+    start = {flat[n]: t_start[n] for n in comp.order}
+    end = {flat[n]: t_end[n] for n in comp.order}
+    return start, end, list(comp.done)
 
 
 def _deadlock_message(actions, done) -> str:
@@ -199,20 +251,26 @@ def makespan(actions: Sequence[Sequence[Action]], forward, backward, weight=None
              p2p=0.0) -> float:
     """``simulate(...).makespan`` alone (no timeline, no in-flight counts): what a search
     ranking many schedules reads."""
-    _, end = _timed(actions, forward, backward, weight, p2p)
-    return float(max(end.values()))
+    return makespan_compiled(compile_schedule(actions), forward, backward, weight, p2p)
 
 
-def _timed(actions: Sequence[Sequence[Action]], forward, backward, weight, p2p):
-    """(start, end) of every action (``simulate``'s arguments, checked)."""
-    ranks = _stage_ranks(actions)
-    if not ranks:
+def makespan_compiled(comp: Compiled, forward, backward, weight=None, p2p=0.0) -> float:
+    """:func:`makespan` of a :func:`compile_schedule` structure, kept by a caller that
+    times one schedule under many durations."""
+    if comp.deadlocked:
+        raise ValueError(_deadlock_message(comp.actions, comp.done))
+    dur, links = _durations(comp, forward, backward, weight, p2p)
+    return float(max(_times(comp, dur, links, starts=False)[1]))
+
+
+def _durations(comp: Compiled, forward, backward, weight, p2p):
+    """({kind: per-stage seconds}, per-boundary transfer seconds), checked."""
+    if not comp.flat:
         raise ValueError("empty schedule")
-    n_stages = max(ranks) + 1
-    kinds = {a.kind for rank_actions in actions for a in rank_actions}
+    n_stages = comp.n_stages
     f = _per_stage(forward, n_stages, "forward")
     b = _per_stage(backward, n_stages, "backward")
-    if kinds & {"I", "W"}:
+    if comp.kinds & {"I", "W"}:
         if weight is None:
             raise ValueError("schedule splits the backward into I and W: pass weight= "
                              "(the weight-gradient part of each stage's backward)")
@@ -223,12 +281,18 @@ def _timed(actions: Sequence[Sequence[Action]], forward, backward, weight, p2p):
     else:
         w = np.zeros(n_stages)
     links = _per_stage(p2p, max(n_stages - 1, 1), "p2p")
-    dur = {"F": f, "B": b, "I": b - w, "W": w}
+    return {"F": f, "B": b, "I": b - w, "W": w}, links
 
-    start, end, done = _run(actions, dur, links)
-    if any(d < len(x) for d, x in zip(done, actions)):
-        raise ValueError(_deadlock_message(actions, done))
-    return start, end
+
+def _timed(actions: Sequence[Sequence[Action]], forward, backward, weight, p2p):
+    """(start, end) of every action (``simulate``'s arguments, checked)."""
+    comp = compile_schedule(actions)
+    dur, links = _durations(comp, forward, backward, weight, p2p)
+    if comp.deadlocked:
+        raise ValueError(_deadlock_message(actions, comp.done))
+    t_start, t_end = _times(comp, dur, links)
+    flat = comp.flat
+    return {flat[n]: t_start[n] for n in comp.order}, {flat[n]: t_end[n] for n in comp.order}
 
 
 def _peak_in_flight(start: dict[Action, float], end: dict[Action, float],

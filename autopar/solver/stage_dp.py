@@ -74,7 +74,7 @@ import numpy as np
 from autopar.errors import PinError
 
 from autopar.schedule import SCHEDULES, check_schedule, schedule_actions
-from autopar.solver.simulate import makespan, simulate
+from autopar.solver.simulate import compile_schedule, makespan_compiled, simulate
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
 from autopar.solver.stage_tables import (
     INF, Candidate, Tables, bubble_rho, in_flight, price, ring_factor,
@@ -359,8 +359,18 @@ def simulate_plan(plan: StagePlan, timeline: bool = True):
     its makespan alone (``simulate.makespan``, the same figure without the timeline)."""
     times = np.asarray(plan.stage_times)
     f = plan.forward_fraction
-    actions = schedule_actions(plan.schedule, plan.n_stages, plan.micro_batches, plan.virtual_stages)
     p2p = plan.boundary_times if plan.boundary_times else 0.0
-    return (simulate if timeline else makespan)(
-        actions, forward=times * f, backward=times * (1 - f),
-        weight=times * (1 - f) * plan.weight_fraction, p2p=p2p)
+    kw = dict(forward=times * f, backward=times * (1 - f),
+              weight=times * (1 - f) * plan.weight_fraction, p2p=p2p)
+    if not timeline:
+        return makespan_compiled(_compiled(plan.schedule, plan.n_stages, plan.micro_batches,
+                                           plan.virtual_stages), **kw)
+    return simulate(schedule_actions(plan.schedule, plan.n_stages, plan.micro_batches,
+                                     plan.virtual_stages), **kw)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(schedule: str, p: int, m: int, v: int):
+    """The schedule's dependency structure (``simulate.compile_schedule``), built once per
+    (schedule, p, m, v): a search simulates the same schedule under many cuts and meshes."""
+    return compile_schedule(schedule_actions(schedule, p, m, v))
