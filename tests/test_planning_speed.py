@@ -139,3 +139,37 @@ def test_deadlocked_schedule_raises_from_the_compiled_path():
         makespan_compiled(compile_schedule(actions), 1.0, 2.0)
     with pytest.raises(ValueError, match="deadlocks"):
         simulate(actions, 1.0, 2.0)
+
+
+def test_meshes_the_bound_skipped_are_priced_from_their_kept_solution(monkeypatch):
+    """``pipeline_free._DegreeSearch``: a stage mesh the bound prunes keeps its intra-stage
+    solution, so ``unpruned`` prices it without solving its ILP again, and gives what a
+    search that pruned nothing gives."""
+    import torch
+
+    from autopar.capture import capture
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.solver import pipeline_free
+    from examples.models import gpt_factory
+    with torch.device("meta"):
+        ex = gpt_factory(batch=16, n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
+    cl, world = parse_cluster("2x2xA100"), 4
+    solved = []
+    real = pipeline_free.solve_intra
+    monkeypatch.setattr(pipeline_free, "solve_intra",
+                        lambda *a, **k: solved.append(a[4]) or real(*a, **k))
+
+    def search():
+        return pipeline_free._DegreeSearch(cap, cl, world, {}, 16, cl.device.memory_bytes, "adamw",
+                                           60.0, False)
+    want = search().best(2)
+    n_meshes = len(solved)
+    assert want is not None and n_meshes > 1
+    pruning = search()
+    pruning.bound = 1e-30               # nothing beats it: every mesh solved, then pruned
+    assert pruning.best(2) is None and len(pruning.pruned) == n_meshes == len(solved) - n_meshes
+    solved.clear()
+    got = pruning.unpruned()
+    assert solved == []                 # no ILP solved again
+    assert got[2][0] == want[0] and got[2][2] == want[2] and got[2][3] == want[3]

@@ -117,13 +117,16 @@ class _DegreeSearch:
         # branch and bound: the least predicted step found so far; a mesh whose step floor
         # (pipeline_search.step_floor: its busiest rank's work) cannot beat it is skipped
         self.bound, self.pruned = math.inf, []
+        # a pruned mesh's intra-stage solution and prices, kept for ``unpruned`` (which
+        # would otherwise solve the same ILP again)
+        self.priced: dict[tuple[int, int, int], tuple] = {}
 
     def unpruned(self) -> dict:
         """{p: best} over the meshes the bound skipped, priced in full."""
         out, pruned = {}, self.pruned
         self.bound, self.pruned = math.inf, []
         for p, data, tensor in pruned:
-            got = self._on_mesh(p, data, tensor)
+            got = self._on_mesh(p, data, tensor, self.priced.pop((p, data, tensor), None))
             if got is not None and (p not in out or got[0] < out[p][0]):
                 out[p] = got
         return out
@@ -143,7 +146,9 @@ class _DegreeSearch:
                 best = got
         return best
 
-    def _on_mesh(self, p: int, data: int, tensor: int):
+    def _on_mesh(self, p: int, data: int, tensor: int, priced: tuple | None = None):
+        """``best``'s figure for one stage mesh; ``priced``: its (intra plan, Solved,
+        Priced, allowed micro-batch counts) from when the bound pruned it."""
         cap, pins, batch = self.cap, self.pins, self.batch
         mesh = {"data": data, "tensor": tensor}
         # without a zero= pin the intra-stage search weighs ZeRO over the data axis (flat.py)
@@ -160,19 +165,22 @@ class _DegreeSearch:
         # per micro-batch too: its inputs, and the transient of rebuilding one recomputed
         # layer in backward (priced on the full batch, it alone can exceed the budget)
         weights["inputs"] = weights["recompute"] = data / batch
-        try:
-            intra, sol = solve_intra(cap, self.cl, self.world, p, {**pins, **mesh}, weights=weights,
-                                     memory_budget=self.budget, optimizer=self.optimizer,
-                                     time_limit_s=self.time_limit_s, explain=False)
-            pr = price_plan(cap, intra, sol, self.cl, self.world, p, 4 * p)
-            allowed = _allowed_micro_batches(batch, batch_degree(cap, intra))
-        except ValueError as e:          # InfeasibleError, PinError, ...
-            self.out_of_memory = isinstance(e, InfeasibleError)
-            self._say(p, mesh, str(e).splitlines()[0][:100])
-            return None
+        if priced is None:
+            try:
+                intra, sol = solve_intra(cap, self.cl, self.world, p, {**pins, **mesh}, weights=weights,
+                                         memory_budget=self.budget, optimizer=self.optimizer,
+                                         time_limit_s=self.time_limit_s, explain=False)
+                pr = price_plan(cap, intra, sol, self.cl, self.world, p, 4 * p)
+                priced = (intra, sol, pr, _allowed_micro_batches(batch, batch_degree(cap, intra)))
+            except ValueError as e:          # InfeasibleError, PinError, ...
+                self.out_of_memory = isinstance(e, InfeasibleError)
+                self._say(p, mesh, str(e).splitlines()[0][:100])
+                return None
+        intra, sol, pr, allowed = priced
         if step_floor(pr, p, batch, pins, allowed) >= self.bound:
             # its busiest rank alone takes longer than the best found (recomputing only adds)
             self.pruned.append((p, data, tensor))
+            self.priced[(p, data, tensor)] = priced
             self._say(p, mesh, f"cannot beat {self.bound:.4g} s")
             return None
         for rec in ((), self.layers) if self.layers else ((),):
@@ -185,6 +193,7 @@ class _DegreeSearch:
                 continue
             if got is None:     # nothing on this mesh can beat the best found (nor recomputing)
                 self.pruned.append((p, data, tensor))
+                self.priced[(p, data, tensor)] = priced
                 self._say(p, mesh, f"cannot beat {self.bound:.4g} s")
                 return None
             sp, predicted = got
