@@ -77,7 +77,7 @@ from autopar.schedule import SCHEDULES, check_schedule, schedule_actions
 from autopar.solver.simulate import compile_schedule, makespan_compiled, simulate
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
 from autopar.solver.stage_tables import (
-    INF, Candidate, Tables, bubble_rho, in_flight, price, ring_factor,
+    INF, Candidate, Stack, Tables, bubble_rho, in_flight, price, ring_factor,
 )
 
 __all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit", "stage_dp", "plan_stages", "simulate_plan",
@@ -128,8 +128,9 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
     total = np.full((n_stages, rows), INF)
     arg = np.zeros((n_stages, rows), dtype=np.int64)
     total[0] = np.where(cost[0, 0] <= within, tie[0, 0], INF)
+    allowed = _within(cost, tie, within)
     for k in range(1, n_stages):
-        cand = total[k - 1][:, None] + np.where(cost[k] <= within, tie[k], INF)
+        cand = total[k - 1][:, None] + allowed(k)
         arg[k] = cand.argmin(axis=0)
         total[k] = cand[arg[k], np.arange(rows)]
     cuts = []
@@ -138,6 +139,17 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
         i = int(arg[k, i])
         cuts.append(i)
     return bottleneck, tuple(reversed(cuts))
+
+
+def _within(cost, tie, within: float):
+    """k -> ``tie[k]`` where ``cost[k]`` is within the bottleneck, INF elsewhere; worked out
+    once per distinct table when both are ``Stack``s over the same tables (an interleaved
+    schedule's p * v stages share p tables)."""
+    if isinstance(cost, Stack) and isinstance(tie, Stack) and len(cost.tables) < len(cost.which) \
+            and np.array_equal(cost.which, tie.which):
+        tables, which = np.where(cost.tables <= within, tie.tables, INF), cost.which
+        return lambda k: tables[which[k]]
+    return lambda k: np.where(cost[k] <= within, tie[k], INF)
 
 
 # ---- the search -----------------------------------------------------------------------------
