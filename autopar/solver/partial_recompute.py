@@ -39,11 +39,12 @@ those and the plan it was given is returned, its plan's ``recompute`` naming the
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import replace
 
 import numpy as np
 
-from autopar.analysis.layers import recompute_nodes, select_layers
+from autopar.analysis.layers import recompute_nodes, repeated_layers, select_layers
 from autopar.analysis.stages import chain_index
 from autopar.solver.flat import Solved
 from autopar.solver.pipeline_price import pipeline_estimate, price_plan
@@ -67,6 +68,24 @@ def rank_bytes(nc, config, cuts) -> np.ndarray:
                      for ks in rank_stages(p, v)])
 
 
+_LAYER_NODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def layer_nodes(cap) -> dict[str, tuple[frozenset, frozenset]]:
+    """Layer -> (its captured nodes, those read outside it): ``recompute_nodes`` of each
+    repeated layer alone, worked out once per graph."""
+    got = _LAYER_NODES.get(cap.gm)
+    if got is None:
+        nodes = {n.name: n for n in cap.gm.graph.nodes}
+        got = {}
+        for lay, names in repeated_layers(cap.gm).items():
+            inside = set(names)
+            got[lay] = (frozenset(inside), frozenset(
+                x for x in inside if any(u.name not in inside for u in nodes[x].users)))
+        _LAYER_NODES[cap.gm] = got
+    return got
+
+
 def layer_terms(cap, nc, layers, config, cuts) -> list[tuple[str, int, float, float, float]]:
     """(layer, rank, bytes saved s_l, seconds added t_l, activations rebuilt per micro-batch)
     of every layer in ``layers`` under cuts ``cuts`` (chain indices); a layer across a cut
@@ -76,8 +95,9 @@ def layer_terms(cap, nc, layers, config, cuts) -> list[tuple[str, int, float, fl
     held = in_flight(schedule, p, m, v)
     cut_arr = np.asarray(cuts, dtype=int)
     out = []
+    members = layer_nodes(cap)
     for lay in layers:
-        rec, kept = recompute_nodes(cap.gm, [lay])
+        rec, kept = members[lay]
         idx = sorted(where[x] for x in rec if x in where)
         if not idx:
             continue
