@@ -21,7 +21,7 @@ from autopar.solver.errors import InfeasibleError
 from autopar.solver.pipeline_price import batch_degree, memory_weights, price_plan, state_bytes
 from autopar.solver.pipeline_search import (
     _allowed_micro_batches, _choose, _has_layers, capture_microbatch, plan_pipeline, solve_intra,
-    step_floor,
+    most_stages, step_floor,
 )
 
 
@@ -170,7 +170,7 @@ class _DegreeSearch:
                 intra, sol = solve_intra(cap, self.cl, self.world, p, {**pins, **mesh}, weights=weights,
                                          memory_budget=self.budget, optimizer=self.optimizer,
                                          time_limit_s=self.time_limit_s, explain=False)
-                pr = price_plan(cap, intra, sol, self.cl, self.world, p, 4 * p)
+                pr = price_plan(cap, intra, sol, self.cl, self.world, p, most_stages(pins, p))
                 priced = (intra, sol, pr, _allowed_micro_batches(batch, batch_degree(cap, intra)))
             except ValueError as e:          # InfeasibleError, PinError, ...
                 self.out_of_memory = isinstance(e, InfeasibleError)
