@@ -103,7 +103,9 @@ def compile_schedule(actions: Sequence[Sequence[Action]]) -> Compiled:
     ranks = _stage_ranks(actions)
     n_stages = max(ranks) + 1 if ranks else 0
     flat = [a for rank_actions in actions for a in rank_actions]
-    if len(set(flat)) != len(flat):
+    parts = [(a.stage, a.kind, a.microbatch) for a in flat]
+    key = {t: n for n, t in enumerate(parts)}
+    if len(key) != len(flat):
         raise ValueError("schedule lists an action twice")
     rank_of, prev = [], []
     for r, rank_actions in enumerate(actions):
@@ -112,31 +114,34 @@ def compile_schedule(actions: Sequence[Sequence[Action]]) -> Compiled:
         prev.extend(range(base - 1, base + len(rank_actions) - 1))
         if rank_actions:
             prev[base] = -1
-    key = {(a.stage, a.kind, a.microbatch): n for n, a in enumerate(flat)}
-    grad = {(a.stage, a.microbatch): n for n, a in enumerate(flat) if a.kind in ("B", "I")}
+    grad = {(s, i): n for n, (s, k, i) in enumerate(parts) if k == "B" or k == "I"}
+    stage_rank = [ranks.get(s, -1) for s in range(n_stages)]
 
     waits: list[tuple[tuple[int, int], ...]] = []
     users: list[list[int]] = [[] for _ in flat]
-    indegree: list[int] = []
-    for n, a in enumerate(flat):      # _dependencies' pairs, by number
-        r, s, i = rank_of[n], a.stage, a.microbatch
-        if a.kind == "F":
-            deps = [(key.get((s - 1, "F", i)), s - 1)] if s > 0 else []
-        elif a.kind in ("B", "I"):
-            deps = [(key.get((s, "F", i)), None)]
-            if s < n_stages - 1:
-                deps.append((grad.get((s + 1, i)), s))
+    indegree = [0 if q < 0 else 1 for q in prev]
+    for n, (s, kind, i) in enumerate(parts):      # _dependencies' pairs, by number
+        r = rank_of[n]
+        if kind == "F":
+            if s == 0:
+                waits.append(())
+                continue
+            deps = ((key.get((s - 1, "F", i)), s - 1),)
+        elif kind == "B" or kind == "I":
+            deps = ((key.get((s, "F", i)), None),) if s == n_stages - 1 else \
+                ((key.get((s, "F", i)), None), (grad.get((s + 1, i)), s))
         else:
-            deps = [(key.get((s, "I", i)), None)]
+            deps = ((key.get((s, "I", i)), None),)
+        out = []
         for k, (target, boundary) in enumerate(deps):
             if target is None:
-                dep = _dependencies(a, n_stages)[k][0]
-                raise ValueError(f"action {a} on rank {r} depends on {dep}, which no rank runs")
-            free = boundary is None or ranks[flat[target].stage] == r
-            deps[k] = (target, -1 if free else boundary)
+                dep = _dependencies(flat[n], n_stages)[k][0]
+                raise ValueError(f"action {flat[n]} on rank {r} depends on {dep}, which no rank runs")
+            free = boundary is None or stage_rank[parts[target][0]] == r
+            out.append((target, -1 if free else boundary))
             users[target].append(n)
-        waits.append(tuple(deps))
-        indegree.append(len(deps) + (prev[n] >= 0))
+        waits.append(tuple(out))
+        indegree[n] += len(out)
     for n, q in enumerate(prev):
         if q >= 0:
             users[q].append(n)
@@ -154,8 +159,8 @@ def compile_schedule(actions: Sequence[Sequence[Action]]) -> Compiled:
                  for r in range(len(actions))) if len(order) < len(flat) else \
         tuple(len(x) for x in actions)
     return Compiled(actions=tuple(tuple(x) for x in actions), flat=tuple(flat), n_stages=n_stages,
-                    kinds=frozenset(a.kind for a in flat), prev=tuple(prev), waits=tuple(waits),
-                    slot=tuple(_KINDS.index(a.kind) * n_stages + a.stage for a in flat),
+                    kinds=frozenset(k for _, k, _ in parts), prev=tuple(prev), waits=tuple(waits),
+                    slot=tuple(_KINDS.index(k) * n_stages + s for s, k, _ in parts),
                     order=tuple(order), done=done)
 
 
