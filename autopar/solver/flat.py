@@ -161,8 +161,10 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                       f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
             if best is None or sol.objective_s < best.sol.objective_s:
                 best = _Best(sol, problem, shape, axes, recompute, cost, pins)
+    # (a pipeline's stage view, ``memory_weights``, leaves which layers to the per-rank
+    # choice after the cuts: ``partial_recompute``)
     if pins.get("recompute") is None and choices[-1] == "full" and best is not None \
-            and best.recompute:
+            and best.recompute and not memory_weights:
         best = _fewest_layers(cap, cl, best, budget=budget, time_limit_s=time_limit_s,
                               profiler=profiler, memory_weights=memory_weights,
                               grad_sync_scale=grad_sync_scale, verbose=verbose)

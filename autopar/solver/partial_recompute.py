@@ -44,7 +44,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from autopar.analysis.layers import recompute_nodes, repeated_layers, select_layers
+from autopar.analysis.layers import repeated_layers, select_layers
 from autopar.analysis.stages import chain_index
 from autopar.solver.flat import Solved
 from autopar.solver.pipeline_price import pipeline_estimate, price_plan
@@ -117,13 +117,14 @@ def layer_terms(cap, nc, layers, config, cuts) -> list[tuple[str, int, float, fl
     return out
 
 
-def fewest_layers(cap, nc, layers, config, cuts, budget: float) -> tuple[str, ...] | None:
-    """The layers (graph order) of least added time whose recomputation brings every rank
-    within ``budget`` bytes under cuts ``cuts`` (module docstring); () when every rank fits
-    as it is, None when some rank does not fit even recomputing all of its layers."""
+def fewest_layers(cap, nc, layers, config, cuts, budget: float):
+    """(the layers (graph order) of least added time whose recomputation brings every rank
+    within ``budget`` bytes under cuts ``cuts`` (module docstring), ``nc`` with them
+    recomputed); ((), nc) when every rank fits as it is, None when some rank does not fit
+    even recomputing all of its layers."""
     base = rank_bytes(nc, config, cuts)
     if float(base.max()) <= budget:
-        return ()
+        return (), nc
     terms = layer_terms(cap, nc, layers, config, cuts)
     if not terms:
         return None
@@ -145,10 +146,12 @@ def fewest_layers(cap, nc, layers, config, cuts, budget: float) -> tuple[str, ..
         if need > 0:
             return None
     while True:                        # the exact prices: a rank still over takes one more
-        got = rank_bytes(nc.with_recompute(cap, sorted(chosen, key=order.get)), config, cuts)
+        rec = tuple(sorted(chosen, key=order.get))
+        priced = nc.with_recompute(cap, rec)
+        got = rank_bytes(priced, config, cuts)
         over = [r for r in range(config[0]) if got[r] > budget]
         if not over:
-            return tuple(sorted(chosen, key=order.get))
+            return rec, priced
         for r in over:
             if not queue[r]:
                 return None
@@ -182,13 +185,14 @@ def partial_pipeline(cap, fitted, cl, world: int, config, budget: float):
         pass
     for sp in plans:
         cuts = tuple(int(pr0.bounds[c]) for c in sp.cuts)
-        chosen = fewest_layers(cap, pr0.nc, layers, config, cuts, budget)
-        if chosen is None:
+        got = fewest_layers(cap, pr0.nc, layers, config, cuts, budget)
+        if got is None:
             continue
-        pr = replace(pr0, nc=pr0.nc.with_recompute(cap, chosen)) if chosen else pr0
+        chosen, pr = got[0], replace(pr0, nc=got[1])
         step = pipeline_estimate(pr, config, cuts).step_time_s
         if step < best[0]:
-            rec, kept = recompute_nodes(cap.gm, chosen)
+            rec = frozenset().union(*(layer_nodes(cap)[lay][0] for lay in chosen))
+            kept = frozenset().union(*(layer_nodes(cap)[lay][1] for lay in chosen))
             again = Solved(bare.problem, replace(bare.cost, recompute=frozenset(rec),
                                                  recompute_kept=frozenset(kept)), bare.choice)
             best = (step, ((replace(solved[0], recompute=chosen), again),
