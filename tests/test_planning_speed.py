@@ -173,3 +173,38 @@ def test_meshes_the_bound_skipped_are_priced_from_their_kept_solution(monkeypatc
     got = pruning.unpruned()
     assert solved == []                 # no ILP solved again
     assert got[2][0] == want[0] and got[2][2] == want[2] and got[2][3] == want[3]
+
+
+def test_configurations_of_one_micro_batch_count_share_its_capture(monkeypatch):
+    """``search_pipelines`` plans several configurations for real when the first falls
+    short of its prediction; those with the same micro-batch count plan on one capture."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from autopar.solver import pipeline_free
+    steps = {3: (80.0, 166.0, 4), 12: (84.0, 88.0, 4), 24: (85.0, 87.0, 8), 48: (86.0, 86.5, 4)}
+
+    class Search:
+        def __init__(self, *a, **k):
+            pass
+
+        def best(self, p):
+            return steps[p][0], p, NS(virtual_stages=1, micro_batches=steps[p][2], schedule="1f1b"), {}
+
+        def unpruned(self):
+            return {}
+    captures, planned = [], []
+    monkeypatch.setattr(pipeline_free, "pipeline_degrees", lambda cap, cl, world: sorted(steps))
+    monkeypatch.setattr(pipeline_free, "_DegreeSearch", Search)
+    monkeypatch.setattr(pipeline_free, "capture_microbatch",
+                        lambda *a: captures.append(a[-1]) or f"graph at m={a[-1]}")
+    monkeypatch.setattr(pipeline_free, "plan_pipeline", lambda mcap, cl, world, pins, config, **kw:
+                        planned.append((config[0], mcap)) or
+                        NS(estimate=NS(step_time_s=steps[config[0]][1]), p=config[0]))
+    plan, mcap = pipeline_free.search_pipelines(None, None, (torch.zeros(8, 2),), None, None,
+                                                NS(device=NS(memory_bytes=1.0)), 8, {})
+    assert planned == [(3, "graph at m=4"), (12, "graph at m=4"), (24, "graph at m=8"),
+                       (48, "graph at m=4")]
+    assert captures == [4, 8]
+    assert plan.p == 48 and mcap == "graph at m=4"

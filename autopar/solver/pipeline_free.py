@@ -73,6 +73,7 @@ def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, 
     # configuration's prediction does not end the search (the per-sample prices can miss
     # per-micro-batch costs: BLOOM's ZeRO-3 on Omni-Path was predicted 82 s, planned 167 s)
     pending, first, planned = sorted(found, key=lambda x: x[0]), True, None
+    captured = {}       # m -> the graph at that micro-batch: configurations of one m share it
     while pending:
         predicted, p, sp, extra = pending.pop(0)
         if planned is not None and predicted >= planned[0].estimate.step_time_s:
@@ -80,7 +81,10 @@ def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, 
         config = (p, sp.virtual_stages, sp.micro_batches, sp.schedule)
         try:
             t0 = time.perf_counter()
-            mcap = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
+            mcap = captured.get(config[2])
+            if mcap is None:
+                mcap = captured[config[2]] = capture_microbatch(model, example_inputs, loss_fn,
+                                                                target, config[2])
             real = plan_pipeline(mcap, cl, world, pins, config, extra_pins=extra,
                                  memory_budget=memory_budget, optimizer=optimizer,
                                  time_limit_s=time_limit_s, capture_s=time.perf_counter() - t0,
