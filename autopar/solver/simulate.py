@@ -99,49 +99,63 @@ _KINDS = "FBIW"
 
 def compile_schedule(actions: Sequence[Sequence[Action]]) -> Compiled:
     """``actions``' :class:`Compiled` structure (raises on an action listed twice or one
-    that waits for an action no rank runs)."""
+    that waits for an action no rank runs). The dependencies are looked up in one array
+    indexed by (kind, stage, micro-batch); only the topological order is a Python loop."""
     ranks = _stage_ranks(actions)
     n_stages = max(ranks) + 1 if ranks else 0
     flat = [a for rank_actions in actions for a in rank_actions]
-    parts = [(a.stage, a.kind, a.microbatch) for a in flat]
-    key = {t: n for n, t in enumerate(parts)}
-    if len(key) != len(flat):
+    n_actions = len(flat)
+    stage = np.fromiter((a.stage for a in flat), dtype=np.int64, count=n_actions)
+    kind = np.fromiter((_KINDS.index(a.kind) for a in flat), dtype=np.int64, count=n_actions)
+    micro = np.fromiter((a.microbatch for a in flat), dtype=np.int64, count=n_actions)
+    rank_of = np.repeat(np.arange(len(actions)), [len(x) for x in actions])
+    index = np.full((len(_KINDS), n_stages, int(micro.max(initial=-1)) + 1), -1, dtype=np.int64)
+    number = np.arange(n_actions)
+    index[kind, stage, micro] = number
+    if (index[kind, stage, micro] != number).any():
         raise ValueError("schedule lists an action twice")
-    rank_of, prev = [], []
-    for r, rank_actions in enumerate(actions):
-        base = len(prev)
-        rank_of.extend([r] * len(rank_actions))
-        prev.extend(range(base - 1, base + len(rank_actions) - 1))
-        if rank_actions:
-            prev[base] = -1
-    grad = {(s, i): n for n, (s, k, i) in enumerate(parts) if k == "B" or k == "I"}
-    stage_rank = [ranks.get(s, -1) for s in range(n_stages)]
+    first = np.zeros(n_actions, dtype=bool)
+    first[np.cumsum([0] + [len(x) for x in actions])[:-1][[len(x) > 0 for x in actions]]] = True
+    prev = np.where(first, -1, number - 1)
+    stage_rank = np.array([ranks.get(s, -1) for s in range(n_stages)], dtype=np.int64)
+    up, down = np.maximum(stage - 1, 0), np.minimum(stage + 1, max(n_stages - 1, 0))
+    is_f, is_w = kind == 0, kind == 3
+    is_bi = (kind == 1) | (kind == 2)
+    # dependency 0: F <- F of the stage before (none on stage 0); B / I <- F; W <- I
+    dep0 = np.where(is_f, index[0, up, micro], np.where(is_bi, index[0, stage, micro],
+                                                        index[2, stage, micro]))
+    has0 = ~(is_f & (stage == 0))
+    free0 = ~is_f | (stage_rank[up] == rank_of)
+    # dependency 1: B / I <- the next stage's gradient (its B, or I when split)
+    grad = np.where(index[1, down, micro] >= 0, index[1, down, micro], index[2, down, micro])
+    has1 = is_bi & (stage < n_stages - 1)
+    free1 = stage_rank[down] == rank_of
+    missing = (has0 & (dep0 < 0)) | (has1 & (grad < 0))
+    if missing.any():
+        n = int(np.argmax(missing))
+        k = 0 if has0[n] and dep0[n] < 0 else 1
+        dep = _dependencies(flat[n], n_stages)[k][0]
+        raise ValueError(f"action {flat[n]} on rank {int(rank_of[n])} depends on {dep}, which no rank runs")
+    b0 = np.where(free0, -1, stage - 1).tolist()
+    b1 = np.where(free1, -1, stage).tolist()
+    dep0, grad, has0, has1 = dep0.tolist(), grad.tolist(), has0.tolist(), has1.tolist()
+    prev = prev.tolist()
 
     waits: list[tuple[tuple[int, int], ...]] = []
     users: list[list[int]] = [[] for _ in flat]
     indegree = [0 if q < 0 else 1 for q in prev]
-    for n, (s, kind, i) in enumerate(parts):      # _dependencies' pairs, by number
-        r = rank_of[n]
-        if kind == "F":
-            if s == 0:
-                waits.append(())
-                continue
-            deps = ((key.get((s - 1, "F", i)), s - 1),)
-        elif kind == "B" or kind == "I":
-            deps = ((key.get((s, "F", i)), None),) if s == n_stages - 1 else \
-                ((key.get((s, "F", i)), None), (grad.get((s + 1, i)), s))
+    for n in range(n_actions):
+        if has1[n]:
+            w = ((dep0[n], b0[n]), (grad[n], b1[n]))
+            users[dep0[n]].append(n)
+            users[grad[n]].append(n)
+        elif has0[n]:
+            w = ((dep0[n], b0[n]),)
+            users[dep0[n]].append(n)
         else:
-            deps = ((key.get((s, "I", i)), None),)
-        out = []
-        for k, (target, boundary) in enumerate(deps):
-            if target is None:
-                dep = _dependencies(flat[n], n_stages)[k][0]
-                raise ValueError(f"action {flat[n]} on rank {r} depends on {dep}, which no rank runs")
-            free = boundary is None or stage_rank[parts[target][0]] == r
-            out.append((target, -1 if free else boundary))
-            users[target].append(n)
-        waits.append(tuple(out))
-        indegree[n] += len(out)
+            w = ()
+        waits.append(w)
+        indegree[n] += len(w)
     for n, q in enumerate(prev):
         if q >= 0:
             users[q].append(n)
@@ -154,14 +168,12 @@ def compile_schedule(actions: Sequence[Sequence[Action]]) -> Compiled:
             indegree[u] -= 1
             if indegree[u] == 0:
                 ready.append(u)
-    ran = set(order)
-    done = tuple(sum(1 for n in range(len(prev)) if rank_of[n] == r and n in ran)
-                 for r in range(len(actions))) if len(order) < len(flat) else \
-        tuple(len(x) for x in actions)
+    ran = np.zeros(n_actions, dtype=bool)
+    ran[order] = True
+    done = tuple(int(x) for x in np.bincount(rank_of[ran], minlength=len(actions)))
     return Compiled(actions=tuple(tuple(x) for x in actions), flat=tuple(flat), n_stages=n_stages,
-                    kinds=frozenset(k for _, k, _ in parts), prev=tuple(prev), waits=tuple(waits),
-                    slot=tuple(_KINDS.index(k) * n_stages + s for s, k, _ in parts),
-                    order=tuple(order), done=done)
+                    kinds=frozenset(a.kind for a in flat), prev=tuple(prev), waits=tuple(waits),
+                    slot=tuple((kind * n_stages + stage).tolist()), order=tuple(order), done=done)
 
 
 def _times(comp: Compiled, dur: dict[str, np.ndarray], p2p: np.ndarray,
