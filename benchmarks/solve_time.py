@@ -46,6 +46,8 @@ capture from 20.1 to 17.3-19.0 s, but the row gains only 1-7%: its pipeline sear
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import sys
 import time
@@ -79,8 +81,15 @@ def row(label, build, cluster, world, pins=None, phases=False, **kw):
     if phases:     # each planning phase's wall seconds (plan.solver.phases)
         print("    phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in s.phases.items()), flush=True)
         print(f"    plan: mesh {plan.mesh_shape} {plan.mesh_axes}, pins {plan.pins}, "
-              f"objective {plan.estimate.step_time_s:.6g} s", flush=True)
+              f"objective {plan.estimate.step_time_s:.6g} s, digest {plan_digest(plan)}", flush=True)
     return wall, cpu
+
+
+def plan_digest(plan) -> str:
+    """A hash of everything the plan chose (placements, mesh, pipeline cuts, estimate),
+    without the solver's report (its timings): equal digests, the same plan."""
+    chosen = {k: v for k, v in plan.to_dict().items() if k != "solver"}
+    return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def gpt175b():
