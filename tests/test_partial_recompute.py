@@ -67,3 +67,39 @@ def test_pipeline_recomputes_more_layers_on_earlier_stages(ex):
     print(f"layers recomputed per stage: {per_stage}, step {plan.estimate.step_time_s:.4g} s "
           f"(every layer {full.estimate.step_time_s:.4g} s, none {none.estimate.step_time_s:.4g} s)")
     assert per_stage[0] > 0 and per_stage == sorted(per_stage, reverse=True), per_stage
+
+
+def test_pipeline_prices_each_recomputed_layer_apart():
+    """A pipeline's per-node prices of a plan recomputing one of two layers (its repeated
+    layers share one decision per node, whose price averages recomputation over them) say
+    which layer recomputes: its nodes pay their forward and forward collectives (tensor
+    parallel) again, the other layer's nothing; the same as pricing the plan without
+    recomputation and adding that layer's (what ``partial_recompute`` chooses with)."""
+    from dataclasses import replace
+
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.solver.flat import Solved
+    from autopar.solver.pipeline_price import price_plan
+    from autopar.solver.pipeline_search import solve_intra
+    small = gpt_factory(batch=8, n_layer=2, n_embd=32)
+    cl = parse_cluster("cpu:4")
+    with same_model("gpt-2-layers"):
+        cap = capture_microbatch(small.model, small.inputs, small.loss_fn, small.target, 2)
+    plain, solved_plain = solve_intra(cap, cl, 4, 2, {"tensor": 2, "recompute": "none"})
+    rec, solved_rec = solve_intra(cap, cl, 4, 2, {"tensor": 2, "recompute": ["h.0"]})
+    assert rec.recompute == ("transformer.h.0",)
+    same = Solved(solved_rec.problem, solved_rec.cost, dict(solved_plain.choice))
+    bare = price_plan(cap, plain, solved_plain, cl, 4, 2, 2).nc
+    derived = bare.with_recompute(cap, rec.recompute)
+    solver = price_plan(cap, replace(rec, nodes=plain.nodes), same, cl, 4, 2, 2).nc
+    for term in ("compute", "sync", "activations"):
+        assert getattr(derived, term) == pytest.approx(getattr(solver, term)), term
+    # (outside the layers a conversion the plain plan shares with a reader in h.0 is paid
+    # apart under recomputation: ln_f's all-reduce, which ``with_recompute`` leaves out)
+    layers = repeated_layers(cap.gm)
+    inside = [i for i, u in enumerate(solver.units) if any(u in names for names in layers.values())]
+    assert derived.comm[inside] == pytest.approx(solver.comm[inside])
+    h0 = [i for i in inside if solver.units[i] in layers["transformer.h.0"]]
+    rerun = solver.comm[inside] - bare.comm[inside]     # forward collectives again: h.0 only
+    assert (solver.comm - bare.comm)[h0].sum() > 0 and rerun.sum() == pytest.approx(
+        (solver.comm - bare.comm)[h0].sum())

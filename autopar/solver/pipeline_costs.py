@@ -272,7 +272,13 @@ class _Acc:
                 paid.add((shared[k], pair))
             share = e.count / len(members)
             comm, sync = price.split()
+            # some of the consumer's members recomputed (a partial recompute list): the
+            # price's rerun is their share; each member pays its own forward again or not
+            each = {r: replace(price, rerun=r).split()[0] for r in (0.0, 1.0)} \
+                if 0.0 < price.rerun < 1.0 else None
             for m in members:
+                if each is not None:
+                    comm = each[1.0 if m in self.pt.cost.recompute else 0.0]
                 # its forward collectives, which run again if the consumer is recomputed
                 self.node_fwd_comm[m] = self.node_fwd_comm.get(m, 0.0) + price.forward_s * share
                 c = self.where[m]
