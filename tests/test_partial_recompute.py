@@ -5,13 +5,20 @@ predicted faster than recomputing every layer; in a pipeline an earlier stage, h
 micro-batches in flight, recomputes at least as many layers as a later one
 (``autopar.solver.partial_recompute``; the runtime side: tests/test_pipeline_runtime.py
 ``test_partial_recompute_list_under_a_pipeline``)."""
+import os
+import sys
+
 import pytest
 
 import autopar
+from autopar.cost_models.hardware import parse_cluster
 from capture_reuse import same_model
 from autopar.analysis.layers import repeated_layers
 from autopar.solver.pipeline_search import capture_microbatch
 from examples.models import gpt_factory
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from step_terms import step_terms  # noqa: E402  (a plan's step by term, priced again)
 
 LAYERS = 8
 
@@ -64,6 +71,12 @@ def test_pipeline_recomputes_more_layers_on_earlier_stages(ex):
     for layer, names in repeated_layers(cap.gm).items():
         if layer in plan.recompute:
             per_stage[sum(order[names[0]] >= c for c in cuts)] += 1
+    # the estimate's compute holds the recomputation of that list (benchmarks/step_terms.py
+    # prices the plan again from its placements and recompute list; the critical rank's)
+    terms = step_terms(cap, plan, parse_cluster("cpu:2"))
+    full_terms = step_terms(cap, full, parse_cluster("cpu:2"))
+    assert 0 < terms["recompute"] < full_terms["recompute"]
+    assert terms["compute"] + terms["recompute"] == pytest.approx(plan.estimate.compute_s, rel=1e-9)
     print(f"layers recomputed per stage: {per_stage}, step {plan.estimate.step_time_s:.4g} s "
           f"(every layer {full.estimate.step_time_s:.4g} s, none {none.estimate.step_time_s:.4g} s)")
     assert per_stage[0] > 0 and per_stage == sorted(per_stage, reverse=True), per_stage
@@ -77,7 +90,6 @@ def test_pipeline_prices_each_recomputed_layer_apart():
     recomputation and adding that layer's (what ``partial_recompute`` chooses with)."""
     from dataclasses import replace
 
-    from autopar.cost_models.hardware import parse_cluster
     from autopar.solver.flat import Solved
     from autopar.solver.pipeline_price import price_plan
     from autopar.solver.pipeline_search import solve_intra
