@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from autopar.analysis.layers import repeated_layers
+from autopar.analysis.layers import repeated_layers, select_layers
 from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
 from autopar.analysis.stages import chain
 from autopar.capture import Captured, capture
@@ -52,7 +52,7 @@ from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
 from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
 from autopar.solver.flat import Solved, solve_captured
-from autopar.solver.partial_recompute import partial_pipeline
+from autopar.solver.partial_recompute import fewest_layers, partial_pipeline, without_recompute
 from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
 )
@@ -120,7 +120,7 @@ def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captur
 
 
 def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None,
-            bound: float = math.inf):
+            bound: float = math.inf, partial=None):
     """(StagePlan, predicted step) of least predicted step for pipeline degree p, over what
     the pins leave free (m among ``allowed_m``). ``plan_stages`` picks cuts and m per
     schedule by its closed form; the schedules are then ranked by simulating their
@@ -131,7 +131,14 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
     alone works that long (m micro-batches of its stages, one action at a time: a floor of
     the simulated step) cannot beat it: it is neither planned nor simulated, and None is
     returned when every configuration is such (an error when one that could beat it does
-    not fit: recomputing, which only adds time, may then make it fit)."""
+    not fit: recomputing, which only adds time, may then make it fit).
+
+    ``partial`` = (Priced without recomputation, layers): ``pr`` recomputes every layer and
+    the user left recompute= free, so a candidate at the captured micro-batch is ranked by
+    its step with per rank only the fewest layers recomputed that fit under its cuts
+    (``partial_recompute.fewest_layers``, as ``_Cutter.fitting`` will plan it), when that
+    is faster: ranked with every layer recomputed, a schedule holding fewer micro-batches in
+    flight, which needs fewer recomputed, lost to one that gains nothing from it."""
     mbs = pins.get("micro_batch_size")
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
@@ -163,9 +170,26 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         if busiest + sync >= bound:
             continue                       # its busiest rank alone is too slow
         step = simulate_plan(sp, timeline=False) + sync
+        if partial is not None:
+            step = min(step, _partial_step(pr, partial, sp, p, batch, budget))
         if best is None or step < best[1]:
             best = (sp, step)
     return best
+
+
+def _partial_step(pr: Priced, partial, sp, p: int, batch: int, budget: float) -> float:
+    """The predicted step of ``sp``'s cuts with per rank the fewest layers recomputed that
+    fit ``budget`` (inf when none fit, or ``sp`` is not at the captured micro-batch)."""
+    bare, layers = partial
+    if sp.micro_batches * pr.nc.batch != batch or len(bare.bounds) != len(pr.bounds) \
+            or (bare.bounds != pr.bounds).any():
+        return math.inf
+    config = (p, sp.virtual_stages, sp.micro_batches, sp.schedule)
+    cuts = tuple(int(bare.bounds[c]) for c in sp.cuts)
+    got = fewest_layers(pr.cap, bare.nc, layers, config, cuts, budget)
+    if got is None:
+        return math.inf
+    return pipeline_estimate(replace(bare, nc=got[1]), config, cuts).step_time_s
 
 
 def _kinds_and_virtual(pins: dict, p: int) -> list[tuple[str, int | None]]:
@@ -382,8 +406,13 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     batch = int(example_inputs[0].shape[0])
     try:
         pr = price_plan(cap0, intra, solved[1], cl, world, p, most_stages(pins, p))
+        partial = None
+        if intra.recompute and pins.get("recompute") is None:
+            partial = (price_plan(cap0, intra, without_recompute(solved[1]), cl, world, p,
+                                  most_stages(pins, p)), select_layers(cap0.gm, "full"))
         sp, predicted = _choose(pr, p, batch, budget, pins,
-                                _allowed_micro_batches(batch, batch_degree(cap0, intra)))
+                                _allowed_micro_batches(batch, batch_degree(cap0, intra)),
+                                partial=partial)
     except ValueError as e:
         if verbose:
             print(f"pipeline p={p}: keeping m={m0} {schedule0} ({e})")
