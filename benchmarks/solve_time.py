@@ -49,16 +49,16 @@ after this session's speed-ups (68e240e..9a976d4: a schedule's dependency struct
 compiled once and timed along one order, the DP's masks per distinct table, a pruned
 mesh's intra solution kept for ``unpruned`` (GPT-175B: 6 ILPs not solved again), one
 capture per micro-batch count). Clean pairs (before: HEAD 7af26b8 with those commits
-reverted; ``PYTHONHASHSEED=0``): ``175b`` 92.4 -> 85.2 and 94.2 -> 87.2 s (-8%), objective 17.6147
-s, same plan (digest 98b372c469c6). Earlier pairs, whose "before" also lacked 23433b3
-(pipeline_free prices cut for ``most_stages``; same plans): ``175b`` 101.2 -> 93.5 and
-112.3 -> 103.6 s (digest 98b372c469c6 both); ``405b-pinned`` 37.6 -> 37.4 and 37.0 ->
-36.6 s, objective 8.70026 s (random hash seeds) and 8.22169 s (seed 0, digest
+reverted; ``PYTHONHASHSEED=0``): ``175b`` 92.4 -> 85.2 and 94.2 -> 87.2 s (-8%),
+objective 17.6147 s, same plan (digest 98b372c469c6). Earlier pairs, whose "before" also
+lacked 23433b3 (pipeline_free prices cut for ``most_stages``; same plans): ``175b`` 101.2
+-> 93.5 and 112.3 -> 103.6 s (digest 98b372c469c6 both); ``405b-pinned`` 37.6 -> 37.4
+and 37.0 -> 36.6 s, objective 8.70026 s (random hash seeds) and 8.22169 s (seed 0, digest
 efc62bf97895 both); ``405b`` 232.7 -> 235.5 and 204.3 -> 205.2 s (no gain within the
 noise), objective 8.15252 and 8.15126 s (two random hash seeds), 8.14388 s at seed 0
-(digest da6475347b4f both). The rows' objectives depend on the process's hash seed (405b-pinned on one tree: 8.22169 s at
-``PYTHONHASHSEED=0`` in two processes, 8.26802 at 1, 8.20155 at 2, 8.27203 and 8.70026
-unseeded): compare before and after at one ``PYTHONHASHSEED``.
+(digest da6475347b4f both). The rows' objectives depend on the process's hash seed
+(405b-pinned on one tree: 8.22169 s at ``PYTHONHASHSEED=0`` in two processes, 8.26802 at
+1, 8.20155 at 2, 8.27203 and 8.70026 unseeded): compare before and after at one ``PYTHONHASHSEED``.
 Where the CPU goes now: on 175B the three captures (full batch, m=96, m=192; 9-11 CPU-s
 each) ~30%, the ILPs and their pricing most of the rest (cProfile: edge prices and the
 frozen placements' hashing), the pipeline DP and its simulations ~10%; on 405B pinned one
