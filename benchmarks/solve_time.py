@@ -58,7 +58,8 @@ efc62bf97895 both); ``405b`` 232.7 -> 235.5 and 204.3 -> 205.2 s (no gain within
 noise), objective 8.15252 and 8.15126 s (two random hash seeds), 8.14388 s at seed 0
 (digest da6475347b4f both). The rows' objectives depend on the process's hash seed
 (405b-pinned on one tree: 8.22169 s at ``PYTHONHASHSEED=0`` in two processes, 8.26802 at
-1, 8.20155 at 2, 8.27203 and 8.70026 unseeded): compare before and after at one ``PYTHONHASHSEED``.
+1, 8.20155 at 2, 8.27203 and 8.70026 unseeded): compare before and after at one
+``PYTHONHASHSEED``.
 Where the CPU goes now: on 175B the three captures (full batch, m=96, m=192; 9-11 CPU-s
 each) ~30%, the ILPs and their pricing most of the rest (cProfile: edge prices and the
 frozen placements' hashing), the pipeline DP and its simulations ~10%; on 405B pinned one
