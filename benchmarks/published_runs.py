@@ -415,8 +415,15 @@ def predict(run: Run, time_limit_s: float = 30.0):
     (:func:`selective_ac_s`)."""
     ex = build(run, run.batch)
     cluster = run_cluster(run)
+    pins, budget = pins_of(run), None
+    if run.selective_ac:
+        # torchtitan's own recomputation replaces autopar's: its seconds are added below and
+        # the run fitted with it; autopar does not model the policy's memory, so no whole
+        # layer is recomputed on top of it (it was: row 14 recomputed all 32, then 14 of 32
+        # once the solver chose the fewest) and memory is not checked on these rows
+        pins["recompute"], budget = "none", math.inf
     plan, cap = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cluster,
-                      pins=pins_of(run), time_limit_s=time_limit_s)
+                      pins=pins, memory_budget=budget, time_limit_s=time_limit_s)
     params = sum(p.numel() for p in ex.model.parameters())
     local = params / (run.tensor * run.pipeline) / (run.data if run.zero else 1)
     step = (plan.estimate.step_time_s + HOST_OVERHEAD_S

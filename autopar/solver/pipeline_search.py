@@ -120,7 +120,7 @@ def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captur
 
 
 def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None,
-            bound: float = math.inf, partial=None):
+            bound: float = math.inf, partial=None, ranked: bool = False):
     """(StagePlan, predicted step) of least predicted step for pipeline degree p, over what
     the pins leave free (m among ``allowed_m``). ``plan_stages`` picks cuts and m per
     schedule by its closed form; the schedules are then ranked by simulating their
@@ -138,7 +138,8 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
     its step with per rank only the fewest layers recomputed that fit under its cuts
     (``partial_recompute.fewest_layers``, as ``_Cutter.fitting`` will plan it), when that
     is faster: ranked with every layer recomputed, a schedule holding fewer micro-batches in
-    flight, which needs fewer recomputed, lost to one that gains nothing from it."""
+    flight, which needs fewer recomputed, lost to one that gains nothing from it.
+    ``ranked``: every simulated (StagePlan, step), least step first, instead of the best."""
     mbs = pins.get("micro_batch_size")
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
@@ -161,7 +162,7 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         if beaten and error is None:
             return None
         raise error
-    best = None
+    simulated = []
     # every schedule's (and virtual stage count's) best cut is simulated: the closed form is
     # no lower bound of the simulated step (unequal stages and transfers: 0.8-0.9x of it)
     for sp in sorted(plans, key=lambda sp: sp.predicted_step_time):
@@ -172,9 +173,11 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
         step = simulate_plan(sp, timeline=False) + sync
         if partial is not None:
             step = min(step, _partial_step(pr, partial, sp, p, batch, budget))
-        if best is None or step < best[1]:
-            best = (sp, step)
-    return best
+        simulated.append((sp, step))
+    simulated.sort(key=lambda x: x[1])
+    if ranked:
+        return simulated
+    return simulated[0] if simulated else None
 
 
 def _partial_step(pr: Priced, partial, sp, p: int, batch: int, budget: float) -> float:
@@ -376,24 +379,29 @@ class _Cutter:
 
 def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins: dict, *,
                    memory_budget=None, optimizer="adamw", time_limit_s=60.0, verbose=False,
-                   profiler=None) -> tuple[Plan, Captured]:
+                   profiler=None, cap0: Captured | None = None,
+                   extra_pins: dict | None = None) -> tuple[Plan, Captured]:
     """The pipeline plan for ``pipeline=p`` pinned (m, schedule and virtual stages chosen
     where not pinned), and the graph captured at its micro-batch. ``profiler``: measured
-    op times where it has them (as for ``autopar.plan``)."""
+    op times where it has them (as for ``autopar.plan``). ``cap0``: the graph already
+    captured at the pins' micro-batch; ``extra_pins``: the intra-stage mesh a search chose
+    (data, tensor, zero), applied as pins but not the user's (``plan_pipeline``)."""
     t0 = time.perf_counter()
     config0 = pipeline_config(example_inputs, pins)
     p, v0, m0, schedule0 = config0
-    cap0 = capture_microbatch(model, example_inputs, loss_fn, target, m0)
+    if cap0 is None:
+        cap0 = capture_microbatch(model, example_inputs, loss_fn, target, m0)
     capture_s = time.perf_counter() - t0
     kw = {"memory_budget": memory_budget, "optimizer": optimizer, "time_limit_s": time_limit_s,
-          "verbose": verbose, "profiler": profiler}
+          "verbose": verbose, "profiler": profiler, "extra_pins": extra_pins}
     if pins.get("micro_batch_size") is not None and pins.get("schedule") is not None \
             and (pins["schedule"] != "interleaved-1f1b" or pins.get("virtual_stages") is not None):
         return plan_pipeline(cap0, cl, world, pins, config0, capture_s=capture_s, **kw), cap0
     if world % p:
         plan_pipeline(cap0, cl, world, pins, config0, **kw)          # raises the error
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    solved = solve_intra(cap0, cl, world, p, pins, weights=memory_weights(schedule0, p, m0, v0),
+    solved = solve_intra(cap0, cl, world, p, {**pins, **(extra_pins or {})},
+                         weights=memory_weights(schedule0, p, m0, v0),
                          grad_sync_scale=1.0 / m0, memory_budget=budget, optimizer=optimizer,
                          time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
                          profiler=profiler)
@@ -410,36 +418,44 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
         if intra.recompute and pins.get("recompute") is None:
             partial = (price_plan(cap0, intra, without_recompute(solved[1]), cl, world, p,
                                   most_stages(pins, p)), select_layers(cap0.gm, "full"))
-        sp, predicted = _choose(pr, p, batch, budget, pins,
-                                _allowed_micro_batches(batch, batch_degree(cap0, intra)),
-                                partial=partial)
+        ranked = _choose(pr, p, batch, budget, pins,
+                         _allowed_micro_batches(batch, batch_degree(cap0, intra)),
+                         partial=partial, ranked=True)
+        if not ranked:
+            raise ValueError("no configuration could be simulated")
     except ValueError as e:
         if verbose:
             print(f"pipeline p={p}: keeping m={m0} {schedule0} ({e})")
         if base is None:
             raise base_error from None
         return base, cap0
-    config = (p, sp.virtual_stages, sp.micro_batches, sp.schedule)
-    if verbose:
-        print(f"pipeline p={p}: chose m={config[2]} {config[3]} v={config[1]} "
-              f"(predicted {predicted * 1e3:.3f} ms)")
-    best, cap = None, cap0
-    if config != config0:
+    # planned for real: the best; with recomputation also the runner-up, since the layers
+    # each rank recomputes under its real cuts can reorder two close candidates
+    best, cap, error = None, cap0, None
+    for sp, predicted in ranked[:2 if partial is not None else 1]:
+        config = (p, sp.virtual_stages, sp.micro_batches, sp.schedule)
+        if verbose:
+            print(f"pipeline p={p}: chose m={config[2]} {config[3]} v={config[1]} "
+                  f"(predicted {predicted * 1e3:.3f} ms)")
+        if config == config0:
+            continue
         try:
             if config[2] == m0:
-                best = plan_pipeline(cap0, cl, world, pins, config, solved=solved, **kw)
+                got, at = plan_pipeline(cap0, cl, world, pins, config, solved=solved, **kw), cap0
             else:
-                cap = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
-                best = plan_pipeline(cap, cl, world, pins, config, mesh_shape=intra.mesh_shape, **kw)
+                at = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
+                got = plan_pipeline(at, cl, world, pins, config, mesh_shape=intra.mesh_shape, **kw)
         except ValueError as e:      # e.g. infeasible at the new micro-batch
             if verbose:
                 print(f"pipeline p={p} m={config[2]} {config[3]}: {e}")
-            if base is None:
-                raise
+            error = error or e
+            continue
+        if best is None or got.estimate.step_time_s < best.estimate.step_time_s:
+            best, cap = got, at
     if best is not None and (base is None or best.estimate.step_time_s <= base.estimate.step_time_s):
         return best, cap
     if base is None:
-        raise base_error
+        raise error or base_error
     return base, cap0
 
 
