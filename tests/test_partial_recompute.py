@@ -115,3 +115,29 @@ def test_pipeline_prices_each_recomputed_layer_apart():
     rerun = solver.comm[inside] - bare.comm[inside]     # forward collectives again: h.0 only
     assert (solver.comm - bare.comm)[h0].sum() > 0 and rerun.sum() == pytest.approx(
         (solver.comm - bare.comm)[h0].sum())
+
+
+def test_zero_bubble_prices_a_recomputing_later_stage_without_its_weight_half(ex, monkeypatch):
+    """Under zero bubble a stage after the first that holds recomputed layers runs its whole
+    backward at I and nothing at W (``runtime.pipeline_runner.split_backward_safe`` is False
+    for its checkpointed regions): the estimate times its W as the action alone, while the
+    first stage keeps the split."""
+    from autopar.solver import pipeline_price
+    seen = []
+    real = pipeline_price.simulate
+
+    def spy(actions, forward, backward, weight=None, p2p=0.0):
+        seen.append(weight)
+        return real(actions, forward, backward, weight, p2p)
+
+    monkeypatch.setattr(pipeline_price, "simulate", spy)
+    plan = _plan(ex, pipeline=2, schedule="zero-bubble", micro_batch_size=2,
+                 recompute=[f"h.{LAYERS - 1}"])
+    assert plan.pipeline.schedule == "zero-bubble" and plan.recompute
+    rec = seen[-1]
+    plain = _plan(ex, pipeline=2, schedule="zero-bubble", micro_batch_size=2, recompute="none")
+    assert plain.pipeline.schedule == "zero-bubble" and not plain.recompute
+    split = seen[-1]
+    action = rec[1]                    # the recomputing stage's W: the action's cost alone
+    assert split[1] - action > 0.5 * (split[0] - action) > 0   # without it, its weight half
+    assert rec[0] == pytest.approx(split[0], rel=0.2)          # the first stage keeps its split

@@ -195,9 +195,16 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     # the runtime's cost per action: F and B, or F, I and W (the backward pays two)
     a = pr.action
     split = schedule == "zero-bubble"
+    weight = stage_times * (1 - FORWARD) / 2 + a
+    if split and len(nc.recomputed):
+        # a later stage holding recomputed layers runs its whole backward at I, nothing at W
+        # (runtime/pipeline_runner.split_backward_safe: its checkpointed regions hide the
+        # weights' path from torch's split)
+        whole = np.array([k > 0 and bool(nc.recomputed[j:i].any()) for k, (j, i) in enumerate(stages)])
+        weight = np.where(whole, a, weight)
     sim = simulate(schedule_actions(schedule, p, m, v), forward=stage_times * FORWARD + a,
                    backward=stage_times * (1 - FORWARD) + (2 if split else 1) * a,
-                   weight=stage_times * (1 - FORWARD) / 2 + a, p2p=p2p if p2p else 0.0)
+                   weight=weight, p2p=p2p if p2p else 0.0)
     end = np.zeros(p)
     for ev in sim.timeline:
         end[ev["rank"]] = max(end[ev["rank"]], ev["end"])
