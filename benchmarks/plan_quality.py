@@ -69,6 +69,13 @@ top = the term that saves most (seconds); cpu = CPU seconds to plan, pinned / fr
     15 Llama3 405B  8192  8x16x64    16.75  p16 d64 t8, zb m=32, recompute     15.98  1.05x  pipeline p2p 0.32  39/202
     16 Llama3 405B 16384  8x16x128    9.52  p16 d128 t8, zb m=16, recompute      9.10  1.05x  pipeline p2p 0.16  44/224
 
+Rows 15 and 16 again on 2026-11-23 (``--rows 15,16``), after the solver learned to recompute
+only the fewest layers that fit: published 12.25 / 6.89 s, free 12.25 / 6.89 s (1.00x; the
+free plans are the published meshes, interleaved 1F1B with v=4 / v=8, ZeRO-2, 32 / 34 layers
+recomputed, 242 / 217 CPU s). Before the free search re-planned a recomputing winner
+(``pipeline_free._replan_recomputing``) its row 15 was zero bubble recomputing every layer,
+14.42 s, slower than the published configuration (0.85x). The other rows were not run again.
+
 The free plan is never predicted slower, once one search miss was fixed: BLOOM on its
 Omni-Path nodes (a quarter of a DGX's network) got ZeRO-3 over 64 ranks, pipeline 6,
 predicted 82 s by the per-sample prices and planned 167 s (0.53x), and the search returned
