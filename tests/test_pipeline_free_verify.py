@@ -26,7 +26,7 @@ class _Search:
 
 def _plan(mcap, cl, world, pins, config, **kw):
     planned.append(config[0])
-    return NS(estimate=NS(step_time_s=STEPS[config[0]][1]), p=config[0])
+    return NS(estimate=NS(step_time_s=STEPS[config[0]][1]), p=config[0], recompute=())
 
 
 planned = []
