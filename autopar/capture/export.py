@@ -25,6 +25,7 @@ from autopar.capture.constants import inline_constants
 from autopar.capture.graph import CaptureError, Captured, _strip
 from autopar.capture.hops import inline_higher_order_ops
 from autopar.capture.inplace import functionalize_inplace
+from autopar.capture.stamp import export_stamped
 from autopar.errors import ArgumentError
 
 _EXPORT_LOCK = threading.Lock()   # torch.export keeps global tracing state: one at a time
@@ -48,8 +49,10 @@ class _WithLoss(nn.Module):
 
 
 def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None,
-            target: Any = None) -> Captured:
+            target: Any = None, stamp: bool = True) -> Captured:
     """Export ``model`` (and ``loss_fn(model(*example_inputs), target)``) to an ATen graph.
+    A deep model is exported shallow and its repeated blocks stamped (``stamp.py``: the
+    same graph, faster); ``stamp=False`` always exports it whole.
 
     >>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(8, 4),))
     >>> [n.target for n in cap.gm.graph.nodes if n.op == "call_function"]
@@ -65,7 +68,9 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
             if method != "torch.export":
                 traced = torch.fx.symbolic_trace(model)
                 root = _WithLoss(traced, loss_fn, len(example_inputs))
-            ep = _export(root, args, stack_traces=False)
+            ep = ((stamp and method == "torch.export" and export_stamped(
+                root, args, lambda r, a: _export(r, a, stack_traces=False)))
+                or _export(root, args, stack_traces=False))
             try:
                 return _from_program(ep, wrapper, len(example_inputs), loss_fn is not None, method)
             except CaptureError:  # say where in the source: again with the stack traces
