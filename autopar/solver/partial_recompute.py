@@ -71,16 +71,16 @@ def rank_bytes(nc, config, cuts) -> np.ndarray:
 _LAYER_NODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def layer_nodes(cap) -> dict[str, tuple[frozenset, frozenset]]:
-    """Layer -> (its captured nodes, those read outside it): ``recompute_nodes`` of each
-    repeated layer alone, worked out once per graph."""
+def layer_nodes(cap) -> dict[str, tuple[tuple, frozenset]]:
+    """Layer -> (its captured nodes in graph order, those read outside it):
+    ``recompute_nodes`` of each repeated layer alone, worked out once per graph."""
     got = _LAYER_NODES.get(cap.gm)
     if got is None:
         nodes = {n.name: n for n in cap.gm.graph.nodes}
         got = {}
         for lay, names in repeated_layers(cap.gm).items():
             inside = set(names)
-            got[lay] = (frozenset(inside), frozenset(
+            got[lay] = (tuple(names), frozenset(
                 x for x in inside if any(u.name not in inside for u in nodes[x].users)))
         _LAYER_NODES[cap.gm] = got
     return got
@@ -98,21 +98,20 @@ def layer_terms(cap, nc, layers, config, cuts) -> list[tuple[str, int, float, fl
     members = layer_nodes(cap)
     for lay in layers:
         rec, kept = members[lay]
-        idx = sorted(where[x] for x in rec if x in where)
-        if not idx:
+        # summed in graph order: in a set's order the sums, and so which of alike layers
+        # a rank recomputes first (their s_l / t_l tie), changed with the hash seed
+        placed = [(where[x], x) for x in rec if x in where]
+        if not placed:
             continue
         saved = rebuilt = added = 0.0
-        for x in rec:
-            i = where.get(x)
-            if i is None:
-                continue
+        for i, x in placed:
             added += m * (nc.node_forward.get(x, 0.0) + nc.node_forward_comm.get(x, 0.0))
             if x not in kept:
                 a = nc.node_activations.get(x, 0.0)
                 k = int(np.searchsorted(cut_arr, i, side="right"))
                 saved += held[k] * a
                 rebuilt += a
-        rank = int(np.searchsorted(cut_arr, idx[0], side="right")) % p
+        rank = int(np.searchsorted(cut_arr, min(placed)[0], side="right")) % p
         out.append((lay, rank, saved, added, rebuilt))
     return out
 

@@ -89,9 +89,8 @@ class NodeCosts:
         compute, act, flag = self.compute.copy(), self.activations.copy(), self.recomputed.copy()
         comm = self.comm.copy()
         rebuilt = 0.0
-        for name in rec:
-            i = where.get(name)
-            if i is None:
+        for name, i in where.items():      # graph order: sums that do not move with the hash seed
+            if name not in rec:
                 continue
             compute[i] += self.node_forward.get(name, 0.0)
             comm[i] += self.node_forward_comm.get(name, 0.0)
