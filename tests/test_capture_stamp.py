@@ -127,6 +127,7 @@ def _hf_llama(layers=8):
 
 
 MODELS = {"gpt": _gpt, "llama_gqa": _llama, "megatron": _megatron, "hf_llama": _hf_llama}
+MICRO = ("gpt", "llama_gqa", "hf_llama")     # also compared at the micro-batch (time budget)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -137,6 +138,8 @@ def test_stamped_capture_is_the_whole_export(name, stamped):
     n_blocks = len(stamp.find_container(export_mod._WithLoss(ex.model, None, 1))[1])
     assert stamped == [n_blocks - stamp.SHALLOW], "the capture was not stamped"
     assert_same_capture(got, want)
+    if name not in MICRO:
+        return
     # at the micro-batch (the pipeline's and accumulation's graph, its loss rewritten)
     got = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, 2)
     assert stamped[-1] == n_blocks - stamp.SHALLOW
