@@ -74,17 +74,44 @@ def _join_inputs(node: Node) -> list[Node] | None:
 def find_branches(cap: Captured) -> list[BranchSet]:
     """The independent branch sets of ``cap``'s graph, outermost only, in graph order of
     their joins."""
-    g = graph_of(cap)
+    g = None
     params = set(cap.params)
     found = []
     for node in cap.gm.graph.nodes:
         ins = _join_inputs(node)
-        if ins is not None:
+        if ins is not None and _passes_locally(node, ins, params):
+            g = graph_of(cap) if g is None else g
             got = _branch_set(cap, g, node, ins, params)
             if got is not None:
                 found.append(got)
     inner = {n for s in found for b in s.branches for n in b}
     return [s for s in found if s.join not in inner]
+
+
+def _passes_locally(join: Node, ins: list[Node], params: set[str]) -> bool:
+    """What :func:`_branch_set` requires, checked from the join backwards without the
+    graph's ancestor sets (each costs a walk of the graph up to its inputs, for every add of
+    a residual stream): each input used by the join alone, and the ops that input depends
+    on through values used only inside its branch reading, from outside, one fork shared by
+    all branches and at least one parameter used only inside. A branch set passes (its
+    branches are exactly those ops), so what fails here is no branch set; what passes is
+    checked by ``_branch_set``."""
+    forks = set()
+    for a in ins:
+        if a.op != "call_function" or any(u is not join for u in a.users):
+            return False
+        mine, todo = {a}, list(a.all_input_nodes)
+        while todo:
+            p = todo.pop()
+            if p not in mine and p.op == "call_function" and all(u in mine for u in p.users):
+                mine.add(p)
+                todo.extend(p.all_input_nodes)
+        reads = {s for n in mine for s in n.all_input_nodes if s not in mine}
+        own = {r for r in reads if r.name in params and all(u in mine for u in r.users)}
+        if not own or len(reads - own) != 1:
+            return False
+        forks |= reads - own
+    return len(forks) == 1
 
 
 def _branch_set(cap: Captured, g: nx.DiGraph, join: Node, ins: list[Node],
