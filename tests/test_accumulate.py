@@ -149,6 +149,52 @@ def test_free_search_accumulates_when_the_batch_does_not_fit(token_plans, budget
     assert _plan(data=2).accumulate == 1        # no budget: the whole batch at once
 
 
+@pytest.fixture(scope="module")
+def a100_plans():
+    """GPT (hidden 1024, 4 layers, sequence 512) on 8 A100s, data 8, state replicated
+    (``zero=0``), planned without a budget: the whole batch, 2 micro-batches, and the whole
+    batch recomputing 1 and 2 layers; the budget half-way between the whole batch and the
+    plan recomputing 2 layers."""
+    with torch.device("meta"):
+        ex = gpt_factory(batch=32, n_layer=4, n_embd=1024, n_head=8, block_size=512, vocab_size=512)
+
+    def plan(**pins):
+        return autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="8xA100",
+                            data=8, zero=0, **pins)
+    plans = {"none": plan(accumulate=1), "two micro-batches": plan(accumulate=2),
+             "h.0": plan(accumulate=1, recompute=["h.0"]),
+             "h.0, h.1": plan(accumulate=1, recompute=["h.0", "h.1"])}
+    budget = (plans["none"].estimate.memory_total + plans["h.0, h.1"].estimate.memory_total) / 2
+    return plan, plans, budget
+
+
+def test_fewest_layers_below_the_bound_where_activations_are_not_the_peak(a100_plans):
+    """Recomputing 2 of the 4 layers moves the peak to the gradients' phase (with their
+    buffers), so one layer's rebuild R no longer bounds what each layer saves: the bound
+    M(k) <= M(4) + (4 - k) R says every layer, and the solver probes below it for the
+    fewest that fit (``flat._fewest_layers``). Under the budget it recomputes 2 layers; 1
+    does not fit."""
+    plan, plans, budget = a100_plans
+    chosen = plan(accumulate=1, memory_budget=budget)
+    assert chosen.recompute == plans["h.0, h.1"].recompute, chosen.recompute
+    assert chosen.estimate.memory_total <= budget
+    assert plans["h.0"].estimate.memory_total > budget
+
+
+def test_free_search_accumulates_rather_than_recompute_where_that_is_faster(a100_plans):
+    """The whole batch fits only recomputed; 2 micro-batches fit without recomputation and
+    are predicted faster (each micro-batch's launches and smaller GEMMs cost less than a
+    layer's forward again), so the free search accumulates (``accumulate.may_accumulate``)."""
+    plan, plans, budget = a100_plans
+    two, recomputed = plans["two micro-batches"], plans["h.0, h.1"]
+    assert two.estimate.memory_total <= budget < plans["none"].estimate.memory_total
+    assert two.estimate.step_time_s < recomputed.estimate.step_time_s
+    chosen = plan(memory_budget=budget)
+    assert (chosen.accumulate, chosen.recompute) == (2, ())
+    assert chosen.estimate.step_time_s == pytest.approx(two.estimate.step_time_s, rel=1e-6)
+    assert plan(memory_budget=budget, recompute="full").accumulate == 1   # pinned: no search
+
+
 # ---- on gloo ranks -------------------------------------------------------------------------
 
 CASES = ([{"id": f"{loss}-data2", "loss": loss, "pins": {"data": 2, "accumulate": 2}} for loss in LOSSES]

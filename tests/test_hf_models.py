@@ -310,14 +310,16 @@ def test_plans(name):
     assert dp.mesh_shape == (2,) and tp.mesh_shape == (2,)
     assert dp.pins == {"data": 2} and tp.pins == {"tensor": 2}
     assert tp.estimate.memory_bytes["params"] < full, tp.estimate.memory_bytes
-    # A budget 0.4 x the parameters' bytes above the smallest plan: every plan that keeps
-    # the weights whole (even with ZeRO-2 and recomputation) needs at least half of them more
-    # than the smallest one, which stores them sharded. So close to the smallest plan the
-    # ILP proves optimality slowly (T5: minutes): 5 s per solve, a FEASIBLE plan is enough.
+    # A budget 0.4 x the parameters' bytes above the smallest plan: every plan of the whole
+    # batch that keeps the weights whole (even with ZeRO-2 and recomputation) needs at least
+    # half of them more than the smallest one, which stores them sharded (accumulate=1: the
+    # free search may instead accumulate micro-batches, whose activations are smaller). So
+    # close to the smallest plan the ILP proves optimality slowly (T5: minutes): 5 s per
+    # solve, a FEASIBLE plan is enough.
     with pytest.raises(InfeasibleError) as nothing_fits:
         plan(memory_budget=1)
     budget = _smallest_plan_bytes(nothing_fits.value) + 0.4 * full
-    tight = plan(memory_budget=budget, time_limit_s=5.0)
+    tight = plan({"accumulate": 1}, memory_budget=budget, time_limit_s=5.0)
     assert tight.estimate.memory_total <= budget
     assert tight.estimate.memory_bytes["params"] < full, tight.estimate.memory_bytes
     print(f"{name}: free plan params {free.estimate.memory_bytes['params'] / full:.2f} of the "

@@ -3,7 +3,7 @@ and backward, the gradients synchronised once per step.
 
 Pinned by ``accumulate=k`` or ``micro_batch_size=`` without ``pipeline=`` (both given must
 agree); chosen by the free search (:func:`search_accumulation`) when the full batch's
-activations do not fit.
+activations do not fit, or fit only recomputed (:func:`may_accumulate`).
 
 The graph is captured at micro-batch size with its loss rewritten so that the micro-batch
 losses sum to the global batch's (``analysis.microbatch_loss``, as for a pipeline), and the
@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from autopar.analysis.layers import repeated_layers
 from autopar.capture import Captured
 from autopar.cost_models.memory import training_state_bytes
 from autopar.errors import PinError
@@ -114,9 +115,12 @@ def plan_accumulated(model, example_inputs, loss_fn, target, cl, world: int, k: 
 def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None, *,
                    world: int, budget: float, optimizer: str = "adamw") -> bool:
     """Whether the free search tries gradient accumulation: not pinned either way, the loss
-    in the graph, every input split along dim 0, and no plan of the full batch fits (not
-    even recomputed), while the training state could (``budget`` above its bytes sharded
-    over all ``world`` devices: micro-batches shrink activations only)."""
+    in the graph, every input split along dim 0, and the full batch's best plan ``flat``
+    recomputes layers to fit, or no plan of the full batch fits (not even recomputed) while
+    the training state could (``budget`` above its bytes sharded over all ``world``
+    devices: micro-batches shrink activations only). Micro-batches are the other way to
+    shrink activations: each costs its kernels' launches and smaller GEMMs where
+    recomputation costs a layer's forward again, and the least predicted step wins."""
     if any(pins.get(n) is not None for n in ("accumulate", "micro_batch_size")):
         return False
     if not cap.has_loss or not example_inputs:
@@ -126,10 +130,22 @@ def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None,
     if int(example_inputs[0].shape[0]) < 2:
         return False
     if flat is not None:
-        return False
+        return bool(flat.recompute) and pins.get("recompute") is None
     numel = sum(cap.node(ph).meta["val"].numel() for ph in cap.params)
     state = training_state_bytes(numel, optimizer, pins.get("precision") or "fp32", zero=3, dp=world)
     return sum(state.values()) < budget
+
+
+def accumulation_may_win(flat: Plan, best: Plan, cap: Captured) -> bool:
+    """Whether micro-batches without recomputation could beat ``best``, where the full
+    batch's plan ``flat`` recomputes: they save at most its recomputation, and that is at
+    most half the compute of the layers it recomputes (their forward again, out of forward,
+    backward and forward again: a quarter; half allows for placements the budget no longer
+    forces). Each micro-batch's launches and smaller GEMMs cost more, so a step above
+    ``best``'s by more than that is not worth capturing and planning again."""
+    layers = max(len(repeated_layers(cap.gm)), 1)
+    saving = 0.5 * flat.estimate.compute_s * len(flat.recompute) / layers
+    return flat.estimate.step_time_s - saving < best.estimate.step_time_s
 
 
 def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, pins: dict,

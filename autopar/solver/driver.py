@@ -11,9 +11,9 @@ all call it, so the same model, inputs, cluster and pins give the same plan ever
 * otherwise the full-batch graph is planned unpipelined (``flat.plan_captured``, every mesh
   the pins allow, recomputation when memory binds) and, on a cluster of several nodes or
   when nothing unpipelined fits, pipelines are searched too
-  (``pipeline_free.search_pipelines``); when the full batch's activations do not fit,
-  gradient accumulation too (``accumulate.search_accumulation``); the least predicted step
-  wins. When none of these fits device memory, ZeRO-Offload (``offload="optimizer"``,
+  (``pipeline_free.search_pipelines``); when the full batch's activations do not fit, or
+  fit only recomputed and micro-batches could beat the best plan found, gradient
+  accumulation too (``accumulate.search_accumulation``); the least predicted step wins. When none of these fits device memory, ZeRO-Offload (``offload="optimizer"``,
   :func:`may_offload`): the optimizer state on the host.
 * ``compress="auto"`` (the user allows lossy choices): each of ``AUTO_COMPRESS`` (no
   compression first) is planned as if pinned; the least predicted step wins, and its plan's
@@ -34,7 +34,8 @@ from autopar.cost_models.hardware import parse_cluster
 from autopar.errors import ArgumentError, PinError
 from autopar.plan import Plan
 from autopar.solver.accumulate import (
-    accumulation_pin, capture_accumulated, may_accumulate, plan_accumulated, search_accumulation,
+    accumulation_may_win, accumulation_pin, capture_accumulated, may_accumulate, plan_accumulated,
+    search_accumulation,
 )
 from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.errors import InfeasibleError
@@ -146,8 +147,9 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
                     pins: dict, memory_budget=None, mesh_shape=None, optimizer="adamw",
                     time_limit_s=60.0, capture_s=0.0, verbose=False, profiler=None) -> Planned:
     """The best plan without a ``pipeline=`` pin > 1: unpipelined on the full-batch graph
-    ``cap``; with gradient accumulation where ``may_accumulate`` says so; and, where
-    ``may_pipeline`` says so, pipelined; the least predicted step wins."""
+    ``cap``; where ``may_pipeline`` says so, pipelined; with gradient accumulation where
+    ``may_accumulate`` says so and, if the full batch fits recomputed,
+    ``accumulation_may_win``; the least predicted step wins."""
     if (pins.get("branch") or 1) > 1:      # branch parallelism pinned (autopar.solver.branches)
         return Planned(plan_branched(cap, cl, world, pins["branch"], pins, memory_budget=memory_budget,
                                      optimizer=optimizer, time_limit_s=time_limit_s,
@@ -172,9 +174,24 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
         best = Planned(branched, cap)
     phases["branches"] = time.perf_counter() - t0
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    if may_accumulate(cap, example_inputs, pins, flat, world=world, budget=budget, optimizer=optimizer):
+    if may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, flat is None):
         if verbose:
-            print("trying gradient accumulation (nothing fits the full batch)")
+            print("searching pipelines" + (" (nothing fits unpipelined)" if best is None else
+                                            f" against {best.plan.estimate.step_time_s:.4g} s unpipelined"))
+        t0 = time.perf_counter()
+        piped = search_pipelines(cap, model, example_inputs, loss_fn, target, cl, world, pins,
+                                 memory_budget=memory_budget, optimizer=optimizer,
+                                 time_limit_s=time_limit_s, verbose=verbose)
+        phases["pipeline search"] = time.perf_counter() - t0
+        if piped is not None and (best is None or
+                                  piped[0].estimate.step_time_s < best.plan.estimate.step_time_s):
+            best = Planned(*piped)
+    if may_accumulate(cap, example_inputs, pins, flat, world=world, budget=budget, optimizer=optimizer) \
+            and (flat is None or accumulation_may_win(flat, best.plan, cap)):
+        if verbose:
+            print("trying gradient accumulation (" + ("the full batch fits only recomputed"
+                                                      if flat is not None else
+                                                      "nothing fits the full batch") + ")")
         t0 = time.perf_counter()
         acc = search_accumulation(model, example_inputs, loss_fn, target, cl, world, pins,
                                   memory_budget=memory_budget, mesh_shape=mesh_shape,
@@ -184,19 +201,6 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
         if acc is not None and (best is None or
                                 acc[0].estimate.step_time_s < best.plan.estimate.step_time_s):
             best = Planned(*acc)
-    if may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, flat is None):
-        if verbose:
-            print("searching pipelines" + (" (nothing fits unpipelined)" if best is None else
-                                            f" against {best.plan.estimate.step_time_s:.4g} s unpipelined"
-                                            + (" (accumulating)" if best.plan.accumulate > 1 else "")))
-        t0 = time.perf_counter()
-        piped = search_pipelines(cap, model, example_inputs, loss_fn, target, cl, world, pins,
-                                 memory_budget=memory_budget, optimizer=optimizer,
-                                 time_limit_s=time_limit_s, verbose=verbose)
-        phases["pipeline search"] = time.perf_counter() - t0
-        if piped is not None and (best is None or
-                                  piped[0].estimate.step_time_s < best.plan.estimate.step_time_s):
-            best = Planned(*piped)
     if best is None and may_offload(pins, mesh_shape):
         t0 = time.perf_counter()
         best = _offloaded(cap, cl, world, pins, verbose, memory_budget=memory_budget,

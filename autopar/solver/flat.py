@@ -171,7 +171,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     return best, errors
 
 
-PARTIAL_PROBES = 4
+PARTIAL_PROBES = 5
 """ILPs ``_fewest_layers`` solves at most."""
 
 
@@ -179,18 +179,21 @@ def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, prof
                    memory_weights, grad_sync_scale, verbose) -> _Best:
     """``full`` (every one of the L repeated layers recomputed) or, if predicted faster, the
     plan on its mesh recomputing only the first k layers, k the fewest that fit ``budget``
-    (Megatron-LM's ``--recompute-num-layers``). Layers alike, recomputing one saves what its
-    rebuild holds, R (``full``'s "recompute" term: one layer's activations rebuilt in
-    backward), so ``full``'s choices need M(k) = M(L) + (L - k) R and the first probe is the
-    least k with M(k) <= budget; the ILP (which may choose other placements) then says: an
-    infeasible k goes up halfway to L, a feasible one down by one, within ``PARTIAL_PROBES``
-    solves; the least objective of them and ``full`` wins."""
+    (Megatron-LM's ``--recompute-num-layers``). Layers alike, recomputing one saves at most
+    what its rebuild holds, R (``full``'s "recompute" term: one layer's activations rebuilt
+    in backward), so M(k) <= M(L) + (L - k) R and the first probe is the least k that bound
+    fits, below L. The bound is loose where the peak is in another phase than the
+    activations' (the gradients' with their buffers): M(k) is then flat in k and fewer
+    layers fit than it says. The ILP (which may choose other placements) says: while every
+    probe fits, k steps down 1, 2, 4, ... layers; from the first that does not, the least
+    k that fits is bisected; within ``PARTIAL_PROBES`` solves. The least objective of them
+    and ``full`` wins."""
     layers, per = full.recompute, full.sol.memory.get("recompute", 0.0)
     n = len(layers)
     if n < 2 or per <= 0 or budget == float("inf"):
         return full
-    k = max(1, math.ceil(n - (budget - full.sol.memory_total) / per - 1e-9))
-    best, fits, fails = full, n, 0
+    k = min(n - 1, max(1, math.ceil(n - (budget - full.sol.memory_total) / per - 1e-9)))
+    best, fits, fails, step = full, n, 0, 1
     for _ in range(PARTIAL_PROBES):
         if not fails < k < fits:
             break
@@ -201,13 +204,18 @@ def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, prof
         try:
             sol = solve_ilp(full.problem, cost, budget, time_limit_s, explain=False)
         except InfeasibleError:
-            fails, k = k, k + max(1, (fits - k) // 2)
+            fails, step = k, 0
+            k = (fails + fits + 1) // 2
             continue
         if verbose:
             print(f"mesh {full.shape} recompute {k} of {n} layers: {sol.objective_s * 1e3:.3f} ms")
         if sol.objective_s < best.sol.objective_s:
             best = _Best(sol, full.problem, full.shape, full.axes, layers[:k], cost, full.pins)
-        fits, k = k, k - 1
+        fits = k
+        if step:                       # every probe so far fits: further down
+            k, step = max(fails + 1, k - step), 2 * step
+        else:                          # between a probe that fails and one that fits
+            k = (fails + fits) // 2
     return best
 
 
