@@ -15,13 +15,17 @@ same placeholders and signature, the same graph namespace (so nodes added later 
 the same) and hence the same :func:`autopar.capture.fingerprint`.
 
 It applies to a model whose largest container (by parameters) is an ``nn.ModuleList`` of
-at least :data:`MIN_BLOCKS` blocks of one class, whose parameters and buffers have equal
-shapes and whose other attributes are equal (an int that is the block's own index, such as
-Hugging Face's ``layer_idx``, is allowed: the check on the shallow graph sees whether it
-changes the graph); the forward must only iterate the container (``len()``, an index or a
-partial slice make it refuse, the shortened container would answer them wrongly). Anything
-else, or any check that fails, returns None and :func:`autopar.capture.capture` exports
-the whole model as before (one debug log line says why).
+at least :data:`MIN_BLOCKS` distinct blocks of one structure (classes, parameter and buffer
+shapes, other attributes equal, no hooks), looped over plainly: read from the source of
+the forwards above it, one ``for block in self.<path>:`` (or ``self.<path>[:n]``) whose
+body only assigns calls of ``block``, and while tracing the shortened container is only
+iterated (``len()``, an index or a partial slice would be answered wrongly: refused). An
+int attribute equal to the block's own index (Hugging Face's ``layer_idx``) is allowed
+only where the blocks' forwards merely pass it to a call (Hugging Face hands it to its KV
+cache, unused with ``use_cache=False``); that a callee does not branch on it for a block
+past the shallow copy is the one thing these checks assume rather than see. Anything else,
+or any check that fails, returns None and :func:`autopar.capture.capture` exports the whole
+model as before (one debug log line says why).
 
 The values of stamped nodes (``meta["val"]``) are the template block's fake tensors,
 shared: equal shapes, dtypes, strides and storage offsets; storage sharing across layers is
