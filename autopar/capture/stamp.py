@@ -45,7 +45,6 @@ import torch
 from torch import nn
 from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec,
                                           OutputSpec, TensorArgument)
-from torch.fx.graph import _illegal_names
 from torch.fx.node import map_aggregate
 
 log = logging.getLogger(__name__)
