@@ -66,12 +66,15 @@ frozen placements' hashing), the pipeline DP and its simulations ~10%; on 405B p
 capture (126 layers at the micro-batch) 27 of 40 s. Goals not met: what is left is
 torch.export's trace per capture and the ILPs' edge pricing.
 
-Measured 2026-11-23, 04:00-04:07 UTC at load 4-6, one pair side by side at the same time,
-``PYTHONHASHSEED=0 python benchmarks/solve_time.py --rows 175b,405b-pinned`` in each tree
-(before: cb601e7; after: b07c446, the same plus capture by shallow export and stamping,
-``autopar/capture/stamp.py``), CPU seconds: ``175b`` 87.1 -> 59.3 s (capture phase 10.1 ->
-1.4 s wall; its three captures), objective 17.6147 s, digest 98b372c469c6 both;
-``405b-pinned`` 39.0 -> 16.7 s, objective 8.22169 s, digest efc62bf97895 both. One
+Measured 2026-11-23, 04:00-04:20 UTC at load 2-6, two pairs, each side by side at the
+same time, ``PYTHONHASHSEED=0 python benchmarks/solve_time.py --rows 175b,405b-pinned`` in
+each tree (before: cb601e7; after: b07c446, the same plus capture by shallow export and
+stamping, ``autopar/capture/stamp.py``; each run importing its own tree's
+``cost_models`` and ``passes``, which the editable install maps to the main checkout's),
+CPU seconds: ``175b`` 87.1 -> 59.3 and 85.6 ->
+59.0 s (-32%; the capture phase 10.1 -> 1.4 s wall; three captures), objective 17.6147 s,
+digest 98b372c469c6 in all four; ``405b-pinned`` 39.0 -> 16.7 and 34.3 -> 16.4 s (-55%),
+objective 8.22169 s, digest efc62bf97895 in all four. One
 capture, stamped against whole (CPU s; the graphs equal node by node, code, namespace
 and fingerprint): GPT-175B full batch 1.45 vs 10.16, at m=96 1.50 vs 10.04; the 405B at
 the full batch 3.16 vs 24.58, at m=16 2.95 vs 24.17. The 175B row's goal (20 s) is not
