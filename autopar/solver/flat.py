@@ -171,7 +171,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     return best, errors
 
 
-PARTIAL_PROBES = 5
+PARTIAL_PROBES = 4
 """ILPs ``_fewest_layers`` solves at most."""
 
 
