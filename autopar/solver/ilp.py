@@ -158,21 +158,30 @@ def _hiding(pt: PriceTable, name: str, i: int, with_forward: bool, scale: float)
 def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict, hidden: dict) -> tuple[list, list]:
     """The edges between two variables, each with its price per (class, class) pair and
     their overlappable seconds, and each one's shared-conversion group (None: its own);
-    an edge whose ends one variable decides is added to that variable's cost instead."""
+    an edge whose ends one variable decides is added to that variable's cost instead.
+    A class (a producer's output placements, or a consumer's input placements with their
+    partial-gradient flags) is named by a number, the same in every edge of the program:
+    the tables are keyed and looked up by pairs of numbers, not of placement tuples (whose
+    hashing was most of pricing a large mesh's edges)."""
     problem, scale = pt.problem, pt.cost.grad_sync_scale
     shared = pt.shared()
+    numbers: dict = {}
+    outs: dict = {}          # (node, output) -> its classes, read by every edge from it
     edges, group = [], []
     for k, e in enumerate(problem.edges):
         if e.dst in pt.follow:
             continue
         src, dst = pt.root(e.src), pt.root(e.dst)
         u, v = problem.vars[e.src], problem.vars[e.dst]
-        pu = [output_placements(u.options[pt.option_of(e.src, i)], e.src_out)
-              for i in range(len(problem.vars[src].options))]
-        qv = [(input_placements(v.options[pt.option_of(e.dst, j)], e.dst_in),
-               grad_partial_flags(v.options[pt.option_of(e.dst, j)], e.dst_in))
-              for j in range(len(problem.vars[dst].options))]
-        prices = {(p, q): pt.edge(k, p, q[0], q[1]) for p in set(pu) for q in set(qv)}
+        key = (e.src, e.src_out)
+        if key not in outs:
+            outs[key] = _numbered([output_placements(u.options[pt.option_of(e.src, i)], e.src_out)
+                                   for i in range(len(problem.vars[src].options))], numbers)
+        (pu, us), (qv, vs) = outs[key], _numbered(
+            [(input_placements(v.options[pt.option_of(e.dst, j)], e.dst_in),
+              grad_partial_flags(v.options[pt.option_of(e.dst, j)], e.dst_in))
+             for j in range(len(problem.vars[dst].options))], numbers)
+        prices = {(p, q): pt.edge(k, cp, cq[0], cq[1]) for p, cp in us for q, cq in vs}
         table = {pq: price.priced(scale) for pq, price in prices.items()}
         hid = {pq: price.hidden(scale) for pq, price in prices.items()}
         if src == dst:   # both ends decided by one variable (repeated layer, or a follower)
@@ -187,6 +196,15 @@ def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict, hidden: dict)
         edges.append((src, dst, pu, qv, table, hid))
         group.append(shared.get(k))
     return edges, group
+
+
+def _numbered(classes: list, numbers: dict) -> tuple[list[int], list[tuple[int, object]]]:
+    """(each option's class number, [(number, class)] of the distinct classes in the order
+    of ``set(classes)``, the order the program's pairs were always built in); ``numbers``
+    gives every class seen so far its number and a new one the next."""
+    distinct = [(numbers.setdefault(c, len(numbers)), c) for c in set(classes)]
+    of = dict((c, n) for n, c in distinct)
+    return [of[c] for c in classes], distinct
 
 
 def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
