@@ -202,13 +202,12 @@ class PriceTable:
     def _edge(self, k, src, dst, grad_partial, bucketed, shared) -> EdgePrice:
         if not self.problem.edges[k].needs_grad:     # no gradient comes back: nothing to reduce
             grad_partial = (False,) * len(grad_partial)
-        key = (k, src, dst, grad_partial, bucketed, shared)
-        got = self._edges.get(key)      # (one lookup: hashing the placements is the cost)
-        if got is None:
-            e = self.problem.edges[k]
-            steps = self.cost.edge_steps(e.meta, src, dst, grad_partial, bucketed, shared)
-            got = self._edges[key] = EdgePrice(steps, e.count, self._rerun(e.dst))
-        return got
+        # no memo of its own: an edge's pair is priced about once per table (4% hits on
+        # GPT-175B), and its key hashed the placements twice more; the cost model's memo
+        # (``edge_steps``) is the one that hits
+        e = self.problem.edges[k]
+        return EdgePrice(self.cost.edge_steps(e.meta, src, dst, grad_partial, bucketed, shared),
+                         e.count, self._rerun(e.dst))
 
     def _pick(self, k: int) -> list[int] | None:
         """A follower's cheapest option (input edge + compute) for each of its root's
@@ -216,19 +215,16 @@ class PriceTable:
         e = self.problem.edges[k]
         u, v = self.problem.vars[e.src], self.problem.vars[e.dst]
         scale = self.cost.grad_sync_scale
-        classes: dict = {}           # (input placements, partial flags) -> its number
-        ins = [(classes.setdefault((input_placements(c, 0), grad_partial_flags(c, 0)), len(classes)),
-                self.compute_s(e.dst, j)) for j, c in enumerate(v.options)]
+        ins = [(input_placements(c, 0), grad_partial_flags(c, 0), self.compute_s(e.dst, j))
+               for j, c in enumerate(v.options)]
         by_placement: dict = {}      # the pick depends on the producer's placement only
         pick = []
         for i in range(len(self.problem.vars[self.root(e.src)].options)):
             p = output_placements(u.options[self.option_of(e.src, i)], e.src_out)
             if p not in by_placement:
-                # each input class priced once (many options read their input alike)
-                moves = [self._edge(k, p, q, partial, False, 1).priced(scale)[0] for q, partial in classes]
                 best, best_cost = None, INF
-                for j, (c, compute) in enumerate(ins):
-                    total = moves[c] + compute
+                for j, (q, partial, compute) in enumerate(ins):
+                    total = self._edge(k, p, q, partial, False, 1).priced(scale)[0] + compute
                     if total < best_cost:
                         best, best_cost = j, total
                 by_placement[p] = best
