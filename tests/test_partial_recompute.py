@@ -141,3 +141,36 @@ def test_zero_bubble_prices_a_recomputing_later_stage_without_its_weight_half(ex
     action = rec[1]                    # the recomputing stage's W: the action's cost alone
     assert split[1] - action > 0.5 * (split[0] - action) > 0   # without it, its weight half
     assert rec[0] == pytest.approx(split[0], rel=0.2)          # the first stage keeps its split
+
+
+def test_free_search_probes_the_fewest_layers_once_the_unpipelined_plan_could_win(monkeypatch):
+    """On two nodes the free search also searches pipelines, and it defers the probes for
+    the unpipelined plan's fewest recomputed layers until that plan could win (GPT, hidden
+    1024, 4 layers, on 2 DGX A100s, data 8, under a budget between every layer recomputed
+    and none). With no pipeline found (``search_pipelines`` stubbed) the plan recomputes 2
+    of the 4 layers, as the unpipelined search alone chooses; with a pipeline far faster
+    the probes are skipped."""
+    import dataclasses
+
+    import torch
+
+    import autopar.solver.driver as driver
+    with torch.device("meta"):
+        gpt = gpt_factory(batch=32, n_layer=4, n_embd=1024, n_head=8, block_size=512,
+                          vocab_size=512)
+
+    def plan(**pins):
+        return autopar.plan(gpt.model, gpt.inputs, gpt.loss_fn, target=gpt.target,
+                            cluster="2xdgx-a100", data=8, zero=0, accumulate=1, **pins)
+    full, none = plan(recompute="full"), plan(recompute="none")
+    budget = full.estimate.memory_total + 0.4 * (none.estimate.memory_total - full.estimate.memory_total)
+    monkeypatch.setattr(driver, "search_pipelines", lambda *a, **k: None)
+    chosen = plan(memory_budget=budget)
+    assert len(chosen.recompute) == 2 and chosen.estimate.memory_total <= budget, chosen.recompute
+    assert full.estimate.step_time_s > chosen.estimate.step_time_s
+    assert "unpipelined, fewest layers" in chosen.solver.phases
+    fast = dataclasses.replace(full, estimate=dataclasses.replace(full.estimate, step_time_s=1e-3))
+    monkeypatch.setattr(driver, "search_pipelines", lambda *a, **k: (fast, None))
+    chosen = plan(memory_budget=budget)
+    assert chosen.estimate.step_time_s == 1e-3
+    assert "unpipelined, fewest layers" not in chosen.solver.phases

@@ -25,13 +25,12 @@ from typing import Sequence
 
 import torch
 
-from autopar.analysis.layers import repeated_layers
 from autopar.capture import Captured
 from autopar.cost_models.memory import training_state_bytes
 from autopar.errors import PinError
 from autopar.plan import Plan
 from autopar.solver.errors import InfeasibleError
-from autopar.solver.flat import solve_captured
+from autopar.solver.flat import recompute_bound_s, solve_captured
 from autopar.solver.pipeline_search import capture_microbatch
 
 MAX_TRIES = 4
@@ -138,14 +137,11 @@ def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None,
 
 def accumulation_may_win(flat: Plan, best: Plan, cap: Captured) -> bool:
     """Whether micro-batches without recomputation could beat ``best``, where the full
-    batch's plan ``flat`` recomputes: they save at most its recomputation, and that is at
-    most half the compute of the layers it recomputes (their forward again, out of forward,
-    backward and forward again: a quarter; half allows for placements the budget no longer
-    forces). Each micro-batch's launches and smaller GEMMs cost more, so a step above
-    ``best``'s by more than that is not worth capturing and planning again."""
-    layers = max(len(repeated_layers(cap.gm)), 1)
-    saving = 0.5 * flat.estimate.compute_s * len(flat.recompute) / layers
-    return flat.estimate.step_time_s - saving < best.estimate.step_time_s
+    batch's plan ``flat`` recomputes: they save at most its recomputation
+    (``flat.recompute_bound_s``), and each micro-batch's launches and smaller GEMMs cost
+    more, so a step above ``best``'s by more than that is not worth capturing and planning
+    again."""
+    return flat.estimate.step_time_s - recompute_bound_s(flat, cap) < best.estimate.step_time_s
 
 
 def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, pins: dict,

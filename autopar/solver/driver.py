@@ -39,7 +39,7 @@ from autopar.solver.accumulate import (
 )
 from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.errors import InfeasibleError
-from autopar.solver.flat import plan_captured, solve_captured
+from autopar.solver.flat import plan_captured, recompute_bound_s, solve_captured
 from autopar.solver.pins import check_optimizer, check_pins, pipelined
 from autopar.solver.pipeline_free import search_pipelines
 from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
@@ -156,10 +156,15 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
                                      capture_s=capture_s, verbose=verbose, profiler=profiler), cap)
     t_start, phases = time.perf_counter(), {"capture": capture_s}
     flat, error = None, None
+    # when pipelines are searched too, the unpipelined plan's fewest recomputed layers are
+    # probed only once it could win (its step less what its recomputation costs, at most,
+    # below the best plan found)
+    deferred = may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, False)
+    flat_kw = dict(memory_budget=memory_budget, mesh_shape=mesh_shape, optimizer=optimizer,
+                   time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose, pins=pins,
+                   profiler=profiler)
     try:
-        flat = plan_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
-                             optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
-                             verbose=verbose, pins=pins, profiler=profiler)
+        flat = plan_captured(cap, cl, world, **flat_kw, fewest_layers=not deferred)
     except InfeasibleError as e:
         error = e
     phases.update(flat.solver.phases if flat is not None else {})
@@ -186,6 +191,15 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
         if piped is not None and (best is None or
                                   piped[0].estimate.step_time_s < best.plan.estimate.step_time_s):
             best = Planned(*piped)
+    if deferred and flat is not None and flat.recompute and pins.get("recompute") is None and \
+            flat.estimate.step_time_s - recompute_bound_s(flat, cap) < best.plan.estimate.step_time_s:
+        t0 = time.perf_counter()
+        fewer = plan_captured(cap, cl, world, **flat_kw)
+        phases["unpipelined, fewest layers"] = time.perf_counter() - t0
+        if fewer.estimate.step_time_s < best.plan.estimate.step_time_s:
+            best = Planned(fewer, cap)
+        if fewer.estimate.step_time_s < flat.estimate.step_time_s:
+            flat = fewer
     if may_accumulate(cap, example_inputs, pins, flat, world=world, budget=budget, optimizer=optimizer) \
             and (flat is None or accumulation_may_win(flat, best.plan, cap)):
         if verbose:

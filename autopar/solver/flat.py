@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autopar.analysis.layers import recompute_nodes, select_layers
+from autopar.analysis.layers import recompute_nodes, repeated_layers, select_layers
 from autopar.capture import Captured, fingerprint
 from autopar.errors import PinError
 from autopar.placement import local_shape, placements_str
@@ -68,17 +68,21 @@ def node_placements(problem, choice: dict[str, int]) -> dict[str, NodePlacement]
 
 def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
                   optimizer="adamw", time_limit_s=60.0, capture_s=0.0, verbose=False,
-                  pins=None, profiler=None) -> Plan:
-    """The best plan for the captured graph on ``world`` devices of ``cl`` (no pipeline)."""
+                  pins=None, profiler=None, fewest_layers=True) -> Plan:
+    """The best plan for the captured graph on ``world`` devices of ``cl`` (no pipeline).
+    ``fewest_layers=False``: where memory binds, every repeated layer recomputed, without
+    the probes for the fewest that fit (``_fewest_layers``; the free search defers them
+    until the plan could win)."""
     return solve_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
                           optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
-                          verbose=verbose, pins=pins, profiler=profiler)[0]
+                          verbose=verbose, pins=pins, profiler=profiler,
+                          fewest_layers=fewest_layers)[0]
 
 
 def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
                    optimizer="adamw", time_limit_s=60.0, capture_s=0.0, verbose=False,
                    pins=None, profiler=None, memory_weights=None,
-                   grad_sync_scale=1.0, explain=True) -> tuple[Plan, Solved]:
+                   grad_sync_scale=1.0, explain=True, fewest_layers=True) -> tuple[Plan, Solved]:
     """``plan_captured``, and the solver's :class:`Solved`. ``memory_weights`` and
     ``grad_sync_scale`` go to the :class:`CostModel` (the pipeline's per-stage view);
     ``explain=False`` skips working out how far from fitting an infeasible mesh is."""
@@ -86,7 +90,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
     kw = dict(budget=budget, mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
               verbose=verbose, profiler=profiler, memory_weights=memory_weights,
-              grad_sync_scale=grad_sync_scale, explain=explain)
+              grad_sync_scale=grad_sync_scale, explain=explain, fewest_layers=fewest_layers)
     phases: dict = {}
     best, errors = _search(cap, cl, world, pins, **kw, phases=phases)
     if pins.get("zero") is None and (mesh_shape is None or len(mesh_shape) == 1) and (
@@ -115,7 +119,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
 
 def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, optimizer,
             time_limit_s, verbose, profiler, memory_weights, grad_sync_scale, explain,
-            phases: dict, tag: str = ""):
+            phases: dict, tag: str = "", fewest_layers: bool = True):
     """(the best :class:`_Best` under ``pins`` over the meshes they allow, or None; the
     reasons of the meshes that did not fit)."""
     n_states = check_optimizer(optimizer)
@@ -164,11 +168,20 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     # (a pipeline's stage view, ``memory_weights``, leaves which layers to the per-rank
     # choice after the cuts: ``partial_recompute``)
     if pins.get("recompute") is None and choices[-1] == "full" and best is not None \
-            and best.recompute and not memory_weights:
+            and best.recompute and not memory_weights and fewest_layers:
         best = _fewest_layers(cap, cl, best, budget=budget, time_limit_s=time_limit_s,
                               profiler=profiler, memory_weights=memory_weights,
                               grad_sync_scale=grad_sync_scale, verbose=verbose)
     return best, errors
+
+
+def recompute_bound_s(plan: Plan, cap: Captured) -> float:
+    """At most the seconds ``plan``'s layer recomputation costs its step: the forward of the
+    layers it recomputes again, out of forward, backward and forward again (a quarter of
+    their compute), bounded generously by half (a plan recomputing less may also choose
+    other placements)."""
+    layers = max(len(repeated_layers(cap.gm)), 1)
+    return 0.5 * plan.estimate.compute_s * len(plan.recompute) / layers
 
 
 PARTIAL_PROBES = 4
