@@ -143,9 +143,10 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
                 base = alias.get(src.name, (src.name, 0))
                 alias[node.name] = (base[0], k)
                 continue
-            if not _has_tensor_output(node) and not node.users:
+            tensor_out = index.tensor_output(node)
+            if not tensor_out and not node.users:
                 continue   # a check such as aten._assert_tensor_metadata: nothing to place
-            if not _has_tensor_output(node):
+            if not tensor_out:
                 raise NotImplementedError(
                     f"node {node.name} ({node.target}) returns no tensor: symbolic shapes "
                     "are not supported; export with static example inputs")
@@ -156,13 +157,13 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
             if any(a.name in grad_nodes for a in node.all_input_nodes):
                 grad_nodes.add(node.name)
             if r == node.name:
-                opts = _op_choices(cap, node, call, mesh_shape, data_axis, tensor_axis,
-                                   node.name in batch_nodes)
+                opts = _op_choices(cap, index.tensor_args(node), node, call, mesh_shape, data_axis,
+                                   tensor_axis, node.name in batch_nodes)
                 vars[r] = NodeVar(node.name, "op", None, call, opts, [node.name])
             else:
                 vars[r].members.append(node.name)
             k_in = 0
-            for a in _tensor_args(node):
+            for a in index.tensor_args(node):
                 src, out = alias.get(a.name, (a.name, 0))
                 key = (rep.get(src, src), out, r, k_in)
                 edges.setdefault(key, []).append(call.inputs[k_in])
@@ -194,12 +195,13 @@ def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, z
     return _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape)
 
 
-def _op_choices(cap: Captured, node, call: OpCall, mesh_shape, data_axis, tensor_axis,
+def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, data_axis, tensor_axis,
                 from_batch: bool) -> list[Combo]:
-    """The options of an op node under the pins (``from_batch``: computed from the batch)."""
+    """The options of an op node (tensor inputs ``args``) under the pins (``from_batch``:
+    computed from the batch)."""
     opts = mesh_strategies(call, mesh_shape)
     opts = _restrict_mutations(node, call, opts)
-    param_inputs = [k for k, a in enumerate(_tensor_args(node)) if a.name in cap.params]
+    param_inputs = [k for k, a in enumerate(args) if a.name in cap.params]
     if data_axis is not None:
         opts = _data_parallel(opts, data_axis, from_batch, param_inputs)
     if tensor_axis is not None:
@@ -302,15 +304,32 @@ def _signature(node: torch.fx.Node) -> tuple:
 @dataclass
 class GraphIndex:
     """What ``build_problem`` reads of a graph whatever the mesh: the repeated-layer map and
-    each node's op call. A problem is built per mesh (and per pipeline candidate); this is
-    worked out once per graph (``graph_index``)."""
+    each node's op call, tensor inputs and whether it returns a tensor. A problem is built
+    per mesh (and per pipeline candidate); this is worked out once per graph
+    (``graph_index``)."""
     repetition: dict[str, str]
     calls: dict[str, OpCall] = field(default_factory=dict)
+    args: dict[str, list] = field(default_factory=dict)
+    outs: dict[str, bool] = field(default_factory=dict)
 
     def call(self, node: torch.fx.Node) -> OpCall:
         got = self.calls.get(node.name)
         if got is None:
             got = self.calls[node.name] = make_call(node)
+        return got
+
+    def tensor_args(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        """:func:`_tensor_args` of ``node`` (read only)."""
+        got = self.args.get(node.name)
+        if got is None:
+            got = self.args[node.name] = _tensor_args(node)
+        return got
+
+    def tensor_output(self, node: torch.fx.Node) -> bool:
+        """:func:`_has_tensor_output` of ``node``."""
+        got = self.outs.get(node.name)
+        if got is None:
+            got = self.outs[node.name] = _has_tensor_output(node)
         return got
 
 
