@@ -164,6 +164,17 @@ def without_recompute(solved):
     return Solved(solved.problem, cost, solved.choice)
 
 
+def fewest_step(cap, pr, layers, config, cuts, budget: float):
+    """(the layers chosen, ``pr`` repriced with them, its predicted step) under ``cuts`` with
+    per rank the fewest of ``layers`` recomputed that fit ``budget`` (``fewest_layers``), or
+    None when none fit."""
+    got = fewest_layers(cap, pr.nc, layers, config, cuts, budget)
+    if got is None:
+        return None
+    pr = replace(pr, nc=got[1])
+    return got[0], pr, pipeline_estimate(pr, config, cuts).step_time_s
+
+
 def partial_pipeline(cap, fitted, cl, world: int, config, budget: float):
     """``fitted`` = ((Plan, Solved), Priced, StagePlan), an intra-stage solution that
     recomputes layers and its cut, or the same with, per rank, only the fewest layers
@@ -184,11 +195,10 @@ def partial_pipeline(cap, fitted, cl, world: int, config, budget: float):
         pass
     for sp in plans:
         cuts = tuple(int(pr0.bounds[c]) for c in sp.cuts)
-        got = fewest_layers(cap, pr0.nc, layers, config, cuts, budget)
+        got = fewest_step(cap, pr0, layers, config, cuts, budget)
         if got is None:
             continue
-        chosen, pr = got[0], replace(pr0, nc=got[1])
-        step = pipeline_estimate(pr, config, cuts).step_time_s
+        chosen, pr, step = got
         if step < best[0]:
             rec = frozenset().union(*(layer_nodes(cap)[lay][0] for lay in chosen))
             kept = frozenset().union(*(layer_nodes(cap)[lay][1] for lay in chosen))

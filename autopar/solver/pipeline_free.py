@@ -20,9 +20,8 @@ from autopar.plan import Plan
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.pipeline_price import batch_degree, memory_weights, price_plan, state_bytes
 from autopar.solver.pipeline_search import (
-    _allowed_micro_batches, _choose, _has_layers, capture_microbatch, plan_pipeline, plan_pipelined,
-    solve_intra,
-    most_stages, step_floor,
+    _allowed_micro_batches, _choose, _has_layers, capture_microbatch, most_stages, plan_pipeline,
+    plan_pipelined, solve_intra, step_floor,
 )
 
 

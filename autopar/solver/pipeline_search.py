@@ -52,7 +52,7 @@ from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
 from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
 from autopar.solver.flat import Solved, solve_captured
-from autopar.solver.partial_recompute import fewest_layers, partial_pipeline, without_recompute
+from autopar.solver.partial_recompute import fewest_step, partial_pipeline, without_recompute
 from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
 )
@@ -189,10 +189,8 @@ def _partial_step(pr: Priced, partial, sp, p: int, batch: int, budget: float) ->
         return math.inf
     config = (p, sp.virtual_stages, sp.micro_batches, sp.schedule)
     cuts = tuple(int(bare.bounds[c]) for c in sp.cuts)
-    got = fewest_layers(pr.cap, bare.nc, layers, config, cuts, budget)
-    if got is None:
-        return math.inf
-    return pipeline_estimate(replace(bare, nc=got[1]), config, cuts).step_time_s
+    got = fewest_step(pr.cap, bare, layers, config, cuts, budget)
+    return math.inf if got is None else got[2]
 
 
 def _kinds_and_virtual(pins: dict, p: int) -> list[tuple[str, int | None]]:
