@@ -56,8 +56,8 @@ lacked 23433b3 (pipeline_free prices cut for ``most_stages``; same plans): ``175
 and 37.0 -> 36.6 s, objective 8.70026 s (random hash seeds) and 8.22169 s (seed 0, digest
 efc62bf97895 both); ``405b`` 232.7 -> 235.5 and 204.3 -> 205.2 s (no gain within the
 noise), objective 8.15252 and 8.15126 s (two random hash seeds), 8.14388 s at seed 0
-(digest da6475347b4f both). The rows' objectives depend on the process's hash seed
-(405b-pinned on one tree: 8.22169 s at ``PYTHONHASHSEED=0`` in two processes, 8.26802 at
+(digest da6475347b4f both). The rows' objectives depended on the process's hash seed until
+7b05c82 (below) (405b-pinned on one tree: 8.22169 s at ``PYTHONHASHSEED=0`` in two processes, 8.26802 at
 1, 8.20155 at 2, 8.27203 and 8.70026 unseeded): compare before and after at one
 ``PYTHONHASHSEED``.
 Where the CPU goes now: on 175B the three captures (full batch, m=96, m=192; 9-11 CPU-s
@@ -79,6 +79,25 @@ capture, stamped against whole (CPU s; the graphs equal node by node, code, name
 and fingerprint): GPT-175B full batch 1.45 vs 10.16, at m=96 1.50 vs 10.04; the 405B at
 the full batch 3.16 vs 24.58, at m=16 2.95 vs 24.17. The 175B row's goal (20 s) is not
 met: its pipeline search and ILPs are what is left.
+
+Plans no longer depend on the hash seed (7b05c82: which layers a pipeline rank recomputes
+turned on sums in a set's order): ``405b-pinned`` 8.27234 s, digest d2ddcca4bc85 at
+``PYTHONHASHSEED`` 0, 1 and 2; ``175b`` digest 98b372c469c6 at 0 and 1. The edge pricing's
+exact speed-ups (ae37bde, 7577fa4, 15566ba; side by side, same digest): ``175b`` 65.0 ->
+58.4 and 69.0 -> 62.9 CPU s. The 405B free row's other costs (me, cProfile): the branch
+analysis walked the graph's ancestors for every add (13.6 of 256 s; 8c241b4), the
+unpipelined plan's probes for the fewest recomputed layers (~4 ILPs of ~12 s, for a plan
+at 17.6 s against pipelines at 6.9 s; now deferred until it could win, e7e4e82),
+``repeated_layers`` read ~100 times a plan (kept per graph).
+
+At the end of 2026-11-23 (05:00-05:05 UTC, at 8b2748f, load ~1, ``PYTHONHASHSEED=0
+python benchmarks/solve_time.py --rows 175b,405b,405b-pinned``), CPU seconds: ``175b``
+54.0 s (objective 17.6147 s, digest 98b372c469c6; the free search now also weighs the
+unpipelined plan's fewest recomputed layers and gradient accumulation there, 16 s of it,
+changing nothing); ``405b`` 92.0 s (objective 6.93198 s, digest 41e2c7f5e0bd; was 221.5 s
+at cb601e7 the same morning, objective 6.91059 s before the hash-seed fix); ``405b-pinned``
+11.0 s (goal 60 s: met). Goals not met: 175B 20 s, 405B free 60 s; left: the pipeline
+search's intra-stage ILPs (27 on the 405B) and the re-plan of a recomputing winner.
 """
 from __future__ import annotations
 
