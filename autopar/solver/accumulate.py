@@ -137,8 +137,8 @@ def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None,
 
 def accumulation_may_win(flat: Plan, best: Plan, cap: Captured) -> bool:
     """Whether micro-batches without recomputation could beat ``best``, where the full
-    batch's plan ``flat`` recomputes: they save at most its recomputation
-    (``flat.recompute_bound_s``), and each micro-batch's launches and smaller GEMMs cost
+    batch's plan ``flat`` recomputes: they save about its recomputation (the estimate
+    ``flat.recompute_bound_s``), and each micro-batch's launches and smaller GEMMs cost
     more, so a step above ``best``'s by more than that is not worth capturing and planning
     again."""
     return flat.estimate.step_time_s - recompute_bound_s(flat, cap) < best.estimate.step_time_s

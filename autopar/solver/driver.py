@@ -13,7 +13,8 @@ all call it, so the same model, inputs, cluster and pins give the same plan ever
   when nothing unpipelined fits, pipelines are searched too
   (``pipeline_free.search_pipelines``); when the full batch's activations do not fit, or
   fit only recomputed and micro-batches could beat the best plan found, gradient
-  accumulation too (``accumulate.search_accumulation``); the least predicted step wins. When none of these fits device memory, ZeRO-Offload (``offload="optimizer"``,
+  accumulation too (``accumulate.search_accumulation``); the least predicted step wins.
+  When none of these fits device memory, ZeRO-Offload (``offload="optimizer"``,
   :func:`may_offload`): the optimizer state on the host.
 * ``compress="auto"`` (the user allows lossy choices): each of ``AUTO_COMPRESS`` (no
   compression first) is planned as if pinned; the least predicted step wins, and its plan's
@@ -157,8 +158,8 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
     t_start, phases = time.perf_counter(), {"capture": capture_s}
     flat, error = None, None
     # when pipelines are searched too, the unpipelined plan's fewest recomputed layers are
-    # probed only once it could win (its step less what its recomputation costs, at most,
-    # below the best plan found)
+    # probed only once it could win (its step less what its recomputation may cost,
+    # ``flat.recompute_bound_s``, an estimate, below the best plan found)
     deferred = may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, False)
     flat_kw = dict(memory_budget=memory_budget, mesh_shape=mesh_shape, optimizer=optimizer,
                    time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose, pins=pins,
