@@ -98,6 +98,13 @@ row 0 accumulating 8 micro-batches without recomputation was 2.46 s against its 
 2.52 s) is closed: accumulation is also weighed where the full batch fits only recomputed
 (``driver.search_captured``), and row 0 free is now data 32, ZeRO-3, 4 micro-batches, no
 recomputation, 2.41 s (1.32x; 2026-11-23, ``--rows 0``, 45 CPU s to plan free, was 25).
+Rows 1-3 and 12 again after it (2026-11-23 05:20, ``--rows 1,2,3,12``): GPT 3.6B free
+data 64, ZeRO-3, 4 micro-batches, 2.36 s (1.42x, was 2.54 s); 7.5B data 128, ZeRO-3, 2
+micro-batches, 2.06 s (1.69x, was 2.58 s); 18.4B data 256, ZeRO-3, 2 micro-batches,
+recomputing, 5.17 s (1.76x, was 5.71 s; flagged: 97% of the GPU's memory); Llama 3 8B the
+published plan (1.00x). Each gain is mostly no recomputation and no tensor-parallel
+collectives, printed with its terms and "does it hold up" lines; ZeRO-3's gathers over
+the data axis hide behind compute by the stated overlap rule.
 """
 from __future__ import annotations
 
