@@ -234,3 +234,27 @@ def test_plain_blocks_stamp():
     got = capture(model, (x,), nn.functional.mse_loss, y)
     assert stamp.find_container(export_mod._WithLoss(model, None, 1)) is not None
     assert_same_capture(got, capture(model, (x,), nn.functional.mse_loss, y, stamp=False))
+
+
+def test_stamped_graph_trains_like_one_device(stamped):
+    """The runtime runs the stamped graph: an 8-layer GPT captured with 4 blocks stamped,
+    planned tensor 2, trains 3 SGD steps on 2 ranks (simulated as threads, as
+    tests/test_equivalence.py does) equal to one device, parameter by parameter, each rank
+    holding fewer parameter bytes than the whole model."""
+    from autopar.api import plan_captured
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.runtime.thread_ranks import simulate
+    from equivalence import compare, parallel_run, reference_run
+    ex = _gpt(8)
+    cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
+    assert stamped == [8 - stamp.SHALLOW], "the capture was not stamped"
+    plan = plan_captured(cap, parse_cluster("cpu:2"), 2, pins={"tensor": 2})
+    full_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+
+    def run(pm, comm):
+        return (parallel_run(pm, ex.inputs, ex.target),
+                sum(p.numel() * p.element_size() for p in pm.parameters()))
+    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+    for rank, (got, local_bytes) in enumerate(simulate(cap, plan, ex.model, run)):
+        compare(ref, got, f"stamped gpt, tensor 2, rank {rank}")
+        assert local_bytes < full_bytes
