@@ -25,7 +25,8 @@ error in view. No constant is fitted to any row (each cites a component-level me
 Also added with every row's error in view (2026-11-22), each a fact of how the run ran, not
 a constant: no overlap of the gradient reduction where the code did not overlap it, the
 torchtitan rows' selective recomputation, Llama 3's interleaved schedule and BLOOM's
-network (below).
+network (below); and (2026-11-23), with row 14's error in view, that row's peak compute as
+its publication states it (between H100 SXM's and NVL's: ``TORCHTITAN_H100_PEAK``).
 
 How each run is pinned beyond its degrees: unpipelined rows with several micro-batches per
 data-parallel rank accumulate gradients over the published micro-batch
@@ -67,8 +68,10 @@ Not modelled, and why a row may differ:
   on them, since the policy's savings are not modelled) and the policy's forward seconds are
   added. Until 2026-11-23 the solver recomputed whole layers on top of it where memory bound:
   row 14 recomputed all 32 layers, then, once it chose the fewest that fit, 14; that double
-  count hid part of row 14's gap (+17.7%, then +33.9%, +50.0% without it). The H100 rows'
-  500 W power limit is not modelled (row 14 is the one row it binds). The FSDP rows stay 13-18% fast: their
+  count hid part of row 14's gap (+17.7%, then +33.9%, +50.0% without it). Row 14's GPUs
+  ran under a 500 W limit at a peak its publication puts between H100 SXM's and NVL's
+  (``TORCHTITAN_H100_PEAK``, the midpoint: +40.9% where the SXM datasheet gave +50.0%); the
+  Llama 3 405B rows ran at 700 W (Dubey et al. 2024, Sec. 3.3.1). The FSDP rows stay 13-18% fast: their
   gathers and reduce-scatters hide behind compute by the rule (0.35 s of communication a
   step against 2.1 s of compute for 8B on 64 A100s), so the gap is in compute or in what
   FSDP2 spends beyond its collectives, not found.
@@ -276,6 +279,15 @@ class Run:
 # sequence 8192, TP 8, PP 16: 8,192 GPUs 430 TFLOP/s, 16,384 GPUs 400 TFLOP/s per GPU;
 # Sec. 3.3.2: FSDP shards optimizer state and gradients, parameters not resharded after
 # forward (ZeRO-2).
+# The torchtitan H100s' peak compute, as their publication states it (performance.md,
+# footnote 2 of the 2024-12 benchmarks: "HBM2e-based SXM H100 with lower TDP, the actual
+# peak TFLOPs number is between SXM and NVL, and we don't know its exact value"): the
+# midpoint, per precision, of the H100 SXM datasheet (``gpus.H100_80GB``) and the H100 NVL
+# datasheet (NVIDIA H100 NVL product brief: FP32 60, TF32 835, BF16/FP16 1,671 TFLOPS, the
+# Tensor Core figures with sparsity, so 417.5 / 835.5 dense). Row 14's error at either end:
+# SXM +50.0%, NVL +31.5% (2026-11-23); the midpoint is not chosen on the row.
+H100_NVL_PEAK = {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12}
+TORCHTITAN_H100_PEAK = {k: (v + H100_NVL_PEAK[k]) / 2 for k, v in DEVICES["h100"].peak_flops.items()}
 N21 = "Narayanan et al. 2021, Table 1"
 K22 = "Korthikanti et al. 2022, Table 5 (full recompute)"
 
@@ -312,13 +324,14 @@ RUNS: list[Run] = [
         8192, 64, 64, "a100", 1, 1, micro=1, recompute=True, kv_heads=8, ffn=28672,
         zero=3, published_tps=331, held=True),
     # torchtitan's H100s (performance.md, Table 1): 96 GB HBM2e at 2.4 TB/s, 500 W power
-    # limit (the power limit's clock is not modelled: datasheet peak); Llama 3.1 8B, FSDP
-    # on 8 GPUs, local batch 2, selective recomputation: 5,762 tokens/s per GPU. Added after
-    # the constants were final.
+    # limit, peak compute "between SXM and NVL" (``TORCHTITAN_H100_PEAK``); Llama 3.1 8B,
+    # FSDP on 8 GPUs, local batch 2, selective recomputation: 5,762 tokens/s per GPU.
+    # Added after the constants were final.
     Run("Llama3 8B", "torchtitan performance.md Table 1 (8 H100)", "llama", 32, 4096, 32,
         128256, 8192, 16, 8, "h100", 1, 1, micro=2, recompute=False, kv_heads=8, ffn=14336,
         zero=3, published_tps=5762, held=True, selective_ac=True,
-        extra={"memory_bytes": 96 * 2**30, "mem_bandwidth": 2.4e12}),
+        extra={"memory_bytes": 96 * 2**30, "mem_bandwidth": 2.4e12,
+               "peak_flops": TORCHTITAN_H100_PEAK}),
     Run("Llama3 405B", "Dubey et al. 2024, Table 4 (8,192 GPUs)", "llama", 126, 16384, 128,
         128256, 8192, 2048, 8192, "h100", 8, 16, micro=1, published_tflops=430,
         kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b"),
