@@ -135,6 +135,7 @@ class CostModel:
         self._time_cache = _shared(("time", self.mesh_shape, self.cluster.device, self.dtype_key)) \
             if self.profiler is None else {}
         self._rec_count: dict = {}   # id(NodeVar) -> (it, members recomputed)
+        self._kept: dict = {}        # id(NodeVar) -> (it, whether a member is kept, _keeps)
         self._prices = None      # the PriceTable of the last problem priced (autopar.solver.prices)
 
     @classmethod
@@ -227,6 +228,16 @@ class CostModel:
             got = self._rec_count[id(v)] = (v, sum(1 for m in v.members if m in self.recompute))
         return got[1]
 
+    def _keeps(self, v: NodeVar) -> bool:
+        """Whether a member of ``v`` is a layer output recomputation keeps (``recompute_kept``);
+        worked out once per node (its members are a repeated layer's copies)."""
+        if not self.recompute_kept:
+            return False
+        got = self._kept.get(id(v))
+        if got is None or got[0] is not v:
+            got = self._kept[id(v)] = (v, any(m in self.recompute_kept for m in v.members))
+        return got[1]
+
     def rerun(self, v: NodeVar) -> float:
         """Fraction of ``v``'s members whose forward runs again in backward: the
         redistributions feeding them are inside the recomputed region and run again too."""
@@ -247,7 +258,7 @@ class CostModel:
         """``terms`` (:meth:`base_memory`) with ``v``'s recomputed members keeping nothing:
         backward rebuilds one layer's activations at a time (the "recompute" term)."""
         rec = self._recomputed(v) if v.kind == "op" and "activations" in terms else 0
-        if not rec or any(m in self.recompute_kept for m in v.members):
+        if not rec or self._keeps(v):
             return terms
         b, n = terms["activations"], len(v.members)
         return {"activations": b * (n - rec) / n, "recompute": b / n}
@@ -292,8 +303,7 @@ class CostModel:
         kept, view = v.kept, v.call.op in VIEW_OPS
         if kept is None and view:
             return 0.0
-        if kept is None or (not view and self.recompute_kept
-                            and any(m in self.recompute_kept for m in v.members)):
+        if kept is None or (not view and self.recompute_kept and self._keeps(v)):
             kept = Kept((1.0,) * len(v.call.outputs))
         local = lambda m, ps: _local(m, ps, self.mesh_shape).nbytes  # noqa: E731
         total = sum(self._act(share * local(m, output_placements(combo, k)), m.dtype)
