@@ -119,13 +119,14 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
         e = problem.edges[k]
         comm = self_comm.setdefault(root, [{} for _ in pick])
         u, v = problem.vars[e.src], problem.vars[name]
+        sig = pt.signature(k)
         for i, j in enumerate(pick):
             p = output_placements(u.options[pt.option_of(e.src, i)], e.src_out)
             c = v.options[j]
-            price = pt.edge(k, p, input_placements(c, 0), grad_partial_flags(c, 0))
-            t, by = price.priced(scale)
+            _, (t, by), h = pt.pair(sig, pt.number(p), pt.number((input_placements(c, 0),
+                                                                  grad_partial_flags(c, 0))))
             node_cost[root][i] += t + node_cost[name][j]
-            hidden[root][i] += price.hidden(scale) + hidden[name][j]
+            hidden[root][i] += h + hidden[name][j]
             hide[root][i] += hide[name][j]
             node_mem[root][i] += node_mem[name][j]
             for key, b in node_terms[name][j].items():
@@ -160,13 +161,15 @@ def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict, hidden: dict)
     their overlappable seconds, and each one's shared-conversion group (None: its own);
     an edge whose ends one variable decides is added to that variable's cost instead.
     A class (a producer's output placements, or a consumer's input placements with their
-    partial-gradient flags) is named by a number, the same in every edge of the program:
-    the tables are keyed and looked up by pairs of numbers, not of placement tuples (whose
-    hashing was most of pricing a large mesh's edges)."""
-    problem, scale = pt.problem, pt.cost.grad_sync_scale
+    partial-gradient flags) is named by a number, the same in every edge of the program
+    (``PriceTable.number``): the tables are keyed and looked up by pairs of numbers, not of
+    placement tuples (whose hashing was most of pricing a large mesh's edges). Edges of one
+    ``PriceTable.signature`` with the same classes in the same order have equal tables:
+    built once and shared (read only)."""
+    problem = pt.problem
     shared = pt.shared()
-    numbers: dict = {}
     outs: dict = {}          # (node, output) -> its classes, read by every edge from it
+    tables: dict = {}        # (signature, classes, classes) -> (table, hid)
     edges, group = [], []
     for k, e in enumerate(problem.edges):
         if e.dst in pt.follow:
@@ -176,14 +179,18 @@ def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict, hidden: dict)
         key = (e.src, e.src_out)
         if key not in outs:
             outs[key] = _numbered([output_placements(u.options[pt.option_of(e.src, i)], e.src_out)
-                                   for i in range(len(problem.vars[src].options))], numbers)
+                                   for i in range(len(problem.vars[src].options))], pt)
         (pu, us), (qv, vs) = outs[key], _numbered(
             [(input_placements(v.options[pt.option_of(e.dst, j)], e.dst_in),
               grad_partial_flags(v.options[pt.option_of(e.dst, j)], e.dst_in))
-             for j in range(len(problem.vars[dst].options))], numbers)
-        prices = {(p, q): pt.edge(k, cp, cq[0], cq[1]) for p, cp in us for q, cq in vs}
-        table = {pq: price.priced(scale) for pq, price in prices.items()}
-        hid = {pq: price.hidden(scale) for pq, price in prices.items()}
+             for j in range(len(problem.vars[dst].options))], pt)
+        sig = pt.signature(k)
+        got = tables.get((sig, us, vs))
+        if got is None:
+            prices = {(p, q): pt.pair(sig, p, q) for p in us for q in vs}
+            got = tables[(sig, us, vs)] = ({pq: pr[1] for pq, pr in prices.items()},
+                                           {pq: pr[2] for pq, pr in prices.items()})
+        table, hid = got
         if src == dst:   # both ends decided by one variable (repeated layer, or a follower)
             comm = self_comm.setdefault(src, [{} for _ in pu])
             for i in range(len(pu)):
@@ -198,13 +205,12 @@ def _edge_tables(pt: PriceTable, node_cost: dict, self_comm: dict, hidden: dict)
     return edges, group
 
 
-def _numbered(classes: list, numbers: dict) -> tuple[list[int], list[tuple[int, object]]]:
-    """(each option's class number, [(number, class)] of the distinct classes in the order
-    of ``set(classes)``, the order the program's pairs were always built in); ``numbers``
-    gives every class seen so far its number and a new one the next."""
-    distinct = [(numbers.setdefault(c, len(numbers)), c) for c in set(classes)]
-    of = dict((c, n) for n, c in distinct)
-    return [of[c] for c in classes], distinct
+def _numbered(classes: list, pt: PriceTable) -> tuple[list[int], tuple[int, ...]]:
+    """(each option's class number, the distinct classes' numbers in the order of
+    ``set(classes)``, the order the program's pairs were always built in), numbered by
+    ``pt.number``."""
+    of = {c: pt.number(c) for c in set(classes)}
+    return [of[c] for c in classes], tuple(of.values())
 
 
 def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,

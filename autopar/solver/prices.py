@@ -112,6 +112,14 @@ class PriceTable:
         self._times: dict = {}       # (name, option) -> time(): read per edge pair by the ILP
         self._reruns: dict = {}      # consumer -> cost.rerun(): one sum over members per node
         self._shared: dict[int, int] | None = None
+        # pair prices keyed by numbers (:meth:`number`, :meth:`signature`, :meth:`pair`):
+        # edges of one shape, recomputation and kind price their pairs of classes alike,
+        # and numbers hash far cheaper than the placement tuples they name
+        self._numbers: dict = {}     # class -> its number
+        self._classes: list = []     # number -> class
+        self._sigs: dict = {}        # (shape, dtype, needs_grad, bucketed, shared, count, rerun) -> number
+        self._sig_args: list = []    # number -> (an edge index, bucketed, shared)
+        self._pairs: dict = {}       # (signature, p, q) -> (EdgePrice, priced, hidden)
         self.follow: dict[str, tuple[str, list[int]]] = {}
         """Follower -> (root, its option for each of the root's options)."""
         producer = followers(problem)
@@ -209,13 +217,59 @@ class PriceTable:
         return EdgePrice(self.cost.edge_steps(e.meta, src, dst, grad_partial, bucketed, shared),
                          e.count, self._rerun(e.dst))
 
+    # ---- pairs by number -------------------------------------------------------------
+    def number(self, cls) -> int:
+        """The number of a class (a producer's output placements, or a consumer's (input
+        placements, partial-gradient flags)), the same for equal classes in this table."""
+        n = self._numbers.get(cls)
+        if n is None:
+            n = self._numbers[cls] = len(self._classes)
+            self._classes.append(cls)
+        return n
+
+    def signature(self, k: int, follower: bool | None = None) -> int:
+        """A number for what :meth:`edge`'s price of edge ``k`` reads besides its pair of
+        classes: the tensor, whether a gradient comes back, the bucketing and sharing of a
+        parameter's edge, the graph edges it stands for and the consumer's rerun. Edges of
+        one signature price each pair of classes alike. ``follower``: priced as a
+        follower's input (default: whether its consumer follows)."""
+        e = self.problem.edges[k]
+        if follower is None:
+            follower = e.dst in self.follow
+        if follower:
+            bucketed, shared = False, 1
+        else:
+            bucketed = self.problem.vars[e.src].kind == "param"
+            shared = self._reads.get(e.dst, 1) if bucketed else 1   # edge_steps reads it only then
+        key = (e.meta.shape, e.meta.dtype, e.needs_grad, bucketed, shared, e.count, self._rerun(e.dst))
+        n = self._sigs.get(key)
+        if n is None:
+            n = self._sigs[key] = len(self._sig_args)
+            self._sig_args.append((k, bucketed, shared))
+        return n
+
+    def pair(self, sig: int, p: int, q: int) -> tuple[EdgePrice, tuple[float, dict], float]:
+        """(:meth:`edge`, its ``priced``, its ``hidden`` at the cost model's
+        ``grad_sync_scale``) of producer class number ``p`` into consumer class number ``q``
+        on an edge of signature ``sig``; priced once per table. The ``by`` dicts are shared:
+        read them, do not change them."""
+        key = (sig, p, q)
+        got = self._pairs.get(key)
+        if got is None:
+            k, bucketed, shared = self._sig_args[sig]
+            dst, partial = self._classes[q]
+            price = self._edge(k, self._classes[p], dst, partial, bucketed, shared)
+            scale = self.cost.grad_sync_scale
+            got = self._pairs[key] = (price, price.priced(scale), price.hidden(scale))
+        return got
+
     def _pick(self, k: int) -> list[int] | None:
         """A follower's cheapest option (input edge + compute) for each of its root's
         options; None when some root option leaves it none."""
         e = self.problem.edges[k]
         u, v = self.problem.vars[e.src], self.problem.vars[e.dst]
-        scale = self.cost.grad_sync_scale
-        ins = [(input_placements(c, 0), grad_partial_flags(c, 0), self.compute_s(e.dst, j))
+        sig = self.signature(k, follower=True)
+        ins = [(self.number((input_placements(c, 0), grad_partial_flags(c, 0))), self.compute_s(e.dst, j))
                for j, c in enumerate(v.options)]
         by_placement: dict = {}      # the pick depends on the producer's placement only
         pick = []
@@ -223,8 +277,9 @@ class PriceTable:
             p = output_placements(u.options[self.option_of(e.src, i)], e.src_out)
             if p not in by_placement:
                 best, best_cost = None, INF
-                for j, (q, partial, compute) in enumerate(ins):
-                    total = self._edge(k, p, q, partial, False, 1).priced(scale)[0] + compute
+                pn = self.number(p)
+                for j, (q, compute) in enumerate(ins):
+                    total = self.pair(sig, pn, q)[1][0] + compute
                     if total < best_cost:
                         best, best_cost = j, total
                 by_placement[p] = best
