@@ -148,13 +148,16 @@ def test_free_search_probes_the_fewest_layers_once_the_unpipelined_plan_could_wi
     the unpipelined plan's fewest recomputed layers until that plan could win (GPT, hidden
     1024, 4 layers, on 2 DGX A100s, data 8, under a budget between every layer recomputed
     and none). With no pipeline found (``search_pipelines`` stubbed) the plan recomputes 2
-    of the 4 layers, as the unpipelined search alone chooses; with a pipeline far faster
-    the probes are skipped."""
+    of the 4 layers, as the unpipelined search alone chooses, and the probes resume that
+    search (no sharding ILP solved twice); with a pipeline far faster the probes are
+    skipped."""
     import dataclasses
 
     import torch
 
     import autopar.solver.driver as driver
+    import autopar.solver.flat as flat
+    from autopar.solver.ilp import solve as solve_ilp
     with torch.device("meta"):
         gpt = gpt_factory(batch=32, n_layer=4, n_embd=1024, n_head=8, block_size=512,
                           vocab_size=512)
@@ -165,10 +168,18 @@ def test_free_search_probes_the_fewest_layers_once_the_unpipelined_plan_could_wi
     full, none = plan(recompute="full"), plan(recompute="none")
     budget = full.estimate.memory_total + 0.4 * (none.estimate.memory_total - full.estimate.memory_total)
     monkeypatch.setattr(driver, "search_pipelines", lambda *a, **k: None)
+    solved = []       # (mesh, ZeRO stage, recomputed nodes) of every sharding ILP
+
+    def counted(problem, cost, *a, **k):
+        solved.append((problem.mesh_shape, cost.zero, cost.recompute))
+        return solve_ilp(problem, cost, *a, **k)
+    monkeypatch.setattr(flat, "solve_ilp", counted)
     chosen = plan(memory_budget=budget)
     assert len(chosen.recompute) == 2 and chosen.estimate.memory_total <= budget, chosen.recompute
     assert full.estimate.step_time_s > chosen.estimate.step_time_s
     assert "unpipelined, fewest layers" in chosen.solver.phases
+    # the probes resume the unpipelined search: no ILP of it is solved again
+    assert len(solved) == len(set(solved)), solved
     fast = dataclasses.replace(full, estimate=dataclasses.replace(full.estimate, step_time_s=1e-3))
     monkeypatch.setattr(driver, "search_pipelines", lambda *a, **k: (fast, None))
     chosen = plan(memory_budget=budget)

@@ -40,7 +40,7 @@ from autopar.solver.accumulate import (
 )
 from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.errors import InfeasibleError
-from autopar.solver.flat import plan_captured, recompute_bound_s, solve_captured
+from autopar.solver.flat import drop_deferred, plan_captured, recompute_bound_s, solve_captured
 from autopar.solver.pins import check_optimizer, check_pins, pipelined
 from autopar.solver.pipeline_free import search_pipelines
 from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
@@ -201,6 +201,7 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
             best = Planned(fewer, cap)
         if fewer.estimate.step_time_s < flat.estimate.step_time_s:
             flat = fewer
+    drop_deferred(cap)
     if may_accumulate(cap, example_inputs, pins, flat, world=world, budget=budget, optimizer=optimizer) \
             and (flat is None or accumulation_may_win(flat, best.plan, cap)):
         if verbose:

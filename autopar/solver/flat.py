@@ -123,6 +123,17 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     """(the best :class:`_Best` under ``pins`` over the meshes they allow, or None; the
     reasons of the meshes that did not fit)."""
     n_states = check_optimizer(optimizer)
+    # a search the free search deferred the probes of (``fewest_layers=False``) and now asks
+    # again with them: its meshes are solved already, only the probes are left
+    resume_key = repr((cl, world, sorted(pins.items()), budget, mesh_shape, optimizer,
+                       time_limit_s, explain, tag))
+    deferred = _DEFERRED.setdefault(cap.gm, {})
+    if fewest_layers and not memory_weights and profiler is None and grad_sync_scale == 1.0 \
+            and resume_key in deferred:
+        best, errors = deferred.pop(resume_key)
+        return _with_fewest_layers(cap, cl, best, pins, budget=budget, time_limit_s=time_limit_s,
+                                   profiler=profiler, memory_weights=memory_weights,
+                                   grad_sync_scale=grad_sync_scale, verbose=verbose), errors
     # Recomputation is pinned, or chosen here: plans without it first; with every repeated
     # layer recomputed too when memory binds (nothing fits, or the best uses > 90%), and
     # then the fewest layers that fit (``_fewest_layers``).
@@ -165,14 +176,37 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                       f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
             if best is None or sol.objective_s < best.sol.objective_s:
                 best = _Best(sol, problem, shape, axes, recompute, cost, pins)
-    # (a pipeline's stage view, ``memory_weights``, leaves which layers to the per-rank
-    # choice after the cuts: ``partial_recompute``)
-    if pins.get("recompute") is None and choices[-1] == "full" and best is not None \
-            and best.recompute and not memory_weights and fewest_layers:
-        best = _fewest_layers(cap, cl, best, budget=budget, time_limit_s=time_limit_s,
-                              profiler=profiler, memory_weights=memory_weights,
-                              grad_sync_scale=grad_sync_scale, verbose=verbose)
-    return best, errors
+    if not fewest_layers and not memory_weights and profiler is None and grad_sync_scale == 1.0:
+        deferred[resume_key] = (best, errors)
+        while len(deferred) > DEFERRED_KEPT:
+            deferred.pop(next(iter(deferred)))
+    if not fewest_layers:
+        return best, errors
+    return _with_fewest_layers(cap, cl, best, pins, budget=budget, time_limit_s=time_limit_s,
+                               profiler=profiler, memory_weights=memory_weights,
+                               grad_sync_scale=grad_sync_scale, verbose=verbose), errors
+
+
+DEFERRED_KEPT = 4
+"""Searches kept per graph whose probes were deferred (``_search``'s ``fewest_layers=False``):
+one per ZeRO stage of the free search's unpipelined plan."""
+_DEFERRED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def drop_deferred(cap: Captured) -> None:
+    """Forget the searches of ``cap`` kept for their deferred probes (the free search did
+    not need them)."""
+    _DEFERRED.pop(cap.gm, None)
+
+
+def _with_fewest_layers(cap: Captured, cl, best, pins: dict, *, memory_weights, **kw):
+    """``best``, or where it recomputes every layer of a free choice, ``_fewest_layers``'
+    plan (a pipeline's stage view, ``memory_weights``, leaves which layers to the per-rank
+    choice after the cuts: ``partial_recompute``)."""
+    if pins.get("recompute") is None and best is not None and best.recompute \
+            and not memory_weights:
+        return _fewest_layers(cap, cl, best, memory_weights=memory_weights, **kw)
+    return best
 
 
 def recompute_bound_s(plan: Plan, cap: Captured) -> float:
