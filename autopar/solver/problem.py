@@ -111,10 +111,55 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
     """The problem of ``cap`` on ``mesh_shape``: a decision per node (repeated layers'
     nodes join their first layer's), an edge per tensor that flows between decisions."""
     mesh_shape = tuple(mesh_shape)
-    graph = cap.gm.graph
     index = graph_index(cap)
-    rep = index.repetition
+    walk = index.walk(cap)
     vars: dict[str, NodeVar] = {}
+    for d in walk.decisions:
+        if isinstance(d, str):
+            raise NotImplementedError(d)
+        name, kind, shape, dtype, node, from_batch = d
+        if kind == "op":
+            call = index.call(node)
+            opts = _op_choices(cap, index.tensor_args(node), node, call, mesh_shape, data_axis,
+                               tensor_axis, from_batch)
+            vars[name] = NodeVar(name, kind, None, call, opts, list(walk.members[name]))
+        else:
+            meta = TensorMeta(shape, dtype)
+            opts = _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero)
+            vars[name] = NodeVar(name, kind, meta, None, opts, list(walk.members[name]))
+    for v in vars.values():
+        if not v.options:
+            raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
+                           f"{mesh_shape}: {_describe(v)}")
+    if walk.kept is None:
+        saved = saved_activations(cap)
+        walk.kept = {v.name: merge([saved[m] for m in v.members]) for v in vars.values() if v.kind == "op"}
+    for v in vars.values():
+        if v.kind == "op":
+            v.kept = walk.kept[v.name]
+    return Problem(mesh_shape, vars, list(walk.edges), index.repetition, walk.sink, dict(cap.params),
+                   optimizer_states)
+
+
+@dataclass
+class Walk:
+    """What ``build_problem`` reads of a graph's nodes whatever the mesh and pins: the
+    decisions in graph order (name, kind, placeholder shape and dtype, node, computed from
+    the batch; or the message of a node that cannot be placed, raised where the walk met
+    it), each decision's members, the edges, the loss and what backward keeps (filled by
+    the first problem built)."""
+    decisions: list
+    members: dict[str, list[str]]
+    edges: list[Edge]
+    sink: tuple[str, int] | None
+    kept: dict | None = None
+
+
+def _walk(cap: Captured, index: GraphIndex) -> Walk:
+    graph = cap.gm.graph
+    rep = index.repetition
+    decisions: list = []
+    members: dict[str, list[str]] = {}
     alias: dict[str, tuple[str, int]] = {}   # getitem node -> (producer, output index)
     edges: dict[tuple, list] = {}
     learned: set[tuple] = set()             # edges whose value depends on a parameter
@@ -124,15 +169,14 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
     for node in graph.nodes:
         if node.op == "placeholder":
             val = node.meta["val"]
-            meta = TensorMeta(tuple(int(s) for s in val.shape), val.dtype)
             kind = ("param" if node.name in cap.params else
                     "buffer" if node.name in cap.buffers else "input")
             r = rep.get(node.name, node.name)
             if r != node.name:
-                vars[r].members.append(node.name)
+                members[r].append(node.name)
                 continue
-            opts = _placeholder_choices(node.name, kind, meta, mesh_shape, data_axis, tensor_axis, zero)
-            vars[r] = NodeVar(node.name, kind, meta, None, opts, [node.name])
+            decisions.append((node.name, kind, tuple(int(s) for s in val.shape), val.dtype, node, False))
+            members[r] = [node.name]
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 src, k = node.args
@@ -147,9 +191,10 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
             if not tensor_out and not node.users:
                 continue   # a check such as aten._assert_tensor_metadata: nothing to place
             if not tensor_out:
-                raise NotImplementedError(
+                decisions.append(
                     f"node {node.name} ({node.target}) returns no tensor: symbolic shapes "
                     "are not supported; export with static example inputs")
+                break
             call = index.call(node)
             r = rep.get(node.name, node.name)
             if any(a.name in batch_nodes for a in node.all_input_nodes):
@@ -157,11 +202,10 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
             if any(a.name in grad_nodes for a in node.all_input_nodes):
                 grad_nodes.add(node.name)
             if r == node.name:
-                opts = _op_choices(cap, index.tensor_args(node), node, call, mesh_shape, data_axis,
-                                   tensor_axis, node.name in batch_nodes)
-                vars[r] = NodeVar(node.name, "op", None, call, opts, [node.name])
+                decisions.append((node.name, "op", None, None, node, node.name in batch_nodes))
+                members[r] = [node.name]
             else:
-                vars[r].members.append(node.name)
+                members[r].append(node.name)
             k_in = 0
             for a in index.tensor_args(node):
                 src, out = alias.get(a.name, (a.name, 0))
@@ -176,15 +220,7 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
         sink = (rep.get(src, src), out)
     edge_list = [Edge(s, so, d, di, metas[0], len(metas), (s, so, d, di) in learned)
                  for (s, so, d, di), metas in edges.items()]
-    for v in vars.values():
-        if not v.options:
-            raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
-                           f"{mesh_shape}: {_describe(v)}")
-    saved = saved_activations(cap)
-    for v in vars.values():
-        if v.kind == "op":
-            v.kept = merge([saved[m] for m in v.members])
-    return Problem(mesh_shape, vars, edge_list, rep, sink, dict(cap.params), optimizer_states)
+    return Walk(decisions, members, edge_list, sink)
 
 
 def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero) -> list[Combo]:
@@ -311,6 +347,13 @@ class GraphIndex:
     calls: dict[str, OpCall] = field(default_factory=dict)
     args: dict[str, list] = field(default_factory=dict)
     outs: dict[str, bool] = field(default_factory=dict)
+    walked: Walk | None = None
+
+    def walk(self, cap: Captured) -> Walk:
+        """``build_problem``'s walk of the graph (:class:`Walk`), made on first use."""
+        if self.walked is None:
+            self.walked = _walk(cap, self)
+        return self.walked
 
     def call(self, node: torch.fx.Node) -> OpCall:
         got = self.calls.get(node.name)
