@@ -88,7 +88,8 @@ class Priced:
 
 
 def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages: int) -> Priced:
-    nc = node_costs(cap, solved, lambda n: local_bytes(cap, intra, n), axes=intra.mesh_axes)
+    held: dict = {}       # (shape, placements, itemsize) -> bytes: layers repeat the same values
+    nc = node_costs(cap, solved, lambda n: local_bytes(cap, intra, n, held), axes=intra.mesh_axes)
     # a cut no parameter's value crosses leaves the stages before it without a backward
     # (nothing, free nodes, buffer slices): no stage
     positions = [i for i in cut_points(nc.cross, n_stages) if nc.cross_learned[i - 1] > 0]
@@ -254,7 +255,9 @@ def state_bytes(cap: Captured, optimizer: str, precision: str | None) -> float:
     return float(n * per)
 
 
-def local_bytes(cap: Captured, intra: Plan, node) -> float:
+def local_bytes(cap: Captured, intra: Plan, node, memo: dict | None = None) -> float:
+    """Bytes per device of ``node``'s value under ``intra``; ``memo``: a dict the caller
+    keeps for one plan (the same global shape and placements give the same bytes)."""
     if node.target is operator.getitem:
         base, k = node.args
         val, name = base.meta["val"][k], base.name
@@ -262,9 +265,16 @@ def local_bytes(cap: Captured, intra: Plan, node) -> float:
         val, name, k = node.meta["val"], node.name, 0
     np_ = intra.nodes.get(name)
     shape = tuple(val.shape)
-    if np_ is not None and k < len(np_.outputs):
-        shape = local_shape(shape, np_.output(k), intra.mesh_shape) or shape
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return float(n * val.element_size())
+    placed = np_.outputs[k] if np_ is not None and k < len(np_.outputs) else None
+    key = (shape, placed, val.dtype)
+    got = memo.get(key) if memo is not None else None
+    if got is None:
+        if placed is not None:
+            shape = local_shape(shape, parse_placements(placed), intra.mesh_shape) or shape
+        n = 1
+        for d in shape:
+            n *= int(d)
+        got = float(n * val.element_size())
+        if memo is not None:
+            memo[key] = got
+    return got
