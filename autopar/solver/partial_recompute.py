@@ -157,11 +157,23 @@ def fewest_layers(cap, nc, layers, config, cuts, budget: float):
             chosen.add(queue[r].pop(0)[0])
 
 
+_BARE: dict = {}
+
+
 def without_recompute(solved):
     """``solved`` (a ``flat.Solved``) priced with nothing recomputed: the same choice per
-    node, its cost model without the recomputed layers."""
+    node, its cost model without the recomputed layers. The same object for the same
+    ``solved`` while it is among the last few asked (so ``pipeline_price.price_plan``
+    prices it once)."""
+    hit = _BARE.get(id(solved))
+    if hit is not None and hit[0] is solved:
+        return hit[1]
     cost = replace(solved.cost, recompute=frozenset(), recompute_kept=frozenset())
-    return Solved(solved.problem, cost, solved.choice)
+    bare = Solved(solved.problem, cost, solved.choice)
+    if len(_BARE) >= 4:
+        _BARE.pop(next(iter(_BARE)))
+    _BARE[id(solved)] = (solved, bare)
+    return bare
 
 
 def fewest_step(cap, pr, layers, config, cuts, budget: float):

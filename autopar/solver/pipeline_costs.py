@@ -131,19 +131,74 @@ class NodeCosts:
         """Bytes per device by term of a rank holding chain nodes ``[j, i)`` of each of
         ``stages``, with ``in_flight[k]`` micro-batches of activations in stage k."""
         held = np.zeros(len(self.units), bool)
-        out: dict[str, float] = {}
         act = 0.0
         for (j, i), n in zip(stages, in_flight):
             held[j:i] = True
             act += float(n) * float(self.activations[j:i].sum())
-        for _, terms, users in self.placeholders:
-            if any(held[u] for u in users):
-                for k, b in terms.items():
-                    out[k] = out.get(k, 0.0) + b
+        out = _held_terms(self.placeholders, held)
         out["activations"] = act
         if self.recompute_bytes and bool((held & self.recomputed).any()):
             out["recompute"] = self.recompute_bytes
         return out
+
+
+class _Terms:
+    """A placeholder list as arrays: its users flat (``users``, each placeholder's from
+    ``starts``), its terms' bytes (``bytes_``: placeholder x term, 0 where it has none) and
+    where each term stands in each placeholder's dict (``rank``: its insertion order)."""
+
+    def __init__(self, placeholders):
+        keys: dict[str, int] = {}
+        for _, terms, _ in placeholders:
+            for k in terms:
+                keys.setdefault(k, len(keys))
+        self.keys = list(keys)
+        n = len(placeholders)
+        self.bytes_ = np.zeros((n, len(keys)))
+        self.has = np.zeros((n, len(keys)), bool)
+        self.rank = np.zeros((n, len(keys)), int)
+        users, self.starts = [], np.zeros(n, int)
+        for x, (_, terms, us) in enumerate(placeholders):
+            for r, (k, b) in enumerate(terms.items()):
+                self.bytes_[x, keys[k]], self.has[x, keys[k]], self.rank[x, keys[k]] = b, True, r
+            self.starts[x] = len(users)
+            users.extend(us)
+        self.users = np.asarray(users, int)
+        self.empty = np.diff(np.append(self.starts, len(users))) == 0
+
+
+_TERMS: dict = {}
+
+
+def _held_terms(placeholders, held: np.ndarray) -> dict[str, float]:
+    """{term: bytes} of the placeholders any of whose users ``held`` marks: each term summed
+    in placeholder order, the terms in the order a dict filled placeholder by placeholder
+    has them (the same floats as that loop: ``add.accumulate`` adds one at a time)."""
+    hit = _TERMS.get(id(placeholders))
+    if hit is None or hit[0] is not placeholders:
+        if len(_TERMS) >= 8:
+            _TERMS.pop(next(iter(_TERMS)))
+        hit = _TERMS[id(placeholders)] = (placeholders, _Terms(placeholders))
+    t = hit[1]
+    if t.empty.any():          # (reduceat needs every placeholder to have a user)
+        out: dict[str, float] = {}
+        for _, terms, users in placeholders:
+            if any(held[u] for u in users):
+                for k, b in terms.items():
+                    out[k] = out.get(k, 0.0) + b
+        return out
+    used = np.logical_or.reduceat(held[t.users], t.starts)
+    mask = t.has & used[:, None]
+    out: dict[str, float] = {}
+    firsts = []
+    for c, k in enumerate(t.keys):
+        rows = np.flatnonzero(mask[:, c])
+        if len(rows):
+            firsts.append((int(rows[0]), int(t.rank[rows[0], c]), k,
+                           float(np.add.accumulate(t.bytes_[rows, c])[-1])))
+    for _, _, k, b in sorted(firsts):
+        out[k] = b
+    return out
 
 
 def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:

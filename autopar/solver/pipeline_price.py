@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -88,14 +89,37 @@ class Priced:
 
 
 def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages: int) -> Priced:
-    held: dict = {}       # (shape, placements, itemsize) -> bytes: layers repeat the same values
-    nc = node_costs(cap, solved, lambda n: local_bytes(cap, intra, n, held), axes=intra.mesh_axes)
+    nc = _node_costs(cap, intra, solved)
     # a cut no parameter's value crosses leaves the stages before it without a backward
     # (nothing, free nodes, buffer slices): no stage
     positions = [i for i in cut_points(nc.cross, n_stages) if nc.cross_learned[i - 1] > 0]
     bw, lat = pipeline_link(cl, world // p, world)
     return Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat,
                    float(getattr(cl.device, "pipeline_action", 0.0)), message_latency(cl, world))
+
+
+PRICED_KEPT = 4
+"""Intra-stage solutions whose per-node prices ``price_plan`` keeps (the last ones priced)."""
+_PRICED: OrderedDict = OrderedDict()
+
+
+def _node_costs(cap: Captured, intra: Plan, solved):
+    """``node_costs`` of ``solved`` (its crossings through ``intra``'s placements), kept for
+    the last ``PRICED_KEPT`` (graph, intra plan, Solved): a pipeline plan prices one
+    solution for its cuts, for every stage count weighed and without its recomputation
+    (``partial_recompute``) several times over (nothing mutates a NodeCosts; variants are
+    ``dataclasses.replace`` copies)."""
+    key = (id(cap.gm), id(intra), id(solved))
+    hit = _PRICED.get(key)
+    if hit is not None and hit[0] is cap.gm and hit[1] is intra and hit[2] is solved:
+        _PRICED.move_to_end(key)
+        return hit[3]
+    held: dict = {}       # (shape, placements, dtype) -> bytes: layers repeat the same values
+    nc = node_costs(cap, solved, lambda n: local_bytes(cap, intra, n, held), axes=intra.mesh_axes)
+    _PRICED[key] = (cap.gm, intra, solved, nc)      # (held alive: their ids stay theirs)
+    while len(_PRICED) > PRICED_KEPT:
+        _PRICED.popitem(last=False)
+    return nc
 
 
 def cut_points(cross: np.ndarray, n_stages: int) -> list[int]:
