@@ -120,11 +120,18 @@ class NodeCosts:
         every unit that reads it (a tied weight in both of its stages)."""
         starts = np.arange(len(self.units)) if starts is None else np.asarray(starts)
         out = np.zeros(len(starts))
-        for _, terms, users in self.placeholders:
-            b = sum(v for k, v in terms.items() if k != "inputs")
-            if b and users:
-                for u in set(np.searchsorted(starts, sorted(users), side="right") - 1):
-                    out[u] += b
+        t = _terms(self.placeholders)
+        if len(t.users):
+            # each placeholder's bytes once into every unit one of its users is in, added
+            # placeholder by placeholder (``add.at`` adds in the order given: the loop's sums)
+            unit = np.searchsorted(starts, t.users, side="right") - 1
+            owner = np.repeat(np.arange(len(t.starts)), np.diff(np.append(t.starts, len(t.users))))
+            first = np.ones(len(unit), bool)
+            pair = owner * (len(starts) + 1) + unit
+            order = np.lexsort((unit, owner))
+            first[order[1:]] = pair[order[1:]] != pair[order[:-1]]
+            keep = first & (t.state[owner] != 0)
+            np.add.at(out, unit[keep], t.state[owner[keep]])
         return out
 
     def rank_memory(self, stages: list[tuple[int, int]], in_flight: np.ndarray) -> dict[str, float]:
@@ -165,21 +172,30 @@ class _Terms:
             users.extend(us)
         self.users = np.asarray(users, int)
         self.empty = np.diff(np.append(self.starts, len(users))) == 0
+        # bytes of state (all but the inputs), summed in each dict's order as ``state`` did
+        self.state = np.array([sum(v for k, v in terms.items() if k != "inputs")
+                               for _, terms, _ in placeholders], dtype=float)
 
 
 _TERMS: dict = {}
+
+
+def _terms(placeholders) -> _Terms:
+    """``placeholders``' :class:`_Terms`, kept for the last few lists asked (a NodeCosts
+    and its ``with_recompute`` copies share one)."""
+    hit = _TERMS.get(id(placeholders))
+    if hit is None or hit[0] is not placeholders:
+        if len(_TERMS) >= 8:
+            _TERMS.pop(next(iter(_TERMS)))
+        hit = _TERMS[id(placeholders)] = (placeholders, _Terms(placeholders))
+    return hit[1]
 
 
 def _held_terms(placeholders, held: np.ndarray) -> dict[str, float]:
     """{term: bytes} of the placeholders any of whose users ``held`` marks: each term summed
     in placeholder order, the terms in the order a dict filled placeholder by placeholder
     has them (the same floats as that loop: ``add.accumulate`` adds one at a time)."""
-    hit = _TERMS.get(id(placeholders))
-    if hit is None or hit[0] is not placeholders:
-        if len(_TERMS) >= 8:
-            _TERMS.pop(next(iter(_TERMS)))
-        hit = _TERMS[id(placeholders)] = (placeholders, _Terms(placeholders))
-    t = hit[1]
+    t = _terms(placeholders)
     if t.empty.any():          # (reduceat needs every placeholder to have a user)
         out: dict[str, float] = {}
         for _, terms, users in placeholders:
