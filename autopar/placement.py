@@ -96,18 +96,21 @@ def normalize(p: Placement, ndim: int) -> Placement:
 def local_shape(shape: Sequence[int], placements: Sequence[Placement],
                 mesh_shape: Sequence[int]) -> tuple[int, ...] | None:
     """The shape each rank holds, or None when a sharded dim does not divide evenly."""
-    out = list(shape)
-    sharded: dict[int, int] = {}     # dim -> how many axes shard it
-    strided: set[int] = set()
+    out = None
+    dims = None                      # (dim, strided) of each shard, in axis order
     for p, n in zip(placements, mesh_shape):
         if isinstance(p, Shard):
-            d = p.dim % len(out) if out else 0
-            if not out or out[d] % (n * p.groups):
+            if out is None:
+                if not shape:
+                    return None
+                out, dims = list(shape), []
+            d = p.dim % len(out)
+            if out[d] % (n * p.groups):
                 return None
-            sharded[d] = sharded.get(d, 0) + 1
-            if p.groups > 1:
-                strided.add(d)
+            dims.append((d, p.groups > 1))
             out[d] //= n
-    if any(sharded[d] > 1 for d in strided):
+    if out is None:                  # nothing sharded (the common case): no copy to divide
+        return tuple(shape)
+    if len(dims) > 1 and any(strided and sum(1 for e, _ in dims if e == d) > 1 for d, strided in dims):
         return None   # a strided shard shares its dim with no other shard
     return tuple(out)

@@ -35,8 +35,10 @@ OVERLAPPED = "overlapped"
 """The estimate's ``comm`` row (negative seconds) of communication hidden behind compute,
 so the rows still add up to ``comm_s`` (``CostModel.overlap_rule``)."""
 
-SHARED_PRICES = 8
-"""Memos of redistribution and op prices kept at once (:func:`_shared`), the most recent."""
+SHARED_PRICES = 32
+"""Memos of redistribution and op prices kept at once (:func:`_shared`), the most recent
+(8 dropped a mesh's while the pipeline search went back to it: 28% of GPT-175B's
+redistributions were priced again)."""
 _SHARED: OrderedDict = OrderedDict()
 
 
@@ -349,20 +351,22 @@ class CostModel:
         return got
 
     def _edge_steps(self, meta, src, dst, grad_partial, bucketed, shared):
-        try:
-            steps = plan_steps(src, dst, grad_partial)
-        except Unsupported:
+        steps = _planned(src, dst, grad_partial)
+        if steps is None:
             return None
         cur = list(src)
         out = []
         scale = self._act(1.0, meta.dtype)    # 16-bit tensors move half the bytes
+        # each step's local shape before is the last one's after: one local_shape a step
+        shape = _local(meta, cur, self.mesh_shape).shape if steps else None
         for step in steps:
-            local_before = _local(meta, cur, self.mesh_shape)
-            before = local_before.nbytes
+            before_shape = shape
+            before = _nbytes(before_shape, meta.dtype)
             cur[step.axis] = _after(step, cur[step.axis])
-            if local_shape(meta.shape, cur, self.mesh_shape) is None:
+            shape = local_shape(meta.shape, cur, self.mesh_shape)
+            if shape is None:
                 return None        # an intermediate placement would not divide evenly
-            after = _local(meta, cur, self.mesh_shape).nbytes
+            after = _nbytes(shape, meta.dtype)
             n = self.mesh_shape[step.axis]
             link = self.links[step.axis]
             # ZeRO-1/2: a parameter's gather over the data axis runs once per step, after the
@@ -375,14 +379,14 @@ class CostModel:
                     continue
                 if per_step and backward and self.zero == 1:
                     kind = "all_reduce"
-                size = {"all_gather": max(before, after), "reduce_scatter": max(before, after),
-                        "all_reduce": max(before, after) if per_step else before,
-                        "all_to_all": before}[kind]
+                # gathers and reduce-scatters move the whole, the rest what they start from
+                size = (max(before, after) if kind in ("all_gather", "reduce_scatter")
+                        or (per_step and kind == "all_reduce") else before)
                 t = comm_model.collective_time(kind, size * scale, n, link, skew=False)
                 if bucketed and (step.kind == "grad_all_reduce" or per_step):
                     t -= comm_model.collective_time(kind, 1.0, n, link, skew=False)   # latency shared by the bucket
                     if step.kind == "grad_all_reduce" and step.axis == self.data_axis:
-                        t = self._lossy_grad_sync(t, local_before, scale, n, link)
+                        t = self._lossy_grad_sync(t, TensorMeta(before_shape, meta.dtype), scale, n, link)
                 else:
                     # the wait for the peers: once per collective between computations, shared
                     # by a consumer's parameters (see ``shared``)
@@ -473,6 +477,25 @@ def params_read(problem) -> dict[str, int]:
     return out
 
 
+_STEPS: dict = {}
+"""``plan_steps`` by (src, dst, grad_partial), None where Unsupported: they read the
+placements only, so every mesh and cost model shares them (a few thousand a plan)."""
+
+
+def _planned(src, dst, grad_partial) -> tuple[Step, ...] | None:
+    key = (src, dst, grad_partial)
+    got = _STEPS.get(key, _STEPS)
+    if got is _STEPS:
+        if len(_STEPS) >= 100_000:
+            _STEPS.clear()
+        try:
+            got = tuple(plan_steps(src, dst, grad_partial))
+        except Unsupported:
+            got = None
+        _STEPS[key] = got
+    return got
+
+
 def _after(step: Step, p: Placement) -> Placement:
     if step.kind in ("all_gather", "all_reduce", "grad_all_reduce"):
         return Replicate()
@@ -481,6 +504,14 @@ def _after(step: Step, p: Placement) -> Placement:
     if step.kind == "shard_to_partial":
         return Partial()
     return p  # to_partial keeps the size
+
+
+def _nbytes(shape: tuple[int, ...], dtype) -> int:
+    """``TensorMeta(shape, dtype).nbytes``."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
 
 
 def _local(meta: TensorMeta, placements, mesh_shape) -> TensorMeta:

@@ -45,7 +45,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import _pywraplp, pywraplp
 
 from autopar.cost_models.memory import peak_bytes
 from autopar.errors import AutoparInputError
@@ -317,10 +317,12 @@ def _memory_rows(x: dict, tab: _Tables, phases: tuple) -> list:
 
 
 def _row(m, lo: float, hi: float, terms) -> None:
-    """The constraint ``lo <= sum(coefficient * variable) <= hi`` (each variable once)."""
-    row = m.Constraint(lo, hi)
+    """The constraint ``lo <= sum(coefficient * variable) <= hi`` (each variable once);
+    through pywraplp's own calls under its Python wrappers (millions on a large mesh)."""
+    row = _pywraplp.Solver_Constraint(m, lo, hi)
+    set_coefficient = _pywraplp.Constraint_SetCoefficient
     for v, c in terms:
-        row.SetCoefficient(v, c)
+        set_coefficient(row, v, c)
 
 
 def _overlaps(tab: _Tables) -> bool:
@@ -337,6 +339,7 @@ def _add_edges(m, x: dict, tab: _Tables, obj: dict, minimize_memory: bool,
     pair that several edges of one shared-conversion group can carry is paid once, on its
     own variable ``s`` (module docstring)."""
     carriers = defaultdict(list)     # (group, pair) -> each edge's indicator: its variables
+    num_var = _pywraplp.Solver_NumVar       # m.NumVar without its Python wrapper
 
     def pay(variables, t: float, h: float) -> None:
         for var in variables:
@@ -364,7 +367,7 @@ def _add_edges(m, x: dict, tab: _Tables, obj: dict, minimize_memory: bool,
                     else:
                         pay(lin, t, hid[(p, q)] if sync is not None else 0.0)
             continue
-        e = {pq: m.NumVar(0.0, 1.0, "") for pq, (t, _) in table.items() if t != INF}
+        e = {pq: num_var(m, 0.0, 1.0, "") for pq, (t, _) in table.items() if t != INF}
         out, into = defaultdict(list), defaultdict(list)
         for (p, q), ev in e.items():
             out[p].append((ev, 1.0))
