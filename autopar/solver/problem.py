@@ -327,8 +327,8 @@ def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape
     return opts
 
 
-def _signature(node: torch.fx.Node) -> tuple:
-    call = make_call(node) if node.op == "call_function" and node.target is not operator.getitem else None
+def _signature(node: torch.fx.Node, index: GraphIndex) -> tuple:
+    call = index.call(node) if node.op == "call_function" and node.target is not operator.getitem else None
     if call is None:
         return (str(node.target), len(node.args))
     # op, every argument (tensors by shape and dtype), every output: equal for the same
@@ -385,11 +385,13 @@ def graph_index(cap: Captured) -> GraphIndex:
     """The :class:`GraphIndex` of ``cap``'s graph, made on first use."""
     index = _INDEXES.get(cap.gm)
     if index is None:
-        index = _INDEXES[cap.gm] = GraphIndex(_repetition_map(cap))
+        index = GraphIndex({})
+        index.repetition = _repetition_map(cap, index)   # its op calls kept for the problems
+        _INDEXES[cap.gm] = index
     return index
 
 
-def _repetition_map(cap: Captured) -> dict[str, str]:
+def _repetition_map(cap: Captured, index: GraphIndex) -> dict[str, str]:
     """Node name -> the name of the same node in the first of its repeated layers."""
     layers: dict[str, dict[int, list[torch.fx.Node]]] = {}
     for node in cap.gm.graph.nodes:
@@ -403,11 +405,11 @@ def _repetition_map(cap: Captured) -> dict[str, str]:
         if len(idxs) < 2:
             continue
         first = by_idx[idxs[0]]
-        sig0 = [_signature(n) for n in first]
+        sig0 = [_signature(n, index) for n in first]
         pos0 = {n.name: k for k, n in enumerate(first)}
         for i in idxs[1:]:
             nodes = by_idx[i]
-            if [_signature(n) for n in nodes] != sig0:
+            if [_signature(n, index) for n in nodes] != sig0:
                 continue
             # inputs must come from the same position of the layer (or from outside it)
             ok = True
