@@ -71,7 +71,21 @@ def placements_str(placements: Sequence[Placement]) -> str:
 
 
 def parse_placements(text: str) -> tuple[Placement, ...]:
-    """Inverse of :func:`placements_str`."""
+    """Inverse of :func:`placements_str` (a tuple of immutable placements: each text is
+    parsed once, plans and their pricing read the same few again and again)."""
+    got = _PARSED.get(text)
+    if got is None:
+        got = _parse_placements(text)
+        if len(_PARSED) >= 10_000:
+            _PARSED.clear()
+        _PARSED[text] = got
+    return got
+
+
+_PARSED: dict[str, tuple[Placement, ...]] = {}
+
+
+def _parse_placements(text: str) -> tuple[Placement, ...]:
     out, i = [], 0
     while i < len(text):
         if text[i] in "RP":
