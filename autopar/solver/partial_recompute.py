@@ -104,11 +104,12 @@ def layer_terms(cap, nc, layers, config, cuts) -> list[tuple[str, int, float, fl
         if not placed:
             continue
         saved = rebuilt = added = 0.0
-        for i, x in placed:
+        # each node's stage, all at once (the sums stay one node at a time, in graph order)
+        stage = np.searchsorted(cut_arr, [i for i, _ in placed], side="right").tolist()
+        for (i, x), k in zip(placed, stage):
             added += m * (nc.node_forward.get(x, 0.0) + nc.node_forward_comm.get(x, 0.0))
             if x not in kept:
                 a = nc.node_activations.get(x, 0.0)
-                k = int(np.searchsorted(cut_arr, i, side="right"))
                 saved += held[k] * a
                 rebuilt += a
         rank = int(np.searchsorted(cut_arr, min(placed)[0], side="right")) % p

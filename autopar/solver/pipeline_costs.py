@@ -283,9 +283,14 @@ class _Acc:
         self.placeholders: list = []
         self.node_forward, self.node_act, self.node_fwd_comm = {}, {}, {}
         self.rec_bytes = 0.0
+        self._latency: dict = {}      # (collective, axis) -> ``latency``, asked per edge
 
     def latency(self, k) -> float:     # one collective of kind k[0] on axis k[1], no bytes
-        return collective_time(k[0], 1.0, self.pt.problem.mesh_shape[k[1]], self.pt.cost.links[k[1]])
+        got = self._latency.get(k)
+        if got is None:
+            got = self._latency[k] = collective_time(k[0], 1.0, self.pt.problem.mesh_shape[k[1]],
+                                                     self.pt.cost.links[k[1]])
+        return got
 
     def add(self, by: dict, k, s: float):
         key = f"{k[0]}@{self.names[k[1]]}"
