@@ -98,6 +98,22 @@ changing nothing); ``405b`` 92.0 s (objective 6.93198 s, digest 41e2c7f5e0bd; wa
 at cb601e7 the same morning, objective 6.91059 s before the hash-seed fix); ``405b-pinned``
 11.0 s (goal 60 s: met). Goals not met: 175B 20 s, 405B free 60 s; left: the pipeline
 search's intra-stage ILPs (27 on the 405B) and the re-plan of a recomputing winner.
+
+Measured 2026-11-23, 06:56-07:10 UTC at load 5-7, each pair side by side at the same time,
+``PYTHONHASHSEED=0 python benchmarks/solve_time.py --rows R`` (before: 36e4285; after: the
+same plus the pipeline pricing's exact speed-ups 4a13048, fc356d3, d74ceb0: the graph
+facts of ``analysis/stages`` kept per graph, ``local_bytes`` per plan, one solution's
+per-node prices kept for its repeated pricing, rank memory and state as arrays), CPU
+seconds: ``405b`` 111.1 -> 98.5 s (-11%), digest 41e2c7f5e0bd both; ``175b`` 67.3 -> 64.8 s
+(-4%), digest 98b372c469c6 both; ``405b-pinned`` 13.6 -> 9.4 s, digest d2ddcca4bc85 both;
+bf17efb on top (``layer_terms``' stages in one search, collective latencies kept):
+``405b`` 95.9 -> 95.2 s (within the noise), same digest.
+No pipeline-search ILP is solved twice with the same inputs on either free row (405B: 27
+intra-stage solves, 175B: 26, all distinct; the re-plan of a recomputing winner solves
+without the recompute pin or with ZeRO-2, which the search did not), so none is reused.
+What is left of the pipeline search outside its ILPs on the 405B (per-function CPU s,
+at 06:55): the stage DP's tables and DP ~7 s over 210 ``plan_stages``, the per-node prices
+2.4 s, the fewest recomputed layers 2.5 s; the intra-stage ILPs ~49 s.
 """
 from __future__ import annotations
 
