@@ -114,6 +114,19 @@ without the recompute pin or with ZeRO-2, which the search did not), so none is 
 What is left of the pipeline search outside its ILPs on the 405B (per-function CPU s,
 at 06:55): the stage DP's tables and DP ~7 s over 210 ``plan_stages``, the per-node prices
 2.4 s, the fewest recomputed layers 2.5 s; the intra-stage ILPs ~49 s.
+
+Measured 2026-11-23, 07:04-07:27 UTC at load 3-8, the sharding ILP's exact speed-ups
+(aa9c4ba, 65f9d16, da5d4be, aaaeb2c, ecc4bfe, 55a2d88: pair prices by numbers, one graph
+walk per graph, cheaper redistribution steps and local shapes, the ILP's rows through
+pywraplp's calls, op calls made once, parsed placements kept), each row in both trees at
+the same time (before: 36e4285; after: 36e4285 with those commits' files),
+``PYTHONHASHSEED=0``, CPU seconds, two pairs: ``175b`` 67.8 -> 60.2 and 62.6 -> 56.5 s
+(-10%), digest 98b372c469c6 in all four; ``405b`` 112.1 -> 96.9 and 107.9 -> 92.9 s
+(-14%), digest 41e2c7f5e0bd in all four; ``405b-pinned`` 13.8 -> 12.1 s, digest
+d2ddcca4bc85. Every ILP's objective, choice and breakdown equal on 175B (72) and 405B (49).
+Left: OR-Tools' CBC solve itself (the 405B's 2048 x 8 mesh, 31,716 variables and 10,302
+rows, 5.6 s of which 4 nodes and 389 iterations; CBC takes no options through pywraplp,
+and parallel edges that could be merged carry 2% of the e-variables).
 """
 from __future__ import annotations
 
