@@ -73,8 +73,9 @@ def _dependencies(a: Action, n_stages: int) -> list[tuple[Action | tuple, int | 
 class Compiled:
     """A schedule's dependency structure, worked out once whatever the durations: actions
     numbered in rank order (``flat``), each one's predecessor on its rank (``prev``, -1 for
-    the first), what it waits for (``waits``: (action, boundary crossed or -1 when the
-    transfer is free)), where its duration sits in the concatenated F, B, I, W per-stage
+    the first), what it waits for (``dep``: the action before it, an F's on the previous
+    stage, or a backward's F; ``grad``: a backward's next-stage gradient; -1 for none) and
+    the boundary each crosses (``link``, ``grad_link``: -1 when the transfer is free), where its duration sits in the concatenated F, B, I, W per-stage
     arrays (``slot``), a topological order of the actions that can run (``order``) and how
     many of each rank's actions that is (``done``: fewer than it lists when it deadlocks).
     Timing along any topological order gives the same times, so one order serves every
@@ -84,7 +85,10 @@ class Compiled:
     n_stages: int
     kinds: frozenset
     prev: tuple
-    waits: tuple
+    dep: tuple
+    link: tuple
+    grad: tuple
+    grad_link: tuple
     slot: tuple
     order: tuple
     done: tuple
@@ -100,7 +104,8 @@ _KINDS = "FBIW"
 def compile_schedule(actions: Sequence[Sequence[Action]]) -> Compiled:
     """``actions``' :class:`Compiled` structure (raises on an action listed twice or one
     that waits for an action no rank runs). The dependencies are looked up in one array
-    indexed by (kind, stage, micro-batch); only the topological order is a Python loop."""
+    indexed by (kind, stage, micro-batch); only the topological order is a Python loop (sweeps
+    over the ranks, no per-action successor lists)."""
     ranks = _stage_ranks(actions)
     n_stages = max(ranks) + 1 if ranks else 0
     flat = [a for rank_actions in actions for a in rank_actions]
@@ -136,43 +141,36 @@ def compile_schedule(actions: Sequence[Sequence[Action]]) -> Compiled:
         k = 0 if has0[n] and dep0[n] < 0 else 1
         dep = _dependencies(flat[n], n_stages)[k][0]
         raise ValueError(f"action {flat[n]} on rank {int(rank_of[n])} depends on {dep}, which no rank runs")
-    b0 = np.where(free0, -1, stage - 1).tolist()
-    b1 = np.where(free1, -1, stage).tolist()
-    dep0, grad, has0, has1 = dep0.tolist(), grad.tolist(), has0.tolist(), has1.tolist()
+    # -1 (no dependency, or a free transfer) reads a sentinel past the end of every list
+    d0 = np.where(has0, dep0, -1).tolist()
+    d1 = np.where(has1, grad, -1).tolist()
+    b0 = np.where(has0 & ~free0, stage - 1, -1).tolist()
+    b1 = np.where(has1 & ~free1, stage, -1).tolist()
     prev = prev.tolist()
 
-    waits: list[tuple[tuple[int, int], ...]] = []
-    users: list[list[int]] = [[] for _ in flat]
-    indegree = [0 if q < 0 else 1 for q in prev]
-    for n in range(n_actions):
-        if has1[n]:
-            w = ((dep0[n], b0[n]), (grad[n], b1[n]))
-            users[dep0[n]].append(n)
-            users[grad[n]].append(n)
-        elif has0[n]:
-            w = ((dep0[n], b0[n]),)
-            users[dep0[n]].append(n)
-        else:
-            w = ()
-        waits.append(w)
-        indegree[n] += len(w)
-    for n, q in enumerate(prev):
-        if q >= 0:
-            users[q].append(n)
+    # a topological order: sweep the ranks up (activations flow to later ranks) and down
+    # (gradients to earlier ones), each running its next actions while their inputs ran
+    ran = [False] * n_actions + [True]
+    bounds = np.cumsum([0] + [len(x) for x in actions]).tolist()
+    pos, ends = bounds[:-1], bounds[1:]
+    sweep = list(range(len(actions))) + list(range(len(actions) - 1, -1, -1))
     order: list[int] = []
-    ready = deque(n for n, d in enumerate(indegree) if d == 0)
-    while ready:
-        n = ready.popleft()
-        order.append(n)
-        for u in users[n]:
-            indegree[u] -= 1
-            if indegree[u] == 0:
-                ready.append(u)
-    ran = np.zeros(n_actions, dtype=bool)
-    ran[order] = True
-    done = tuple(int(x) for x in np.bincount(rank_of[ran], minlength=len(actions)))
+    progress = True
+    while progress:
+        progress = False
+        for r in sweep:
+            n, end = pos[r], ends[r]
+            while n < end and ran[d0[n]] and ran[d1[n]]:
+                ran[n] = True
+                order.append(n)
+                n += 1
+            if n != pos[r]:
+                pos[r] = n
+                progress = True
+    done = tuple(q - b for q, b in zip(pos, bounds))
     return Compiled(actions=tuple(tuple(x) for x in actions), flat=tuple(flat), n_stages=n_stages,
-                    kinds=frozenset(a.kind for a in flat), prev=tuple(prev), waits=tuple(waits),
+                    kinds=frozenset(a.kind for a in flat), prev=tuple(prev), dep=tuple(d0),
+                    link=tuple(b0), grad=tuple(d1), grad_link=tuple(b1),
                     slot=tuple((kind * n_stages + stage).tolist()), order=tuple(order), done=done)
 
 
@@ -182,18 +180,17 @@ def _times(comp: Compiled, dur: dict[str, np.ndarray], p2p: np.ndarray,
     leaves unrun); ``starts=False`` skips the starts."""
     table = [float(x) for k in _KINDS
              for x in np.broadcast_to(np.asarray(dur.get(k, 0.0), dtype=float), (comp.n_stages,))]
-    links = [float(x) for x in np.asarray(p2p, dtype=float).ravel()]
-    prev, waits, slot = comp.prev, comp.waits, comp.slot
+    links = [float(x) for x in np.asarray(p2p, dtype=float).ravel()] + [0.0]   # [-1]: free
+    prev, dep, link, grad, grad_link, slot = \
+        comp.prev, comp.dep, comp.link, comp.grad, comp.grad_link, comp.slot
     t_start = [0.0] * len(slot) if starts else None
-    t_end = [0.0] * len(slot)
+    t_end = [0.0] * (len(slot) + 1)            # [-1]: no predecessor, ended at 0
     for n in comp.order:
-        q = prev[n]
-        t = t_end[q] if q >= 0 else 0.0
-        for dep, b in waits[n]:
-            t = max(t, t_end[dep] + (0.0 if b < 0 else links[b]))
+        t = max(t_end[prev[n]], t_end[dep[n]] + links[link[n]], t_end[grad[n]] + links[grad_link[n]])
         if starts:
             t_start[n] = t
         t_end[n] = t + table[slot[n]]
+    del t_end[-1]
     return t_start, t_end
 
 
