@@ -208,3 +208,25 @@ def test_configurations_of_one_micro_batch_count_share_its_capture(monkeypatch):
                        (48, "graph at m=4")]
     assert captures == [4, 8]
     assert plan.p == 48 and mcap == "graph at m=4"
+
+
+def test_memory_fitting_counts_the_tables_within_the_limit():
+    """``stage_tables.Memory.fitting`` (each entry's crossing count, checked either side)
+    equals counting the full memory tables within the limit, also at a limit equal to
+    one of their floats and with layers that hold no activations."""
+    from autopar.solver.stage_tables import Memory, _interval
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        n = 9
+        act = rng.random(n) * (trial % 3)            # trial % 3 == 0: no activations at all
+        act[rng.random(n) < 0.3] = 0.0
+        state = _interval(np.concatenate([[0.0], np.cumsum(rng.random(n) * 3)]))
+        act = _interval(np.concatenate([[0.0], np.cumsum(act)]))
+        counts = np.unique(rng.integers(1, 9, 5).astype(float) / rng.integers(1, 4))
+        valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
+        memory = Memory(state, act, counts, np.arange(len(counts)))
+        full = np.asarray(memory)
+        limit = float(rng.choice(full[:, valid].ravel()))
+        want = np.where(valid, (full <= limit).sum(axis=0), 0)
+        assert np.array_equal(memory.fitting(limit, valid), want)
+        assert memory[1, 0, 3] == full[1, 0, 3]

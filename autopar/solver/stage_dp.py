@@ -77,7 +77,7 @@ from autopar.schedule import SCHEDULES, check_schedule, schedule_actions
 from autopar.solver.simulate import compile_schedule, makespan_compiled, simulate
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
 from autopar.solver.stage_tables import (
-    INF, Candidate, Stack, Tables, bubble_rho, in_flight, price, ring_factor,
+    INF, Candidate, Stack, Tables, Tiebreak, bubble_rho, in_flight, price, ring_factor,
 )
 
 __all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit", "stage_dp", "plan_stages", "simulate_plan",
@@ -114,8 +114,10 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
     # best[k, i]: least bottleneck of stages 0..k holding exactly layers 0..i-1.
     best = np.full((n_stages, rows), INF)
     best[0] = cost[0, 0]
+    work = np.empty((rows, cols))      # one scratch table for every stage (no allocation each)
     for k in range(1, n_stages):
-        best[k] = np.maximum(best[k - 1][:, None], cost[k]).min(axis=0)
+        np.maximum(best[k - 1][:, None], cost[k], out=work)
+        work.min(axis=0, out=best[k])
     bottleneck = float(best[-1, n_layers])
     if not math.isfinite(bottleneck):
         return INF, ()
@@ -129,10 +131,11 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
     arg = np.zeros((n_stages, rows), dtype=np.int64)
     total[0] = np.where(cost[0, 0] <= within, tie[0, 0], INF)
     allowed = _within(cost, tie, within)
+    columns = np.arange(rows)
     for k in range(1, n_stages):
-        cand = total[k - 1][:, None] + allowed(k)
-        arg[k] = cand.argmin(axis=0)
-        total[k] = cand[arg[k], np.arange(rows)]
+        np.add(total[k - 1][:, None], allowed(k), out=work)
+        work.argmin(axis=0, out=arg[k])
+        total[k] = work[arg[k], columns]
     cuts = []
     i = n_layers
     for k in range(n_stages - 1, 0, -1):
@@ -145,6 +148,8 @@ def _within(cost, tie, within: float):
     """k -> ``tie[k]`` where ``cost[k]`` is within the bottleneck, INF elsewhere; worked out
     once per distinct table when both are ``Stack``s over the same tables (an interleaved
     schedule's p * v stages share p tables)."""
+    if isinstance(tie, Tiebreak) and tie.cost is cost:
+        return tie.within(within)
     if isinstance(cost, Stack) and isinstance(tie, Stack) and len(cost.tables) < len(cost.which) \
             and np.array_equal(cost.which, tie.which):
         tables, which = np.where(cost.tables <= within, tie.tables, INF), cost.which

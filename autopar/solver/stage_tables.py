@@ -82,13 +82,56 @@ class Tables:
         actions = 3 if c.schedule == "zero-bubble" else 2
         time = np.where(self.valid, self.time * b / d + self.fixed + self.latency
                         + actions * self.costs.action_time, INF)
-        memory = (self.state / (d if shard_state else 1))[None] + \
-            counts[:, None, None] * (self.act * b / d)[None]
+        memory = Memory(self.state / (d if shard_state else 1), self.act * b / d, counts, which)
         share = memory_limit / c.v
-        cost = np.where(memory <= share * (1 + 1e-9), time[None], INF)   # float sums at the limit fit
+        # float sums at the limit fit; table u holds where the u-th least count fits
+        fits = memory.fitting(share * (1 + 1e-9), self.valid)
+        cost = Stack(np.where(fits[None] > np.arange(len(counts))[:, None, None], time[None], INF), which)
         comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
-        tiebreak = cost + 2 * comm[None, None, :]
-        return Stack(cost, which), Stack(tiebreak, which), Stack(memory, which), share, comm
+        return cost, Tiebreak(cost, time, fits, 2 * comm), memory, share, comm
+
+
+class Memory:
+    """The (S, L+1, L+1) memory table ``state + n_k * act`` of S stages whose in-flight
+    counts n_k are ``counts[which[k]]`` (``counts`` ascending), without building it:
+    indexes (and converts by ``np.asarray``) as the full array would, with its floats."""
+
+    def __init__(self, state: np.ndarray, act: np.ndarray, counts: np.ndarray, which: np.ndarray):
+        self.state, self.act, self.counts = state, act, np.asarray(counts, dtype=float)
+        self.which = np.asarray(which).reshape(-1)
+        self.shape = (len(self.which), *state.shape)
+
+    def __getitem__(self, key):
+        k, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        u = self.which[k]
+        if np.ndim(u) == 0:
+            return self.state[rest] + self.counts[u] * self.act[rest]
+        return np.asarray(self)[key]
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.state[None] + self.counts[self.which][:, None, None] * self.act[None]
+        return out if dtype is None else out.astype(dtype)
+
+    def fitting(self, limit: float, valid: np.ndarray) -> np.ndarray:
+        """fits[j, i]: how many of the counts (least first) keep layers j .. i-1 within
+        ``limit`` where ``valid`` (0 elsewhere), exactly as comparing the table's floats
+        would: there they grow with the count (a product and a sum of non-negative floats
+        are monotone), so each entry's crossing count is found by a division and checked
+        against the counts either side of it."""
+        n, counts = len(self.counts), self.counts
+        state, act = self.state[valid], self.act[valid]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            crossing = (limit - state) / act
+        fits = np.searchsorted(counts, np.nan_to_num(crossing, nan=np.inf), side="right")
+        for _ in range(n + 1):
+            low_ok = (fits == 0) | (state + counts[np.maximum(fits - 1, 0)] * act <= limit)
+            high_fits = (fits < n) & (state + counts[np.minimum(fits, n - 1)] * act <= limit)
+            if low_ok.all() and not high_fits.any():
+                out = np.zeros(self.state.shape, dtype=np.int64)
+                out[valid] = fits
+                return out
+            fits = fits - ~low_ok + high_fits
+        raise AssertionError("stage memory is not monotone in the in-flight count")
 
 
 class Stack:
@@ -107,6 +150,35 @@ class Stack:
     def __array__(self, dtype=None, copy=None):
         out = self.tables[self.which]
         return out if dtype is None else out.astype(dtype)
+
+
+class Tiebreak(Stack):
+    """``cost + plus`` (``plus`` along the last axis) of a ``Stack`` ``cost`` whose table u
+    is ``time`` where ``fits > u``, INF elsewhere: indexes as that array would, and is
+    built whole only when converted (the DP reads it through ``within``)."""
+
+    def __init__(self, cost: Stack, time: np.ndarray, fits: np.ndarray, plus: np.ndarray):
+        self.cost, self.time, self.fits, self.plus = cost, time, fits, plus
+        self.which, self.shape = cost.which, cost.shape
+
+    @property
+    def tables(self):
+        return self.cost.tables + self.plus
+
+    def __getitem__(self, key):
+        k, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        if np.ndim(self.which[k]) == 0:
+            return (self.cost.tables[self.which[k]] + self.plus)[rest]
+        return np.asarray(self)[key]
+
+    def within(self, limit: float):
+        """k -> this table where ``cost[k] <= limit``, INF elsewhere; one table per
+        distinct ``cost`` table, the mask from ``fits`` (where ``time`` is within)."""
+        fits = np.where(self.time <= limit, self.fits, 0)
+        n = len(self.cost.tables)
+        tables = np.where(fits[None] > np.arange(n)[:, None, None], (self.time + self.plus)[None], INF)
+        which = self.which
+        return lambda k: tables[which[k]]
 
 
 def price(c: Candidate, stage_times: np.ndarray, comm_cuts: np.ndarray,
