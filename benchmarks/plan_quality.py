@@ -77,7 +77,7 @@ the tensor-parallel collectives it drops (data parallelism only). Rows 0-3's ter
 printed at 05:20, not kept here. Row 14 ran at the H100 SXM
 datasheet's peak (the process imported ``published_runs`` before its peak moved to
 ``TORCHTITAN_H100_PEAK``; both plans are priced alike). Row 13 took 473 CPU s to plan free
-(the accumulation search over 64 ranks: not traced).
+(where the time goes is not traced).
 
 **Run of 2026-11-22, published part** (one row per invocation, two or three at once, the
 machine shared at load 5-16; ``nice python benchmarks/plan_quality.py --part published
