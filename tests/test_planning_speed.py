@@ -230,3 +230,39 @@ def test_memory_fitting_counts_the_tables_within_the_limit():
         want = np.where(valid, (full <= limit).sum(axis=0), 0)
         assert np.array_equal(memory.fitting(limit, valid), want)
         assert memory[1, 0, 3] == full[1, 0, 3]
+
+
+def test_planned_memo_follows_every_input():
+    """``plan_stages`` keeps each candidate's plan (``stage_dp._PLANNED``): asked again
+    with the same inputs it answers from the memo, and a change to any field of the costs
+    or to the limit or bandwidths gives the plan a cleared memo gives (fails when the key
+    leaves one out: the first plan would come back)."""
+    import dataclasses
+
+    from autopar.solver import stage_dp as dp
+    rng = np.random.default_rng(11)
+    base = dataclasses.replace(_costs(rng, n=10), sync_bytes=rng.random(10), action_time=0.01)
+    kw = dict(n_devices=8, global_batch=16, memory_limit=40.0, bandwidth=10.0, n_stages=4,
+              micro_batches=8, schedule="zero-bubble")
+    dp._PLANNED.clear()
+    first = dp.plan_stages(base, **kw)
+    assert dp.plan_stages(base, **kw) is first and len(dp._PLANNED) == 1
+
+    def scaled(name):
+        value = getattr(base, name)
+        if np.ndim(value) == 0:
+            return dataclasses.replace(base, **{name: value * 0.5 + 0.01})
+        arr = np.asarray(value, dtype=float).copy()
+        arr[2] = arr[2] * 3 + 1                # layer 2, and the cut after it
+        return dataclasses.replace(base, **{name: arr})
+
+    variants = [(scaled(f.name), kw) for f in dataclasses.fields(LayerCosts)]
+    variants += [(base, {**kw, "memory_limit": 15.0}), (base, {**kw, "bandwidth": 0.5}),
+                 (base, {**kw, "sync_bandwidth": 0.1}), (base, {**kw, "n_devices": 4}),
+                 (base, {**kw, "shard_state": True})]
+    for i, (costs, args) in enumerate(variants):
+        got = dp.plan_stages(costs, **args)
+        dp._PLANNED.clear()
+        fresh = dp.plan_stages(costs, **args)
+        assert got == fresh and got != first, (i, args)
+        dp.plan_stages(base, **kw)          # the first plan back in the memo
