@@ -127,6 +127,17 @@ d2ddcca4bc85. Every ILP's objective, choice and breakdown equal on 175B (72) and
 Left: OR-Tools' CBC solve itself (the 405B's 2048 x 8 mesh, 31,716 variables and 10,302
 rows, 5.6 s of which 4 nodes and 389 iterations; CBC takes no options through pywraplp,
 and parallel edges that could be merged carry 2% of the e-variables).
+
+Measured 2026-11-23, 07:27-07:52 UTC at load 3-8, the stage DP's and schedule simulation's
+exact speed-ups (7da17a1: a schedule's topological order by sweeps over the ranks;
+5ff2d14: the DP's tables from one count of fitting in-flight counts per entry, no memory
+or tiebreak stack; 1b821f8: each candidate's plan kept by a digest of its costs), each
+row in both trees at the same time (before: 4461fba; after: 4461fba with those commits'
+files), ``PYTHONHASHSEED=0``, CPU seconds: ``175b`` 53.3 -> 45.8 and 55.5 -> 47.7 s
+(-14%), digest 98b372c469c6 in all four; ``405b`` 80.4 -> 79.2 s (within the noise),
+digest 41e2c7f5e0bd both; ``405b-pinned`` 7.9 -> 7.9 s (10 ``plan_stages`` calls, 0.2 s),
+digest d2ddcca4bc85 both. Replaying the 175B row's 191 captured ``plan_stages`` calls
+alone: 10.0 -> 5.6 CPU s, every StagePlan equal. Goals not met (175B 20 s, 405B 60 s).
 """
 from __future__ import annotations
 
