@@ -138,6 +138,16 @@ files), ``PYTHONHASHSEED=0``, CPU seconds: ``175b`` 53.3 -> 45.8 and 55.5 -> 47.
 digest 41e2c7f5e0bd both; ``405b-pinned`` 7.9 -> 7.9 s (10 ``plan_stages`` calls, 0.2 s),
 digest d2ddcca4bc85 both. Replaying the 175B row's 191 captured ``plan_stages`` calls
 alone: 10.0 -> 5.6 CPU s, every StagePlan equal. Goals not met (175B 20 s, 405B 60 s).
+
+End of that session (2026-11-23 07:52-07:56, at 6aea126, ``PYTHONHASHSEED=0 python
+benchmarks/solve_time.py --rows 175b,405b,405b-pinned``, beside a test run using one core):
+``175b`` 45.4 CPU s (54.0 that morning at load ~1; the deferred probes now resume the
+unpipelined search, 9b875a8, instead of solving its meshes again: 63.5 -> 59.0 side by
+side), objective 17.6147 s, digest 98b372c469c6; ``405b`` 78.4 s (92.0), 6.93198 s,
+41e2c7f5e0bd; ``405b-pinned`` 7.0 s (11.0), 8.27234 s, d2ddcca4bc85. Phases (wall) of the
+175B: pipeline search 28.4 s, the unpipelined plan's fewest-layers probes 8.1 s and
+accumulation 7.3 s (neither changes the plan), unpipelined 5.0 s, capture 1.4 s; of the
+405B: pipeline search 84.2 s, unpipelined 27.0 s. Goals (20 s, 60 s free) not met.
 """
 from __future__ import annotations
 
