@@ -125,11 +125,12 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     n_states = check_optimizer(optimizer)
     # a search the free search deferred the probes of (``fewest_layers=False``) and now asks
     # again with them: its meshes are solved already, only the probes are left
-    resume_key = repr((cl, world, sorted(pins.items()), budget, mesh_shape, optimizer,
-                       time_limit_s, explain, tag))
-    deferred = _DEFERRED.setdefault(cap.gm, {})
-    if fewest_layers and not memory_weights and profiler is None and grad_sync_scale == 1.0 \
-            and resume_key in deferred:
+    resumable = not memory_weights and profiler is None and grad_sync_scale == 1.0
+    if resumable:
+        resume_key = repr((cl, world, sorted(pins.items()), budget, mesh_shape, optimizer,
+                           time_limit_s, explain, tag))
+        deferred = _DEFERRED.setdefault(cap.gm, {})
+    if resumable and fewest_layers and resume_key in deferred:
         best, errors = deferred.pop(resume_key)
         return _with_fewest_layers(cap, cl, best, pins, budget=budget, time_limit_s=time_limit_s,
                                    profiler=profiler, memory_weights=memory_weights,
@@ -176,7 +177,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                       f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
             if best is None or sol.objective_s < best.sol.objective_s:
                 best = _Best(sol, problem, shape, axes, recompute, cost, pins)
-    if not fewest_layers and not memory_weights and profiler is None and grad_sync_scale == 1.0:
+    if resumable and not fewest_layers:
         deferred[resume_key] = (best, errors)
         while len(deferred) > DEFERRED_KEPT:
             deferred.pop(next(iter(deferred)))
