@@ -42,8 +42,13 @@ from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import drop_deferred, plan_captured, recompute_bound_s, solve_captured
 from autopar.solver.pins import check_optimizer, check_pins, pipelined
-from autopar.solver.pipeline_free import search_pipelines
+from autopar.solver.pipeline_free import degree_search, search_pipelines
 from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
+from autopar.solver.speculate import Speculation, best_found_s, workers_for
+
+UNPIPELINED, PROBES = "the unpipelined plan", "the unpipelined plan's fewest recomputed layers"
+"""The jobs of solving the unpipelined plan's meshes and then ``flat._fewest_layers``'
+probes ahead (``speculate``): after the pipeline search's meshes."""
 
 AUTO_COMPRESS = (None, "bf16", "int8", "topk:0.01", "powersgd:4")
 """What ``compress="auto"`` chooses from (``autopar.runtime.compression``)."""
@@ -155,21 +160,81 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
         return Planned(plan_branched(cap, cl, world, pins["branch"], pins, memory_budget=memory_budget,
                                      optimizer=optimizer, time_limit_s=time_limit_s,
                                      capture_s=capture_s, verbose=verbose, profiler=profiler), cap)
-    t_start, phases = time.perf_counter(), {"capture": capture_s}
-    flat, error = None, None
     # when pipelines are searched too, the unpipelined plan's fewest recomputed layers are
     # probed only once it could win (its step less what its recomputation may cost,
     # ``flat.recompute_bound_s``, an estimate, below the best plan found)
+    t_start = time.perf_counter()
     deferred = may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, False)
+    kw = dict(t_start=t_start, pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
+              optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
+              profiler=profiler)
+    if not deferred:
+        return _search_captured(cap, model, example_inputs, loss_fn, target, cl, world, **kw)
+    # the pipeline search's programs, then the unpipelined plan's, then its probes (which
+    # the search may not need), solved ahead on the other cores (speculate.py)
+    search = degree_search(cap, example_inputs, cl, world, pins, memory_budget=memory_budget,
+                           optimizer=optimizer, time_limit_s=time_limit_s, verbose=verbose)
+    workers = workers_for(len(cap.gm.graph.nodes), profiler)
+
+    flat_args = dict(pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
+                     optimizer=optimizer, time_limit_s=time_limit_s)
+    unpipelined = []                         # in a worker: the unpipelined plan it made
+
+    def solve_ahead(job) -> None:
+        if job == UNPIPELINED:
+            unpipelined.append(plan_captured(cap, cl, world, **flat_args, fewest_layers=False))
+        elif job == PROBES:
+            # as the search will, only where the unpipelined plan could beat the best pipeline
+            # the search has predicted so far (the probes resume the unpipelined search)
+            flat = unpipelined[0] if unpipelined else \
+                plan_captured(cap, cl, world, **flat_args, fewest_layers=False)
+            if flat.recompute and pins.get("recompute") is None and \
+                    flat.estimate.step_time_s - recompute_bound_s(flat, cap) < best_found_s():
+                plan_captured(cap, cl, world, **flat_args)
+        else:
+            search.solve_ahead(job)
+    ahead = Speculation([PROBES, UNPIPELINED, *search.meshes], solve_ahead, workers) \
+        if workers and len(search.meshes) > 1 else None
+    with ahead or contextlib.nullcontext():
+        return _search_captured(cap, model, example_inputs, loss_fn, target, cl, world, **kw,
+                                deferred=True, search=search, ahead=ahead)
+
+
+def _search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,
+                     t_start, pins: dict, memory_budget, mesh_shape, optimizer, time_limit_s,
+                     capture_s, verbose, profiler, deferred=False, search=None,
+                     ahead=None) -> Planned:
+    """``search_captured``'s search from ``t_start``; ``deferred``: the unpipelined plan's
+    probes wait for the pipelines', ``search``: the pipeline search made ahead, ``ahead``:
+    its workers."""
+    phases = {"capture": capture_s}
     flat_kw = dict(memory_budget=memory_budget, mesh_shape=mesh_shape, optimizer=optimizer,
                    time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose, pins=pins,
                    profiler=profiler)
+    piped, searched = None, False
+
+    def pipelines(against: str):
+        if verbose:
+            print(f"searching pipelines ({against})")
+        t0 = time.perf_counter()
+        got = search_pipelines(cap, model, example_inputs, loss_fn, target, cl, world, pins,
+                               memory_budget=memory_budget, optimizer=optimizer,
+                               time_limit_s=time_limit_s, verbose=verbose, search=search)
+        phases["pipeline search"] = time.perf_counter() - t0
+        return got, True
+    if ahead is not None:
+        # the workers take the unpipelined meshes (a long program each) after the pipelines':
+        # pipelines first, then the plans compared in the order below
+        piped, searched = pipelines("the unpipelined plan after them")
+        ahead.take(UNPIPELINED)              # a worker's outcomes, if it took them
+    t0 = time.perf_counter()
+    flat, error = None, None
     try:
         flat = plan_captured(cap, cl, world, **flat_kw, fewest_layers=not deferred)
     except InfeasibleError as e:
         error = e
     phases.update(flat.solver.phases if flat is not None else {})
-    phases["unpipelined"] = time.perf_counter() - t_start
+    phases["unpipelined"] = time.perf_counter() - t0
     best = Planned(flat, cap) if flat is not None else None
     t0 = time.perf_counter()
     branched = None if mesh_shape is not None else search_branches(
@@ -180,21 +245,18 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
         best = Planned(branched, cap)
     phases["branches"] = time.perf_counter() - t0
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    if may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler, flat is None):
-        if verbose:
-            print("searching pipelines" + (" (nothing fits unpipelined)" if best is None else
-                                            f" against {best.plan.estimate.step_time_s:.4g} s unpipelined"))
-        t0 = time.perf_counter()
-        piped = search_pipelines(cap, model, example_inputs, loss_fn, target, cl, world, pins,
-                                 memory_budget=memory_budget, optimizer=optimizer,
-                                 time_limit_s=time_limit_s, verbose=verbose)
-        phases["pipeline search"] = time.perf_counter() - t0
-        if piped is not None and (best is None or
-                                  piped[0].estimate.step_time_s < best.plan.estimate.step_time_s):
-            best = Planned(*piped)
+    if not searched and may_pipeline(cap, example_inputs, cl, world, pins, mesh_shape, profiler,
+                                     flat is None):
+        piped, searched = pipelines("nothing fits unpipelined" if best is None else
+                                    f"against {best.plan.estimate.step_time_s:.4g} s unpipelined")
+    if piped is not None and (best is None or
+                              piped[0].estimate.step_time_s < best.plan.estimate.step_time_s):
+        best = Planned(*piped)
     if deferred and flat is not None and flat.recompute and pins.get("recompute") is None and \
             flat.estimate.step_time_s - recompute_bound_s(flat, cap) < best.plan.estimate.step_time_s:
         t0 = time.perf_counter()
+        if ahead is not None:
+            ahead.take(PROBES)               # a worker's outcomes, if it took them
         fewer = plan_captured(cap, cl, world, **flat_kw)
         phases["unpipelined, fewest layers"] = time.perf_counter() - t0
         if fewer.estimate.step_time_s < best.plan.estimate.step_time_s:
@@ -202,6 +264,11 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
         if fewer.estimate.step_time_s < flat.estimate.step_time_s:
             flat = fewer
     drop_deferred(cap)
+    if ahead is not None:
+        ahead.close()                        # the workers' part is over
+        if verbose:
+            print(f"solved ahead: {len(ahead.read)} of {len(ahead.items)} jobs by "
+                  f"{len(ahead.procs)} worker(s), {ahead.waited_s:.1f}s waited")
     if may_accumulate(cap, example_inputs, pins, flat, world=world, budget=budget, optimizer=optimizer) \
             and (flat is None or accumulation_may_win(flat, best.plan, cap)):
         if verbose:

@@ -18,7 +18,9 @@ from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver.costing import OVERLAPPED, CostModel
 from autopar.solver.errors import gib, one_screen
-from autopar.solver.ilp import InfeasibleError, _gib, solve as solve_ilp
+from autopar.solver import speculate
+from autopar.solver.ilp import InfeasibleError, Solution, _gib, explain_infeasible
+from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
 from autopar.solver.pins import check_optimizer
 from autopar.solver.prices import memory_floor
@@ -50,6 +52,8 @@ class _Best:
     recompute: tuple
     cost: Any
     pins: dict
+    roles: dict            # the problem's axes' roles and optimizer states (``_problem``)
+    n_states: int
 
 
 def node_placements(problem, choice: dict[str, int]) -> dict[str, NodePlacement]:
@@ -110,11 +114,22 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
                 best = got
     if best is None:
+        errors = [_explained(e) for e in errors]
         if not explain or not any(hasattr(e, "need_bytes") for e in errors):
             raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
         raise infeasible(cap, cl, world, pins, errors, **kw)
     plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases)
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
+
+
+def _explained(e: InfeasibleError) -> InfeasibleError:
+    """``e``, or where ``_search`` left it unexplained, the error that says how far from
+    fitting its mesh is (the least-memory plan's figures: ``ilp.explain_infeasible``)."""
+    if not hasattr(e, "unexplained"):
+        return e
+    got = explain_infeasible(*e.unexplained)
+    got.axes, got.roles, got.recompute = e.axes, e.roles, e.recompute
+    return got
 
 
 def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, optimizer,
@@ -158,16 +173,19 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
             cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
                                       recompute=(rec_nodes, rec_kept), profiler=profiler,
                                       memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
-            why = explain and rec == choices[-1]
             try:
-                if not why and budget != float("inf") and memory_floor(problem, cost) > budget:
+                if budget != float("inf") and memory_floor(problem, cost) > budget:
                     # even each decision's least memory is over: what the ILP would find
                     # infeasible, without pricing its edges
                     raise InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits the memory budget")
-                sol = solve_ilp(problem, cost, budget if budget != float("inf") else None,
-                                time_limit_s, explain=why)
+                sol = _solve_or_read(problem, cost, budget, time_limit_s, lambda: _ilp_key(
+                    cap, shape, roles, pins, n_states, rec, cl, memory_weights, grad_sync_scale,
+                    budget, time_limit_s))
             except InfeasibleError as e:
                 e.axes, e.roles, e.recompute = axes, roles, rec
+                if explain and rec == choices[-1]:
+                    # how far from fitting (one more ILP) is worked out only if no mesh fits
+                    e.unexplained = (problem, cost, budget, time_limit_s)
                 errors.append(e)
                 continue
             finally:
@@ -176,7 +194,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                 print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}: "
                       f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
             if best is None or sol.objective_s < best.sol.objective_s:
-                best = _Best(sol, problem, shape, axes, recompute, cost, pins)
+                best = _Best(sol, problem, shape, axes, recompute, cost, pins, roles, n_states)
     if resumable and not fewest_layers:
         deferred[resume_key] = (best, errors)
         while len(deferred) > DEFERRED_KEPT:
@@ -186,6 +204,40 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     return _with_fewest_layers(cap, cl, best, pins, budget=budget, time_limit_s=time_limit_s,
                                profiler=profiler, memory_weights=memory_weights,
                                grad_sync_scale=grad_sync_scale, verbose=verbose), errors
+
+
+def _solve_or_read(problem, cost, budget: float, time_limit_s: float, key) -> Solution:
+    """The sharding ILP's solution, or where a worker solved the same program ahead
+    (``autopar.solver.speculate``), its outcome; in a worker, the outcome is recorded for
+    the search. ``key``: the program's inputs (``_ilp_key``), worked out only then."""
+    if speculate.active() is None and not speculate.recording():
+        return solve_ilp(problem, cost, budget if budget != float("inf") else None, time_limit_s,
+                         explain=False)
+    k = key()
+    got = speculate.lookup(k)
+    if isinstance(got, tuple):
+        raise InfeasibleError(got[1])
+    if got is not None:
+        return got
+    try:
+        sol = solve_ilp(problem, cost, budget if budget != float("inf") else None, time_limit_s,
+                        explain=False)
+    except InfeasibleError as e:
+        speculate.record(k, ("infeasible", str(e)))
+        raise
+    speculate.record(k, sol)
+    return sol
+
+
+def _ilp_key(cap, shape, roles, pins, n_states, rec, cl, memory_weights, grad_sync_scale, budget,
+             time_limit_s) -> tuple:
+    """What ``_search``'s program on one mesh is made of: the graph, the mesh and its axes'
+    roles, the pins (ZeRO stage among them), the optimizer's states, the recomputed layers,
+    the cluster and the pipeline's view of memory and gradient sync, the budget."""
+    layers = rec if rec is None or isinstance(rec, str) else tuple(rec)
+    return (id(cap.gm), tuple(shape), tuple(sorted(roles.items())), repr(sorted(pins.items())),
+            n_states, layers, repr(cl), repr(sorted((memory_weights or {}).items())),
+            grad_sync_scale, budget, time_limit_s)
 
 
 DEFERRED_KEPT = 4
@@ -255,7 +307,9 @@ def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, prof
                                   recompute=(rec_nodes, rec_kept), profiler=profiler,
                                   memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
         try:
-            sol = solve_ilp(full.problem, cost, budget, time_limit_s, explain=False)
+            sol = _solve_or_read(full.problem, cost, budget, time_limit_s, lambda: _ilp_key(
+                cap, full.shape, full.roles, full.pins, full.n_states, layers[:k], cl,
+                memory_weights, grad_sync_scale, budget, time_limit_s))
         except InfeasibleError:
             fails, step = k, 0
             k = (fails + fits + 1) // 2
@@ -263,7 +317,8 @@ def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, prof
         if verbose:
             print(f"mesh {full.shape} recompute {k} of {n} layers: {sol.objective_s * 1e3:.3f} ms")
         if sol.objective_s < best.sol.objective_s:
-            best = _Best(sol, full.problem, full.shape, full.axes, layers[:k], cost, full.pins)
+            best = _Best(sol, full.problem, full.shape, full.axes, layers[:k], cost, full.pins,
+                         full.roles, full.n_states)
         fits = k
         if step:                       # every probe so far fits: further down
             k, step = max(fails + 1, k - step), 2 * step

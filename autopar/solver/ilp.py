@@ -286,7 +286,7 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
             if not explain:    # the caller has another way to try: skip the second solve
                 raise InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits the memory budget")
-            raise _explain_infeasible(problem, cost, memory_budget, time_limit_s)
+            raise explain_infeasible(problem, cost, memory_budget, time_limit_s)
         raise RuntimeError(f"the sharding ILP ended with status {name} after "
                            f"{time.perf_counter() - t0:.1f}s; raise time_limit_s or pin more choices")
     choice = {n: max(range(len(xs)), key=lambda i: xs[i].solution_value()) for n, xs in x.items()}
@@ -428,7 +428,9 @@ def _fill_breakdown(sol: Solution, tab: _Tables, choice: dict[str, int]) -> None
     sol.comm_s, sol.memory = dict(comm), dict(mem)
 
 
-def _explain_infeasible(problem, cost, budget, time_limit_s) -> InfeasibleError:
+def explain_infeasible(problem, cost, budget, time_limit_s) -> InfeasibleError:
+    """The error for ``problem`` not fitting ``budget``, with what its least-memory plan
+    (one more ILP) needs and which term binds."""
     least = solve(problem, cost, None, time_limit_s, minimize_memory=True)
     need = least.memory_total
     terms = ", ".join(f"{k} {_gib(b)}" for k, b in sorted(least.memory.items(), key=lambda kv: -kv[1]))

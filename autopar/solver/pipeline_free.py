@@ -17,6 +17,7 @@ from autopar.analysis.layers import repeated_layers, select_layers
 from autopar.analysis.stages import chain
 from autopar.capture import Captured
 from autopar.plan import Plan
+from autopar.solver import speculate
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.pipeline_price import batch_degree, memory_weights, price_plan, state_bytes
 from autopar.solver.pipeline_search import (
@@ -48,17 +49,28 @@ def pipeline_degrees(cap: Captured, cl, world: int) -> list[int]:
     return [p for p in range(2, min(span, limit) + 1) if span % p == 0 and world % p == 0]
 
 
+def degree_search(cap: Captured, example_inputs, cl, world: int, pins: dict, *, memory_budget=None,
+                  optimizer="adamw", time_limit_s=60.0, verbose=False) -> "_DegreeSearch":
+    """The search ``search_pipelines`` runs over ``pipeline_degrees``, made before it runs
+    (the driver starts workers on its meshes' programs: ``_DegreeSearch.solve_ahead``)."""
+    return _DegreeSearch(cap, cl, world, pins, int(example_inputs[0].shape[0]),
+                         memory_budget if memory_budget is not None else cl.device.memory_bytes,
+                         optimizer, time_limit_s, verbose, pipeline_degrees(cap, cl, world))
+
+
 def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int,
                      pins: dict, *, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
-                     verbose=False) -> tuple[Plan, Captured] | None:
+                     verbose=False, search: "_DegreeSearch | None" = None
+                     ) -> tuple[Plan, Captured] | None:
     """The best pipeline plan over ``pipeline_degrees`` and the graph captured at its
     micro-batch (None when none fits). ``cap`` is the full-batch graph: each degree's
     intra-stage plans are made on it (data x tensor meshes, memory left to the pipeline
     model), priced per sample, with and without every layer recomputed; only the winner is
-    captured at its micro-batch and planned for real."""
-    search = _DegreeSearch(cap, cl, world, pins, int(example_inputs[0].shape[0]),
-                           memory_budget if memory_budget is not None else cl.device.memory_bytes,
-                           optimizer, time_limit_s, verbose)
+    captured at its micro-batch and planned for real. ``search``: ``degree_search``'s, made
+    ahead."""
+    search = search or degree_search(cap, example_inputs, cl, world, pins,
+                                     memory_budget=memory_budget, optimizer=optimizer,
+                                     time_limit_s=time_limit_s, verbose=verbose)
     found = []
     for p in pipeline_degrees(cap, cl, world):
         t0 = time.perf_counter()
@@ -157,9 +169,13 @@ class _DegreeSearch:
     """The free search's best configuration for one pipeline degree, priced on the
     full-batch graph."""
 
-    def __init__(self, cap, cl, world, pins, batch, budget, optimizer, time_limit_s, verbose):
+    def __init__(self, cap, cl, world, pins, batch, budget, optimizer, time_limit_s, verbose,
+                 degrees=()):
         self.cap, self.cl, self.world, self.pins, self.batch = cap, cl, world, pins, batch
         self.budget, self.optimizer, self.time_limit_s, self.verbose = budget, optimizer, time_limit_s, verbose
+        self.degrees = degrees
+        # every (p, data, tensor) ``best`` may solve, in its order: what workers solve ahead
+        self.meshes = [(p, data, tensor) for p in degrees for data, tensor in self._stage_meshes(p)]
         self.layers = select_layers(cap.gm, "full") \
             if pins.get("recompute") is None and _has_layers(cap) else ()
         self.state = state_bytes(cap, optimizer, pins.get("precision"))
@@ -185,8 +201,7 @@ class _DegreeSearch:
         most tensor-parallel stage mesh first: it holds the least per device, so when no
         plan on it fits the memory budget, none on the others does and they are skipped."""
         best = None
-        for k, (data, tensor) in enumerate(sorted(stage_meshes(self.cl, self.world // p, self.pins),
-                                                  key=lambda dt: -dt[1])):
+        for k, (data, tensor) in enumerate(self._stage_meshes(p)):
             self.out_of_memory = False
             got = self._on_mesh(p, data, tensor)
             if k == 0 and self.out_of_memory:
@@ -195,30 +210,52 @@ class _DegreeSearch:
                 best = got
         return best
 
+    def _stage_meshes(self, p: int) -> list[tuple[int, int]]:
+        """(data, tensor) of ``p``'s stage meshes in ``best``'s order."""
+        return sorted(stage_meshes(self.cl, self.world // p, self.pins), key=lambda dt: -dt[1])
+
+    def _least_state(self, p: int, data: int, tensor: int) -> float:
+        """Parameter and optimizer bytes the fullest rank holds at least (without a zero=
+        pin the intra-stage search weighs ZeRO over the data axis: flat.py)."""
+        return self.state / (p * tensor * (1 if self.pins.get("zero") == 0 else data))
+
+    def _solve(self, p: int, data: int, tensor: int):
+        """The intra-stage (Plan, Solved) of one stage mesh, memory seen as one rank of a
+        1F1B pipeline with the smallest micro-batch (one sample per data-parallel rank)
+        sees it: 1/p of the state, the activations of one micro-batch of the whole graph
+        (p micro-batches of 1/p of it); per micro-batch too its inputs and the transient of
+        rebuilding one recomputed layer in backward (priced on the full batch, it alone can
+        exceed the budget)."""
+        weights = memory_weights("1f1b", p, p, 1)
+        weights["activations"] *= data / self.batch
+        weights["inputs"] = weights["recompute"] = data / self.batch
+        mesh = {"data": data, "tensor": tensor}
+        return solve_intra(self.cap, self.cl, self.world, p, {**self.pins, **mesh}, weights=weights,
+                           memory_budget=self.budget, optimizer=self.optimizer,
+                           time_limit_s=self.time_limit_s, explain=False)
+
+    def solve_ahead(self, mesh: tuple[int, int, int]) -> None:
+        """A worker's part (``speculate.Speculation``): solve ``mesh`` = (p, data, tensor)
+        as ``_on_mesh`` will, its programs' outcomes recorded for the search."""
+        if self._least_state(*mesh) <= self.budget:
+            self._solve(*mesh)
+
     def _on_mesh(self, p: int, data: int, tensor: int, priced: tuple | None = None):
         """``best``'s figure for one stage mesh; ``priced``: its (intra plan, Solved,
         Priced, allowed micro-batch counts) from when the bound pruned it."""
         cap, pins, batch = self.cap, self.pins, self.batch
         mesh = {"data": data, "tensor": tensor}
-        # without a zero= pin the intra-stage search weighs ZeRO over the data axis (flat.py)
-        least = self.state / (p * tensor * (1 if pins.get("zero") == 0 else data))
+        least = self._least_state(p, data, tensor)
         if least > self.budget:          # the fullest rank holds at least this much state
             self._say(p, mesh, f"at least {least / 2**30:.1f} GiB of parameters and optimizer "
                                "state per device")
             return None
-        # memory as one rank of a 1F1B pipeline with the smallest micro-batch (one sample per
-        # data-parallel rank) sees it: 1/p of the state, the activations of one micro-batch
-        # of the whole graph (p micro-batches of 1/p of it)
-        weights = memory_weights("1f1b", p, p, 1)
-        weights["activations"] *= data / batch
-        # per micro-batch too: its inputs, and the transient of rebuilding one recomputed
-        # layer in backward (priced on the full batch, it alone can exceed the budget)
-        weights["inputs"] = weights["recompute"] = data / batch
         if priced is None:
+            ahead = speculate.active()
+            if ahead is not None:
+                ahead.take((p, data, tensor))     # a worker's outcomes, if it took the mesh
             try:
-                intra, sol = solve_intra(cap, self.cl, self.world, p, {**pins, **mesh}, weights=weights,
-                                         memory_budget=self.budget, optimizer=self.optimizer,
-                                         time_limit_s=self.time_limit_s, explain=False)
+                intra, sol = self._solve(p, data, tensor)
                 pr = price_plan(cap, intra, sol, self.cl, self.world, p, most_stages(pins, p))
                 priced = (intra, sol, pr, _allowed_micro_batches(batch, batch_degree(cap, intra)))
             except ValueError as e:          # InfeasibleError, PinError, ...
@@ -247,6 +284,8 @@ class _DegreeSearch:
                 return None
             sp, predicted = got
             self.bound = min(self.bound, predicted)
+            if (ahead := speculate.active()) is not None:
+                ahead.found(self.bound)       # the workers weigh their jobs against it
             # recomputing only when nothing fits without it
             chosen = {"zero": intra.pins["zero"]} if intra.pins.get("zero") and not pins.get("zero") else {}
             return predicted, p, sp, {**mesh, **chosen,
