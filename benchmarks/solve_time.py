@@ -155,6 +155,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import sys
 import time
 
@@ -199,6 +200,31 @@ def _workers_cpu() -> float:
     return t.children_user + t.children_system
 
 
+def machine() -> str:
+    """What these seconds were measured on: the CPU, the cores this process may use, the
+    load, and the wall seconds of a fixed pure-Python loop (planning is mostly Python, so
+    runs on two machines compare by it: the same tree planned GPT-175B in 43 s on session
+    11's 2-core machine and 14 s on the next day's)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    load = f", load {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
+    t0 = time.perf_counter()
+    acc = 0
+    for i in range(10_000_000):
+        acc += i % 7
+    return (f"{model}, {cores} cores usable{load}; a fixed pure-Python loop (10M iterations) "
+            f"in {time.perf_counter() - t0:.3f} s")
+
+
 def plan_digest(plan) -> str:
     """A hash of everything the plan chose (placements, mesh, pipeline cuts, estimate),
     without the solver's report (its timings): equal digests, the same plan."""
@@ -227,6 +253,7 @@ def main() -> None:
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
+    print(f"machine: {machine()}")
     print(f"{'model':<28} {'cluster':<13} {'mesh':<14} {'capture':>8} {'solve':>8} {'total':>8} "
           f"{'cpu':>8} {'nodes':>7} {'decisions':>9} {'status':>9} {'GiB/dev':>8} {'objective s':>12}")
     if "examples" in rows:
