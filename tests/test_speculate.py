@@ -48,10 +48,51 @@ def test_workers_solve_the_pipeline_search_ahead_to_the_same_plan(monkeypatch):
     assert none == []                          # no worker: no speculation
     ahead, seen = _plan(monkeypatch, 1)
     n_meshes, read = seen[0]
-    # (2, 4 stages) x (tensor 1, 2), the unpipelined plan and its probes; a worker's read
-    assert n_meshes == 4 + 2 and read
+    # (2, 4 stages) x (tensor 1, 2), the probes, the unpipelined plan's programs: meshes
+    # (8,) and (4, 2), without and with every layer recomputed; a worker's read
+    assert n_meshes == 4 + 1 + 2 * 2 and read
     assert _chosen(ahead) == _chosen(alone)
     assert speculate.active() is None
+
+
+def test_a_hugging_face_llama_plans_alike_with_a_worker(monkeypatch):
+    """transformers' LlamaForCausalLM (4 layers): the worker solves the unpipelined plan's
+    programs (one job per mesh and recomputation choice) beside the search, which reads
+    them or solves the rest; the plan is the single process's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    cfg.use_cache = False
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    tokens = torch.zeros(16, 32, dtype=torch.long, device="meta")
+
+    def loss_fn(out, y):
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    cap = capture(model, (tokens,), loss_fn, tokens)
+    plans, reads = [], []
+    real_close = speculate.Speculation.close
+    for workers in (0, 1):
+        monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", str(workers))
+        seen = []
+        monkeypatch.setattr(speculate.Speculation, "close",
+                            lambda self: seen.append([self.items[i] for i in self.read])
+                            or real_close(self))
+        plans.append(solve(model, (tokens,), loss_fn, target=tokens, cluster=CLUSTER,
+                           captured=cap)[0])
+        reads.append(seen)
+    assert reads[0] == [] and reads[1]
+    # what the worker solved and the search read includes the unpipelined plan's programs
+    flat_jobs = flat.mesh_jobs(cap, _cluster(), 8)
+    assert flat_jobs and any(item in flat_jobs for item in reads[1][0])
+    assert _chosen(plans[1]) == _chosen(plans[0])
+
+
+def _cluster():
+    from autopar.cost_models.hardware import parse_cluster
+    return parse_cluster(CLUSTER)
 
 
 def test_a_worker_that_dies_leaves_its_meshes_to_the_search(monkeypatch):

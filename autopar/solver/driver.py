@@ -40,15 +40,17 @@ from autopar.solver.accumulate import (
 )
 from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.errors import InfeasibleError
-from autopar.solver.flat import drop_deferred, plan_captured, recompute_bound_s, solve_captured
+from autopar.solver.flat import (drop_deferred, mesh_jobs, plan_captured, recompute_bound_s,
+                                 solve_captured, solve_mesh_job)
 from autopar.solver.pins import check_optimizer, check_pins, pipelined
 from autopar.solver.pipeline_free import degree_search, search_pipelines
 from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
 from autopar.solver.speculate import Speculation, best_found_s, workers_for
 
-UNPIPELINED, PROBES = "the unpipelined plan", "the unpipelined plan's fewest recomputed layers"
-"""The jobs of solving the unpipelined plan's meshes and then ``flat._fewest_layers``'
-probes ahead (``speculate``): after the pipeline search's meshes."""
+PROBES = "the unpipelined plan's fewest recomputed layers"
+"""The job of solving ``flat._fewest_layers``' probes ahead (``speculate``), after the
+unpipelined plan's programs (``flat.mesh_jobs``, a job each) and the pipeline search's
+meshes."""
 
 PROBES_MARGIN = 1.25
 """A worker probes the unpipelined plan's fewest recomputed layers when that plan could beat
@@ -187,24 +189,28 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
 
     flat_args = dict(pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
                      optimizer=optimizer, time_limit_s=time_limit_s)
-    unpipelined = []                         # in a worker: the unpipelined plan it made
+    # the unpipelined plan's programs, a job each: without recomputation first (the workers
+    # take from the end), then every layer recomputed, which the search solves only if
+    # memory binds
+    flat_jobs = mesh_jobs(cap, cl, world, **flat_args)
+    first = [k for k, job in flat_jobs.items() if job[2] is None]
+    recomputed = [k for k, job in flat_jobs.items() if job[2] is not None]
 
     def solve_ahead(job) -> None:
-        if job == UNPIPELINED:
-            unpipelined.append(plan_captured(cap, cl, world, **flat_args, fewest_layers=False))
+        if job in flat_jobs:
+            solve_mesh_job(cap, cl, flat_jobs[job])
         elif job == PROBES:
             # as the search will, only where the unpipelined plan could beat the best pipeline
-            # (predicted so far, with a margin for the planned step: PROBES_MARGIN); the probes
-            # resume the unpipelined search
-            flat = unpipelined[0] if unpipelined else \
-                plan_captured(cap, cl, world, **flat_args, fewest_layers=False)
+            # (predicted so far, with a margin for the planned step: PROBES_MARGIN); its
+            # programs are read where written, the probes resume its search
+            flat = plan_captured(cap, cl, world, **flat_args, fewest_layers=False)
             if flat.recompute and pins.get("recompute") is None and \
                     flat.estimate.step_time_s - recompute_bound_s(flat, cap) < \
                     PROBES_MARGIN * best_found_s():
                 plan_captured(cap, cl, world, **flat_args)
         else:
             search.solve_ahead(job)
-    ahead = Speculation([PROBES, UNPIPELINED, *search.meshes], solve_ahead, workers) \
+    ahead = Speculation([PROBES, *recomputed, *first, *search.meshes], solve_ahead, workers) \
         if workers and len(search.meshes) > 1 else None
     with ahead or contextlib.nullcontext():
         return _search_captured(cap, model, example_inputs, loss_fn, target, cl, world, **kw,
@@ -234,10 +240,10 @@ def _search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, 
         phases["pipeline search"] = time.perf_counter() - t0
         return got, True
     if ahead is not None:
-        # the workers take the unpipelined meshes (a long program each) after the pipelines':
-        # pipelines first, then the plans compared in the order below
+        # the workers take the unpipelined plan's programs after the pipelines' meshes:
+        # pipelines first, then the plans compared in the order below (the unpipelined
+        # search reads what the workers solved, or waits for what they are solving)
         piped, searched = pipelines("the unpipelined plan after them")
-        ahead.take(UNPIPELINED)              # a worker's outcomes, if it took them
     t0 = time.perf_counter()
     flat, error = None, None
     try:

@@ -166,19 +166,14 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
         if rec == "full" and best is not None and \
                 best.sol.memory_total <= RECOMPUTE_WHEN * budget:
             break
-        recompute, rec_nodes, rec_kept = _recompute_of(cap, rec)
+        recompute = _recompute_of(cap, rec)[0]
         errors = []                    # report the last pass's reasons
         for problem, shape, axes, roles in problems:
             t0, key = time.perf_counter(), f"ilp {shape}{tag}"
-            cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
-                                      recompute=(rec_nodes, rec_kept), profiler=profiler,
-                                      memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+            cost = _cost_model(cap, cl, shape, pins, roles, rec, profiler=profiler,
+                               memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
             try:
-                if budget != float("inf") and memory_floor(problem, cost) > budget:
-                    # even each decision's least memory is over: what the ILP would find
-                    # infeasible, without pricing its edges
-                    raise InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits the memory budget")
-                sol = _solve_or_read(problem, cost, budget, time_limit_s, lambda: _ilp_key(
+                sol = _solve_program(problem, cost, budget, time_limit_s, lambda: _ilp_key(
                     cap, shape, roles, pins, n_states, rec, cl, memory_weights, grad_sync_scale,
                     budget, time_limit_s))
             except InfeasibleError as e:
@@ -206,6 +201,57 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                                grad_sync_scale=grad_sync_scale, verbose=verbose), errors
 
 
+def _cost_model(cap: Captured, cl, shape, pins: dict, roles: dict, rec, *, profiler=None,
+                memory_weights=None, grad_sync_scale=1.0) -> CostModel:
+    """The cost model of ``_search``'s program on mesh ``shape`` recomputing ``rec``."""
+    _, rec_nodes, rec_kept = _recompute_of(cap, rec)
+    return CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
+                              recompute=(rec_nodes, rec_kept), profiler=profiler,
+                              memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+
+
+def _solve_program(problem, cost, budget: float, time_limit_s: float, key) -> Solution:
+    """``_solve_or_read``, unless even each decision's least memory is over ``budget``: what
+    the ILP would find infeasible, raised without pricing its edges."""
+    if budget != float("inf") and memory_floor(problem, cost) > budget:
+        raise InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits the memory budget")
+    return _solve_or_read(problem, cost, budget, time_limit_s, key)
+
+
+def mesh_jobs(cap: Captured, cl, world: int, *, pins=None, memory_budget=None, mesh_shape=None,
+              optimizer="adamw", time_limit_s=60.0) -> dict:
+    """The programs ``plan_captured`` solves on each mesh (without recomputation, then with
+    every repeated layer recomputed), keyed as ``_solve_or_read`` keys them, each with what
+    :func:`solve_mesh_job` needs to solve it ahead (``autopar.solver.speculate``); {} when
+    the pins allow no mesh."""
+    pins = pins or {}
+    budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
+    n_states = check_optimizer(optimizer)
+    choices = [pins.get("recompute")] if pins.get("recompute") is not None else [None]
+    if choices == [None] and _has_repeated_layers(cap):
+        choices.append("full")
+    try:
+        meshes = mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)
+    except ValueError:
+        return {}
+    return {_ilp_key(cap, shape, roles, pins, n_states, rec, cl, None, 1.0, budget, time_limit_s):
+            (shape, roles, rec, pins, n_states, budget, time_limit_s)
+            for rec in choices for shape, _, roles in meshes}
+
+
+def solve_mesh_job(cap: Captured, cl, job: tuple) -> None:
+    """Solve one of :func:`mesh_jobs`' programs as ``_search`` will (in a worker: its
+    outcome recorded for the search)."""
+    shape, roles, rec, pins, n_states, budget, time_limit_s = job
+    problem = _problem(cap, shape, roles, pins.get("zero") or 0, n_states)
+    cost = _cost_model(cap, cl, shape, pins, roles, rec)
+    key = _ilp_key(cap, shape, roles, pins, n_states, rec, cl, None, 1.0, budget, time_limit_s)
+    try:
+        _solve_program(problem, cost, budget, time_limit_s, lambda: key)
+    except InfeasibleError:
+        pass
+
+
 def _solve_or_read(problem, cost, budget: float, time_limit_s: float, key) -> Solution:
     """The sharding ILP's solution, or where a worker solved the same program ahead
     (``autopar.solver.speculate``), its outcome; in a worker, the outcome is recorded for
@@ -214,7 +260,7 @@ def _solve_or_read(problem, cost, budget: float, time_limit_s: float, key) -> So
         return solve_ilp(problem, cost, budget if budget != float("inf") else None, time_limit_s,
                          explain=False)
     k = key()
-    got = speculate.lookup(k)
+    got = speculate.read(k)
     if isinstance(got, tuple):
         raise InfeasibleError(got[1])
     if got is not None:

@@ -10,8 +10,12 @@ workers solve them ahead, as jobs:
 
 - the jobs are listed so that the workers begin where the search ends: a worker takes the
   last one no one has taken, the search the one it reaches (``take``), under one lock; the
-  stage meshes are last, in the search's order, and before them the unpipelined plan and
-  then its probes (``driver.search_captured``), which the workers take after the meshes;
+  stage meshes are last, in the search's order, and before them the unpipelined plan's
+  programs, one job per mesh and recomputation choice (``flat.mesh_jobs``), and then its
+  probes (``driver.search_captured``), which the workers take after the meshes;
+- a program that is a job of its own is written as soon as it is solved, by the search or
+  a worker (``publish``): the search waits for a worker's, a worker reads the search's
+  where written and otherwise solves it too (``done``: a worker never waits);
 - a worker does its job exactly as the search would (the same calls into ``flat._search``)
   and writes every program's outcome, keyed by the program's inputs (``flat._ilp_key``),
   to a file of its own; the search, reaching a job a worker took, waits for that file;
@@ -91,6 +95,7 @@ class Speculation:
         self.read: set[int] = set()       # jobs whose worker file was read
         self.waited_s = 0.0               # the search's wall seconds waiting for a worker
         self.best = ctx.Value("d", float("inf"), lock=False)    # the search's best so far (s)
+        self.me = SEARCH                  # who this process is (a worker: WORKER + k)
         self.procs = []
         for k in range(workers):
             proc = ctx.Process(target=self._work, args=(solve, k), daemon=True)
@@ -111,6 +116,18 @@ class Speculation:
                 self.taken[index] = SEARCH
         if who >= WORKER and index not in self.read:
             self._wait_for(index, self.procs[who - WORKER])
+
+    def publish(self, key: Hashable, outcome) -> None:
+        """The outcome of the program ``key``, where that program is a job of its own (one of
+        ``flat.mesh_jobs``), written at once for whoever reads it next (``take``,
+        ``done``), whichever process solved it."""
+        index = self.index.get(key)
+        if index is None:
+            return
+        tmp = f"{self._path(index)}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump({key: outcome}, f)
+        os.replace(tmp, self._path(index))
 
     def found(self, step_s: float) -> None:
         """The search's best predicted step so far, for the workers' jobs that are worth
@@ -169,11 +186,30 @@ class Speculation:
                     return i
         return None
 
+    def done(self, key: Hashable):
+        """In a worker, before it solves the program ``key``: where that program is a job, its
+        outcome if someone has written it; else None, and the job is this worker's if no one
+        had taken it (a worker never waits: it solves what another process is still
+        solving)."""
+        index = self.index.get(key)
+        if index is None:
+            return None
+        with self.taken.get_lock():
+            if self.taken[index] == FREE:
+                self.taken[index] = self.me
+                return None
+        try:
+            with open(self._path(index), "rb") as f:
+                return pickle.load(f).get(key)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+
     def _work(self, solve: Callable, k: int) -> None:
         """Worker ``k``'s life: the last free job, done and its outcomes written, until none
         is left."""
         global _RECORDING, _ACTIVE, _WORKING
         _ACTIVE, _WORKING = None, self
+        self.me = WORKER + k
         while (i := self._claim_last(k)) is not None:
             _RECORDING = {}
             try:
@@ -187,15 +223,24 @@ class Speculation:
         _RECORDING = None
 
 
-def lookup(key: Hashable):
-    """The outcome a worker found for the program ``key`` (None: solve it)."""
-    return _ACTIVE.lookup(key) if _ACTIVE is not None else None
+def read(key: Hashable):
+    """Before solving the program ``key``: the outcome another process found for it (None:
+    solve it). The search takes a program that is a job of its own, or waits for the worker
+    that took it (``Speculation.take``); a worker reads what is written (``done``)."""
+    if _ACTIVE is not None:
+        _ACTIVE.take(key)
+        return _ACTIVE.lookup(key)
+    return _WORKING.done(key) if _WORKING is not None else None
 
 
 def record(key: Hashable, outcome) -> None:
-    """In a worker: keep the outcome of the program ``key`` for the search."""
+    """After solving the program ``key``: in a worker, keep its outcome for the search; a
+    program that is a job of its own is written at once, from either side (``publish``)."""
     if _RECORDING is not None:
         _RECORDING[key] = outcome
+    spec = _ACTIVE if _ACTIVE is not None else _WORKING
+    if spec is not None:
+        spec.publish(key, outcome)
 
 
 def active() -> "Speculation | None":
