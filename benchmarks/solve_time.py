@@ -8,7 +8,10 @@ on the meta device planned for a 2x4 mesh of A100s, and two large models planned
   grouped-query attention 128 heads / 8 kv heads, SwiGLU 53,248, vocabulary 128,256,
   sequence 8,192, global batch 2,048 = 16M tokens) on 16,384 H100s (2,048 DGX nodes), bf16
   pinned (goal: 60 s); ``405b-pinned``: the same with Meta's Llama 3 degrees pinned
-  (tensor 8, pipeline 16, data 128).
+  (tensor 8, pipeline 16, data 128);
+- ``hf-llama-7b``: transformers' ``LlamaForCausalLM`` at Llama-2-7B's shape, batch 256 x
+  4,096, on 128 A100s (16 DGX nodes), bf16 pinned: a Hugging Face model whose unpipelined
+  sharding programs (2-D meshes, 5-13 s of CBC each) are most of its planning.
 
     python benchmarks/solve_time.py                      # every row
     python benchmarks/solve_time.py --rows 175b,405b     # some rows
@@ -167,7 +170,7 @@ from autopar.solver.driver import solve  # noqa: E402
 from examples.llama import LlamaConfig, llama_factory  # noqa: E402
 from examples.models import EXAMPLES, gpt_factory  # noqa: E402
 
-ROWS = ("examples", "depth", "175b", "405b", "405b-pinned")
+ROWS = ("examples", "depth", "175b", "405b", "405b-pinned", "hf-llama-7b")
 
 
 def row(label, build, cluster, world, pins=None, phases=False, **kw):
@@ -244,6 +247,24 @@ def llama405b():
         return llama_factory(batch=2048, config=config)
 
 
+def hf_llama7b():
+    """transformers' LlamaForCausalLM, Llama-2-7B's shape (32 layers, hidden 4096, MLP
+    11,008, vocabulary 32,000), batch 256 x 4096 tokens, on the meta device."""
+    import transformers
+    from examples.base import Example
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                   num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=32, max_position_embeddings=4096)
+    cfg.use_cache = False
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    tokens = torch.zeros(256, 4096, dtype=torch.long, device="meta")
+
+    def loss_fn(out, y):
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    return Example(model, (tokens,), tokens, loss_fn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS),
@@ -279,6 +300,10 @@ def main() -> None:
                         phases=True)
         print(f"405B pinned (tensor 8, pipeline 16, data 128) planned in {wall:.1f} s "
               f"({cpu}; goal 60 s)")
+    if "hf-llama-7b" in rows:
+        wall, cpu = row("hf llama-7b (meta), bf16", hf_llama7b, "16xdgx-a100", 128,
+                        pins={"precision": "bf16"}, phases=True)
+        print(f"transformers Llama-7B on 128 A100s planned in {wall:.1f} s ({cpu})")
 
 
 if __name__ == "__main__":
