@@ -99,10 +99,25 @@ Not modelled, and why a row may differ:
   3.3.2); this Llama still keeps ``repeat_kv``'s copies and the gathered sequence-parallel
   inputs of its projections (Megatron-LM saves the sharded input and gathers it again in
   backward), part of why it still recomputes a quarter of its layers.
+- Looked at on 2026-11-23 (session 12) and left: (a) the Megatron-LM-style rows' plans use
+  sequence parallelism: on row 8 LayerNorm, dropout and the residual adds are sharded
+  along the sequence on the tensor axis (``RS(0)S(1)``, reduce-scatter and all-gather)
+  where Megatron-LM (2021) and Megatron-DeepSpeed ran them replicated after an
+  all-reduce; the collectives move the same bytes, the replicated memory-bound passes
+  would add a few percent on the tensor-8 rows (estimated, not measured), and no pin
+  forbids sequence sharding yet. (b) DeepSpeed's pipeline engine (MT-NLG, BLOOM) sends the
+  boundary activation partitioned over the tensor ranks (its ``is_pipe_partitioned``),
+  so the point-to-point cost stands and MT-NLG's gap is not there. (c) Row 14's seconds:
+  matmuls 60% (priced at ~700 TFLOP/s, 77% of ``TORCHTITAN_H100_PEAK``), attention 23%,
+  memory-bound ops 17% (torch.compile's +16% there fits that share); a GEMM clock under
+  the 500 W limit is the likely gap, but no bf16 GEMM measurement at 500 W was found (a
+  power-capping study of the same 94 GB HBM2e H100, Ujeniya et al. 2026, arXiv
+  2604.11391, measures DGEMM; its figures were not reachable here).
 - The ILP's time limit (``--time-limit``) bounds the search: on a loaded machine a row may
   get a worse plan than the optimum and print a lower throughput.
 
-Last run (2026-11-23 06:55, at aaaeb2c, PYTHONHASHSEED=0, 2 cores shared with other work;
+Re-run 2026-11-23 13:20 at ff21228 (no cost-model change since): every row as below, 19 s
+wall. Last run (2026-11-23 06:55, at aaaeb2c, PYTHONHASHSEED=0, 2 cores shared with other work;
 114 s wall for all 17 rows), pred / publ error: 0 +9.5%, 1 +6.9%, 2 -1.7%, 3 -1.1%, 4 -5.7%,
 5 +5.4%, 6 +2.1%, 7 +1.8%, 8 +2.9%, 9 -4.0%, 10 (MT-NLG) +30.7%, 11 (BLOOM) +18.6%, 12
 +17.2%, 13 +13.4%, 14 +40.9%, 15 -1.7%, 16 -6.9%. Mean |error| 10.0% over all 17 (just above;
