@@ -167,6 +167,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autopar.solver.driver import solve  # noqa: E402
+from examples.hf_llama import hf_llama_meta  # noqa: E402
 from examples.llama import LlamaConfig, llama_factory  # noqa: E402
 from examples.models import EXAMPLES, gpt_factory  # noqa: E402
 
@@ -250,19 +251,9 @@ def llama405b():
 def hf_llama7b():
     """transformers' LlamaForCausalLM, Llama-2-7B's shape (32 layers, hidden 4096, MLP
     11,008, vocabulary 32,000), batch 256 x 4096 tokens, on the meta device."""
-    import transformers
-    from examples.base import Example
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                                   num_hidden_layers=32, num_attention_heads=32,
-                                   num_key_value_heads=32, max_position_embeddings=4096)
-    cfg.use_cache = False
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
-    tokens = torch.zeros(256, 4096, dtype=torch.long, device="meta")
-
-    def loss_fn(out, y):
-        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-    return Example(model, (tokens,), tokens, loss_fn)
+    return hf_llama_meta(256, 4096, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                         max_position_embeddings=4096)
 
 
 def main() -> None:

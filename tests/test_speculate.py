@@ -14,6 +14,7 @@ from autopar.capture import capture
 from autopar.errors import ArgumentError
 from autopar.solver import flat, ilp, pipeline_free, speculate
 from autopar.solver.driver import solve
+from examples.hf_llama import hf_llama_meta
 from examples.models import gpt_factory
 
 CLUSTER = "4x2xA100"        # several nodes: the free search weighs pipelines (degrees 2, 4)
@@ -59,18 +60,11 @@ def test_a_hugging_face_llama_plans_alike_with_a_worker(monkeypatch):
     """transformers' LlamaForCausalLM (4 layers): the worker solves the unpipelined plan's
     programs (one job per mesh and recomputation choice) beside the search, which reads
     them or solves the rest; the plan is the single process's."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
-    cfg.use_cache = False
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
-    tokens = torch.zeros(16, 32, dtype=torch.long, device="meta")
-
-    def loss_fn(out, y):
-        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-
+    pytest.importorskip("transformers")
+    ex = hf_llama_meta(16, 32, vocab_size=128, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=64)
+    model, (tokens,), loss_fn = ex.model, ex.inputs, ex.loss_fn
     cap = capture(model, (tokens,), loss_fn, tokens)
     plans, reads = [], []
     real_close = speculate.Speculation.close
