@@ -153,9 +153,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     # Recomputation is pinned, or chosen here: plans without it first; with every repeated
     # layer recomputed too when memory binds (nothing fits, or the best uses > 90%), and
     # then the fewest layers that fit (``_fewest_layers``).
-    choices = [pins.get("recompute")] if pins.get("recompute") is not None else [None]
-    if choices == [None] and _has_repeated_layers(cap):
-        choices.append("full")
+    choices = _recompute_choices(cap, pins)
     # the problem depends on the mesh only: built once, costed per recomputation choice
     t0 = time.perf_counter()
     problems = [(_problem(cap, shape, roles, pins.get("zero") or 0, n_states), shape, axes, roles)
@@ -227,9 +225,7 @@ def mesh_jobs(cap: Captured, cl, world: int, *, pins=None, memory_budget=None, m
     pins = pins or {}
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
     n_states = check_optimizer(optimizer)
-    choices = [pins.get("recompute")] if pins.get("recompute") is not None else [None]
-    if choices == [None] and _has_repeated_layers(cap):
-        choices.append("full")
+    choices = _recompute_choices(cap, pins)
     try:
         meshes = mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)
     except ValueError:
@@ -541,6 +537,14 @@ def _numel(shape, placements, mesh_shape) -> int:
     for s in local_shape(shape, placements, mesh_shape):
         n *= s
     return n
+
+
+def _recompute_choices(cap: Captured, pins: dict) -> list:
+    """The recomputation choices ``_search`` weighs, in order: the pinned one, or none and
+    then (when memory binds) every repeated layer."""
+    if pins.get("recompute") is not None:
+        return [pins.get("recompute")]
+    return [None, "full"] if _has_repeated_layers(cap) else [None]
 
 
 def _has_repeated_layers(cap: Captured) -> bool:
