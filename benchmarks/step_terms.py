@@ -75,7 +75,8 @@ def _solved(cap, plan, cl, optimizer: str) -> Solved:
                             optimizer_states=OPTIMIZER_STATES[optimizer], **roles)
     cost = CostModel.for_pins(sub, shape, plan.pins, data_axis=roles.get("data_axis"),
                               recompute=recompute_nodes(cap.gm, plan.recompute),
-                              grad_sync_scale=1.0 / (plan.n_microbatches if p > 1 else plan.accumulate))
+                              grad_sync_scale=1.0 / (plan.n_microbatches if p > 1 else plan.accumulate),
+                              native=cap.native_dtypes)
     choice = {}
     for name, v in problem.vars.items():
         want = plan.nodes[name]

@@ -55,7 +55,8 @@ On a GPU (``Device.sms`` set; the CPU's measured constants are untouched):
 - a matmul's compute time is multiplied by its wave quantization (:func:`_tiles`): whole
   waves of output tiles over the SMs, partly empty edge tiles, the tile chosen as cuBLAS
   does (the largest that fills every SM); backward tiles grad-input and grad-weight apart;
-- under a 16-bit ``dtype_key`` every fp32 tensor is moved at 16 bits (mixed precision);
+- under a 16-bit ``dtype_key`` every fp32 tensor is moved at 16 bits (mixed precision over
+  an fp32 capture), unless ``native`` (a 16-bit capture: its fp32 tensors are real);
 - fused (flash) attention runs at ``Device.attention_efficiency`` (forward, backward);
   unfused attention is its ops: the scores' matmuls, then mask, softmax and dropout, each
   memory-bound over ``b * heads * s^2`` elements forward and backward.
@@ -350,14 +351,15 @@ def _tiles(rows: int, cols: int, batch: int, device: Device) -> float:
 
 
 def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
-              device: Device | None = None, dtype_key: str | None = "fp32"
+              device: Device | None = None, dtype_key: str | None = "fp32", native: bool = False
               ) -> tuple[float, float]:
     """(forward seconds, backward seconds) of one call on ``device`` by the roofline.
 
     ``dtype_key`` picks the matmul rate ("fp32", "tf32", "bf16", "fp16"); ``None`` takes
     it from the first floating input. Under a 16-bit ``dtype_key`` every 32-bit float
-    tensor is moved at 16 bits (mixed precision: activations and weights in bf16/fp16).
-    On a GPU (``device.sms``) a GEMM's time includes wave quantization (:func:`_tiles`) and
+    tensor is moved at 16 bits (mixed precision: activations and weights in bf16/fp16),
+    unless ``native``: the tensors carry the run's own dtypes (a graph captured in 16 bits,
+    whose fp32 tensors the model made fp32 itself). On a GPU (``device.sms``) a GEMM's time includes wave quantization (:func:`_tiles`) and
     fused attention runs at ``device.attention_efficiency``. Recomputing the node costs the
     forward again.
     """
@@ -371,7 +373,7 @@ def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
     if dtype_key is None:
         dtype_key = next((_DTYPE_KEY[str(t.dtype)] for t in inputs
                           if str(t.dtype) in _DTYPE_KEY), "fp32")
-    if dtype_key in ("bf16", "fp16") and device.sms:
+    if dtype_key in ("bf16", "fp16") and device.sms and not native:
         inputs = [_half(m) for m in inputs]
         outputs = [_half(m) for m in outputs]
     b = bytes_moved(op, inputs, outputs, args, kwargs)

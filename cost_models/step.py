@@ -13,7 +13,10 @@ Overlap rules (GPU; where each is applied):
   the stage DP's cuts still weigh it in full). ZeRO-3's per-block gathers and
   reduce-scatters hide behind forward and backward alike, the first block's (one bucket)
   exposed (FSDP-style prefetch; flat plans only). The estimate shows the hidden seconds as
-  a negative ``overlapped`` row of ``comm``;
+  a negative ``overlapped`` row of ``comm``. What follows each ZeRO-3 gather on the
+  compute stream, its copy-out into whole weights (FSDP2's ``foreach_all_gather_copy_out``
+  in ``FSDPParamGroup.wait_for_unshard``; ``ParamBucket._unflatten``), is never hidden:
+  the ``copy_out`` row, the gathered bytes read and written once at HBM bandwidth;
 - tensor-parallel collectives sit on the critical path: every collective of a
   redistribution between two ops is added to the step (``solver/costing.edge_time``);
 - pipeline bubbles by schedule (:func:`bubble_fraction`): GPipe and 1F1B idle

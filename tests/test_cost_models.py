@@ -344,11 +344,16 @@ def test_zero3_and_recompute_pay_their_forward_collectives_again():
         t, by = model.edge_time(meta, sharded, whole, (True,), bucketed=True, rerun=rerun)
         return t, by
 
+    # ZeRO-3 copies each gathered buffer out into whole weights on the compute stream:
+    # read and written once, per gather (FSDP2's foreach_all_gather_copy_out)
+    copy = 2 * nbytes / (cl.device.mem_bandwidth * cl.device.mem_efficiency)
     t2, by2 = cost(zero=0)
     t3, by3 = cost(zero=3)
     assert by2[("all_gather", 0)] == pytest.approx(gather)
+    assert ("copy_out", 0) not in by2
     assert by3[("all_gather", 0)] == pytest.approx(2 * gather)
-    assert t3 - t2 == pytest.approx(gather)
+    assert by3[("copy_out", 0)] == pytest.approx(2 * copy)
+    assert t3 - t2 == pytest.approx(gather + 2 * copy)
     assert by3[("reduce_scatter", 0)] == pytest.approx(by2[("reduce_scatter", 0)])
     assert by2[("reduce_scatter", 0)] <= scatter          # bucketed: no latency of its own
     t_rec, by_rec = cost(zero=0, rerun=1.0)
@@ -386,3 +391,54 @@ def test_wait_for_peers_once_per_collective_shared_by_a_consumers_parameters():
     t, _ = model.edge_time(meta, (Replicate(),), (Replicate(),), (True,), bucketed=True)
     assert t == pytest.approx(collective_time("all_reduce", nbytes, 2, link, skew=False)
                               - collective_time("all_reduce", 1.0, 2, link, skew=False))
+
+
+def test_mixed_precision_halves_an_fp32_capture_not_a_native_one():
+    """Under a 16-bit precision an fp32 capture's tensors move at 16 bits (autocast's view);
+    a graph captured in 16 bits (``native``) keeps the fp32 its model makes itself: a norm's
+    ``x.float()`` statistics move at 32 bits."""
+    dev = A100_80GB
+    x = T(64, 2**20)                         # fp32: an upcast norm input, or a whole fp32 capture
+    pow_ = call(aten.pow.Tensor_Scalar, (x, 2), x)
+    bw = dev.mem_bandwidth * dev.mem_efficiency
+    mixed = node_time(*pow_, device=dev, dtype_key="bf16")
+    native = node_time(*pow_, device=dev, dtype_key="bf16", native=True)
+    assert mixed[0] == pytest.approx(x.nbytes / bw + dev.launch_overhead)
+    assert native[0] == pytest.approx(2 * x.nbytes / bw + dev.launch_overhead)
+    # a bf16 tensor is bf16 either way
+    y = T(64, 2**20, dtype=BF16)
+    gelu = call(aten.gelu.default, (y,), y)
+    assert node_time(*gelu, device=dev, dtype_key="bf16") == node_time(*gelu, device=dev,
+                                                                       dtype_key="bf16", native=True)
+
+
+def test_a_bf16_model_is_priced_in_its_own_dtypes():
+    """``Captured.native_dtypes`` of a Llama cast to bf16 (FSDP2's ``param_dtype``) is set, of
+    the fp32 one not; under ``precision='bf16'`` the bf16 capture costs more: its RMSNorm
+    statistics and the loss's upcast logits are fp32 tensors, priced at 32 bits."""
+    import torch.nn.functional as F
+
+    from autopar.capture import capture
+    from autopar.solver.costing import CostModel
+    from autopar.solver.prices import price_table
+    from autopar.solver.problem import build_problem
+    from examples.llama import Llama, LlamaConfig
+
+    def loss(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(0, 1))
+
+    cfg = LlamaConfig(vocab_size=32000, max_seq_len=1024, n_layer=2, dim=1024, n_head=8,
+                      n_kv_head=2, hidden_dim=2048)
+    cl = parse_cluster("1x1xA100")
+    costs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.device("meta"):
+            model = Llama(cfg).to(dtype)
+        tokens = torch.zeros(8, 1024, dtype=torch.long, device="meta")
+        cap = capture(model, (tokens,), loss, target=tokens)
+        assert cap.native_dtypes == (dtype == torch.bfloat16)
+        problem = build_problem(cap, (1,))
+        cost = CostModel.for_pins(cl, (1,), {"precision": "bf16"}, native=cap.native_dtypes)
+        table = price_table(problem, cost)
+        costs[dtype] = sum(table.options[n][0].forward_s for n in problem.vars)
+    assert costs[torch.bfloat16] > 1.05 * costs[torch.float32]

@@ -2,6 +2,7 @@
 helpers that name its parts (``fingerprint``, ``layer_of``)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -47,6 +48,17 @@ class Captured:
     @property
     def placeholder_names(self) -> list[str]:
         return [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    @functools.cached_property
+    def native_dtypes(self) -> bool:
+        """The floating parameters were captured in 16 bits (a model cast with
+        ``.to(torch.bfloat16)``, as FSDP2's ``param_dtype`` runs it): the graph's dtypes are the
+        ones the run computes in, its explicit fp32 (a norm's statistics, a loss's upcast)
+        included. Captured in fp32, mixed precision is the ``precision`` pin's to price."""
+        dtypes = {n.meta["val"].dtype for n in self.gm.graph.nodes
+                  if n.op == "placeholder" and n.name in self.params
+                  and getattr(n.meta.get("val"), "dtype", torch.int64).is_floating_point}
+        return bool(dtypes) and all(d.itemsize == 2 for d in dtypes)
 
 
 def _strip(name: str) -> str:

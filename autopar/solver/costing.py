@@ -93,6 +93,11 @@ class CostModel:
     offload_exposed: float = 1.0
     """Under ``offload``: the share of the copies not hidden (``offload.exposed_share`` of the
     problem's parameters, set by :meth:`offload_share` when a problem is priced)."""
+    native: bool = False
+    """The graph was captured in the dtypes the run computes in (``Captured.native_dtypes``:
+    16-bit parameters): every tensor is priced at its own width, the fp32 ones the model
+    makes itself (``x.float()`` in a norm, a loss's upcast) at 32 bits. Otherwise mixed
+    precision moves every fp32 tensor of the (fp32) capture at 16 bits."""
 
     def offload_share(self, problem) -> float:
         """``cost_models.offload.exposed_share`` of ``problem``'s parameters in fp32 over every
@@ -122,19 +127,23 @@ class CostModel:
         return memory_model.step_phases(self.mixed)
 
     def _act(self, nbytes: float, dtype) -> float:
-        """Bytes of an activation in this precision (float tensors halve under mixed)."""
-        return nbytes / 2 if self.mixed and dtype.is_floating_point and dtype.itemsize == 4 else nbytes
+        """Bytes of an activation in this precision (fp32 tensors of an fp32 capture halve
+        under mixed; a ``native`` capture's are what they are)."""
+        if self.mixed and not self.native and dtype.is_floating_point and dtype.itemsize == 4:
+            return nbytes / 2
+        return nbytes
 
     def __post_init__(self):
         self.links = [axis_link(self.cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         # what each kind of price reads, and so which models may share it: a redistribution
         # the mesh, its links and the precision; a parameter's (bucketed) one also the ZeRO
         # stage, the data axis and lossy reduction; an op's time the device and precision
-        base = ("edges", self.mesh_shape, tuple(self.links), self.mixed)
+        base = ("edges", self.mesh_shape, tuple(self.links), self.mixed, self.native)
         self._edge_cache = _shared(base)
         self._sync_cache = _shared((*base, self.zero, self.data_axis, self.compress, self.local_sgd,
                                     self.cluster.device))
-        self._time_cache = _shared(("time", self.mesh_shape, self.cluster.device, self.dtype_key)) \
+        self._time_cache = _shared(("time", self.mesh_shape, self.cluster.device, self.dtype_key,
+                                    self.native)) \
             if self.profiler is None else {}
         self._rec_count: dict = {}   # id(NodeVar) -> (it, members recomputed)
         self._kept: dict = {}        # id(NodeVar) -> (it, whether a member is kept, _keeps)
@@ -143,9 +152,11 @@ class CostModel:
     @classmethod
     def for_pins(cls, cluster: Cluster, mesh_shape: tuple[int, ...], pins: dict, *,
                  data_axis: int | None = None, recompute: tuple | None = None, profiler: Any = None,
-                 memory_weights: dict | None = None, grad_sync_scale: float = 1.0) -> CostModel:
+                 memory_weights: dict | None = None, grad_sync_scale: float = 1.0,
+                 native: bool = False) -> CostModel:
         """The cost model of a plan with ``pins`` (precision, zero) on ``mesh_shape``;
-        ``recompute`` = (recomputed nodes, kept nodes) (``analysis.layers.recompute_nodes``).
+        ``recompute`` = (recomputed nodes, kept nodes) (``analysis.layers.recompute_nodes``);
+        ``native``: the capture's own dtypes (``Captured.native_dtypes``).
         The solver and ``explain`` both build theirs here, so they price alike."""
         rec, kept = recompute or (frozenset(), frozenset())
         return cls(cluster, tuple(mesh_shape), dtype_key=pins.get("precision") or "fp32",
@@ -153,7 +164,7 @@ class CostModel:
                    recompute=frozenset(rec), recompute_kept=frozenset(kept),
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
                    compress=compress_scheme(pins.get("compress")), local_sgd=pins.get("local_sgd"),
-                   offload=pins.get("offload") == "optimizer")
+                   offload=pins.get("offload") == "optimizer", native=native)
 
     # ---- overlap (cost_models/step.py) --------------------------------------------------
     def overlap_rule(self) -> tuple[float, bool]:
@@ -218,8 +229,10 @@ class CostModel:
         return self._roofline(v, ins, outs)
 
     def _roofline(self, v, ins, outs) -> tuple[float, float]:
+        # a native capture without a precision pin: each matmul at its own inputs' rate
+        key = None if self.native and not self.mixed else self.dtype_key
         return compute_model.node_time(v.call.op, ins, outs, v.call.args, v.call.kwargs,
-                                       self.cluster.device, self.dtype_key)
+                                       self.cluster.device, key, native=self.native)
 
     def _recomputed(self, v: NodeVar) -> int:
         """How many of ``v``'s members (repeated-layer copies) are recomputed."""
@@ -405,6 +418,15 @@ class CostModel:
                 out.append(Collective(kind, step.axis, backward, t,
                                       (bucketed and backward and step.kind == "grad_all_reduce")
                                       or per_step, regather, overlap))
+                if regather:
+                    # the gathered flat buffer is copied out into whole weights on the compute
+                    # stream, after the gather and before the weights' readers (FSDP2's
+                    # foreach_all_gather_copy_out, autopar's ParamBucket._unflatten): each
+                    # gathered byte read once and written once; never hidden
+                    dev = self.cluster.device
+                    out.append(Collective(COPY_OUT, step.axis, False,
+                                          2 * size * scale / (dev.mem_bandwidth * dev.mem_efficiency),
+                                          False, True, False))
         return tuple(out)
 
 
@@ -418,6 +440,11 @@ class CostModel:
         kind, arg = self.compress
         return comm_model.compressed_reduce_time(kind, arg, local.shape, local.dtype.itemsize * scale,
                                                  n, link, self.cluster.device)
+
+
+COPY_OUT = "copy_out"
+"""The kind of a ZeRO-3 gather's copy-out (:meth:`CostModel._edge_steps`): device memory
+traffic on the compute stream, listed with the gather it follows, not a collective."""
 
 
 @dataclass(frozen=True)

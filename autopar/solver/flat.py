@@ -205,7 +205,8 @@ def _cost_model(cap: Captured, cl, shape, pins: dict, roles: dict, rec, *, profi
     _, rec_nodes, rec_kept = _recompute_of(cap, rec)
     return CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
                               recompute=(rec_nodes, rec_kept), profiler=profiler,
-                              memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+                              memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
+                              native=cap.native_dtypes)
 
 
 def _solve_program(problem, cost, budget: float, time_limit_s: float, key) -> Solution:
@@ -347,7 +348,8 @@ def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, prof
         _, rec_nodes, rec_kept = _recompute_of(cap, layers[:k])
         cost = CostModel.for_pins(cl, full.shape, full.pins, data_axis=full.cost.data_axis,
                                   recompute=(rec_nodes, rec_kept), profiler=profiler,
-                                  memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+                                  memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
+                                  native=full.cost.native)
         try:
             sol = _solve_or_read(full.problem, cost, budget, time_limit_s, lambda: _ilp_key(
                 cap, full.shape, full.roles, full.pins, full.n_states, layers[:k], cl,
@@ -389,7 +391,8 @@ def _least_memory(cap, cl, shape, roles, pins, rec, *, optimizer, time_limit_s, 
     problem = _problem(cap, shape, roles, pins.get("zero") or 0, check_optimizer(optimizer))
     cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
                               recompute=(rec_nodes, rec_kept), profiler=profiler,
-                              memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+                              memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
+                              native=cap.native_dtypes)
     sol = solve_ilp(problem, cost, None, time_limit_s, minimize_memory=True)
     return sol.memory_total, dict(sol.memory)
 

@@ -37,7 +37,7 @@ from autopar.analysis.stages import chain, chain_index, crossing_bytes
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import INF, grad_partial_flags
+from autopar.solver.costing import COPY_OUT, INF, grad_partial_flags
 from autopar.solver.prices import PriceTable, price_table
 
 
@@ -286,6 +286,8 @@ class _Acc:
         self._latency: dict = {}      # (collective, axis) -> ``latency``, asked per edge
 
     def latency(self, k) -> float:     # one collective of kind k[0] on axis k[1], no bytes
+        if k[0] == COPY_OUT:
+            return 0.0                # a copy on the device: no link, no latency
         got = self._latency.get(k)
         if got is None:
             got = self._latency[k] = collective_time(k[0], 1.0, self.pt.problem.mesh_shape[k[1]],

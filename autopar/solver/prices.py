@@ -344,5 +344,5 @@ def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTab
                               recompute=recompute_nodes(cap.gm, plan.recompute),
                               # gradient accumulation: one micro-batch's prices, its
                               # gradient sync a 1/k share (solver.accumulate)
-                              grad_sync_scale=1.0 / plan.accumulate)
+                              grad_sync_scale=1.0 / plan.accumulate, native=cap.native_dtypes)
     return price_table(problem, cost)
