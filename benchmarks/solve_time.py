@@ -151,6 +151,18 @@ side), objective 17.6147 s, digest 98b372c469c6; ``405b`` 78.4 s (92.0), 6.93198
 175B: pipeline search 28.4 s, the unpipelined plan's fewest-layers probes 8.1 s and
 accumulation 7.3 s (neither changes the plan), unpipelined 5.0 s, capture 1.4 s; of the
 405B: pipeline search 84.2 s, unpipelined 27.0 s. Goals (20 s, 60 s free) not met.
+
+Session 13 (2026-11-23 16:35-17:00, ``PYTHONHASHSEED=0``): the cost model now prices
+ZeRO-3's copy-out, and gradient reductions in fp32 under mixed precision (the runtime's
+``grad_reduce`` default; they were priced at 16 bits), which makes ZeRO-2 a time gain as
+well; the pipeline degree search plans its stage meshes with ZeRO-2 under fp32 reductions
+(``pipeline_free._DegreeSearch._solve``; without it the 405B free plan fell to 8.53 s, the
+published degrees with ZeRO-2 7.07 s). New plans: ``175b`` (16, 32, 2) ZeRO-2, objective
+17.1378 s (was 17.6147, priced at 16-bit reductions), digest cc2e3189a4a8, 11.9 s with a
+worker, 14.2 s in one process; ``405b`` (16, 128, 8) interleaved ZeRO-2, 7.06824 s (was
+6.93198), be0be54bf359, 19.5 s / 26.6 s; ``405b-pinned`` now ZeRO-2 too, 7.06824 s,
+2a3ad7734011, 3.3 s; ``hf-llama-7b`` (128,) ZeRO-3, 1.9267 s, dbf10cf61c9b, 36.8 s with a
+worker. The machine's fixed loop took 0.28-0.46 s (0.25 s in session 12). Goals met.
 """
 from __future__ import annotations
 

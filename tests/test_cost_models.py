@@ -442,3 +442,32 @@ def test_a_bf16_model_is_priced_in_its_own_dtypes():
         table = price_table(problem, cost)
         costs[dtype] = sum(table.options[n][0].forward_s for n in problem.vars)
     assert costs[torch.bfloat16] > 1.05 * costs[torch.float32]
+
+
+def test_gradients_are_reduced_in_fp32_under_mixed_precision_unless_pinned():
+    """The runtime reduces parameter gradients in fp32 under mixed precision
+    (``runtime.precision.grad_reduce_dtype``) unless ``grad_reduce="bf16"``: the cost model
+    prices the data-parallel all-reduce at those bytes, for an fp32 capture and a bf16 one,
+    while activations' collectives move 16 bits."""
+    from autopar.placement import Partial, Replicate
+    from autopar.solver.costing import CostModel
+
+    cl = parse_cluster("1xdgx-a100")
+    link = CostModel(cl, (8,)).links[0]
+    n = 4096 * 4096
+
+    def allreduce(elem_bytes):
+        return (collective_time("all_reduce", n * elem_bytes, 8, link, skew=False)
+                - collective_time("all_reduce", 1.0, 8, link, skew=False))
+
+    for dtype in (F32, BF16):
+        meta = TensorMeta((4096, 4096), dtype)
+        for pins, elem in (({"precision": "bf16"}, 4), ({"precision": "bf16", "grad_reduce": "bf16"}, 2),
+                           ({}, dtype.itemsize)):
+            model = CostModel.for_pins(cl, (8,), pins, data_axis=0, native=dtype == BF16)
+            t, by = model.edge_time(meta, (Replicate(),), (Replicate(),), (True,), bucketed=True)
+            assert by[("all_reduce", 0)] == pytest.approx(allreduce(elem)), (dtype, pins)
+    # an activation's partial sum moves at 16 bits under mixed precision
+    model = CostModel.for_pins(cl, (8,), {"precision": "bf16"}, data_axis=0)
+    t, _ = model.edge_time(TensorMeta((4096, 4096), F32), (Partial(),), (Replicate(),), (False,))
+    assert t == pytest.approx(collective_time("all_reduce", n * 2, 8, link, skew=False) + link.skew)

@@ -60,3 +60,18 @@ def test_three_devices_pipeline_three_stages():
     assert sum(terms[k] for k in comm) == pytest.approx(plan.estimate.comm_s, rel=1e-9)
     # the bubble is what the schedule leaves idle: less than the compute it waits around
     assert terms["pipeline bubble"] < terms["compute"]
+
+
+def test_stage_meshes_shard_gradients_when_they_are_reduced_in_fp32():
+    """Under mixed precision gradients are reduced in fp32 (the runtime's ``grad_reduce``
+    default): ZeRO-2's reduce-scatter and 16-bit gather move less than an fp32 all-reduce,
+    so the degree search plans its stage meshes with ZeRO-2; reduced in 16 bits, memory to
+    spare, it keeps them unsharded."""
+    from autopar.solver.pipeline_free import _DegreeSearch
+
+    ex, cap = nine_layers()
+    cl = parse_cluster("2x4xA100")
+    for pins, zero in (({"precision": "bf16"}, 2), ({"precision": "bf16", "grad_reduce": "bf16"}, None)):
+        search = _DegreeSearch(cap, cl, 8, pins, 48, cl.device.memory_bytes, "adamw", 30.0, False)
+        intra, _ = search._solve(2, 4, 1)
+        assert intra.pins.get("zero") == zero, pins

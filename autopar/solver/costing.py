@@ -93,6 +93,10 @@ class CostModel:
     offload_exposed: float = 1.0
     """Under ``offload``: the share of the copies not hidden (``offload.exposed_share`` of the
     problem's parameters, set by :meth:`offload_share` when a problem is priced)."""
+    grad_reduce: str = "fp32"
+    """The dtype parameter gradients are reduced in under mixed precision (pin
+    ``grad_reduce``): fp32 unless "bf16", as the runtime reduces them
+    (``autopar.runtime.precision``); see :meth:`_grad_scale`."""
     native: bool = False
     """The graph was captured in the dtypes the run computes in (``Captured.native_dtypes``:
     16-bit parameters): every tensor is priced at its own width, the fp32 ones the model
@@ -133,12 +137,22 @@ class CostModel:
             return nbytes / 2
         return nbytes
 
+    def _grad_scale(self, dtype) -> float:
+        """Bytes a parameter's gradient reduction moves per byte of a ``dtype`` tensor: under
+        mixed precision the gradient is reduced in fp32 (4 bytes an element) unless
+        ``grad_reduce="bf16"`` (2), whatever the parameter's captured dtype; otherwise in
+        the parameter's own dtype."""
+        if self.mixed and dtype.is_floating_point:
+            return (2 if self.grad_reduce == "bf16" else 4) / dtype.itemsize
+        return 1.0
+
     def __post_init__(self):
         self.links = [axis_link(self.cluster, self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         # what each kind of price reads, and so which models may share it: a redistribution
         # the mesh, its links and the precision; a parameter's (bucketed) one also the ZeRO
         # stage, the data axis and lossy reduction; an op's time the device and precision
-        base = ("edges", self.mesh_shape, tuple(self.links), self.mixed, self.native)
+        base = ("edges", self.mesh_shape, tuple(self.links), self.mixed, self.native,
+                self.grad_reduce)
         self._edge_cache = _shared(base)
         self._sync_cache = _shared((*base, self.zero, self.data_axis, self.compress, self.local_sgd,
                                     self.cluster.device))
@@ -164,7 +178,8 @@ class CostModel:
                    recompute=frozenset(rec), recompute_kept=frozenset(kept),
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
                    compress=compress_scheme(pins.get("compress")), local_sgd=pins.get("local_sgd"),
-                   offload=pins.get("offload") == "optimizer", native=native)
+                   offload=pins.get("offload") == "optimizer", native=native,
+                   grad_reduce=pins.get("grad_reduce") or "fp32")
 
     # ---- overlap (cost_models/step.py) --------------------------------------------------
     def overlap_rule(self) -> tuple[float, bool]:
@@ -185,7 +200,7 @@ class CostModel:
         if a is None or a >= len(self.mesh_shape) or self.mesh_shape[a] <= 1:
             return 0.0
         kind = "all_gather" if self.zero >= 3 else "reduce_scatter" if self.zero == 2 else "all_reduce"
-        scale = self._act(1.0, torch.float32)
+        scale = self._act(1.0, torch.float32) if self.zero >= 3 else self._grad_scale(torch.float32)
         return comm_model.collective_time(kind, comm_model.DDP_BUCKET_BYTES * scale, self.mesh_shape[a],
                                           self.links[a], skew=False)
 
@@ -395,7 +410,10 @@ class CostModel:
                 # gathers and reduce-scatters move the whole, the rest what they start from
                 size = (max(before, after) if kind in ("all_gather", "reduce_scatter")
                         or (per_step and kind == "all_reduce") else before)
-                t = comm_model.collective_time(kind, size * scale, n, link, skew=False)
+                # a parameter's gradient reduction moves the reduce dtype's bytes
+                grad = bucketed and backward and kind in ("all_reduce", "reduce_scatter")
+                t = comm_model.collective_time(kind, size * (self._grad_scale(meta.dtype) if grad else scale),
+                                               n, link, skew=False)
                 if bucketed and (step.kind == "grad_all_reduce" or per_step):
                     t -= comm_model.collective_time(kind, 1.0, n, link, skew=False)   # latency shared by the bucket
                     if step.kind == "grad_all_reduce" and step.axis == self.data_axis:

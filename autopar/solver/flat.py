@@ -97,11 +97,15 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
               grad_sync_scale=grad_sync_scale, explain=explain, fewest_layers=fewest_layers)
     phases: dict = {}
     best, errors = _search(cap, cl, world, pins, **kw, phases=phases)
+    binds = best is None or best.sol.memory_total > RECOMPUTE_WHEN * budget
     if pins.get("zero") is None and (mesh_shape is None or len(mesh_shape) == 1) and (
-            best is None or best.sol.memory_total > RECOMPUTE_WHEN * budget):
+            binds or wide_grads(pins)):
         # memory binds: weigh sharding parameters, gradients and optimizer state over the
-        # data axis (ZeRO 1, 2, 3); the least predicted step wins
-        for stage in ZERO_STAGES:
+        # data axis (ZeRO 1, 2, 3); the least predicted step wins. Gradients reduced wider
+        # than the compute dtype: ZeRO-2 also moves less (a reduce-scatter of the gradients
+        # and a 16-bit gather of the weights against an fp32 all-reduce), so it is weighed
+        # even when memory does not bind
+        for stage in ZERO_STAGES if binds else (2,):
             if verbose:
                 print(f"trying zero={stage} on the data axis")
             try:
@@ -120,6 +124,11 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
         raise infeasible(cap, cl, world, pins, errors, **kw)
     plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases)
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
+
+
+def wide_grads(pins: dict) -> bool:
+    """Mixed precision whose gradients are reduced in fp32 (the ``grad_reduce`` default)."""
+    return pins.get("precision") in ("bf16", "fp16") and pins.get("grad_reduce") != "bf16"
 
 
 def _explained(e: InfeasibleError) -> InfeasibleError:

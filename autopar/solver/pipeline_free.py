@@ -19,6 +19,7 @@ from autopar.capture import Captured
 from autopar.plan import Plan
 from autopar.solver import speculate
 from autopar.solver.errors import InfeasibleError
+from autopar.solver.flat import wide_grads
 from autopar.solver.pipeline_price import batch_degree, memory_weights, price_plan, state_bytes
 from autopar.solver.pipeline_search import (
     _allowed_micro_batches, _choose, _has_layers, capture_microbatch, most_stages, plan_pipeline,
@@ -230,9 +231,19 @@ class _DegreeSearch:
         weights["activations"] *= data / self.batch
         weights["inputs"] = weights["recompute"] = data / self.batch
         mesh = {"data": data, "tensor": tensor}
-        return solve_intra(self.cap, self.cl, self.world, p, {**self.pins, **mesh}, weights=weights,
-                           memory_budget=self.budget, optimizer=self.optimizer,
-                           time_limit_s=self.time_limit_s, explain=False)
+        kw = dict(weights=weights, memory_budget=self.budget, optimizer=self.optimizer,
+                  time_limit_s=self.time_limit_s, explain=False)
+        if self.pins.get("zero") is None and data > 1 and wide_grads(self.pins):
+            # gradients reduced in fp32 once a step: ZeRO-2's reduce-scatter and 16-bit
+            # gather move less than an fp32 all-reduce, and hold less, so it is the stage
+            # mesh's ZeRO stage (the flat search would weigh it against the all-reduce
+            # hidden behind the whole backward, where a pipeline hides it behind the last
+            # micro-batch's only); the free stage when ZeRO-2 does not fit
+            try:
+                return solve_intra(self.cap, self.cl, self.world, p, {**self.pins, **mesh, "zero": 2}, **kw)
+            except InfeasibleError:
+                pass
+        return solve_intra(self.cap, self.cl, self.world, p, {**self.pins, **mesh}, **kw)
 
     def solve_ahead(self, mesh: tuple[int, int, int]) -> None:
         """A worker's part (``speculate.Speculation``): solve ``mesh`` = (p, data, tensor)

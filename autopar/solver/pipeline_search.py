@@ -59,7 +59,7 @@ from autopar.solver.pipeline_price import (
 from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan, DEFAULT_VIRTUAL
 
 DEFAULT_SCHEDULE = "1f1b"
-INTRA_PINS = ("data", "tensor", "zero", "precision", "recompute")
+INTRA_PINS = ("data", "tensor", "zero", "precision", "recompute", "grad_reduce")
 
 
 def micro_batches(batch: int, p: int, v: int, micro_batch_size: int | None) -> int:
