@@ -45,6 +45,15 @@ exposed gradient reduction, pipeline sends and bubble, optimizer step, host), th
 each saves, and a one-line reason for the largest; then, as "does it hold up" lines, what
 in the gain the cost model may not bear out (``caveats``).
 
+**Re-run in part** (2026-11-23 16:59-17:03, session 13, after the cost model began pricing
+ZeRO-3's copy-out and gradient reductions in fp32 under mixed precision, and the torchtitan
+rows were captured in bf16; ``PYTHONHASHSEED=0 python benchmarks/plan_quality.py --part
+published --rows 0,12,14,16``): free / published step 2.42 / 3.18 s (GPT 1.7B, 1.31x; the
+free plan is now ZeRO-2 with accumulation 4, was ZeRO-3), 2.19 / 2.19 (Llama 3 8B on 64
+A100s, 1.00x), 1.92 / 1.94 (8B on 8 H100s, 1.01x: ZeRO-2 against the published ZeRO-3),
+7.08 / 7.08 (405B on 16,384 H100s, the published mesh with ZeRO-2, 1.00x). Free never
+predicted slower on those rows; the other rows were not re-run (figures below predate it).
+
 **Last run, published part** (2026-11-23 06:20-07:35, at 36e4285, PYTHONHASHSEED=0, rows
 4-11 and 13-16 in one invocation, the machine shared at load 4-7; rows 0-3 and 12 from
 05:20 that morning, below; ``nice python benchmarks/plan_quality.py --part published --rows
