@@ -39,8 +39,15 @@ from .devices import Device
 # 16-bit weight and grad, an fp32 master weight and two fp32 moments (K = 12 bytes).
 # Mixed: read grad 2 + read/write master 8 + read/write two moments 16 + write weight 2.
 # fp32: read grad 4 + read/write weight 8 + read/write two moments 16.
+# AdamW as torch's foreach implementation runs it (``foreach=True``, not fused: torch's
+# ``optim/adam.py`` ``_multi_tensor_adam`` with decoupled weight decay, not capturable), one
+# pass per ``torch._foreach_*`` call over fp32 weight, grad and moments: mul_ (weight decay,
+# r/w weight 8), lerp_ (first moment: read it and the grad, write it, 12), mul_ (second
+# moment 8), addcmul_ (second moment += grad^2: read it and the grad, write it, 12), sqrt
+# (read the second moment, write a new tensor, 8), div_ (bias correction, 8), add_ (eps, 8),
+# addcdiv_ (weight += step * m / denom: read three, write one, 16): 80 bytes a parameter.
 OPTIMIZER_BYTES_PER_PARAM = {
-    ("adamw", "mixed"): 28, ("adamw", "fp32"): 28,
+    ("adamw", "mixed"): 28, ("adamw", "fp32"): 28, ("adamw_foreach", "fp32"): 80,
     ("sgd_momentum", "mixed"): 20, ("sgd_momentum", "fp32"): 20,
     ("sgd", "mixed"): 12, ("sgd", "fp32"): 12,
 }

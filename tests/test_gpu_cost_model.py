@@ -197,6 +197,9 @@ def test_optimizer_step_memory_bound_over_master_weights_and_moments():
     assert t == pytest.approx(28e9 / bw + step.OPTIMIZER_KERNELS * A100_80GB.launch_overhead)
     assert step.optimizer_step_time(1e9, H100_80GB) < t
     assert step.HOST_OVERHEAD_S > 0
+    # torch's foreach AdamW: eight passes over fp32 weight, grad and moments, 80 bytes
+    foreach = step.optimizer_step_time(1e9, A100_80GB, optimizer="adamw_foreach", mixed=False)
+    assert foreach == pytest.approx(80e9 / bw + step.OPTIMIZER_KERNELS * A100_80GB.launch_overhead)
 
 
 def test_bubble_by_schedule():
