@@ -63,6 +63,7 @@ _FAMILIES: dict[int, tuple[str, ...]] = {
                 "_adaptive_avg_pool2d"),
     EMBEDDING: ("embedding", "embedding_bag", "_embedding_bag"),
     COPY: ("clone", "_to_copy", "to", "copy", "copy_", "contiguous", "cat", "concat",
+           "split_with_sizes_copy",
            "concatenate", "stack", "hstack", "vstack", "index_select", "gather", "scatter",
            "scatter_add", "scatter_reduce", "index", "index_put", "index_put_",
            "index_add", "masked_fill", "masked_fill_", "masked_scatter", "masked_select",

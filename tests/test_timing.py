@@ -154,3 +154,21 @@ def test_verify_timing_prints_rank_0s_report(monkeypatch, captured):
         assert asked["timing"] == 3
         assert ("comm all_reduce@data" in res.output) == (timing is not None), res.output
     assert "rank 0 wrote no timing report" in res.output
+
+
+def test_zero3_copy_out_is_predicted_where_the_op_timer_measures_it(captured):
+    """ZeRO-3's copy-out after each gather (the estimate's ``copy_out@data``) runs as
+    ``split_with_sizes_copy`` on the compute stream: the report predicts it in the ``copy``
+    row, beside what the op timer measures there, not as a collective no rank waits for."""
+    ex, cap = captured("gpt")
+    plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2",
+                        data=2, zero=3)
+    copy_out = plan.estimate.comm.get("copy_out@data", 0.0)
+    assert copy_out > 0
+    ranks = [RankTiming(r, 0.02, [0.02], 0.05, {"copy": 0.001}, {"all_gather@data": 0.004}, 1e6, "test")
+             for r in range(2)]
+    rep = report(plan, cap, ranks, steps=1, warmup=0)
+    assert "copy_out@data" not in rep.names("comm") and "all_gather@data" in rep.names("comm")
+    assert rep.row("copy").predicted == pytest.approx((predicted_compute(cap, plan) or {}).get("copy", 0.0)
+                                                      + copy_out)
+    assert family_name("split_with_sizes_copy") == "copy"

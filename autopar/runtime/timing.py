@@ -28,7 +28,8 @@ per device) and, per family, the forward + backward seconds of each node's chose
 the price table the solver used (``solver.prices``, the figures ``autopar explain``
 shows), summed by the family of the node's op; the parameters' rows (optimizer step) form
 ``optimizer``. Pipeline plans predict no per-family rows (their per-stage prices are not
-rebuilt). Rank 0 gathers every rank's measurements (``all_gather_object``) into one
+rebuilt). ZeRO-3's copy-out after each gather (the estimate's ``copy_out@<axis>``) is
+predicted in the ``copy`` row, where the op timer finds it. Rank 0 gathers every rank's measurements (``all_gather_object``) into one
 :class:`TimingReport`: columns predicted, each rank's measured, and the ratio of the slowest
 rank to the prediction.
 """
@@ -52,6 +53,7 @@ from autopar.placement import placements_str
 from autopar.plan import Plan
 from autopar.report import fmt_bytes, fmt_time
 from autopar.sharding.registry import input_placements, output_placements
+from autopar.solver.costing import COPY_OUT
 from autopar.solver.prices import plan_prices
 
 OPTIMIZER = "optimizer"
@@ -298,12 +300,18 @@ def report(plan: Plan, cap, measured: list[RankTiming], steps: int, warmup: int)
     """The table of ``plan``'s predictions against every rank's measurements."""
     est = plan.estimate
     fam_pred = predicted_compute(cap, plan) or {}
+    # ZeRO-3's copy-out is listed with its gather in the estimate, but runs as a copy on the
+    # compute stream (``split_with_sizes_copy``), which the op timer measures as ``copy``
+    copy_out = {k for k in est.comm if k.startswith(COPY_OUT + "@")}
+    if copy_out and plan.pipeline_stages == 1:
+        fam_pred["copy"] = fam_pred.get("copy", 0.0) + sum(est.comm[k] for k in copy_out)
     rows = [Row("step", "step", est.step_time_s, [m.step_s for m in measured]),
             Row(TIMED_STEP, "step", None, [m.timed_step_s for m in measured])]
     fams = sorted(set(fam_pred) | {k for m in measured for k in m.compute_s})
     rows += [Row(f, "compute", fam_pred.get(f) if plan.pipeline_stages == 1 else None,
                  [m.compute_s.get(f, 0.0) for m in measured]) for f in fams]
-    colls = sorted({k for k, s in est.comm.items() if s > 0} | {k for m in measured for k in m.comm_s})
+    colls = sorted({k for k, s in est.comm.items() if s > 0 and k not in copy_out}
+                   | {k for m in measured for k in m.comm_s})
     rows += [Row(c, "comm", est.comm.get(c, 0.0), [m.comm_s.get(c, 0.0) for m in measured])
              for c in colls]
     rows.append(Row(OTHER, "other", None, [m.other_s for m in measured]))
