@@ -286,7 +286,7 @@ class Run:
     nic_gbps: float = 0.0       # the nodes' network line rate (all NICs), when not a DGX's
     selective_ac: bool = False  # torchtitan's selective op recomputation (see selective_ac_s)
     torchtitan: bool = False    # written and run as torchtitan ran it (see build)
-    grad_reduce: str = "fp32"   # the dtype gradients were reduced in ("bf16": 16 bits; see GRAD_REDUCE)
+    grad_reduce: str = "fp32"   # the dtype gradients were reduced in ("bf16": 16 bits; docstring, "Gradient reduction dtype")
 
     @property
     def data(self) -> int:
