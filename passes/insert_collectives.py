@@ -344,8 +344,9 @@ def _replicated_from(node: Node, a: int, cand: set[str], const: set[str], plan: 
 def _uses_partial(node: Node, a: int, cand: set[str], plan: Plan, calls) -> bool:
     ok = bool(node.users)
     for user in node.users:
-        if user.name not in plan.nodes and not user.users:
+        if user.op == "call_function" and user.name not in plan.nodes and not user.users:
             continue   # a metadata check (aten._assert_tensor_metadata): reads no value
+        # the graph's output (the loss, the model's outputs) reads the value whole: not partial
         if user.name in cand:
             continue
         call = calls.get(user.name)
