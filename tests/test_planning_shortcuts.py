@@ -140,3 +140,32 @@ def test_solve_runs_the_collector_less_often_and_restores_it(monkeypatch):
     with pytest.raises(ValueError, match="no plan"):
         driver.solve(torch.nn.Linear(2, 2), (torch.randn(2, 2),))
     assert gc.get_threshold() == before and gc.isenabled()
+
+
+def test_plans_in_threads_at_once_restore_the_collector():
+    """Thread ranks that each solve (``parallelize(comm=...)`` without a plan): plan A
+    starts, plan B starts, A ends, B ends; the thresholds from before A come back (B must
+    not restore the planning threshold it found)."""
+    import threading
+    before = gc.get_threshold()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def plan_a():
+        with driver._collector_paused():
+            a_in.set()
+            b_in.wait(timeout=30)
+        a_out.set()
+
+    def plan_b():
+        a_in.wait(timeout=30)
+        with driver._collector_paused():
+            b_in.set()
+            a_out.wait(timeout=30)
+    threads = [threading.Thread(target=plan_a), threading.Thread(target=plan_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = gc.get_threshold()
+    gc.set_threshold(*before)
+    assert after == before

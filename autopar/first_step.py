@@ -1,0 +1,120 @@
+"""``parallelize(..., check=True)``: the first training step, checked against one device.
+
+``autopar verify`` checks a model factory's plan in a job of its own; users run
+``parallelize`` inside their own scripts. With ``check=True`` (or the environment variable
+``AUTOPAR_CHECK=1``) the module's first ``train_step`` is also computed on one device, on a
+copy of the model taken before ``parallelize`` touched it (same weights, same global batch),
+and the loss and every gradient are compared with ``autopar.verify.compare``: a difference
+raises :class:`FirstStepMismatch` on every rank, naming the worst parameter, its error and
+the plan. Later steps run unchecked, at full speed.
+
+Costs: one more copy of the model on each rank's device, one single-device forward and
+backward, and ``full_grads()`` (every gradient gathered whole) on the first step only; so
+only for a model that fits one device. The step must be deterministic: dropout draws other
+numbers on the ranks than on one device (set its probability to 0 for the checked step).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from autopar.errors import ArgumentError
+from autopar.verify import GRAD_RTOL, LOSS_RTOL, Run, compare
+
+ENV = "AUTOPAR_CHECK"
+# 16-bit compute: both sides round to 8 (bf16) or 11 (fp16) mantissa bits, in other orders
+LOW_PRECISION_RTOL = {"loss": 2e-2, "grad": 1e-1}
+
+
+class FirstStepMismatch(RuntimeError):
+    """The first step of a parallelized module differs from the same step on one device."""
+
+
+def wanted(check: bool | None) -> bool:
+    """``check`` as passed, else the environment variable ``AUTOPAR_CHECK`` (``1``/``true``)."""
+    if check is not None:
+        if not isinstance(check, bool):
+            raise ArgumentError(f"check= takes True or False, not {check!r}")
+        return check
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def reference_copy(model: nn.Module) -> nn.Module:
+    """The single-device model the first step is checked against, copied before the plan
+    shards ``model``."""
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ArgumentError("check=True computes the first step on one device too, so the model "
+                            "must hold its weights: a model on the meta device (weights=) cannot "
+                            "be checked; run `autopar verify` on a smaller configuration instead")
+    return copy.deepcopy(model)
+
+
+class FirstStepCheck:
+    """Stands in for ``pm.train_step`` until the first step has been checked."""
+
+    def __init__(self, pm, reference: nn.Module, loss_fn, precision: str | None):
+        self.pm, self.loss_fn, self.precision = pm, loss_fn, precision
+        self.reference = reference.to(pm.device)
+        self.train_step = pm.train_step           # the bound method
+
+    def __call__(self, *inputs, target=None) -> torch.Tensor:
+        loss = self.train_step(*inputs, target=target)
+        try:
+            self._check(inputs, target, loss)
+        finally:
+            del self.pm.train_step                # later steps: the method itself
+            self.reference = None
+        return loss
+
+    def _check(self, inputs, target, loss) -> None:
+        pm = self.pm
+        xs = tuple(x.to(pm.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        y = target.to(pm.device) if isinstance(target, torch.Tensor) else target
+        xs, y = pm.rank_data.global_batch(xs, y)       # per_rank: the slices made whole
+        ref = self.reference
+        with self._autocast():
+            out = ref(*xs)
+            ref_loss = (self.loss_fn(out, y) if self.loss_fn is not None
+                        else pytree.tree_leaves(out)[0])     # a model that returns its loss
+        ref_loss.backward()
+        ref_grads = {n: p.grad.detach() for n, p in ref.named_parameters() if p.grad is not None}
+        grads = pm.full_grads()
+        if pm.scaler is not None:                    # fp16: gradients of the scaled loss
+            grads = {n: g / pm.scaler.scale for n, g in grads.items()}
+        c = compare(Run([float(ref_loss)], [ref_grads], {}), Run([float(loss)], [grads], {}))
+        loss_tol, grad_tol = ((LOW_PRECISION_RTOL["loss"], LOW_PRECISION_RTOL["grad"])
+                              if self.precision else (LOSS_RTOL, GRAD_RTOL))
+        if c.problems or c.loss_err >= loss_tol or c.grad_err >= grad_tol:
+            raise FirstStepMismatch(self._message(c, float(loss), float(ref_loss), grad_tol, loss_tol))
+
+    def _autocast(self):
+        if not self.precision:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.pm.device.type, dtype=dtype)
+
+    def _message(self, c, loss: float, ref_loss: float, grad_tol: float, loss_tol: float) -> str:
+        plan = self.pm.plan.summary().splitlines()[0]
+        lines = [f"check=True: the first step of the parallelized model differs from one device "
+                 f"({plan})"]
+        lines += [f"  {p}" for p in c.problems]
+        if c.grad_err >= grad_tol:
+            lines.append(f"  worst gradient: {c.grad_worst!r}, relative error {c.grad_err:.2e} "
+                         f"(tolerance {grad_tol:.0e})")
+        if c.loss_err >= loss_tol:
+            lines.append(f"  loss {loss:.6g} against {ref_loss:.6g} on one device (relative "
+                         f"error {c.loss_err:.2e}, tolerance {loss_tol:.0e})")
+        dropout = [n for n, m in self.reference.named_modules()
+                   if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training]
+        if dropout:
+            lines.append(f"  the model has active dropout ({dropout[0]}, ...): its random numbers "
+                         "differ between the ranks and one device; set p=0 for the checked step")
+        else:
+            lines.append("  this is a bug in autopar: please report it with this message and the "
+                         "plan (pm.plan.save('plan.json'))")
+        return "\n".join(lines)
