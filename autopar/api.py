@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 from torch import nn
 
+from autopar import first_step
 from autopar.capture import Captured, fingerprint
 from autopar.cost_models.local_devices import local_cluster
 from autopar.device import backend_for, rank_device
@@ -62,7 +63,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                 target: Any = None, plan: "Plan | str | None" = None, cluster=None,
                 memory_budget: float | None = None, mesh_shape: Sequence[int] | None = None,
                 optimizer: str = "adamw", comm=None, batch: str = "global",
-                timeout: float | None = None, weights: "str | os.PathLike | None" = None, **pins):
+                timeout: float | None = None, weights: "str | os.PathLike | None" = None,
+                check: bool | None = None, **pins):
     """Parallelize ``model`` over the ranks of this job (inside torchrun, or after
     ``torch.distributed.init_process_group``).
 
@@ -97,6 +99,11 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     (``autopar.save_checkpoint``'s, or ``dcp.save(model.state_dict())``'s). See
     ``autopar.runtime.weights``.
 
+    ``check``: compute the first ``train_step`` on one device too (a copy of ``model`` taken
+    now, the same global batch) and compare the loss and every gradient; a difference raises
+    ``autopar.first_step.FirstStepMismatch`` naming the worst parameter and the plan. Default:
+    the environment variable ``AUTOPAR_CHECK=1``. For models that fit one device.
+
     Without ``plan=``, rank 0 solves (``autopar.solver.driver.solve``, as ``autopar.plan``
     does) and the other ranks take its plan and capture the graph it runs on. ``comm``: a
     communicator of thread ranks (tests); then every rank solves.
@@ -109,6 +116,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     if weights is None:
         _check_not_meta(model)      # a meta model runs with weights= to load
     timeout = collective_timeout(timeout)
+    reference = first_step.reference_copy(model) if first_step.wanted(check) else None
     world = _dist_world(timeout) if comm is None else (
         comm.world.world if hasattr(comm, "world") else int(dist.get_world_size()))
     if weights is not None:
@@ -127,8 +135,12 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     _validate(the_plan, cap, world)
     # loss_fn without a target runs outside the graph, on the replicated output; comm None:
     # this job's torch.distributed ranks, on a mesh on the rank's device
-    return build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch,
-                 timeout=timeout, weights=weights)
+    pm = build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch,
+               timeout=timeout, weights=weights)
+    if reference is not None:      # the first train_step, checked against one device
+        pm.train_step = first_step.FirstStepCheck(pm, reference, loss_fn,
+                                                  the_plan.pins.get("precision"))
+    return pm
 
 
 def _check_budget(memory_budget) -> None:

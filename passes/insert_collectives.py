@@ -239,7 +239,7 @@ class _Rewriter:
         """An op: its inputs moved to the placements the plan chose, its shapes made local."""
         call = self.calls[node.name]
         combo = _combo(self.plan, node.name, len(call.inputs), len(call.outputs))
-        local_of = {}
+        local_of, read = {}, []
         for k, name in enumerate(_tensor_arg_names(node)):
             local, outs = self.env[name]
             dst = tuple(s.inputs[k] for s in combo)
@@ -254,6 +254,7 @@ class _Rewriter:
                 if key is not None:
                     self.converted[key] = moved
             local_of[id(call.inputs[k])] = moved
+            read.append(moved)
         target, args, kwargs = localize(call, combo, self.mesh)
         if target is aten.view.default:
             # local tensors may be laid out differently from the global ones (a shard
@@ -263,6 +264,7 @@ class _Rewriter:
         sub = lambda v: local_of[id(v)] if isinstance(v, TensorMeta) else v  # noqa: E731
         new = self.g.call_function(target, pytree.tree_map(sub, args), pytree.tree_map(sub, kwargs))
         new.meta["source"] = node.name
+        new.meta["inputs"] = tuple(read)     # the local node read as the op's k-th tensor input
         outs = [tuple(s.outputs[k] for s in combo) for k in range(len(call.outputs))]
         self.env[node.name] = (new, outs)
 

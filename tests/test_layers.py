@@ -7,7 +7,7 @@ The layers, bottom to top (a module may import its own layer and the ones below)
     rules     sharding
     deciding  solver (ILP, stage DP, pipeline search, the one driver)
     doing     passes, runtime
-    face      api, cli, viz, verify, coverage, checkpoint, the package itself
+    face      api, cli, viz, verify, first_step, coverage, checkpoint, the package itself
 
 Deciding never imports doing, and nothing imports the face's entry points (api, cli).
 The imports are read from the source with ``ast``, so the test sees lazy imports too.
@@ -32,7 +32,7 @@ LAYERS = [
     ("rules", ["autopar.sharding"]),
     ("deciding", ["autopar.solver"]),
     ("doing", ["autopar.passes", "autopar.runtime"]),
-    ("face", ["autopar.api", "autopar.cli", "autopar.__main__", "autopar.viz", "autopar.verify",
+    ("face", ["autopar.api", "autopar.cli", "autopar.__main__", "autopar.viz", "autopar.verify", "autopar.first_step",
               "autopar.verify_worker", "autopar.coverage", "autopar.checkpoint", "autopar"]),
 ]
 ENTRY_POINTS = ("autopar.api", "autopar.cli")

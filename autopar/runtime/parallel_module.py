@@ -31,6 +31,7 @@ from autopar.ops.collectives import regathered_weights
 from autopar.ops.comm import Comm, use_comm
 from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.branch_parallel import keep_branches
+from autopar.passes.check_grad_sync import check_grad_sync
 from autopar.passes.fast_bindings import fast_bindings
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.place_on_device import place_on
@@ -302,7 +303,10 @@ class ParallelModule(nn.Module):
                 prefetch_gathers(gm)     # each ZeRO-3 gather starts one consumer early
         if splan.recompute and "train" in programs and not pipelined:
             programs["train"] = checkpoint_layers(programs["train"], layer_members(cap.gm, splan.recompute))
-        grad_axes = dict(rewritten.get("train", rewritten["forward"]).grad_sync)
+        stepped = rewritten.get("train", rewritten["forward"])
+        grad_axes = dict(stepped.grad_sync)
+        # every parameter's gradient summed exactly where it is partial, or an internal error
+        check_grad_sync(stepped.gm, grad_axes, cap, splan, shards.attr_of)
         loss_sync = rewritten["train"].loss_sync if "train" in rewritten else ()
         return programs, grad_axes, loss_sync
 
