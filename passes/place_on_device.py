@@ -2,10 +2,12 @@
 
 ``torch.export`` records the device of every tensor the model creates while it is captured
 (``aten.arange(..., device=cpu)`` for GPT's positions, ``aten.zeros`` / ``full`` /
-``scalar_tensor`` ...): the capture's device, usually the CPU, even when the rank runs on a
-GPU. :func:`place_on` rewrites every such ``device=`` argument of ``gm`` (and of the graph
-modules it calls, such as recomputed layers) to ``device``, which the runtime takes from its
-communicator (``comm.device``, i.e. ``autopar.device``).
+``scalar_tensor`` ...), and of every move to a device (``aten.to.device(x, cpu, ...)``,
+its device positional: Hugging Face's rotary embeddings move ``inv_freq`` to the input's
+device): the capture's device, usually the CPU, even when the rank runs on a GPU.
+:func:`place_on` rewrites every such device argument of ``gm``, keyword or positional (and
+of the graph modules it calls, such as recomputed layers) to ``device``, which the runtime
+takes from its communicator (``comm.device``, i.e. ``autopar.device``).
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from torch.fx import GraphModule
 
 
 def place_on(gm: GraphModule, device: torch.device) -> int:
-    """Rewrite ``device=`` of every node creating a tensor to ``device``; returns how many
-    nodes changed."""
+    """Rewrite the device of every node creating or moving a tensor to ``device``; returns
+    how many device arguments changed."""
     changed = 0
     for mod in gm.modules():
         if not isinstance(mod, GraphModule):
@@ -25,6 +27,9 @@ def place_on(gm: GraphModule, device: torch.device) -> int:
             dev = node.kwargs.get("device")
             if isinstance(dev, (torch.device, str)) and torch.device(dev) != device:
                 node.kwargs = {**node.kwargs, "device": device}
+                here += 1
+            if any(isinstance(a, torch.device) and a != device for a in node.args):
+                node.args = tuple(device if isinstance(a, torch.device) else a for a in node.args)
                 here += 1
         if here:
             mod.recompile()

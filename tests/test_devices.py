@@ -243,6 +243,32 @@ def test_created_tensors_follow_the_rank_device():
     assert all(d == meta for d in devices(gm)) and "meta" in gm.code
 
 
+def test_moves_to_the_capture_device_follow_the_rank_device():
+    """transformers' Llama moves its rotary ``inv_freq`` to the input's device: export
+    records ``aten.to.device(x, cpu, ...)`` with the device positional, which ran the
+    rotary product on the CPU beside CUDA tensors on the first GPU run (2026-11-26, H100)."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from autopar.capture import capture
+    from autopar.passes.place_on_device import place_on
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32,
+                                   use_cache=False)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    cap = capture(model, (torch.randint(0, 64, (2, 8)),))
+
+    def positional(gm):
+        return [a for n in gm.graph.nodes for a in n.args if isinstance(a, torch.device)]
+    assert positional(cap.gm) and all(d.type == "cpu" for d in positional(cap.gm))
+    gm = copy.deepcopy(cap.gm)
+    meta = torch.device("meta")
+    place_on(gm, meta)
+    assert all(d == meta for d in positional(gm))
+
+
 def test_parallel_module_places_its_programs(monkeypatch):
     """ParallelModule calls place_on on every program with its device."""
     import autopar.runtime.parallel_module as pmod

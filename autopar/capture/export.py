@@ -100,6 +100,8 @@ def _export(root: nn.Module, args: tuple, stack_traces: bool):
     a tenth of a large model's capture, read only by the messages of a graph autopar refuses
     (``hops._where``), which :func:`capture` exports again with them."""
     with _EXPORT_LOCK:
+        if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):    # torch 2.11 has no such flag
+            return torch.export.export(root, args, strict=False)
         before = torch.fx.config.do_not_emit_stack_traces
         torch.fx.config.do_not_emit_stack_traces = not stack_traces
         try:

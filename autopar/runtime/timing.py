@@ -91,16 +91,23 @@ class OpTimer(TorchDispatchMode):
     (:func:`family_name`); while ``optimizer`` is set, in the row ``optimizer``. Ops of
     other namespaces (``c10d``) are not compute and not counted."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         super().__init__()
+        # an accelerator runs kernels asynchronously: synchronised around each op, the
+        # timer reads the kernel's time, not its launch's (a no-op on the CPU)
+        self.device = device if device is not None and device.type != "cpu" else None
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.optimizer = False
         self._rows: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.device is not None:
+            synchronize(self.device)
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
+        if self.device is not None:
+            synchronize(self.device)
         dt = time.perf_counter() - t0
         if func.namespace == "aten":
             row = OPTIMIZER if self.optimizer else self._rows.get(func)
@@ -253,7 +260,7 @@ def measure(pm, inputs: tuple, target, steps: int = 5, warmup: int = 1, optimize
     saved = {k: t.detach().clone() for k, t in pm.module.state_dict().items()}
     grads = {n: p.grad for n, p in pm.module.named_parameters()}
     opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(list(pm.parameters()))
-    timer = OpTimer()
+    timer = OpTimer(pm.device)
     waits: dict[str, float] = defaultdict(float)
 
     def on_wait(op: str, axis: str, seconds: float) -> None:

@@ -1,0 +1,1144 @@
+"""autopar's first GPU run, prepared: one script that checks on a CUDA machine what the CPU
+tests cannot (issue 30, item 2), in at most about 6 minutes on one H100.
+
+Run, from the repository root (autopar need not be installed)::
+
+    PYTHONPATH=. python3 benchmarks/gpu_check.py              # on a machine with a GPU
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --dry        # on a CPU, tiny sizes, < 1 min
+    python benchmarks/gpu_check.py --prepare                  # here, with OR-Tools: the data file
+
+It writes a JSON report (``--out``; default ``benchmarks/results/gpu_check_<gpu>.json``,
+a temporary file with ``--dry``) and prints a summary. Sections, each of which records its
+error (message and traceback tail) and lets the next one run, in this order, skipped once
+``--budget-s`` (default 420 s) is spent:
+
+1. ``equivalence``: the small GPT of ``examples/gpt.py`` and a transformers Llama
+   (``LlamaConfig``: 4 layers, hidden 512, GQA, SDPA; no download) trained 20 steps
+   through ``autopar.parallelize`` at world 1 (an NCCL process group of one rank, made
+   here), mixed precision ``precision="bf16"``, SGD with momentum, against eager training
+   of a deep copy under ``torch.autocast(bfloat16)`` on the same batches. Pass: the loss
+   of every step within ``LOSS_RTOL`` relative and every parameter after the steps within
+   ``PARAM_RTOL`` (relative norm of the difference). Both are loose because the two runs
+   round activations to bf16 (8 significant bits, unit roundoff 2^-8 = 3.9e-3) and their
+   kernels may sum in other orders (atomics in attention and embedding backward);
+2. ``op_timing``: ``autopar.runtime.timing.timing_report`` of both models (its table text
+   is in the report) with every ATen op timed between two device synchronisations (as
+   ``OpTimer`` does on a GPU: else it would time the launch, not the kernel), by family (memory-bound ops included) against the plan's price table;
+   GEMMs by shape and attention by query shape, forward and backward, against the cost
+   model; the optimizer step against ``cost_models.step.optimizer_step_time``;
+3. ``plan_shapes``: the GEMM and attention ops of the free plans of
+   ``benchmarks/plan_quality.py`` (the shapes the free search exploits) timed alone in
+   bf16 (CUDA events, warm-up, median), against ``cost_models.compute.node_time`` for
+   this GPU. Their shapes and the predictions for A100, H100 and H200 are prepared on a
+   CPU (``--prepare``: the GPU machine has no OR-Tools) in
+   ``benchmarks/data/gpu_check_shapes.json``;
+4. ``memory``: the peak of ``torch.cuda.max_memory_allocated`` over the 20 steps against
+   the plan's memory estimate; ``compile``: the GPT's eager single-device step against
+   ``torch.compile`` of it (in a subprocess with a timeout; an error is recorded);
+5. ``multi_gpu``: with 2 or more GPUs, ``data=2``, ``tensor=2`` and ZeRO-3 plans of the
+   GPT on 2 ranks (torchrun) against one device, and NCCL all-reduce bus bandwidth
+   against the cost model's; on one GPU "skipped: 1 GPU".
+
+Plans: solved here when OR-Tools imports (``--plans live``); otherwise (``--plans saved``)
+the world-1 plans prepared for this GPU (H100, H200) are loaded, which holds only while
+this torch captures the same graph (the ``environment`` section says whether it does).
+Without OR-Tools ``import autopar`` still works here: a stand-in ``ortools`` module that
+fails when solving is installed; the 2-GPU section needs OR-Tools (it solves).
+
+``--dry`` (no GPU needed; ``tests/test_gpu_check.py`` runs it): CUDA hidden, gloo, the
+dry-size models, 2 steps, 3 of the shapes shrunk to 64 per dimension, ``torch.compile``
+with the ``aot_eager`` backend; the numbers mean nothing, the code paths are the GPU run's.
+
+Limits: world 1 measures no communication; the two models are small, so many ops are
+launch-bound; per-op times include a launch and two synchronisations each; a GPU other
+than A100 / H100 / H200 is priced with its measured peaks (``cost_models.local_devices``);
+the plan_quality shapes are each row's recorded free configuration re-planned on 2 layers
+(``gpu_check_ops.FREE_PLANS``), at most 40 of 95.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.abc
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "benchmarks"
+DATA = HERE / "data" / "gpu_check_shapes.json"
+RESULTS = HERE / "results"
+
+LOSS_RTOL = 2e-2
+"""Largest relative loss difference of any step, autopar against eager (bf16 autocast)."""
+PARAM_RTOL = 1e-2
+"""Largest ||w_autopar - w_eager|| / ||w_eager|| of any parameter after the steps."""
+LR, MOMENTUM = 0.05, 0.9
+
+
+# ---- running without an installed autopar, and without OR-Tools ------------------------------
+class _RepoPackages(importlib.abc.MetaPathFinder):
+    """``autopar.cost_models`` and ``autopar.passes`` from the top-level ``cost_models/`` and
+    ``passes/`` (what pyproject's ``package-dir`` does for an installed autopar)."""
+    ALIASES = {"autopar.cost_models": ROOT / "cost_models", "autopar.passes": ROOT / "passes"}
+
+    def find_spec(self, name, path=None, target=None):
+        d = self.ALIASES.get(name)
+        if d is None:
+            return None
+        return importlib.util.spec_from_file_location(name, d / "__init__.py",
+                                                      submodule_search_locations=[str(d)])
+
+
+class _NoOrTools(types.ModuleType):
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise ImportError(f"OR-Tools is not installed here ({self.__name__}.{attr}): autopar cannot "
+                          "solve a plan; give it a prepared one (gpu_check --plans saved)")
+
+
+def install_shims() -> tuple[bool, str]:
+    """Put the repository first on ``sys.path``, map autopar's two top-level packages, and
+    where ``ortools`` does not import, a stand-in that lets ``import autopar`` succeed and
+    fails when a plan is solved. Returns (OR-Tools importable, what it is or why not)."""
+    for p in (str(HERE), str(ROOT)):
+        if p in sys.path:
+            sys.path.remove(p)
+        sys.path.insert(0, p)
+    if not any(isinstance(f, _RepoPackages) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RepoPackages())
+    try:
+        from ortools.linear_solver import pywraplp  # noqa: F401
+        import ortools
+        return True, f"ortools {getattr(ortools, '__version__', '?')}"
+    except Exception as e:  # noqa: BLE001 - any failure to import means: no solver here
+        why = f"{type(e).__name__}: {e}"
+        for k in [k for k in sys.modules if k == "ortools" or k.startswith("ortools.")]:
+            del sys.modules[k]
+        top, ls = types.ModuleType("ortools"), types.ModuleType("ortools.linear_solver")
+        ls.pywraplp, ls._pywraplp = _NoOrTools("ortools.linear_solver.pywraplp"), \
+            _NoOrTools("ortools.linear_solver._pywraplp")
+        top.linear_solver = ls
+        sys.modules.update({"ortools": top, "ortools.linear_solver": ls,
+                            "ortools.linear_solver.pywraplp": ls.pywraplp,
+                            "ortools.linear_solver._pywraplp": ls._pywraplp})
+        return False, why
+
+
+HAVE_ORTOOLS, ORTOOLS = install_shims()
+# --dry runs on the CPU even where a GPU is (autopar puts a rank on CUDA when it sees one)
+GPU_HIDDEN = "--dry" in sys.argv and os.path.exists("/dev/nvidia0")
+if "--dry" in sys.argv:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def error_info(e: BaseException) -> dict:
+    lines = "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip().splitlines()
+    return {"error": f"{type(e).__name__}: {e}"[:3000], "traceback_tail": lines[-15:]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.total, self.t0 = seconds, time.perf_counter()
+
+    def used(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return self.total - self.used()
+
+
+class Ctx:
+    """What the sections share."""
+
+    def __init__(self, args):
+        self.args = args
+        self.dry = args.dry
+        self.cuda = torch.cuda.is_available() and not args.dry
+        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+        self.size = "dry" if args.dry else "gpu"
+        self.steps = 2 if args.dry else args.steps
+        self.timing_steps, self.timing_warmup = (2, 1) if args.dry else (10, 3)
+        self.budget = Budget(args.budget_s)
+        self.models: dict[str, dict] = {}
+        try:
+            self.data = json.loads(DATA.read_text()) if DATA.exists() else None
+        except ValueError as e:
+            log(f"unreadable {DATA}: {e}")
+            self.data = None
+        self.gpu_name = torch.cuda.get_device_name(0) if self.cuda else None
+        self.dev_key = None              # "h100", "h200", "a100" or None (cost_models.local_devices)
+        self._cost_device = None         # the cost model's Device for this device
+        self.plan_source = args.plans if args.plans != "auto" else ("live" if HAVE_ORTOOLS else "saved")
+        if self.cuda:
+            try:
+                from autopar.cost_models.local_devices import preset_key
+                self.dev_key = preset_key(self.gpu_name)
+            except Exception as e:  # noqa: BLE001 - the environment section records it
+                log(f"cannot import autopar's cost models: {type(e).__name__}: {e}")
+
+    @property
+    def cost_device(self):
+        """The cost model's description of this device: the preset of an A100 / H100 / H200
+        with the memory it reports, another GPU's measured peaks, or this CPU's."""
+        if self._cost_device is None:
+            from autopar.cost_models.hardware import parse_cluster
+            from autopar.cost_models.local_devices import local_cluster
+            cl = local_cluster(1) if self.cuda else "cpu:1"
+            self._cost_device = (parse_cluster(cl) if isinstance(cl, str) else cl).device
+        return self._cost_device
+
+
+# ---- plans -----------------------------------------------------------------------------
+def plan_kwargs(ctx: Ctx, name: str) -> tuple[dict, str]:
+    """``parallelize`` keywords for model ``name``: pins to solve with, or a prepared plan."""
+    from autopar import Plan
+    if ctx.plan_source == "live":
+        return {"precision": "bf16", "optimizer": "sgd_momentum"}, "solved here (OR-Tools)"
+    key = ctx.dev_key if ctx.cuda else "cpu"
+    saved = ((ctx.data or {}).get("plans", {}).get(ctx.size, {}).get(key or "", {}) or {}).get(name)
+    if saved is None:
+        raise RuntimeError(f"no OR-Tools here ({ORTOOLS}) and no prepared {ctx.size} plan of {name} for "
+                           f"{key!r} in {DATA.relative_to(ROOT)}: carry an ortools wheel, or run "
+                           "`python benchmarks/gpu_check.py --prepare` for this GPU")
+    return {"plan": Plan.from_dict(saved)}, f"prepared plan {ctx.size}/{key} from {DATA.name}"
+
+
+def init_process_group(device: torch.device) -> str:
+    """A process group of one rank in this process: NCCL on a GPU, gloo on a CPU."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        try:
+            dist.init_process_group(backend, rank=0, world_size=1, device_id=device)
+            return backend
+        except TypeError:            # a torch without device_id=
+            pass
+    dist.init_process_group(backend, rank=0, world_size=1)
+    return backend
+
+
+# ---- section: environment --------------------------------------------------------------------
+def section_environment(ctx: Ctx) -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "ortools": ORTOOLS, "have_ortools": HAVE_ORTOOLS,
+           "plan_source": ctx.plan_source, "data_file": str(DATA.relative_to(ROOT)),
+           "data_file_present": ctx.data is not None}
+    for mod in ("transformers", "numpy", "networkx"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            out[mod] = f"not importable: {type(e).__name__}"
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpu=ctx.gpu_name, gpus=torch.cuda.device_count(), gpu_memory_bytes=props.total_memory,
+                   sms=props.multi_processor_count, capability=f"{props.major}.{props.minor}",
+                   preset=ctx.dev_key)
+    d = ctx.cost_device
+    out["cost_model_device"] = {"name": d.name, "peak_flops": d.peak_flops, "mem_bandwidth": d.mem_bandwidth,
+                                "max_efficiency": d.max_efficiency, "mem_efficiency": d.mem_efficiency,
+                                "launch_overhead": d.launch_overhead, "fill_time": d.fill_time,
+                                "sms": d.sms, "attention_efficiency": list(d.attention_efficiency or ())}
+    if ctx.data:
+        out["data_created"] = ctx.data.get("created")
+        out["prepared_plans_fresh"] = prepared_plans_fresh(ctx)
+    return out
+
+
+def prepared_plans_fresh(ctx: Ctx) -> dict:
+    """Whether each prepared plan of this run's size was made for the graph this torch (and
+    transformers) captures: its fingerprint against a capture here (a stale plan only
+    matters without OR-Tools: re-run --prepare)."""
+    from autopar.capture import capture, fingerprint
+    from gpu_check_ops import batches, build_model
+    out = {}
+    for name in ("gpt", "llama"):
+        try:
+            model, loss_fn, batch, seq, vocab = build_model(name, ctx.size)
+            x, y = batches(1, batch, seq, vocab)[0]
+            fp = fingerprint(capture(model, (x,), loss_fn, y))
+            plans = ctx.data.get("plans", {}).get(ctx.size, {})
+            out[name] = {k: (p[name]["fingerprint"] == fp) for k, p in plans.items() if name in p}
+        except Exception as e:  # noqa: BLE001 - recorded
+            out[name] = error_info(e)
+    return out
+
+
+# ---- section: equivalence ----------------------------------------------------------------------
+def train_and_compare(ctx: Ctx, name: str) -> dict:
+    import autopar
+    from gpu_check_ops import batches, build_model
+    dev = ctx.device
+    model, loss_fn, batch, seq, vocab = build_model(name, ctx.size)
+    data = batches(ctx.steps, batch, seq, vocab)
+    ref = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    kw, source = plan_kwargs(ctx, name)
+    x0, y0 = data[0]
+    # what other modules hold on the device (an earlier model's): not this model's peak
+    resident = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else 0.0
+    t0 = time.perf_counter()
+    pm = autopar.parallelize(model, (x0,), loss_fn, target=y0, **kw)
+    t_par = time.perf_counter() - t0
+    log(f"  {name}: parallelize {t_par:.1f} s ({source}), mesh {tuple(pm.plan.mesh_shape)}, "
+        f"cluster {pm.plan.cluster}")
+    ctx.models[name] = {"pm": pm, "loss_fn": loss_fn, "x": x0, "y": y0, "peak": None, "ref_peak": None,
+                        "resident": resident}
+    opt = torch.optim.SGD(pm.parameters(), lr=LR, momentum=MOMENTUM)
+    if ctx.cuda:
+        sync(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    losses, steps_s = [], []
+    for x, y in data:
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = pm.train_step(x, target=y)
+        pm.step(opt)
+        losses.append(float(loss.detach()))
+        sync(dev)
+        steps_s.append(time.perf_counter() - t)
+    peak = float(torch.cuda.max_memory_allocated(dev)) - resident if ctx.cuda else None
+    got = {n: t.detach().float().cpu() for n, t in pm.full_state_dict().items()}
+    # the reference: eager on one device, autocast bf16, the same optimizer and batches
+    ref_resident = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else 0.0
+    ref.to(dev)
+    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+    ref_losses, ref_steps_s = [], []
+    if ctx.cuda:
+        sync(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    for x, y in data:
+        x, y = x.to(dev), y.to(dev)
+        t = time.perf_counter()
+        ropt.zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = loss_fn(ref(x), y)
+        loss.backward()
+        ropt.step()
+        ref_losses.append(float(loss.detach()))
+        sync(dev)
+        ref_steps_s.append(time.perf_counter() - t)
+    ref_peak = float(torch.cuda.max_memory_allocated(dev)) - ref_resident if ctx.cuda else None
+    param_rel, param_moved, missing = {}, {}, []
+    for n, p in ref.named_parameters():
+        r = p.detach().float().cpu()
+        if n not in got:
+            missing.append(n)
+            continue
+        diff = float((got[n] - r).double().norm())
+        param_rel[n] = diff / max(float(r.double().norm()), 1e-12)
+        param_moved[n] = diff / max(float((r - initial[n].float()).double().norm()), 1e-12)
+    loss_rel = [rel(a, b) for a, b in zip(losses, ref_losses)]
+    worst = max(param_rel, key=param_rel.get) if param_rel else None
+    finite = all(math.isfinite(v) for v in losses + ref_losses)
+    max_loss = max(loss_rel) if loss_rel else float("inf")
+    max_param = param_rel[worst] if worst else float("inf")
+    passed = bool(finite and not missing and len(losses) == ctx.steps
+                  and max_loss <= LOSS_RTOL and max_param <= PARAM_RTOL)
+    del ropt
+    ref.to("cpu")                    # off the device: the next model's peaks are its own
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+    ctx.models[name].update(peak=peak, ref_peak=ref_peak)
+    nparams = sum(p.numel() for p in ref.parameters())
+    log(f"  {name}: {'PASS' if passed else 'FAIL'} max loss diff {max_loss:.2e} (tol {LOSS_RTOL:g}), "
+        f"max param diff {max_param:.2e} (tol {PARAM_RTOL:g}, {worst})")
+    return {"passed": passed, "plan_source": source, "parallelize_s": t_par, "params": nparams,
+            "mesh": list(pm.plan.mesh_shape), "cluster": pm.plan.cluster,
+            "losses": losses, "ref_losses": ref_losses, "loss_rel_diff": loss_rel,
+            "max_loss_rel_diff": max_loss, "max_loss_abs_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "max_param_rel_diff": max_param, "worst_param": worst,
+            "max_param_diff_rel_to_change": max(param_moved.values()) if param_moved else None,
+            "param_rel_diff": param_rel, "missing_params": missing, "finite": finite,
+            "step_s": steps_s, "ref_step_s": ref_steps_s,
+            "median_step_s": statistics.median(steps_s[1:] or steps_s),
+            "median_ref_step_s": statistics.median(ref_steps_s[1:] or ref_steps_s)}
+
+
+def section_equivalence(ctx: Ctx) -> dict:
+    out = {"tolerance": {"loss_rtol": LOSS_RTOL, "param_rtol": PARAM_RTOL,
+                         "why": "bf16 autocast in both runs: activations rounded to 8 significant bits "
+                                "(unit roundoff 2^-8 = 3.9e-3), kernels may sum in other orders "
+                                "(atomics in attention / embedding backward); fp32 master weights"},
+           "steps": ctx.steps, "optimizer": f"SGD lr={LR} momentum={MOMENTUM}",
+           "precision": "bf16 (autopar precision='bf16'; eager torch.autocast bfloat16)",
+           "device": str(ctx.device), "models": {}}
+    for name in ("gpt", "llama"):
+        if ctx.budget.left() < 20:
+            out["models"][name] = {"skipped": "time budget spent"}
+            continue
+        try:
+            out["models"][name] = train_and_compare(ctx, name)
+        except Exception as e:  # noqa: BLE001 - recorded, the next model runs
+            out["models"][name] = error_info(e)
+            log(f"  {name}: ERROR {out['models'][name]['error'][:300]}")
+    out["passed"] = all(m.get("passed") for m in out["models"].values())
+    return out
+
+
+# ---- section: per-op timing --------------------------------------------------------------------
+def _gemm_key(shapes: list[tuple]) -> tuple | None:
+    """(batch, M, K, N) of a GEMM as dispatched (mm, addmm, bmm, baddbmm)."""
+    mats = [s for s in shapes if len(s) >= 2]
+    if len(mats) < 2:
+        return None
+    a, b = mats[-2], mats[-1]
+    return (math.prod(a[:-2]) if len(a) > 2 else 1, a[-2], a[-1], b[-1])
+
+
+def _node_sig(desc: dict) -> tuple:
+    """(batch, M, K, N) of a graph matmul node at its local shapes."""
+    name = desc["op"].split(".")[1]
+    ins = [s for s, _ in desc["inputs"]]
+    out = desc["outputs"][0][0]
+    if name == "linear":
+        x, w = ins[0], ins[1]
+        return (1, math.prod(x[:-1]), x[-1], w[0])
+    a = ins[1] if name in ("addmm", "baddbmm") else ins[0]
+    return (math.prod(out[:-2]) if len(out) > 2 else 1, out[-2] if len(out) >= 2 else 1, a[-1], out[-1])
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward node now (on a GPU it runs them
+    on its own thread)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    if current is not None:
+        return current() is not None
+    import threading
+    return threading.current_thread() is not threading.main_thread()
+
+
+def make_sync_timer(device: torch.device, store: list):
+    """An ``OpTimer`` (``autopar.runtime.timing``) that synchronises the device around every
+    op (so each op's time is its kernels', not its launch's) and also sums the matmul and
+    attention ops by phase (forward / backward) and input shapes."""
+    from autopar.cost_models import families
+    from autopar.runtime.timing import OPTIMIZER, OpTimer, family_name
+
+    class SyncOpTimer(OpTimer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.by_shape: dict = {}
+            store.append(self)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            sync(device)
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            sync(device)
+            dt = time.perf_counter() - t0
+            if func.namespace == "aten":
+                row = OPTIMIZER if self.optimizer else self._rows.get(func)
+                if row is None:
+                    row = self._rows[func] = family_name(families.op_name(func))
+                self.seconds[row] += dt
+                self.calls[row] += 1
+                if row in ("matmul", "attention"):
+                    phase = "bwd" if in_backward() else "fwd"
+                    shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+                    k = (phase, row, families.op_name(func), shapes)
+                    got = self.by_shape.setdefault(k, [0.0, 0])
+                    got[0] += dt
+                    got[1] += 1
+            return out
+
+    return SyncOpTimer
+
+
+def op_timing_model(ctx: Ctx, name: str) -> dict:
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.cost_models.step import optimizer_step_time
+    from autopar.runtime import timing as timing_mod
+    from gpu_check_ops import plan_ops
+    m = ctx.models[name]
+    pm = m["pm"]
+    timers: list = []
+    original = timing_mod.OpTimer
+    timing_mod.OpTimer = make_sync_timer(ctx.device, timers)
+    try:
+        rep = timing_mod.timing_report(pm, (m["x"],), m["y"], steps=ctx.timing_steps,
+                                       warmup=ctx.timing_warmup,
+                                       optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM))
+    finally:
+        timing_mod.OpTimer = original
+    timer = timers[-1]
+    steps = ctx.timing_steps
+    m["timing_peak"], m["timing_peak_source"] = rep.row("peak memory").measured[0], rep.memory_source
+    plan_device = parse_cluster(pm.plan.cluster).device
+    local_params = sum(p.numel() for p in pm.parameters())
+    opt_pred = optimizer_step_time(local_params, plan_device, optimizer="sgd_momentum", mixed=False)
+    families_rows = []
+    for r in rep.rows:
+        if r.kind not in ("compute", "step", "memory"):
+            continue
+        pred = r.predicted
+        note = ""
+        if r.name == "optimizer" and pred is None:
+            pred, note = opt_pred, "cost_models.step.optimizer_step_time (fp32 SGD momentum, 20 B/param)"
+        meas = r.measured[0] if r.measured else None
+        families_rows.append({"row": r.name, "kind": r.kind, "predicted": pred, "measured": meas,
+                              "ratio": (meas / pred) if pred and meas is not None else None, "note": note})
+    # GEMMs by shape and attention by query shape: graph nodes (local shapes, the plan's
+    # prices) against the dispatched kernels they became
+    ops = plan_ops(pm._cap, pm.plan)
+    measured = {k: (v[0] / steps, v[1] / steps) for k, v in timer.by_shape.items()}
+    used: set = set()
+    gemms: dict[tuple, dict] = {}
+    attn: dict[tuple, dict] = {}
+    o_kind: dict[tuple, str] = {}
+    for o in ops:
+        f, b = o["plan_s"]
+        if o["family"] == "matmul":
+            sig = _node_sig(o)
+            o_kind[sig] = o["op"].split(".")[1]
+            g = gemms.setdefault(sig, {"shape": "x".join(map(str, sig)), "nodes": [], "count": 0,
+                                       "predicted_fwd_s": 0.0, "predicted_bwd_s": 0.0})
+        else:
+            sig = tuple(o["inputs"][0][0])
+            g = attn.setdefault(sig, {"shape": "x".join(map(str, sig)), "nodes": [], "count": 0,
+                                      "predicted_fwd_s": 0.0, "predicted_bwd_s": 0.0})
+        g["nodes"].append(o["node"])
+        g["count"] += o["members"]
+        g["predicted_fwd_s"] += f * o["members"]
+        g["predicted_bwd_s"] += b * o["members"]
+    for sig, g in gemms.items():
+        B, M, K, N = sig
+        # backward as autograd dispatches it: linear's grad input g @ W (M x N x K) and grad
+        # weight g^T @ x (N x M x K); a batched matmul's g @ b^T (M x N x K), a^T @ g (K x M x N)
+        fwd_keys = {(B, M, K, N)}
+        bwd_keys = {(B, M, N, K), (B, N, M, K) if o_kind[sig] == "linear" else (B, K, M, N)}
+        g["measured_fwd_s"] = g["measured_bwd_s"] = 0.0
+        g["calls_fwd"] = g["calls_bwd"] = 0.0
+        for k, (s, c) in measured.items():
+            phase, fam, _, shapes = k
+            if fam != "matmul" or k in used:
+                continue
+            key = _gemm_key(list(shapes))
+            if (phase == "fwd" and key in fwd_keys) or (phase == "bwd" and key in bwd_keys):
+                used.add(k)
+                g[f"measured_{phase}_s"] += s
+                g[f"calls_{phase}"] += c
+    for sig, g in attn.items():
+        g["measured_fwd_s"] = g["measured_bwd_s"] = 0.0
+        for k, (s, c) in measured.items():
+            phase, fam, _, shapes = k
+            if fam == "attention" and k not in used and sig in shapes:
+                used.add(k)
+                g[f"measured_{phase}_s"] += s
+    for g in list(gemms.values()) + list(attn.values()):
+        for p in ("fwd", "bwd"):
+            pr, me = g[f"predicted_{p}_s"], g[f"measured_{p}_s"]
+            g[f"ratio_{p}"] = me / pr if pr > 0 and me > 0 else None
+    unmatched = [{"phase": k[0], "family": k[1], "op": k[2], "shapes": [list(s) for s in k[3]],
+                  "seconds_per_step": v[0], "calls_per_step": v[1]}
+                 for k, v in measured.items() if k not in used]
+    return {"timing_report": str(rep), "timing_report_dict": rep.to_dict(), "families": families_rows,
+            "gemm_by_shape": sorted(gemms.values(), key=lambda g: -g["predicted_fwd_s"] - g["predicted_bwd_s"]),
+            "attention": list(attn.values()), "unmatched_kernels": unmatched,
+            "optimizer_predicted_s": opt_pred, "local_params": local_params,
+            "plan_device": plan_device.name,
+            "note": "measured per op between two device synchronisations (a launch and two syncs "
+                    "each, as the cost model's launch_overhead counts one launch); sums per step, "
+                    f"median step of {steps} for the families, mean of {steps} steps by shape"}
+
+
+def section_op_timing(ctx: Ctx) -> dict:
+    out = {"models": {}}
+    for name in ("gpt", "llama"):
+        if name not in ctx.models:
+            out["models"][name] = {"skipped": "no trained module (equivalence section failed for it)"}
+            continue
+        if ctx.budget.left() < 15:
+            out["models"][name] = {"skipped": "time budget spent"}
+            continue
+        try:
+            out["models"][name] = op_timing_model(ctx, name)
+            log(f"  {name}:\n" + out["models"][name]["timing_report"])
+        except Exception as e:  # noqa: BLE001
+            out["models"][name] = error_info(e)
+            log(f"  {name}: ERROR {out['models'][name]['error'][:300]}")
+    return out
+
+
+# ---- section: plan_quality shapes ----------------------------------------------------------------
+def dry_pick(shapes: list[dict]) -> list[dict]:
+    """Three shapes of other kinds (a linear, a batched matmul, an attention), made small."""
+    from gpu_check_ops import scaled
+    picked, seen = [], set()
+    for s in shapes:
+        kind = s["op"].split(".")[1]
+        if kind not in seen:
+            seen.add(kind)
+            picked.append(scaled(s))
+        if len(picked) == 3:
+            break
+    return picked
+
+
+def section_plan_shapes(ctx: Ctx) -> dict:
+    from gpu_check_ops import backward_flops, op_bytes, synth_predict, time_op
+    if ctx.data is None:
+        return {"status": "error", "error": f"{DATA.relative_to(ROOT)} is missing: run "
+                                            "`python benchmarks/gpu_check.py --prepare` on a CPU with OR-Tools"}
+    shapes = dry_pick(ctx.data["shapes"]) if ctx.dry else ctx.data["shapes"]
+    reps, warmup = (3, 1) if ctx.dry else (10, 3)
+    key = ctx.dev_key if ctx.cuda else None
+    results, skipped = [], []
+    for i, s in enumerate(shapes):
+        if ctx.budget.left() < 25:
+            skipped.append({"id": s["id"], "skipped": "time budget spent"})
+            continue
+        if ctx.cuda:
+            free, _ = torch.cuda.mem_get_info(ctx.device)
+            if op_bytes(s) > 0.6 * free:
+                skipped.append({"id": s["id"], "skipped": f"needs {op_bytes(s) / 2**30:.1f} GiB, "
+                                                          f"{free / 2**30:.1f} GiB free"})
+                continue
+        r = {"id": s["id"], "op": s["op"], "family": s["family"], "inputs": s["inputs"],
+             "flags": s["flags"], "rows": sorted({x["row"] for x in s.get("rows", [])})}
+        try:
+            m = time_op(s, ctx.device, torch.bfloat16, reps, warmup)
+            r.update(measured_fwd_s=m["fwd_s"], measured_bwd_s=m["bwd_s"])
+            stored = s["predicted"].get(key) if key else None
+            synth = synth_predict(s, ctx.cost_device)
+            pf, pb = stored if stored else synth
+            r.update(predicted_fwd_s=pf, predicted_bwd_s=pb,
+                     predicted_source=f"prepared node_time for {key}" if stored else
+                     f"node_time on {ctx.cost_device.name}",
+                     predicted_here_fwd_s=synth[0], predicted_here_bwd_s=synth[1],
+                     predicted_by_gpu=s["predicted"],
+                     ratio_fwd=m["fwd_s"] / pf if pf else None, ratio_bwd=m["bwd_s"] / pb if pb else None,
+                     tflops_fwd=s["flops_fwd"] / m["fwd_s"] / 1e12,
+                     tflops_bwd=backward_flops(s) / m["bwd_s"] / 1e12,
+                     predicted_tflops_fwd=s["flops_fwd"] / pf / 1e12 if pf else None)
+            log(f"  [{i + 1}/{len(shapes)}] {s['id']}: fwd {m['fwd_s'] * 1e3:.3f} ms "
+                f"(pred {pf * 1e3:.3f}, {r['ratio_fwd']:.2f}x, {r['tflops_fwd']:.0f} TFLOP/s), "
+                f"bwd {m['bwd_s'] * 1e3:.3f} ms (pred {pb * 1e3:.3f}, {r['ratio_bwd']:.2f}x)")
+        except Exception as e:  # noqa: BLE001 - recorded per shape
+            r.update(error_info(e))
+            log(f"  {s['id']}: ERROR {r['error'][:200]}")
+        finally:
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+        results.append(r)
+    ok = [r for r in results if r.get("ratio_fwd") and r.get("ratio_bwd")]
+    by_fam = {}
+    for fam in ("matmul", "attention"):
+        rs = [r for r in ok if r["family"] == fam]
+        if rs:
+            by_fam[fam] = {"shapes": len(rs), "median_ratio_fwd": statistics.median(r["ratio_fwd"] for r in rs),
+                           "median_ratio_bwd": statistics.median(r["ratio_bwd"] for r in rs)}
+    rows = []
+    if not ctx.dry:
+        ratio = {r["id"]: (r["measured_fwd_s"] + r["measured_bwd_s"]) / (r["predicted_fwd_s"] + r["predicted_bwd_s"])
+                 for r in ok}
+        for row in ctx.data["rows"]:
+            timed = [o for o in row["ops"] if o["id"] in ratio]
+            share = sum(o["share"] for o in timed)
+            rows.append({"row": row["row"], "run": row["run"], "free_plan": row["free_plan"],
+                         "gain_recorded": row["gain_recorded"], "timed_share": share,
+                         "measured_over_predicted": (sum(o["share"] * ratio[o["id"]] for o in timed) / share)
+                         if share else None})
+    return {"shapes": results, "skipped_shapes": skipped, "by_family": by_fam, "rows": rows,
+            "predicted_for": key or ctx.cost_device.name,
+            "method": f"bf16 inputs, CUDA events (perf_counter on CPU), {warmup} warm-up then median of {reps}; "
+                      "backward = torch.autograd.grad of every input; predicted = cost_models.compute.node_time "
+                      "of the plan's node at its local shapes (prepared) or of the same call rebuilt here",
+            "rows_note": "per plan_quality row: measured/predicted of its timed shapes, weighted by their "
+                         "share of the row's predicted matmul+attention time (timed_share of it timed)"}
+
+
+# ---- section: memory -------------------------------------------------------------------------
+def section_memory(ctx: Ctx) -> dict:
+    out = {"source": "torch.cuda.max_memory_allocated over the equivalence run's steps, less what was "
+                     "allocated before parallelize (an earlier model's module)" if ctx.cuda
+           else "not measured on a CPU (no caching allocator)",
+           "timing_report_note": "timing_report's peak is one step's allocator peak, with every module "
+                                 "then resident on the device (on a CPU: live tensors of this module)",
+           "models": {}}
+    for name in ("gpt", "llama"):
+        m = ctx.models.get(name)
+        if m is None:
+            out["models"][name] = {"skipped": "no trained module (equivalence section failed for it)"}
+            continue
+        est = m["pm"].plan.estimate
+        r = {"estimate_bytes": est.memory_total, "estimate_terms": dict(est.memory_bytes),
+             "peak_bytes": m["peak"], "eager_peak_bytes": m["ref_peak"], "resident_before_bytes": m["resident"],
+             "ratio": m["peak"] / est.memory_total if m["peak"] and est.memory_total else None,
+             "timing_report_peak_bytes": m.get("timing_peak"), "timing_report_peak_source": m.get("timing_peak_source"),
+             "timing_report_ratio": m["timing_peak"] / est.memory_total if m.get("timing_peak") else None}
+        out["models"][name] = r
+        if m["peak"]:
+            log(f"  {name}: peak {m['peak'] / 2**20:.1f} MiB against the estimate "
+                f"{est.memory_total / 2**20:.1f} MiB ({r['ratio']:.2f}x); eager {m['ref_peak'] / 2**20:.1f} MiB")
+    return out
+
+
+# ---- section: compile (a subprocess) ------------------------------------------------------------
+def run_worker(args: list[str], timeout: float, torchrun: int = 0) -> dict:
+    """This script as ``--worker ...`` in a subprocess (under torchrun with ``torchrun``
+    processes), its JSON result, or the error and the tail of its output."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        out = Path(tmp) / "out.json"
+        cmd = [sys.executable]
+        if torchrun:
+            cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+        cmd += [str(Path(__file__).resolve()), *args, "--out", str(out)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        log_path = Path(tmp) / "output.txt"
+        with open(log_path, "w") as f:
+            # a session of its own: on a timeout the whole group goes (torchrun's ranks too)
+            p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = p.wait(timeout=max(timeout, 5))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                rc = 124
+        tail = ((f"timed out after {timeout:.0f} s\n" if rc == 124 else "")
+                + log_path.read_text(errors="replace")[-4000:])
+        if out.exists():
+            got = json.loads(out.read_text())
+            got["returncode"] = rc
+            if rc == 124:
+                got.update(status="error", error=f"timed out after {timeout:.0f} s (what it had finished is kept)")
+            if rc not in (0, 124) or got.get("status") == "error":
+                got["output_tail"] = tail.splitlines()[-30:]
+            return got
+        return {"status": "error", "error": f"worker exited {rc} without a result",
+                "output_tail": tail.splitlines()[-30:], "returncode": rc}
+
+
+def section_compile(ctx: Ctx) -> dict:
+    backend = ctx.args.compile_backend or ("aot_eager" if ctx.dry else "inductor")
+    timeout = min(ctx.budget.left() - 10, 300)
+    out = run_worker(["--worker", "compile", "--size", ctx.size, "--compile-backend", backend]
+                     + (["--dry"] if ctx.dry else []), timeout)
+    out["backend"] = backend
+    if "gpt" in ctx.models:
+        out["autopar_eager_step_s"] = ctx.models["gpt"].get("timing_step_s")
+    if out.get("compiled_step_s"):
+        log(f"  gpt: eager {out['eager_step_s'] * 1e3:.2f} ms, compiled ({backend}) "
+            f"{out['compiled_step_s'] * 1e3:.2f} ms ({out['eager_step_s'] / out['compiled_step_s']:.2f}x), "
+            f"first compiled step {out['first_compiled_step_s']:.1f} s")
+    else:
+        log(f"  compile: {out.get('error', '?')[:300]}")
+    return out
+
+
+def worker_compile(args) -> dict:
+    """Eager single-device training steps of the GPT against ``torch.compile`` of it."""
+    from gpu_check_ops import batches, build_model
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() and not args.dry else torch.device("cpu")
+    model, loss_fn, batch, seq, vocab = build_model("gpt", args.size)
+    n, warm = (2, 1) if args.dry else (10, 3)
+    data = batches(n + warm + 1, batch, seq, vocab)
+    res = {"status": "ok", "device": str(dev), "steps": n, "warmup": warm}
+
+    def run(m, label):
+        m = m.to(dev)
+        opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM)
+        times, losses = [], []
+        for x, y in data:
+            x, y = x.to(dev), y.to(dev)
+            t = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = loss_fn(m(x), y)
+            loss.backward()
+            opt.step()
+            sync(dev)
+            times.append(time.perf_counter() - t)
+            losses.append(float(loss.detach()))
+        res[f"{label}_first_step_s"] = times[0]
+        res[f"{label}_step_s"] = statistics.median(times[1 + warm:])
+        res[f"{label}_losses"] = losses
+        return times
+
+    run(copy.deepcopy(model), "eager")
+    args.out.write_text(json.dumps(res, indent=1, default=_json_default))    # kept if compiling hangs
+    try:
+        compiled = torch.compile(copy.deepcopy(model), backend=args.compile_backend)
+        t = run(compiled, "compiled")
+        res["first_compiled_step_s"] = t[0]
+        res["speedup"] = res["eager_step_s"] / res["compiled_step_s"]
+        res["max_loss_rel_diff_compiled_vs_eager"] = max(rel(a, b) for a, b in zip(res["compiled_losses"],
+                                                                                   res["eager_losses"]))
+    except Exception as e:  # noqa: BLE001 - a compile failure is a result
+        res.update(status="error", **error_info(e))
+    return res
+
+
+# ---- section: several GPUs -----------------------------------------------------------------------
+def section_multi_gpu(ctx: Ctx) -> dict:
+    n = torch.cuda.device_count() if ctx.cuda else 0
+    if ctx.args.multi_cpu:
+        n = 2
+    elif n < 2:
+        return {"status": "skipped", "skipped": "1 GPU" if ctx.cuda else "dry run: no GPU"}
+    if not HAVE_ORTOOLS:
+        return {"status": "skipped", "skipped": f"{n} GPUs but no OR-Tools to plan data=2 / tensor=2 / "
+                                                f"ZeRO-3 ({ORTOOLS})"}
+    out = run_worker(["--worker", "multi", "--size", ctx.size] + (["--dry"] if ctx.dry else []),
+                     min(ctx.budget.left() - 5, 400), torchrun=2)
+    out["gpus"] = n
+    return out
+
+
+def worker_multi(args) -> dict:
+    """On 2 ranks (torchrun): the GPT under data=2, tensor=2 and data=2 + ZeRO-3 against
+    one device (each rank trains the eager reference too), then all-reduce bus bandwidth
+    against ``cost_models.comm.collective_time`` on this node's link."""
+    import autopar
+    from autopar.cost_models.comm import collective_time
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.cost_models.local_devices import local_cluster
+    from autopar.device import backend_for, rank_device
+    from gpu_check_ops import batches, build_model
+    dev = rank_device() if not args.dry else torch.device("cpu")
+    dist.init_process_group(backend_for(dev))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, loss_fn, batch, seq, vocab = build_model("gpt", args.size)
+    steps = 3 if args.dry else 10
+    data = batches(steps, batch, seq, vocab)
+    res = {"status": "ok", "world": world, "steps": steps, "plans": {}}
+    ref = copy.deepcopy(model).to(dev)
+    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+    ref_losses, ref_t = [], []
+    for x, y in data:
+        x, y = x.to(dev), y.to(dev)
+        t = time.perf_counter()
+        ropt.zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = loss_fn(ref(x), y)
+        loss.backward()
+        ropt.step()
+        sync(dev)
+        ref_t.append(time.perf_counter() - t)
+        ref_losses.append(float(loss.detach()))
+    res["one_device_step_s"] = statistics.median(ref_t[1:] or ref_t)
+    for label, pins in (("data=2", {"data": 2}), ("tensor=2", {"tensor": 2}),
+                        ("data=2 zero=3", {"data": 2, "zero": 3})):
+        r = {}
+        try:
+            pm = autopar.parallelize(copy.deepcopy(model), data[0][:1], loss_fn, target=data[0][1],
+                                     precision="bf16", optimizer="sgd_momentum", **pins)
+            opt = torch.optim.SGD(pm.parameters(), lr=LR, momentum=MOMENTUM)
+            losses, ts = [], []
+            for x, y in data:
+                dist.barrier()
+                t = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = pm.train_step(x, target=y)
+                pm.step(opt)
+                sync(dev)
+                ts.append(time.perf_counter() - t)
+                losses.append(float(loss.detach()))
+            r = {"losses": losses, "max_loss_rel_diff": max(rel(a, b) for a, b in zip(losses, ref_losses)),
+                 "step_s": statistics.median(ts[1:] or ts), "predicted_step_s": pm.plan.estimate.step_time_s,
+                 "mesh": list(pm.plan.mesh_shape), "axes": list(pm.plan.mesh_axes),
+                 "passed": max(rel(a, b) for a, b in zip(losses, ref_losses)) <= LOSS_RTOL}
+            r["speedup_vs_one_device"] = res["one_device_step_s"] / r["step_s"]
+            del pm, opt
+        except Exception as e:  # noqa: BLE001
+            r = error_info(e)
+        res["plans"][label] = r
+    cl = local_cluster(world)
+    cl = parse_cluster(cl) if isinstance(cl, str) else cl
+    bw = []
+    for nbytes in ((2**20, 2**22) if args.dry else (2**20, 2**24, 2**27, 2**29)):
+        try:
+            t = torch.ones(nbytes // 4, device=dev)
+            for _ in range(3):
+                dist.all_reduce(t)
+            sync(dev)
+            ts = []
+            for _ in range(5 if args.dry else 10):
+                dist.barrier()
+                sync(dev)
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                sync(dev)
+                ts.append(time.perf_counter() - t0)
+            s = statistics.median(ts)
+            pred = collective_time("all_reduce", nbytes, world, cl.intra, skew=False)
+            bw.append({"bytes": nbytes, "seconds": s, "busbw_GBps": 2 * (world - 1) / world * nbytes / s / 1e9,
+                       "predicted_s": pred,
+                       "predicted_busbw_GBps": 2 * (world - 1) / world * nbytes / pred / 1e9 if pred else None})
+            del t
+        except Exception as e:  # noqa: BLE001
+            bw.append({"bytes": nbytes, **error_info(e)})
+    res["all_reduce"] = bw
+    res["link"] = {"bandwidth": cl.intra.bandwidth, "latency": cl.intra.latency, "cluster": cl.name}
+    dist.destroy_process_group()
+    return res if rank == 0 else None
+
+
+# ---- the report ----------------------------------------------------------------------------------
+def run_section(report: dict, ctx: Ctx, name: str, fn, need_s: float, out_path: Path) -> None:
+    left = ctx.budget.left()
+    if left < need_s:
+        report["sections"][name] = {"status": "skipped",
+                                    "skipped": f"time budget: {left:.0f} s left of --budget-s "
+                                               f"{ctx.budget.total:.0f}, the section needs ~{need_s:.0f} s"}
+        log(f"== {name}: skipped (time budget)")
+        return
+    log(f"== {name}")
+    t0 = time.perf_counter()
+    try:
+        out = fn(ctx)
+        out.setdefault("status", "ok")
+    except Exception as e:  # noqa: BLE001 - recorded; the next section runs
+        out = {"status": "error", **error_info(e)}
+        log(f"  ERROR {out['error'][:500]}")
+    out["seconds"] = time.perf_counter() - t0
+    report["sections"][name] = out
+    write(report, out_path)
+
+
+def write(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=_json_default))
+    tmp.replace(path)
+
+
+def _json_default(o):
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    if hasattr(o, "item"):
+        return o.item()
+    return str(o)
+
+
+def _f(x, fmt="{:.2f}"):
+    return fmt.format(x) if isinstance(x, (int, float)) and x is not None else "-"
+
+
+def summary(report: dict) -> list[str]:
+    s = report["sections"]
+    env = s.get("environment", {})
+    lines = [f"gpu_check ({report['mode']}) on {env.get('gpu') or report['device']}, torch {env.get('torch')}, "
+             f"plans {env.get('plan_source')} ({env.get('ortools')}); {report['elapsed_s']:.0f} s of "
+             f"{report['budget_s']:.0f} s"]
+    for name, sec in s.items():
+        if sec.get("status") == "skipped":
+            lines.append(f"{name}: skipped: {sec.get('skipped')}")
+        elif sec.get("status") == "error":
+            lines.append(f"{name}: ERROR {sec.get('error', '')[:200]}")
+    eq = s.get("equivalence", {})
+    for name, m in eq.get("models", {}).items():
+        if "passed" in m:
+            lines.append(f"equivalence {name}: {'PASS' if m['passed'] else 'FAIL'}: max loss diff "
+                         f"{m['max_loss_rel_diff']:.2e} (tol {LOSS_RTOL:g}), max param diff "
+                         f"{m['max_param_rel_diff']:.2e} (tol {PARAM_RTOL:g}) over {eq['steps']} steps; step "
+                         f"{m['median_step_s'] * 1e3:.2f} ms, eager {m['median_ref_step_s'] * 1e3:.2f} ms")
+        else:
+            lines.append(f"equivalence {name}: {m.get('error') or m.get('skipped')}"[:240])
+    for name, m in s.get("op_timing", {}).get("models", {}).items():
+        fams = {r["row"]: r for r in m.get("families", [])}
+        if fams:
+            parts = [f"{k} {_f(r['ratio'])}x" for k, r in fams.items() if r["ratio"] is not None]
+            lines.append(f"op timing {name} (measured/predicted): " + ", ".join(parts))
+    ps = s.get("plan_shapes", {})
+    if ps.get("skipped_shapes"):
+        lines.append(f"plan shapes: {len(ps['skipped_shapes'])} not timed ({ps['skipped_shapes'][0]['skipped']}, ...)")
+    for fam, v in ps.get("by_family", {}).items():
+        lines.append(f"plan shapes {fam}: {v['shapes']} timed, measured/predicted median fwd "
+                     f"{v['median_ratio_fwd']:.2f}x, bwd {v['median_ratio_bwd']:.2f}x")
+    for r in ps.get("rows", []):
+        if r["measured_over_predicted"] is not None:
+            lines.append(f"  row {r['row']:>2} {r['run']:<12} gain {r['gain_recorded']:.2f}x: measured/predicted "
+                         f"{r['measured_over_predicted']:.2f}x over {r['timed_share']:.0%} of its op time")
+    for name, m in s.get("memory", {}).get("models", {}).items():
+        if m.get("ratio"):
+            lines.append(f"memory {name}: peak {m['peak_bytes'] / 2**20:.1f} MiB vs estimate "
+                         f"{m['estimate_bytes'] / 2**20:.1f} MiB ({m['ratio']:.2f}x)")
+        elif m.get("timing_report_ratio"):
+            lines.append(f"memory {name}: one step's peak ({m['timing_report_peak_source']}) "
+                         f"{m['timing_report_peak_bytes'] / 2**20:.2f} MiB vs estimate "
+                         f"{m['estimate_bytes'] / 2**20:.2f} MiB ({m['timing_report_ratio']:.2f}x)")
+    c = s.get("compile", {})
+    if c.get("compiled_step_s"):
+        lines.append(f"compile gpt ({c['backend']}): eager {c['eager_step_s'] * 1e3:.2f} ms, compiled "
+                     f"{c['compiled_step_s'] * 1e3:.2f} ms ({c['speedup']:.2f}x), first step "
+                     f"{c['first_compiled_step_s']:.1f} s")
+    mg = s.get("multi_gpu", {})
+    for label, r in (mg.get("plans") or {}).items():
+        if "step_s" in r:
+            lines.append(f"multi-gpu {label}: {'PASS' if r['passed'] else 'FAIL'} loss diff "
+                         f"{r['max_loss_rel_diff']:.1e}, step {r['step_s'] * 1e3:.2f} ms "
+                         f"(predicted {r['predicted_step_s'] * 1e3:.2f}), {r['speedup_vs_one_device']:.2f}x one device")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry", action="store_true", help="on the CPU at tiny sizes (gloo, 2 steps)")
+    ap.add_argument("--prepare", action="store_true",
+                    help=f"compute {DATA.relative_to(ROOT)} here (needs OR-Tools)")
+    ap.add_argument("--out", type=Path, default=None, help="the JSON report")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would start after this")
+    ap.add_argument("--steps", type=int, default=20, help="training steps of the equivalence check")
+    ap.add_argument("--plans", choices=("auto", "live", "saved"), default="auto",
+                    help="auto: solve where OR-Tools imports, else the prepared plans")
+    ap.add_argument("--compile-backend", default=None,
+                    help="torch.compile backend (default inductor; aot_eager with --dry)")
+    ap.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
+    ap.add_argument("--multi-cpu", action="store_true", help=argparse.SUPPRESS)   # test the 2-rank path on gloo
+    ap.add_argument("--worker", choices=("compile", "multi"), help=argparse.SUPPRESS)
+    ap.add_argument("--size", default="gpu", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        res = worker_compile(args) if args.worker == "compile" else worker_multi(args)
+        if res is not None:
+            args.out.write_text(json.dumps(res, indent=1, default=_json_default))
+        return 0
+    if args.prepare:
+        return prepare(args)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry:
+        print("gpu_check: no CUDA GPU present (torch.cuda.is_available() is False): nothing to "
+              "check here. Run it on a GPU machine, or with --dry to exercise it on the CPU.",
+              file=sys.stderr, flush=True)
+        return 2
+    if args.dry:
+        log("no CUDA GPU present: dry run on CPU" if not GPU_HIDDEN else
+            "--dry: dry run on CPU (a GPU is present and hidden from this run)")
+    out_path = args.out or (Path(tempfile.gettempdir()) / f"gpu_check_dry_{os.getpid()}.json" if args.dry
+                            else RESULTS / f"gpu_check_{slug(torch.cuda.get_device_name(0))}.json")
+    ctx = Ctx(args)
+    report = {"schema": "autopar-gpu-check/1", "mode": "dry" if args.dry else "gpu",
+              "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": str(ctx.device),
+              "budget_s": args.budget_s, "argv": sys.argv[1:], "sections": {}}
+    backend = init_process_group(ctx.device)
+    report["process_group"] = f"{backend}, world 1, in this process"
+    log(f"process group: {report['process_group']}; report: {out_path}")
+    sections = [("environment", section_environment, 0), ("equivalence", section_equivalence, 30),
+                ("op_timing", section_op_timing, 20), ("plan_shapes", section_plan_shapes, 25),
+                ("memory", section_memory, 0), ("compile", section_compile, 60),
+                ("multi_gpu", section_multi_gpu, 30)]
+    only = {s for s in args.only.split(",") if s}
+    for name, fn, need in sections:
+        if only and name not in only and name not in ("environment", "equivalence"):
+            continue
+        run_section(report, ctx, name, fn, 0 if args.dry else need, out_path)
+        if name == "op_timing" and "gpt" in ctx.models:
+            g = report["sections"]["op_timing"].get("models", {}).get("gpt", {})
+            ctx.models["gpt"]["timing_step_s"] = next((r["measured"] for r in g.get("families", [])
+                                                       if r["row"] == "step"), None)
+    report["elapsed_s"] = time.perf_counter() - T0
+    report["summary"] = summary(report)
+    write(report, out_path)
+    print("\n".join(["", "---- summary ----", *report["summary"], f"report: {out_path}"]), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def dump_lines(data: dict) -> str:
+    """JSON with one top-level key a line, one list item a line (rows, shapes) and one plan
+    a line: small to commit, readable in a diff."""
+    c = lambda v: json.dumps(v, separators=(",", ":"), default=_json_default)  # noqa: E731
+    parts = []
+    for k, v in data.items():
+        if isinstance(v, list) and v:
+            parts.append(f"{c(k)}: [\n  " + ",\n  ".join(c(x) for x in v) + "\n ]")
+        elif k == "plans" and isinstance(v, dict):
+            sizes = []
+            for size, by_key in v.items():
+                keys = []
+                for key, by_name in by_key.items():
+                    names = [f"{c(name)}: {c(p)}" for name, p in by_name.items()]
+                    keys.append(f"{c(key)}: {{\n    " + ",\n    ".join(names) + "}")
+                sizes.append(f"{c(size)}: {{\n   " + ",\n   ".join(keys) + "}")
+            parts.append(f"{c(k)}: {{\n  " + ",\n  ".join(sizes) + "}")
+        else:
+            parts.append(f"{c(k)}: {c(v)}")
+    return "{\n " + ",\n ".join(parts) + "\n}\n"
+
+
+def prepare(args) -> int:
+    """``--prepare``: the plan_quality shapes and the world-1 plans, into ``DATA``."""
+    if not HAVE_ORTOOLS:
+        print(f"--prepare needs OR-Tools ({ORTOOLS})", file=sys.stderr)
+        return 2
+    from gpu_check_ops import GPU_KEYS, MAX_SHAPES, MODELS, SHAPE_LAYERS, prepare_plans, prepare_shapes
+    log("plan_quality free-plan shapes")
+    shapes = prepare_shapes(log=lambda m, **_: log(m))
+    log("world-1 plans")
+    plans = prepare_plans(log=lambda m, **_: log(m))
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    import transformers
+    data = {"what": "inputs of benchmarks/gpu_check.py, made by `python benchmarks/gpu_check.py --prepare` on a "
+                    "CPU with OR-Tools: the matmul/attention ops of benchmarks/plan_quality.py's free plans "
+                    f"(each row's model with {SHAPE_LAYERS} layers at a rank's micro-batch, planned with its "
+                    "tensor degree; gpu_check_ops.FREE_PLANS), at most "
+                    f"{MAX_SHAPES} shapes, with cost_models.compute.node_time's (forward, backward) seconds on "
+                    f"{', '.join(GPU_KEYS)} in bf16; and world-1 plans of the check's two models",
+            "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
+            "torch": torch.__version__, "transformers": transformers.__version__, "models": MODELS,
+            **shapes, "plans": plans}
+    DATA.parent.mkdir(parents=True, exist_ok=True)
+    DATA.write_text(dump_lines(data))
+    log(f"wrote {DATA.relative_to(ROOT)} ({DATA.stat().st_size / 1024:.0f} KiB): {len(shapes['shapes'])} shapes "
+        f"of {len(shapes['shapes']) + len(shapes['not_timed'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""``benchmarks/gpu_check.py --dry``: the first GPU run's script, exercised on the CPU so
+that it cannot rot (issue 30). One subprocess run (tiny models, gloo, 2 steps); the report's
+structure, and the equivalence it computed: autopar at world 1 against eager training, the
+loss and parameter differences within the script's stated bf16 tolerances."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SECTIONS = ("environment", "equivalence", "op_timing", "plan_shapes", "memory", "compile", "multi_gpu")
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check") / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert out.exists(), proc.stdout[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_says_it_is_a_dry_run(dry):
+    report, stdout = dry
+    assert "no CUDA GPU present: dry run on CPU" in stdout
+    assert report["mode"] == "dry" and report["device"] == "cpu"
+    assert "summary" in report and report["summary"]
+
+
+def test_every_section_ran(dry):
+    report, _ = dry
+    s = report["sections"]
+    assert set(SECTIONS) <= set(s)
+    for name in SECTIONS[:-1]:
+        assert s[name]["status"] == "ok", (name, s[name].get("error"), s[name].get("traceback_tail"))
+    assert s["multi_gpu"]["status"] == "skipped"
+
+
+def test_equivalence_within_tolerance(dry):
+    """Recomputed from the losses and parameter differences the run recorded, against the
+    tolerances the report states."""
+    report, _ = dry
+    eq = report["sections"]["equivalence"]
+    tol = eq["tolerance"]
+    assert 0 < tol["loss_rtol"] <= 0.05 and 0 < tol["param_rtol"] <= 0.05
+    assert set(eq["models"]) == {"gpt", "llama"}
+    for name, m in eq["models"].items():
+        assert "error" not in m, (name, m.get("error"), m.get("traceback_tail"))
+        assert len(m["losses"]) == len(m["ref_losses"]) == eq["steps"] >= 2
+        assert all(math.isfinite(x) for x in m["losses"] + m["ref_losses"])
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(m["losses"], m["ref_losses"]))
+        assert loss_err <= tol["loss_rtol"], (name, m["losses"], m["ref_losses"])
+        assert m["param_rel_diff"] and not m["missing_params"]
+        worst = max(m["param_rel_diff"].values())
+        assert worst <= tol["param_rtol"], (name, m["worst_param"], worst)
+        assert m["passed"] is True
+        # on a CPU both runs take the same kernels: the weights agree to a small part of how
+        # far they moved (a skipped or doubled update would be all of it)
+        assert m["max_param_diff_rel_to_change"] <= 0.05, (name, m["max_param_diff_rel_to_change"])
+        # the weights moved: a run that skipped its updates would not compare equal by chance
+        assert m["losses"][-1] != m["losses"][0]
+    assert eq["passed"] is True
+
+
+def test_op_timing_tables(dry):
+    report, _ = dry
+    for name, m in report["sections"]["op_timing"]["models"].items():
+        assert "error" not in m, (name, m.get("error"))
+        assert m["timing_report"].startswith("predicted vs measured")
+        rows = {r["row"]: r for r in m["families"]}
+        assert {"step", "matmul", "optimizer"} <= set(rows)
+        assert rows["optimizer"]["predicted"] > 0 and rows["matmul"]["measured"] > 0
+        assert m["gemm_by_shape"] and m["attention"]
+        # every GEMM node found its kernels, forward and backward (twice as many)
+        for g in m["gemm_by_shape"]:
+            assert g["calls_fwd"] > 0 and g["calls_bwd"] == 2 * g["calls_fwd"], g
+
+
+def test_plan_shapes_and_data_file(dry):
+    report, _ = dry
+    ps = report["sections"]["plan_shapes"]
+    assert len(ps["shapes"]) == 3
+    for r in ps["shapes"]:
+        assert "error" not in r, r
+        assert r["measured_fwd_s"] > 0 and r["predicted_fwd_s"] > 0 and r["ratio_bwd"] > 0
+        assert set(r["predicted_by_gpu"]) == {"a100", "h100", "h200"}
+    data = json.loads((ROOT / "benchmarks" / "data" / "gpu_check_shapes.json").read_text())
+    assert 10 <= len(data["shapes"]) <= 40
+    assert {s["family"] for s in data["shapes"]} == {"matmul", "attention"}
+    assert {r["row"] for r in data["rows"]} == set(range(17))
+    assert set(data["plans"]["gpu"]) == {"h100", "h200"}
+
+
+def test_prepared_plans_match_this_capture(dry):
+    """The world-1 plans in the data file were made for the graph autopar captures now (a
+    GPU machine without OR-Tools runs them); when this fails, re-run
+    ``python benchmarks/gpu_check.py --prepare``."""
+    report, _ = dry
+    env = report["sections"]["environment"]
+    data = json.loads((ROOT / "benchmarks" / "data" / "gpu_check_shapes.json").read_text())
+    if env["torch"].split(".")[:2] != data["torch"].split(".")[:2]:
+        pytest.skip(f"the plans were prepared on torch {data['torch']}, this is {env['torch']}")
+    fresh = env["prepared_plans_fresh"]
+    assert fresh == {"gpt": {"cpu": True}, "llama": {"cpu": True}}, fresh
+
+
+def test_memory_and_compile(dry):
+    report, _ = dry
+    for name, m in report["sections"]["memory"]["models"].items():
+        assert m["estimate_bytes"] > 0 and m["timing_report_peak_bytes"] > 0, (name, m)
+    c = report["sections"]["compile"]
+    assert c["eager_step_s"] > 0 and c["compiled_step_s"] > 0, c
+
+
+def test_without_a_gpu_it_refuses(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "r.json")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "no CUDA GPU present" in proc.stderr
+    assert not (tmp_path / "r.json").exists()
