@@ -3,7 +3,8 @@ the cutting itself is ``autopar.passes.split_stages``).
 
 The chain of op nodes the stage DP cuts (``chain``), the nodes that must stay with the loss
 (``loss_tail``: everything that depends on the target), which stage every node lands in for
-a list of cut nodes (``assign_stages``), the bytes live across every candidate cut
+a list of cut nodes (``assign_stages``), the chain nodes that read a parameter (a stage
+must hold one: ``parameter_positions``), the bytes live across every candidate cut
 (``crossing_bytes``), the values every stage recomputes instead of receiving
 (``free_nodes``), and a crossing value's local shape under a plan (``local_meta``).
 """
@@ -145,6 +146,21 @@ def _chain_index(cap: Captured, units: list[str], tail) -> dict[str, int]:
         else:
             out[n.name] = last
     return out
+
+
+def parameter_positions(cap: Captured) -> tuple[int, ...]:
+    """Chain positions (``chain_index``) of the nodes that read a parameter, ascending, each
+    once. A stage holds the parameters its nodes read (``passes.split_stages``: a tied
+    weight is held by every stage that reads it), so a stage with none of these positions
+    holds no parameter: its rank has nothing to train (``torch.optim.SGD(pm.parameters())``
+    raises "optimizer got an empty parameter list") and is hardware spent on nothing. At
+    most ``len(parameter_positions(cap))`` stages can each hold one."""
+    at = chain_index(cap, chain(cap))
+    out: set[int] = set()
+    for n in cap.gm.graph.nodes:
+        if n.op == "placeholder" and n.name in cap.params:
+            out.update(at[u.name] for u in n.users if u.name in at)
+    return tuple(sorted(out))
 
 
 def crossing_bytes(cap: Captured, local_bytes: Callable[[Node], float]) -> list[float]:

@@ -19,7 +19,9 @@ naming the op, the mesh axis and the ranks of its group.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import math
 import os
 import threading
@@ -51,6 +53,32 @@ def collective_timer(fn: Callable[[str, str, float], None]):
         yield
     finally:
         _timer = prev
+
+
+_COLLECT_AT_EXIT = False
+
+
+def _collect_at_exit() -> None:
+    """Collect garbage once more before the interpreter shuts down (registered with
+    ``atexit`` by the first :class:`DistComm`).
+
+    A ParallelModule let go (a local of a function that returned) is freed by the garbage
+    collector, not at once: its graphs are reference cycles. With it go its process groups
+    (``destroy_process_group`` only deregisters them), and with them their gloo threads,
+    joined by the group's destructor. Left to the collection during interpreter shutdown,
+    that join races a gloo thread still letting go of its last finished collective: freeing
+    a tensor Python also referenced needs the GIL, which a thread cannot take once
+    shutdown has begun, and the process aborts with "terminate called without an active
+    exception" (exit -6, now and then, more often under load). ``atexit`` handlers run
+    while the interpreter is whole."""
+    gc.collect()
+
+
+def _free_groups_at_exit() -> None:
+    global _COLLECT_AT_EXIT
+    if not _COLLECT_AT_EXIT:
+        _COLLECT_AT_EXIT = True
+        atexit.register(_collect_at_exit)
 
 
 class CollectiveError(RuntimeError):
@@ -222,6 +250,7 @@ class DistComm(Comm):
     :class:`CollectiveError`."""
 
     def __init__(self, mesh, timeout: float | None = None):
+        _free_groups_at_exit()
         self.dist = dist
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)

@@ -21,6 +21,8 @@ to ``reducer`` (``autopar.runtime.compression``) instead of the exact all-reduce
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
 from autopar.ops.comm import Comm
@@ -55,9 +57,23 @@ class GradSync:
 
     def launch_on_accumulate(self) -> None:
         """Launch a bucket once autograd has accumulated every gradient in it (for programs
-        whose backward produces each gradient once per step)."""
+        whose backward produces each gradient once per step).
+
+        The hooks hold this GradSync weakly. A parameter's hooks are held by autograd's C++
+        side, which the garbage collector cannot see through: a hook holding ``self`` (and
+        through it ``comm``, the mesh and its process groups) made a cycle the collector
+        never frees, so the process groups outlived ``destroy_process_group`` and their gloo
+        threads ran on into interpreter shutdown, where a rank now and then aborted with
+        "terminate called without an active exception" (exit -6)."""
+        me = weakref.ref(self)
+
+        def accumulated(attr: str) -> None:
+            sync = me()
+            if sync is not None:
+                sync._accumulated(attr)
+
         for attr, p in self.params.items():
-            p.register_post_accumulate_grad_hook(lambda _p, attr=attr: self._accumulated(attr))
+            p.register_post_accumulate_grad_hook(lambda _p, attr=attr: accumulated(attr))
 
     def _accumulated(self, attr: str) -> None:
         if not self._active or attr in self._done:

@@ -18,7 +18,8 @@ precision, recomputation, the cluster's links), without its per-stage factors:
   pipeline sends each tensor as a message of its own);
 - placeholders (parameters, buffers, inputs) with their bytes by term and the chain nodes
   that read them, so a stage holds exactly the parameters its nodes use (a tied weight
-  is held by both of its stages).
+  is held by both of its stages);
+- ``params``: which nodes read a parameter (a stage must hold one).
 
 Repeated layers share one decision (``NodeVar.members``); every member gets the
 decision's per-member price, and an edge shared by ``count`` graph edges is spread evenly
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autopar.analysis.layers import recompute_nodes
-from autopar.analysis.stages import chain, chain_index, crossing_bytes
+from autopar.analysis.stages import chain, chain_index, crossing_bytes, parameter_positions
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
 from autopar.sharding.registry import input_placements, output_placements
@@ -79,6 +80,10 @@ class NodeCosts:
     """Graph node -> bytes it keeps for backward when not recomputed."""
     node_forward_comm: dict = field(default_factory=dict)
     """Graph node -> seconds of the forward collectives into it (run again when it is)."""
+    params: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per chain node: 1 where it reads a parameter, else 0 (``parameter_positions``): a
+    stage none of whose nodes reads one holds no parameter. Empty: not known (every node
+    counts as reading one)."""
 
     def with_recompute(self, cap: Captured, layers) -> NodeCosts:
         """These prices with ``layers`` recomputed (priced from a plan without): their nodes
@@ -233,6 +238,8 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
     tensors, from_params = _crossings(cap)
     batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0]) if cap.inputs else 1
     dev = pt.cost.cluster.device
+    params = np.zeros(len(units))
+    params[list(parameter_positions(cap))] = 1.0
     return NodeCosts(units=units, batch=batch, compute=acc.compute, comm=acc.comm, sync=acc.sync,
                      activations=acc.act, comm_by=acc.comm_by, sync_by=acc.sync_by,
                      placeholders=acc.placeholders, cross=cross, cross_tensors=tensors,
@@ -240,7 +247,8 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
                      recompute_bytes=acc.rec_bytes,
                      recomputed=acc.recomputed, comm_latency=acc.alpha,
                      launch=float(dev.launch_overhead + dev.fill_time), node_forward=acc.node_forward,
-                     node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm)
+                     node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm,
+                     params=params)
 
 
 _CROSSINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -71,7 +71,8 @@ class Priced:
         return LayerCosts(time=t, state_bytes=nc.state(starts), activation_bytes=seg(nc.activations) / b,
                           boundary_bytes=nc.cross[self.positions - 1] / b, fixed_time=seg(fixed),
                           action_time=self.action, boundary_tensors=nc.cross_tensors[self.positions - 1],
-                          message_time=self.message)
+                          message_time=self.message,
+                          parameters=seg(nc.params) if len(nc.params) else None)
 
     def extra_memory(self) -> float:
         """Bytes every rank may hold besides state and activations: the recompute transient

@@ -45,7 +45,7 @@ import torch
 
 from autopar.analysis.layers import repeated_layers, select_layers
 from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
-from autopar.analysis.stages import chain
+from autopar.analysis.stages import chain, parameter_positions
 from autopar.capture import Captured, capture
 from autopar.errors import PinError
 from autopar.plan import NodePlacement, Pipeline, Plan
@@ -230,7 +230,8 @@ def step_floor(pr: Priced, p: int, batch: int, pins: dict, allowed_m=None) -> fl
     for kind in _kinds(pins):
         try:
             candidates = _candidates(costs.n_layers, p, batch, p, batch // mbs if mbs else None,
-                                     kind, pins.get("virtual_stages"), allowed_m)
+                                     kind, pins.get("virtual_stages"), allowed_m,
+                                     learned=costs.n_learned)
         except ValueError:
             return -math.inf      # let ``_choose`` raise what the pins cannot run
         for c in candidates:
@@ -241,6 +242,18 @@ def step_floor(pr: Priced, p: int, batch: int, pins: dict, allowed_m=None) -> fl
 
 def _allowed_micro_batches(batch: int, degree: int) -> list[int]:
     return [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % degree == 0]
+
+
+def _too_few_parameters(p: int, v: int, learned: int, world: int) -> str:
+    """Why ``p`` ranks x ``v`` virtual stages cannot each hold a parameter, and what fits."""
+    stages = f"{p * v} stages ({p} ranks x {v} virtual)" if v > 1 else f"{p} stages"
+    fits = [q for q in range(2, world + 1) if world % q == 0 and q * v <= learned]
+    fix = " or ".join([f"pipeline={q}" for q in fits] + (["fewer virtual stages"] if v > 1 else [])
+                      + ["no pipeline"])
+    return (f"pipeline={p} cuts the model into {stages}, each of which must hold a parameter (a "
+            f"stage without one trains nothing: its rank's optimizer would get an empty "
+            f"parameter list), but only {learned} op node(s) of this graph read a parameter, "
+            f"so at most {learned} stages can each hold one: use {fix}")
 
 
 def solve_intra(cap: Captured, cl, world: int, p: int, pins: dict, *, weights=None,
@@ -281,6 +294,9 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
         raise PinError(f"{p * v} pipeline stages ({p} ranks x {v} virtual) are more than this graph "
                        f"can be cut into: it has {len(units)} op nodes ({len(units) - 1} cut "
                        "points); use fewer stages")
+    learned = len(parameter_positions(cap))
+    if p * v > learned:
+        raise PinError(_too_few_parameters(p, v, learned, world))
     cutter = _Cutter(cap, cl, world, config, {**pins, **(extra_pins or {})},
                      memory_budget if memory_budget is not None else cl.device.memory_bytes,
                      dict(optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,

@@ -3,7 +3,8 @@
 A chain of L layers (or cut-able graph segments) is cut into S = p * v consecutive stages
 (p pipeline ranks, v virtual stages per rank; stage k runs on rank k mod p). For a stage k
 holding layers j .. i-1 (0 <= j < i <= L) let c[k, j, i] be its time for one micro-batch,
-infinite where it does not fit its memory. The DP (``stage_dp``) solves
+infinite where it does not fit its memory or none of its layers reads a parameter (such a
+stage trains nothing: ``LayerCosts.parameters``). The DP (``stage_dp``) solves
 
     minimize    max_k c[k, j_k, j_{k+1}]            (the bottleneck stage)
     over        0 = j_0 < j_1 < ... < j_S = L        (cuts j_1 .. j_{S-1})
@@ -201,7 +202,8 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
     if memory_limit <= 0 or bandwidth <= 0:
         raise ValueError(f"memory_limit ({memory_limit}) and bandwidth ({bandwidth}) must be > 0")
     candidates = _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule,
-                             virtual_stages, micro_batch_options, schedule_options)
+                             virtual_stages, micro_batch_options, schedule_options,
+                             learned=costs.n_learned)
     tables = Tables(costs)
     split = costs.split()
     sync_bw = bandwidth if sync_bandwidth is None else sync_bandwidth
@@ -260,7 +262,7 @@ def _fingerprint(costs: LayerCosts) -> bytes:
     """A digest of everything in ``costs`` a plan depends on."""
     h = hashlib.blake2b(digest_size=16)
     for name in ("time", "state_bytes", "activation_bytes", "boundary_bytes", "fixed_time",
-                 "sync_bytes", "boundary_tensors"):
+                 "sync_bytes", "boundary_tensors", "parameters"):
         arr = np.asarray(getattr(costs, name), dtype=float)
         h.update(len(arr).to_bytes(8, "little"))
         h.update(arr.tobytes())
@@ -304,7 +306,10 @@ def _cannot_fit(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batch
 
 
 def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, virtual,
-                micro_batch_options=None, schedule_options=None):
+                micro_batch_options=None, schedule_options=None, learned=None):
+    """The configurations (p, m, schedule, v) the pins leave; ``learned``: the layers that
+    read a parameter (default all L), the most stages that can each hold one."""
+    learned = L if learned is None else learned
     if n_stages is not None:
         if n_stages < 1 or n_devices % n_stages:
             raise PinError(f"n_stages={n_stages} must divide n_devices={n_devices} so every stage "
@@ -312,6 +317,10 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
         if n_stages > L:
             raise PinError(f"n_stages={n_stages} is more stages than the chain can hold: {L} layers "
                            f"have {L - 1} cut points, so at most {L} stages")
+        if n_stages > learned:
+            raise PinError(f"n_stages={n_stages} is more stages than can each hold a parameter: "
+                           f"{learned} of the chain's {L} layers read one, so at most {learned} "
+                           "stages (a stage without one trains nothing)")
     if micro_batches is not None and (micro_batches < 1 or global_batch % micro_batches):
         raise PinError(f"micro_batches={micro_batches} does not divide the global batch "
                        f"{global_batch}; choose one of {_divisors(global_batch)}")
@@ -325,7 +334,7 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
                            f"planner runs {schedule!r} with one stage per rank")
         if schedule is None and virtual > 1:
             schedule = "interleaved-1f1b"
-    ps = [n_stages] if n_stages is not None else [p for p in _divisors(n_devices) if p <= L]
+    ps = [n_stages] if n_stages is not None else [p for p in _divisors(n_devices) if p <= learned]
     ms = [micro_batches] if micro_batches is not None else \
         [m for m in _divisors(global_batch) if micro_batch_options is None or m in micro_batch_options]
     kinds = [schedule] if schedule is not None else \
@@ -344,6 +353,10 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
                     raise PinError(f"schedule {kind!r} with {p} stages x {v} virtual stages cuts "
                                    f"the chain into {p * v} stages, more than its {L} layers "
                                    f"({L - 1} cut points) allow")
+                if p * v > learned:
+                    raise PinError(f"schedule {kind!r} with {p} stages x {v} virtual stages cuts "
+                                   f"the chain into {p * v} stages, more than can each hold a "
+                                   f"parameter ({learned} of its {L} layers read one)")
             except ValueError as e:
                 first_error = first_error or e
                 continue

@@ -50,18 +50,24 @@ class LayerCosts:
     """Forward's share of ``time`` (backward = 2 x forward, as Megatron-LM assumes)."""
     weight_fraction: float = 0.5
     """Weight-gradient share of the backward (zero-bubble's W; the rest is I)."""
+    parameters: Sequence[float] | None = None
+    """Parameters layer i reads (> 0: it reads one). A stage holds the parameters of its
+    layers; a stage of layers reading none trains nothing (its rank's optimizer has an
+    empty parameter list) and is never planned. None = every layer reads one."""
 
     def __post_init__(self):
         for name in ("fixed_time", "sync_bytes"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.time)))
+        if self.parameters is None:
+            object.__setattr__(self, "parameters", np.ones(len(self.time)))
         if self.boundary_tensors is None:
             object.__setattr__(self, "boundary_tensors", np.zeros(max(len(self.time) - 1, 0)))
         if not (math.isfinite(self.message_time) and self.message_time >= 0):
             raise ValueError(f"LayerCosts.message_time must be finite and >= 0, got {self.message_time}")
         arrays = {}
         for name in ("time", "state_bytes", "activation_bytes", "boundary_bytes", "fixed_time",
-                     "sync_bytes", "boundary_tensors"):
+                     "sync_bytes", "boundary_tensors", "parameters"):
             arr = np.asarray(getattr(self, name), dtype=float)
             if arr.ndim != 1:
                 raise ValueError(f"LayerCosts.{name} must be one-dimensional, got shape {arr.shape}")
@@ -71,7 +77,7 @@ class LayerCosts:
         n = arrays["time"].shape[0]
         if n == 0:
             raise ValueError("LayerCosts needs at least one layer")
-        for name in ("state_bytes", "activation_bytes", "fixed_time", "sync_bytes"):
+        for name in ("state_bytes", "activation_bytes", "fixed_time", "sync_bytes", "parameters"):
             if arrays[name].shape[0] != n:
                 raise ValueError(f"LayerCosts.{name} has {arrays[name].shape[0]} entries for {n} layers")
         for name in ("boundary_bytes", "boundary_tensors"):
@@ -87,6 +93,11 @@ class LayerCosts:
     @property
     def n_layers(self) -> int:
         return len(self.time)
+
+    @property
+    def n_learned(self) -> int:
+        """Layers that read a parameter: the most stages that can each hold one."""
+        return int((self.parameters > 0).sum())
 
     def split(self) -> tuple[float, float, float]:
         """Fractions (F, I, W) of a stage's forward + backward time."""

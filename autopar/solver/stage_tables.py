@@ -64,7 +64,10 @@ class Tables:
         self.act = _interval(np.concatenate([zero, np.cumsum(costs.activation_bytes)]))
         self.sync = _interval(np.concatenate([zero, np.cumsum(costs.sync_bytes)]))
         j, i = np.indices((self.L + 1, self.L + 1))
-        self.valid = j < i
+        # a stage holds layers j .. i-1 (j < i), one of which reads a parameter: a stage with
+        # none trains nothing (``LayerCosts.parameters``)
+        learned = _interval(np.concatenate([zero, np.cumsum(costs.parameters > 0)]))
+        self.valid = (j < i) & (learned > 0)
         # boundary[i]: bytes per sample crossing a cut before layer i (0 at i = L).
         self.boundary = np.concatenate([zero, costs.boundary_bytes, zero])
         # latency[j, i]: the messages of a stage on layers j .. i-1 at its two cuts
