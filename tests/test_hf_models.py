@@ -2,7 +2,8 @@
 
 Every architecture in ``MATRIX`` is built from a tiny config (hidden 32, 2 layers, vocabulary
 128, sequence 16, batch 4; every ``*drop*`` field 0; eager attention unless the row says
-otherwise; no KV cache) with random weights (nothing is downloaded), and checked four ways:
+otherwise; no KV cache) with random weights (nothing is downloaded; the builders are
+``examples/zoo.py``'s, the differential sweep's zoo), and checked four ways:
 
 - capture and coverage: ``autopar.coverage`` captures one flat ATen graph (shapes on every
   node; export's grad-mode / autocast-off regions such as the rotary embeddings inlined by
@@ -41,7 +42,6 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs transformers")
 
@@ -51,104 +51,10 @@ from autopar.solver.driver import solve  # noqa: E402
 from autopar.solver.errors import InfeasibleError  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-B, S, V, H = 4, 16, 128, 32
-tf = transformers
 
+# ---- building tiny models: examples/zoo.py (the differential sweep's zoo) -------------------
 
-# ---- building tiny models ------------------------------------------------------------------
-
-def zero_dropout(cfg):
-    """Every ``*drop*`` field (dropout, *_pdrop, layerdrop, drop_path_rate) to 0."""
-    for k, v in list(cfg.to_dict().items()):
-        if "drop" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
-            setattr(cfg, k, 0.0)
-    return cfg
-
-
-def lm_loss(out, y):
-    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-
-
-def cls_loss(out, y):
-    return F.cross_entropy(out.logits, y)
-
-
-class OwnLoss(torch.nn.Module):
-    """``forward(input_ids, labels) -> model(input_ids=..., labels=...).loss``: a model's own
-    loss, with the labels an example input (autopar's inputs are positional)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
-
-
-def token_ids(seed: int, n: int = S) -> torch.Tensor:
-    return torch.randint(0, V, (B, n), generator=torch.Generator().manual_seed(seed))
-
-
-def pixels() -> tuple:
-    return (torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(5)),)
-
-
-@dataclass
-class Built:
-    model: torch.nn.Module
-    inputs: tuple
-    loss_fn: Callable | None
-    target: object
-
-
-def _model(cfg_cls, model_cls, kw, attn="eager", cache=True):
-    cfg = zero_dropout(cfg_cls(**kw))
-    if cache:
-        cfg.use_cache = False
-    torch.manual_seed(0)
-    try:
-        m = model_cls._from_config(cfg, attn_implementation=attn)
-    except (ValueError, TypeError):       # models without an attention implementation
-        m = model_cls(cfg)
-    # Hugging Face initializes biases to 0; a key bias also has an exactly-zero gradient
-    # (softmax ignores a shift shared by a row), so its weights would stay rounding noise
-    # and the relative weight comparison would compare noise with noise. Move every weight.
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=g))
-    return m
-
-
-def causal_lm(cfg_cls, model_cls, own_loss=False, attn="eager", **kw):
-    def build() -> Built:
-        m = _model(cfg_cls, model_cls, kw, attn=attn)
-        if own_loss:
-            return Built(OwnLoss(m), (token_ids(1), token_ids(2)), None, None)
-        return Built(m, (token_ids(1),), lm_loss, token_ids(2))
-    return build
-
-
-def image_cls(cfg_cls, model_cls, **kw):
-    def build() -> Built:
-        m = _model(cfg_cls, model_cls, {**kw, "num_labels": 10}, cache=False)
-        y = torch.randint(0, 10, (B,), generator=torch.Generator().manual_seed(3))
-        return Built(m, pixels(), cls_loss, y)
-    return build
-
-
-def seq2seq(cfg_cls, model_cls, **kw):
-    def build() -> Built:
-        m = _model(cfg_cls, model_cls, kw)
-        mask = torch.ones(B, S, dtype=torch.long)
-        return Built(m, (token_ids(1), mask, token_ids(4)), lm_loss, token_ids(2))
-    return build
-
-
-DEC = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-ENC = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
-           num_attention_heads=4, max_position_embeddings=64)
+from examples.zoo import B, DEC, ENC, HF_BUILDERS, S, V, H, Built, OwnLoss  # noqa: E402,F401
 
 
 # ---- the matrix ----------------------------------------------------------------------------
@@ -175,72 +81,49 @@ class Arch:
 
 MATRIX: dict[str, Arch] = {
     # decoders
-    "gpt2": Arch(causal_lm(tf.GPT2Config, tf.GPT2LMHeadModel, vocab_size=V, n_positions=64,
-                           n_embd=H, n_layer=2, n_head=4), "decoder",
+    "gpt2": Arch(HF_BUILDERS["gpt2"], "decoder",
                  gloo=({"tensor": 2}, {"data": 2})),
-    "gpt2-own-loss": Arch(causal_lm(tf.GPT2Config, tf.GPT2LMHeadModel, own_loss=True,
-                                    vocab_size=V, n_positions=64, n_embd=H, n_layer=2, n_head=4),
-                          "decoder"),
-    "llama": Arch(causal_lm(tf.LlamaConfig, tf.LlamaForCausalLM, **DEC), "decoder",
+    "gpt2-own-loss": Arch(HF_BUILDERS["gpt2-own-loss"], "decoder"),
+    "llama": Arch(HF_BUILDERS["llama"], "decoder",
                   gloo=({"tensor": 2}, {"data": 2})),
-    "llama-sdpa": Arch(causal_lm(tf.LlamaConfig, tf.LlamaForCausalLM, attn="sdpa", **DEC),
-                       "decoder"),
+    "llama-sdpa": Arch(HF_BUILDERS["llama-sdpa"], "decoder"),
     "llama-flex-attention": Arch(
-        causal_lm(tf.LlamaConfig, tf.LlamaForCausalLM, attn="flex_attention", **DEC), "decoder",
+        HF_BUILDERS["llama-flex-attention"], "decoder",
         fails=Fails("capture", CaptureError,
                     r"(?s)could not capture LlamaForCausalLM.*FlexAttention does not support "
                     r"backward on CPU",
                     "attn_implementation='flex_attention': torch's flex attention has no "
                     "backward on CPU (on other devices export would emit the flex_attention "
                     "higher-order op, which autopar names and refuses); use 'sdpa' or 'eager'")),
-    "mistral": Arch(causal_lm(tf.MistralConfig, tf.MistralForCausalLM, **DEC), "decoder"),
-    "qwen2": Arch(causal_lm(tf.Qwen2Config, tf.Qwen2ForCausalLM, **DEC), "decoder"),
-    "gemma": Arch(causal_lm(tf.GemmaConfig, tf.GemmaForCausalLM, head_dim=8, **DEC), "decoder"),
-    "phi": Arch(causal_lm(tf.PhiConfig, tf.PhiForCausalLM, **DEC), "decoder"),
-    "gpt_neox": Arch(causal_lm(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
-                               **{k: v for k, v in DEC.items() if k != "num_key_value_heads"}),
-                     "decoder"),
-    "opt": Arch(causal_lm(tf.OPTConfig, tf.OPTForCausalLM, vocab_size=V, hidden_size=H,
-                          ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                          max_position_embeddings=64, word_embed_proj_dim=H), "decoder"),
-    "falcon": Arch(causal_lm(tf.FalconConfig, tf.FalconForCausalLM, vocab_size=V, hidden_size=H,
-                             num_hidden_layers=2, num_attention_heads=4), "decoder"),
-    "bloom": Arch(causal_lm(tf.BloomConfig, tf.BloomForCausalLM, vocab_size=V, hidden_size=H,
-                            n_layer=2, n_head=4), "decoder"),
-    "mixtral": Arch(causal_lm(tf.MixtralConfig, tf.MixtralForCausalLM, num_local_experts=4,
-                              num_experts_per_tok=2, **DEC), "decoder (mixture of experts)",
+    "mistral": Arch(HF_BUILDERS["mistral"], "decoder"),
+    "qwen2": Arch(HF_BUILDERS["qwen2"], "decoder"),
+    "gemma": Arch(HF_BUILDERS["gemma"], "decoder"),
+    "phi": Arch(HF_BUILDERS["phi"], "decoder"),
+    "gpt_neox": Arch(HF_BUILDERS["gpt_neox"], "decoder"),
+    "opt": Arch(HF_BUILDERS["opt"], "decoder"),
+    "falcon": Arch(HF_BUILDERS["falcon"], "decoder"),
+    "bloom": Arch(HF_BUILDERS["bloom"], "decoder"),
+    "mixtral": Arch(HF_BUILDERS["mixtral"], "decoder (mixture of experts)",
                     gaps=("aten.histc.default", "aten.index_put.default",
                           "transformers.grouped_mm_fallback.default"),
                     notes="gaps: the expert routing (token counts per expert with histc, the "
                           "scatter of expert outputs with index_put, transformers' own grouped "
                           "matmul op) runs replicated"),
     # encoders
-    "bert": Arch(causal_lm(tf.BertConfig, tf.BertForMaskedLM, **ENC), "encoder",
+    "bert": Arch(HF_BUILDERS["bert"], "encoder",
                  gloo=({"tensor": 2}, {"data": 2})),
-    "roberta": Arch(causal_lm(tf.RobertaConfig, tf.RobertaForMaskedLM, pad_token_id=1,
-                              **{**ENC, "max_position_embeddings": 66}), "encoder"),
-    "distilbert": Arch(causal_lm(tf.DistilBertConfig, tf.DistilBertForMaskedLM, vocab_size=V,
-                                 dim=H, hidden_dim=64, n_layers=2, n_heads=4,
-                                 max_position_embeddings=64), "encoder"),
+    "roberta": Arch(HF_BUILDERS["roberta"], "encoder"),
+    "distilbert": Arch(HF_BUILDERS["distilbert"], "encoder"),
     # vision
-    "vit": Arch(image_cls(tf.ViTConfig, tf.ViTForImageClassification, image_size=32,
-                          patch_size=8, num_channels=3, hidden_size=H, intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=4), "vision"),
-    "resnet": Arch(image_cls(tf.ResNetConfig, tf.ResNetForImageClassification,
-                             embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1]), "vision",
+    "vit": Arch(HF_BUILDERS["vit"], "vision"),
+    "resnet": Arch(HF_BUILDERS["resnet"], "vision",
                    gaps=("aten.add_.Tensor",), gloo=({"tensor": 2}, {"data": 2}),
                    notes="gap: BatchNorm's num_batches_tracked += 1, an in-place update of a "
                          "0-dim buffer (replicated; nothing to shard)"),
-    "convnext": Arch(image_cls(tf.ConvNextConfig, tf.ConvNextForImageClassification,
-                               hidden_sizes=[16, 32], depths=[1, 1], num_stages=2), "vision"),
+    "convnext": Arch(HF_BUILDERS["convnext"], "vision"),
     # encoder-decoder
-    "t5": Arch(seq2seq(tf.T5Config, tf.T5ForConditionalGeneration, vocab_size=V, d_model=H,
-                       d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0),
-               "encoder-decoder"),
-    "bart": Arch(seq2seq(tf.BartConfig, tf.BartForConditionalGeneration, vocab_size=V, d_model=H,
-                         encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                         max_position_embeddings=64), "encoder-decoder"),
+    "t5": Arch(HF_BUILDERS["t5"], "encoder-decoder"),
+    "bart": Arch(HF_BUILDERS["bart"], "encoder-decoder"),
 }
 NAMES = sorted(MATRIX)
 

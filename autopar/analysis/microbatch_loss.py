@@ -125,6 +125,10 @@ def rewrite(cap, m: int, model: torch.nn.Module | None = None):
     cap.inputs = list(cap.inputs) + spec.scale_inputs
     out_node = next(n for n in g.nodes if n.op == "output")
     cap.loss = out_node.args[0][0].name
+    # a model that returns its own loss returns the node just replaced: its outputs too
+    outs = out_node.args[0][1:]
+    if len(outs) == len(cap.output):
+        cap.output = [o.name if isinstance(o, fx.Node) else name for name, o in zip(cap.output, outs)]
     cap.__post_init__()
     if r.den_outputs and not spec.error:
         _denominator_graph(cap, spec, r.den_outputs, model)

@@ -1,0 +1,156 @@
+"""The differential sweep's fixed subset: 69 cases of ``benchmarks/sweep.py``, each a test.
+
+Each case (an architecture of ``examples/zoo.py``, a plan, a loss, a world size) is planned
+by autopar, trained 3 SGD-momentum steps and 3 AdamW steps under the plan and on one
+device, and compared: the loss, every gradient by name, the weights relative to how far
+each moved (``benchmarks/sweep_cases.py``). A failing case's message holds its numbers and
+the command that reruns it alone.
+
+The list covers the free plan with no pins (what a user gets first) on 2 and 4 ranks on 12
+architectures, every plan kind of the sweep, every loss kind, world sizes 1 to 4. Most
+cases run on ranks simulated as threads in two worker processes; the pipelines (which need
+torch.distributed) and a few others run on real gloo processes, one torchrun spawn per
+world size, started with the workers when the module starts. Each architecture is built and
+captured once per worker.
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_sweep.py
+    python benchmarks/sweep.py --cases 400 --seed 1          # a wider draw
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "benchmarks")]
+
+import sweep as sweep_runner  # noqa: E402
+import sweep_cases as sc  # noqa: E402
+from examples import zoo  # noqa: E402
+
+C = sc.make_case
+D2T2 = {"data": 2, "tensor": 2}
+# (case, known bug or None): a known bug is an xfail (not strict: it passes once fixed;
+# then drop the mark)
+FREE_ARCHS = {  # the free plan, no pins, on 2 and on 4 ranks: (loss on 2, loss on 4)
+    "llama": ("mean", "padded"), "bert": ("sum", "mean"), "qwen3": ("mean", "own"),
+    "albert": ("own", "mean"), "torch-encoder": ("padded", "mean"), "gpt2": ("own", "smoothing"),
+    "ex-gpt": ("mean", "weighted"), "distilbert": ("mean", "sum"), "vit": ("mean", "weighted"),
+    "resnet": ("mean", "own"), "mixtral": ("smoothing", "mean"), "swin": ("mean", "sum"),
+}
+CASES: list[tuple[sc.Case, str | None]] = [
+    *[(C(a, "free", 2, l2), None) for a, (l2, _) in FREE_ARCHS.items()],
+    *[(C(a, "free", 4, l4), None) for a, (_, l4) in FREE_ARCHS.items()],
+    (C("gemma2", "free", 2, "mean"), None),
+    (C("mamba", "free", 1, "own"), None),
+    (C("qwen3", "free", 3, "padded"), None),
+    (C("llama", "free-budget", 2, "mean"), None),
+    (C("ex-gpt", "free-budget", 4, "padded"), None),
+    (C("qwen3_moe", "data", 2, "smoothing", {"data": 2}), None),
+    (C("falcon", "data", 3, "weighted", {"data": 3}), None),
+    (C("t5", "data", 2, "sum", {"data": 2}), None),
+    (C("t5", "free", 2, "own"),
+     "a write into a slice of a fresh tensor (labels shifted right into decoder_input_ids: "
+     "y[:, 1:] = x[:, :-1]) is lost: the loss differs from one device even on 1 rank"),
+    (C("gpt2", "tensor", 2, "padded", {"tensor": 2}), None),
+    (C("ex-llama", "tensor", 4, "mean", {"tensor": 4}), None),
+    (C("convnext", "tensor", 3, "smoothing", {"tensor": 3}), None),
+    (C("ex-mlp", "tensor", 2, "sum", {"tensor": 2}), None),
+    (C("mobilevit", "tensor", 2, "mean", {"tensor": 2}),
+     "issue 26: MobileViT under tensor=2 gives wrong gradients"),
+    (C("vit", "2d", 4, "weighted", D2T2), None),
+    (C("llama", "2d", 4, "sum", D2T2), None),
+    (C("bloom", "zero1", 2, "padded", {"data": 2, "zero": 1}), None),
+    (C("qwen2", "zero2", 2, "mean", {"data": 2, "zero": 2}), None),
+    (C("phi", "zero3", 2, "weighted", {"data": 2, "zero": 3}), None),
+    (C("llama", "zero3", 4, "mean", {**D2T2, "zero": 3}), None),
+    (C("gpt_neox", "zero3", 3, "sum", {"data": 3, "zero": 3}), None),
+    (C("ex-gpt", "offload", 2, "mean", {"data": 2, "offload": "optimizer"}), None),
+    (C("ex-resnet", "accumulate", 2, "smoothing", {"data": 2, "accumulate": 2}), None),
+    (C("llama-sdpa", "accumulate", 1, "weighted", {"accumulate": 2}), None),
+    # a model's own loss accumulated: the micro-batch rewrite left the model's output named
+    # after the replaced loss node (KeyError 'cross_entropy_loss' at parallelize)
+    (C("gpt2", "accumulate", 2, "own", {"data": 2, "accumulate": 2}), None),
+    (C("llama-tied", "recompute", 2, "sum", {"tensor": 2, "recompute": "full"}), None),
+    (C("gpt2", "recompute", 4, "smoothing", {"data": 4, "recompute": "full"}), None),
+    (C("ex-inception", "branch", 2, "mean", {"branch": 2}), None),
+    (C("gpt2", "bf16", 2, "mean", {"tensor": 2, "precision": "bf16"}), None),
+    (C("bloom", "bf16", 1, "padded", {"precision": "bf16"}), None),
+    (C("bert", "fp16", 2, "padded", {"data": 2, "precision": "fp16"}), None),
+    (C("resnet", "per-rank", 2, "mean", {"data": 2}), None),
+    (C("mixtral", "per-rank", 3, "padded"), None),
+    # on gloo processes (2 ranks, then 4)
+    (C("llama", "free", 2, "mean", gloo=True), None),
+    (C("qwen3", "free", 2, "sum", gloo=True), None),
+    (C("ex-gpt", "pp-gpipe", 2, "mean", {"pipeline": 2, "schedule": "gpipe", "micro_batch_size": 2}), None),
+    (C("llama", "pp-1f1b", 2, "padded", {"pipeline": 2, "schedule": "1f1b", "micro_batch_size": 1}), None),
+    (C("ex-gpt-deep", "pp-interleaved", 2, "sum", {"pipeline": 2, "schedule": "interleaved-1f1b",
+                                                    "virtual_stages": 2, "micro_batch_size": 1}), None),
+    (C("ex-gpt", "pp-zero-bubble", 2, "smoothing", {"pipeline": 2, "schedule": "zero-bubble",
+                                                     "micro_batch_size": 2}), None),
+    (C("gpt_neox", "per-rank", 2, "sum", {"data": 2}, gloo=True), None),
+    (C("gemma2", "offload", 2, "weighted", {"data": 2, "offload": "optimizer", "zero": 3}, gloo=True), None),
+    (C("bert", "free", 4, "mean", gloo=True), None),
+    (C("bert", "pp-1f1b", 4, "mean", {"pipeline": 2, "data": 2, "schedule": "1f1b", "micro_batch_size": 2}), None),
+    (C("llama", "pp-gpipe", 4, "mean", {"pipeline": 4, "schedule": "gpipe", "micro_batch_size": 1}),
+     "issue 26: a pipeline of more stages than layers leaves a rank without parameters"),
+    (C("ex-gpt-deep", "zero3", 4, "weighted", {"data": 4, "zero": 3}, gloo=True), None),
+]
+IDS = [c.id for c, _ in CASES]
+BY_ID = {c.id: c for c, _ in CASES}
+# seconds one case may take before it counts as a hang (a loaded 2-core machine runs
+# three processes at once here)
+CASE_TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def sweep(request):
+    """Start every selected case at once: thread-rank cases on 2 worker processes, gloo
+    cases in one torchrun spawn per world size beside them."""
+    selected = [BY_ID[item.callspec.params["case_id"]] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_case_matches_one_device"
+                and item.module is request.module]
+    run = sweep_runner.Sweep(selected, jobs=2, timeout=CASE_TIMEOUT).start()
+    yield run
+    run.stop()
+
+
+@pytest.mark.parametrize("case_id", [
+    pytest.param(c.id, marks=pytest.mark.xfail(reason=bug, strict=False)) if bug else c.id
+    for c, bug in CASES])
+def test_case_matches_one_device(sweep, case_id):
+    case = BY_ID[case_id]
+    r = sweep.result(case_id, timeout=1200)
+    assert r["status"] == "pass", (
+        f"{case_id} ({case.describe()}{', gloo' if case.gloo else ''}): {r['status'].upper()}: "
+        f"{r['message']}\n{r['detail'][-3000:]}\nrepro: {case.repro}")
+
+
+def test_fixed_list_covers_the_plan_space():
+    """Free plans without pins on 2 and 4 ranks on at least 10 architectures (the named
+    ones among them), every plan kind, every loss kind, every world size."""
+    cases = [c for c, _ in CASES]
+    assert len(cases) >= 60
+    free = {w: {c.arch for c in cases if c.kind == "free" and not c.pins and w == c.world}
+            for w in (2, 4)}
+    for w in (2, 4):
+        assert len(free[w]) >= 10 and {"llama", "bert", "qwen3", "albert", "torch-encoder"} <= free[w]
+    assert {c.kind for c in cases} == set(sc.PLAN_KINDS)
+    assert {c.loss for c in cases} == set(zoo.LOSSES)
+    assert {c.world for c in cases} == {1, 2, 3, 4}
+    assert len(set(IDS)) == len(IDS)
+    for c in cases:      # every id reruns its case
+        assert sc.parse_case_id(c.id) == c, c.id
+
+
+def test_draws_are_reproducible():
+    """A seed draws the same cases every time, and each case's id draws it again."""
+    a, b = sc.draw_cases(60, seed=7), sc.draw_cases(60, seed=7)
+    assert a == b and a != sc.draw_cases(60, seed=8)
+    for c in a:
+        assert sc.parse_case_id(c.id) == c, c.id
+    assert {c.arch for c in a} == set(zoo.NAMES)          # every architecture in 60 draws
