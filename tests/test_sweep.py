@@ -53,15 +53,17 @@ CASES: list[tuple[sc.Case, str | None]] = [
     (C("qwen3_moe", "data", 2, "smoothing", {"data": 2}), None),
     (C("falcon", "data", 3, "weighted", {"data": 3}), None),
     (C("t5", "data", 2, "sum", {"data": 2}), None),
-    (C("t5", "free", 2, "own"),
-     "a write into a slice of a fresh tensor (labels shifted right into decoder_input_ids: "
-     "y[:, 1:] = x[:, :-1]) is lost: the loss differs from one device even on 1 rank"),
+    # the model's own loss shifts the labels right into a fresh tensor (y[:, 1:] = x[:, :-1]):
+    # that write was lost, even on 1 rank, until capture made it a slice_scatter
+    (C("t5", "free", 2, "own"), None),
+    (C("bart", "free", 1, "own"), None),
     (C("gpt2", "tensor", 2, "padded", {"tensor": 2}), None),
     (C("ex-llama", "tensor", 4, "mean", {"tensor": 4}), None),
     (C("convnext", "tensor", 3, "smoothing", {"tensor": 3}), None),
     (C("ex-mlp", "tensor", 2, "sum", {"tensor": 2}), None),
-    (C("mobilevit", "tensor", 2, "mean", {"tensor": 2}),
-     "issue 26: MobileViT under tensor=2 gives wrong gradients"),
+    # MobileViT under tensor=2 is exact in float64 and, in float32, as far from one device as
+    # one device with the batch reordered (BatchNorm over 1x1 maps):
+    # tests/test_issue26_regressions.py::test_mobilevit_tensor2_equals_one_device_in_float64
     (C("vit", "2d", 4, "weighted", D2T2), None),
     (C("llama", "2d", 4, "sum", D2T2), None),
     (C("bloom", "zero1", 2, "padded", {"data": 2, "zero": 1}), None),
@@ -96,8 +98,9 @@ CASES: list[tuple[sc.Case, str | None]] = [
     (C("gemma2", "offload", 2, "weighted", {"data": 2, "offload": "optimizer", "zero": 3}, gloo=True), None),
     (C("bert", "free", 4, "mean", gloo=True), None),
     (C("bert", "pp-1f1b", 4, "mean", {"pipeline": 2, "data": 2, "schedule": "1f1b", "micro_batch_size": 2}), None),
-    (C("llama", "pp-gpipe", 4, "mean", {"pipeline": 4, "schedule": "gpipe", "micro_batch_size": 1}),
-     "issue 26: a pipeline of more stages than layers leaves a rank without parameters"),
+    # 4 stages of a 2-layer Llama: every stage holds a parameter (a stage of a norm's cast
+    # alone left a rank with nothing to train)
+    (C("llama", "pp-gpipe", 4, "mean", {"pipeline": 4, "schedule": "gpipe", "micro_batch_size": 1}), None),
     (C("ex-gpt-deep", "zero3", 4, "weighted", {"data": 4, "zero": 3}, gloo=True), None),
 ]
 IDS = [c.id for c, _ in CASES]

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from autopar.capture.constants import inline_constants
 from autopar.capture.graph import CaptureError, Captured, _strip
 from autopar.capture.hops import inline_higher_order_ops
-from autopar.capture.inplace import functionalize_inplace
+from autopar.capture.inplace import functionalize_inplace, functionalize_view_writes
 from autopar.capture.stamp import export_stamped
 from autopar.errors import ArgumentError
 
@@ -187,6 +187,7 @@ def _from_program(ep, wrapper: nn.Module, n_inputs: int, has_loss: bool, method:
     sig = ep.graph_signature
     gm = ep.graph_module
     inline_higher_order_ops(gm, sig.inputs_to_parameters)   # grad-mode, autocast-off regions
+    functionalize_view_writes(gm)                           # y[:, 1:] = x -> slice_scatter
     functionalize_inplace(gm)                               # x += y -> x + y where exact
     inline_constants(gm, sig.inputs_to_lifted_tensor_constants, ep.constants)  # torch.tensor(...) in forward
     # Aliases: torch.export keeps one placeholder per tensor; name every parameter that is it.

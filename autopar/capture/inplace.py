@@ -24,7 +24,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-__all__ = ["functionalize_inplace"]
+__all__ = ["functionalize_inplace", "functionalize_view_writes"]
 
 aten = torch.ops.aten
 
@@ -116,3 +116,82 @@ def functionalize_inplace(gm: GraphModule) -> list[str]:
         graph.lint()
         gm.recompile()
     return done
+
+
+# a view of its first argument -> the functional op that writes a value into that view
+_SCATTER_OF_VIEW = {aten.slice.Tensor: aten.slice_scatter.default,
+                    aten.select.int: aten.select_scatter.default}
+_WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor)
+
+
+def functionalize_view_writes(gm: GraphModule) -> list[str]:
+    """Rewrite writes into views of a fresh tensor as functional scatters (in place on
+    ``gm``); returns the names of the write nodes replaced.
+
+    ``y = x.new_zeros(x.shape); y[:, 1:] = x[:, :-1]; y[:, 0] = start`` (T5's and BART's
+    ``shift_tokens_right`` for ``labels=``) is exported as ``copy_(slice(y), ...)`` and
+    ``fill_(select(y), ...)``: nodes without users that change ``y`` through a view. A
+    per-rank program keeps the nodes its outputs read, so such a write was dropped and the
+    model read zeros (a wrong loss, silently, on any number of ranks). Here each becomes
+    ``y' = slice_scatter(y, value, ...)`` (``select_scatter``; nested views scatter level by
+    level), and the readers of ``y`` after the write read ``y'``. Only for a fresh ``y``
+    (not an input of the graph, whose mutation the caller would see) and views read by
+    nothing else; any other write stays as it was."""
+    graph = gm.graph
+    done = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _WRITES or node.users:
+            continue
+        chain, v = [], node.args[0]
+        while isinstance(v, Node) and v.op == "call_function" and v.target in _SCATTER_OF_VIEW \
+                and len(v.users) == 1:
+            chain.append(v)
+            v = v.args[0]
+        base = v
+        if not chain or not isinstance(base, Node) or _returns_alias(base):
+            continue
+        view = chain[0]
+        shape, dtype = view.meta["val"].shape, view.meta["val"].dtype
+        with graph.inserting_before(node):
+            if node.target is aten.fill_.Scalar:
+                value = graph.call_function(aten.full_like.default, (view, node.args[1]))
+            else:
+                value = node.args[1]
+                src = value.meta.get("val") if isinstance(value, Node) else None
+                if not isinstance(src, torch.Tensor):
+                    continue
+                if src.dtype != dtype:        # copy_ converts: so does the functional write
+                    value = graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+                    _like(value, node.args[1], node, dtype)
+                if tuple(src.shape) != tuple(shape):     # copy_ broadcasts
+                    value = graph.call_function(aten.expand.default, (value, list(shape)))
+                    _like(value, view, node)
+            for level in chain:              # innermost view first, out to the base
+                parent = level.args[0]
+                value = graph.call_function(_SCATTER_OF_VIEW[level.target],
+                                            (parent, value, *level.args[1:]))
+                _like(value, parent, node)
+        after, n = [], node.next
+        while n.op != "root":
+            after.append(n)
+            n = n.next
+        for reader in after:
+            reader.replace_input_with(base, value)
+        graph.erase_node(node)
+        done.append(node.name)
+    if done:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+    return done
+
+
+def _like(new: Node, shaped: Node, origin: Node, dtype: torch.dtype | None = None) -> None:
+    """``new`` has ``shaped``'s shape and dtype (or ``dtype``), and the write ``origin``'s
+    place in the model."""
+    new.meta.update({k: v for k, v in origin.meta.items() if k != "val"})
+    val = shaped.meta["val"]
+    if dtype is not None and val.dtype != dtype:
+        with val.fake_mode:
+            val = val.to(dtype)
+    new.meta["val"] = val
