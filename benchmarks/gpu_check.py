@@ -453,38 +453,27 @@ def in_backward() -> bool:
 
 
 def make_sync_timer(device: torch.device, store: list):
-    """An ``OpTimer`` (``autopar.runtime.timing``) that synchronises the device around every
-    op (so each op's time is its kernels', not its launch's) and also sums the matmul and
-    attention ops by phase (forward / backward) and input shapes."""
+    """An ``OpTimer`` (``autopar.runtime.timing``: on a GPU it synchronises the device around
+    every op, so each op's time is its kernels', not its launch's) that also sums the matmul
+    and attention ops by phase (forward / backward) and input shapes."""
     from autopar.cost_models import families
-    from autopar.runtime.timing import OPTIMIZER, OpTimer, family_name
+    from autopar.runtime.timing import OpTimer
 
     class SyncOpTimer(OpTimer):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+            super().__init__(device)
             self.by_shape: dict = {}
             store.append(self)
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            sync(device)
-            t0 = time.perf_counter()
-            out = func(*args, **(kwargs or {}))
-            sync(device)
-            dt = time.perf_counter() - t0
-            if func.namespace == "aten":
-                row = OPTIMIZER if self.optimizer else self._rows.get(func)
-                if row is None:
-                    row = self._rows[func] = family_name(families.op_name(func))
-                self.seconds[row] += dt
-                self.calls[row] += 1
-                if row in ("matmul", "attention"):
-                    phase = "bwd" if in_backward() else "fwd"
-                    shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-                    k = (phase, row, families.op_name(func), shapes)
-                    got = self.by_shape.setdefault(k, [0.0, 0])
-                    got[0] += dt
-                    got[1] += 1
-            return out
+        def record(self, func, args, seconds: float) -> str:
+            row = super().record(func, args, seconds)
+            if row in ("matmul", "attention"):
+                phase = "bwd" if in_backward() else "fwd"
+                shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+                got = self.by_shape.setdefault((phase, row, families.op_name(func), shapes), [0.0, 0])
+                got[0] += seconds
+                got[1] += 1
+            return row
 
     return SyncOpTimer
 

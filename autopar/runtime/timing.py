@@ -108,14 +108,19 @@ class OpTimer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.device is not None:
             synchronize(self.device)
-        dt = time.perf_counter() - t0
         if func.namespace == "aten":
-            row = OPTIMIZER if self.optimizer else self._rows.get(func)
-            if row is None:
-                row = self._rows[func] = family_name(families.op_name(func))
-            self.seconds[row] += dt
-            self.calls[row] += 1
+            self.record(func, args, time.perf_counter() - t0)
         return out
+
+    def record(self, func, args, seconds: float) -> str:
+        """Add one ATen op's ``seconds`` to its row; returns the row (a subclass may keep
+        more, e.g. by input shapes)."""
+        row = OPTIMIZER if self.optimizer else self._rows.get(func)
+        if row is None:
+            row = self._rows[func] = family_name(families.op_name(func))
+        self.seconds[row] += seconds
+        self.calls[row] += 1
+        return row
 
 
 @dataclass
