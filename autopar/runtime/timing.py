@@ -94,8 +94,8 @@ class OpTimer(TorchDispatchMode):
     def __init__(self, device: torch.device | None = None):
         super().__init__()
         # an accelerator runs kernels asynchronously: synchronised around each op, the
-        # timer reads the kernel's time, not its launch's (a no-op on the CPU)
-        self.device = device if device is not None and device.type != "cpu" else None
+        # timer reads the kernel's time, not its launch's (``synchronize``: a no-op on the CPU)
+        self.device = device
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.optimizer = False
