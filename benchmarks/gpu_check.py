@@ -175,6 +175,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def eager_steps(model, data, loss_fn, dev: torch.device) -> tuple[list[float], list[float]]:
+    """The reference: ``model`` trained eagerly on ``dev``, one SGD-with-momentum step a
+    batch of ``data`` under bf16 autocast; (seconds of each step, losses)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    times, losses = [], []
+    for x, y in data:
+        x, y = x.to(dev), y.to(dev)
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        sync(dev)
+        times.append(time.perf_counter() - t)
+        losses.append(float(loss.detach()))
+    return times, losses
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -346,22 +365,10 @@ def train_and_compare(ctx: Ctx, name: str) -> dict:
     # the reference: eager on one device, autocast bf16, the same optimizer and batches
     ref_resident = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else 0.0
     ref.to(dev)
-    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
-    ref_losses, ref_steps_s = [], []
     if ctx.cuda:
         sync(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    for x, y in data:
-        x, y = x.to(dev), y.to(dev)
-        t = time.perf_counter()
-        ropt.zero_grad(set_to_none=True)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = loss_fn(ref(x), y)
-        loss.backward()
-        ropt.step()
-        ref_losses.append(float(loss.detach()))
-        sync(dev)
-        ref_steps_s.append(time.perf_counter() - t)
+    ref_steps_s, ref_losses = eager_steps(ref, data, loss_fn, dev)
     ref_peak = float(torch.cuda.max_memory_allocated(dev)) - ref_resident if ctx.cuda else None
     param_rel, param_moved, missing = {}, {}, []
     for n, p in ref.named_parameters():
@@ -379,7 +386,6 @@ def train_and_compare(ctx: Ctx, name: str) -> dict:
     max_param = param_rel[worst] if worst else float("inf")
     passed = bool(finite and not missing and len(losses) == ctx.steps
                   and max_loss <= LOSS_RTOL and max_param <= PARAM_RTOL)
-    del ropt
     ref.to("cpu")                    # off the device: the next model's peaks are its own
     if ctx.cuda:
         torch.cuda.empty_cache()
@@ -772,20 +778,7 @@ def worker_compile(args) -> dict:
     res = {"status": "ok", "device": str(dev), "steps": n, "warmup": warm}
 
     def run(m, label):
-        m = m.to(dev)
-        opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM)
-        times, losses = [], []
-        for x, y in data:
-            x, y = x.to(dev), y.to(dev)
-            t = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = loss_fn(m(x), y)
-            loss.backward()
-            opt.step()
-            sync(dev)
-            times.append(time.perf_counter() - t)
-            losses.append(float(loss.detach()))
+        times, losses = eager_steps(m.to(dev), data, loss_fn, dev)
         res[f"{label}_first_step_s"] = times[0]
         res[f"{label}_step_s"] = statistics.median(times[1 + warm:])
         res[f"{label}_losses"] = losses
@@ -839,19 +832,7 @@ def worker_multi(args) -> dict:
     data = batches(steps, batch, seq, vocab)
     res = {"status": "ok", "world": world, "steps": steps, "plans": {}}
     ref = copy.deepcopy(model).to(dev)
-    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
-    ref_losses, ref_t = [], []
-    for x, y in data:
-        x, y = x.to(dev), y.to(dev)
-        t = time.perf_counter()
-        ropt.zero_grad(set_to_none=True)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = loss_fn(ref(x), y)
-        loss.backward()
-        ropt.step()
-        sync(dev)
-        ref_t.append(time.perf_counter() - t)
-        ref_losses.append(float(loss.detach()))
+    ref_t, ref_losses = eager_steps(ref, data, loss_fn, dev)
     res["one_device_step_s"] = statistics.median(ref_t[1:] or ref_t)
     for label, pins in (("data=2", {"data": 2}), ("tensor=2", {"tensor": 2}),
                         ("data=2 zero=3", {"data": 2, "zero": 3})):
