@@ -67,17 +67,20 @@ class StageGraph:
 
 def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model_inputs: list[str],
                  meta_of: Callable[[Node], tuple[tuple[int, ...], torch.dtype]],
-                 root: torch.nn.Module) -> tuple[list[StageGraph], list[SkipEdge]]:
+                 root: torch.nn.Module, no_grad: frozenset[str] = frozenset(),
+                 ) -> tuple[list[StageGraph], list[SkipEdge]]:
     """Split the per-rank graph ``gm`` (from ``insert_collectives``) into ``n_stages`` stage
     GraphModules over ``root``'s parameters. ``stage_of`` maps global node names to stages
-    (``assign_stages``); ``meta_of(node)`` gives a crossing value's local shape and dtype."""
+    (``assign_stages``); ``meta_of(node)`` gives a crossing value's local shape and dtype;
+    ``no_grad`` names the global ops whose outputs carry no gradient
+    (``analysis.stages.no_grad_ops``)."""
     nodes = list(gm.graph.nodes)
     params = {name for name, _ in root.named_parameters()}
     for n in nodes:
         if n.op == "get_attr":
             n.meta["is_buffer"] = n.target not in params
     cut = _Cut(nodes, _stages_of(nodes, stage_of, n_stages), free_nodes(gm.graph),
-               _requires_grad(nodes, root), meta_of, n_stages)
+               _requires_grad(nodes, root, no_grad), meta_of, n_stages)
     crossing, far = cut.crossings()
     skips: list[SkipEdge] = []
     for v, ts in far.items():
@@ -236,14 +239,15 @@ class _Cut:
         return outs
 
 
-def _requires_grad(nodes: list[Node], root: torch.nn.Module) -> dict[Node, bool]:
+def _requires_grad(nodes: list[Node], root: torch.nn.Module,
+                   no_grad: frozenset[str]) -> dict[Node, bool]:
     params = dict(root.named_parameters())
     rg: dict[Node, bool] = {}
     for n in nodes:
         if n.op == "get_attr":
             p = params.get(n.target)
             rg[n] = p is not None and p.requires_grad
-        elif n.op == "placeholder":
+        elif n.op == "placeholder" or n.meta.get("source") in no_grad:
             rg[n] = False
         else:
             rg[n] = any(rg.get(a, False) for a in n.all_input_nodes)

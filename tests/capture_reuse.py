@@ -60,7 +60,7 @@ def same_model(name: str):
         key = (name, m, _shapes(inputs), _shapes([target]), loss_fn is None)
         return _reused(key, lambda: micro(model, inputs, loss_fn, target, m))
 
-    patched = [(driver, "capture", capture), (driver, "capture_microbatch", capture_microbatch),
+    patched = [(driver, "capture", capture),
                (pipeline_search, "capture_microbatch", capture_microbatch),
                (accumulate, "capture_microbatch", capture_microbatch)]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patched]

@@ -23,6 +23,15 @@ two processes.
   freed: GradSync's gradient hooks) and were freed in interpreter shutdown, where a gloo
   thread letting go of its last collective's tensors cannot take the GIL. GradSync's hooks
   now hold it weakly, and the first ``DistComm`` registers an ``atexit`` collection.
+- **A pipeline stage received an MoE router's expert counts as requiring grad** (the
+  400-case sweep's Mixtral, interleaved pipeline on 4 ranks): ``histc`` gives floats that
+  carry no gradient, but the stage split marked every float computed from a parameter as
+  needing one, and autograd refused the ``cumsum(..., dtype=int32)`` that read the counts
+  in the next stage. ``analysis.stages.no_grad_ops`` asks each op once, on meta tensors,
+  whether its outputs carry a gradient.
+- **ALBERT refused recompute="full"** ("no repeated layers"): its one layer module runs
+  once per depth, and a layer was a ModuleList index. A module called several times is
+  now a layer per call (``capture.layer_of``; torch.export marks the calls ``@1``, ...).
 - **A write into a view of a fresh tensor** (T5's and BART's labels shifted right, found by
   the sweep) was dropped from every per-rank program, even at world 1: capture now makes it
   a functional scatter (``capture.inplace.functionalize_view_writes``).
@@ -41,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.analysis.stages import assign_stages, parameter_positions
+from autopar.analysis.stages import assign_stages, no_grad_ops, parameter_positions
 from autopar.capture import capture
 from autopar.cost_models.hardware import parse_cluster
 from autopar.errors import PinError
@@ -293,3 +302,53 @@ def test_writes_into_views_of_a_fresh_tensor_are_kept():
         plan = autopar.plan(model, (x,), None, cluster=f"cpu:{world}")
         losses = simulate(cap, plan, model, lambda pm, comm: float(pm.train_step(x)))
         assert losses == [pytest.approx(float(model(x)), rel=1e-6)] * world
+
+
+class Router(nn.Module):
+    """An MoE router's bookkeeping: expert counts (histc: floats without a gradient), their
+    running offsets in int32, and an output that reads both paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def forward(self, x):
+        scores = self.gate(x)
+        counts = torch.histc(scores, bins=4, min=-1, max=1)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return scores.sum() + offsets[-1].float() * scores.mean()
+
+
+def test_ops_whose_outputs_carry_no_gradient_are_known():
+    """``histc`` is one (its float counts have no gradient); the gate's matmul, the sum and
+    the cumsum of floats are not (a stage that receives them gets grads for them)."""
+    cap = capture(Router(), (torch.randn(6, 8),))
+    kinds = {n.name: str(n.target) for n in cap.gm.graph.nodes if n.op == "call_function"}
+    found = {kinds[n] for n in no_grad_ops(cap)}
+    assert found == {"aten.histc.default"}, found
+
+
+def test_albert_recomputes_each_call_of_its_shared_layer():
+    """recompute="full" on ALBERT recomputes both calls of its shared layer: the plan names
+    them, predicts fewer activation bytes than without, and trains as one device."""
+    tf = pytest.importorskip("transformers")
+    model = _tiny(tf.AlbertConfig, tf.AlbertForMaskedLM, vocab_size=128, embedding_size=16,
+                  hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (4, 16), generator=gen)
+    y = torch.randint(0, 128, (4, 16), generator=gen)
+
+    def lm_loss(out, t):
+        return F.cross_entropy(out.logits.flatten(0, 1), t.flatten())
+
+    def planned(**pins):
+        return solve(model, (x,), lm_loss, target=y, cluster="cpu:2", world_size=2,
+                     pins={"data": 2, **pins})
+    full, plain = planned(recompute="full"), planned()
+    assert [r.rsplit(".", 1)[1] for r in full.plan.recompute] == ["0", "1"], full.plan.recompute
+    assert full.plan.estimate.memory_bytes["activations"] < plain.plan.estimate.memory_bytes["activations"]
+    ref = reference_run(model, (x,), y, lm_loss)
+    for got in simulate(full.captured, full.plan, model, lambda pm, comm: parallel_run(pm, (x,), y)):
+        c = compare(ref, got)
+        assert c.ok, c

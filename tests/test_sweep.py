@@ -1,4 +1,4 @@
-"""The differential sweep's fixed subset: 69 cases of ``benchmarks/sweep.py``, each a test.
+"""The differential sweep's fixed subset: 72 cases of ``benchmarks/sweep.py``, each a test.
 
 Each case (an architecture of ``examples/zoo.py``, a plan, a loss, a world size) is planned
 by autopar, trained 3 SGD-momentum steps and 3 AdamW steps under the plan and on one
@@ -79,6 +79,9 @@ CASES: list[tuple[sc.Case, str | None]] = [
     (C("gpt2", "accumulate", 2, "own", {"data": 2, "accumulate": 2}), None),
     (C("llama-tied", "recompute", 2, "sum", {"tensor": 2, "recompute": "full"}), None),
     (C("gpt2", "recompute", 4, "smoothing", {"data": 4, "recompute": "full"}), None),
+    # ALBERT's one layer, called once per depth: each call a recomputed layer (was refused,
+    # "no repeated layers")
+    (C("albert", "recompute", 2, "mean", {"data": 2, "recompute": "full"}), None),
     (C("ex-inception", "branch", 2, "mean", {"branch": 2}), None),
     (C("gpt2", "bf16", 2, "mean", {"tensor": 2, "precision": "bf16"}), None),
     (C("bloom", "bf16", 1, "padded", {"precision": "bf16"}), None),
@@ -94,6 +97,9 @@ CASES: list[tuple[sc.Case, str | None]] = [
                                                     "virtual_stages": 2, "micro_batch_size": 1}), None),
     (C("ex-gpt", "pp-zero-bubble", 2, "smoothing", {"pipeline": 2, "schedule": "zero-bubble",
                                                      "micro_batch_size": 2}), None),
+    # a model that returns its own loss through a pipeline (was refused: "needs the loss in
+    # the graph"; the last stage computes each micro-batch's loss either way)
+    (C("t5", "pp-1f1b", 2, "own", {"pipeline": 2, "schedule": "1f1b", "micro_batch_size": 2}), None),
     (C("gpt_neox", "per-rank", 2, "sum", {"data": 2}, gloo=True), None),
     (C("gemma2", "offload", 2, "weighted", {"data": 2, "offload": "optimizer", "zero": 3}, gloo=True), None),
     (C("bert", "free", 4, "mean", gloo=True), None),
@@ -102,6 +108,12 @@ CASES: list[tuple[sc.Case, str | None]] = [
     # alone left a rank with nothing to train)
     (C("llama", "pp-gpipe", 4, "mean", {"pipeline": 4, "schedule": "gpipe", "micro_batch_size": 1}), None),
     (C("ex-gpt-deep", "zero3", 4, "weighted", {"data": 4, "zero": 3}, gloo=True), None),
+    # a cut between an MoE router's expert counts (histc, no gradient) and the cumsum to
+    # int32 that reads them: the next stage received the counts as requiring grad, and
+    # autograd refused the cumsum (the 400-case sweep's mixtral:pp-interleaved:363543:gloo)
+    (C("mixtral", "pp-interleaved", 4, "sum", {"data": 2, "pipeline": 2, "virtual_stages": 2,
+                                               "schedule": "interleaved-1f1b",
+                                               "micro_batch_size": 2}), None),
 ]
 IDS = [c.id for c, _ in CASES]
 BY_ID = {c.id: c for c, _ in CASES}
@@ -157,3 +169,32 @@ def test_draws_are_reproducible():
     for c in a:
         assert sc.parse_case_id(c.id) == c, c.id
     assert {c.arch for c in a} == set(zoo.NAMES)          # every architecture in 60 draws
+
+
+def test_float64_recheck_tells_rounding_from_a_wrong_number(monkeypatch):
+    """An fp32 case past its tolerances by a little is run again in float64. MobileViT
+    under data=4 (BatchNorm over 1x1 maps, 3 AdamW steps: fp32 rounding reaches 2e-2 of
+    how far a weight moved) agrees with one device in float64; a gradient 1% off on every
+    rank (planted) is off in float64 too, and the case fails."""
+    case = C("mobilevit", "data", 4, "mean", {"data": 4})
+    r32 = sc.Result(case.id, "fail", "AdamW: weight err 1.3e-02 > 1e-02 (planted message)")
+    r = sc.float64_recheck(case, r32)
+    assert r.status == "pass" and r.message.startswith("fp32 rounding"), r
+    assert all(float(x) < 1e-6 for x in r.message.split("float64: ")[1].split()[1::2]), r.message
+
+    real = sc.train
+
+    def planted(pm, inputs, target, opt_kind, steps=sc.STEPS):
+        step = pm.train_step
+
+        def wrong(*args, **kw):
+            loss = step(*args, **kw)
+            for p in pm.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.01)
+            return loss
+        pm.train_step = wrong
+        return real(pm, inputs, target, opt_kind, steps)
+    monkeypatch.setattr(sc, "train", planted)
+    r = sc.run_threads(C("ex-mlp", "data", 2, "mean", {"data": 2}))
+    assert r.status == "fail" and "float64 recheck" in r.detail, r

@@ -4,7 +4,8 @@ every rank's CPU seconds for it (``cpu_by_rank``) and before the first case
 (``startup_cpu_by_rank``): the machine is shared, and wall time alone says little.
 
 A case that raises on one rank while the others wait in a collective would hang the launch:
-every rank therefore prints the error at once (stderr), and a watchdog
+every rank therefore prints the error at once (stderr) and writes it beside the results
+(``<out>.rank<r>.error``, the last case that failed on rank r), and a watchdog
 (``AUTOPAR_CASE_TIMEOUT`` seconds per case, default 240) dumps every thread's stack and
 exits, so a hang shows where each rank waits instead of ending in the test's timeout.
 """
@@ -20,6 +21,16 @@ import traceback
 from typing import Callable
 
 import torch.distributed as dist
+
+
+def _one_line(e: BaseException) -> str:
+    """The error and its causes on one line (torch.distributed.pipelining's stage errors
+    open with a blank line and keep the reason in ``__cause__``)."""
+    parts = []
+    while e is not None and len(parts) < 3:
+        parts.append(f"{type(e).__name__}: {' '.join(str(e).split())}"[:300])
+        e = e.__cause__
+    return " <- ".join(parts)
 
 
 def run_cases(run_case: Callable[[dict], dict]) -> None:
@@ -43,9 +54,12 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
         try:
             res = {"case": case, "ok": True, **run_case(case)}
         except Exception as e:  # noqa: BLE001 - reported to the test
-            res = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
+            res = {"case": case, "ok": False, "error": _one_line(e),
                    "trace": traceback.format_exc()[-3000:]}
             print(f"[rank {rank}] FAILED {case}\n{res['trace']}", file=sys.stderr, flush=True)
+            # the peers may now wait for this rank until the watchdog: say why first
+            with open(f"{out}.rank{rank}.error", "w") as f:
+                json.dump(res, f)
         res["seconds"] = round(time.perf_counter() - t0, 3)
         res["cpu"] = round(time.process_time() - c0, 3)     # this rank's CPU seconds
         verdicts = [None] * dist.get_world_size()

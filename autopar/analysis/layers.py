@@ -1,7 +1,9 @@
 """The repeated layers of a captured graph, and which of them to recompute.
 
 A layer is a repeated module of the captured graph, named ``"<container>.<index>"``
-(``"transformer.h.3"``; see :func:`autopar.capture.layer_of`). :func:`select_layers` turns
+(``"transformer.h.3"``), or one call of a module called several times, named
+``"<module>.<call>"`` (ALBERT's shared layer: ``"albert.encoder.albert_layer_groups.0.1"``
+for its second call); see :func:`autopar.capture.layer_of`. :func:`select_layers` turns
 the ``recompute=`` pin ("full": every repeated layer; or a list of layer names, where a
 unique suffix such as ``"h.0"`` is enough) into layer names, :func:`layer_members` gives
 the captured nodes of each layer and :func:`recompute_nodes` what the cost model counts
@@ -58,10 +60,16 @@ def select_layers(gm: GraphModule, spec: "str | Sequence[str] | None") -> tuple[
         # "full" leaves out layers that update a tensor in place (BatchNorm in training)
         ok = tuple(lay for lay, names in layers.items()
                    if not any(mutates(nodes[m]) for m in names))
+        if not ok and layers:
+            raise RecomputeError(
+                f"recompute='full' but every repeated layer ({', '.join(list(layers)[:3])}"
+                f"{', ...' if len(layers) > 3 else ''}) updates a tensor in place in training "
+                "(BatchNorm's running statistics, which a recomputation would update twice): "
+                "leave recompute= unset, or put the model in eval mode")
         if not ok:
             raise RecomputeError("recompute='full' but the model has no repeated layers (an "
-                                 "nn.ModuleList / nn.Sequential of two or more blocks) that "
-                                 "can be recomputed")
+                                 "nn.ModuleList / nn.Sequential of two or more blocks, or a "
+                                 "module called more than once) that can be recomputed")
         return ok
     if isinstance(spec, str):
         raise RecomputeError(f"recompute={spec!r}: use 'full', None, or a list of layer "

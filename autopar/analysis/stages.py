@@ -230,6 +230,61 @@ def free_nodes(graph: Graph) -> set[str]:
     return free
 
 
+def no_grad_ops(cap: Captured) -> frozenset[str]:
+    """Op nodes whose floating outputs never carry a gradient, whatever their inputs do
+    (``histc``, the routing counts of a mixture of experts): a pipeline stage must receive
+    them as tensors that do not require grad, as on one device, else an op after them that
+    autograd refuses (``cumsum(..., dtype=int32)`` on a float that requires grad) fails.
+
+    Each op is asked once, on meta tensors of its inputs' shapes with every floating input
+    requiring grad: an op whose floating output then does not require grad is one."""
+    out = set()
+    for n in cap.gm.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem \
+                and not _output_differentiable(n):
+            out.add(n.name)
+    return frozenset(out)
+
+
+_DIFFERENTIABLE: dict = {}      # op -> its floating outputs carry a gradient
+
+
+def _output_differentiable(n: Node) -> bool:
+    if n.target not in _DIFFERENTIABLE:
+        answer = _probe_differentiable(n)
+        if answer is None:          # no floating input here: ask again at the next use
+            return True
+        _DIFFERENTIABLE[n.target] = answer
+    return _DIFFERENTIABLE[n.target]
+
+
+def _probe_differentiable(n: Node) -> bool | None:
+    """None where no input requires grad; True where the probe cannot run the op (the old
+    assumption: inputs that need a gradient give outputs that carry one)."""
+    grads = []
+
+    def fake(a):
+        if not isinstance(a, Node):
+            return a
+        v = a.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(a.name)
+        grads.append(v.dtype.is_floating_point)
+        return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta").requires_grad_(grads[-1])
+    try:
+        args = torch.fx.node.map_aggregate(n.args, fake)
+        kwargs = torch.fx.node.map_aggregate(n.kwargs, fake)
+        if not any(grads):
+            return None
+        with torch.enable_grad():
+            out = n.target(*args, **kwargs)
+    except Exception:       # noqa: BLE001 - data-dependent or meta-less ops keep the default
+        return True
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    floats = [t for t in outs if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
+    return not floats or any(t.requires_grad for t in floats)
+
+
 # ---- the per-rank graph ---------------------------------------------------------------------
 
 

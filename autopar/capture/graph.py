@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,10 +78,44 @@ def fingerprint(cap: Captured) -> str:
 
 def layer_of(node: torch.fx.Node) -> tuple[str, int] | None:
     """(container path, index) of the repeated layer a node belongs to, e.g. ("h", 3) for a
-    node inside ``model.h[3]``; None outside repeated layers."""
+    node inside ``model.h[3]``; None outside repeated layers.
+
+    A module called several times in one forward (ALBERT's one layer, run once per depth)
+    is repeated too: each call a layer, (its path, the call's number from 0), e.g.
+    ``("albert.encoder.albert_layer_groups.0", 1)`` for the second call, which torch.export
+    marks by a key ending in ``@1``. Only modules whose every call runs two ops or more
+    count (a shared embedding looked up twice is not a layer)."""
     stack = node.meta.get("nn_module_stack") or {}
-    for path, _ in stack.values():
+    shared = _called_again(node.graph) if node.graph is not None else {}
+    for key, (path, _) in stack.items():
+        base = key.split("@")[0]
+        if base in shared:
+            return _strip(path), int(key.split("@")[1]) if "@" in key else 0
         m = re.match(r"^(.*?)\.(\d+)(\.|$)", path)
         if m:
             return _strip(m.group(1)), int(m.group(2))
     return None
+
+
+_CALLED_AGAIN: "weakref.WeakKeyDictionary[torch.fx.Graph, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _called_again(graph: torch.fx.Graph) -> frozenset[str]:
+    """The module-stack keys (without their ``@k``) of modules called more than once in
+    ``graph``, each call running at least two ops; kept per graph while its nodes stay."""
+    names = len(graph.nodes)
+    hit = _CALLED_AGAIN.get(graph)
+    if hit is None or hit[0] != names:
+        ops: dict[str, dict[int, int]] = {}
+        for n in graph.nodes:
+            if n.op != "call_function":
+                continue
+            for key in (n.meta.get("nn_module_stack") or {}):
+                base, _, call = key.partition("@")
+                calls = ops.setdefault(base, {})
+                k = int(call) if call.isdigit() else 0
+                calls[k] = calls.get(k, 0) + 1
+        found = frozenset(b for b, calls in ops.items()
+                          if len(calls) >= 2 and min(calls.values()) >= 2)
+        hit = _CALLED_AGAIN[graph] = (names, found)
+    return hit[1]

@@ -180,7 +180,8 @@ class ParallelModule(nn.Module):
         pipelined = plan.pipeline_stages > 1
         if pipelined and not cap.has_loss:
             raise ArgumentError("pipeline parallelism needs the loss in the graph: pass loss_fn "
-                                "and target= (the last stage computes each micro-batch's loss)")
+                                "and target= (or a model that returns its scalar loss); the last "
+                                "stage computes each micro-batch's loss")
         # inside a stage every collective runs on the stage's own mesh (without the pipeline axis)
         self._stage_comm = comm.inner() if pipelined else comm
         splan = stage_plan(plan) if pipelined else plan

@@ -39,7 +39,7 @@ from torch.fx import GraphModule
 
 from autopar.analysis.layers import layer_members
 from autopar.analysis.microbatch_loss import denominator_inputs
-from autopar.analysis.stages import assign_stages, local_meta
+from autopar.analysis.stages import assign_stages, local_meta, no_grad_ops
 from autopar.capture import Captured
 from autopar.device import object_device
 from autopar.errors import ArgumentError
@@ -171,7 +171,8 @@ class PipelineRunner:
         model_inputs = list(cap.inputs[: cap.n_model_inputs])
         stage_of = assign_stages(cap, plan.stage_cuts, S)
         parts, edges = split_stages(gm, stage_of, S, model_inputs,
-                                    lambda n: local_meta(cap, self._intra, n), root)
+                                    lambda n: local_meta(cap, self._intra, n), root,
+                                    no_grad_ops(cap))
         self.skip_edges[which] = {e.id: e for e in edges}
         for sg in parts:
             for n in sg.gm.graph.nodes:
@@ -293,7 +294,10 @@ class PipelineRunner:
         sync.begin()
         try:
             with use_step_context(ctx), cast_once_per_step(self.device, self._dtype):
-                self._schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+                # a model that returns its own loss has no target: the schedule still hands
+                # its loss_fn one per micro-batch, which _scaled_loss does not read
+                mb_target = target if target is not None else torch.zeros(self.n_microbatches)
+                self._schedule.step(*inputs, target=mb_target, losses=losses, return_outputs=False)
         except BaseException as e:
             sync.abort()
             if is_comm_failure(e):     # a stage's send / recv timed out or lost its peer

@@ -33,7 +33,7 @@ import torch
 
 from autopar.capture import Captured, capture
 from autopar.cost_models.hardware import parse_cluster
-from autopar.errors import ArgumentError, PinError
+from autopar.errors import PinError
 from autopar.plan import Plan
 from autopar.solver.accumulate import (
     accumulation_may_win, accumulation_pin, capture_accumulated, may_accumulate, plan_accumulated,
@@ -45,7 +45,7 @@ from autopar.solver.flat import (drop_deferred, mesh_jobs, plan_captured, recomp
                                  solve_captured, solve_mesh_job)
 from autopar.solver.pins import check_optimizer, check_pins, pipelined
 from autopar.solver.pipeline_free import degree_search, search_pipelines
-from autopar.solver.pipeline_search import capture_microbatch, plan_pipelined
+from autopar.solver.pipeline_search import capture_pipelined, plan_pipelined
 from autopar.solver.speculate import Speculation, best_found_s, workers_for
 
 PROBES = "the unpipelined plan's fewest recomputed layers"
@@ -150,9 +150,6 @@ def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local",
     world = world_size or cl.world_size
     in_graph_loss = loss_fn if target is not None else None
     if pipelined(pins):
-        if in_graph_loss is None:
-            raise ArgumentError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
-                                "target= (the last stage computes the loss of each micro-batch)")
         return Planned(*plan_pipelined(model, example_inputs, in_graph_loss, target, cl, world, pins,
                                        memory_budget=memory_budget, optimizer=optimizer,
                                        time_limit_s=time_limit_s, verbose=verbose,
@@ -389,10 +386,7 @@ def capture_for_plan(model, example_inputs, loss_fn, target, plan: Plan) -> Capt
     plan's micro-batch when it is pipelined or accumulates, at the full batch otherwise."""
     in_graph_loss = loss_fn if target is not None else None
     if plan.pipeline_stages > 1:
-        if in_graph_loss is None:
-            raise ArgumentError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
-                                "target= (the last stage computes the loss of each micro-batch)")
-        return capture_microbatch(model, example_inputs, in_graph_loss, target, plan.n_microbatches)
+        return capture_pipelined(model, example_inputs, in_graph_loss, target, plan.n_microbatches)
     if plan.accumulate > 1:
         return capture_accumulated(model, example_inputs, in_graph_loss, target, plan.accumulate)
     return capture(model, example_inputs, in_graph_loss, target)

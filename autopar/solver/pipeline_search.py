@@ -109,6 +109,17 @@ def pipeline_config(example_inputs: Sequence, pins: dict) -> tuple[int, int, int
     return p, v, m, schedule
 
 
+def capture_pipelined(model, example_inputs, loss_fn, target, m: int) -> Captured:
+    """The graph of one of a pipeline's ``m`` micro-batches, with its loss: the last stage
+    computes each micro-batch's and back-propagates it."""
+    cap = capture_microbatch(model, example_inputs, loss_fn, target, m)
+    if not cap.has_loss:
+        raise PinError("pipeline parallelism needs the loss in the graph: pass loss_fn and "
+                       "target= (or a model that returns its scalar loss); the last stage "
+                       "computes the loss of each micro-batch")
+    return cap
+
+
 def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captured:
     inputs = split_batch(example_inputs, m)
     tgt = split_batch((target,), m)[0] if target is not None else None
@@ -404,7 +415,7 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     config0 = pipeline_config(example_inputs, pins)
     p, v0, m0, schedule0 = config0
     if cap0 is None:
-        cap0 = capture_microbatch(model, example_inputs, loss_fn, target, m0)
+        cap0 = capture_pipelined(model, example_inputs, loss_fn, target, m0)
     capture_s = time.perf_counter() - t0
     kw = {"memory_budget": memory_budget, "optimizer": optimizer, "time_limit_s": time_limit_s,
           "verbose": verbose, "profiler": profiler, "extra_pins": extra_pins}
