@@ -26,12 +26,11 @@ from autopar.runtime.data import BATCH_MODES
 from autopar.runtime.weights import capture_view, has_meta, weights_kind
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
-from autopar.solver.pins import KNOWN_PINS, OPTIMIZER_STATES, check_pins
+from autopar.options import KNOWN_PINS, OPTIMIZER_STATES, Options
 
 # names that moved to autopar.solver, still importable from here
 __all__ = ["plan", "parallelize", "KNOWN_PINS", "OPTIMIZER_STATES", "Planned", "Solved",
            "node_placements", "plan_captured", "plan_search", "solve", "solve_captured"]
-_check_pins = check_pins
 
 
 def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
@@ -111,7 +110,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     >>> pm = autopar.parallelize(model, (x,), F.cross_entropy, target=y)
     >>> loss = pm.train_step(x, target=y)
     """
-    pins = check_pins(dict(pins))
+    pins = Options.from_pins(dict(pins))
     _check_run_arguments(model, plan, pins, batch, memory_budget, mesh_shape)
     if weights is None:
         _check_not_meta(model)      # a meta model runs with weights= to load

@@ -35,9 +35,9 @@ from autopar.ops.comm import ThreadWorld
 from autopar.report import fmt_bytes, fmt_time
 from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.timing import TimingReport
-from autopar.solver.costing import INF
+from autopar.pricing.costing import INF
 from autopar.solver.driver import solve
-from autopar.solver.pins import check_pins, pipelined
+from autopar.options import Options, pipelined
 from autopar.verify import GRAD_RTOL, LOSS_RTOL, STEPS, WEIGHT_RTOL
 from autopar.viz.diff import diff as plan_diff
 from autopar.viz.explain import explain as explain_node
@@ -121,7 +121,7 @@ def cli():
 def plan(factory, cluster, budget, pins, world, mesh, optimizer, time_limit, output, all_nodes,
          factory_args, meta):
     """Plan MODULE:FACTORY for a cluster and print the summary."""
-    pins = check_pins(parse_pins(pins))
+    pins = Options.from_pins(parse_pins(pins))
     args = parse_pairs(factory_args, "--factory-args")
     budget_b = parse_bytes(budget) if budget else None
     cl = parse_cluster(cluster)

@@ -20,7 +20,7 @@ from autopar.capture import capture, fingerprint
 from autopar.errors import AutoparInputError
 from autopar.plan import Plan, PlanError
 from autopar.solver.accumulate import capture_accumulated
-from autopar.solver.pins import KNOWN_PINS
+from autopar.options import KNOWN_PINS
 
 
 # bad input (exit 2): the library's input errors, and files the user named that cannot be

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from autopar.cost_models.memory import peak_bytes
+from autopar.options import Options
 from autopar.placement import parse_placements
 from autopar.plan_schema import PlanError, check
 from autopar.report import plan_summary
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 """2: the pipeline is one optional part (``Plan.pipeline``) of the one plan. Version 1
 files (the pipeline's fields at the top level) are read and converted on load. The
 optional ``accumulate`` field (gradient accumulation) reads as 1 where a file lacks it, and
@@ -134,7 +135,9 @@ class Plan:
     mesh_shape: tuple[int, ...]
     mesh_axes: tuple[str, ...]
     cluster: str
-    pins: dict[str, Any]
+    options: Options
+    """The options the plan runs with: the user's pins and what the search chose (the ZeRO
+    stage, a compression scheme, ...). The runtime reads these, never the solver."""
     nodes: dict[str, NodePlacement]
     params: dict[str, str]                    # parameter name -> graph placeholder
     fingerprint: str                          # of the graph the plan was made for
@@ -161,6 +164,16 @@ class Plan:
     """Host bytes per rank by term under ``offload`` (``"optimizer"``: master copy and
     moments, ``"grads"``: the gradient shard copied down); empty without offload."""
     version: int = PLAN_VERSION
+
+    def __post_init__(self):
+        if not isinstance(self.options, Options):
+            object.__setattr__(self, "options", Options.from_pins(self.options))
+
+    @property
+    def pins(self) -> dict[str, Any]:
+        """The options that are set, as a dict (``options.pinned()``): the form of plans
+        before version 3."""
+        return self.options.pinned()
 
     # ---- the pipeline part, read flat (one stage when there is none) --------------------
     @property
@@ -191,11 +204,17 @@ class Plan:
 
     # ---- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The plan as JSON data (lists, not tuples), as ``to_json`` writes it."""
-        return json.loads(json.dumps(asdict(self)))
+        """The plan as JSON data (lists, not tuples), as ``to_json`` writes it; its options
+        as the mapping of those that are set."""
+        return json.loads(json.dumps(self._fields()))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        return json.dumps(self._fields(), indent=1)
+
+    def _fields(self) -> dict:
+        d = asdict(self)
+        d["options"] = self.options.pinned()
+        return d
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -223,7 +242,8 @@ class Plan:
             branches = _branches(d)
             return cls(
                 world_size=int(d["world_size"]), mesh_shape=tuple(int(n) for n in d["mesh_shape"]),
-                mesh_axes=tuple(d["mesh_axes"]), cluster=str(d["cluster"]), pins=dict(d["pins"]),
+                mesh_axes=tuple(d["mesh_axes"]), cluster=str(d["cluster"]),
+                options=_options(d["options"]),
                 nodes=nodes, params=dict(d["params"]), fingerprint=str(d["fingerprint"]),
                 estimate=Estimate(**d["estimate"]), solver=SolverReport(**d["solver"]),
                 memory_budget=d.get("memory_budget"),
@@ -310,12 +330,21 @@ def _branches(d: dict) -> tuple[BranchGroups, ...]:
     return tuple(out)
 
 
+def _options(given: dict) -> Options:
+    try:
+        return Options.from_pins(given)
+    except ValueError as e:       # ArgumentError, PinError: the words of the catalogue
+        raise PlanError(f"plan field options: {e}; make the plan again (autopar.plan or "
+                        "`autopar plan`) or undo the edit") from e
+
+
 _V1_PIPELINE = ("pipeline_stages", "virtual_stages", "n_microbatches", "schedule", "stage_cuts")
 
 
 def upgrade(d: dict) -> dict:
     """A plan dict of an older version as the current version, or a PlanError naming the
-    version and the fix. Version 1 kept the pipeline's fields at the top level."""
+    version and the fix. Version 1 kept the pipeline's fields at the top level; versions 1
+    and 2 named the options "pins"."""
     if not isinstance(d, dict):
         raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
     version = d.get("version")
@@ -328,8 +357,12 @@ def upgrade(d: dict) -> dict:
             "stages": stages, "virtual_stages": int(d.get("virtual_stages", 1)),
             "n_microbatches": int(d.get("n_microbatches", 1)),
             "schedule": str(d.get("schedule", "")), "stage_cuts": list(d.get("stage_cuts", ()))}
+        d, version = {**new, "version": 2}, 2
+    if version == 2:       # version 3 names the options "options" (they were "pins")
+        new = {k: v for k, v in d.items() if k != "pins"}
+        new["options"] = d.get("pins", {})
         new["version"] = PLAN_VERSION
         return new
     raise PlanError(f"plan field version: {version!r} is not supported (this autopar reads "
-                    f"versions 1 and {PLAN_VERSION}): plan again with this autopar "
+                    f"versions 1 to {PLAN_VERSION}): plan again with this autopar "
                     "(autopar.plan or `autopar plan`)")

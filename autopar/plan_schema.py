@@ -28,15 +28,15 @@ SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "autopar plan",
     "type": "object",
-    "required": ["version", "world_size", "mesh_shape", "mesh_axes", "cluster", "pins", "nodes",
+    "required": ["version", "world_size", "mesh_shape", "mesh_axes", "cluster", "options", "nodes",
                  "params", "fingerprint", "estimate", "solver"],
     "properties": {
-        "version": {"const": 2},
+        "version": {"const": 3},
         "world_size": {"type": "integer", "minimum": 1},
         "mesh_shape": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1},
         "mesh_axes": _STRS,
         "cluster": _STR,
-        "pins": {"type": "object"},
+        "options": {"type": "object"},
         "nodes": {"type": "object", "additionalProperties": {
             "type": "object", "required": ["inputs", "outputs"],
             "properties": {"inputs": {"type": "array", "items": {"type": "string", "pattern": PLACEMENTS}},

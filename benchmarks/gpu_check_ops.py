@@ -128,9 +128,9 @@ def plan_ops(cap, plan, devices: dict[str, Device] | None = None, optimizer: str
     shapes of its chosen option, how many repeated-layer copies it stands for, and its
     (forward, backward) seconds: ``plan_s`` as the solver's price table has it (before
     recomputation), ``predicted`` by ``cost_models.compute.node_time`` on each of
-    ``devices`` in the plan's precision (what ``solver.costing.CostModel`` calls)."""
-    from autopar.solver.costing import _local
-    from autopar.solver.prices import plan_prices
+    ``devices`` in the plan's precision (what ``pricing.costing.CostModel`` calls)."""
+    from autopar.pricing.costing import _local
+    from autopar.pricing.prices import plan_prices
     pt = plan_prices(cap, plan, optimizer)
     mesh = tuple(plan.mesh_shape)
     mixed = (plan.pins.get("precision") or "fp32") in ("bf16", "fp16")

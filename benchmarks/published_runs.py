@@ -175,7 +175,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from autopar.solver.costing import OVERLAPPED  # noqa: E402
+from autopar.pricing.costing import OVERLAPPED  # noqa: E402
 from autopar.solver.driver import solve  # noqa: E402
 from examples.base import Example, lm_loss  # noqa: E402
 from autopar.cost_models.devices import Cluster  # noqa: E402

@@ -36,12 +36,12 @@ from autopar.analysis.layers import recompute_nodes
 from autopar.cost_models.step import HOST_OVERHEAD_S, optimizer_step_time
 from autopar.placement import placements_str
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import OVERLAPPED, CostModel
+from autopar.pricing.costing import OVERLAPPED, CostModel
 from autopar.solver.flat import Solved
-from autopar.solver.pins import OPTIMIZER_STATES
+from autopar.options import OPTIMIZER_STATES
 from autopar.solver.pipeline_costs import chain_index, node_costs
 from autopar.solver.pipeline_search import _sub_cluster
-from autopar.solver.problem import build_problem
+from autopar.pricing.problem import build_problem
 
 TERMS = ("compute", "recompute", "tensor-parallel comm", "data-parallel comm",
          "grad sync (exposed)", "pipeline p2p", "pipeline bubble", "optimizer step", "host")

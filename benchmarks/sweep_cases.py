@@ -664,11 +664,11 @@ def plan_case(case: Case, b: zoo.Built, captured=None):
     (plan, the graph it runs on). Raises Refused on an AutoparInputError."""
     from autopar.errors import AutoparInputError
     from autopar.solver.driver import solve
-    from autopar.solver.pins import check_pins
+    from autopar.options import Options
     from cost_models.local_devices import local_cluster
     cluster = local_cluster(case.world)
     try:
-        pins = check_pins(case.pin_dict)
+        pins = Options.from_pins(case.pin_dict)
         cap = captured if captured is not None else _captured(case, b)
         budget = None
         if case.budget:

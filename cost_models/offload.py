@@ -17,11 +17,11 @@ runtime (``autopar.runtime.offload``) copies a bucket's gradient shards down as 
 reduction finishes, while backward goes on, and the host step waits only for the copies; a
 bucket's masters go up just before its gather, so the copy of bucket i+1 runs beside the
 gather of bucket i. The bucket left exposed each way is one ``DDP_BUCKET_BYTES`` bucket (as
-``solver.costing.overlap_rule`` takes the last reduction's), or the whole shard when it is
+``pricing.costing.overlap_rule`` takes the last reduction's), or the whole shard when it is
 smaller: of a rank's ``S`` shard bytes the copies expose ``min(1, DDP_BUCKET_BYTES / S)``
 (:func:`exposed_share`). The solver prices per parameter, so each parameter's copies are
 counted at that share (they sum to one bucket each way), beside its whole host step. Device
-memory drops the optimizer term (``solver.costing``); the host holds it.
+memory drops the optimizer term (``pricing.costing``); the host holds it.
 
 Every constant cites its source, as in ``gpus.py``; what is assumed says so.
 """

@@ -6,7 +6,7 @@ Overlap rules (GPU; where each is applied):
 - data-parallel gradient reduction overlaps backward, except the last bucket
   (:func:`~autopar.cost_models.comm.grad_sync_time`: ``exposed = max(t_bucket, total -
   backward * (1 - 1/k))``). The solver applies it as ``exposed = max(t_bucket, total -
-  backward)`` with GradSync's 25 MiB bucket (``solver/costing.CostModel.overlap_rule``):
+  backward)`` with GradSync's 25 MiB bucket (``pricing/costing.CostModel.overlap_rule``):
   the flat ILP through a continuous variable ``E >= t_bucket``, ``E >= overlappable -
   hiding compute`` (``solver/ilp.py``); a pipeline rank's once-per-step reduction hides
   behind its stages' backward of the last micro-batch only (``solver/pipeline_price.py``;
@@ -18,7 +18,7 @@ Overlap rules (GPU; where each is applied):
   in ``FSDPParamGroup.wait_for_unshard``; ``ParamBucket._unflatten``), is never hidden:
   the ``copy_out`` row, the gathered bytes read and written once at HBM bandwidth;
 - tensor-parallel collectives sit on the critical path: every collective of a
-  redistribution between two ops is added to the step (``solver/costing.edge_time``);
+  redistribution between two ops is added to the step (``pricing/costing.edge_time``);
 - pipeline bubbles by schedule (:func:`bubble_fraction`): GPipe and 1F1B idle
   ``(p - 1) / (m + p - 1)`` of the step, interleaved 1F1B with ``v`` chunks per stage
   ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021, Sec. 2.2.1-2.2.2);

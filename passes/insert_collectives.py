@@ -40,7 +40,7 @@ pipeline's stage of every captured node), conversions across stages: each stage
 converts what it reads, so a stage never receives a converted copy (its crossing bytes
 are the value's own). Under recomputation (``plan.recompute``) sharing stays within one
 repeated layer, so a layer's region recomputes its own conversions. The solver prices
-the same sharing (``autopar.solver.prices.PriceTable.shared``).
+the same sharing (``autopar.pricing.prices.PriceTable.shared``).
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ class _Rewriter:
         self.calls = {n.name: make_call(n) for n in cap.gm.graph.nodes
                       if n.op == "call_function" and n.target is not operator.getitem}
         self.deferred = _deferred_grad_sync(cap, plan, self.calls)
-        self.regather = (plan.pins.get("zero") or 0) >= 3
+        self.regather = plan.options.zero_stage >= 3
         self.g = Graph()
         self.env: dict[str, tuple[Node, list]] = {}   # name -> (local node, placements per output)
         # one conversion per (value, placement, partial-gradient flags, region): module docstring

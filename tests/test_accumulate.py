@@ -26,7 +26,7 @@ from autopar.capture import fingerprint
 from autopar.plan import Plan, PlanError
 from autopar.solver.driver import capture_for_plan
 from autopar.solver.errors import InfeasibleError
-from autopar.solver.prices import plan_prices
+from autopar.pricing.prices import plan_prices
 from autopar.viz.explain import explain
 from examples.models import gpt_factory
 from launch import torchrun_cases

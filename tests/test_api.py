@@ -139,7 +139,7 @@ def test_malformed_plan_file(tmp_path, captured):
         (lambda d: d["nodes"][node].update(outputs=["RR"]), r"has 2 placements but the mesh has 1 axes"),
         (lambda d: d.pop("fingerprint"), r"plan field fingerprint: '<missing>' is required"),
         (lambda d: d.update(world_size="2"), r"plan field world_size: '2' has the wrong type \(expected integer\)"),
-        (lambda d: d.update(version=9), r"plan field version: 9 is not supported \(this autopar reads versions 1 and 2\)"),
+        (lambda d: d.update(version=9), r"plan field version: 9 is not supported \(this autopar reads versions 1 to 3\)"),
     ]
     for mutate, message in cases:
         d = json.loads(json.dumps(good))

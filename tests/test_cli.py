@@ -243,7 +243,7 @@ def test_bad_input_exits_2_with_one_line(args, says):
 
 
 @pytest.mark.parametrize("which, says", [("not_json", "not JSON"),
-                                         ("version", "plan field version: 99 is not supported (this autopar reads versions 1 and 2)"),
+                                         ("version", "plan field version: 99 is not supported (this autopar reads versions 1 to 3)"),
                                          ("missing", "plan field estimate: '<missing>' is required"),
                                          ("placement", "'Q(7)' is not a placement")])
 def test_malformed_plan_files_exit_2(bad_files, which, says):

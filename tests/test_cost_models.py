@@ -329,7 +329,7 @@ def test_zero3_and_recompute_pay_their_forward_collectives_again():
     from autopar.cost_models.hardware import parse_cluster
     from autopar.placement import Replicate, Shard
     from autopar.sharding.registry import TensorMeta
-    from autopar.solver.costing import CostModel
+    from autopar.pricing.costing import CostModel
 
     cl = parse_cluster("1xdgx-a100")
     meta = TensorMeta((4096, 4096), torch.float32)
@@ -371,7 +371,7 @@ def test_wait_for_peers_once_per_collective_shared_by_a_consumers_parameters():
     from autopar.cost_models.hardware import parse_cluster
     from autopar.placement import Partial, Replicate, Shard
     from autopar.sharding.registry import TensorMeta
-    from autopar.solver.costing import CostModel
+    from autopar.pricing.costing import CostModel
 
     cl = parse_cluster("cpu:2")
     model = CostModel(cl, (2,), zero=0, data_axis=0)
@@ -419,9 +419,9 @@ def test_a_bf16_model_is_priced_in_its_own_dtypes():
     import torch.nn.functional as F
 
     from autopar.capture import capture
-    from autopar.solver.costing import CostModel
-    from autopar.solver.prices import price_table
-    from autopar.solver.problem import build_problem
+    from autopar.pricing.costing import CostModel
+    from autopar.pricing.prices import price_table
+    from autopar.pricing.problem import build_problem
     from examples.llama import Llama, LlamaConfig
 
     def loss(logits, target):
@@ -450,7 +450,7 @@ def test_gradients_are_reduced_in_fp32_under_mixed_precision_unless_pinned():
     prices the data-parallel all-reduce at those bytes, for an fp32 capture and a bf16 one,
     while activations' collectives move 16 bits."""
     from autopar.placement import Partial, Replicate
-    from autopar.solver.costing import CostModel
+    from autopar.pricing.costing import CostModel
 
     cl = parse_cluster("1xdgx-a100")
     link = CostModel(cl, (8,)).links[0]

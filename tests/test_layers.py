@@ -3,13 +3,17 @@
 The layers, bottom to top (a module may import its own layer and the ones below):
 
     bottom    placement, ops (collectives, local ops, stage ops), schedule, device, errors
-    data      capture, plan (+ plan_schema, report), cost_models, analysis
+    data      capture, options, plan (+ plan_schema, report), cost_models, analysis
     rules     sharding
+    pricing   pricing (each op's sharding choices, the cost model, a plan's prices, the
+              pipeline timeline)
     deciding  solver (ILP, stage DP, pipeline search, the one driver)
     doing     passes, runtime
     face      api, cli, viz, verify, first_step, coverage, checkpoint, the package itself
 
-Deciding never imports doing, and nothing imports the face's entry points (api, cli).
+Deciding never imports doing, and nothing imports the face's entry points (api, cli). The
+runtime and the viewer read a plan and its prices, never the solver that made it: no
+module of ``autopar.runtime`` or ``autopar.viz`` imports ``autopar.solver``.
 The imports are read from the source with ``ast``, so the test sees lazy imports too.
 """
 from __future__ import annotations
@@ -27,9 +31,10 @@ SOURCES = {"autopar": ROOT / "autopar", "autopar.cost_models": ROOT / "cost_mode
 LAYERS = [
     ("bottom", ["autopar.placement", "autopar.ops", "autopar.schedule", "autopar.device",
                 "autopar.errors"]),
-    ("data", ["autopar.capture", "autopar.plan", "autopar.plan_schema", "autopar.report",
+    ("data", ["autopar.capture", "autopar.options", "autopar.plan", "autopar.plan_schema", "autopar.report",
               "autopar.cost_models", "autopar.analysis"]),
     ("rules", ["autopar.sharding"]),
+    ("pricing", ["autopar.pricing"]),
     ("deciding", ["autopar.solver"]),
     ("doing", ["autopar.passes", "autopar.runtime"]),
     ("face", ["autopar.api", "autopar.cli", "autopar.__main__", "autopar.viz", "autopar.verify", "autopar.first_step",
@@ -116,6 +121,25 @@ def test_nothing_imports_the_entry_points():
            and not any(m == e or m.startswith(e + ".") for e in ENTRY_POINTS)
            and m not in ("autopar", "autopar.__main__", "autopar.verify_worker")]
     assert not bad, "\n".join(bad)
+
+
+READ_ONLY = ("autopar.runtime", "autopar.viz")       # they read plans, never the solver
+
+
+def test_the_runtime_and_the_viewer_read_only_the_plan():
+    bad = [f"{m}:{line} imports {t}" for m, t, line, _ in _edges()
+           if m.startswith(READ_ONLY) and (t == "autopar.solver" or t.startswith("autopar.solver."))]
+    assert not bad, ("the runtime and the viewer read the plan (autopar.plan, autopar.options) "
+                     "and its prices (autopar.pricing), not the solver:\n" + "\n".join(bad))
+
+
+def test_the_read_only_rule_can_fail(tmp_path, monkeypatch):
+    """A runtime module that imported the solver would be named."""
+    fake = tmp_path / "fake.py"
+    fake.write_text("from autopar.solver.driver import solve\n")
+    monkeypatch.setitem(MODULES, "autopar.runtime.fake", fake)
+    with pytest.raises(AssertionError, match=r"autopar.runtime.fake:1 imports autopar.solver.driver"):
+        test_the_runtime_and_the_viewer_read_only_the_plan()
 
 
 def test_no_import_circles():

@@ -11,7 +11,7 @@ import pytest
 
 from autopar.cost_models.hardware import parse_cluster
 from autopar.cost_models.memory import peak_bytes, step_phases
-from autopar.solver.costing import CostModel
+from autopar.pricing.costing import CostModel
 from autopar.solver.flat import plan_captured
 from autopar.solver.ilp import InfeasibleError
 

@@ -28,7 +28,7 @@ from autopar.cost_models.comm import DDP_BUCKET_BYTES
 from autopar.cost_models.offload import exposed_share, host_link, offload_seconds, offload_times
 from autopar.errors import PinError
 from autopar.plan import Plan, PlanError
-from autopar.solver.pins import check_pins
+from autopar.options import Options
 from launch import case_result, register_cases, shared_cases
 
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-3
@@ -114,15 +114,18 @@ def test_copies_overlap_the_gradient_sync(results, case_id):
 
 # ---- single process ------------------------------------------------------------------------
 def test_pin_values():
-    assert check_pins({"offload": "optimizer"}) == {"offload": "optimizer", "zero": 2}   # DeepSpeed's pairing
-    assert check_pins({"offload": "optimizer", "zero": 3})["zero"] == 3
-    assert check_pins({"offload": None}) == {} and check_pins({"offload": "none"}) == {}
+    given = {"offload": "optimizer"}
+    opts = Options.from_pins(given)
+    assert opts.zero == 2 and opts.pipeline == 1      # DeepSpeed's pairing; no pipeline
+    assert given == {"offload": "optimizer"}           # the user's pins are not changed
+    assert Options.from_pins({"offload": "optimizer", "zero": 3}).zero == 3
+    assert Options.from_pins({"offload": None}) == {} and Options.from_pins({"offload": "none"}) == {}
     for pins, words in [({"offload": "cpu"}, "offload='cpu': use 'optimizer'"),
                         ({"offload": "optimizer", "zero": 0}, "zero=0 keeps no shard"),
                         ({"offload": "optimizer", "pipeline": 2}, "pipeline=2 is not supported"),
                         ({"offload": "optimizer", "compress": "bf16"}, "compress='bf16' is not supported")]:
         with pytest.raises(PinError, match=words):
-            check_pins(dict(pins))
+            Options.from_pins(dict(pins))
 
 
 def test_host_link_constants():

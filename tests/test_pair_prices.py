@@ -19,9 +19,9 @@ from autopar.analysis.layers import recompute_nodes, repeated_layers
 from autopar.cost_models.hardware import parse_cluster
 from autopar.placement import Partial, Replicate, Shard, local_shape
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import CostModel, grad_partial_flags
-from autopar.solver.prices import PriceTable
-from autopar.solver.problem import build_problem
+from autopar.pricing.costing import CostModel, grad_partial_flags
+from autopar.pricing.prices import PriceTable
+from autopar.pricing.problem import build_problem
 from conftest import example_and_capture
 
 

@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from autopar.schedule import schedule_actions
-from autopar.solver.simulate import simulate
+from autopar.pricing.simulate import simulate
 from autopar.solver.stage_dp import LayerCosts, plan_stages, simulate_plan, stage_dp
 from autopar.solver.stage_tables import cut_latency
 

@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from autopar.schedule import Action, check_schedule, schedule_actions, torch_schedule_class
-from autopar.solver.simulate import format_grid, simulate
+from autopar.pricing.simulate import format_grid, simulate
 from autopar.solver.stage_dp import in_flight
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")

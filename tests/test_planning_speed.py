@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from autopar.schedule import schedule_actions
-from autopar.solver.simulate import makespan, simulate
+from autopar.pricing.simulate import makespan, simulate
 from autopar.solver.stage_dp import LayerCosts, stage_dp
 from autopar.solver.stage_tables import INF, Candidate, Tables, in_flight
 
@@ -101,7 +101,7 @@ def test_one_compiled_schedule_times_every_set_of_durations(schedule, p, m, v):
     """``stage_dp.simulate_plan`` keeps one dependency structure per schedule
     (``simulate.compile_schedule``) and times every cut with it: each set of durations
     gives exactly the makespan of a plain sweep of the schedule (and ``simulate``'s)."""
-    from autopar.solver.simulate import compile_schedule, makespan_compiled
+    from autopar.pricing.simulate import compile_schedule, makespan_compiled
     comp = compile_schedule(schedule_actions(schedule, p, m, v))
     rng = np.random.default_rng(11 * p + m + v)
     S = p * v
@@ -132,7 +132,7 @@ def test_simulate_plan_makespan_is_its_timeline_end():
 
 def test_deadlocked_schedule_raises_from_the_compiled_path():
     from autopar.schedule import Action
-    from autopar.solver.simulate import compile_schedule, makespan_compiled
+    from autopar.pricing.simulate import compile_schedule, makespan_compiled
     # rank 0 runs B before the F it needs
     actions = [[Action(0, "B", 0), Action(0, "F", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
     with pytest.raises(ValueError, match="deadlocks"):

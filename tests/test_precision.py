@@ -52,7 +52,7 @@ from autopar.ops import collectives
 from autopar.runtime.precision import LossScaler
 from autopar.runtime.thread_ranks import simulate
 from autopar.solver.flat import plan_captured
-from autopar.solver.pins import check_pins
+from autopar.options import Options
 from launch import case_result, torchrun_cases
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -132,11 +132,11 @@ def test_ops_compute_as_autocast_casts_them(pins):
 
 
 def test_grad_reduce_pin_is_checked():
-    assert check_pins({"precision": "bf16", "grad_reduce": "bf16"})["grad_reduce"] == "bf16"
+    assert Options.from_pins({"precision": "bf16", "grad_reduce": "bf16"})["grad_reduce"] == "bf16"
     with pytest.raises(ValueError, match="grad_reduce"):
-        check_pins({"precision": "bf16", "grad_reduce": "fp8"})
+        Options.from_pins({"precision": "bf16", "grad_reduce": "fp8"})
     with pytest.raises(ValueError, match="needs mixed precision"):
-        check_pins({"grad_reduce": "bf16"})
+        Options.from_pins({"grad_reduce": "bf16"})
 
 
 def test_loss_scaler_skips_shrinks_and_grows():

@@ -17,8 +17,8 @@ from autopar import cli as cli_mod
 from autopar.cli import cli
 from autopar.report import fmt_bytes, fmt_time
 from autopar.solver import ilp, pipeline_costs
-from autopar.solver.prices import PriceTable
-from autopar.solver.prices import plan_prices
+from autopar.pricing.prices import PriceTable
+from autopar.pricing.prices import plan_prices
 from autopar.viz.explain import explain
 from conftest import example_and_capture
 
@@ -155,8 +155,8 @@ def test_a_value_no_parameter_reaches_costs_no_gradient_collective():
     all-reduce over the data axis per micro-batch: 0.8 s of Llama 3 405B's step)."""
     from autopar.cost_models.hardware import parse_cluster
     from autopar.placement import Replicate
-    from autopar.solver.costing import CostModel
-    from autopar.solver.problem import build_problem
+    from autopar.pricing.costing import CostModel
+    from autopar.pricing.problem import build_problem
     ex, cap = example_and_capture("llama")
     problem = build_problem(cap, (2,), data_axis=0)
     cost = CostModel.for_pins(parse_cluster("1x2xA100"), (2,), {}, data_axis=0)

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from autopar.solver.accumulate import accumulation_pin
-from autopar.solver.pins import check_pins
+from autopar.options import Options
 from autopar.solver.pipeline_search import pipeline_config
 from benchmarks.published_runs import RUNS, pins_of
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[f"{r.name} ({r.gpus})" for r in RUNS])
 def test_pins_give_the_published_micro_batch(run):
-    pins = check_pins(pins_of(run))
+    pins = Options.from_pins(pins_of(run))
     assert run.tensor * run.pipeline * run.data == run.gpus
     assert pins["tensor"] == run.tensor and pins["data"] == run.data
     batch = [torch.empty(run.batch, 1)]          # only dim 0 is read

@@ -16,8 +16,8 @@ from autopar.api import node_placements, plan_captured
 from autopar.cost_models.hardware import parse_cluster
 from autopar.runtime.thread_ranks import simulate
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import INF, CostModel, grad_partial_flags
-from autopar.solver.problem import build_problem
+from autopar.pricing.costing import INF, CostModel, grad_partial_flags
+from autopar.pricing.problem import build_problem
 from equivalence import compare, parallel_run, reference_run
 
 SEEDS = [int(s) for s in __import__("os").environ.get("AUTOPAR_RANDOM_PLAN_SEEDS", "0,1").split(",")]

@@ -26,8 +26,8 @@ from autopar.capture import capture
 from autopar.cost_models.memory import peak_bytes, step_phases
 from autopar.cost_models.profile import PeakMemory
 from autopar.cost_models.hardware import parse_cluster
-from autopar.solver.costing import CostModel
-from autopar.solver.problem import build_problem
+from autopar.pricing.costing import CostModel
+from autopar.pricing.problem import build_problem
 
 TOLERANCE = 0.10
 

@@ -23,9 +23,9 @@ from autopar.passes.insert_collectives import insert_collectives
 from autopar.runtime.shards import shard_model
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.solver import ilp
-from autopar.solver.costing import grad_partial_flags
+from autopar.pricing.costing import grad_partial_flags
 from autopar.solver.flat import solve_captured
-from autopar.solver.prices import price_table
+from autopar.pricing.prices import price_table
 from conftest import example_and_capture
 from launch import case_result, register_cases, shared_cases
 

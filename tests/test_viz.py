@@ -54,7 +54,7 @@ def test_collectives_sit_where_placements_differ(g, planned):
     for n in cap.gm.graph.nodes:
         if n.op != "call_function" or n.name not in p.nodes:
             continue
-        for k, a in enumerate(graph._tensor_args(n)):
+        for k, a in enumerate(graph.tensor_args(n)):
             src = a.name if a.name in p.nodes else a.args[0].name
             out = 0 if a.name in p.nodes else a.args[1]
             want = p.nodes[n.name].inputs[k]
@@ -120,7 +120,7 @@ def test_own_layout_without_graphviz(g, monkeypatch, tmp_path):
 
 def test_swimlane_of_a_schedule_matches_the_simulator(tmp_path):
     from autopar.schedule import schedule_actions
-    from autopar.solver.simulate import simulate
+    from autopar.pricing.simulate import simulate
     lane = charts.swimlane(schedule="1f1b", stages=4, microbatches=8)
     sim = simulate(schedule_actions("1f1b", 4, 8), forward=1.0, backward=2.0)
     assert len(lane.blocks) == 2 * 4 * 8 and lane.n_lanes == 4

@@ -145,7 +145,7 @@ def test_stage_1_and_2_parameter_collectives_run_once_per_step():
     stage 3 gathers per use and again in backward."""
     from autopar.placement import Replicate, Shard
     from autopar.sharding.registry import TensorMeta
-    from autopar.solver.costing import CostModel
+    from autopar.pricing.costing import CostModel
 
     cl = parse_cluster("1xdgx-a100")
     meta = TensorMeta((4096, 4096), torch.float32)

@@ -59,7 +59,7 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, g):
         none = (None,) * 6
         if ctx.master is not None:     # reduced in fp32 unless grad_reduce says otherwise
-            g = g.to(getattr(current_comm(), "grad_reduce_dtype", None) or ctx.master)
+            g = g.to(current_comm().settings.grad_reduce_dtype or ctx.master)
         if ctx.grad_partial:
             comm = current_comm()
             g = _rank_major(g, ctx.dim, comm.size(ctx.axis), ctx.groups)
@@ -206,7 +206,7 @@ def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: boo
     """S(dim) (or strided S(dim/groups)) -> R on ``axis``. ``regather``: a ZeRO-3 weight,
     which autograd does not keep: backward gathers it again (:class:`RegatheredWeights`).
     ``dtype``: gather the shard cast to it (mixed precision); the gradient returns in the
-    shard's dtype, reduced in it unless the communicator's ``grad_reduce_dtype`` is set.
+    shard's dtype, reduced in it unless the communicator's ``settings.grad_reduce_dtype`` is set.
     ``bucket``: the ``ops.param_buckets.ParamBucket`` that gathered ``x`` with the rest of its
     block (``passes.prefetch``), ``x`` its weight ``index``: take it from there."""
     if bucket is not None:

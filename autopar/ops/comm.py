@@ -26,8 +26,9 @@ import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -153,6 +154,18 @@ def use_comm(comm: "Comm"):
         _local.comm = prev
 
 
+@dataclass
+class StepSettings:
+    """What the module running on a communicator asks of the collectives its step starts,
+    beyond the mesh: set once, by the module, from its plan (``ParallelModule``)."""
+    grad_reduce_dtype: torch.dtype | None = None
+    """The dtype data-parallel gradients are summed in (the plan's ``grad_reduce``); None:
+    the master weights' dtype."""
+    bucket_listener: Any = None
+    """Handed each gradient bucket's shards as soon as its reduction finishes (ZeRO-Offload's
+    ``runtime.offload.HostOptimizer``, which copies them to the host); None: nobody."""
+
+
 class Comm:
     """Collectives along one mesh axis. All reduce with SUM."""
     mesh_shape: tuple[int, ...]
@@ -160,6 +173,17 @@ class Comm:
     rank: int
     device: torch.device     # where this rank's tensors live
     _regathered = None       # ZeRO-3's per-communicator record (ops.collectives.regathered_weights)
+    _settings: StepSettings | None = None
+
+    @property
+    def settings(self) -> StepSettings:
+        """This communicator's :class:`StepSettings` (the defaults until ``configure``)."""
+        if self._settings is None:
+            self._settings = StepSettings()
+        return self._settings
+
+    def configure(self, settings: StepSettings) -> None:
+        self._settings = settings
 
     def size(self, axis: int) -> int:
         return self.mesh_shape[axis]

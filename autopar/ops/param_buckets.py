@@ -17,7 +17,7 @@ shards, launched asynchronously one block ahead of the ops that read them. Each 
   are in flight (an older one is finished first, which frees its buffer); the rest are
   finished when backward ends (an autograd engine callback), which sets each shard's
   ``.grad`` (adding to one already there: gradient accumulation, tied weights gathered
-  twice). A ``bucket_listener`` on the communicator is then handed the bucket's shards
+  twice). A ``settings.bucket_listener`` on the communicator is then handed the bucket's shards
   (``listener.reduced(shards)``: ZeRO-Offload copies their gradients to the host while
   backward goes on).
 
@@ -200,7 +200,7 @@ class ParamBucket:
                 s.grad = g
             else:
                 s.grad.add_(g)
-        listener = getattr(self.comm, "bucket_listener", None)
+        listener = self.comm.settings.bucket_listener
         if listener is not None:      # e.g. ZeRO-Offload: the shards' gradients to the host now
             listener.reduced([self.shards[j] for j in self._send_layout if self._got[j]])
         self._got = [False] * len(self.shards)
@@ -271,7 +271,7 @@ class _Member(torch.autograd.Function):
             return (g if ctx.master is None else g.to(ctx.master)), None, None, None
         # reduced in the shard's dtype, or under mixed precision in grad_reduce's if set
         dtype = g.dtype if ctx.master is None else (
-            getattr(current_comm(), "grad_reduce_dtype", None) or ctx.master)
+            current_comm().settings.grad_reduce_dtype or ctx.master)
         b.deliver(i, g, dtype)
         return None, None, None, None
 

@@ -48,7 +48,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from autopar.errors import ArgumentError
 from autopar.ops.comm import Comm
-from autopar.solver.pins import compress_scheme
+from autopar.options import Options
 
 POWERSGD_START = 2
 LOCAL_SGD_WARMUP = 100
@@ -68,16 +68,15 @@ def data_group(comm: Comm, axis: int):
     return groups[axis]
 
 
-def make_reducer(pins: dict, comm: Comm, axis: int | None) -> "Reducer | None":
-    """The reducer of a plan's ``compress=`` / ``local_sgd=`` pins on the data axis ``axis``
+def make_reducer(options: Options, comm: Comm, axis: int | None) -> "Reducer | None":
+    """The reducer of a plan's ``compress=`` / ``local_sgd=`` options on the data axis ``axis``
     (None when the plan has none, or no data axis, or its data axis has one rank)."""
-    scheme = compress_scheme(pins.get("compress"))
-    h = pins.get("local_sgd")
+    scheme, h = options.compression, options.local_sgd
     if axis is None or comm.size(axis) == 1 or (scheme is None and h is None):
         return None
     group = data_group(comm, axis)
     if h is not None:
-        return LocalSGD(h, pins.get("local_sgd_warmup", LOCAL_SGD_WARMUP), group, axis)
+        return LocalSGD(h, options.local_sgd_warmup if options.local_sgd_warmup is not None else LOCAL_SGD_WARMUP, group, axis)
     kind, arg = scheme
     return {"bf16": Bf16, "powersgd": PowerSGD, "topk": TopK, "int8": Int8}[kind](group, axis, arg)
 

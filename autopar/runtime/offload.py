@@ -11,7 +11,7 @@ parameters; ZeRO-3's shards) and each gradient until its bucket's copy to the ho
 - ``train_step``: each bucket's gradient shards go down as soon as that bucket's reduction
   finishes, while backward goes on with earlier layers. The bucket machinery hands them
   over through a small listener interface: the step's communicator carries this object as
-  ``comm.bucket_listener``, and ``runtime.zero.ZeroGradSync`` (ZeRO-1's all-reduce buckets,
+  ``comm.settings.bucket_listener``, and ``runtime.zero.ZeroGradSync`` (ZeRO-1's all-reduce buckets,
   ZeRO-2's reduce-scatter buckets: all but the last ``IN_FLIGHT`` finished as the next is
   launched) and ``ops.param_buckets.ParamBucket`` (ZeRO-3's reduce-scatter per block) call
   :meth:`HostOptimizer.reduced` with the shards whose gradient is now final. Each copy goes
@@ -50,7 +50,7 @@ class HostOptimizer:
     """Host master copies of ``device_params`` (attribute path -> the device tensor the
     optimizer would otherwise step) on ``device``'s host.
 
-    It is the bucket listener of the step's communicator (``comm.bucket_listener``): the
+    It is the bucket listener of the step's communicator (``comm.settings.bucket_listener``): the
     bucket machinery calls :meth:`reduced` with the device tensors whose gradient a
     finished reduction has just made final (``runtime.zero.ZeroGradSync``'s buckets under
     ZeRO-1/2, ``ops.param_buckets.ParamBucket``'s under ZeRO-3), and :meth:`up` with the

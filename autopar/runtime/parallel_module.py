@@ -28,7 +28,7 @@ from autopar.analysis.stages import assign_stages
 from autopar.capture import Captured
 from autopar.errors import ArgumentError
 from autopar.ops.collectives import regathered_weights
-from autopar.ops.comm import Comm, use_comm
+from autopar.ops.comm import Comm, StepSettings, use_comm
 from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.branch_parallel import keep_branches
 from autopar.passes.check_grad_sync import check_grad_sync
@@ -222,17 +222,17 @@ class ParallelModule(nn.Module):
         working = dict(self.module.named_parameters())
         self._zero = None
         if optimizer_sharded(self.plan):
-            self._zero = OptimizerShards(self.plan.pins["zero"], working, shards.placements,
+            self._zero = OptimizerShards(self.plan.options.zero, working, shards.placements,
                                          splan.mesh_axes.index("data"), self._stage_comm)
             for attr, p in self._zero.params.items():
                 set_tensor(self.module, attr, p)
             self._grad_sync = ZeroGradSync(working, grad_axes, self._stage_comm, self._zero,
-                                           reduce_dtype=grad_reduce_dtype(plan.pins))
+                                           reduce_dtype=grad_reduce_dtype(plan.options))
         else:
             data_axis = splan.mesh_axes.index("data") if "data" in splan.mesh_axes else None
             self._grad_sync = GradSync(working, grad_axes, self._stage_comm,
-                                       reduce_dtype=grad_reduce_dtype(plan.pins),
-                                       reducer=make_reducer(plan.pins, self._stage_comm, data_axis))
+                                       reduce_dtype=grad_reduce_dtype(plan.options),
+                                       reducer=make_reducer(plan.options, self._stage_comm, data_axis))
         self.scaler = self._mixed_precision(plan, pipelined)
         if not pipelined:
             self._grad_sync.launch_on_accumulate()
@@ -243,14 +243,14 @@ class ParallelModule(nn.Module):
         if offloaded(self.plan):
             # ZeRO-Offload (autopar.runtime.offload): pm.parameters() are host master copies
             self._offload = HostOptimizer(dict(self.module.named_parameters()), self.device)
-            self._stage_comm.bucket_listener = self._offload    # copies by bucket, overlapped
+            self._stage_comm.settings.bucket_listener = self._offload  # copies by bucket, overlapped
             for attr, p in self._offload.masters.items():
                 set_tensor(self.module, attr, p)
 
     def _mixed_precision(self, plan: Plan, pipelined: bool) -> LossScaler | None:
         """Set up the plan's precision (``autopar.runtime.precision``); the loss scaler under fp16."""
-        dtype = compute_dtype(plan.pins)
-        self._stage_comm.grad_reduce_dtype = grad_reduce_dtype(plan.pins)
+        dtype = compute_dtype(plan.options)
+        self._stage_comm.configure(StepSettings(grad_reduce_dtype=grad_reduce_dtype(plan.options)))
         if not pipelined:
             self.runner.device, self.runner.dtype = self.device, dtype
         if dtype != torch.float16:
@@ -299,8 +299,8 @@ class ParallelModule(nn.Module):
                                                   stage_of=stage_of)
         programs = {which: r.gm for which, r in rewritten.items()}
         for gm in programs.values():     # mixed precision: ZeRO-3 gathers 16-bit weights
-            low_precision_gathers(gm, compute_dtype(splan.pins))
-            if (splan.pins.get("zero") or 0) >= 3 and not pipelined and not splan.recompute:
+            low_precision_gathers(gm, compute_dtype(splan.options))
+            if splan.options.zero_stage >= 3 and not pipelined and not splan.recompute:
                 prefetch_gathers(gm)     # each ZeRO-3 gather starts one consumer early
         if splan.recompute and "train" in programs and not pipelined:
             programs["train"] = checkpoint_layers(programs["train"], layer_members(cap.gm, splan.recompute))
@@ -363,7 +363,7 @@ class ParallelModule(nn.Module):
     @contextlib.contextmanager
     def _saved_tensor_policy(self):
         """Under zero=3, gathered weights are not saved for backward but gathered again."""
-        if (self.plan.pins.get("zero") or 0) < 3:
+        if self.plan.options.zero_stage < 3:
             yield
             return
         reg = regathered_weights()

@@ -142,7 +142,7 @@ class PipelineRunner:
         self.my_stages = [k for k in range(self.n_stages) if k % p == self.pp_rank]
         self._rank_of_stage = {k: self._pp_global[k % p] for k in range(self.n_stages)}
         self._intra = stage_plan(plan)
-        self._dtype = compute_dtype(plan.pins)     # mixed precision: stages run under autocast
+        self._dtype = compute_dtype(plan.options)     # mixed precision: stages run under autocast
         self.stages: dict[str, list[tuple[StageGraph, _Stage]]] = {}
         self.skip_edges: dict[str, dict] = {}
         self._reads: dict[str, set[int]] = {}     # attr -> every stage (of any program) reading it

@@ -4,8 +4,8 @@ PlanError naming the node and the fix, never with a KeyError or IndexError deep 
 
 The fingerprint check (``autopar.api``) has already said the graph is the one the plan was
 made for; this checks what the fingerprint does not cover: that every node the runtime
-places has placements, that each shard's dim exists on its tensor, and that the pins are
-pins."""
+places has placements and that each shard's dim exists on its tensor (the options were
+checked when the plan was made or loaded)."""
 from __future__ import annotations
 
 import math
@@ -16,14 +16,13 @@ import torch
 from autopar.capture import Captured
 from autopar.placement import Shard
 from autopar.plan import Plan, PlanError
-from autopar.solver.pins import check_pins
 
 FIX = "make the plan again (autopar.plan or `autopar plan`) or undo the edit"
 
 
 def check_plan_fits(plan: Plan, cap: Captured) -> None:
-    """A PlanError for a mesh whose axes, names and world size disagree, pins the solver
-    would not accept, or the first node of ``cap`` that ``plan`` does not place or places on
+    """A PlanError for a mesh whose axes, names and world size disagree (its options were
+    checked when it was made: ``Plan.options``), or the first node of ``cap`` that ``plan`` does not place or places on
     a dim its tensor does not have."""
     if len(plan.mesh_axes) != len(plan.mesh_shape):
         raise PlanError(f"plan field mesh_axes: {list(plan.mesh_axes)} names {len(plan.mesh_axes)} "
@@ -31,10 +30,6 @@ def check_plan_fits(plan: Plan, cap: Captured) -> None:
     if math.prod(plan.mesh_shape) != plan.world_size:
         raise PlanError(f"plan field world_size: {plan.world_size}, but the mesh "
                         f"{list(plan.mesh_shape)} has {math.prod(plan.mesh_shape)} devices; {FIX}")
-    try:
-        check_pins(dict(plan.pins))
-    except ValueError as e:
-        raise PlanError(f"plan field pins: {e}; {FIX}") from e
     for n in cap.gm.graph.nodes:
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor) or n.op not in ("placeholder", "call_function") \

@@ -30,17 +30,19 @@ import contextlib
 import torch
 from torch import nn
 
+from autopar.options import Options
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def compute_dtype(pins: dict) -> torch.dtype | None:
-    """The autocast dtype a plan's pins ask for; None for fp32."""
-    return DTYPES.get(pins.get("precision") or "fp32")
+def compute_dtype(options: Options) -> torch.dtype | None:
+    """The autocast dtype a plan's options ask for; None for fp32."""
+    return DTYPES.get(options.precision or "fp32")
 
 
-def grad_reduce_dtype(pins: dict) -> torch.dtype | None:
+def grad_reduce_dtype(options: Options) -> torch.dtype | None:
     """The dtype gradients are summed in; None for fp32 (the default)."""
-    return DTYPES.get(pins.get("grad_reduce") or "fp32")
+    return DTYPES.get(options.grad_reduce or "fp32")
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

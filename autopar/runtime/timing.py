@@ -25,7 +25,7 @@ Measured, per rank, on the steps after ``warmup``:
 
 Predicted: the plan's estimate (``Plan.estimate``: step, communication by collective, memory
 per device) and, per family, the forward + backward seconds of each node's chosen option in
-the price table the solver used (``solver.prices``, the figures ``autopar explain``
+the price table the solver used (``pricing.prices``, the figures ``autopar explain``
 shows), summed by the family of the node's op; the parameters' rows (optimizer step) form
 ``optimizer``. Pipeline plans predict no per-family rows (their per-stage prices are not
 rebuilt). ZeRO-3's copy-out after each gather (the estimate's ``copy_out@<axis>``) is
@@ -53,8 +53,8 @@ from autopar.placement import placements_str
 from autopar.plan import Plan
 from autopar.report import fmt_bytes, fmt_time
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import COPY_OUT
-from autopar.solver.prices import plan_prices
+from autopar.pricing.costing import COPY_OUT
+from autopar.pricing.prices import plan_prices
 
 OPTIMIZER = "optimizer"
 OTHER = "other"
@@ -206,7 +206,7 @@ class TimingReport:
 # ---- predicted -----------------------------------------------------------------------------
 def predicted_compute(cap, plan: Plan, optimizer: str = "adamw") -> dict[str, float] | None:
     """Forward + backward seconds per step by family row of every node's chosen option in
-    the plan's price table, rebuilt as the solver built it (``solver.prices.plan_prices``,
+    the plan's price table, rebuilt as the solver built it (``pricing.prices.plan_prices``,
     as ``explain`` does); the parameters' own prices form ``optimizer``. None for
     pipeline plans."""
     if plan.pipeline_stages > 1:

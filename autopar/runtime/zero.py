@@ -40,7 +40,7 @@ from autopar.runtime.shards import Shards
 
 def optimizer_sharded(plan: Plan) -> bool:
     """Whether ``plan`` runs ZeRO stage 1 or 2 (working parameters, optimizer shards)."""
-    return (plan.pins.get("zero") or 0) in (1, 2) and "data" in plan.mesh_axes
+    return plan.options.zero_stage in (1, 2) and "data" in plan.mesh_axes
 
 
 def working_plan(plan: Plan) -> Plan:
@@ -108,9 +108,9 @@ class OptimizerShards:
     def gather(self) -> None:
         """All-gather every shard over the data axis into the working parameters (in
         buckets of about ``bucket_bytes``, one flat all-gather each). Collective. Just
-        before a bucket is read, the communicator's ``bucket_listener`` (ZeRO-Offload's
+        before a bucket is read, the communicator's ``settings.bucket_listener`` (ZeRO-Offload's
         host masters) may write its shards: ``listener.up(shards)``."""
-        listener = getattr(self.comm, "bucket_listener", None)
+        listener = self.comm.settings.bucket_listener
         for bucket in self._buckets(list(self.dims)):
             if listener is not None:
                 listener.up([self.params[a] for a in bucket])
@@ -208,11 +208,11 @@ class ZeroGradSync(GradSync):
             self._names[id(self._inflight[-1])] = names
 
     def _finish_early(self) -> None:
-        """With a ``bucket_listener`` on the communicator (ZeRO-Offload), finish the buckets
+        """With a ``settings.bucket_listener`` on the communicator (ZeRO-Offload), finish the buckets
         launched before the last :data:`IN_FLIGHT` as the next is launched (as ZeRO-3's
         ``param_buckets._Scatters`` does), give their optimizer shards their gradients and
         hand the shards to ``listener.reduced``, while backward goes on."""
-        listener = getattr(self.comm, "bucket_listener", None)
+        listener = self.comm.settings.bucket_listener
         if listener is None:
             return
         while len(self._scattered) > IN_FLIGHT:

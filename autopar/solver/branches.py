@@ -32,7 +32,7 @@ from autopar.plan import BranchGroups, Estimate, NodePlacement, Plan
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import Solved, solve_captured
 from autopar.solver.pipeline_search import _sub_cluster
-from autopar.solver.prices import price_table
+from autopar.pricing.prices import price_table
 
 
 def plan_branched(cap: Captured, cl, world: int, n: int, pins: dict, **kw) -> Plan:
@@ -130,7 +130,7 @@ def branch_plan(cap: Captured, cl, world: int, n: int, inner: Plan, solved: Solv
     nodes = {k: NodePlacement(tuple("R" + p for p in v.inputs), tuple("R" + p for p in v.outputs))
              for k, v in inner.nodes.items()}
     return replace(inner, world_size=world, mesh_shape=mesh, mesh_axes=("branch", *inner.mesh_axes),
-                   cluster=cl.name, pins={**inner.pins, "branch": n}, nodes=nodes,
+                   cluster=cl.name, options=inner.options.replace(branch=n), nodes=nodes,
                    estimate=estimate, branches=tuple(groups_of))
 
 

@@ -43,7 +43,7 @@ from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import (drop_deferred, mesh_jobs, plan_captured, recompute_bound_s,
                                  solve_captured, solve_mesh_job)
-from autopar.solver.pins import check_optimizer, check_pins, pipelined
+from autopar.options import Options, check_optimizer, pipelined
 from autopar.solver.pipeline_free import degree_search, search_pipelines
 from autopar.solver.pipeline_search import capture_pipelined, plan_pipelined
 from autopar.solver.speculate import Speculation, best_found_s, workers_for
@@ -83,7 +83,7 @@ def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | 
 
     ``loss_fn`` is captured in the graph when an example ``target`` is given (else the loss
     runs outside it, on the replicated output). ``pins`` fix choices (see
-    ``autopar.solver.pins``). ``captured``: the full-batch graph when the caller has it
+    ``autopar.options.Options``). ``captured``: the full-batch graph when the caller has it
     already (``capture_s`` the seconds it took), so it is not captured again.
     """
     with _collector_paused():
@@ -129,11 +129,9 @@ def _collector_paused():
 def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local", world_size=None,
            pins=None, memory_budget=None, mesh_shape=None, optimizer="adamw", time_limit_s=60.0,
            verbose=False, profiler=None, captured=None, capture_s=None) -> Planned:
-    pins = check_pins(dict(pins or {}))
+    pins = Options.from_pins(pins)
     check_optimizer(optimizer)
-    if pins.get("compress") not in (None, "none") or pins.get("local_sgd") or pins.get("offload"):
-        pins.setdefault("pipeline", 1)    # lossy reduction, offload: not offered with pipelines yet
-    if pins.get("compress") == "auto":
+    if pins.compress == "auto":
         best = None
         for scheme in AUTO_COMPRESS:
             got = solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
@@ -322,7 +320,7 @@ def _search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, 
         print("planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()))
     if best is None:
         tried = [k for k in ("accumulation", "pipeline search", "offload") if k in phases]
-        if tried and isinstance(error, InfeasibleError) and hasattr(error, "suggestions"):
+        if tried and isinstance(error, InfeasibleError) and error.suggestions:
             error.args = (f"{error}\nalso tried, none fits: {', '.join(tried)}",)
         raise error
     return Planned(replace(best.plan, solver=replace(best.plan.solver, phases=phases)), best.captured)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from autopar.plan import PlanError
 from autopar.solver.ilp import InfeasibleError, _gib
-from autopar.solver.problem import PinError
+from autopar.pricing.problem import PinError
 from autopar.solver.stage_dp import StagesDoNotFit
 
 __all__ = ["InfeasibleError", "PipelineInfeasibleError", "PinError", "PlanError",

@@ -16,15 +16,15 @@ from autopar.errors import PinError
 from autopar.placement import local_shape, placements_str
 from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import OVERLAPPED, CostModel
+from autopar.pricing.costing import OVERLAPPED, CostModel
 from autopar.solver.errors import gib, one_screen
 from autopar.solver import speculate
 from autopar.solver.ilp import InfeasibleError, Solution, _gib, explain_infeasible
 from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
-from autopar.solver.pins import check_optimizer
-from autopar.solver.prices import memory_floor
-from autopar.solver.problem import _describe, _placeholder_choices, build_problem
+from autopar.options import Options, check_optimizer
+from autopar.pricing.prices import memory_floor
+from autopar.pricing.problem import _describe, _placeholder_choices, build_problem
 
 RECOMPUTE_WHEN = 0.9
 """Recompute every repeated layer too when the best plan without it uses this share of memory."""
@@ -119,7 +119,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
                 best = got
     if best is None:
         errors = [_explained(e) for e in errors]
-        if not explain or not any(hasattr(e, "need_bytes") for e in errors):
+        if not explain or not any(e.explained for e in errors):
             raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
         raise infeasible(cap, cl, world, pins, errors, **kw)
     plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases)
@@ -134,7 +134,7 @@ def wide_grads(pins: dict) -> bool:
 def _explained(e: InfeasibleError) -> InfeasibleError:
     """``e``, or where ``_search`` left it unexplained, the error that says how far from
     fitting its mesh is (the least-memory plan's figures: ``ilp.explain_infeasible``)."""
-    if not hasattr(e, "unexplained"):
+    if e.unexplained is None:
         return e
     got = explain_infeasible(*e.unexplained)
     got.axes, got.roles, got.recompute = e.axes, e.roles, e.recompute
@@ -414,7 +414,7 @@ def infeasible(cap: Captured, cl, world: int, pins: dict, errors: list, *, budge
     ``meshes`` (every mesh's figures), ``closest`` and ``suggestions``."""
     rows = [_row(_family(e.mesh_shape, e.axes), e.mesh_shape,
                  f"recompute={e.recompute!r}" if e.recompute else "", e.need_bytes, e.terms)
-            for e in errors if hasattr(e, "need_bytes")]
+            for e in errors if e.explained]
     rec = errors[-1].recompute if errors else None
     zero_free = pins.get("zero") is None and pins.get("tensor") in (None, 1)
     if zero_free:       # the ZeRO stage that shards the most, on the data axis
@@ -453,9 +453,8 @@ def infeasible(cap: Captured, cl, world: int, pins: dict, errors: list, *, budge
     if verbose:
         for r in rows:
             print(f"  {r['family']:<22} mesh {str(r['mesh']):<10} {r['variant']:<22} needs {gib(r['need'])}")
-    err = InfeasibleError(one_screen(budget, world, list(closest.values()), sugg, len(rows)))
-    err.meshes, err.closest, err.suggestions = rows, list(closest.values()), sugg
-    return err
+    return InfeasibleError(one_screen(budget, world, list(closest.values()), sugg, len(rows)),
+                           meshes=rows, closest=list(closest.values()), suggestions=sugg)
 
 
 def _up(b: float) -> int:
@@ -521,7 +520,7 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budg
                           phases=dict(phases or {}))
     params = {names[i]: ph for ph, names in cap.params.items() for i in range(len(names))}
     return Plan(world_size=world, mesh_shape=best.shape, mesh_axes=axes, cluster=cl.name,
-                pins={k: v for k, v in pins.items() if v is not None}, nodes=nodes,
+                options=Options.from_pins({k: v for k, v in pins.items() if v is not None}), nodes=nodes,
                 params=params, fingerprint=fingerprint(cap), estimate=est, solver=report,
                 memory_budget=memory_budget,
                 param_shapes={n: list(cap.node(ph).meta["val"].shape) for n, ph in params.items()},

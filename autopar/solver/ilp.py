@@ -36,7 +36,7 @@ The estimate (``_fill_breakdown``) counts each group's chosen pairs once the sam
 n_v is the number of graph nodes that share v's choice (repeated layers), n_uv the number
 of graph edges that share an edge. Classes p and q are placements, not options, so an
 edge has at most (#placements)² terms however many options its ends have. Every
-coefficient is read from the problem's :class:`autopar.solver.prices.PriceTable`, the
+coefficient is read from the problem's :class:`autopar.pricing.prices.PriceTable`, the
 prices ``explain``, the stage DP and the estimate read too.
 """
 from __future__ import annotations
@@ -45,18 +45,58 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ortools.linear_solver import _pywraplp, pywraplp
+import ortools
+from ortools.linear_solver import pywraplp
+
+try:        # OR-Tools' SWIG calls under pywraplp's Python wrappers: see FAST_PATH
+    from ortools.linear_solver import _pywraplp
+except ImportError:         # pragma: no cover - an OR-Tools without them: the public API
+    _pywraplp = None
 
 from autopar.cost_models.memory import peak_bytes
 from autopar.errors import AutoparInputError
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import INF, CostModel, exposed_sync, grad_partial_flags
-from autopar.solver.prices import PriceTable, price_table
-from autopar.solver.problem import Problem
+from autopar.pricing.costing import INF, CostModel, exposed_sync, grad_partial_flags
+from autopar.pricing.prices import PriceTable, price_table
+from autopar.pricing.problem import Problem
+
+
+FAST_PATH_CHECKED = ("9.12.", "9.15.")
+"""OR-Tools versions whose private SWIG functions (``_pywraplp.Solver_Constraint``,
+``Constraint_SetCoefficient``, ``Solver_NumVar``, what ``Solver.Constraint`` /
+``SetCoefficient`` / ``NumVar`` call under their Python wrappers) this module was checked
+on; they make a large mesh's millions of coefficients ~2x faster to write. On any other
+version the ILP is written through the public API (``tests/test_ilp_api.py`` holds the two
+to the same plan)."""
+FAST_PATH = _pywraplp is not None and ortools.__version__.startswith(FAST_PATH_CHECKED)
 
 
 class InfeasibleError(AutoparInputError):
-    """No plan fits the memory budget."""
+    """No plan fits the memory budget. Where the search worked out how far, the error says
+    so in its fields (None or empty where it did not):
+
+    - one mesh's ILP (``flat._search``): ``mesh_shape``, ``axes``, ``roles``, ``recompute``,
+      and, once explained (``explain_infeasible``: the least-memory plan, one more ILP),
+      ``need_bytes`` and its ``terms`` by memory term; ``unexplained`` holds what that
+      explanation needs until it is asked for;
+    - the whole search (``flat.infeasible``): ``meshes`` (every mesh's figures),
+      ``closest`` (per mesh family) and ``suggestions`` (the smallest changes that fit)."""
+
+    def __init__(self, message: str = "", *, mesh_shape: tuple | None = None,
+                 axes: tuple | None = None, roles: dict | None = None, recompute=None,
+                 need_bytes: float | None = None, terms: dict | None = None,
+                 unexplained: tuple | None = None, meshes: list | None = None,
+                 closest: list | None = None, suggestions: list | None = None):
+        super().__init__(message)
+        self.mesh_shape, self.axes, self.roles, self.recompute = mesh_shape, axes, roles, recompute
+        self.need_bytes, self.terms, self.unexplained = need_bytes, terms, unexplained
+        self.meshes, self.closest = meshes or [], closest or []
+        self.suggestions = suggestions or []
+
+    @property
+    def explained(self) -> bool:
+        """Whether the least-memory plan's figures (``need_bytes``, ``terms``) are known."""
+        return self.need_bytes is not None
 
 
 @dataclass
@@ -318,7 +358,12 @@ def _memory_rows(x: dict, tab: _Tables, phases: tuple) -> list:
 
 def _row(m, lo: float, hi: float, terms) -> None:
     """The constraint ``lo <= sum(coefficient * variable) <= hi`` (each variable once);
-    through pywraplp's own calls under its Python wrappers (millions on a large mesh)."""
+    through pywraplp's own calls under its Python wrappers where checked (FAST_PATH)."""
+    if not FAST_PATH:
+        row = m.Constraint(lo, hi)
+        for v, c in terms:
+            row.SetCoefficient(v, c)
+        return
     row = _pywraplp.Solver_Constraint(m, lo, hi)
     set_coefficient = _pywraplp.Constraint_SetCoefficient
     for v, c in terms:
@@ -339,7 +384,8 @@ def _add_edges(m, x: dict, tab: _Tables, obj: dict, minimize_memory: bool,
     pair that several edges of one shared-conversion group can carry is paid once, on its
     own variable ``s`` (module docstring)."""
     carriers = defaultdict(list)     # (group, pair) -> each edge's indicator: its variables
-    num_var = _pywraplp.Solver_NumVar       # m.NumVar without its Python wrapper
+    # m.NumVar without its Python wrapper (FAST_PATH)
+    num_var = _pywraplp.Solver_NumVar if FAST_PATH else pywraplp.Solver.NumVar
 
     def pay(variables, t: float, h: float) -> None:
         for var in variables:
@@ -435,14 +481,13 @@ def explain_infeasible(problem, cost, budget, time_limit_s) -> InfeasibleError:
     need = least.memory_total
     terms = ", ".join(f"{k} {_gib(b)}" for k, b in sorted(least.memory.items(), key=lambda kv: -kv[1]))
     binding = max(least.memory.items(), key=lambda kv: kv[1])[0] if least.memory else "?"
-    err = InfeasibleError(
+    # the figures, for a summary over meshes (autopar.solver.flat)
+    return InfeasibleError(
         f"no plan on mesh {problem.mesh_shape} fits the memory budget of {_gib(budget)} per "
         f"device: the smallest plan needs {_gib(need)} ({terms}); {binding} is the largest "
         f"term. Fix: raise memory_budget to at least {_gib(need)}, use more devices, or "
-        "shard more (zero=3, tensor=...)")
-    # the figures, for a summary over meshes (autopar.solver.flat)
-    err.mesh_shape, err.need_bytes, err.terms = tuple(problem.mesh_shape), need, dict(least.memory)
-    return err
+        "shard more (zero=3, tensor=...)",
+        mesh_shape=tuple(problem.mesh_shape), need_bytes=need, terms=dict(least.memory))
 
 
 def _gib(b: float) -> str:

@@ -3,7 +3,7 @@
 The core solver prices a plan as a whole (``Solution.compute_s``, ``comm_s``, ``memory``);
 a pipeline needs the same prices per node, so it can add them up per stage. For every
 node of ``chain(cap)`` (the op nodes a cut may fall before), read from the
-:class:`autopar.solver.prices.PriceTable` the solver used (nothing is priced again: same
+:class:`autopar.pricing.prices.PriceTable` the solver used (nothing is priced again: same
 precision, recomputation, the cluster's links), without its per-stage factors:
 
 - ``compute``: forward + backward seconds of one micro-batch (recomputed nodes pay their
@@ -38,8 +38,8 @@ from autopar.analysis.stages import chain, chain_index, crossing_bytes, paramete
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import COPY_OUT, INF, grad_partial_flags
-from autopar.solver.prices import PriceTable, price_table
+from autopar.pricing.costing import COPY_OUT, INF, grad_partial_flags
+from autopar.pricing.prices import PriceTable, price_table
 
 
 @dataclass

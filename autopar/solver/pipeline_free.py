@@ -16,6 +16,7 @@ from dataclasses import replace
 from autopar.analysis.layers import repeated_layers, select_layers
 from autopar.analysis.stages import chain
 from autopar.capture import Captured
+from autopar.options import Options
 from autopar.plan import Plan
 from autopar.solver import speculate
 from autopar.solver.errors import InfeasibleError
@@ -161,8 +162,8 @@ def _replan_recomputing(real: Plan, mcap, model, example_inputs, loss_fn, target
         except ValueError:
             continue
         if again.estimate.step_time_s < best.estimate.step_time_s:
-            best = replace(again, pins={k: v for k, v in again.pins.items()
-                                        if k in pins or k == "zero"})
+            best = replace(again, options=Options.from_pins(
+                {k: v for k, v in again.options.items() if k in pins or k == "zero"}))
     return best
 
 

@@ -20,10 +20,10 @@ from autopar.cost_models.comm import collective_time
 from autopar.placement import Shard, local_shape, parse_placements
 from autopar.plan import Estimate, Plan
 from autopar.schedule import schedule_actions
-from autopar.solver.costing import OVERLAPPED, exposed_sync
-from autopar.solver.pins import OPTIMIZER_STATES
+from autopar.pricing.costing import OVERLAPPED, exposed_sync
+from autopar.options import OPTIMIZER_STATES
 from autopar.solver.pipeline_costs import node_costs
-from autopar.solver.simulate import simulate
+from autopar.pricing.simulate import simulate
 from autopar.solver.stage_dp import LayerCosts, in_flight, plan_stages
 from autopar.solver.stage_tables import cut_latency
 

@@ -48,6 +48,7 @@ from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
 from autopar.analysis.stages import chain, parameter_positions
 from autopar.capture import Captured, capture
 from autopar.errors import PinError
+from autopar.options import Options
 from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
 from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
@@ -332,8 +333,8 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
              for k, v_ in intra.nodes.items()}
     return replace(intra, nodes=nodes, world_size=world, mesh_shape=(p, *intra.mesh_shape),
                    mesh_axes=("pipeline", *intra.mesh_axes), memory_budget=memory_budget,
-                   pins={**{k: v_ for k, v_ in pins.items() if v_ is not None},
-                         **({"zero": intra.pins["zero"]} if intra.pins.get("zero") else {})},
+                   options=Options.from_pins(pins).replace(
+                       **({"zero": intra.options.zero} if intra.options.zero else {})),
                    estimate=estimate,
                    pipeline=Pipeline(p, v, m, schedule, tuple(units[c] for c in cuts)))
 

@@ -76,7 +76,7 @@ import numpy as np
 from autopar.errors import PinError
 
 from autopar.schedule import SCHEDULES, check_schedule, schedule_actions
-from autopar.solver.simulate import compile_schedule, makespan_compiled, simulate
+from autopar.pricing.simulate import compile_schedule, makespan_compiled, simulate
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
 from autopar.solver.stage_tables import (
     INF, Candidate, Stack, Tables, Tiebreak, bubble_rho, in_flight, price, ring_factor,
@@ -416,7 +416,7 @@ def _no_fit_message(candidates, tables, args) -> str:
 
 
 def simulate_plan(plan: StagePlan, timeline: bool = True):
-    """Per-rank timeline of ``plan`` from ``autopar.solver.simulate``; ``timeline=False``:
+    """Per-rank timeline of ``plan`` from ``autopar.pricing.simulate``; ``timeline=False``:
     its makespan alone (``simulate.makespan``, the same figure without the timeline)."""
     times = np.asarray(plan.stage_times)
     f = plan.forward_fraction

@@ -2,7 +2,7 @@
 by term, and a pipeline swimlane (ranks × time).
 
 A pipeline plan's swimlane is its own schedule (micro-batches, virtual stages) simulated by
-``autopar.solver.simulate`` with the plan's predicted stage times where the estimate has
+``autopar.pricing.simulate`` with the plan's predicted stage times where the estimate has
 them (``estimate.stage_times_s``), one lane per pipeline rank. A plan without a pipeline
 shows one lane per rank with the estimate's compute and communication as two blocks (every
 rank runs the same SPMD program). Any schedule can be drawn on its own in unit times
@@ -18,7 +18,7 @@ from autopar.errors import ArgumentError
 from autopar.plan import Plan
 from autopar.report import fmt_bytes, fmt_time
 from autopar.schedule import schedule_actions
-from autopar.solver.simulate import simulate
+from autopar.pricing.simulate import simulate
 
 TERM_COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52",
                "activations": "#8172b2", "inputs": "#ccb974", "buffers": "#64b5cd"}

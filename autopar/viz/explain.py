@@ -22,8 +22,8 @@ from autopar.errors import AutoparInputError
 from autopar.placement import parse_placements, placements_str
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import INF, grad_partial_flags
-from autopar.solver.prices import PriceTable, plan_prices
+from autopar.pricing.costing import INF, grad_partial_flags
+from autopar.pricing.prices import PriceTable, plan_prices
 from autopar.viz.graph import grad_partial
 
 

@@ -22,7 +22,7 @@ from autopar.capture import Captured, layer_of
 from autopar.placement import Replicate, parse_placements
 from autopar.plan import Plan
 from autopar.sharding.redistribute import Unsupported, plan_steps
-from autopar.solver.problem import _tensor_args
+from autopar.pricing.problem import tensor_args
 
 
 @dataclass
@@ -153,7 +153,7 @@ def _add_edges(g: Graph, cap: Captured, plan: Plan, alias: dict[str, tuple[str, 
         if node.name not in g.nodes or node.op != "call_function":
             continue
         dst_pl = plan.nodes[node.name]
-        for k, a in enumerate(_tensor_args(node)):
+        for k, a in enumerate(tensor_args(node)):
             src, out = alias.get(a.name, (a.name, 0))
             if src not in g.nodes or k >= len(dst_pl.inputs):
                 continue

@@ -33,10 +33,10 @@ from autopar.errors import ArgumentError
 from autopar.placement import Replicate
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.solver.costing import (INF, Collective, CostModel, grad_partial_flags, hidden_steps_s,
+from autopar.pricing.costing import (INF, Collective, CostModel, grad_partial_flags, hidden_steps_s,
                                      params_read, price_steps)
-from autopar.solver.pins import OPTIMIZER_STATES
-from autopar.solver.problem import VIEW_OPS, Problem, build_problem, is_unary_elementwise
+from autopar.options import OPTIMIZER_STATES
+from autopar.pricing.problem import VIEW_OPS, Problem, build_problem, is_unary_elementwise
 
 
 @dataclass(frozen=True)

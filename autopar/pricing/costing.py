@@ -27,8 +27,8 @@ from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
-from autopar.solver.pins import compress_scheme
-from autopar.solver.problem import VIEW_OPS, NodeVar
+from autopar.options import compress_scheme
+from autopar.pricing.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
 OVERLAPPED = "overlapped"
@@ -161,7 +161,7 @@ class CostModel:
             if self.profiler is None else {}
         self._rec_count: dict = {}   # id(NodeVar) -> (it, members recomputed)
         self._kept: dict = {}        # id(NodeVar) -> (it, whether a member is kept, _keeps)
-        self._prices = None      # the PriceTable of the last problem priced (autopar.solver.prices)
+        self._prices = None      # the PriceTable of the last problem priced (autopar.pricing.prices)
 
     @classmethod
     def for_pins(cls, cluster: Cluster, mesh_shape: tuple[int, ...], pins: dict, *,

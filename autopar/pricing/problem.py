@@ -1,7 +1,7 @@
 """The sharding problem: for every graph node the ways it can be placed, and the edges.
 
 Built from a captured graph, a mesh shape and the user's pins; holds no costs (those come
-from ``autopar.solver.costing``) and no solver (``autopar.solver.ilp``).
+from ``autopar.pricing.costing``) and no solver (``autopar.solver.ilp``).
 
 Repeated layers share one solution: nodes of ``h.1``, ``h.2``, ... whose op sequence and
 shapes equal those of ``h.0`` are *members* of ``h.0``'s node and take its choice, so the
@@ -257,7 +257,7 @@ def _has_tensor_output(node) -> bool:
     return any(isinstance(x, torch.Tensor) for x in leaves)
 
 
-def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Tensor inputs of a node in the order OpCall flattens them."""
     out = []
     for a in torch.utils._pytree.tree_leaves((node.args, dict(node.kwargs)),
@@ -362,10 +362,10 @@ class GraphIndex:
         return got
 
     def tensor_args(self, node: torch.fx.Node) -> list[torch.fx.Node]:
-        """:func:`_tensor_args` of ``node`` (read only)."""
+        """:func:`tensor_args` of ``node`` (read only)."""
         got = self.args.get(node.name)
         if got is None:
-            got = self.args[node.name] = _tensor_args(node)
+            got = self.args[node.name] = tensor_args(node)
         return got
 
     def tensor_output(self, node: torch.fx.Node) -> bool:
