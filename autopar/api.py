@@ -138,7 +138,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                timeout=timeout, weights=weights)
     if reference is not None:      # the first train_step, checked against one device
         pm.train_step = first_step.FirstStepCheck(pm, reference, loss_fn,
-                                                  the_plan.pins.get("precision"))
+                                                  the_plan.options.precision)
     return pm
 
 
@@ -156,7 +156,7 @@ def _check_mesh_shape(mesh_shape) -> None:
                             "or None to let the solver choose")
 
 
-def _check_run_arguments(model, plan, pins: dict, batch: str, memory_budget,
+def _check_run_arguments(model, plan, pins: Options, batch: str, memory_budget,
                          mesh_shape=None) -> None:
     """ArgumentErrors for what ``parallelize`` cannot run, before any process group or
     capture: a plan that is no Plan or path, pins beside a plan, an unknown batch mode, a

@@ -37,7 +37,7 @@ from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.timing import TimingReport
 from autopar.pricing.costing import INF
 from autopar.solver.driver import solve
-from autopar.options import Options, pipelined
+from autopar.options import Options
 from autopar.verify import GRAD_RTOL, LOSS_RTOL, STEPS, WEIGHT_RTOL
 from autopar.viz.diff import diff as plan_diff
 from autopar.viz.explain import explain as explain_node
@@ -79,18 +79,18 @@ class _Group(click.Group):
             raise InternalError(e) from e
 
 
-def _solve(step, ex: Example, cl, world: int, pins: dict, **kw):
+def _solve(step, ex: Example, cl, world: int, pins: Options, **kw):
     """``autopar.solver.driver.solve`` (as ``autopar.plan``), its steps shown by ``step``:
     the full-batch capture (unless a pipeline is pinned: that captures at its micro-batch),
     then the search."""
     cap, capture_s = None, None
-    if not pipelined(pins):
+    if not pins.pipelined:
         with step("capturing the training graph (torch.export)"):
             t0 = time.perf_counter()
             cap = capture(ex.model, ex.inputs, ex.loss_fn if ex.target is not None else None,
                           ex.target)
             capture_s = time.perf_counter() - t0
-    what = "pipelines, meshes" if pipelined(pins) or cl.nodes > 1 else "meshes"
+    what = "pipelines, meshes" if pins.pipelined or cl.nodes > 1 else "meshes"
     with step(f"solving ({what}) for {world} devices of {cl.name}"):
         return solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cl,
                      world_size=world, pins=pins, captured=cap, capture_s=capture_s, **kw).plan

@@ -278,15 +278,10 @@ def check_optimizer(optimizer: str) -> int:
     return OPTIMIZER_STATES[optimizer]
 
 
-def pipelined(pins: "Mapping[str, Any]") -> bool:
-    """Whether options (or a mapping of pins) ask for a pipeline (``pipeline=1``: none)."""
-    return (pins.get("pipeline") or 1) > 1
-
-
 def as_options(pins: "Options | Mapping[str, Any] | None") -> Options:
     """``pins`` as Options (checked once: Options pass through as they are)."""
     return pins if isinstance(pins, Options) else Options.from_pins(pins)
 
 
 __all__ = ["COMPRESS_HELP", "KNOWN_PINS", "NAMES", "OFFLOAD_DEFAULT_ZERO", "OPTIMIZER_STATES",
-           "Options", "as_options", "check_optimizer", "compress_scheme", "pipelined"]
+           "Options", "as_options", "check_optimizer", "compress_scheme"]

@@ -73,7 +73,7 @@ def _solved(cap, plan, cl, optimizer: str) -> Solved:
     sub = _sub_cluster(cl, plan.world_size // p) if p > 1 else cl
     problem = build_problem(cap, shape, zero=plan.pins.get("zero") or 0,
                             optimizer_states=OPTIMIZER_STATES[optimizer], **roles)
-    cost = CostModel.for_pins(sub, shape, plan.pins, data_axis=roles.get("data_axis"),
+    cost = CostModel.for_pins(sub, shape, plan.options, data_axis=roles.get("data_axis"),
                               recompute=recompute_nodes(cap.gm, plan.recompute),
                               grad_sync_scale=1.0 / (plan.n_microbatches if p > 1 else plan.accumulate),
                               native=cap.native_dtypes)

@@ -18,7 +18,8 @@ Two halves, one idea:
   * parameters and buffers are read where they are used (a tied weight used in two stages
     is held by both), user inputs other than stage 0's are read from the step's batch by
     the stage itself (``side_input``; every rank has the global batch), and nodes that
-    depend on no input or parameter (masks, position tables) are recomputed where needed.
+    depend on no input or parameter (masks, position tables) are recomputed where needed,
+    as are the collectives that place a user input (its data-parallel share).
 
 The functions the stage graphs call (``side_input``, ``skip_send``, ``skip_recv``,
 ``stage_input``, ``stage_output``) live in ``autopar.ops.stage_ops``; the graphs name them,
@@ -34,6 +35,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from autopar.analysis.stages import SplitError, free_nodes
+from autopar.ops import collectives
 from autopar.ops import stage_ops as rt
 
 
@@ -79,7 +81,7 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
     for n in nodes:
         if n.op == "get_attr":
             n.meta["is_buffer"] = n.target not in params
-    cut = _Cut(nodes, _stages_of(nodes, stage_of, n_stages), free_nodes(gm.graph),
+    cut = _Cut(nodes, _stages_of(nodes, stage_of, n_stages), free_nodes(gm.graph) | _input_moves(nodes),
                _requires_grad(nodes, root, no_grad), meta_of, n_stages)
     crossing, far = cut.crossings()
     skips: list[SkipEdge] = []
@@ -89,6 +91,23 @@ def split_stages(gm: GraphModule, stage_of: dict[str, int], n_stages: int, model
             skips.append(SkipEdge(len(skips), v.name, cut.st[v], t, shape, dtype, rg))
     out = [cut.stage_graph(s, crossing, skips, model_inputs, root) for s in range(n_stages)]
     return out, skips
+
+
+_MOVES = frozenset({collectives.scatter, collectives.all_gather, collectives.all_to_all})
+
+
+def _input_moves(nodes: list[Node]) -> set[str]:
+    """The collectives that place a user input as the plan asks (a scatter to this rank's
+    share of the batch): recomputed in every stage that reads them, from the step's batch
+    (``side_input``) like the input itself, never sent. (A model that returns its own loss
+    reads its labels in the first stage, to shift them, and in the last, for the loss.)"""
+    moves: set[str] = set()
+    for n in nodes:
+        if n.op == "call_function" and n.target in _MOVES and len(n.all_input_nodes) == 1:
+            a = n.all_input_nodes[0]
+            if a.op == "placeholder" or a.name in moves:
+                moves.add(n.name)
+    return moves
 
 
 def _stages_of(nodes: list[Node], stage_of: dict[str, int], S: int) -> dict[Node, int]:

@@ -175,6 +175,14 @@ CASES = [
     Bad("unknown-schedule", lambda w: w.plan_with(w.model, (w.x,), w.loss_fn, target=w.y,
                                                   cluster="cpu:2", pipeline=2, schedule="zigzag"),
         PinError, ("unknown schedule 'zigzag'", "choose one of gpipe")),
+    # an unknown value is named before a combination problem (here: no target for the pipeline)
+    Bad("unknown-schedule-before-missing-target", lambda w: w.plan_with(
+        w.model, (w.x,), w.loss_fn, cluster="cpu:2", pipeline=2, schedule="banana"),
+        PinError, ("unknown schedule 'banana'", "choose one of gpipe")),
+    # a loss outside the graph (no example target) is tried on the output when planning
+    Bad("loss-outside-not-a-scalar", lambda w: w.plan_with(
+        w.model, (w.x,), lambda out, t: out.pow(2), cluster="cpu:2"),
+        ArgumentError, ("loss_fn returned Tensor[", "not a scalar", ".mean() or .sum()")),
     Bad("unknown-cluster", lambda w: w.plan_with(w.model, (w.x,), w.loss_fn, target=w.y,
                                                  cluster="3xfoo"),
         ClusterError, ("unknown cluster spec '3xfoo'", "e.g. '4x8xH100'")),

@@ -7,7 +7,9 @@ export, and equals it too.
 """
 from __future__ import annotations
 
+
 import importlib
+import logging
 import os
 import sys
 from dataclasses import fields
@@ -226,13 +228,31 @@ def test_blocks_that_differ_fall_back(model, stamped):
     assert_same_capture(got, capture(model, (x,), loss, y, stamp=False))
 
 
-def test_plain_blocks_stamp():
+def test_plain_blocks_stamp(stamped):
     """The small model of the fallback cases stamps when its blocks are alike (so those
     cases fall back for the reason each names)."""
     model = _Net([nn.Linear(16, 16) for _ in range(9)])
     x, y = torch.randn(4, 16), torch.randn(4, 4)
     got = capture(model, (x,), nn.functional.mse_loss, y)
+    assert stamped == [9 - stamp.SHALLOW], "the capture was not stamped"
     assert stamp.find_container(export_mod._WithLoss(model, None, 1)) is not None
+    assert_same_capture(got, capture(model, (x,), nn.functional.mse_loss, y, stamp=False))
+
+
+def test_a_stamping_failure_is_said_at_warning_level(stamped, monkeypatch, caplog):
+    """Where the blocks qualify but stamping fails (here: planted), the model is exported
+    whole, the same graph, and a warning says why and that the capture is slower."""
+    model = _Net([nn.Linear(16, 16) for _ in range(9)])
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+
+    def broken(self, root):
+        raise KeyError("planted: torch.fx renamed its namespace")
+    monkeypatch.setattr(stamp._Stamper, "run", broken)
+    with caplog.at_level(logging.WARNING, logger="autopar.capture.stamp"):
+        got = capture(model, (x,), nn.functional.mse_loss, y)
+    assert stamped == [None]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("exporting _Net whole (slower" in w and "planted" in w for w in warned), warned
     assert_same_capture(got, capture(model, (x,), nn.functional.mse_loss, y, stamp=False))
 
 

@@ -250,8 +250,8 @@ def test_free_virtual_stages_are_priced_with_cut_points_for_the_most_stages(monk
     pinned = plan(ex, "4xA100", pipeline=4, micro_batch_size=1, schedule="interleaved-1f1b",
                   virtual_stages=got.pipeline.virtual_stages)
     assert got.estimate.step_time_s == pytest.approx(pinned.estimate.step_time_s, rel=1e-9)
-    assert ps.most_stages({"schedule": "1f1b"}, 4) == 4
-    assert ps.most_stages({"schedule": "interleaved-1f1b", "virtual_stages": 3}, 4) == 12
+    assert ps.most_stages({"pipeline": 4, "schedule": "1f1b"}, 4) == 4
+    assert ps.most_stages({"pipeline": 4, "schedule": "interleaved-1f1b", "virtual_stages": 3}, 4) == 12
 
 
 def test_bytes_crossing_a_layer_boundary_do_not_grow_along_the_layers():

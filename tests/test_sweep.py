@@ -98,8 +98,10 @@ CASES: list[tuple[sc.Case, str | None]] = [
     (C("ex-gpt", "pp-zero-bubble", 2, "smoothing", {"pipeline": 2, "schedule": "zero-bubble",
                                                      "micro_batch_size": 2}), None),
     # a model that returns its own loss through a pipeline (was refused: "needs the loss in
-    # the graph"; the last stage computes each micro-batch's loss either way)
-    (C("t5", "pp-1f1b", 2, "own", {"pipeline": 2, "schedule": "1f1b", "micro_batch_size": 2}), None),
+    # the graph"), on a data axis: its labels, read in the first stage (shifted right) and
+    # the last (the loss), are scattered to each rank's share in every stage that reads them
+    (C("t5", "pp-gpipe", 4, "own", {"data": 2, "pipeline": 2, "schedule": "gpipe",
+                                    "micro_batch_size": 2}), None),
     (C("gpt_neox", "per-rank", 2, "sum", {"data": 2}, gloo=True), None),
     (C("gemma2", "offload", 2, "weighted", {"data": 2, "offload": "optimizer", "zero": 3}, gloo=True), None),
     (C("bert", "free", 4, "mean", gloo=True), None),

@@ -161,6 +161,27 @@ def _describe(value) -> str:
     return shapes[0] if len(shapes) == 1 else "(" + ", ".join(shapes[:6]) + ")"
 
 
+def check_loss_outside(cap: Captured, loss_fn: Callable) -> None:
+    """A ``loss_fn`` that runs outside the graph (no example target: it is called on the
+    replicated output at each step), tried now on meta tensors of the model's output, so a
+    loss that is not a scalar is reported when planning, not at the first step. One that
+    needs a real target (``loss_fn(out, None)`` raises) is not judged here."""
+    def meta(name):
+        v = cap.node(name).meta.get("val")
+        return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") \
+            if isinstance(v, torch.Tensor) else v
+    try:
+        out = pytree.tree_unflatten([meta(n) for n in cap.output], cap.model_output_spec)
+        with torch.no_grad():
+            got = loss_fn(out, None)
+    except Exception:  # noqa: BLE001 - it needs the step's target: checked at the first step
+        return
+    if not (isinstance(got, torch.Tensor) and got.ndim == 0 and got.is_floating_point()):
+        raise ArgumentError(f"loss_fn returned {_describe(got)}, not a scalar: return one "
+                            "number of floating dtype, e.g. reduce with .mean() or .sum() (a "
+                            "reduction='none' loss cannot be trained as it is)")
+
+
 def _check_loss_runs(model, example_inputs: tuple, loss_fn, target, error: BaseException) -> None:
     """Export of the model with its loss failed: if the model alone exports, the loss is
     what failed, and the error names loss_fn, target and the model's output."""

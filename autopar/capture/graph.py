@@ -47,6 +47,13 @@ class Captured:
         self._by_name = {n.name: n for n in self.gm.graph.nodes}
 
     @property
+    def model_output_spec(self) -> Any:
+        """The pytree spec of the model's own output (the captured wrapper returns
+        ``(loss, model_output)``)."""
+        spec = self.output_spec
+        return spec.child(1) if spec is not None and spec.num_children == 2 else spec
+
+    @property
     def placeholder_names(self) -> list[str]:
         return [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
 

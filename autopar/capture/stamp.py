@@ -25,7 +25,8 @@ only where the blocks' forwards merely pass it to a call (Hugging Face hands it 
 cache, unused with ``use_cache=False``); that a callee does not branch on it for a block
 past the shallow copy is the one thing these checks assume rather than see. Anything else,
 or any check that fails, returns None and :func:`autopar.capture.capture` exports the whole
-model as before (one debug log line says why).
+model as before: a model without such a container says why at debug level; one whose
+container qualified but did not stamp says why at warning level (that capture is slower).
 
 The values of stamped nodes (``meta["val"]``) are the template block's fake tensors,
 shared: equal shapes, dtypes, strides and storage offsets; storage sharing across layers is
@@ -48,6 +49,22 @@ from torch.export.graph_signature import (ExportGraphSignature, InputKind, Input
 from torch.fx.node import map_aggregate
 
 log = logging.getLogger(__name__)
+
+TORCH_FX_PRIVATE = {
+    "Graph._graph_namespace": "the graph's node-name counters, read to check the shallow "
+                              "export's and copied to the full graph (so later nodes are "
+                              "named as export names them)",
+    "_Namespace._used_names": "every name given out",
+    "_Namespace._base_count": "the next counter of each base name ('linear' -> linear_7)",
+    "_Namespace._obj_to_name": "the name each node got (placeholders: arg0_1, ...)",
+    "Graph._tracer_cls, Graph._tracer_extras": "what torch.fx.Graph() is made with, so the "
+                                              "stamped graph is built as export builds its own",
+}
+"""The private torch.fx state stamping reads and writes, in one place. Checked on the
+torch versions of CHECKED_TORCH (``tests/test_capture_stamp.py`` compares every stamped
+capture , node by node); a torch that changes it makes stamping fail,
+which ``export_stamped`` reports at warning level before exporting the model whole."""
+CHECKED_TORCH = ("2.13",)
 
 MIN_BLOCKS = 8       # a container of fewer blocks is exported whole
 SHALLOW = 4          # blocks exported: 0 (reads the prologue), then 1..3 (two checked steps)
@@ -76,9 +93,17 @@ def export_stamped(root: nn.Module, args: tuple, export: Callable) -> StampedPro
     try:
         return _export_stamped(root, args, export)
     except Exception as e:  # noqa: BLE001 - never worse than the whole export, which runs next
-        log.debug("capture: whole export of %s: stamping failed (%s: %s)", type(root).__name__,
-                  type(e).__name__, e)
+        log.warning("capture: exporting %s whole (slower: every block traced): stamping its "
+                    "repeated blocks failed (%s: %s) on torch %s (stamping was checked on "
+                    "torch %s)", _model_name(root), type(e).__name__, e,
+                    torch.__version__, ", ".join(CHECKED_TORCH))
         return None
+
+
+def _model_name(root: nn.Module) -> str:
+    """The user's model's class (capture wraps it with its loss as ``root.model``)."""
+    inner = getattr(root, "model", None)
+    return type(inner if isinstance(inner, nn.Module) else root).__name__
 
 
 def _export_stamped(root: nn.Module, args: tuple, export: Callable) -> StampedProgram | None:
@@ -96,8 +121,9 @@ def _export_stamped(root: nn.Module, args: tuple, export: Callable) -> StampedPr
         ep = export(root, args)
         touched = list(shallow.touched)
     except Exception as e:  # noqa: BLE001 - the whole export runs next and reports its own
-        log.debug("capture: shallow export of %s failed (%s: %s)", type(root).__name__,
-                  type(e).__name__, e)
+        log.warning("capture: exporting %s whole (slower: every block traced): its export "
+                    "with %d of the %d blocks of %s failed (%s: %s)", _model_name(root),
+                    SHALLOW, len(container), path, type(e).__name__, e)
         return None
     finally:
         setattr(parent, attr, container)
@@ -105,8 +131,9 @@ def _export_stamped(root: nn.Module, args: tuple, export: Callable) -> StampedPr
         if touched:
             raise _Refuse(f"the forward reads {path} by {touched[0]}, not only by iterating it")
         prog = _Stamper(ep, path, len(container), params, buffers).run(root)
-    except _Refuse as e:
-        log.debug("capture: whole export of %s: %s", type(root).__name__, e)
+    except _Refuse as e:       # the blocks looked alike but do not repeat exactly
+        log.warning("capture: exporting %s whole (slower: every block traced): %s",
+                    _model_name(root), e)
         return None
     log.debug("capture: %s exported with %d of %d blocks of %s, %d stamped",
               type(root).__name__, SHALLOW, len(container), path, prog.blocks)

@@ -27,7 +27,7 @@ from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
-from autopar.options import compress_scheme
+from autopar.options import Options, as_options
 from autopar.pricing.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
@@ -81,7 +81,7 @@ class CostModel:
     micro-batch of a step whose gradients are reduced once (pipelines)."""
     compress: tuple | None = None
     """The data axis's gradient all-reduce compressed (pin ``compress=``: (kind, parameter),
-    ``pins.compress_scheme``); priced by ``comm.compressed_reduce_time``."""
+    ``Options.compression``); priced by ``comm.compressed_reduce_time``."""
     local_sgd: int | None = None
     """Pin ``local_sgd=H``: parameters averaged every H steps instead of gradients summed
     every step (priced after the warm-up: the all-reduce's 1/H)."""
@@ -164,7 +164,7 @@ class CostModel:
         self._prices = None      # the PriceTable of the last problem priced (autopar.pricing.prices)
 
     @classmethod
-    def for_pins(cls, cluster: Cluster, mesh_shape: tuple[int, ...], pins: dict, *,
+    def for_pins(cls, cluster: Cluster, mesh_shape: tuple[int, ...], pins: Options, *,
                  data_axis: int | None = None, recompute: tuple | None = None, profiler: Any = None,
                  memory_weights: dict | None = None, grad_sync_scale: float = 1.0,
                  native: bool = False) -> CostModel:
@@ -173,13 +173,14 @@ class CostModel:
         ``native``: the capture's own dtypes (``Captured.native_dtypes``).
         The solver and ``explain`` both build theirs here, so they price alike."""
         rec, kept = recompute or (frozenset(), frozenset())
-        return cls(cluster, tuple(mesh_shape), dtype_key=pins.get("precision") or "fp32",
-                   zero=pins.get("zero") or 0, data_axis=data_axis, profiler=profiler,
+        pins = as_options(pins)
+        return cls(cluster, tuple(mesh_shape), dtype_key=pins.precision or "fp32",
+                   zero=pins.zero_stage, data_axis=data_axis, profiler=profiler,
                    recompute=frozenset(rec), recompute_kept=frozenset(kept),
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
-                   compress=compress_scheme(pins.get("compress")), local_sgd=pins.get("local_sgd"),
-                   offload=pins.get("offload") == "optimizer", native=native,
-                   grad_reduce=pins.get("grad_reduce") or "fp32")
+                   compress=pins.compression, local_sgd=pins.local_sgd,
+                   offload=pins.offload == "optimizer", native=native,
+                   grad_reduce=pins.grad_reduce or "fp32")
 
     # ---- overlap (cost_models/step.py) --------------------------------------------------
     def overlap_rule(self) -> tuple[float, bool]:

@@ -337,9 +337,9 @@ def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTab
     if optimizer not in OPTIMIZER_STATES:
         raise ArgumentError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
     r = roles(plan)
-    problem = build_problem(cap, tuple(plan.mesh_shape), zero=plan.pins.get("zero") or 0,
+    problem = build_problem(cap, tuple(plan.mesh_shape), zero=plan.options.zero_stage,
                             optimizer_states=OPTIMIZER_STATES[optimizer], **r)
-    cost = CostModel.for_pins(parse_cluster(plan.cluster), tuple(plan.mesh_shape), plan.pins,
+    cost = CostModel.for_pins(parse_cluster(plan.cluster), tuple(plan.mesh_shape), plan.options,
                               data_axis=r.get("data_axis"),
                               recompute=recompute_nodes(cap.gm, plan.recompute),
                               # gradient accumulation: one micro-batch's prices, its

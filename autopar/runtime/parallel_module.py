@@ -80,7 +80,7 @@ class OneStage:
         if branches is not None:
             self.pp_rank = branches.rank
         self._cap, self._loss_fn, self._shards = cap, loss_fn, shards
-        self._out_spec = model_out_spec(cap)
+        self._out_spec = cap.model_output_spec
         self.n_microbatches = n_microbatches
         if n_microbatches > 1 and "train" not in programs:
             raise ArgumentError("gradient accumulation needs the loss in the graph: pass loss_fn and "
@@ -236,7 +236,7 @@ class ParallelModule(nn.Module):
         self.scaler = self._mixed_precision(plan, pipelined)
         if not pipelined:
             self._grad_sync.launch_on_accumulate()
-        self._out_spec = model_out_spec(cap)
+        self._out_spec = cap.model_output_spec
         if weights is not None:
             load_weights(self, weights, model)
         self._offload = None
@@ -504,7 +504,3 @@ def check_state_dict(state_dict, placements: dict, aliases: dict, shapes: dict) 
                                 "configuration")
 
 
-def model_out_spec(cap: Captured):
-    spec = cap.output_spec
-    # the captured wrapper returns (loss, model_output)
-    return spec.child(1) if spec is not None and spec.num_children == 2 else spec

@@ -28,6 +28,7 @@ import torch
 from autopar.capture import Captured
 from autopar.cost_models.memory import training_state_bytes
 from autopar.errors import PinError
+from autopar.options import Options, as_options
 from autopar.plan import Plan
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import recompute_bound_s, solve_captured
@@ -50,11 +51,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def accumulation_pin(pins: dict, example_inputs: Sequence) -> int | None:
+def accumulation_pin(pins: Options, example_inputs: Sequence) -> int | None:
     """Micro-batches per step the pins ask for without a pipeline (``accumulate=``, or the
     global batch over ``micro_batch_size=``); None when neither is pinned. Raises
     ValueError when they do not divide the batch or disagree."""
-    k, mbs = pins.get("accumulate"), pins.get("micro_batch_size")
+    pins = as_options(pins)
+    k, mbs = pins.accumulate, pins.micro_batch_size
     if k is None and mbs is None:
         return None
     batch = _batch(example_inputs)
@@ -93,7 +95,7 @@ def accumulated_plan(plan: Plan, k: int) -> Plan:
     return replace(plan, estimate=est, accumulate=k)
 
 
-def plan_accumulated(model, example_inputs, loss_fn, target, cl, world: int, k: int, pins: dict, *,
+def plan_accumulated(model, example_inputs, loss_fn, target, cl, world: int, k: int, pins: Options, *,
                      memory_budget=None, mesh_shape=None, optimizer="adamw", time_limit_s=60.0,
                      verbose=False, profiler=None) -> tuple[Plan, Captured]:
     """The one-stage plan of ``k`` micro-batches a step, and the graph it runs on."""
@@ -111,7 +113,7 @@ def plan_accumulated(model, example_inputs, loss_fn, target, cl, world: int, k: 
     return plan, cap
 
 
-def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None, *,
+def may_accumulate(cap: Captured, example_inputs, pins: Options, flat: Plan | None, *,
                    world: int, budget: float, optimizer: str = "adamw") -> bool:
     """Whether the free search tries gradient accumulation: not pinned either way, the loss
     in the graph, every input split along dim 0, and the full batch's best plan ``flat``
@@ -120,7 +122,7 @@ def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None,
     devices: micro-batches shrink activations only). Micro-batches are the other way to
     shrink activations: each costs its kernels' launches and smaller GEMMs where
     recomputation costs a layer's forward again, and the least predicted step wins."""
-    if any(pins.get(n) is not None for n in ("accumulate", "micro_batch_size")):
+    if pins.accumulate is not None or pins.micro_batch_size is not None:
         return False
     if not cap.has_loss or not example_inputs:
         return False
@@ -129,9 +131,9 @@ def may_accumulate(cap: Captured, example_inputs, pins: dict, flat: Plan | None,
     if int(example_inputs[0].shape[0]) < 2:
         return False
     if flat is not None:
-        return bool(flat.recompute) and pins.get("recompute") is None
+        return bool(flat.recompute) and pins.recompute is None
     numel = sum(cap.node(ph).meta["val"].numel() for ph in cap.params)
-    state = training_state_bytes(numel, optimizer, pins.get("precision") or "fp32", zero=3, dp=world)
+    state = training_state_bytes(numel, optimizer, pins.precision or "fp32", zero=3, dp=world)
     return sum(state.values()) < budget
 
 
@@ -144,7 +146,7 @@ def accumulation_may_win(flat: Plan, best: Plan, cap: Captured) -> bool:
     return flat.estimate.step_time_s - recompute_bound_s(flat, cap) < best.estimate.step_time_s
 
 
-def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, pins: dict,
+def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, pins: Options,
                         **kw) -> tuple[Plan, Captured] | None:
     """The fastest plan over micro-batch counts ``k`` (divisors of the batch, the least
     first, at most :data:`MAX_TRIES`), or None when none fits. It stops at the first ``k``

@@ -27,6 +27,7 @@ from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.hardware import axis_link
 from autopar.errors import PinError
+from autopar.options import Options, as_options
 from autopar.placement import local_shape
 from autopar.plan import BranchGroups, Estimate, NodePlacement, Plan
 from autopar.solver.errors import InfeasibleError
@@ -35,7 +36,7 @@ from autopar.solver.pipeline_search import _sub_cluster
 from autopar.pricing.prices import price_table
 
 
-def plan_branched(cap: Captured, cl, world: int, n: int, pins: dict, **kw) -> Plan:
+def plan_branched(cap: Captured, cl, world: int, n: int, pins: Options, **kw) -> Plan:
     """The plan of ``cap`` with its branches over ``n`` groups of ``world / n`` ranks."""
     sets = find_branches(cap)
     if not sets:
@@ -49,17 +50,17 @@ def plan_branched(cap: Captured, cl, world: int, n: int, pins: dict, **kw) -> Pl
                        f"most: pin branch= of at most {few}")
     d = world // n
     # the group plan: ZeRO is not offered beside branches (zero=0 unless pinned so)
-    inner_pins = {"zero": 0, **{k: v for k, v in pins.items() if k != "branch"}}
+    pins = as_options(pins)
+    inner_pins = pins.replace(branch=None, zero=pins.zero_stage)
     inner, solved = solve_captured(cap, _sub_cluster(cl, d), d, pins=inner_pins, **kw)
     return branch_plan(cap, cl, world, n, inner, solved, sets)
 
 
-def search_branches(cap: Captured, cl, world: int, pins: dict, **kw) -> Plan | None:
+def search_branches(cap: Captured, cl, world: int, pins: Options, **kw) -> Plan | None:
     """The fastest ``branch=n > 1`` plan for the free search, or None (no branches, or no
     ``n`` that fits)."""
-    if pins.get("branch") is not None or world < 2 or any(
-            (pins.get(p) or 0) > 1 for p in ("pipeline", "accumulate", "micro_batch_size")) \
-            or pins.get("zero"):
+    if pins.branch is not None or world < 2 or pins.zero or any(
+            (v or 0) > 1 for v in (pins.pipeline, pins.accumulate, pins.micro_batch_size)):
         return None
     sets = find_branches(cap)
     if not sets:
@@ -70,7 +71,7 @@ def search_branches(cap: Captured, cl, world: int, pins: dict, **kw) -> Plan | N
         if world % n:
             continue
         try:
-            got = plan_branched(cap, cl, world, n, {**pins, "branch": n}, **kw)
+            got = plan_branched(cap, cl, world, n, pins.replace(branch=n), **kw)
         except (InfeasibleError, PinError):
             continue
         if best is None or got.estimate.step_time_s < best.estimate.step_time_s:

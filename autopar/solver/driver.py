@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from autopar.capture import Captured, capture
+from autopar.capture.export import check_loss_outside
 from autopar.cost_models.hardware import parse_cluster
 from autopar.errors import PinError
 from autopar.plan import Plan
@@ -43,7 +44,7 @@ from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import (drop_deferred, mesh_jobs, plan_captured, recompute_bound_s,
                                  solve_captured, solve_mesh_job)
-from autopar.options import Options, check_optimizer, pipelined
+from autopar.options import Options, as_options, check_optimizer
 from autopar.solver.pipeline_free import degree_search, search_pipelines
 from autopar.solver.pipeline_search import capture_pipelined, plan_pipelined
 from autopar.solver.speculate import Speculation, best_found_s, workers_for
@@ -75,7 +76,7 @@ class Planned(NamedTuple):
 
 def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
           target: Any = None, cluster="local", world_size: int | None = None,
-          pins: dict | None = None, memory_budget: float | None = None,
+          pins: "Options | dict | None" = None, memory_budget: float | None = None,
           mesh_shape: Sequence[int] | None = None, optimizer: str = "adamw",
           time_limit_s: float = 60.0, verbose: bool = False, profiler=None,
           captured: Captured | None = None, capture_s: float | None = None) -> Planned:
@@ -87,10 +88,14 @@ def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     already (``capture_s`` the seconds it took), so it is not captured again.
     """
     with _collector_paused():
-        return _solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
-                      world_size=world_size, pins=pins, memory_budget=memory_budget,
-                      mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
-                      verbose=verbose, profiler=profiler, captured=captured, capture_s=capture_s)
+        planned = _solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
+                         world_size=world_size, pins=pins, memory_budget=memory_budget,
+                         mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
+                         verbose=verbose, profiler=profiler, captured=captured,
+                         capture_s=capture_s)
+    if loss_fn is not None and target is None:      # the loss runs outside the graph
+        check_loss_outside(planned.captured, loss_fn)
+    return planned
 
 
 PLANNING_GC_THRESHOLD = 50_000
@@ -135,7 +140,7 @@ def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local",
         best = None
         for scheme in AUTO_COMPRESS:
             got = solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
-                        world_size=world_size, pins={**pins, "compress": scheme},
+                        world_size=world_size, pins=pins.replace(compress=scheme),
                         memory_budget=memory_budget, mesh_shape=mesh_shape, optimizer=optimizer,
                         time_limit_s=time_limit_s, verbose=verbose, profiler=profiler,
                         captured=captured, capture_s=capture_s)
@@ -147,7 +152,7 @@ def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local",
     cl = parse_cluster(cluster)
     world = world_size or cl.world_size
     in_graph_loss = loss_fn if target is not None else None
-    if pipelined(pins):
+    if pins.pipelined:
         return Planned(*plan_pipelined(model, example_inputs, in_graph_loss, target, cl, world, pins,
                                        memory_budget=memory_budget, optimizer=optimizer,
                                        time_limit_s=time_limit_s, verbose=verbose,
@@ -169,14 +174,15 @@ def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local",
 
 
 def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,
-                    pins: dict, memory_budget=None, mesh_shape=None, optimizer="adamw",
+                    pins: Options, memory_budget=None, mesh_shape=None, optimizer="adamw",
                     time_limit_s=60.0, capture_s=0.0, verbose=False, profiler=None) -> Planned:
     """The best plan without a ``pipeline=`` pin > 1: unpipelined on the full-batch graph
     ``cap``; where ``may_pipeline`` says so, pipelined; with gradient accumulation where
     ``may_accumulate`` says so and, if the full batch fits recomputed,
     ``accumulation_may_win``; the least predicted step wins."""
-    if (pins.get("branch") or 1) > 1:      # branch parallelism pinned (autopar.solver.branches)
-        return Planned(plan_branched(cap, cl, world, pins["branch"], pins, memory_budget=memory_budget,
+    pins = as_options(pins)
+    if (pins.branch or 1) > 1:      # branch parallelism pinned (autopar.solver.branches)
+        return Planned(plan_branched(cap, cl, world, pins.branch, pins, memory_budget=memory_budget,
                                      optimizer=optimizer, time_limit_s=time_limit_s,
                                      capture_s=capture_s, verbose=verbose, profiler=profiler), cap)
     # when pipelines are searched too, the unpipelined plan's fewest recomputed layers are
@@ -212,7 +218,7 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
             # (predicted so far, with a margin for the planned step: PROBES_MARGIN); its
             # programs are read where written, the probes resume its search
             flat = plan_captured(cap, cl, world, **flat_args, fewest_layers=False)
-            if flat.recompute and pins.get("recompute") is None and \
+            if flat.recompute and pins.recompute is None and \
                     flat.estimate.step_time_s - recompute_bound_s(flat, cap) < \
                     PROBES_MARGIN * best_found_s():
                 plan_captured(cap, cl, world, **flat_args)
@@ -226,7 +232,7 @@ def search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, w
 
 
 def _search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,
-                     t_start, pins: dict, memory_budget, mesh_shape, optimizer, time_limit_s,
+                     t_start, pins: Options, memory_budget, mesh_shape, optimizer, time_limit_s,
                      capture_s, verbose, profiler, deferred=False, search=None,
                      ahead=None) -> Planned:
     """``search_captured``'s search from ``t_start``; ``deferred``: the unpipelined plan's
@@ -277,7 +283,7 @@ def _search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, 
     if piped is not None and (best is None or
                               piped[0].estimate.step_time_s < best.plan.estimate.step_time_s):
         best = Planned(*piped)
-    if deferred and flat is not None and flat.recompute and pins.get("recompute") is None and \
+    if deferred and flat is not None and flat.recompute and pins.recompute is None and \
             flat.estimate.step_time_s - recompute_bound_s(flat, cap) < best.plan.estimate.step_time_s:
         t0 = time.perf_counter()
         if ahead is not None:
@@ -327,7 +333,7 @@ def _search_captured(cap: Captured, model, example_inputs, loss_fn, target, cl, 
 
 
 def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,
-                pins: dict, **kw) -> Plan:
+                pins: Options, **kw) -> Plan:
     """``search_captured``'s plan (for callers that hold the full-batch graph)."""
     return search_captured(cap, model, example_inputs, loss_fn, target, cl, world, pins=pins, **kw).plan
 
@@ -338,23 +344,23 @@ device memory (ZeRO-Offload costs time: host-link copies and a host step): stage
 (DeepSpeed's pairing), then 3 (parameters sharded too); a pinned ``zero=`` stage alone."""
 
 
-def may_offload(pins: dict, mesh_shape) -> bool:
+def may_offload(pins: Options, mesh_shape) -> bool:
     """Whether the free search tries ZeRO-Offload: not pinned either way, no ``zero=0`` pin,
     and nothing it is not offered with (pipelines, branches, lossy reduction)."""
-    if "offload" in pins or pins.get("zero") == 0 or mesh_shape is not None:
+    if pins.offload is not None or pins.zero == 0 or mesh_shape is not None:
         return False
-    return ((pins.get("pipeline") or 1) == 1 and (pins.get("branch") or 1) == 1
-            and pins.get("compress") in (None, "none") and not pins.get("local_sgd"))
+    return (not pins.pipelined and (pins.branch or 1) == 1
+            and pins.compress in (None, "none") and not pins.local_sgd)
 
 
-def _offloaded(cap: Captured, cl, world: int, pins: dict, verbose: bool, **kw) -> Planned | None:
+def _offloaded(cap: Captured, cl, world: int, pins: Options, verbose: bool, **kw) -> Planned | None:
     """The first of :data:`OFFLOAD_STAGES` (or the pinned stage) whose plan with
     ``offload="optimizer"`` fits, or None."""
-    for stage in ([pins["zero"]] if pins.get("zero") else OFFLOAD_STAGES):
+    for stage in ([pins.zero] if pins.zero else OFFLOAD_STAGES):
         if verbose:
             print(f"trying offload='optimizer', zero={stage} (nothing else fits device memory)")
         try:
-            plan, _ = solve_captured(cap, cl, world, pins={**pins, "zero": stage, "offload": "optimizer"},
+            plan, _ = solve_captured(cap, cl, world, pins=pins.replace(zero=stage, offload="optimizer"),
                                      verbose=verbose, explain=False, **kw)
         except (InfeasibleError, PinError):
             continue
@@ -367,7 +373,7 @@ def may_pipeline(cap: Captured, example_inputs, cl, world, pins, mesh_shape, pro
     """Whether the free search considers pipelines: no pipeline pin (``pipeline=1`` means
     none), more than one node (or nothing unpipelined fits), the loss in the graph, every
     input split along dim 0, and room beside the data/tensor pins."""
-    if pins.get("pipeline") is not None or mesh_shape is not None or profiler is not None:
+    if pins.pipeline is not None or mesh_shape is not None or profiler is not None:
         return False
     if not (cl.nodes > 1 or nothing_fits) or world != cl.world_size or world < 2:
         return False
@@ -375,7 +381,7 @@ def may_pipeline(cap: Captured, example_inputs, cl, world, pins, mesh_shape, pro
         return False
     if not all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in example_inputs):
         return False
-    fixed = (pins.get("data") or 1) * (pins.get("tensor") or 1)
+    fixed = (pins.data or 1) * (pins.tensor or 1)
     return fixed < world
 
 
@@ -387,4 +393,7 @@ def capture_for_plan(model, example_inputs, loss_fn, target, plan: Plan) -> Capt
         return capture_pipelined(model, example_inputs, in_graph_loss, target, plan.n_microbatches)
     if plan.accumulate > 1:
         return capture_accumulated(model, example_inputs, in_graph_loss, target, plan.accumulate)
-    return capture(model, example_inputs, in_graph_loss, target)
+    cap = capture(model, example_inputs, in_graph_loss, target)
+    if loss_fn is not None and target is None:      # the loss runs outside the graph
+        check_loss_outside(cap, loss_fn)
+    return cap

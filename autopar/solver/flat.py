@@ -22,7 +22,7 @@ from autopar.solver import speculate
 from autopar.solver.ilp import InfeasibleError, Solution, _gib, explain_infeasible
 from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
-from autopar.options import Options, check_optimizer
+from autopar.options import Options, as_options, check_optimizer
 from autopar.pricing.prices import memory_floor
 from autopar.pricing.problem import _describe, _placeholder_choices, build_problem
 
@@ -51,7 +51,7 @@ class _Best:
     axes: tuple
     recompute: tuple
     cost: Any
-    pins: dict
+    pins: Options
     roles: dict            # the problem's axes' roles and optimizer states (``_problem``)
     n_states: int
 
@@ -90,7 +90,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     """``plan_captured``, and the solver's :class:`Solved`. ``memory_weights`` and
     ``grad_sync_scale`` go to the :class:`CostModel` (the pipeline's per-stage view);
     ``explain=False`` skips working out how far from fitting an infeasible mesh is."""
-    pins = pins or {}
+    pins = as_options(pins)
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
     kw = dict(budget=budget, mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
               verbose=verbose, profiler=profiler, memory_weights=memory_weights,
@@ -98,7 +98,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     phases: dict = {}
     best, errors = _search(cap, cl, world, pins, **kw, phases=phases)
     binds = best is None or best.sol.memory_total > RECOMPUTE_WHEN * budget
-    if pins.get("zero") is None and (mesh_shape is None or len(mesh_shape) == 1) and (
+    if pins.zero is None and (mesh_shape is None or len(mesh_shape) == 1) and (
             binds or wide_grads(pins)):
         # memory binds: weigh sharding parameters, gradients and optimizer state over the
         # data axis (ZeRO 1, 2, 3); the least predicted step wins. Gradients reduced wider
@@ -109,9 +109,9 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             if verbose:
                 print(f"trying zero={stage} on the data axis")
             try:
-                got, _ = _search(cap, cl, world, {**pins, "zero": stage}, **{**kw, "explain": False},
+                got, _ = _search(cap, cl, world, pins.replace(zero=stage), **{**kw, "explain": False},
                                  phases=phases, tag=f" zero={stage}")
-            except PinError:         # e.g. a batch the data axis cannot split
+            except PinError:         # e.g. a batch the data axis cannot split, or a lossy pin
                 break
             if got is None and stage == ZERO_STAGES[0]:
                 break
@@ -126,9 +126,9 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
 
 
-def wide_grads(pins: dict) -> bool:
+def wide_grads(pins: Options) -> bool:
     """Mixed precision whose gradients are reduced in fp32 (the ``grad_reduce`` default)."""
-    return pins.get("precision") in ("bf16", "fp16") and pins.get("grad_reduce") != "bf16"
+    return pins.precision in ("bf16", "fp16") and pins.grad_reduce != "bf16"
 
 
 def _explained(e: InfeasibleError) -> InfeasibleError:
@@ -141,7 +141,7 @@ def _explained(e: InfeasibleError) -> InfeasibleError:
     return got
 
 
-def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, optimizer,
+def _search(cap: Captured, cl, world: int, pins: Options, *, budget, mesh_shape, optimizer,
             time_limit_s, verbose, profiler, memory_weights, grad_sync_scale, explain,
             phases: dict, tag: str = "", fewest_layers: bool = True):
     """(the best :class:`_Best` under ``pins`` over the meshes they allow, or None; the
@@ -165,7 +165,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
     choices = _recompute_choices(cap, pins)
     # the problem depends on the mesh only: built once, costed per recomputation choice
     t0 = time.perf_counter()
-    problems = [(_problem(cap, shape, roles, pins.get("zero") or 0, n_states), shape, axes, roles)
+    problems = [(_problem(cap, shape, roles, pins.zero_stage, n_states), shape, axes, roles)
                 for shape, axes, roles in mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)]
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
     best, errors = None, []     # (a mesh's prices are shared by its cost models: costing._shared)
@@ -208,7 +208,7 @@ def _search(cap: Captured, cl, world: int, pins: dict, *, budget, mesh_shape, op
                                grad_sync_scale=grad_sync_scale, verbose=verbose), errors
 
 
-def _cost_model(cap: Captured, cl, shape, pins: dict, roles: dict, rec, *, profiler=None,
+def _cost_model(cap: Captured, cl, shape, pins: Options, roles: dict, rec, *, profiler=None,
                 memory_weights=None, grad_sync_scale=1.0) -> CostModel:
     """The cost model of ``_search``'s program on mesh ``shape`` recomputing ``rec``."""
     _, rec_nodes, rec_kept = _recompute_of(cap, rec)
@@ -232,7 +232,7 @@ def mesh_jobs(cap: Captured, cl, world: int, *, pins=None, memory_budget=None, m
     every repeated layer recomputed), keyed as ``_solve_or_read`` keys them, each with what
     :func:`solve_mesh_job` needs to solve it ahead (``autopar.solver.speculate``); {} when
     the pins allow no mesh."""
-    pins = pins or {}
+    pins = as_options(pins)
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
     n_states = check_optimizer(optimizer)
     choices = _recompute_choices(cap, pins)
@@ -249,7 +249,7 @@ def solve_mesh_job(cap: Captured, cl, job: tuple) -> None:
     """Solve one of :func:`mesh_jobs`' programs as ``_search`` will (in a worker: its
     outcome recorded for the search)."""
     shape, roles, rec, pins, n_states, budget, time_limit_s = job
-    problem = _problem(cap, shape, roles, pins.get("zero") or 0, n_states)
+    problem = _problem(cap, shape, roles, pins.zero_stage, n_states)
     cost = _cost_model(cap, cl, shape, pins, roles, rec)
     key = _ilp_key(cap, shape, roles, pins, n_states, rec, cl, None, 1.0, budget, time_limit_s)
     try:
@@ -304,11 +304,11 @@ def drop_deferred(cap: Captured) -> None:
     _DEFERRED.pop(cap.gm, None)
 
 
-def _with_fewest_layers(cap: Captured, cl, best, pins: dict, *, memory_weights, **kw):
+def _with_fewest_layers(cap: Captured, cl, best, pins: Options, *, memory_weights, **kw):
     """``best``, or where it recomputes every layer of a free choice, ``_fewest_layers``'
     plan (a pipeline's stage view, ``memory_weights``, leaves which layers to the per-rank
     choice after the cuts: ``partial_recompute``)."""
-    if pins.get("recompute") is None and best is not None and best.recompute \
+    if pins.recompute is None and best is not None and best.recompute \
             and not memory_weights:
         return _fewest_layers(cap, cl, best, memory_weights=memory_weights, **kw)
     return best
@@ -397,7 +397,7 @@ def _least_memory(cap, cl, shape, roles, pins, rec, *, optimizer, time_limit_s, 
     """The least memory per device of any plan of ``cap`` on ``shape`` under ``pins``
     (``rec``: the recomputation choice): (bytes, {term: bytes})."""
     _, rec_nodes, rec_kept = _recompute_of(cap, rec)
-    problem = _problem(cap, shape, roles, pins.get("zero") or 0, check_optimizer(optimizer))
+    problem = _problem(cap, shape, roles, pins.zero_stage, check_optimizer(optimizer))
     cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
                               recompute=(rec_nodes, rec_kept), profiler=profiler,
                               memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
@@ -406,7 +406,7 @@ def _least_memory(cap, cl, shape, roles, pins, rec, *, optimizer, time_limit_s, 
     return sol.memory_total, dict(sol.memory)
 
 
-def infeasible(cap: Captured, cl, world: int, pins: dict, errors: list, *, budget, verbose=False,
+def infeasible(cap: Captured, cl, world: int, pins: Options, errors: list, *, budget, verbose=False,
                **kw) -> InfeasibleError:
     """One screen for a search where nothing fits: the closest plan per mesh family, what
     binds, and the smallest changes that fit (a budget, a ZeRO stage, more devices,
@@ -416,10 +416,10 @@ def infeasible(cap: Captured, cl, world: int, pins: dict, errors: list, *, budge
                  f"recompute={e.recompute!r}" if e.recompute else "", e.need_bytes, e.terms)
             for e in errors if e.explained]
     rec = errors[-1].recompute if errors else None
-    zero_free = pins.get("zero") is None and pins.get("tensor") in (None, 1)
+    zero_free = pins.zero is None and pins.tensor in (None, 1)
     if zero_free:       # the ZeRO stage that shards the most, on the data axis
-        z3 = {**pins, "zero": 3}
         try:
+            z3 = pins.replace(zero=3)
             need, terms = _least_memory(cap, cl, (world,), {"data_axis": 0}, z3, rec, **kw)
             rows.append(_row("data only", (world,), "zero=3" + (f", recompute={rec!r}" if rec else ""),
                              need, terms))
@@ -474,8 +474,8 @@ def _more_devices(cap, cl, world, pins, rec, budget, kw):
         bigger = replace(cl, name=f"{cl.name} ({n} devices)", nodes=n // dpn if n % dpn == 0 else 1,
                          devices_per_node=dpn if n % dpn == 0 else n)
         try:
-            need, _ = _least_memory(cap, bigger, (n,), {"data_axis": 0}, {**pins, "data": n, "zero": 3},
-                                    rec, **kw)
+            need, _ = _least_memory(cap, bigger, (n,), {"data_axis": 0},
+                                    pins.replace(data=n, zero=3), rec, **kw)
         except (InfeasibleError, PinError, ValueError):
             return None
         if need <= budget:
@@ -483,11 +483,11 @@ def _more_devices(cap, cl, world, pins, rec, budget, kw):
     return None
 
 
-def _accumulation(cap, best: dict, budget: float, pins: dict):
+def _accumulation(cap, best: dict, budget: float, pins: Options):
     """The fewest micro-batches whose activations (about 1/k of the batch's) bring the
     closest plan within ``budget``; None when activations do not bind or no k does it."""
     act = best["terms"].get("activations", 0.0)
-    if (pins.get("pipeline") or 1) > 1 or pins.get("accumulate") or act <= 0:
+    if pins.pipelined or pins.accumulate or act <= 0:
         return None
     try:
         batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0])
@@ -502,7 +502,7 @@ def _accumulation(cap, best: dict, budget: float, pins: dict):
     return None
 
 
-def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budget,
+def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: Options, memory_budget,
              capture_s: float, phases: dict | None = None) -> Plan:
     """The Plan of the solver's best solution."""
     sol, problem, axes = best.sol, best.problem, best.axes
@@ -520,20 +520,20 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: dict, memory_budg
                           phases=dict(phases or {}))
     params = {names[i]: ph for ph, names in cap.params.items() for i in range(len(names))}
     return Plan(world_size=world, mesh_shape=best.shape, mesh_axes=axes, cluster=cl.name,
-                options=Options.from_pins({k: v for k, v in pins.items() if v is not None}), nodes=nodes,
+                options=pins, nodes=nodes,
                 params=params, fingerprint=fingerprint(cap), estimate=est, solver=report,
                 memory_budget=memory_budget,
                 param_shapes={n: list(cap.node(ph).meta["val"].shape) for n, ph in params.items()},
                 node_ops={n.name: str(n.target) for n in cap.gm.graph.nodes
                           if n.op == "call_function" and n.name in nodes},
                 inputs=tuple(cap.inputs), recompute=best.recompute,
-                offload=pins.get("offload"), host_memory_bytes=_host_bytes(best))
+                offload=pins.offload, host_memory_bytes=_host_bytes(best))
 
 
 def _host_bytes(best: _Best) -> dict[str, float]:
     """Host bytes per rank under ``offload="optimizer"``: each parameter's optimizer shard
     (its fp32 master copy and moments) and the gradient shard copied down; {} without."""
-    if best.pins.get("offload") != "optimizer":
+    if best.pins.offload != "optimizer":
         return {}
     shard = 0.0
     for name, v in best.problem.vars.items():
@@ -550,11 +550,11 @@ def _numel(shape, placements, mesh_shape) -> int:
     return n
 
 
-def _recompute_choices(cap: Captured, pins: dict) -> list:
+def _recompute_choices(cap: Captured, pins: Options) -> list:
     """The recomputation choices ``_search`` weighs, in order: the pinned one, or none and
     then (when memory binds) every repeated layer."""
-    if pins.get("recompute") is not None:
-        return [pins.get("recompute")]
+    if pins.recompute is not None:
+        return [pins.recompute]
     return [None, "full"] if _has_repeated_layers(cap) else [None]
 
 

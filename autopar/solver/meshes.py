@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 
 from autopar.errors import ArgumentError, PinError
+from autopar.options import Options, as_options
 
 
-def mesh_candidates(world: int, pins: dict, mesh_shape, devices_per_node: int | None = None
+def mesh_candidates(world: int, pins: Options, mesh_shape, devices_per_node: int | None = None
                     ) -> list[tuple[tuple[int, ...], tuple[str, ...], dict]]:
     """(mesh shape, axis names, {"data_axis", "tensor_axis"}) to try; ``devices_per_node``
     (None: one node) bounds the inner axis of a 2-D mesh across nodes."""
@@ -21,9 +22,10 @@ def mesh_candidates(world: int, pins: dict, mesh_shape, devices_per_node: int | 
         if prod != world:
             raise ArgumentError(f"mesh_shape {mesh_shape} has {prod} devices but the world has "
                                 f"{world}; use a mesh whose product is {world}")
-    if pins.get("data") is not None or pins.get("tensor") is not None:
+    pins = as_options(pins)
+    if pins.data is not None or pins.tensor is not None:
         return [_pinned_mesh(world, pins, mesh_shape)]
-    if pins.get("zero"):
+    if pins.zero:
         return [((world,), ("data",), {"data_axis": 0})]
     if mesh_shape is not None:
         return [(mesh_shape, tuple(f"axis{i}" for i in range(len(mesh_shape))), {})]
@@ -35,15 +37,15 @@ def mesh_candidates(world: int, pins: dict, mesh_shape, devices_per_node: int | 
     return out
 
 
-def _pinned_mesh(world: int, pins: dict, mesh_shape):
+def _pinned_mesh(world: int, pins: Options, mesh_shape):
     """The one mesh the ``data=`` / ``tensor=`` pins give."""
-    data, tensor = pins.get("data"), pins.get("tensor")
+    data, tensor = pins.data, pins.tensor
     if data is None:
         data = world // tensor if world % tensor == 0 else None
     if tensor is None:
         tensor = world // data if world % data == 0 else None
     if data is None or tensor is None or data * tensor != world:
-        raise PinError(f"pins data={pins.get('data')} tensor={pins.get('tensor')} do not "
+        raise PinError(f"pins data={pins.data} tensor={pins.tensor} do not "
                        f"multiply to the world size {world}: pin data and tensor whose product "
                        f"is {world}, or plan for data x tensor devices (world_size=)")
     axes, shape, roles = [], [], {}

@@ -16,7 +16,7 @@ from dataclasses import replace
 from autopar.analysis.layers import repeated_layers, select_layers
 from autopar.analysis.stages import chain
 from autopar.capture import Captured
-from autopar.options import Options
+from autopar.options import Options, as_options
 from autopar.plan import Plan
 from autopar.solver import speculate
 from autopar.solver.errors import InfeasibleError
@@ -28,15 +28,15 @@ from autopar.solver.pipeline_search import (
 )
 
 
-def stage_meshes(cl, d: int, pins: dict) -> list[tuple[int, int]]:
+def stage_meshes(cl, d: int, pins: Options) -> list[tuple[int, int]]:
     """(data, tensor) degrees the free search tries on a stage of ``d`` devices: tensor
     parallelism t dividing a node's devices (1, 2, 4, 8 on a DGX), data parallelism over
     the rest (as pinned)."""
-    dpn = cl.devices_per_node
-    ts = [pins["tensor"]] if pins.get("tensor") else [t for t in range(1, dpn + 1) if dpn % t == 0]
+    dpn, pins = cl.devices_per_node, as_options(pins)
+    ts = [pins.tensor] if pins.tensor else [t for t in range(1, dpn + 1) if dpn % t == 0]
     out = []
     for t in ts:
-        if d % t or (pins.get("data") and pins["data"] != d // t):
+        if d % t or (pins.data and pins.data != d // t):
             continue
         out.append((d // t, t))
     return out
@@ -51,7 +51,7 @@ def pipeline_degrees(cap: Captured, cl, world: int) -> list[int]:
     return [p for p in range(2, min(span, limit) + 1) if span % p == 0 and world % p == 0]
 
 
-def degree_search(cap: Captured, example_inputs, cl, world: int, pins: dict, *, memory_budget=None,
+def degree_search(cap: Captured, example_inputs, cl, world: int, pins: Options, *, memory_budget=None,
                   optimizer="adamw", time_limit_s=60.0, verbose=False) -> "_DegreeSearch":
     """The search ``search_pipelines`` runs over ``pipeline_degrees``, made before it runs
     (the driver starts workers on its meshes' programs: ``_DegreeSearch.solve_ahead``)."""
@@ -61,7 +61,7 @@ def degree_search(cap: Captured, example_inputs, cl, world: int, pins: dict, *, 
 
 
 def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int,
-                     pins: dict, *, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
+                     pins: Options, *, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
                      verbose=False, search: "_DegreeSearch | None" = None
                      ) -> tuple[Plan, Captured] | None:
     """The best pipeline plan over ``pipeline_degrees`` and the graph captured at its
@@ -70,6 +70,7 @@ def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, 
     model), priced per sample, with and without every layer recomputed; only the winner is
     captured at its micro-batch and planned for real. ``search``: ``degree_search``'s, made
     ahead."""
+    pins = as_options(pins)
     search = search or degree_search(cap, example_inputs, cl, world, pins,
                                      memory_budget=memory_budget, optimizer=optimizer,
                                      time_limit_s=time_limit_s, verbose=verbose)
@@ -127,12 +128,11 @@ def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, 
     return planned
 
 
-def _may_choose_again(pins: dict) -> bool:
+def _may_choose_again(pins: Options) -> bool:
     """Whether the user left recompute= free and a schedule or a virtual-stage count to
     choose (``_replan_recomputing``)."""
-    fixed = pins.get("schedule") and (pins["schedule"] != "interleaved-1f1b"
-                                      or pins.get("virtual_stages"))
-    return pins.get("recompute") is None and not fixed
+    fixed = pins.schedule and (pins.schedule != "interleaved-1f1b" or pins.virtual_stages)
+    return pins.recompute is None and not fixed
 
 
 def _replan_recomputing(real: Plan, mcap, model, example_inputs, loss_fn, target, cl, world,
@@ -151,9 +151,10 @@ def _replan_recomputing(real: Plan, mcap, model, example_inputs, loss_fn, target
     batch = int(example_inputs[0].shape[0])
     mesh = {k: v for k, v in extra.items() if k != "recompute"}
     tries = [mesh]
-    if pins.get("zero") is None and not mesh.get("zero") and mesh.get("data", 1) > 1:
+    if pins.zero is None and not mesh.get("zero") and mesh.get("data", 1) > 1:
         tries.append({**mesh, "zero": 2})
-    at = {**pins, "pipeline": p, "micro_batch_size": batch // m}
+    # (accumulate=1, "no accumulation", may be pinned beside a pipeline the search chose)
+    at = pins.replace(pipeline=p, micro_batch_size=batch // m, accumulate=None)
     best = real
     for extra_pins in tries:
         try:
@@ -173,14 +174,15 @@ class _DegreeSearch:
 
     def __init__(self, cap, cl, world, pins, batch, budget, optimizer, time_limit_s, verbose,
                  degrees=()):
+        pins = as_options(pins)
         self.cap, self.cl, self.world, self.pins, self.batch = cap, cl, world, pins, batch
         self.budget, self.optimizer, self.time_limit_s, self.verbose = budget, optimizer, time_limit_s, verbose
         self.degrees = degrees
         # every (p, data, tensor) ``best`` may solve, in its order: what workers solve ahead
         self.meshes = [(p, data, tensor) for p in degrees for data, tensor in self._stage_meshes(p)]
         self.layers = select_layers(cap.gm, "full") \
-            if pins.get("recompute") is None and _has_layers(cap) else ()
-        self.state = state_bytes(cap, optimizer, pins.get("precision"))
+            if pins.recompute is None and _has_layers(cap) else ()
+        self.state = state_bytes(cap, optimizer, pins.precision)
         # branch and bound: the least predicted step found so far; a mesh whose step floor
         # (pipeline_search.step_floor: its busiest rank's work) cannot beat it is skipped
         self.bound, self.pruned = math.inf, []
@@ -219,7 +221,7 @@ class _DegreeSearch:
     def _least_state(self, p: int, data: int, tensor: int) -> float:
         """Parameter and optimizer bytes the fullest rank holds at least (without a zero=
         pin the intra-stage search weighs ZeRO over the data axis: flat.py)."""
-        return self.state / (p * tensor * (1 if self.pins.get("zero") == 0 else data))
+        return self.state / (p * tensor * (1 if self.pins.zero == 0 else data))
 
     def _solve(self, p: int, data: int, tensor: int):
         """The intra-stage (Plan, Solved) of one stage mesh, memory seen as one rank of a
@@ -234,17 +236,18 @@ class _DegreeSearch:
         mesh = {"data": data, "tensor": tensor}
         kw = dict(weights=weights, memory_budget=self.budget, optimizer=self.optimizer,
                   time_limit_s=self.time_limit_s, explain=False)
-        if self.pins.get("zero") is None and data > 1 and wide_grads(self.pins):
+        if self.pins.zero is None and data > 1 and wide_grads(self.pins):
             # gradients reduced in fp32 once a step: ZeRO-2's reduce-scatter and 16-bit
             # gather move less than an fp32 all-reduce, and hold less, so it is the stage
             # mesh's ZeRO stage (the flat search would weigh it against the all-reduce
             # hidden behind the whole backward, where a pipeline hides it behind the last
             # micro-batch's only); the free stage when ZeRO-2 does not fit
             try:
-                return solve_intra(self.cap, self.cl, self.world, p, {**self.pins, **mesh, "zero": 2}, **kw)
+                return solve_intra(self.cap, self.cl, self.world, p,
+                                   self.pins.replace(**mesh, zero=2), **kw)
             except InfeasibleError:
                 pass
-        return solve_intra(self.cap, self.cl, self.world, p, {**self.pins, **mesh}, **kw)
+        return solve_intra(self.cap, self.cl, self.world, p, self.pins.replace(**mesh), **kw)
 
     def solve_ahead(self, mesh: tuple[int, int, int]) -> None:
         """A worker's part (``speculate.Speculation``): solve ``mesh`` = (p, data, tensor)
@@ -299,7 +302,7 @@ class _DegreeSearch:
             if (ahead := speculate.active()) is not None:
                 ahead.found(self.bound)       # the workers weigh their jobs against it
             # recomputing only when nothing fits without it
-            chosen = {"zero": intra.pins["zero"]} if intra.pins.get("zero") and not pins.get("zero") else {}
+            chosen = {"zero": intra.options.zero} if intra.options.zero and not pins.zero else {}
             return predicted, p, sp, {**mesh, **chosen,
                                       **({"recompute": "full"} if rec or intra.recompute else {})}
         return None

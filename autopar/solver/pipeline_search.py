@@ -48,7 +48,7 @@ from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
 from autopar.analysis.stages import chain, parameter_positions
 from autopar.capture import Captured, capture
 from autopar.errors import PinError
-from autopar.options import Options
+from autopar.options import Options, as_options
 from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
 from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
@@ -91,17 +91,14 @@ def split_batch(tensors: Sequence, m: int) -> tuple:
     return tuple(out)
 
 
-def pipeline_config(example_inputs: Sequence, pins: dict) -> tuple[int, int, int, str]:
+def pipeline_config(example_inputs: Sequence, pins: Options) -> tuple[int, int, int, str]:
     """(p, v, m, schedule) from the pins and the batch; raises on what torch cannot run."""
-    p = pins["pipeline"]
-    if not isinstance(p, int) or p < 1:
-        raise PinError(f"pin pipeline={p!r} must be a positive integer")
-    schedule = pins.get("schedule") or DEFAULT_SCHEDULE
-    if schedule not in SCHEDULES:
-        raise PinError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    v = pins.get("virtual_stages") or (2 if schedule == "interleaved-1f1b" else 1)
+    pins = as_options(pins)
+    p = pins.pipeline
+    schedule = pins.schedule or DEFAULT_SCHEDULE
+    v = pins.virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
     batch = example_inputs[0].shape[0]
-    m = micro_batches(batch, p, v, pins.get("micro_batch_size"))
+    m = micro_batches(batch, p, v, pins.micro_batch_size)
     try:
         check_schedule(schedule, p, m, v)
     except ValueError as e:
@@ -131,7 +128,7 @@ def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captur
 # ---- one intra-stage solution, priced per node ----------------------------------------------
 
 
-def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m=None,
+def _choose(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowed_m=None,
             bound: float = math.inf, partial=None, ranked: bool = False):
     """(StagePlan, predicted step) of least predicted step for pipeline degree p, over what
     the pins leave free (m among ``allowed_m``). ``plan_stages`` picks cuts and m per
@@ -152,7 +149,7 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: dict, allowed_m
     is faster: ranked with every layer recomputed, a schedule holding fewer micro-batches in
     flight, which needs fewer recomputed, lost to one that gains nothing from it.
     ``ranked``: every simulated (StagePlan, step), least step first, instead of the best."""
-    mbs = pins.get("micro_batch_size")
+    mbs = pins.micro_batch_size
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
     plans, error, beaten = [], None, False
@@ -205,31 +202,32 @@ def _partial_step(pr: Priced, partial, sp, p: int, batch: int, budget: float) ->
     return math.inf if got is None else got[2]
 
 
-def _kinds_and_virtual(pins: dict, p: int) -> list[tuple[str, int | None]]:
+def _kinds_and_virtual(pins: Options, p: int) -> list[tuple[str, int | None]]:
     """(schedule, virtual stages) pairs ``_choose`` plans apart and then simulates: each
     interleaved virtual stage count on its own (``stage_dp.DEFAULT_VIRTUAL``) unless pinned,
     since the closed form that ``plan_stages`` ranks them by does not order their timelines."""
-    v = pins.get("virtual_stages")
+    v = pins.virtual_stages
     return [(kind, u) for kind in _kinds(pins)
             for u in ([v] if v is not None or kind != "interleaved-1f1b" or p < 2
                       else DEFAULT_VIRTUAL)]
 
 
-def most_stages(pins: dict, p: int) -> int:
+def most_stages(pins: Options, p: int) -> int:
     """The most stages (ranks x virtual stages) ``_choose`` may cut under ``pins``: what the
     chain's cut points (``pipeline_price.cut_points``) are priced for. Fewer would leave a
     count of one layer or so per virtual stage only the layer boundaries to cut at (Llama 3
     405B on 16 stages: v=8 simulated 16.1 s on 4p's cut points, 14.3 s on 8p's)."""
+    pins = as_options(pins)
     return p * max(v or 1 for _, v in _kinds_and_virtual(pins, p))
 
 
-def _kinds(pins: dict) -> list[str]:
+def _kinds(pins: Options) -> list[str]:
     """The schedules ``_choose`` weighs under ``pins``."""
-    return [pins["schedule"]] if pins.get("schedule") else \
-        ["interleaved-1f1b"] if pins.get("virtual_stages") else list(SCHEDULES)
+    return [pins.schedule] if pins.schedule else \
+        ["interleaved-1f1b"] if pins.virtual_stages else list(SCHEDULES)
 
 
-def step_floor(pr: Priced, p: int, batch: int, pins: dict, allowed_m=None) -> float:
+def step_floor(pr: Priced, p: int, batch: int, pins: Options, allowed_m=None) -> float:
     """A lower bound of ``_choose``'s predicted step, without planning any cut: whatever
     the cuts and schedule, the busiest of the p ranks runs each of the m micro-batches
     through its stages, at least 1/p of every layer's time and at least the longest layer
@@ -237,12 +235,12 @@ def step_floor(pr: Priced, p: int, batch: int, pins: dict, allowed_m=None) -> fl
     timeline cannot be shorter than that; the gradient sync only adds. The least over the
     micro-batch counts the pins and ``allowed_m`` leave; -inf when they leave none."""
     costs = pr.layer_costs()
-    mbs = pins.get("micro_batch_size")
+    mbs = pins.micro_batch_size
     floor = math.inf
     for kind in _kinds(pins):
         try:
             candidates = _candidates(costs.n_layers, p, batch, p, batch // mbs if mbs else None,
-                                     kind, pins.get("virtual_stages"), allowed_m,
+                                     kind, pins.virtual_stages, allowed_m,
                                      learned=costs.n_learned)
         except ValueError:
             return -math.inf      # let ``_choose`` raise what the pins cannot run
@@ -268,13 +266,13 @@ def _too_few_parameters(p: int, v: int, learned: int, world: int) -> str:
             f"so at most {learned} stages can each hold one: use {fix}")
 
 
-def solve_intra(cap: Captured, cl, world: int, p: int, pins: dict, *, weights=None,
+def solve_intra(cap: Captured, cl, world: int, p: int, pins: Options, *, weights=None,
                 grad_sync_scale=1.0, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
                 capture_s=0.0, verbose=False, mesh_shape=None, explain=True, profiler=None):
     """(Plan, Solved) of the whole graph on one stage's ``world // p`` devices."""
     d = world // p
-    intra_pins = {k: pins[k] for k in INTRA_PINS if pins.get(k) is not None}
-    if intra_pins.get("data") or intra_pins.get("tensor") or intra_pins.get("zero"):
+    intra_pins = Options.from_pins({k: v for k, v in as_options(pins).items() if k in INTRA_PINS})
+    if intra_pins.data or intra_pins.tensor or intra_pins.zero:
         mesh_shape = None                       # the pins say which mesh
     return solve_captured(cap, _sub_cluster(cl, d), d, memory_budget=memory_budget,
                           mesh_shape=mesh_shape, optimizer=optimizer,
@@ -286,7 +284,7 @@ def solve_intra(cap: Captured, cl, world: int, p: int, pins: dict, *, weights=No
 # ---- the plan for one configuration ---------------------------------------------------------
 
 
-def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, int, int, str], *,
+def plan_pipeline(cap: Captured, cl, world: int, pins: Options, config: tuple[int, int, int, str], *,
                   memory_budget=None, optimizer="adamw", time_limit_s=60.0, capture_s=0.0,
                   verbose=False, mesh_shape=None, extra_pins=None, solved=None,
                   profiler=None) -> Plan:
@@ -309,11 +307,12 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: dict, config: tuple[int, 
     learned = len(parameter_positions(cap))
     if p * v > learned:
         raise PinError(_too_few_parameters(p, v, learned, world))
-    cutter = _Cutter(cap, cl, world, config, {**pins, **(extra_pins or {})},
+    pins = as_options(pins)
+    cutter = _Cutter(cap, cl, world, config, pins.replace(**(extra_pins or {})),
                      memory_budget if memory_budget is not None else cl.device.memory_bytes,
                      dict(optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
                           verbose=verbose, mesh_shape=mesh_shape, profiler=profiler),
-                     free_recompute=pins.get("recompute") is None)
+                     free_recompute=pins.recompute is None)
     t0 = time.perf_counter()
     try:
         solved, pr, sp = cutter.fitting(solved or cutter.solve(cutter.pins))
@@ -347,7 +346,7 @@ class _Cutter:
         self.pins, self.budget, self.solve_kw = pins, budget, solve_kw
         self.free_recompute = free_recompute    # the user left recompute= to the solver
 
-    def solve(self, pins: dict, limit: float | None = None) -> tuple[Plan, Solved]:
+    def solve(self, pins: Options, limit: float | None = None) -> tuple[Plan, Solved]:
         p, v, m, schedule = self.config
         return solve_intra(self.cap, self.cl, self.world, p, pins,
                            weights=memory_weights(schedule, p, m, v), grad_sync_scale=1.0 / m,
@@ -387,8 +386,8 @@ class _Cutter:
         seen = sum(solved[0].estimate.memory_bytes.values())
         if worst > self.budget and seen > 0:
             retries.append((self.pins, self.budget * seen / worst * 0.98))
-        if not solved[0].recompute and self.pins.get("recompute") is None and _has_layers(self.cap):
-            retries.append(({**self.pins, "recompute": "full"}, self.budget))
+        if not solved[0].recompute and self.pins.recompute is None and _has_layers(self.cap):
+            retries.append((self.pins.replace(recompute="full"), self.budget))
         for k, (pins, limit) in enumerate(retries):
             last = k == len(retries) - 1
             try:
@@ -403,7 +402,7 @@ class _Cutter:
 # ---- choosing what the pins leave free ------------------------------------------------------
 
 
-def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins: dict, *,
+def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins: Options, *,
                    memory_budget=None, optimizer="adamw", time_limit_s=60.0, verbose=False,
                    profiler=None, cap0: Captured | None = None,
                    extra_pins: dict | None = None) -> tuple[Plan, Captured]:
@@ -413,6 +412,7 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     captured at the pins' micro-batch; ``extra_pins``: the intra-stage mesh a search chose
     (data, tensor, zero), applied as pins but not the user's (``plan_pipeline``)."""
     t0 = time.perf_counter()
+    pins = as_options(pins)
     config0 = pipeline_config(example_inputs, pins)
     p, v0, m0, schedule0 = config0
     if cap0 is None:
@@ -420,13 +420,13 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     capture_s = time.perf_counter() - t0
     kw = {"memory_budget": memory_budget, "optimizer": optimizer, "time_limit_s": time_limit_s,
           "verbose": verbose, "profiler": profiler, "extra_pins": extra_pins}
-    if pins.get("micro_batch_size") is not None and pins.get("schedule") is not None \
-            and (pins["schedule"] != "interleaved-1f1b" or pins.get("virtual_stages") is not None):
+    if pins.micro_batch_size is not None and pins.schedule is not None \
+            and (pins.schedule != "interleaved-1f1b" or pins.virtual_stages is not None):
         return plan_pipeline(cap0, cl, world, pins, config0, capture_s=capture_s, **kw), cap0
     if world % p:
         plan_pipeline(cap0, cl, world, pins, config0, **kw)          # raises the error
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    solved = solve_intra(cap0, cl, world, p, {**pins, **(extra_pins or {})},
+    solved = solve_intra(cap0, cl, world, p, pins.replace(**(extra_pins or {})),
                          weights=memory_weights(schedule0, p, m0, v0),
                          grad_sync_scale=1.0 / m0, memory_budget=budget, optimizer=optimizer,
                          time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
@@ -441,7 +441,7 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     try:
         pr = price_plan(cap0, intra, solved[1], cl, world, p, most_stages(pins, p))
         partial = None
-        if intra.recompute and pins.get("recompute") is None:
+        if intra.recompute and pins.recompute is None:
             partial = (price_plan(cap0, intra, without_recompute(solved[1]), cl, world, p,
                                   most_stages(pins, p)), select_layers(cap0.gm, "full"))
         ranked = _choose(pr, p, batch, budget, pins,
