@@ -402,7 +402,7 @@ def demo(cluster, config, nproc, skip_verify, output):
     with _progress() as step:
         with step(f"building {config} on the meta device"):
             ex = build_example(spec, {"batch": 8, "config": config}, meta=True)
-        p = _solve(step, ex, cl, cl.world_size, {})
+        p = _solve(step, ex, cl, cl.world_size, Options())
     print_summary(p, con)
     if output:
         p.save(output)

@@ -163,7 +163,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from autopar.capture import capture  # noqa: E402
 from autopar.cost_models.hardware import parse_cluster  # noqa: E402
+from autopar.options import Options  # noqa: E402
 from autopar.solver.driver import search_captured, solve  # noqa: E402
+from autopar.solver.spec import SearchSpec  # noqa: E402
 from autopar.solver.flat import plan_captured  # noqa: E402
 from autopar.solver.ilp import InfeasibleError  # noqa: E402
 from autopar.solver.pipeline_search import plan_pipelined  # noqa: E402
@@ -226,8 +228,9 @@ def row_planner(ex, cap, cl, world, pins):
         return lambda t: plan_pipelined(ex.model, ex.inputs, ex.loss_fn, ex.target, cl, world,
                                         pins, time_limit_s=t)
     if not pins.get("data") and not pins.get("tensor"):
-        return lambda t: tuple(search_captured(cap, ex.model, ex.inputs, ex.loss_fn, ex.target, cl,
-                                               world, pins=pins, time_limit_s=t))
+        return lambda t: tuple(search_captured(SearchSpec(
+            ex.model, ex.inputs, ex.loss_fn, ex.target, cl, world, Options.from_pins(pins),
+            time_limit_s=t), cap))
     return lambda t: (plan_captured(cap, cl, world, pins=pins, time_limit_s=t), cap)
 
 

@@ -15,7 +15,6 @@ when the backward is split), which gives the in-flight count that sets activatio
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 

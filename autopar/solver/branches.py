@@ -29,7 +29,7 @@ from autopar.cost_models.hardware import axis_link
 from autopar.errors import PinError
 from autopar.options import Options, as_options
 from autopar.placement import local_shape
-from autopar.plan import BranchGroups, Estimate, NodePlacement, Plan
+from autopar.plan import BranchGroups, NodePlacement, Plan
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import Solved, solve_captured
 from autopar.solver.pipeline_search import _sub_cluster

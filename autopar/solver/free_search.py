@@ -1,0 +1,303 @@
+"""The free search: the plan of a full-batch graph when no pipeline and no gradient
+accumulation is pinned (``driver`` calls it for ``autopar.plan`` / ``parallelize``).
+
+Named stages, each a method of :class:`_FreeSearch` that reads the :class:`SearchSpec` and
+offers its candidate to ``offer``, the one place plans are compared (the least predicted
+step wins):
+
+* ``unpipelined``: every mesh the options allow, recomputing when memory binds
+  (``flat.plan_captured``);
+* ``branches``: independent branches over groups of ranks (``branches``);
+* ``pipelines``: on a cluster of several nodes, or when nothing unpipelined fits
+  (:func:`may_pipeline`), every pipeline degree (``pipeline_free.search_pipelines``; its
+  meshes and the unpipelined plan's programs solved ahead on the other cores,
+  ``speculate``);
+* ``probes``: the unpipelined plan with the fewest recomputed layers that fit, where it
+  could still win;
+* ``accumulation``: micro-batches of the full batch, where its activations do not fit or
+  fit only recomputed (``accumulate``);
+* ``offload``: ZeRO-Offload, when nothing else fits device memory (:func:`may_offload`).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from autopar.capture import Captured
+from autopar.errors import PinError
+from autopar.options import Options
+from autopar.plan import Plan
+from autopar.solver.accumulate import accumulation_may_win, may_accumulate, search_accumulation
+from autopar.solver.branches import plan_branched, search_branches
+from autopar.solver.errors import InfeasibleError
+from autopar.solver.flat import (drop_deferred, mesh_jobs, plan_captured, recompute_bound_s,
+                                 solve_captured, solve_mesh_job)
+from autopar.solver.pipeline_free import degree_search, search_pipelines
+from autopar.solver.spec import Planned, SearchSpec
+from autopar.solver.speculate import Speculation, best_found_s, workers_for
+
+PROBES = "the unpipelined plan's fewest recomputed layers"
+"""The job of solving ``flat._fewest_layers``' probes ahead (``speculate``), after the
+unpipelined plan's programs (``flat.mesh_jobs``, a job each) and the pipeline search's
+meshes."""
+
+PROBES_MARGIN = 1.25
+"""A worker probes the unpipelined plan's fewest recomputed layers when that plan could beat
+this multiple of the best step the pipeline search has predicted so far (``best_found_s``).
+The search itself weighs the probes against the best plan it made (its real step), which
+can lie above the prediction: GPT-175B on 1,024 A100s predicted 16.27 s, planned 17.61 s
+(+8%), and the unpipelined plan, 16.70 s less its recomputation bound, fell between them.
+A margin too wide costs a worker's CPU seconds on probes the search then skips (the
+Llama 3 405B's are far outside it: 20.3 s against 8.6 s); it never changes the plan."""
+
+def search_captured(spec: SearchSpec, cap: Captured, capture_s: float = 0.0) -> Planned:
+    """The best plan without a ``pipeline=`` pin > 1, from the full-batch graph ``cap``: the
+    stages of :class:`_FreeSearch` (unpipelined, branches, pipelines where
+    ``may_pipeline`` says so, the unpipelined plan's fewest recomputed layers, gradient
+    accumulation where ``may_accumulate`` says so, ZeRO-Offload when nothing else fits);
+    the least predicted step wins. A ``branch=`` pin > 1 plans branch parallelism alone."""
+    o = spec.options
+    if (o.branch or 1) > 1:      # branch parallelism pinned (autopar.solver.branches)
+        return Planned(plan_branched(cap, spec.cluster, spec.world, o.branch, o,
+                                     **_branch_kw(spec, capture_s), verbose=spec.verbose), cap)
+    run = _FreeSearch(spec, cap, capture_s)
+    # when pipelines are searched too, the unpipelined plan's fewest recomputed layers are
+    # probed only once it could win (its step less what its recomputation may cost,
+    # ``flat.recompute_bound_s``, an estimate, below the best plan found)
+    if not may_pipeline(spec, cap, False):
+        return run.search()
+    # the pipeline search's programs, then the unpipelined plan's, then its probes (which
+    # the search may not need), solved ahead on the other cores (speculate.py)
+    search = degree_search(cap, spec.example_inputs, spec.cluster, spec.world, o,
+                           memory_budget=spec.memory_budget, optimizer=spec.optimizer,
+                           time_limit_s=spec.time_limit_s, verbose=spec.verbose)
+    workers = workers_for(len(cap.gm.graph.nodes), spec.profiler)
+    flat_args = dict(pins=o, memory_budget=spec.memory_budget, mesh_shape=spec.mesh_shape,
+                     optimizer=spec.optimizer, time_limit_s=spec.time_limit_s)
+    # the unpipelined plan's programs, a job each: without recomputation first (the workers
+    # take from the end), then every layer recomputed, which the search solves only if
+    # memory binds
+    flat_jobs = mesh_jobs(cap, spec.cluster, spec.world, **flat_args)
+    first = [k for k, job in flat_jobs.items() if job[2] is None]
+    recomputed = [k for k, job in flat_jobs.items() if job[2] is not None]
+
+    def solve_ahead(job) -> None:
+        if job in flat_jobs:
+            solve_mesh_job(cap, spec.cluster, flat_jobs[job])
+        elif job == PROBES:
+            # as the search will, only where the unpipelined plan could beat the best pipeline
+            # (predicted so far, with a margin for the planned step: PROBES_MARGIN); its
+            # programs are read where written, the probes resume its search
+            flat = plan_captured(cap, spec.cluster, spec.world, **flat_args, fewest_layers=False)
+            if flat.recompute and o.recompute is None and \
+                    flat.estimate.step_time_s - recompute_bound_s(flat, cap) < \
+                    PROBES_MARGIN * best_found_s():
+                plan_captured(cap, spec.cluster, spec.world, **flat_args)
+        else:
+            search.solve_ahead(job)
+    ahead = Speculation([PROBES, *recomputed, *first, *search.meshes], solve_ahead, workers) \
+        if workers and len(search.meshes) > 1 else None
+    with ahead or contextlib.nullcontext():
+        return run.search(deferred=True, pipelines=search, ahead=ahead)
+
+
+class _FreeSearch:
+    """The free search of one spec's full-batch graph, as named stages. Each stage offers
+    its candidate to :meth:`offer`, the one place plans are compared (least predicted
+    step); :meth:`search` runs them in order, each stage's seconds in ``phases``."""
+
+    def __init__(self, spec: SearchSpec, cap: Captured, capture_s: float):
+        self.spec, self.cap, self.capture_s = spec, cap, capture_s
+        self.t_start = time.perf_counter()
+        self.phases: dict[str, float] = {"capture": capture_s}
+        self.best: Planned | None = None
+        self.flat: Plan | None = None               # the unpipelined plan
+        self.error: InfeasibleError | None = None   # why nothing unpipelined fits
+        self.searched = False                       # pipelines searched
+
+    # ---- the one comparison ------------------------------------------------------------
+    def offer(self, got: "Planned | None") -> None:
+        if got is not None and (self.best is None or
+                                got.plan.estimate.step_time_s < self.best.plan.estimate.step_time_s):
+            self.best = got
+
+    def _timed(self, name: str, stage: Callable):
+        t0 = time.perf_counter()
+        try:
+            return stage()
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def _flat_kw(self, **more) -> dict:
+        return self.spec.solve_kw(capture_s=self.capture_s, pins=self.spec.options, **more)
+
+    # ---- the stages ----------------------------------------------------------------------
+    def search(self, deferred: bool = False, pipelines=None, ahead=None) -> Planned:
+        """``deferred``: the unpipelined plan's probes wait for the pipelines'; ``pipelines``:
+        the pipeline search made ahead, ``ahead``: its workers."""
+        spec, cap = self.spec, self.cap
+        if ahead is not None:
+            # the workers take the unpipelined plan's programs after the pipelines' meshes:
+            # pipelines first, then the plans compared in the order below (the unpipelined
+            # search reads what the workers solved, or waits for what they are solving)
+            self.pipelines("the unpipelined plan after them", pipelines)
+        self.unpipelined(deferred)
+        self._timed("branches", self.branches)
+        if not self.searched and may_pipeline(spec, cap, self.flat is None):
+            self.pipelines("nothing fits unpipelined" if self.best is None else
+                           f"against {self.best.plan.estimate.step_time_s:.4g} s unpipelined",
+                           pipelines)
+        if deferred:
+            self.probes(ahead)
+        drop_deferred(cap)
+        if ahead is not None:
+            ahead.close()                        # the workers' part is over
+            if spec.verbose:
+                print(f"solved ahead: {len(ahead.read)} of {len(ahead.items)} jobs by "
+                      f"{len(ahead.procs)} worker(s), {ahead.waited_s:.1f}s waited")
+        self.accumulation()
+        if self.best is None and may_offload(spec.options, spec.mesh_shape):
+            self.offer(self._timed("offload", lambda: _offloaded(spec, cap, self.capture_s)))
+        return self.result()
+
+    def unpipelined(self, deferred: bool) -> None:
+        """Every mesh the options allow, recomputing when memory binds (``flat``)."""
+        t0 = time.perf_counter()
+        try:
+            self.flat = plan_captured(self.cap, self.spec.cluster, self.spec.world,
+                                      **self._flat_kw(), fewest_layers=not deferred)
+        except InfeasibleError as e:
+            self.error = e
+        self.phases.update(self.flat.solver.phases if self.flat is not None else {})
+        self.phases["unpipelined"] = time.perf_counter() - t0
+        self.offer(Planned(self.flat, self.cap) if self.flat is not None else None)
+
+    def branches(self) -> None:
+        """Independent branches over groups of ranks (``branches.search_branches``)."""
+        if self.spec.mesh_shape is not None:
+            return
+        got = search_branches(self.cap, self.spec.cluster, self.spec.world, self.spec.options,
+                              **_branch_kw(self.spec, self.capture_s))
+        self.offer(Planned(got, self.cap) if got is not None else None)
+
+    def pipelines(self, against: str, search) -> None:
+        """Pipelines of every degree ``pipeline_free.pipeline_degrees`` allows."""
+        spec = self.spec
+        if spec.verbose:
+            print(f"searching pipelines ({against})")
+        got = self._timed("pipeline search", lambda: search_pipelines(
+            self.cap, spec.model, spec.example_inputs, spec.loss_fn, spec.target, spec.cluster,
+            spec.world, spec.options, memory_budget=spec.memory_budget, optimizer=spec.optimizer,
+            time_limit_s=spec.time_limit_s, verbose=spec.verbose, search=search))
+        self.searched = True
+        self.offer(Planned(*got) if got is not None else None)
+
+    def probes(self, ahead) -> None:
+        """The unpipelined plan with the fewest layers recomputed that fit, where it could
+        still win (its step less what recomputing may cost below the best plan)."""
+        flat, cap = self.flat, self.cap
+        if not (flat is not None and flat.recompute and self.spec.options.recompute is None
+                and flat.estimate.step_time_s - recompute_bound_s(flat, cap)
+                < self.best.plan.estimate.step_time_s):
+            return
+        t0 = time.perf_counter()
+        if ahead is not None:
+            ahead.take(PROBES)               # a worker's outcomes, if it took them
+        fewer = plan_captured(cap, self.spec.cluster, self.spec.world, **self._flat_kw())
+        self.phases["unpipelined, fewest layers"] = time.perf_counter() - t0
+        self.offer(Planned(fewer, cap))
+        if fewer.estimate.step_time_s < flat.estimate.step_time_s:
+            self.flat = fewer
+
+    def accumulation(self) -> None:
+        """Micro-batches of the full batch, where the full batch's activations do not fit, or
+        fit only recomputed and micro-batches could beat the best plan
+        (``accumulate.may_accumulate``, ``accumulation_may_win``)."""
+        spec, cap, flat = self.spec, self.cap, self.flat
+        if not (may_accumulate(cap, spec.example_inputs, spec.options, flat, world=spec.world,
+                               budget=spec.budget, optimizer=spec.optimizer)
+                and (flat is None or accumulation_may_win(flat, self.best.plan, cap))):
+            return
+        if spec.verbose:
+            print("trying gradient accumulation (" + ("the full batch fits only recomputed"
+                                                      if flat is not None else
+                                                      "nothing fits the full batch") + ")")
+        got = self._timed("accumulation", lambda: search_accumulation(
+            spec.model, spec.example_inputs, spec.loss_fn, spec.target, spec.cluster, spec.world,
+            spec.options, **spec.solve_kw()))
+        self.offer(Planned(*got) if got is not None else None)
+
+    def result(self) -> Planned:
+        self.phases["total"] = self.capture_s + time.perf_counter() - self.t_start
+        if self.spec.verbose:
+            print("planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items()))
+        if self.best is None:
+            error = self.error
+            tried = [k for k in ("accumulation", "pipeline search", "offload") if k in self.phases]
+            if tried and isinstance(error, InfeasibleError) and error.suggestions:
+                error.args = (f"{error}\nalso tried, none fits: {', '.join(tried)}",)
+            raise error
+        plan = self.best.plan
+        return Planned(replace(plan, solver=replace(plan.solver, phases=self.phases)),
+                       self.best.captured)
+
+
+def _branch_kw(spec: SearchSpec, capture_s: float) -> dict:
+    return dict(memory_budget=spec.memory_budget, optimizer=spec.optimizer,
+                time_limit_s=spec.time_limit_s, capture_s=capture_s, profiler=spec.profiler)
+
+
+OFFLOAD_STAGES = (2, 3)
+"""The ZeRO stages the free search tries with ``offload="optimizer"`` when nothing else fits
+device memory (ZeRO-Offload costs time: host-link copies and a host step): stage 2 first
+(DeepSpeed's pairing), then 3 (parameters sharded too); a pinned ``zero=`` stage alone."""
+
+
+def may_offload(pins: Options, mesh_shape) -> bool:
+    """Whether the free search tries ZeRO-Offload: not pinned either way, no ``zero=0`` pin,
+    and nothing it is not offered with (pipelines, branches, lossy reduction)."""
+    if pins.offload is not None or pins.zero == 0 or mesh_shape is not None:
+        return False
+    return (not pins.pipelined and (pins.branch or 1) == 1
+            and pins.compress in (None, "none") and not pins.local_sgd)
+
+
+def _offloaded(spec: SearchSpec, cap: Captured, capture_s: float) -> Planned | None:
+    """The first of :data:`OFFLOAD_STAGES` (or the pinned stage) whose plan with
+    ``offload="optimizer"`` fits, or None."""
+    pins = spec.options
+    for stage in ([pins.zero] if pins.zero else OFFLOAD_STAGES):
+        if spec.verbose:
+            print(f"trying offload='optimizer', zero={stage} (nothing else fits device memory)")
+        try:
+            plan, _ = solve_captured(cap, spec.cluster, spec.world,
+                                     pins=pins.replace(zero=stage, offload="optimizer"),
+                                     verbose=spec.verbose, explain=False,
+                                     memory_budget=spec.memory_budget, optimizer=spec.optimizer,
+                                     time_limit_s=spec.time_limit_s, capture_s=capture_s,
+                                     profiler=spec.profiler)
+        except (InfeasibleError, PinError):
+            continue
+        return Planned(plan, cap)
+    return None
+
+
+def may_pipeline(spec: SearchSpec, cap: Captured, nothing_fits: bool) -> bool:
+    """Whether the free search considers pipelines: no pipeline pin (``pipeline=1`` means
+    none), more than one node (or nothing unpipelined fits), the loss in the graph, every
+    input split along dim 0, and room beside the data/tensor pins."""
+    pins, cl, world = spec.options, spec.cluster, spec.world
+    if pins.pipeline is not None or spec.mesh_shape is not None or spec.profiler is not None:
+        return False
+    if not (cl.nodes > 1 or nothing_fits) or world != cl.world_size or world < 2:
+        return False
+    if not (cap.has_loss and cap.takes_target):
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in spec.example_inputs):
+        return False
+    fixed = (pins.data or 1) * (pins.tensor or 1)
+    return fixed < world
