@@ -9,10 +9,11 @@ from autopar.capture import CaptureError, capture
 from autopar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from autopar.coverage import coverage
 from autopar.errors import ArgumentError, AutoparInputError, PinError
+from autopar.options import Options
 from autopar.plan import Plan, PlanError
 from autopar.runtime.weights import WeightsError, meta_parameters
 
-__all__ = ["plan", "parallelize", "Plan", "PlanError", "CaptureError", "capture", "coverage",
+__all__ = ["plan", "parallelize", "Options", "Plan", "PlanError", "CaptureError", "capture", "coverage",
            "save_checkpoint", "load_checkpoint", "CheckpointError", "meta_parameters",
            "WeightsError"]
 __all__ += ["AutoparInputError", "ArgumentError", "PinError"]   # autopar.errors

@@ -204,7 +204,7 @@ def row(label, build, cluster, world, pins=None, phases=False, **kw):
              if plan.pipeline_stages > 1 else ""), flush=True)
     if phases:     # each planning phase's wall seconds (plan.solver.phases)
         print("    phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in s.phases.items()), flush=True)
-        print(f"    plan: mesh {plan.mesh_shape} {plan.mesh_axes}, pins {plan.pins}, "
+        print(f"    plan: mesh {plan.mesh_shape} {plan.mesh_axes}, options {plan.pins}, "
               f"objective {plan.estimate.step_time_s:.6g} s, digest {plan_digest(plan)}", flush=True)
     return wall, f"{cpu:.1f} s of CPU" + (f" here, {workers:.1f} s in workers" if workers else "")
 
@@ -242,9 +242,11 @@ def machine() -> str:
 
 
 def plan_digest(plan) -> str:
-    """A hash of everything the plan chose (placements, mesh, pipeline cuts, estimate),
-    without the solver's report (its timings): equal digests, the same plan."""
-    chosen = {k: v for k, v in plan.to_dict().items() if k != "solver"}
+    """A hash of everything the plan chose (placements, mesh, pipeline cuts, options,
+    estimate), without the solver's report (its timings) and the file's version: equal
+    digests, the same plan. (Before plan schema 3 the options were "pins", and the version
+    was hashed: digests from then differ for the same plan.)"""
+    chosen = {k: v for k, v in plan.to_dict().items() if k not in ("solver", "version")}
     return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
