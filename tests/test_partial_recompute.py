@@ -158,8 +158,8 @@ def test_free_search_probes_the_fewest_layers_once_the_unpipelined_plan_could_wi
 
     import torch
 
-    import autopar.solver.driver as driver
     import autopar.solver.flat as flat
+    import autopar.solver.free_search as free_search
     from autopar.solver.ilp import solve as solve_ilp
     with torch.device("meta"):
         gpt = gpt_factory(batch=32, n_layer=4, n_embd=1024, n_head=8, block_size=512,
@@ -170,7 +170,7 @@ def test_free_search_probes_the_fewest_layers_once_the_unpipelined_plan_could_wi
                             cluster="2xdgx-a100", data=8, zero=0, accumulate=1, **pins)
     full, none = plan(recompute="full"), plan(recompute="none")
     budget = full.estimate.memory_total + 0.4 * (none.estimate.memory_total - full.estimate.memory_total)
-    monkeypatch.setattr(driver, "search_pipelines", lambda *a, **k: None)
+    monkeypatch.setattr(free_search, "search_pipelines", lambda *a, **k: None)
     solved = []       # (mesh, ZeRO stage, recomputed nodes) of every sharding ILP
 
     def counted(problem, cost, *a, **k):
@@ -184,7 +184,7 @@ def test_free_search_probes_the_fewest_layers_once_the_unpipelined_plan_could_wi
     # the probes resume the unpipelined search: no ILP of it is solved again
     assert len(solved) == len(set(solved)), solved
     fast = dataclasses.replace(full, estimate=dataclasses.replace(full.estimate, step_time_s=1e-3))
-    monkeypatch.setattr(driver, "search_pipelines", lambda *a, **k: (fast, None))
+    monkeypatch.setattr(free_search, "search_pipelines", lambda *a, **k: (fast, None))
     chosen = plan(memory_budget=budget)
     assert chosen.estimate.step_time_s == 1e-3
     assert "unpipelined, fewest layers" not in chosen.solver.phases

@@ -43,6 +43,29 @@ class Solved:
     choice: dict
 
 
+@dataclass(frozen=True)
+class _Ask:
+    """What one call of :func:`solve_captured` asks of the mesh search (its arguments, as
+    one value the search's parts read)."""
+    cl: Any
+    world: int
+    pins: Options
+    budget: float
+    mesh_shape: tuple | None
+    optimizer: str
+    time_limit_s: float
+    verbose: bool
+    profiler: Any
+    memory_weights: dict | None
+    grad_sync_scale: float
+    explain: bool
+    fewest_layers: bool
+
+    def cost_kw(self) -> dict:
+        return dict(profiler=self.profiler, memory_weights=self.memory_weights,
+                    grad_sync_scale=self.grad_sync_scale)
+
+
 @dataclass
 class _Best:
     sol: Any
@@ -92,11 +115,10 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     ``explain=False`` skips working out how far from fitting an infeasible mesh is."""
     pins = as_options(pins)
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    kw = dict(budget=budget, mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
-              verbose=verbose, profiler=profiler, memory_weights=memory_weights,
-              grad_sync_scale=grad_sync_scale, explain=explain, fewest_layers=fewest_layers)
+    ask = _Ask(cl, world, pins, budget, mesh_shape, optimizer, time_limit_s, verbose, profiler,
+               memory_weights, grad_sync_scale, explain, fewest_layers)
     phases: dict = {}
-    best, errors = _search(cap, cl, world, pins, **kw, phases=phases)
+    best, errors = _search(cap, ask, phases)
     binds = best is None or best.sol.memory_total > RECOMPUTE_WHEN * budget
     if pins.zero is None and (mesh_shape is None or len(mesh_shape) == 1) and (
             binds or wide_grads(pins)):
@@ -109,8 +131,8 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             if verbose:
                 print(f"trying zero={stage} on the data axis")
             try:
-                got, _ = _search(cap, cl, world, pins.replace(zero=stage), **{**kw, "explain": False},
-                                 phases=phases, tag=f" zero={stage}")
+                got, _ = _search(cap, replace(ask, pins=pins.replace(zero=stage), explain=False),
+                                 phases, tag=f" zero={stage}")
             except PinError:         # e.g. a batch the data axis cannot split, or a lossy pin
                 break
             if got is None and stage == ZERO_STAGES[0]:
@@ -121,7 +143,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
         errors = [_explained(e) for e in errors]
         if not explain or not any(e.explained for e in errors):
             raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
-        raise infeasible(cap, cl, world, pins, errors, **kw)
+        raise infeasible(cap, ask, errors)
     plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases)
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
 
@@ -141,24 +163,22 @@ def _explained(e: InfeasibleError) -> InfeasibleError:
     return got
 
 
-def _search(cap: Captured, cl, world: int, pins: Options, *, budget, mesh_shape, optimizer,
-            time_limit_s, verbose, profiler, memory_weights, grad_sync_scale, explain,
-            phases: dict, tag: str = "", fewest_layers: bool = True):
-    """(the best :class:`_Best` under ``pins`` over the meshes they allow, or None; the
+def _search(cap: Captured, ask: _Ask, phases: dict, tag: str = ""):
+    """(the best :class:`_Best` under ``ask.pins`` over the meshes they allow, or None; the
     reasons of the meshes that did not fit)."""
-    n_states = check_optimizer(optimizer)
+    cl, world, pins, budget, time_limit_s = ask.cl, ask.world, ask.pins, ask.budget, ask.time_limit_s
+    memory_weights, grad_sync_scale = ask.memory_weights, ask.grad_sync_scale
+    n_states = check_optimizer(ask.optimizer)
     # a search the free search deferred the probes of (``fewest_layers=False``) and now asks
     # again with them: its meshes are solved already, only the probes are left
-    resumable = not memory_weights and profiler is None and grad_sync_scale == 1.0
+    resumable = not memory_weights and ask.profiler is None and grad_sync_scale == 1.0
     if resumable:
-        resume_key = repr((cl, world, sorted(pins.items()), budget, mesh_shape, optimizer,
-                           time_limit_s, explain, tag))
+        resume_key = repr((cl, world, sorted(pins.items()), budget, ask.mesh_shape, ask.optimizer,
+                           time_limit_s, ask.explain, tag))
         deferred = _DEFERRED.setdefault(cap.gm, {})
-    if resumable and fewest_layers and resume_key in deferred:
+    if resumable and ask.fewest_layers and resume_key in deferred:
         best, errors = deferred.pop(resume_key)
-        return _with_fewest_layers(cap, cl, best, pins, budget=budget, time_limit_s=time_limit_s,
-                                   profiler=profiler, memory_weights=memory_weights,
-                                   grad_sync_scale=grad_sync_scale, verbose=verbose), errors
+        return _with_fewest_layers(cap, best, ask), errors
     # Recomputation is pinned, or chosen here: plans without it first; with every repeated
     # layer recomputed too when memory binds (nothing fits, or the best uses > 90%), and
     # then the fewest layers that fit (``_fewest_layers``).
@@ -166,7 +186,7 @@ def _search(cap: Captured, cl, world: int, pins: Options, *, budget, mesh_shape,
     # the problem depends on the mesh only: built once, costed per recomputation choice
     t0 = time.perf_counter()
     problems = [(_problem(cap, shape, roles, pins.zero_stage, n_states), shape, axes, roles)
-                for shape, axes, roles in mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)]
+                for shape, axes, roles in mesh_candidates(world, pins, ask.mesh_shape, cl.devices_per_node)]
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
     best, errors = None, []     # (a mesh's prices are shared by its cost models: costing._shared)
     for rec in choices:
@@ -177,35 +197,32 @@ def _search(cap: Captured, cl, world: int, pins: Options, *, budget, mesh_shape,
         errors = []                    # report the last pass's reasons
         for problem, shape, axes, roles in problems:
             t0, key = time.perf_counter(), f"ilp {shape}{tag}"
-            cost = _cost_model(cap, cl, shape, pins, roles, rec, profiler=profiler,
-                               memory_weights=memory_weights, grad_sync_scale=grad_sync_scale)
+            cost = _cost_model(cap, cl, shape, pins, roles, rec, **ask.cost_kw())
             try:
                 sol = _solve_program(problem, cost, budget, time_limit_s, lambda: _ilp_key(
                     cap, shape, roles, pins, n_states, rec, cl, memory_weights, grad_sync_scale,
                     budget, time_limit_s))
             except InfeasibleError as e:
                 e.axes, e.roles, e.recompute = axes, roles, rec
-                if explain and rec == choices[-1]:
+                if ask.explain and rec == choices[-1]:
                     # how far from fitting (one more ILP) is worked out only if no mesh fits
                     e.unexplained = (problem, cost, budget, time_limit_s)
                 errors.append(e)
                 continue
             finally:
                 phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
-            if verbose:
+            if ask.verbose:
                 print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}: "
                       f"{sol.objective_s * 1e3:.3f} ms ({sol.status}, {sol.solve_time_s:.2f}s)")
             if best is None or sol.objective_s < best.sol.objective_s:
                 best = _Best(sol, problem, shape, axes, recompute, cost, pins, roles, n_states)
-    if resumable and not fewest_layers:
+    if resumable and not ask.fewest_layers:
         deferred[resume_key] = (best, errors)
         while len(deferred) > DEFERRED_KEPT:
             deferred.pop(next(iter(deferred)))
-    if not fewest_layers:
+    if not ask.fewest_layers:
         return best, errors
-    return _with_fewest_layers(cap, cl, best, pins, budget=budget, time_limit_s=time_limit_s,
-                               profiler=profiler, memory_weights=memory_weights,
-                               grad_sync_scale=grad_sync_scale, verbose=verbose), errors
+    return _with_fewest_layers(cap, best, ask), errors
 
 
 def _cost_model(cap: Captured, cl, shape, pins: Options, roles: dict, rec, *, profiler=None,
@@ -304,13 +321,13 @@ def drop_deferred(cap: Captured) -> None:
     _DEFERRED.pop(cap.gm, None)
 
 
-def _with_fewest_layers(cap: Captured, cl, best, pins: Options, *, memory_weights, **kw):
+def _with_fewest_layers(cap: Captured, best, ask: _Ask):
     """``best``, or where it recomputes every layer of a free choice, ``_fewest_layers``'
     plan (a pipeline's stage view, ``memory_weights``, leaves which layers to the per-rank
     choice after the cuts: ``partial_recompute``)."""
-    if pins.recompute is None and best is not None and best.recompute \
-            and not memory_weights:
-        return _fewest_layers(cap, cl, best, memory_weights=memory_weights, **kw)
+    if ask.pins.recompute is None and best is not None and best.recompute \
+            and not ask.memory_weights:
+        return _fewest_layers(cap, best, ask)
     return best
 
 
@@ -332,8 +349,7 @@ PARTIAL_PROBES = 4
 """ILPs ``_fewest_layers`` solves at most."""
 
 
-def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, profiler,
-                   memory_weights, grad_sync_scale, verbose) -> _Best:
+def _fewest_layers(cap: Captured, full: _Best, ask: _Ask) -> _Best:
     """``full`` (every one of the L repeated layers recomputed) or, if predicted faster, the
     plan on its mesh recomputing only the first k layers, k the fewest that fit ``budget``
     (Megatron-LM's ``--recompute-num-layers``). Layers alike, recomputing one saves at most
@@ -345,6 +361,8 @@ def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, prof
     probe fits, k steps down 1, 2, 4, ... layers; from the first that does not, the least
     k that fits is bisected; within ``PARTIAL_PROBES`` solves. The least objective of them
     and ``full`` wins."""
+    cl, budget, time_limit_s = ask.cl, ask.budget, ask.time_limit_s
+    memory_weights, grad_sync_scale = ask.memory_weights, ask.grad_sync_scale
     layers, per = full.recompute, full.sol.memory.get("recompute", 0.0)
     n = len(layers)
     if n < 2 or per <= 0 or budget == float("inf"):
@@ -356,9 +374,8 @@ def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, prof
             break
         _, rec_nodes, rec_kept = _recompute_of(cap, layers[:k])
         cost = CostModel.for_pins(cl, full.shape, full.pins, data_axis=full.cost.data_axis,
-                                  recompute=(rec_nodes, rec_kept), profiler=profiler,
-                                  memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
-                                  native=full.cost.native)
+                                  recompute=(rec_nodes, rec_kept), native=full.cost.native,
+                                  **ask.cost_kw())
         try:
             sol = _solve_or_read(full.problem, cost, budget, time_limit_s, lambda: _ilp_key(
                 cap, full.shape, full.roles, full.pins, full.n_states, layers[:k], cl,
@@ -367,7 +384,7 @@ def _fewest_layers(cap: Captured, cl, full: _Best, *, budget, time_limit_s, prof
             fails, step = k, 0
             k = (fails + fits + 1) // 2
             continue
-        if verbose:
+        if ask.verbose:
             print(f"mesh {full.shape} recompute {k} of {n} layers: {sol.objective_s * 1e3:.3f} ms")
         if sol.objective_s < best.sol.objective_s:
             best = _Best(sol, full.problem, full.shape, full.axes, layers[:k], cost, full.pins,
@@ -392,22 +409,19 @@ def _row(family, shape, variant, need, terms) -> dict:
                 terms=dict(terms), binding=binding)
 
 
-def _least_memory(cap, cl, shape, roles, pins, rec, *, optimizer, time_limit_s, profiler,
-                  memory_weights, grad_sync_scale, **_):
-    """The least memory per device of any plan of ``cap`` on ``shape`` under ``pins``
-    (``rec``: the recomputation choice): (bytes, {term: bytes})."""
+def _least_memory(cap, ask: _Ask, cl, shape, roles, pins, rec):
+    """The least memory per device of any plan of ``cap`` on ``shape`` of ``cl`` under
+    ``pins`` (``rec``: the recomputation choice): (bytes, {term: bytes})."""
     _, rec_nodes, rec_kept = _recompute_of(cap, rec)
-    problem = _problem(cap, shape, roles, pins.zero_stage, check_optimizer(optimizer))
+    problem = _problem(cap, shape, roles, pins.zero_stage, check_optimizer(ask.optimizer))
     cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
-                              recompute=(rec_nodes, rec_kept), profiler=profiler,
-                              memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
-                              native=cap.native_dtypes)
-    sol = solve_ilp(problem, cost, None, time_limit_s, minimize_memory=True)
+                              recompute=(rec_nodes, rec_kept), native=cap.native_dtypes,
+                              **ask.cost_kw())
+    sol = solve_ilp(problem, cost, None, ask.time_limit_s, minimize_memory=True)
     return sol.memory_total, dict(sol.memory)
 
 
-def infeasible(cap: Captured, cl, world: int, pins: Options, errors: list, *, budget, verbose=False,
-               **kw) -> InfeasibleError:
+def infeasible(cap: Captured, ask: _Ask, errors: list) -> InfeasibleError:
     """One screen for a search where nothing fits: the closest plan per mesh family, what
     binds, and the smallest changes that fit (a budget, a ZeRO stage, more devices,
     gradient accumulation), each worked out from the least-memory plans. The error carries
@@ -415,12 +429,13 @@ def infeasible(cap: Captured, cl, world: int, pins: Options, errors: list, *, bu
     rows = [_row(_family(e.mesh_shape, e.axes), e.mesh_shape,
                  f"recompute={e.recompute!r}" if e.recompute else "", e.need_bytes, e.terms)
             for e in errors if e.explained]
+    cl, world, pins, budget = ask.cl, ask.world, ask.pins, ask.budget
     rec = errors[-1].recompute if errors else None
     zero_free = pins.zero is None and pins.tensor in (None, 1)
     if zero_free:       # the ZeRO stage that shards the most, on the data axis
         try:
             z3 = pins.replace(zero=3)
-            need, terms = _least_memory(cap, cl, (world,), {"data_axis": 0}, z3, rec, **kw)
+            need, terms = _least_memory(cap, ask, cl, (world,), {"data_axis": 0}, z3, rec)
             rows.append(_row("data only", (world,), "zero=3" + (f", recompute={rec!r}" if rec else ""),
                              need, terms))
         except (InfeasibleError, PinError):
@@ -438,7 +453,7 @@ def infeasible(cap: Captured, cl, world: int, pins: Options, errors: list, *, bu
                      f"{best['mesh']}): raise memory_budget to at least {_gib(best['need'])}",
                  memory_budget=_up(best["need"]), pins=fix_pins)]
     if zero_free:
-        more = _more_devices(cap, cl, world, pins, rec, budget, kw)
+        more = _more_devices(cap, ask, rec)
         if more is not None:
             n, need, bigger = more
             more_pins = {"data": n, "zero": 3, **({"recompute": rec} if rec else {})}
@@ -450,7 +465,7 @@ def infeasible(cap: Captured, cl, world: int, pins: Options, errors: list, *, bu
         sugg.append(dict(change=f"accumulate={k}" + _pin_text(fix_pins),
                          why=f"{best['binding']} bind; one of {k} micro-batches holds about 1/{k} of the "
                              "activations (estimated)", pins={**fix_pins, "accumulate": k}))
-    if verbose:
+    if ask.verbose:
         for r in rows:
             print(f"  {r['family']:<22} mesh {str(r['mesh']):<10} {r['variant']:<22} needs {gib(r['need'])}")
     return InfeasibleError(one_screen(budget, world, list(closest.values()), sugg, len(rows)),
@@ -466,19 +481,20 @@ def _pin_text(pins: dict) -> str:
     return "".join(f", {k}={v!r}" for k, v in pins.items())
 
 
-def _more_devices(cap, cl, world, pins, rec, budget, kw):
+def _more_devices(cap, ask: _Ask, rec):
     """The fewest devices (a multiple of ``world``, batch permitting) on which ZeRO-3 over
     the data axis fits: (devices, bytes per device), or None within 64x."""
+    cl, world, pins = ask.cl, ask.world, ask.pins
     for n in (world * 2 ** j for j in range(1, 7)):
         dpn = cl.devices_per_node
         bigger = replace(cl, name=f"{cl.name} ({n} devices)", nodes=n // dpn if n % dpn == 0 else 1,
                          devices_per_node=dpn if n % dpn == 0 else n)
         try:
-            need, _ = _least_memory(cap, bigger, (n,), {"data_axis": 0},
-                                    pins.replace(data=n, zero=3), rec, **kw)
+            need, _ = _least_memory(cap, ask, bigger, (n,), {"data_axis": 0},
+                                    pins.replace(data=n, zero=3), rec)
         except (InfeasibleError, PinError, ValueError):
             return None
-        if need <= budget:
+        if need <= ask.budget:
             return n, need, bigger
     return None
 

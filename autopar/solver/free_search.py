@@ -54,6 +54,7 @@ can lie above the prediction: GPT-175B on 1,024 A100s predicted 16.27 s, planned
 A margin too wide costs a worker's CPU seconds on probes the search then skips (the
 Llama 3 405B's are far outside it: 20.3 s against 8.6 s); it never changes the plan."""
 
+
 def search_captured(spec: SearchSpec, cap: Captured, capture_s: float = 0.0) -> Planned:
     """The best plan without a ``pipeline=`` pin > 1, from the full-batch graph ``cap``: the
     stages of :class:`_FreeSearch` (unpipelined, branches, pipelines where
