@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.capture import capture
 from autopar.cost_models.hardware import parse_cluster
 from autopar.placement import Shard, parse_placements
 from autopar.ops.comm import ThreadWorld
@@ -195,6 +196,17 @@ def test_forward_equals_model_and_state_round_trip(captured):
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         for k, v in sd.items():
             torch.testing.assert_close(back[k], v, msg=lambda m: f"{k}: {m}")
+
+
+def test_forward_of_a_model_trained_with_mse_reads_no_target():
+    """``mse_loss`` broadcasts the output with the target; export returned that broadcast as
+    the model's output, so ``pm(x)`` asked for the target (forward() missing 'args_1')."""
+    ex = EXAMPLES["mlp"](batch=8, seed=0)
+    cap = capture(ex.model, ex.inputs, ex.loss_fn, target=ex.target)
+    plan = plan_captured(cap, parse_cluster("cpu:2"), 2, pins={"data": 2, "zero": 3})
+    want = ex.model(*ex.inputs)
+    for out in simulate(cap, plan, ex.model, lambda pm, comm: pm(*ex.inputs)):
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
 def test_coverage_report_names_missing_ops():

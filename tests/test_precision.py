@@ -224,8 +224,9 @@ def test_fp16_with_loss_scaling_matches_autocast_and_grad_scaler(results):
 def test_fp16_overflow_skips_steps_and_shrinks_the_scale(results, case_id):
     r = _result(results, case_id)
     assert r["stepped"] == [False, False, False] and r["moved"] == 0.0
-    if case_id == "fp16-overflow":
-        assert r["losses"] == r["ref_losses"]
+    if case_id == "fp16-overflow":    # the same loss each step (nothing moved), as one device's
+        # up to the order the two ranks' halves are summed in (1 ulp seen: 4.77e-7 of 4.17)
+        assert len(set(r["losses"])) == 1 and r["loss_err"] <= 1e-6, r
     else:     # the sum of 4 micro-batches' terms, the unscaled loss
         assert r["microbatches"] > 1 and r["loss_err"] <= FP16_LOSS_TOL, r
     assert abs(r["scale"] / r["ref_scale"] - 1) < 1e-6 and r["scale"] == 1e30 / 8

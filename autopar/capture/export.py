@@ -14,6 +14,7 @@ model's output.
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from typing import Any, Callable, Sequence
 
@@ -231,8 +232,9 @@ def _from_program(ep, wrapper: nn.Module, n_inputs: int, has_loss: bool, method:
     buffers = {ph: _strip(t) for ph, t in sig.inputs_to_buffers.items()}
     user_inputs = list(sig.user_inputs)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outs = list(out_node.args[0])
     n_first = ep.call_spec.out_spec.child(0).num_leaves
+    _outputs_before_broadcast(gm, out_node, n_first)
+    outs = list(out_node.args[0])
     loss_node, model_outs = outs[0], outs[n_first:]
     loss_val = loss_node.meta.get("val") if isinstance(loss_node, torch.fx.Node) else None
     is_scalar = isinstance(loss_val, torch.Tensor) and loss_val.ndim == 0 and loss_val.is_floating_point()
@@ -250,3 +252,22 @@ def _from_program(ep, wrapper: nn.Module, n_inputs: int, has_loss: bool, method:
         output_spec=ep.call_spec.out_spec, has_loss=has_loss or is_scalar,
         takes_target=has_loss, method=method)
     return cap
+
+
+def _outputs_before_broadcast(gm: torch.fx.GraphModule, out_node, n_first: int) -> None:
+    """A model output export returns as the loss's broadcast of it with the target
+    (``mse_loss``: ``broadcast_tensors([out, target])[0]``, the same values when the shapes
+    already agree) is returned as the output itself, so the forward program does not read
+    the target."""
+    outs = list(out_node.args[0])
+    for k in range(n_first, len(outs)):
+        o = outs[k]
+        if not (isinstance(o, torch.fx.Node) and o.target is operator.getitem):
+            continue
+        base, i = o.args
+        if not (isinstance(base, torch.fx.Node) and base.target is torch.ops.aten.broadcast_tensors.default):
+            continue
+        src = base.args[0][i]
+        if isinstance(src, torch.fx.Node) and tuple(src.meta["val"].shape) == tuple(o.meta["val"].shape):
+            outs[k] = src
+    out_node.args = (tuple(outs),)
