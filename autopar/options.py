@@ -75,6 +75,10 @@ class Options(Mapping):
     """Branch parallelism: independent branches spread over this many groups of ranks."""
     offload: Literal["optimizer"] | None = None
     """ZeRO-Offload: each rank's optimizer shard, fp32 master copy and step on the host."""
+    compile: bool | None = None
+    """Run each rank's programs through ``torch.compile`` (Inductor), forward and backward,
+    collectives included as torch's functional collectives (``autopar.runtime.compiled``);
+    the cost model then prices memory-bound ops as fused into their neighbours."""
 
     # ---- building -----------------------------------------------------------------------
     @classmethod
@@ -91,6 +95,8 @@ class Options(Mapping):
         _check_combinations(given)
         if given.get("offload") == "none":
             del given["offload"]
+        if given.get("compile") is False:      # eager is the default: one form for both
+            del given["compile"]
         if given.get("offload") == "optimizer" and given.get("zero") is None:
             given["zero"] = OFFLOAD_DEFAULT_ZERO
         if given.get("compress") not in (None, "none") or given.get("local_sgd") \
@@ -215,6 +221,9 @@ def _check_values(p: dict) -> None:
     if n is not None and not _positive_int(n):
         raise PinError(f"pin branch={n!r} must be a positive integer (the number of device groups "
                        "the independent branches are spread over)")
+    if p.get("compile") not in (None, True, False):
+        raise PinError(f"compile={p['compile']!r}: use True (torch.compile each rank's programs) "
+                       "or False (eager, the default)")
     compress_scheme(p.get("compress"))
     h, warm = p.get("local_sgd"), p.get("local_sgd_warmup")
     if h is not None and not _positive_int(h):

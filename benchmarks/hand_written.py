@@ -6,6 +6,8 @@ backward, gradient sync; the caller runs the optimizer), which returns the globa
 loss of the batch. This is what a user would write with torch's own parallelism:
 
 - ``ddp``: ``DistributedDataParallel``, each rank on its slice of the batch;
+  (``ddp``, ``fsdp`` and ``tensor`` take ``compile=True``: the wrapped model through
+  ``torch.compile``, as their users compile it);
 - ``fsdp``: FSDP2, ``fully_shard`` on each transformer block, then on the root;
 - ``tensor``: ``parallelize_module`` in Megatron's layout: ``ColwiseParallel`` on
   ``c_attn`` and ``c_fc``, ``RowwiseParallel`` on both ``c_proj``; the fused ``c_attn`` is
@@ -53,19 +55,26 @@ def _rank_slice(t: torch.Tensor) -> torch.Tensor:
     return t[rank * b:(rank + 1) * b]
 
 
-def ddp(model: nn.Module, x, y, loss_fn) -> Hand:
+def _compiled(m: nn.Module, compile: bool) -> nn.Module:
+    """``m`` through ``torch.compile`` (Inductor, graph breaks allowed: DDP's buckets and
+    FSDP2's hooks break graphs as torch users get them) when ``compile``."""
+    return torch.compile(m) if compile else m
+
+
+def ddp(model: nn.Module, x, y, loss_fn, compile: bool = False) -> Hand:
     from torch.nn.parallel import DistributedDataParallel as DDP
     m = DDP(copy.deepcopy(model))
+    run = _compiled(m, compile)
     xs, ys = _rank_slice(x), _rank_slice(y)
 
     def step():
-        loss = loss_fn(m(xs), ys)
+        loss = loss_fn(run(xs), ys)
         loss.backward()
         return loss
     return Hand(list(m.parameters()), step, _mean_over_ranks)
 
 
-def fsdp(model: nn.Module, x, y, loss_fn) -> Hand:
+def fsdp(model: nn.Module, x, y, loss_fn, compile: bool = False) -> Hand:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     m = copy.deepcopy(model)
@@ -73,10 +82,11 @@ def fsdp(model: nn.Module, x, y, loss_fn) -> Hand:
     for block in m.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(m, mesh=mesh)
+    run = _compiled(m, compile)
     xs, ys = _rank_slice(x), _rank_slice(y)
 
     def step():
-        loss = loss_fn(m(xs), ys)
+        loss = loss_fn(run(xs), ys)
         loss.backward()
         return loss
     return Hand(list(m.parameters()), step, _mean_over_ranks)
@@ -101,7 +111,7 @@ def _per_head_rows(t: torch.Tensor, n_embd: int, tp: int) -> torch.Tensor:
     return torch.cat([torch.cat([parts[j][r] for j in range(3)]) for r in range(tp)])
 
 
-def tensor(model: nn.Module, x, y, loss_fn) -> Hand:
+def tensor(model: nn.Module, x, y, loss_fn, compile: bool = False) -> Hand:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, RowwiseParallel, parallelize_module,
@@ -124,9 +134,10 @@ def tensor(model: nn.Module, x, y, loss_fn) -> Hand:
             "attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
             "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(),
         })
+    run = _compiled(m, compile)
 
     def step():
-        loss = loss_fn(m(x), y)
+        loss = loss_fn(run(x), y)
         loss.backward()
         return loss
     return Hand(list(m.parameters()), step, _same)

@@ -6,6 +6,7 @@ one run, steps alternating (autopar, hand, hand, autopar, ...) so machine noise 
     python benchmarks/runtime_overhead.py --nproc 4
     python benchmarks/runtime_overhead.py --nproc 1          # rewritten graph vs eager
     python benchmarks/runtime_overhead.py --nproc 2 --only zero --profile 0   # cProfile, rank 0
+    python benchmarks/runtime_overhead.py --nproc 2 --compile    # the compiled rows (below)
 
 strategy (autopar pins; N ranks) -> by hand:
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import functools
 import io
 import os
 import pstats
@@ -73,9 +75,22 @@ GLOBAL_BATCH = 16
 WARMUP = 3
 
 
-def strategies(world: int) -> dict:
+def strategies(world: int, compiled: bool = False) -> dict:
     """name -> (autopar pins, hand builder(model, x, y, loss_fn) -> Hand)."""
     mb = 2 * world
+    if compiled:       # --compile: both sides through torch.compile; then autopar vs itself
+        return {
+            "data-compiled": ({"data": world, "compile": True},
+                              functools.partial(hand_written.ddp, compile=True)),
+            "zero-compiled": ({"data": world, "zero": 3, "compile": True},
+                              functools.partial(hand_written.fsdp, compile=True)),
+            "tensor-compiled": ({"tensor": world, "compile": True},
+                                functools.partial(hand_written.tensor, compile=True)),
+            "data-vs-eager": ({"data": world, "compile": True}, autopar_eager({"data": world})),
+            "zero-vs-eager": ({"data": world, "zero": 3, "compile": True},
+                              autopar_eager({"data": world, "zero": 3})),
+            "tensor-vs-eager": ({"tensor": world, "compile": True}, autopar_eager({"tensor": world})),
+        }
     if world == 1:
         return {"eager": ({}, eager), "eager-tiny": ({}, eager)}
     out = {
@@ -105,6 +120,17 @@ def eager(model, x, y, loss_fn) -> hand_written.Hand:
         loss.backward()
         return loss
     return hand_written.Hand(list(m.parameters()), step, lambda loss: loss.detach())
+
+
+def autopar_eager(pins: dict):
+    """A builder whose "hand" side is autopar itself, eager, under ``pins``: the rows
+    ``*-vs-eager`` time autopar compiled against autopar eager."""
+    def build(model, x, y, loss_fn) -> hand_written.Hand:
+        import copy
+        pm = autopar.parallelize(copy.deepcopy(model), (x,), loss_fn, target=y, **pins)
+        return hand_written.Hand(list(pm.parameters()), lambda: pm.train_step(x, target=y),
+                                 lambda loss: loss.detach())
+    return build
 
 
 def block_cuts(model, stages: int) -> tuple[str, ...]:
@@ -184,12 +210,12 @@ def compare(name, pins, build, ex, steps, profile) -> dict:
                 ratio=statistics.median(ratios), ok=ok)
 
 
-def worker(steps: int, only: list[str] | None, profile: int | None) -> None:
+def worker(steps: int, only: list[str] | None, profile: int | None, compiled: bool = False) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     ex = gpt_factory(batch=GLOBAL_BATCH, n_embd=128, n_layer=4, n_head=4, vocab_size=256,
                      block_size=64, seq_len=64)
-    todo = strategies(world)
+    todo = strategies(world, compiled)
     if only:
         unknown = set(only) - set(todo)
         if unknown:
@@ -220,11 +246,14 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated strategies (default: all)")
     ap.add_argument("--profile", type=int, default=None, metavar="RANK",
                     help="after timing, cProfile 5 steps of each on this rank")
+    ap.add_argument("--compile", action="store_true",
+                    help="the compiled rows: autopar compile=True against the hand strategy "
+                         "through torch.compile, and against autopar eager")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s] or None
     if args.worker:
-        worker(args.steps, only, args.profile)
+        worker(args.steps, only, args.profile, args.compile)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,6 +261,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(__file__),
            "--worker", "--steps", str(args.steps), *(["--only", args.only] if args.only else []),
+           *(["--compile"] if args.compile else []),
            *(["--profile", str(args.profile)] if args.profile is not None else [])]
     sys.exit(subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}))
 

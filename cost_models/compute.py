@@ -75,6 +75,17 @@ Backward, per family, as multiples of the forward (FLOPs, bytes) and its kernel 
 - dropout on a GPU: its one-byte mask too (written forward, read backward), 1x.
 
 Recomputation of a node costs its forward time again.
+
+Compiled (``compile=True``: each rank's program through TorchInductor), memory-bound ops
+fuse. Inductor's scheduler merges a pointwise op into the kernel of the pointwise or
+reduction op that produces its input, so the intermediate is read from registers, not
+memory (Ansel et al., "PyTorch 2", ASPLOS 2024, Sec. 5: TorchInductor's "fusion" of
+pointwise and reduction kernels). Priced per op, with ``fused_reads``: the tensor inputs
+of a fusable op (:data:`FUSABLE`) whose producer, through views, is fusable too. Those
+inputs' bytes leave its traffic (forward, and the same share of its backward's) and it
+launches no kernel of its own. The producer still writes its output (autograd may save it,
+another op may read it): a lower bound on what fusion saves. Matmuls, convolutions,
+attention, embeddings, copies and gathers keep their own kernels.
 """
 from __future__ import annotations
 
@@ -91,7 +102,11 @@ from .families import (
     VIEW, family, op_name,
 )
 
-__all__ = ["UNKNOWN_OPS", "bytes_moved", "efficiency", "family", "flops", "node_time", "op_name"]
+__all__ = ["FUSABLE", "UNKNOWN_OPS", "bytes_moved", "efficiency", "family", "flops", "node_time",
+           "op_name"]
+
+FUSABLE = frozenset((ELEMENTWISE, BINARY, ADD, DROPOUT, NORM, RMS_NORM, SOFTMAX, REDUCTION))
+"""Families Inductor fuses into their producer's kernel when compiled (module docstring)."""
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -306,12 +321,14 @@ def efficiency(f: float, device: Device, dtype_key: str = "fp32") -> float:
 
 
 def _kernel_time(f: float, b: float, kernels: int, rate: float, bw: float,
-                 device: Device) -> float:
+                 device: Device, launched: bool = True) -> float:
+    """Roofline seconds of ``kernels`` kernels; ``launched=False``: run inside another
+    op's fused kernel (no launch of their own)."""
     if kernels == 0 or (f <= 0 and b <= 0):
         return 0.0
     # f / (peak * efficiency(f)) == f / rate + fill_time, per kernel
     t_compute = f / rate + kernels * device.fill_time if f > 0 else 0.0
-    return max(t_compute, b / bw) + kernels * device.launch_overhead
+    return max(t_compute, b / bw) + (kernels * device.launch_overhead if launched else 0.0)
 
 
 def _half(m):
@@ -351,17 +368,19 @@ def _tiles(rows: int, cols: int, batch: int, device: Device) -> float:
 
 
 def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
-              device: Device | None = None, dtype_key: str | None = "fp32", native: bool = False
-              ) -> tuple[float, float]:
+              device: Device | None = None, dtype_key: str | None = "fp32", native: bool = False,
+              fused_reads: frozenset = frozenset()) -> tuple[float, float]:
     """(forward seconds, backward seconds) of one call on ``device`` by the roofline.
 
     ``dtype_key`` picks the matmul rate ("fp32", "tf32", "bf16", "fp16"); ``None`` takes
     it from the first floating input. Under a 16-bit ``dtype_key`` every 32-bit float
     tensor is moved at 16 bits (mixed precision: activations and weights in bf16/fp16),
     unless ``native``: the tensors carry the run's own dtypes (a graph captured in 16 bits,
-    whose fp32 tensors the model made fp32 itself). On a GPU (``device.sms``) a GEMM's time includes wave quantization (:func:`_tiles`) and
-    fused attention runs at ``device.attention_efficiency``. Recomputing the node costs the
-    forward again.
+    whose fp32 tensors the model made fp32 itself). On a GPU (``device.sms``) a GEMM's time
+    includes wave quantization (:func:`_tiles`) and fused attention runs at
+    ``device.attention_efficiency``. ``fused_reads``: indices of the tensor inputs a compiled
+    program reads inside a fused kernel (module docstring; only for :data:`FUSABLE` ops).
+    Recomputing the node costs the forward again.
     """
     if device is None:
         raise ValueError("node_time needs a device (e.g. gpus.A100_80GB)")
@@ -396,11 +415,15 @@ def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
         fwd = _kernel_time(f, b, 1, rate_f, bw, device)
         fb, bb, kernels = _backward(fam, op, inputs, outputs, f, b)
         return fwd, _kernel_time(fb, bb, kernels, rate_b, bw, device)
-    fwd = _kernel_time(f, b, 1, rate / q_fwd, bw, device)
+    kept, launched = 1.0, True
+    if fused_reads and fam in FUSABLE and b > 0:
+        fused = sum(_nbytes(inputs[k]) for k in fused_reads if k < len(inputs))
+        kept, launched = max(b - fused, 0.0) / b, False
+    fwd = _kernel_time(f, b * kept, 1, rate / q_fwd, bw, device, launched)
     if fam == FACTORY or not any(o.dtype.is_floating_point for o in outputs):
         return fwd, 0.0
     fb, bb, kernels = _backward(fam, op, inputs, outputs, f, b)
-    return fwd, _kernel_time(fb, bb, kernels, rate / q_bwd, bw, device)
+    return fwd, _kernel_time(fb, bb * kept, kernels, rate / q_bwd, bw, device, launched)
 
 
 def _matmul_waves(op, inputs, outputs, device: Device) -> tuple[float, float]:

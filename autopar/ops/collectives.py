@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.ops.comm import current_comm
 
@@ -211,6 +212,11 @@ def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: boo
     block (``passes.prefetch``), ``x`` its weight ``index``: take it from there."""
     if bucket is not None:
         return bucket.member(x, index, grad_partial)
+    if regather and torch.compiler.is_compiling():
+        # compiled (runtime.compiled): the gathered weight is recomputed, not saved, in the
+        # compiled backward (storage-keyed saved-tensor hooks do not exist in a traced graph)
+        return checkpoint(_AllGather.apply, x, axis, dim, grad_partial, False, groups, dtype,
+                          use_reentrant=False, context_fn=_recompute_everything)
     return _AllGather.apply(x, axis, dim, grad_partial, regather, groups, dtype)
 
 
@@ -247,6 +253,11 @@ def to_partial(x, axis: int):
 def shard_to_partial(x, axis: int, dim: int):
     """S(dim) -> P on ``axis``: each rank's term is its block with zeros around it."""
     return _ShardToPartial.apply(x, axis, dim)
+
+
+def _recompute_everything():
+    """A selective-checkpoint context whose policy recomputes every op (a ZeRO-3 gather)."""
+    return create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.MUST_RECOMPUTE)
 
 
 def apply_step(x, step):

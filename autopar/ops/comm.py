@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch._C._distributed_c10d import Backend as C10dBackend   # as torch's device_mesh does
 
 from autopar.device import mesh_device
@@ -321,12 +322,21 @@ class DistComm(Comm):
             f"slow, raise the limit with autopar.parallelize(..., timeout=SECONDS) or "
             f"{TIMEOUT_ENV}=SECONDS", op=op, axis=name, ranks=list(ranks), timed_out=timed_out)
 
+    # Under torch.compile (a plan with ``compile=True``), each collective is torch's
+    # functional collective: an op in the compiled graph that Inductor may reorder and
+    # overlap with compute, waited on where its result is first read. Its limit is then the
+    # process group's timeout (``mesh_group_options``), not a per-collective wait.
+
     def all_reduce(self, t, axis):
+        if torch.compiler.is_compiling():
+            return funcol.all_reduce(t, "sum", self.groups[axis])
         out = t.contiguous().clone()
         self._wait(self.dist.all_reduce(out, group=self.groups[axis], async_op=True), "all_reduce", axis)
         return out
 
     def all_gather(self, t, axis, dim):
+        if torch.compiler.is_compiling():
+            return funcol.all_gather_tensor(t.contiguous(), dim, self.groups[axis])
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.mesh_shape[axis])]
         self._wait(self.dist.all_gather(parts, t, group=self.groups[axis], async_op=True),
@@ -334,6 +344,8 @@ class DistComm(Comm):
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, t, axis, dim):
+        if torch.compiler.is_compiling():
+            return funcol.reduce_scatter_tensor(t.contiguous(), "sum", dim, self.groups[axis])
         n = self.mesh_shape[axis]
         moved = t.movedim(dim, 0).contiguous()
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=t.dtype, device=t.device)
@@ -344,6 +356,9 @@ class DistComm(Comm):
     def all_to_all(self, t, axis, split_dim, cat_dim):
         n = self.mesh_shape[axis]
         stacked = torch.stack(t.chunk(n, dim=split_dim)).contiguous()
+        if torch.compiler.is_compiling():
+            out = funcol.all_to_all_single(stacked, None, None, self.groups[axis])
+            return torch.cat(out.unbind(0), dim=cat_dim)
         out = torch.empty_like(stacked)
         self._wait(self.dist.all_to_all_single(out, stacked, group=self.groups[axis], async_op=True),
                    "all_to_all", axis)

@@ -12,7 +12,7 @@ Compute, communication and memory stay separate all the way to the plan's estima
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -103,6 +103,13 @@ class CostModel:
     makes itself (``x.float()`` in a norm, a loss's upcast) at 32 bits. Otherwise mixed
     precision moves every fp32 tensor of the (fp32) capture at 16 bits."""
 
+    compiled: bool = False
+    """``compile=True``: memory-bound ops fuse as TorchInductor fuses them
+    (``cost_models.compute``'s docstring), their fused inputs named by :attr:`fused_reads`."""
+    fused_reads: dict = field(default_factory=dict)
+    """Under :attr:`compiled`: op -> indices of the inputs it reads inside a fused kernel
+    (``pricing.prices.fused_reads``, set when a problem is priced)."""
+
     def offload_share(self, problem) -> float:
         """``cost_models.offload.exposed_share`` of ``problem``'s parameters in fp32 over every
         rank of the mesh (the least a rank's shard can be, so the most exposed share)."""
@@ -157,7 +164,7 @@ class CostModel:
         self._sync_cache = _shared((*base, self.zero, self.data_axis, self.compress, self.local_sgd,
                                     self.cluster.device))
         self._time_cache = _shared(("time", self.mesh_shape, self.cluster.device, self.dtype_key,
-                                    self.native)) \
+                                    self.native, self.compiled)) \
             if self.profiler is None else {}
         self._rec_count: dict = {}   # id(NodeVar) -> (it, members recomputed)
         self._kept: dict = {}        # id(NodeVar) -> (it, whether a member is kept, _keeps)
@@ -179,7 +186,7 @@ class CostModel:
                    recompute=frozenset(rec), recompute_kept=frozenset(kept),
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
                    compress=pins.compression, local_sgd=pins.local_sgd,
-                   offload=pins.offload == "optimizer", native=native,
+                   offload=pins.offload == "optimizer", native=native, compiled=bool(pins.compile),
                    grad_reduce=pins.grad_reduce or "fp32")
 
     # ---- overlap (cost_models/step.py) --------------------------------------------------
@@ -248,7 +255,8 @@ class CostModel:
         # a native capture without a precision pin: each matmul at its own inputs' rate
         key = None if self.native and not self.mixed else self.dtype_key
         return compute_model.node_time(v.call.op, ins, outs, v.call.args, v.call.kwargs,
-                                       self.cluster.device, key, native=self.native)
+                                       self.cluster.device, key, native=self.native,
+                                       fused_reads=self.fused_reads.get(v.name, frozenset()))
 
     def _recomputed(self, v: NodeVar) -> int:
         """How many of ``v``'s members (repeated-layer copies) are recomputed."""

@@ -35,6 +35,8 @@ from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.costing import (INF, Collective, CostModel, grad_partial_flags, hidden_steps_s,
                                      params_read, price_steps)
+from autopar.cost_models.compute import FUSABLE
+from autopar.cost_models.families import VIEW, family
 from autopar.options import OPTIMIZER_STATES
 from autopar.pricing.problem import VIEW_OPS, Problem, build_problem, is_unary_elementwise
 
@@ -97,6 +99,34 @@ def followers(problem: Problem) -> dict[str, str]:
     return out
 
 
+def fused_reads(problem: Problem) -> dict[str, frozenset[int]]:
+    """Under ``compile=True``: for each op that Inductor fuses (``cost_models.compute.FUSABLE``),
+    the indices of its tensor inputs whose producer, looked through views, is fusable too:
+    read inside the fused kernel (``cost_models.compute``'s docstring)."""
+    incoming: dict[str, list] = defaultdict(list)
+    for e in problem.edges:
+        incoming[e.dst].append(e)
+
+    def fam(name):
+        v = problem.vars[name]
+        return family(v.call.op) if v.kind == "op" else None
+
+    def source(name):       # through single-input views to the op that made the tensor
+        seen = 0
+        while fam(name) == VIEW and len(incoming[name]) == 1 and seen < 64:
+            name, seen = incoming[name][0].src, seen + 1
+        return name
+    out = {}
+    for name, v in problem.vars.items():
+        if v.kind != "op" or fam(name) not in FUSABLE:
+            continue
+        reads = frozenset(e.dst_in for e in incoming[name]
+                          if e.src != name and fam(source(e.src)) in FUSABLE)
+        if reads:
+            out[name] = reads
+    return out
+
+
 class PriceTable:
     """The prices of ``problem``'s options and edges under ``cost`` (module docstring)."""
 
@@ -105,6 +135,8 @@ class PriceTable:
         k_opt = problem.optimizer_states
         if cost.offload:       # ZeRO-Offload: the copies' share not hidden (cost_models.offload)
             cost.offload_exposed = cost.offload_share(problem)
+        if cost.compiled:      # Inductor's fused memory-bound ops (cost_models.compute)
+            cost.fused_reads = fused_reads(problem)
         self.options = {name: [OptionPrice(*cost.base_time(v, c, k_opt), cost.base_memory(v, c, k_opt))
                                for c in v.options] for name, v in problem.vars.items()}
         self._reads = params_read(problem)

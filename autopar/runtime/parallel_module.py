@@ -14,6 +14,8 @@ for both.
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from typing import Callable
 
 import torch
@@ -39,6 +41,7 @@ from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
+from autopar.runtime.compiled import CompiledProgram, check_compilable, compile_report
 from autopar.runtime.compression import LocalSGD, make_reducer
 from autopar.runtime.branch_stage import BranchRanks
 from autopar.runtime.data import RankData
@@ -203,9 +206,15 @@ class ParallelModule(nn.Module):
         if plan.branches:        # branch parallelism: this rank's branches only
             programs = {w: keep_branches(gm, cap, plan, comm.coord, shards.attr_of)
                         for w, gm in programs.items()}
+        compiled = bool(plan.options.compile)
+        if compiled:
+            check_compilable(comm)
         for gm in programs.values():     # tensors the model creates: on this rank's device
             place_on(gm, self.device)
-            fast_bindings(gm)      # last: ops through torch's Python bindings
+            if not compiled:
+                fast_bindings(gm)      # last: ops through torch's Python bindings
+        if compiled and not pipelined:   # a pipeline compiles each of its stages
+            programs = {w: CompiledProgram(gm, w) for w, gm in programs.items()}
         if pipelined:
             self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes)
         else:
@@ -240,6 +249,7 @@ class ParallelModule(nn.Module):
         if weights is not None:
             load_weights(self, weights, model)
         self._offload = None
+        self._compile_report: dict | None = None
         if offloaded(self.plan):
             # ZeRO-Offload (autopar.runtime.offload): pm.parameters() are host master copies
             self._offload = HostOptimizer(dict(self.module.named_parameters()), self.device)
@@ -300,7 +310,8 @@ class ParallelModule(nn.Module):
         programs = {which: r.gm for which, r in rewritten.items()}
         for gm in programs.values():     # mixed precision: ZeRO-3 gathers 16-bit weights
             low_precision_gathers(gm, compute_dtype(splan.options))
-            if splan.options.zero_stage >= 3 and not pipelined and not splan.recompute:
+            if splan.options.zero_stage >= 3 and not pipelined and not splan.recompute \
+                    and not splan.options.compile:     # compiled: Inductor places the gathers
                 prefetch_gathers(gm)     # each ZeRO-3 gather starts one consumer early
         if splan.recompute and "train" in programs and not pipelined:
             programs["train"] = checkpoint_layers(programs["train"], layer_members(cap.gm, splan.recompute))
@@ -347,11 +358,33 @@ class ParallelModule(nn.Module):
         self._gather_params()
         if self._zero is not None:
             self._zero.drop_working_grads()
+        first_compiled = self.plan.options.compile and self._compile_report is None
+        t0 = time.perf_counter()
         with use_comm(self._stage_comm), self._saved_tensor_policy(), _fresh_grads(params):
             loss = self.runner.train(inputs, target, self._grad_sync, params, self.owners)
             if self._offload is not None:
                 self._offload.grads_down()      # the synced gradient shards to the host masters
-            return loss
+        if first_compiled:
+            self._report_compiled(time.perf_counter() - t0)
+        return loss
+
+    def compile_report(self) -> dict | None:
+        """Under ``compile=True``, after the first ``train_step``: its seconds (compiling
+        forward and backward), each program's compile seconds, and Inductor's on-disk cache
+        hits and misses (``autopar.runtime.compiled``); None before, or when eager."""
+        return self._compile_report
+
+    def _report_compiled(self, first_step_s: float) -> None:
+        if isinstance(self.runner, PipelineRunner):
+            programs = [st.submod.program for stages in self.runner.stages.values() for _, st in stages]
+        else:
+            programs = list(self.runner.programs.values())
+        self._compile_report = {"first_step_s": first_step_s, **compile_report(programs)}
+        if self.comm.rank == 0:
+            r = self._compile_report
+            print(f"autopar: compile=True: first step {first_step_s:.1f} s, compiling forward and "
+                  f"backward (Inductor cache: {r['cache_hits']} hits, {r['cache_misses']} misses)",
+                  file=sys.stderr, flush=True)
 
     def _local_params(self) -> dict[str, nn.Parameter]:
         """This rank's parameters by attribute path, built once (every parameter is set by

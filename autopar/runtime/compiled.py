@@ -1,0 +1,141 @@
+"""``compile=True``: each rank's programs run through ``torch.compile`` (Inductor: C++ on the
+CPU, Triton on a GPU), forward and backward, collectives included.
+
+The per-rank program is an fx graph whose collective nodes call ``autopar.ops.collectives``
+(autograd functions). Under compilation their communicator (``ops.comm.DistComm``) issues
+torch's functional collectives (``torch.distributed._functional_collectives``), which
+Dynamo traces into the graph as ops (``_c10d_functional.all_gather_into_tensor``, ...) that
+Inductor may reorder and overlap with compute, each waited on where its result is first
+read. The whole program is one graph: ``fullgraph=True``, so anything Dynamo cannot trace
+is a :class:`CompileError` naming the program's node, never a silent graph break.
+
+What changes against eager, and why:
+
+- Passes that serve eager execution only are left out: ``passes.fast_bindings`` (ops
+  through torch's C bindings, to save Python dispatch Inductor removes anyway) and
+  ``passes.prefetch`` (ZeRO-3 gathers issued one consumer early: Inductor's scheduler
+  places the functional collectives itself).
+- ZeRO-3's regathering in backward (``ops.collectives.RegatheredWeights``, saved-tensor
+  hooks keyed by storage, which a traced graph does not have) becomes a recomputation
+  policy of the compiled graph: each gathered weight is marked must-recompute
+  (``torch.utils.checkpoint``'s selective policy, as torchtitan's SimpleFSDP does:
+  ``ops.collectives.all_gather``), so AOTAutograd's partitioner gathers it again in the
+  backward graph instead of saving it.
+- Collectives inside the compiled graph are limited by the process group's timeout
+  (``parallelize(timeout=)`` sets it when autopar creates the group), not by the
+  per-collective wait of eager ``DistComm``.
+
+Compilation happens on the first call of each program (and of its backward): the first
+``train_step`` reports how long it took (:attr:`CompiledProgram.compile_s`, and a log line
+on rank 0). Inductor caches what it compiled on disk (``TORCHINDUCTOR_CACHE_DIR``, by
+default under the system's temporary directory), keyed by the graph: a second run of the
+same plan on the same machine loads it (``cache_hits`` in :func:`compile_report`).
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import torch
+from torch._dynamo.utils import counters
+from torch.fx import GraphModule
+
+from autopar.errors import ArgumentError, AutoparInputError
+from autopar.ops.comm import DistComm
+
+log = logging.getLogger(__name__)
+
+
+INDUCTOR_OPTIONS = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all",
+                    "bucket_all_reduces_fx": "all"}
+"""Inductor's collective bucketing (``torch._inductor.fx_passes.bucketing``): neighbouring
+all-gathers (reduce-scatters, all-reduces) of the compiled graph go out as one, as eager
+autopar's ZeRO-3 blocks (``passes.prefetch``) and gradient buckets do; one collective per
+weight was 2.9x eager ZeRO-3's step on 2 gloo ranks (``benchmarks/runtime_overhead.py
+--compile``, the small GPT)."""
+
+
+class CompileError(AutoparInputError):
+    """A per-rank program ``torch.compile`` cannot compile as one graph: the message names
+    the program's node, its op and Dynamo's reason, and the way out (``compile=False``)."""
+
+
+class CompiledProgram:
+    """``gm`` compiled with ``torch.compile(fullgraph=True)``, called like ``gm``; compiled
+    on the first call. ``which`` names the program in errors ("train", "forward", "stage 1
+    train", ...)."""
+
+    def __init__(self, gm: torch.nn.Module, which: str):
+        self.gm, self.which = gm, which
+        self._compiled = torch.compile(gm, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+        self.compile_s: float | None = None
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+    def __call__(self, *args, **kwargs):
+        if self.compile_s is not None:
+            return self._compiled(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            out = self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            raise CompileError(graph_break_message(self.gm, self.which, e)) from e
+        self.compile_s = time.perf_counter() - t0
+        return out
+
+
+class CompiledStage(torch.nn.Module):
+    """A pipeline stage's program (``gm``, or its ``AutocastStage``) compiled, as the module
+    ``torch.distributed.pipelining`` runs: parameters and buffers stay ``gm``'s."""
+
+    def __init__(self, gm: torch.nn.Module, which: str):
+        super().__init__()
+        self.gm = gm
+        self.program = CompiledProgram(gm, which)
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+    def forward(self, *args):
+        return self.program(*args)
+
+
+def check_compilable(comm) -> None:
+    """``compile=True`` runs on torch.distributed ranks: an ArgumentError for a communicator
+    of thread ranks (tests' simulated ranks, whose exchanges Dynamo cannot trace)."""
+    if not isinstance(comm, DistComm):
+        raise ArgumentError(f"compile=True runs on torch.distributed ranks (torchrun), not on "
+                            f"{type(comm).__name__}: drop compile=True to run on simulated ranks")
+
+
+_USER_LINE = re.compile(r'File "<eval_with_key>[^"]*", line \d+, in forward\n\s*(\w+) = ')
+
+
+def graph_break_message(gm: GraphModule, which: str, e: BaseException) -> str:
+    """Which node of ``gm`` Dynamo stopped at (the first line of the generated program in
+    its traceback: ``name = op(...)``), with its op and Dynamo's reason."""
+    text = str(e)
+    reason = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    while not isinstance(gm, GraphModule) and isinstance(getattr(gm, "gm", None), torch.nn.Module):
+        gm = gm.gm          # an AutocastStage: its program
+    names = {n.name: n for n in gm.graph.nodes} if isinstance(gm, GraphModule) else {}
+    found = next((m.group(1) for m in _USER_LINE.finditer(text) if m.group(1) in names), None)
+    where = "a node of the program"
+    if found is not None:
+        node = names[found]
+        where = f"node {found!r} ({getattr(node.target, '__name__', node.target)})"
+    return (f"compile=True: torch.compile cannot compile {where} of this rank's {which} program "
+            f"as one graph (a graph break): {reason}. Run this plan without compile=True, or "
+            "report the op so that autopar traces it")
+
+
+def compile_report(programs) -> dict:
+    """Seconds each compiled program took to compile on its first call (with that call),
+    and Inductor's on-disk cache hits and misses in this process so far."""
+    return {"compile_s": {p.which: p.compile_s for p in programs if p.compile_s is not None},
+            "cache_hits": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
+            "cache_misses": int(counters["inductor"].get("fxgraph_cache_miss", 0))}

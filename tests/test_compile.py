@@ -1,0 +1,124 @@
+"""``compile=True``: each rank's programs through torch.compile (``autopar.runtime.compiled``).
+
+On real gloo ranks (one torchrun launch, 2 processes): data, tensor, ZeRO-3 and pipeline
+plans compiled with Inductor train as one device does, every program compiled (its
+compile seconds reported), ZeRO-3's weights gathered again in the compiled backward. In
+process: a graph break is an error naming the program's node; simulated (thread) ranks are
+refused; the option is checked like any other; the cost model prices fused memory-bound
+ops, and only those.
+"""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+import autopar
+from autopar.errors import ArgumentError, PinError
+from autopar.options import Options
+from autopar.runtime.compiled import CompiledProgram, CompileError, check_compilable
+from launch import case_result, torchrun_cases
+
+CASES = [
+    {"id": "data", "model": "mlp", "pins": {"data": 2}},
+    {"id": "tensor", "model": "gpt", "pins": {"tensor": 2}},
+    {"id": "zero3", "model": "mlp", "pins": {"data": 2, "zero": 3}, "count": True},
+    {"id": "pipeline", "model": "mlp", "pins": {"pipeline": 2, "micro_batch_size": 2}},
+]
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    return torchrun_cases("compile_worker.py", 2, CASES, tmp_path_factory.mktemp("compile") / "r.json",
+                          timeout=900, case_timeout=400)
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
+def test_compiled_plans_equal_one_device(gloo_results, case_id):
+    r = case_result(gloo_results, case_id)       # loss, gradients, weights: tests/equivalence
+    assert r["options"].get("compile") is True
+    report = r["report"]
+    assert report is not None and report["compile_s"], report      # the compiled path ran
+    assert all(s > 0 for s in report["compile_s"].values()), report
+    if case_id == "pipeline":       # each of this rank's stages, train program, compiled
+        assert any(k.startswith("stage ") for k in report["compile_s"]), report
+    if case_id in ("tensor", "zero3", "pipeline"):
+        assert r["local_bytes"] < r["model_bytes"], r
+
+
+def test_compiled_zero3_gathers_weights_again_in_backward(gloo_results):
+    """Saved, the gathered weights would be gathered once a step (one per sharded
+    parameter); recomputed in the compiled backward (``ops.collectives.all_gather``), the
+    weights backward reads are gathered twice."""
+    r = case_result(gloo_results, "zero3")
+    assert r["sharded_params"] > 0
+    assert r["gathers"] > r["sharded_params"], r
+
+
+def _graph_with_a_break() -> fx.GraphModule:
+    def breaks(x):
+        torch._dynamo.graph_break()
+        return x
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    z = g.call_function(breaks, (y,))
+    z.name = "the_breaking_node"
+    g.output(g.call_function(operator.add, (z, 1.0)))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_graph_break_names_the_node():
+    program = CompiledProgram(_graph_with_a_break(), "train")
+    with pytest.raises(CompileError, match=r"node 'the_breaking_node' \(breaks\) of this rank's "
+                                           r"train program.*without compile=True"):
+        program(torch.ones(3))
+
+
+def test_thread_ranks_are_refused():
+    from autopar.ops.comm import ThreadWorld
+    with pytest.raises(ArgumentError, match="compile=True runs on torch.distributed ranks"):
+        check_compilable(ThreadWorld((2,)).comm(0))
+
+
+def test_the_option_is_checked_and_eager_is_its_default():
+    assert Options.from_pins({"compile": False}) == Options()
+    assert Options.from_pins({"compile": True}).compile is True
+    with pytest.raises(PinError, match="compile='yes'"):
+        Options.from_pins({"compile": "yes"})
+
+
+def test_compiled_plans_price_fused_memory_bound_ops():
+    """Compiled, GPT's step is predicted faster (its layer norms, GELU, residual adds and
+    softmax read fused inputs) and its matmuls cost the same; an MLP of matmuls and GELUs
+    alone has nothing to fuse (every GELU reads a matmul's output)."""
+    from examples.models import EXAMPLES
+    from autopar.cost_models.compute import FUSABLE, family
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.pricing.costing import CostModel
+    from autopar.pricing.prices import fused_reads
+    from autopar.pricing.problem import build_problem
+    from autopar.capture import capture
+
+    def steps(name):
+        ex = EXAMPLES[name](batch=8, seed=0)
+        return [autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x1xH100",
+                             compile=c).estimate.step_time_s for c in (None, True)]
+    eager, compiled = steps("gpt")
+    assert compiled < 0.95 * eager, (eager, compiled)
+    ex = EXAMPLES["gpt"](batch=8, seed=0)
+    cap = capture(ex.model, ex.inputs, ex.loss_fn, target=ex.target)
+    problem = build_problem(cap, (1,))
+    fused = fused_reads(problem)
+    fams = {name: family(problem.vars[name].call.op) for name in fused}
+    assert fused and all(f in FUSABLE for f in fams.values()), fams
+    cl = parse_cluster("1x1xH100")
+    model = {c: CostModel.for_pins(cl, (1,), Options(compile=c or None)) for c in (False, True)}
+    for name, v in problem.vars.items():
+        if v.kind == "op" and family(v.call.op) not in FUSABLE:
+            combo = v.options[0]
+            assert model[False].base_time(v, combo) == model[True].base_time(v, combo), name
+    eager, compiled = steps("mlp")
+    assert compiled == pytest.approx(eager, rel=1e-9)
