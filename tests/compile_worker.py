@@ -4,12 +4,13 @@ Each case parallelizes an example model with its pins and ``compile=True``, trai
 steps and compares loss, every gradient and the weights with the same model trained eagerly
 on one device (``tests/equivalence.py``). It returns what says the compiled path ran: the
 compile report (every program's compile seconds), this rank's parameter bytes against the
-model's, and, with ``"count": true``, the functional all-gathers one compiled step issues
-(ZeRO-3: a weight gathered again in backward, not saved, is gathered twice).
+model's, and, with ``"count": true``, what the functional all-gathers of one compiled step
+send (ZeRO-3: a weight gathered again in backward, not saved, is sent twice; Inductor's
+bucketing may merge gathers, so elements are counted, not calls).
 """
 from __future__ import annotations
 
-import collections
+import math
 import os
 import sys
 
@@ -23,7 +24,7 @@ from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
-GATHER = "_c10d_functional::all_gather_into_tensor"
+GATHER = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out")
 
 
 def run_case(case: dict) -> dict:
@@ -37,12 +38,16 @@ def run_case(case: dict) -> dict:
            "local_bytes": sum(p.numel() * p.element_size() for p in pm.parameters()),
            "model_bytes": sum(p.numel() * p.element_size() for p in ex.model.parameters())}
     if case.get("count"):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    record_shapes=True) as prof:
             pm.train_step(*ex.inputs, target=ex.target)
-        names = collections.Counter(e.name for e in prof.events())
-        res["gathers"] = names[GATHER]
-        res["sharded_params"] = sum(1 for a, p in pm.plan.params.items()
-                                    if "S(" in "".join(map(str, pm.plan.nodes[p].outputs)))
+        gathered = [e.input_shapes[0] for e in prof.events() if e.name in GATHER]
+        res["gathers"] = len(gathered)
+        res["gathered_numel"] = sum(math.prod(s) for s in gathered)      # shards sent
+        sharded = [a for a, p in pm.plan.params.items()
+                   if "S(" in "".join(map(str, pm.plan.nodes[p].outputs))]
+        local = dict(pm.module.named_parameters())
+        res["sharded_numel"] = sum(local[a].numel() for a in sharded)
     return res
 
 

@@ -49,12 +49,12 @@ def test_compiled_plans_equal_one_device(gloo_results, case_id):
 
 
 def test_compiled_zero3_gathers_weights_again_in_backward(gloo_results):
-    """Saved, the gathered weights would be gathered once a step (one per sharded
-    parameter); recomputed in the compiled backward (``ops.collectives.all_gather``), the
-    weights backward reads are gathered twice."""
+    """Saved, the gathered weights would be gathered once a step (each rank sending its
+    shards once); recomputed in the compiled backward (``ops.collectives.all_gather``), the
+    weights backward reads are sent again."""
     r = case_result(gloo_results, "zero3")
-    assert r["sharded_params"] > 0
-    assert r["gathers"] > r["sharded_params"], r
+    assert r["sharded_numel"] > 0 and r["gathers"] > 0, r
+    assert r["gathered_numel"] > r["sharded_numel"], r
 
 
 def _graph_with_a_break() -> fx.GraphModule:
