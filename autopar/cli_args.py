@@ -17,6 +17,7 @@ from typing import Any
 import click
 import torch
 
+from autopar import hf_models
 from autopar.capture import capture, fingerprint
 from autopar.errors import AutoparInputError
 from autopar.plan import Plan, PlanError
@@ -145,7 +146,6 @@ def load_factory(spec: str):
     """``package.module:factory``, ``path/to/file.py:factory`` or ``hf:NAME`` -> the callable
     (for ``hf:``, the config is read now: a bad name or file fails here)."""
     if is_hf(spec):
-        from autopar import hf_models
         name = spec[3:]
         hf_models.load_config(name)
         return functools.partial(hf_models.build, name)

@@ -104,8 +104,12 @@ def _positive(what: str, v) -> int:
 
 
 def _model(name: str, cfg: dict, layers: int | None):
-    import transformers
-    from transformers import AutoConfig
+    try:
+        import transformers             # optional (the dev extra): only hf: models need it
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise HFConfigError(f"hf: models are built by transformers, which is not installed "
+                            f"({e}): pip install transformers") from e
 
     arch = cfg["architectures"][0]
     cls = getattr(transformers, arch, None)
