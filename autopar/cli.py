@@ -12,6 +12,7 @@ and a request to report it.
     autopar explain plan.json linear --factory examples.models:gpt_factory ...
     autopar viz plan.json -o report.html --factory examples.models:gpt_factory ...
     autopar verify examples.models:gpt_factory --nproc 4 --pin data=2 --pin tensor=2
+    autopar plan hf:llama3-70b --cluster 8x8xH100 --batch 16 --seq 8192
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from autopar.capture import CaptureError, capture
 from autopar.checkpoint import export_checkpoint, import_state_dict
 from autopar.cli_args import (  # noqa: F401 - _CAPTURED, parse_* and USER_ERRORS: importable from here
     _CAPTURED, USER_ERRORS, Example, Failed, UserError, _console, _one_line, _progress,
-    build_example, capture_for, factory_options, load_factory, load_plan, parse_bytes,
-    parse_mesh, parse_pairs, parse_pins, parse_value,
+    build_example, capture_for, factory_options, is_hf, load_factory, load_plan,
+    parse_bytes, parse_mesh, parse_pairs, parse_pins, parse_value,
 )
 from autopar.cost_models.hardware import parse_cluster
 from autopar.ops.comm import ThreadWorld
@@ -120,11 +121,14 @@ def cli():
 @factory_options
 def plan(factory, cluster, budget, pins, world, mesh, optimizer, time_limit, output, all_nodes,
          factory_args, meta):
-    """Plan MODULE:FACTORY for a cluster and print the summary."""
+    """Plan MODULE:FACTORY, or hf:NAME / hf:PATH/config.json (a transformers model by its
+    config, on the meta device: --batch, --seq), for a cluster and print the summary."""
     pins = Options.from_pins(parse_pins(pins))
+    meta = meta or is_hf(factory)
     args = parse_pairs(factory_args, "--factory-args")
     budget_b = parse_bytes(budget) if budget else None
     cl = parse_cluster(cluster)
+    load_factory(factory)           # a bad spec (an unknown hf: name) fails before the progress
     with _progress() as step:
         with step(f"building {factory}" + (" on the meta device" if meta else "")):
             ex = build_example(factory, args, meta)
@@ -142,7 +146,7 @@ def plan(factory, cluster, budget, pins, world, mesh, optimizer, time_limit, out
 @click.option("--code", is_flag=True, help="print the rewritten per-rank program (needs --factory)")
 @click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--forward", is_flag=True, help="with --code: the forward-only program")
-@click.option("--factory", default=None, help="MODULE:FACTORY the plan was made from")
+@click.option("--factory", default=None, help="MODULE:FACTORY (or hf:NAME) the plan was made from")
 @click.option("--all-nodes", is_flag=True, help="list every sharded node instead of groups")
 @factory_options
 def show(plan_file, as_json, code, rank, forward, factory, all_nodes, factory_args, meta):
@@ -174,7 +178,7 @@ def show(plan_file, as_json, code, rank, forward, factory, all_nodes, factory_ar
 @cli.command()
 @click.argument("plan_file", metavar="PLAN")
 @click.argument("node")
-@click.option("--factory", required=True, help="MODULE:FACTORY the plan was made from")
+@click.option("--factory", required=True, help="MODULE:FACTORY (or hf:NAME) the plan was made from")
 @click.option("--optimizer", default="adamw", show_default=True,
               type=click.Choice(["adamw", "adam", "sgd_momentum", "sgd"]))
 @click.option("--all", "show_all", is_flag=True, help="every option, not the 12 cheapest")
@@ -184,7 +188,8 @@ def explain(plan_file, node, factory, optimizer, show_all, factory_args, meta):
 
     NODE is a graph node (as `autopar show` lists them) or a parameter's name."""
     p = load_plan(plan_file)
-    _, cap = capture_for(p, factory, parse_pairs(factory_args, "--factory-args"), meta)
+    _, cap = capture_for(p, factory, parse_pairs(factory_args, "--factory-args"),
+                         meta or is_hf(factory))
     x = explain_node(cap, p, p.params.get(node, node), optimizer)
     con = _console()
     con.print(f"[bold]{x.node}[/] ({x.op}) chose [bold]{x.chosen_placement}[/] on mesh "
@@ -278,7 +283,7 @@ def diff(a, b):
 @cli.command()
 @click.argument("plan_file", metavar="[PLAN]", required=False)
 @click.option("-o", "--output", required=True, help="out.html | out.svg | out.dot | out.png")
-@click.option("--factory", default=None, help="MODULE:FACTORY the plan was made from (for the graph)")
+@click.option("--factory", default=None, help="MODULE:FACTORY (or hf:NAME) the plan was made from (for the graph)")
 @click.option("--unfold", is_flag=True, help="draw every repeated layer (svg/png/dot)")
 @click.option("--schedule", default=None, help="draw this pipeline schedule's swimlane "
               "(gpipe, 1f1b, interleaved-1f1b, zero-bubble)")
@@ -298,7 +303,8 @@ def viz(plan_file, output, factory, unfold, schedule, stages, microbatches, virt
         raise UserError("--factory draws a plan's graph: give the PLAN file too")
     cap = None
     if factory and p is not None:
-        _, cap = capture_for(p, factory, parse_pairs(factory_args, "--factory-args"), meta)
+        _, cap = capture_for(p, factory, parse_pairs(factory_args, "--factory-args"),
+                             meta or is_hf(factory))
     fmt = Path(output).suffix.lstrip(".").lower()
     if fmt in ("svg", "png", "dot") and cap is None and schedule is None and p is not None:
         raise UserError(f"a .{fmt} graph needs the model: add --factory MODULE:FACTORY (the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib
 import importlib.util
 import os
@@ -16,6 +17,7 @@ from typing import Any
 import click
 import torch
 
+from autopar import hf_models
 from autopar.capture import capture, fingerprint
 from autopar.errors import AutoparInputError
 from autopar.plan import Plan, PlanError
@@ -134,10 +136,22 @@ def parse_mesh(text: str | None):
 
 
 # ---- factories -------------------------------------------------------------------------------
+def is_hf(spec: str | None) -> bool:
+    """``hf:NAME`` / ``hf:PATH/config.json``: a transformers model by its config
+    (``autopar.hf_models``), planned on the meta device."""
+    return bool(spec) and spec.startswith("hf:")
+
+
 def load_factory(spec: str):
-    """``package.module:factory`` or ``path/to/file.py:factory`` -> the callable."""
+    """``package.module:factory``, ``path/to/file.py:factory`` or ``hf:NAME`` -> the callable
+    (for ``hf:``, the config is read now: a bad name or file fails here)."""
+    if is_hf(spec):
+        name = spec[3:]
+        hf_models.load_config(name)
+        return functools.partial(hf_models.build, name)
     if ":" not in spec:
-        raise UserError(f"{spec!r} is not MODULE:FACTORY (e.g. examples.models:gpt_factory)")
+        raise UserError(f"{spec!r} is not MODULE:FACTORY (e.g. examples.models:gpt_factory) "
+                        "or hf:NAME (e.g. hf:llama3-8b)")
     mod_name, _, attr = spec.rpartition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())       # as `python -m` does: the current folder
@@ -179,6 +193,8 @@ def build_example(spec: str, args: dict, meta: bool = False) -> Example:
         with torch.device("meta") if meta else contextlib.nullcontext():
             got = fn(**args)
     except Exception as e:  # noqa: BLE001 - the factory is the user's code: say which call failed
+        if is_hf(spec) and isinstance(e, AutoparInputError):
+            raise             # hf_models' own message names the flag to fix
         call = f"{spec}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
         raise UserError(f"{call} failed: {type(e).__name__}: {_one_line(e)}") from e
     if all(hasattr(got, a) for a in ("model", "inputs")):
@@ -236,11 +252,32 @@ def load_plan(path: str):
 _factory_options = [
     click.option("--factory-args", "factory_args", multiple=True, metavar="KEY=VALUE[,...]",
                  help="keyword arguments for the factory, e.g. batch=8,config=gpt-1.3b"),
-    click.option("--meta", is_flag=True, help='build the model under torch.device("meta") (no memory)'),
+    click.option("--meta", is_flag=True, help='build the model under torch.device("meta") (no '
+                 "memory; hf: models always are, but for verify and show --code)"),
+    click.option("--batch", type=click.IntRange(min=1), default=None,
+                 help="batch size (hf: models; a factory gets batch=)"),
+    click.option("--seq", type=click.IntRange(min=1), default=None,
+                 help="sequence length (hf: language models; a factory gets seq=)"),
+    click.option("--layers", type=click.IntRange(min=1), default=None,
+                 help="keep the first N layers (hf: models, for a quick look; a factory gets layers=)"),
 ]
+_SHORTHANDS = ("batch", "seq", "layers")
 
 
 def factory_options(f):
+    """The model options every command that builds a model shares; ``--batch B`` /
+    ``--seq S`` / ``--layers N`` reach the command as ``--factory-args`` ``batch=B`` ... ."""
+    @functools.wraps(f)
+    def wrapper(*a, **kw):
+        given = {k: kw.pop(k) for k in _SHORTHANDS}
+        extra = tuple(f"{k}={v}" for k, v in given.items() if v is not None)
+        if extra:
+            args = parse_pairs(kw.get("factory_args"), "--factory-args")
+            twice = [k for k, v in given.items() if v is not None and k in args]
+            if twice:
+                raise UserError(f"--{twice[0]} and --factory-args {twice[0]}=...: give it once")
+            kw["factory_args"] = tuple(kw.get("factory_args") or ()) + extra
+        return f(*a, **kw)
     for opt in reversed(_factory_options):
-        f = opt(f)
-    return f
+        wrapper = opt(wrapper)
+    return wrapper
