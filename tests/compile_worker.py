@@ -28,7 +28,11 @@ GATHER = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gat
 
 
 def run_case(case: dict) -> dict:
-    ex = EXAMPLES[case["model"]](batch=8, seed=0)
+    if case["model"].startswith("hf-"):        # a transformers model of the sweep's zoo
+        from examples.zoo import build
+        ex = build(case["model"][3:], batch=4)
+    else:
+        ex = EXAMPLES[case["model"]](batch=8, seed=0)
     pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, compile=True,
                              **case["pins"])
     ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)

@@ -1,7 +1,8 @@
 """``compile=True``: each rank's programs through torch.compile (``autopar.runtime.compiled``).
 
 On real gloo ranks (one torchrun launch, 2 processes): data, tensor, ZeRO-3 and pipeline
-plans compiled with Inductor train as one device does, every program compiled (its
+plans compiled with Inductor (and a transformers Llama under tensor=2) train as one device
+does, every program compiled (its
 compile seconds reported), ZeRO-3's weights gathered again in the compiled backward. In
 process: a graph break is an error naming the program's node; simulated (thread) ranks are
 refused; the option is checked like any other; the cost model prices fused memory-bound
@@ -26,6 +27,7 @@ CASES = [
     {"id": "tensor", "model": "gpt", "pins": {"tensor": 2}},
     {"id": "zero3", "model": "mlp", "pins": {"data": 2, "zero": 3}, "count": True},
     {"id": "pipeline", "model": "mlp", "pins": {"pipeline": 2, "micro_batch_size": 2}},
+    {"id": "hf-llama", "model": "hf-llama", "pins": {"tensor": 2}},    # transformers' Llama
 ]
 
 
@@ -44,7 +46,7 @@ def test_compiled_plans_equal_one_device(gloo_results, case_id):
     assert all(s > 0 for s in report["compile_s"].values()), report
     if case_id == "pipeline":       # each of this rank's stages, train program, compiled
         assert any(k.startswith("stage ") for k in report["compile_s"]), report
-    if case_id in ("tensor", "zero3", "pipeline"):
+    if case_id in ("tensor", "zero3", "pipeline", "hf-llama"):
         assert r["local_bytes"] < r["model_bytes"], r
 
 
