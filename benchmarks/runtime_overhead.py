@@ -39,6 +39,21 @@ strategy (autopar pins; N ranks) -> by hand:
   it was 1.08, +0.74 ms at load 6-9): 0.96-1.07, the median step 0.2-0.65 ms below
   eager's, three runs at load 10-18; eager 1.00-1.03)
 
+``--compile``: autopar with ``compile=True`` against the hand strategy through
+``torch.compile`` (Inductor; DDP's and FSDP2's graph breaks as their users get them), and
+against autopar eager (``*-vs-eager``):
+
+- data-compiled -> ``torch.compile(DDP(model))``; zero-compiled -> FSDP2, then
+  ``torch.compile``; tensor-compiled -> ``parallelize_module``, then ``torch.compile``.
+  On 2 ranks at load 7-8 (2026-11-27): 1.00, 0.73, 0.91; against autopar eager 0.96, 0.77,
+  0.79. Before Inductor's collective bucketing (``runtime.compiled.INDUCTOR_OPTIONS``),
+  one gather per weight made the compiled ZeRO-3 step 2.28x FSDP2's and 2.92x eager's.
+  On 4 ranks at load 3-10: 0.94, 0.60, 1.04 (1.06 in a second run of 30 steps); against
+  autopar eager 1.00, 0.67, 0.73. The tensor row's 4-6% is the plan, not the compiled
+  runtime: autopar's ``tensor=4`` plan of this GPT issues 20 all-reduces and 3 all-gathers
+  a step (vocabulary-parallel embedding and loss, a sharded position embedding: the
+  solver's choice for gloo) where Megatron's layout issues 16 all-reduces.
+
 A timed step is ``zero_grad``, forward, backward, gradient sync and ``optimizer.step``
 (SGD, the same for both), between two barriers. Before timing, each pair runs one step
 from the same weights and prints both global losses (they must agree: the check that the

@@ -133,9 +133,15 @@ def graph_break_message(gm: GraphModule, which: str, e: BaseException) -> str:
             "report the op so that autopar traces it")
 
 
-def compile_report(programs) -> dict:
+def cache_counts() -> tuple[int, int]:
+    """Inductor's on-disk cache (hits, misses) in this process so far."""
+    return (int(counters["inductor"].get("fxgraph_cache_hit", 0)),
+            int(counters["inductor"].get("fxgraph_cache_miss", 0)))
+
+
+def compile_report(programs, since: tuple[int, int] = (0, 0)) -> dict:
     """Seconds each compiled program took to compile on its first call (with that call),
-    and Inductor's on-disk cache hits and misses in this process so far."""
+    and Inductor's on-disk cache hits and misses since ``since`` (:func:`cache_counts`)."""
+    hits, misses = cache_counts()
     return {"compile_s": {p.which: p.compile_s for p in programs if p.compile_s is not None},
-            "cache_hits": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
-            "cache_misses": int(counters["inductor"].get("fxgraph_cache_miss", 0))}
+            "cache_hits": hits - since[0], "cache_misses": misses - since[1]}

@@ -41,7 +41,9 @@ from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
-from autopar.runtime.compiled import CompiledProgram, check_compilable, compile_report
+from autopar.runtime.compiled import (
+    CompiledProgram, cache_counts, check_compilable, compile_report,
+)
 from autopar.runtime.compression import LocalSGD, make_reducer
 from autopar.runtime.branch_stage import BranchRanks
 from autopar.runtime.data import RankData
@@ -359,27 +361,27 @@ class ParallelModule(nn.Module):
         if self._zero is not None:
             self._zero.drop_working_grads()
         first_compiled = self.plan.options.compile and self._compile_report is None
-        t0 = time.perf_counter()
+        t0, cached = time.perf_counter(), cache_counts() if first_compiled else None
         with use_comm(self._stage_comm), self._saved_tensor_policy(), _fresh_grads(params):
             loss = self.runner.train(inputs, target, self._grad_sync, params, self.owners)
             if self._offload is not None:
                 self._offload.grads_down()      # the synced gradient shards to the host masters
         if first_compiled:
-            self._report_compiled(time.perf_counter() - t0)
+            self._report_compiled(time.perf_counter() - t0, cached)
         return loss
 
     def compile_report(self) -> dict | None:
         """Under ``compile=True``, after the first ``train_step``: its seconds (compiling
         forward and backward), each program's compile seconds, and Inductor's on-disk cache
-        hits and misses (``autopar.runtime.compiled``); None before, or when eager."""
+        hits and misses during it (``autopar.runtime.compiled``); None before, or when eager."""
         return self._compile_report
 
-    def _report_compiled(self, first_step_s: float) -> None:
+    def _report_compiled(self, first_step_s: float, cached: tuple[int, int]) -> None:
         if isinstance(self.runner, PipelineRunner):
             programs = [st.submod.program for stages in self.runner.stages.values() for _, st in stages]
         else:
             programs = list(self.runner.programs.values())
-        self._compile_report = {"first_step_s": first_step_s, **compile_report(programs)}
+        self._compile_report = {"first_step_s": first_step_s, **compile_report(programs, cached)}
         if self.comm.rank == 0:
             r = self._compile_report
             print(f"autopar: compile=True: first step {first_step_s:.1f} s, compiling forward and "
@@ -395,8 +397,9 @@ class ParallelModule(nn.Module):
 
     @contextlib.contextmanager
     def _saved_tensor_policy(self):
-        """Under zero=3, gathered weights are not saved for backward but gathered again."""
-        if self.plan.options.zero_stage < 3:
+        """Under zero=3, gathered weights are not saved for backward but gathered again
+        (compiled: by the compiled backward itself, ``ops.collectives.all_gather``)."""
+        if self.plan.options.zero_stage < 3 or self.plan.options.compile:
             yield
             return
         reg = regathered_weights()
