@@ -149,13 +149,30 @@ def serve() -> None:
 def _gloo_launch(world: int, cases: list[Case], timeout: float) -> dict:
     """Every case of one world size in torchrun spawns of ``tests/sweep_worker.py``: the
     results by case id. A launch that dies (a hang ends at the worker's per-case
-    watchdog) fails the case it was in, and the cases left run in a new launch."""
+    watchdog) fails the case it was in, and the cases left run in a new launch. A pipeline
+    that fails by a little in fp32 is run again on gloo in float64 (it cannot run on
+    thread ranks: ``sweep_cases.float64_verdict``)."""
+    results = _gloo_runs(world, cases, timeout)
+    again = [c for c in cases if c.kind in sc.GLOO_ONLY and sc._precision(c) is None
+             and results[c.id]["status"] == "fail"
+             and sc.rounding_suspect(sc.Result.from_json(results[c.id]))]
+    if again:
+        r64 = _gloo_runs(world, again, timeout, float64=True)
+        for c in again:
+            r32 = sc.Result.from_json(results[c.id])
+            results[c.id] = sc.float64_verdict(r32, sc.Result.from_json(r64[c.id]),
+                                               r64[c.id].get("seconds", 0.0)).to_json()
+    return results
+
+
+def _gloo_runs(world: int, cases: list[Case], timeout: float, float64: bool = False) -> dict:
+    """One pass of :func:`_gloo_launch` (``float64``: the cases' models in float64)."""
     from launch import torchrun_cases
     results: dict = {}
     left = list(cases)
     while left:
         with tempfile.TemporaryDirectory(prefix="autopar-sweep-") as tmp:
-            spec = [{"id": c.id, **c.to_json()} for c in left]
+            spec = [{"id": c.id, **c.to_json(), **({"float64": True} if float64 else {})} for c in left]
             try:
                 got, failed = torchrun_cases("sweep_worker.py", world, spec, Path(tmp) / "out.json",
                                              timeout=timeout * len(left) + 120,

@@ -33,7 +33,7 @@ import math
 import random
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -264,6 +264,10 @@ class Result:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @staticmethod
+    def from_json(d: dict) -> "Result":
+        return Result(**{f.name: d[f.name] for f in fields(Result) if f.name in d})
+
 
 class Refused(Exception):
     pass
@@ -279,6 +283,9 @@ def _phase(name: str) -> None:
 
 def model_inputs(case: Case) -> zoo.Built:
     return zoo.build(case.arch, batch=case.batch, loss=case.loss)
+
+
+_model_inputs = model_inputs
 
 
 def _loss_of(b: zoo.Built, out, target):
@@ -800,15 +807,26 @@ def float64_recheck(case: Case, r32: Result) -> Result:
         r64 = judge(case, _thread_runs(case, b, plan, cap), refs, None, list(plan.mesh_shape), t0)
     except Exception as e:  # noqa: BLE001 - no recheck possible: the fp32 verdict stands
         return replace(r32, detail=f"{r32.detail}; float64 recheck failed: {first_line(e)}")
+    return float64_verdict(r32, r64, time.perf_counter() - t0)
+
+
+def within_f64(r64: Result) -> bool:
+    """Whether every measure of a float64 run is within F64_TOL (and it ran at all)."""
+    return r64.status == "pass" and all(r64.numbers.get(k, 0.0) <= tol for k, tol in F64_TOL.items())
+
+
+def float64_verdict(r32: Result, r64: Result, seconds: float) -> Result:
+    """The fp32 failure ``r32`` judged again by its float64 run ``r64``: a pass (saying so)
+    where every measure is within F64_TOL, else the failure with the float64 numbers."""
     worst = max(F64_TOL, key=lambda k: r64.numbers.get(k, 0.0) / F64_TOL[k])
     f64 = " ".join(f"{k} {r64.numbers.get(k, 0.0):.1e}" for k in F64_TOL)
-    if r64.numbers.get(worst, 0.0) <= F64_TOL[worst]:
+    if within_f64(r64):
         return replace(r32, status="pass", message=f"fp32 rounding ({r32.message}); float64: {f64}",
-                       seconds=r32.seconds + time.perf_counter() - t0)
+                       seconds=r32.seconds + seconds)
     where = {"grad": "grad_worst", "weight": "weight_worst", "adam_weight": "adam_worst"}
     return replace(r32, detail=f"{r32.detail}; float64 recheck: {f64} ({worst} past "
                                f"{F64_TOL[worst]:.0e} {r64.numbers.get(where.get(worst), '')})",
-                   seconds=r32.seconds + time.perf_counter() - t0)
+                   seconds=r32.seconds + seconds)
 
 
 def judge(case, per_rank, refs, precision, mesh, t0, first_rank: int = 0) -> Result:
@@ -834,15 +852,20 @@ def judge(case, per_rank, refs, precision, mesh, t0, first_rank: int = 0) -> Res
 
 # ---- on torch.distributed ranks (tests/sweep_worker.py) ------------------------------------
 
-def run_dist(case: Case) -> dict:
+def run_dist(case: Case, float64: bool = False) -> dict:
     """Run ``case`` on this torchrun job's ranks (every rank calls it); every rank returns
-    the same Result as a dict (rank 0's refusal or error; the worst rank's numbers)."""
+    the same Result as a dict (rank 0's refusal or error; the worst rank's numbers).
+    ``float64``: the model, inputs and target in float64, judged by F64_TOL (the recheck of
+    a pipeline, which runs on gloo only: :func:`float64_verdict`)."""
     import torch.distributed as dist
 
     import autopar
     from autopar.errors import AutoparInputError
     t0 = time.perf_counter()
     rank = dist.get_rank()
+
+    def model_inputs(case):
+        return as_float64(_model_inputs(case)) if float64 else _model_inputs(case)
     b = model_inputs(case)
     precision = _precision(case)
     batch = "per_rank" if case.per_rank else "global"
@@ -901,6 +924,8 @@ def run_dist(case: Case) -> dict:
     micro = micro_batches(case, pms[0].plan)
     refs = references(b, precision, micro)
     mine = judge(case, [runs], refs, precision, list(pms[0].plan.mesh_shape), t0, first_rank=rank)
+    if float64 and mine.status == "pass" and not within_f64(mine):
+        mine = replace(mine, status="fail", message="float64: past F64_TOL")
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine.to_json())
     bad = [r for r in every if r["status"] == "fail"]

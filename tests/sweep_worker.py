@@ -20,8 +20,8 @@ from worker_loop import run_cases  # noqa: E402
 
 
 def run_case(case: dict) -> dict:
-    c = sc.Case.from_json({k: v for k, v in case.items() if k != "id"})
-    return sc.run_dist(c)
+    c = sc.Case.from_json({k: v for k, v in case.items() if k not in ("id", "float64")})
+    return sc.run_dist(c, float64=case.get("float64", False))
 
 
 if __name__ == "__main__":
