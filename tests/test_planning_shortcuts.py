@@ -2,7 +2,9 @@
 
 - capture records no Python stack per node (``torch.fx.config.do_not_emit_stack_traces``)
   and its graph is the one captured with them, node for node; a refused graph is exported
-  again with them, so its message can name the source line;
+  again with them, so its message can name the source line. A torch without that flag
+  (2.11: ``export.STACK_TRACE_SWITCH`` False, forced on the others) records the stacks in
+  the one export: the same graph, and a refused graph is not exported twice;
 - the free pipeline search's bound (``stage_dp.plan_stages(above=)``,
   ``pipeline_search._choose(bound=)``): a configuration is skipped only when its busiest
   rank alone (``stage_dp._busiest_floor``) is at least the bound, and that floor is never
@@ -33,11 +35,25 @@ def _graph(cap):
             for n in cap.gm.graph.nodes]
 
 
-def test_capture_without_stack_traces_is_the_same_graph():
+@pytest.fixture(params=["this torch", "no switch"])
+def switch(request, monkeypatch):
+    """Both branches of ``export.STACK_TRACE_SWITCH``: this torch's own, and a torch without
+    ``do_not_emit_stack_traces`` (2.11); the first is the second where this torch is one."""
+    if request.param == "no switch":
+        monkeypatch.setattr(export_mod, "STACK_TRACE_SWITCH", False)
+    return export_mod.STACK_TRACE_SWITCH
+
+
+def test_the_switch_is_whether_torch_has_the_flag():
+    assert export_mod.STACK_TRACE_SWITCH == hasattr(torch.fx.config, "do_not_emit_stack_traces")
+
+
+def test_capture_without_stack_traces_is_the_same_graph(switch):
     ex = gpt_factory(batch=2, n_layer=1, n_embd=16, n_head=2, block_size=8, vocab_size=32)
     fast = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
-    assert not any(n.meta.get("stack_trace") for n in fast.gm.graph.nodes)
-    assert not torch.fx.config.do_not_emit_stack_traces        # restored
+    assert any(n.meta.get("stack_trace") for n in fast.gm.graph.nodes) == (not switch)
+    if switch:
+        assert not torch.fx.config.do_not_emit_stack_traces        # restored
     wrapper = export_mod._WithLoss(ex.model, ex.loss_fn, 1)
     slow = export_mod._from_program(export_mod._export(wrapper, (*ex.inputs, ex.target), stack_traces=True),
                                     wrapper, 1, True, "torch.export")
@@ -47,9 +63,10 @@ def test_capture_without_stack_traces_is_the_same_graph():
         (slow.params, slow.buffers, slow.inputs, slow.loss, slow.output)
 
 
-def test_refused_graph_is_exported_again_with_stack_traces(monkeypatch):
+def test_refused_graph_is_exported_again_with_stack_traces(switch, monkeypatch):
     """The first export has no stacks; a graph refused (CaptureError) is exported again
-    with them, so the message (``hops._where``) can name the source line."""
+    with them, so the message (``hops._where``) can name the source line. Without the
+    switch the first export has them: refused once, not exported again."""
     seen = []
     real = export_mod._from_program
 
@@ -62,8 +79,18 @@ def test_refused_graph_is_exported_again_with_stack_traces(monkeypatch):
 
     monkeypatch.setattr(export_mod, "_from_program", refuse_without_stacks)
     cap = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
-    assert seen == [False, True]
+    assert seen == ([False, True] if switch else [True])
     assert any(n.meta.get("stack_trace") for n in cap.gm.graph.nodes)
+
+    def refuse(ep, *a):
+        seen.append(any(n.meta.get("stack_trace") for n in ep.graph.nodes))
+        raise CaptureError("refused")
+
+    seen.clear()
+    monkeypatch.setattr(export_mod, "_from_program", refuse)
+    with pytest.raises(CaptureError, match="refused"):
+        capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
+    assert seen == ([False, True] if switch else [True])
 
 
 def _costs(rng, n=10) -> LayerCosts:

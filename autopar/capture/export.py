@@ -31,6 +31,13 @@ from autopar.errors import ArgumentError
 
 _EXPORT_LOCK = threading.Lock()   # torch.export keeps global tracing state: one at a time
 
+STACK_TRACE_SWITCH = hasattr(torch.fx.config, "do_not_emit_stack_traces")
+"""Whether this torch can export without recording each node's Python stack
+(``torch.fx.config.do_not_emit_stack_traces``: torch 2.13 and 2.15 have it, torch 2.11 does
+not). Without it every export records the stacks: capture is slower, its graph the same, and
+a refused graph's message names the source line from the first export. The one torch
+version switch of capture (``tests/test_planning_shortcuts.py`` runs both branches)."""
+
 
 class _WithLoss(nn.Module):
     """``forward(*inputs, target) -> (loss, output)``; or ``(output, output)`` without a loss."""
@@ -75,6 +82,8 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
             try:
                 return _from_program(ep, wrapper, len(example_inputs), loss_fn is not None, method)
             except CaptureError:  # say where in the source: again with the stack traces
+                if not STACK_TRACE_SWITCH:
+                    raise         # the first export recorded them already
                 ep = _export(root, args, stack_traces=True)
                 return _from_program(ep, wrapper, len(example_inputs), loss_fn is not None, method)
         except (CaptureError, ArgumentError):
@@ -101,7 +110,7 @@ def _export(root: nn.Module, args: tuple, stack_traces: bool):
     a tenth of a large model's capture, read only by the messages of a graph autopar refuses
     (``hops._where``), which :func:`capture` exports again with them."""
     with _EXPORT_LOCK:
-        if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):    # torch 2.11 has no such flag
+        if not STACK_TRACE_SWITCH:       # torch 2.11: always with the stacks
             return torch.export.export(root, args, strict=False)
         before = torch.fx.config.do_not_emit_stack_traces
         torch.fx.config.do_not_emit_stack_traces = not stack_traces

@@ -155,6 +155,7 @@ def functionalize_view_writes(gm: GraphModule) -> list[str]:
         with graph.inserting_before(node):
             if node.target is aten.fill_.Scalar:
                 value = graph.call_function(aten.full_like.default, (view, node.args[1]))
+                _like(value, view, node)     # the view's shape: torch 2.15 reaches this branch
             else:
                 value = node.args[1]
                 src = value.meta.get("val") if isinstance(value, Node) else None

@@ -62,9 +62,10 @@ TORCH_FX_PRIVATE = {
 }
 """The private torch.fx state stamping reads and writes, in one place. Checked on the
 torch versions of CHECKED_TORCH (``tests/test_capture_stamp.py`` compares every stamped
-capture , node by node); a torch that changes it makes stamping fail,
-which ``export_stamped`` reports at warning level before exporting the model whole."""
-CHECKED_TORCH = ("2.13",)
+capture with the whole export, node by node; run on each of them, see the README's "Torch
+versions"); a torch that changes it makes stamping fail, which ``export_stamped`` reports
+at warning level before exporting the model whole."""
+CHECKED_TORCH = ("2.11", "2.13", "2.15")
 
 MIN_BLOCKS = 8       # a container of fewer blocks is exported whole
 SHALLOW = 4          # blocks exported: 0 (reads the prologue), then 1..3 (two checked steps)

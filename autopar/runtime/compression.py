@@ -157,7 +157,9 @@ class Reducer:
         """Start gathering ``t`` of every rank: (their stack, the work)."""
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         self._step_bytes += t.numel() * t.element_size()
-        work = dist.all_gather_single(out, t.contiguous(), group=self.group, async_op=True)
+        # all_gather_into_tensor, as ops/comm.py: public on every torch autopar supports
+        # (torch 2.11 has no all_gather_single)
+        work = dist.all_gather_into_tensor(out, t.contiguous(), group=self.group, async_op=True)
         return out.view(self.size, *t.shape), work
 
 
