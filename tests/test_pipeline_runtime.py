@@ -214,3 +214,24 @@ def test_schedule_the_stage_count_cannot_run():
 def test_pipeline_pins_need_a_pipeline():
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
         _plan(schedule="1f1b")
+
+
+def test_torch_before_2_13_refuses_a_cut_carrying_a_value_without_gradient():
+    """Torch 2.11's PipelineStage makes every received tensor require grad: a cut that
+    carries integer ids would fail on one rank and leave the others waiting. On such torch
+    the runner refuses it up front, naming the stage and the value; 2.13+ runs it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from autopar.errors import ArgumentError
+    from autopar.runtime.pipeline_runner import STAGE_INPUTS_ALL_GRAD, check_stage_inputs
+    parts = [SimpleNamespace(index=0, inputs=["args_0"], input_meta=[((4, 8), torch.int64, False)]),
+             SimpleNamespace(index=1, inputs=["h", "ids"],
+                             input_meta=[((4, 8, 16), torch.float32, True), ((4, 8), torch.int64, False)])]
+    with pytest.raises(ArgumentError, match=r"pipeline stage 1 receives 'ids' \(torch.int64, shape "
+                                            r"\[4, 8\]\).*Use torch >= 2.13"):
+        check_stage_inputs(parts, all_grad=True)
+    check_stage_inputs(parts, all_grad=False)
+    check_stage_inputs(parts[:1], all_grad=True)        # stage 0 reads the model's inputs
+    assert STAGE_INPUTS_ALL_GRAD == (tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13))

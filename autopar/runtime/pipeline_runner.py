@@ -122,6 +122,28 @@ def stage_plan(plan: Plan) -> Plan:
                    mesh_shape=tuple(plan.mesh_shape[1:]), mesh_axes=tuple(plan.mesh_axes[1:]))
 
 
+STAGE_INPUTS_ALL_GRAD = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+"""Torch before 2.13: ``PipelineStage`` makes every received tensor require grad and waits
+for a gradient back for each (2.13 reads both from the example inputs); a cut that carries
+a value without a gradient (integer ids, a router's counts) then fails on one rank while
+the others wait. Such plans are refused on those versions (:func:`check_stage_inputs`)."""
+
+
+def check_stage_inputs(parts, all_grad: bool | None = None) -> None:
+    """ArgumentError naming the stage and the value when a stage receives a value that takes
+    no gradient and this torch cannot pipeline it (:data:`STAGE_INPUTS_ALL_GRAD`)."""
+    if not (STAGE_INPUTS_ALL_GRAD if all_grad is None else all_grad):
+        return
+    for sg in parts:
+        for name, (shape, dtype, grad) in zip(sg.inputs, sg.input_meta):
+            if sg.index > 0 and not grad:
+                raise ArgumentError(
+                    f"pipeline stage {sg.index} receives {name!r} ({dtype}, shape {list(shape)}), a "
+                    f"value without a gradient, across its cut: torch {torch.__version__}'s "
+                    "PipelineStage makes every received tensor require grad. Use torch >= 2.13, "
+                    "or plan without pipeline= (or pin other stage cuts)")
+
+
 class PipelineRunner:
     """This pipeline rank's stages of the ``programs`` (``"train"``, ``"forward"``: per-rank
     GraphModules over ``root``, which holds every shard) and the schedules that run them."""
@@ -175,6 +197,7 @@ class PipelineRunner:
                                     lambda n: local_meta(cap, self._intra, n), root,
                                     no_grad_ops(cap))
         self.skip_edges[which] = {e.id: e for e in edges}
+        check_stage_inputs(parts)
         for sg in parts:
             for n in sg.gm.graph.nodes:
                 if n.op == "get_attr":
