@@ -26,14 +26,13 @@ What changes against eager, and why:
   per-collective wait of eager ``DistComm``.
 
 Compilation happens on the first call of each program (and of its backward): the first
-``train_step`` reports how long it took (:attr:`CompiledProgram.compile_s`, and a log line
-on rank 0). Inductor caches what it compiled on disk (``TORCHINDUCTOR_CACHE_DIR``, by
+``train_step`` reports how long it took (``ParallelModule.compile_report()``, and a line on
+rank 0's stderr). Inductor caches what it compiled on disk (``TORCHINDUCTOR_CACHE_DIR``, by
 default under the system's temporary directory), keyed by the graph: a second run of the
 same plan on the same machine loads it (``cache_hits`` in :func:`compile_report`).
 """
 from __future__ import annotations
 
-import logging
 import re
 import time
 
@@ -43,8 +42,6 @@ from torch.fx import GraphModule
 
 from autopar.errors import ArgumentError, AutoparInputError
 from autopar.ops.comm import DistComm
-
-log = logging.getLogger(__name__)
 
 
 INDUCTOR_OPTIONS = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all",
