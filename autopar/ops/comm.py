@@ -336,7 +336,10 @@ class DistComm(Comm):
 
     def all_gather(self, t, axis, dim):
         if torch.compiler.is_compiling():
-            return funcol.all_gather_tensor(t.contiguous(), dim, self.groups[axis])
+            # gathered on dim 0, then each rank's block joined on ``dim`` (funcol's own
+            # gather_dim != 0 calls a helper Dynamo skips on torch 2.11: a graph break)
+            out = funcol.all_gather_tensor(t.contiguous(), 0, self.groups[axis])
+            return out if dim == 0 else torch.cat(out.chunk(self.mesh_shape[axis], 0), dim=dim)
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.mesh_shape[axis])]
         self._wait(self.dist.all_gather(parts, t, group=self.groups[axis], async_op=True),
