@@ -33,6 +33,10 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
+    from autopar.runtime.compiled import COMPILE_FROM_TORCH
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < COMPILE_FROM_TORCH:
+        pytest.skip(f"compile=True is refused on torch {torch.__version__} "
+                    "(test_torch_before_2_13_is_refused)")
     return torchrun_cases("compile_worker.py", 2, CASES, tmp_path_factory.mktemp("compile") / "r.json",
                           timeout=900, case_timeout=400)
 
@@ -83,6 +87,14 @@ def test_thread_ranks_are_refused():
     from autopar.ops.comm import ThreadWorld
     with pytest.raises(ArgumentError, match="compile=True runs on torch.distributed ranks"):
         check_compilable(ThreadWorld((2,)).comm(0))
+
+
+def test_torch_before_2_13_is_refused():
+    """On torch 2.11 the compiled tensor-parallel GPT's gradients differed from one device's:
+    compile=True is refused there, before anything runs."""
+    from autopar.ops.comm import ThreadWorld
+    with pytest.raises(ArgumentError, match=r"compile=True needs torch >= 2.13 \(this is 2.11.0\+cu130"):
+        check_compilable(ThreadWorld((2,)).comm(0), version="2.11.0+cu130")
 
 
 def test_the_option_is_checked_and_eager_is_its_default():
