@@ -23,6 +23,7 @@ from autopar.runtime.compiled import CompiledProgram, CompileError, check_compil
 from launch import case_result, torchrun_cases
 
 CASES = [
+    {"id": "free", "model": "gpt", "pins": {}},        # the plan a user gets without pins
     {"id": "data", "model": "mlp", "pins": {"data": 2}},
     {"id": "tensor", "model": "gpt", "pins": {"tensor": 2}},
     {"id": "zero3", "model": "mlp", "pins": {"data": 2, "zero": 3}, "count": True},
