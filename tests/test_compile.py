@@ -35,7 +35,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
     from autopar.runtime.compiled import COMPILE_FROM_TORCH
-    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < COMPILE_FROM_TORCH:
+    if torch.__version__ < COMPILE_FROM_TORCH:
         pytest.skip(f"compile=True is refused on torch {torch.__version__} "
                     "(test_torch_before_2_13_is_refused)")
     return torchrun_cases("compile_worker.py", 2, CASES, tmp_path_factory.mktemp("compile") / "r.json",

@@ -39,6 +39,7 @@ import time
 import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule
+from torch.torch_version import TorchVersion
 
 from autopar.errors import ArgumentError, AutoparInputError
 from autopar.ops.comm import DistComm
@@ -111,7 +112,7 @@ def check_compilable(comm, version: str = torch.__version__) -> None:
     """``compile=True`` runs on torch.distributed ranks, on torch >= COMPILE_FROM_TORCH: an
     ArgumentError for a communicator of thread ranks (tests' simulated ranks, whose
     exchanges Dynamo cannot trace) or an older torch."""
-    if tuple(int(v) for v in version.split("+")[0].split(".")[:2]) < COMPILE_FROM_TORCH:
+    if TorchVersion(version) < COMPILE_FROM_TORCH:
         raise ArgumentError(f"compile=True needs torch >= {'.'.join(map(str, COMPILE_FROM_TORCH))} "
                             f"(this is {version}: its compiled tensor-parallel gradients were "
                             "checked wrong): upgrade torch, or drop compile=True to run eagerly")

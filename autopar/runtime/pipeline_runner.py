@@ -122,7 +122,7 @@ def stage_plan(plan: Plan) -> Plan:
                    mesh_shape=tuple(plan.mesh_shape[1:]), mesh_axes=tuple(plan.mesh_axes[1:]))
 
 
-STAGE_INPUTS_ALL_GRAD = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+STAGE_INPUTS_ALL_GRAD = torch.__version__ < (2, 13)     # a TorchVersion compares so
 """Torch before 2.13: ``PipelineStage`` makes every received tensor require grad and waits
 for a gradient back for each (2.13 reads both from the example inputs); a cut that carries
 a value without a gradient (integer ids, a router's counts) then fails on one rank while
