@@ -40,6 +40,18 @@ class Options(Mapping):
     gradients summed in buckets as backward produces them (DDP's overlap)."""
     tensor: int | None = None
     """Degree of the tensor-parallel mesh axis: weight matrices split on it."""
+    expert: int | None = None
+    """Degree of the expert-parallel mesh axis: each mixture-of-experts layer's experts are
+    split over it, and the batch is split over it for every other op (its ranks are data
+    parallel there, as torchtitan's dp2ep); tokens reach their experts by all-to-all or by
+    all-gather, as the solver prices them (``autopar.sharding.rules.experts``)."""
+    expert_dispatch: Literal["all-to-all", "all-gather"] | None = None
+    """How tokens reach experts split over an axis: ``"all-to-all"`` (each token-expert pair
+    sent to its expert's rank and back) or ``"all-gather"`` (every rank sees every token,
+    computes its own experts, and the terms are summed); unset, the solver prices both."""
+    expert_imbalance: float | None = None
+    """The busiest expert-parallel rank's share of token-expert pairs over the mean, which
+    the cost model multiplies its expert work and dispatch by (default 1.0: uniform)."""
     zero: Literal[0, 1, 2, 3] | None = None
     """ZeRO stage over the data axis: 0 none, 1 optimizer state sharded, 2 gradients too,
     3 parameters too (gathered per use and again in backward)."""
@@ -198,7 +210,7 @@ def _check_values(p: dict) -> None:
     pipe = p.get("pipeline")
     if pipe is not None and not _positive_int(pipe):
         raise PinError(f"pin pipeline={pipe!r} must be a positive integer")
-    for name in ("data", "tensor", "accumulate", "micro_batch_size"):
+    for name in ("data", "tensor", "expert", "accumulate", "micro_batch_size"):
         if name in p and not _positive_int(p[name]):
             raise PinError(f"pin {name}={p[name]!r} must be a positive integer")
     rec = p.get("recompute")
@@ -221,6 +233,12 @@ def _check_values(p: dict) -> None:
     if n is not None and not _positive_int(n):
         raise PinError(f"pin branch={n!r} must be a positive integer (the number of device groups "
                        "the independent branches are spread over)")
+    if p.get("expert_dispatch") not in (None, "all-to-all", "all-gather"):
+        raise PinError(f"expert_dispatch={p['expert_dispatch']!r}: use 'all-to-all' or 'all-gather'")
+    imb = p.get("expert_imbalance")
+    if imb is not None and (isinstance(imb, bool) or not isinstance(imb, (int, float)) or imb < 1):
+        raise PinError(f"expert_imbalance={imb!r}: the busiest rank's load over the mean, a "
+                       "number >= 1 (1.0 is uniform routing)")
     if p.get("compile") not in (None, True, False):
         raise PinError(f"compile={p['compile']!r}: use True (torch.compile each rank's programs) "
                        "or False (eager, the default)")
@@ -268,6 +286,12 @@ def _check_combinations(p: dict) -> None:
         if p.get("grad_reduce") == "bf16" and p.get("compress") not in (None, "none"):
             raise PinError(f"{lossy[0]} and grad_reduce='bf16' both choose how gradients are "
                            "reduced: pin one of them (compress='bf16' is the bf16 reduction)")
+    if (p.get("expert") or 1) > 1:
+        for other, none in (("zero", 0), ("branch", 1), ("compress", "none"), ("local_sgd", None),
+                            ("offload", None)):
+            if p.get(other) not in (None, none):
+                raise PinError(f"expert={p['expert']} with {other}={p[other]!r} is not supported "
+                               "yet: drop one of the two pins")
     n = p.get("branch")
     if n is not None and n > 1:
         for other, none in (("pipeline", 1), ("zero", 0), ("accumulate", 1), ("micro_batch_size", None)):

@@ -104,11 +104,8 @@ MATRIX: dict[str, Arch] = {
     "falcon": Arch(HF_BUILDERS["falcon"], "decoder"),
     "bloom": Arch(HF_BUILDERS["bloom"], "decoder"),
     "mixtral": Arch(HF_BUILDERS["mixtral"], "decoder (mixture of experts)",
-                    gaps=("aten.histc.default", "aten.index_put.default",
-                          "transformers.grouped_mm_fallback.default"),
-                    notes="gaps: the expert routing (token counts per expert with histc, the "
-                          "scatter of expert outputs with index_put, transformers' own grouped "
-                          "matmul op) runs replicated"),
+                    notes="each layer's experts are one op (autopar.ops.experts), split by "
+                          "expert or by token as the plan chooses"),
     # encoders
     "bert": Arch(HF_BUILDERS["bert"], "encoder",
                  gloo=({"tensor": 2}, {"data": 2})),

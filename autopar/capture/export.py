@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.capture.constants import inline_constants
+from autopar.capture.experts import experts_as_ops
 from autopar.capture.graph import CaptureError, Captured, _strip
 from autopar.capture.hops import inline_higher_order_ops
 from autopar.capture.inplace import functionalize_inplace, functionalize_view_writes
@@ -69,6 +70,11 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
     example_inputs = check_arguments(model, example_inputs, loss_fn, target)
     args = example_inputs + ((target,) if loss_fn is not None else ())
     wrapper = _WithLoss(model, loss_fn, len(example_inputs))
+    with experts_as_ops(model):
+        return _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper)
+
+
+def _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper) -> Captured:
     errors = []
     for method in ("torch.export", "torch.fx.symbolic_trace + torch.export"):
         try:

@@ -127,6 +127,17 @@ class _AllToAll(torch.autograd.Function):
         return current_comm().all_to_all(g, ctx.axis, ctx.cat_dim, ctx.split_dim), None, None, None
 
 
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, send, recv):
+        ctx.axis, ctx.send, ctx.recv = axis, send, recv
+        return current_comm().all_to_all_v(x, axis, send, recv)
+
+    @staticmethod
+    def backward(ctx, g):
+        return current_comm().all_to_all_v(g, ctx.axis, ctx.recv, ctx.send), None, None, None
+
+
 class _ToPartial(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis):
@@ -243,6 +254,13 @@ def reduce_scatter(x, axis: int, dim: int):
 def all_to_all(x, axis: int, split_dim: int, cat_dim: int):
     """S(cat_dim) -> S(split_dim) on ``axis``."""
     return _AllToAll.apply(x, axis, split_dim, cat_dim)
+
+
+def all_to_all_v(x, axis: int, send: tuple[int, ...], recv: tuple[int, ...]):
+    """Rows to ranks of ``axis`` in blocks of ``send`` rows, ``recv`` rows back from each
+    (sizes known at run time: a mixture of experts' dispatch); backward sends the
+    gradients back the same way."""
+    return _AllToAllV.apply(x, axis, tuple(send), tuple(recv))
 
 
 def to_partial(x, axis: int):

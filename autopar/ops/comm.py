@@ -199,6 +199,14 @@ class Comm:
     def reduce_scatter(self, t: torch.Tensor, axis: int, dim: int) -> torch.Tensor: ...
     def all_to_all(self, t: torch.Tensor, axis: int, split_dim: int, cat_dim: int) -> torch.Tensor: ...
 
+    def all_to_all_v(self, t: torch.Tensor, axis: int, send: Sequence[int],
+                     recv: Sequence[int]) -> torch.Tensor:
+        """Rows ``t[sum(send[:j]) : sum(send[:j+1])]`` go to rank ``j`` of ``axis``; the
+        result stacks what each rank sent here (``recv[j]`` rows from rank ``j``) in rank
+        order: an all-to-all with sizes known only at run time (a mixture of experts'
+        token dispatch)."""
+        raise NotImplementedError
+
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], axis: int):
         """Start summing ``tensors`` in place; returns an object whose ``wait()`` finishes."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -257,6 +265,9 @@ class _Inner(Comm):
 
     def all_to_all(self, t, axis, split_dim, cat_dim):
         return self.outer.all_to_all(t, axis + 1, split_dim, cat_dim)
+
+    def all_to_all_v(self, t, axis, send, recv):
+        return self.outer.all_to_all_v(t, axis + 1, send, recv)
 
     def all_reduce_coalesced(self, tensors, axis):
         return self.outer.all_reduce_coalesced(tensors, axis + 1)
@@ -366,6 +377,16 @@ class DistComm(Comm):
         self._wait(self.dist.all_to_all_single(out, stacked, group=self.groups[axis], async_op=True),
                    "all_to_all", axis)
         return torch.cat(out.unbind(0), dim=cat_dim)
+
+    def all_to_all_v(self, t, axis, send, recv):
+        t = t.contiguous()
+        if torch.compiler.is_compiling():
+            return funcol.all_to_all_single(t, list(recv), list(send), self.groups[axis])
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        self._wait(self.dist.all_to_all_single(out, t, list(recv), list(send),
+                                               group=self.groups[axis], async_op=True),
+                   "all_to_all", axis)
+        return out
 
     def all_reduce_coalesced(self, tensors, axis):
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -508,3 +529,18 @@ class ThreadComm(Comm):
         i = self.coord[axis]
         n = self.mesh_shape[axis]
         return torch.cat([p.chunk(n, dim=split_dim)[i] for p in parts], dim=cat_dim)
+
+    def all_to_all_v(self, t, axis, send, recv):
+        parts = self._exchange(t, axis)
+        i = self.coord[axis]
+        out = [p.split(list(s), dim=0)[i] for p, s in zip(parts, self._exchange_sizes(send, axis))]
+        assert [o.shape[0] for o in out] == list(recv), "all_to_all_v: sizes disagree"
+        return torch.cat(out, dim=0)
+
+    def _exchange_sizes(self, send, axis) -> list:
+        barrier, box = self.world.group(axis, self.coord)
+        box[self.coord[axis]] = tuple(send)
+        barrier.wait()
+        sizes = list(box)
+        barrier.wait()
+        return sizes

@@ -28,6 +28,8 @@ from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
 from autopar.options import Options, as_options
+from autopar.ops.experts import EXPERTS_OP
+from autopar.pricing.experts import experts_time
 from autopar.pricing.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
@@ -109,6 +111,9 @@ class CostModel:
     fused_reads: dict = field(default_factory=dict)
     """Under :attr:`compiled`: op -> indices of the inputs it reads inside a fused kernel
     (``pricing.prices.fused_reads``, set when a problem is priced)."""
+    expert_imbalance: float = 1.0
+    """The busiest expert-parallel rank's token-expert pairs over the mean
+    (``Options.expert_imbalance``; ``autopar.pricing.experts``)."""
 
     def offload_share(self, problem) -> float:
         """``cost_models.offload.exposed_share`` of ``problem``'s parameters in fp32 over every
@@ -187,7 +192,8 @@ class CostModel:
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
                    compress=pins.compression, local_sgd=pins.local_sgd,
                    offload=pins.offload == "optimizer", native=native, compiled=bool(pins.compile),
-                   grad_reduce=pins.grad_reduce or "fp32")
+                   grad_reduce=pins.grad_reduce or "fp32",
+                   expert_imbalance=pins.expert_imbalance or 1.0)
 
     # ---- overlap (cost_models/step.py) --------------------------------------------------
     def overlap_rule(self) -> tuple[float, bool]:
@@ -240,6 +246,9 @@ class CostModel:
         return t
 
     def _op_time(self, v: NodeVar, combo) -> tuple[float, float]:
+        if v.call.op is EXPERTS_OP:
+            return experts_time(v.call, combo, self.mesh_shape, self.cluster.device,
+                                self.dtype_key, self.links, self.expert_imbalance, self.native)
         ins = [_local(m, input_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.inputs)]
         outs = [_local(m, output_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.outputs)]
         if self.profiler is not None and not self.mixed:

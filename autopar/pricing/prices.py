@@ -356,6 +356,10 @@ def roles(plan: Plan) -> dict:
         out["data_axis"] = axes.index("data")
     if "tensor" in axes:
         out["tensor_axis"] = axes.index("tensor")
+    if "expert" in axes:
+        out["expert_axis"] = axes.index("expert")
+    if plan.options.expert_dispatch:
+        out["expert_dispatch"] = plan.options.expert_dispatch
     return out
 
 

@@ -20,6 +20,8 @@ import torch
 
 from autopar.analysis.saved import Kept, merge, saved_activations
 from autopar.capture import Captured, layer_of
+from autopar.capture.experts import expert_stacks
+from autopar.ops.experts import EXPERTS_OP
 from autopar.errors import PinError
 from autopar.placement import Replicate, Shard, local_shape
 from autopar.sharding.registry import (
@@ -106,14 +108,15 @@ def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Com
 
 
 def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | None = None,
-                  tensor_axis: int | None = None, zero: int = 0,
-                  optimizer_states: int = 2) -> Problem:
+                  tensor_axis: int | None = None, expert_axis: int | None = None, zero: int = 0,
+                  optimizer_states: int = 2, expert_dispatch: str | None = None) -> Problem:
     """The problem of ``cap`` on ``mesh_shape``: a decision per node (repeated layers'
     nodes join their first layer's), an edge per tensor that flows between decisions."""
     mesh_shape = tuple(mesh_shape)
     index = graph_index(cap)
     walk = index.walk(cap)
     vars: dict[str, NodeVar] = {}
+    stacks = expert_stacks(cap.gm)
     for d in walk.decisions:
         if isinstance(d, str):
             raise NotImplementedError(d)
@@ -121,11 +124,12 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
         if kind == "op":
             call = index.call(node)
             opts = _op_choices(cap, index.tensor_args(node), node, call, mesh_shape, data_axis,
-                               tensor_axis, from_batch)
+                               tensor_axis, from_batch, expert_axis, expert_dispatch)
             vars[name] = NodeVar(name, kind, None, call, opts, list(walk.members[name]))
         else:
             meta = TensorMeta(shape, dtype)
-            opts = _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero)
+            opts = _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero,
+                                        expert_axis, name in stacks)
             vars[name] = NodeVar(name, kind, meta, None, opts, list(walk.members[name]))
     for v in vars.values():
         if not v.options:
@@ -223,25 +227,47 @@ def _walk(cap: Captured, index: GraphIndex) -> Walk:
     return Walk(decisions, members, edge_list, sink)
 
 
-def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero) -> list[Combo]:
-    """The options of a parameter, buffer or input under the pins."""
+def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero,
+                         expert_axis=None, stack=False) -> list[Combo]:
+    """The options of a parameter, buffer or input under the pins (``stack``: a mixture of
+    experts' weight stack, experts on dim 0)."""
     opts = placeholder_options(meta, mesh_shape)
     if kind == "buffer":
         opts = [o for o in opts if all(isinstance(s.outputs[0], Replicate) for s in o)]
-    return _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape)
+    if expert_axis is not None:
+        want = Shard(0) if kind == "input" or stack else Replicate()
+        opts = [o for o in opts if o[expert_axis].outputs[0] == want]
+        if not opts:
+            raise PinError(
+                f"{kind} {name!r} of shape {list(meta.shape)}: dim 0 cannot be split over the "
+                f"expert-parallel axis of size {mesh_shape[expert_axis]}; use a global batch (or a "
+                "number of experts) divisible by the expert-parallel degree, or pin a smaller expert=")
+    return _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape, stack)
 
 
 def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, data_axis, tensor_axis,
-                from_batch: bool) -> list[Combo]:
+                from_batch: bool, expert_axis: int | None = None,
+                expert_dispatch: str | None = None) -> list[Combo]:
     """The options of an op node (tensor inputs ``args``) under the pins (``from_batch``:
     computed from the batch)."""
     opts = mesh_strategies(call, mesh_shape)
     opts = _restrict_mutations(node, call, opts)
     param_inputs = [k for k, a in enumerate(args) if a.name in cap.params]
+    stacks = [k for k in param_inputs if call.op is EXPERTS_OP and k >= 3]
     if data_axis is not None:
         opts = _data_parallel(opts, data_axis, from_batch, param_inputs)
+    if expert_axis is not None:
+        if stacks:
+            opts = [o for o in opts if all(o[expert_axis].inputs[k] == Shard(0) for k in stacks)]
+        else:
+            opts = _data_parallel(opts, expert_axis, from_batch, param_inputs)
+    if call.op is EXPERTS_OP and expert_dispatch is not None:
+        # where the experts are split, the tokens are split too (all-to-all) or whole (all-gather)
+        split = Shard(0) if expert_dispatch == "all-to-all" else Replicate()
+        opts = [o for o in opts if all(s.inputs[0] == split for s in o
+                                       if isinstance(s.inputs[3], Shard))]
     if tensor_axis is not None:
-        weights = [k for k in param_inputs if call.inputs[k].ndim >= 2]
+        weights = [k for k in param_inputs if call.inputs[k].ndim >= 2 and k not in stacks]
         opts = [o for o in opts if all(not isinstance(o[tensor_axis].inputs[k], Replicate)
                                        for k in weights)] or opts
     return opts
@@ -292,7 +318,8 @@ def _data_parallel(opts: list[Combo], axis: int, from_batch: bool, param_inputs:
     return opts
 
 
-def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape) -> list[Combo]:
+def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape,
+                stack: bool = False) -> list[Combo]:
     def on(axis, o):
         return o[axis].outputs[0]
 
@@ -320,7 +347,7 @@ def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape
                 opts = [o for o in opts if isinstance(on(data_axis, o), Replicate)]
     if tensor_axis is not None and kind == "input":
         opts = [o for o in opts if isinstance(on(tensor_axis, o), Replicate)]
-    if tensor_axis is not None and kind == "param" and meta.ndim >= 2:
+    if tensor_axis is not None and kind == "param" and meta.ndim >= 2 and not stack:
         # tensor parallelism pinned: every weight matrix is split over the tensor axis, and
         # the ops that use it read it split (activations move, weights stay)
         opts = [o for o in opts if isinstance(on(tensor_axis, o), Shard)] or opts

@@ -23,7 +23,15 @@ def mesh_candidates(world: int, pins: Options, mesh_shape, devices_per_node: int
             raise ArgumentError(f"mesh_shape {mesh_shape} has {prod} devices but the world has "
                                 f"{world}; use a mesh whose product is {world}")
     pins = as_options(pins)
-    if pins.data is not None or pins.tensor is not None:
+    out = _meshes(world, pins, mesh_shape, devices_per_node)
+    if pins.expert_dispatch:
+        out = [(shape, axes, {**roles, "expert_dispatch": pins.expert_dispatch})
+               for shape, axes, roles in out]
+    return out
+
+
+def _meshes(world, pins: Options, mesh_shape, devices_per_node):
+    if pins.data is not None or pins.tensor is not None or (pins.expert or 1) > 1:
         return [_pinned_mesh(world, pins, mesh_shape)]
     if pins.zero:
         return [((world,), ("data",), {"data_axis": 0})]
@@ -38,20 +46,31 @@ def mesh_candidates(world: int, pins: Options, mesh_shape, devices_per_node: int
 
 
 def _pinned_mesh(world: int, pins: Options, mesh_shape):
-    """The one mesh the ``data=`` / ``tensor=`` pins give."""
-    data, tensor = pins.data, pins.tensor
+    """The one mesh the ``data=`` / ``tensor=`` / ``expert=`` pins give: axes data, expert,
+    tensor (outer to inner)."""
+    data, tensor, expert = pins.data, pins.tensor, pins.expert or 1
+    if world % expert:
+        raise PinError(f"pin expert={expert} does not divide the world size {world}: pin an "
+                       f"expert-parallel degree that divides {world}")
+    rest = world // expert
+    if data is None and tensor is None:
+        data, tensor = rest, 1
     if data is None:
-        data = world // tensor if world % tensor == 0 else None
+        data = rest // tensor if rest % tensor == 0 else None
     if tensor is None:
-        tensor = world // data if world % data == 0 else None
-    if data is None or tensor is None or data * tensor != world:
-        raise PinError(f"pins data={pins.data} tensor={pins.tensor} do not "
+        tensor = rest // data if rest % data == 0 else None
+    if data is None or tensor is None or data * tensor != rest:
+        ex = f" expert={expert}" if expert > 1 else ""
+        raise PinError(f"pins data={pins.data} tensor={pins.tensor}{ex} do not "
                        f"multiply to the world size {world}: pin data and tensor whose product "
-                       f"is {world}, or plan for data x tensor devices (world_size=)")
+                       f"is {rest}, or plan for data x tensor devices (world_size=)")
     axes, shape, roles = [], [], {}
-    if data > 1 or tensor == 1:
+    if data > 1 or (tensor == 1 and expert == 1):
         roles["data_axis"] = len(shape)
         axes.append("data"), shape.append(data)
+    if expert > 1:
+        roles["expert_axis"] = len(shape)
+        axes.append("expert"), shape.append(expert)
     if tensor > 1:
         roles["tensor_axis"] = len(shape)
         axes.append("tensor"), shape.append(tensor)

@@ -13,3 +13,4 @@ from autopar.sharding.rules import embedding  # noqa: F401
 from autopar.sharding.rules import losses  # noqa: F401
 from autopar.sharding.rules import misc  # noqa: F401
 from autopar.sharding.rules import hf_masks  # noqa: F401
+from autopar.sharding.rules import experts  # noqa: F401

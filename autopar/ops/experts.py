@@ -1,0 +1,248 @@
+"""A mixture of experts' expert computation as one op, and the expert-parallel forms of it.
+
+Hugging Face's MoE layers (Mixtral, Qwen3-MoE, DeepSeek-V3, OLMoE, GPT-OSS, ...) keep their
+experts in one module whose weights are stacks with the experts on dim 0 (``gate_up_proj``
+``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``, biases ``[E, ...]``) and whose forward is
+``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``:
+
+    out[t] = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden[t])
+
+Capture (``autopar.capture.experts``) records that call as the one op
+``autopar::moe_experts(hidden, top_k_index, top_k_weights, stacks, key)``, so no shape in the
+graph depends on how the example batch was routed, and the sharding rules
+(``autopar.sharding.rules.experts``) see what the computation is: a sum over experts. Its
+forms on one mesh axis:
+
+- replicated, or tokens split (data parallel): the model's own forward (the op itself);
+- experts split, tokens whole (the all-gather dispatch): each rank computes its own experts'
+  terms for every token; the output is partial (P), summed by the all-reduce or
+  reduce-scatter the rewrite inserts after it;
+- experts and tokens split on the same axis (the all-to-all dispatch): each token-expert
+  pair travels to the rank holding its expert (``all_to_all_single`` with sizes known only
+  at run time), is computed there and comes back; dropless, so every token reaches its
+  experts as on one device.
+
+:func:`run_experts` is the local call of the split forms. It runs the model's own experts
+module (a copy whose ``num_experts`` is the local count) on the pairs that are this rank's,
+with routing weight 1, and applies the routing weights where the pairs came from, so the
+gradient of every stack, of the hidden state and of the router reaches the same values as
+on one device.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import threading
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autopar.ops.collectives import all_to_all_v
+from autopar.ops.comm import current_comm
+
+OP_NAME = "autopar::moe_experts"
+
+
+@dataclass(frozen=True)
+class ExpertsTemplate:
+    """The structure of one kind of experts module (its weights on the meta device)."""
+    module: nn.Module
+    names: tuple[str, ...]          # the stacks, in the op's order
+    num_experts: int
+    forward: types.FunctionType     # the class's own forward (not capture's stand-in)
+
+    def flops_per_pair(self) -> float:
+        """Forward FLOPs of one token through one expert: 2 per weight of the expert."""
+        return 2.0 * sum(math.prod(p.shape[1:]) for _, p in self._stacks())
+
+    def _stacks(self):
+        params = dict(self.module.named_parameters())
+        return [(n, params[n]) for n in self.names]
+
+
+_TEMPLATES: dict[str, ExpertsTemplate] = {}
+_LOCK = threading.Lock()
+_PER_THREAD = threading.local()     # functional_call swaps a module's weights in place:
+                                    # ranks simulated as threads each call their own copy
+
+
+def is_experts_module(m: nn.Module) -> bool:
+    """A Hugging Face experts module (``@use_experts_implementation``): weights stacked on
+    dim 0 by expert, ``forward(hidden, top_k_index, top_k_weights)``."""
+    if not all(hasattr(m, a) for a in ("num_experts", "has_gate", "_is_expert_parallel")):
+        return False
+    params = list(m.parameters())
+    e = getattr(m, "num_experts")
+    return (isinstance(e, int) and e > 1 and bool(params)
+            and all(p.ndim >= 2 and p.shape[0] == e for p in params)
+            and not list(m.buffers()))
+
+
+def template_key(m: nn.Module, forward: types.FunctionType) -> str:
+    """The key of ``m``'s template, registering it on first sight: modules of one class with
+    equal configurations and weight shapes share one (stamped layers carry the same key)."""
+    names = tuple(n for n, _ in m.named_parameters())
+    shapes = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters())
+    cfg = getattr(m, "config", None)
+    try:
+        cfg_text = cfg.to_json_string(use_diff=False) if cfg is not None else ""
+    except Exception:  # noqa: BLE001 - a config that does not serialize: one per object
+        cfg_text = f"config@{id(cfg)}"
+    extra = json.dumps({k: repr(v) for k, v in sorted(vars(m).items())
+                        if not k.startswith("_") and k != "config"
+                        and isinstance(v, (int, float, bool, str))}, sort_keys=True)
+    sig = repr((type(m).__module__, type(m).__qualname__, shapes, cfg_text, extra))
+    key = f"{type(m).__name__}-{hashlib.sha1(sig.encode()).hexdigest()[:12]}"
+    with _LOCK:
+        if key not in _TEMPLATES:
+            memo = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                        requires_grad=p.requires_grad) for p in m.parameters()}
+            module = copy.deepcopy(m, memo)
+            module.__dict__.pop("forward", None)
+            _TEMPLATES[key] = ExpertsTemplate(module, names, m.num_experts, forward)
+    return key
+
+
+def template(key: str) -> ExpertsTemplate:
+    try:
+        return _TEMPLATES[key]
+    except KeyError:
+        raise RuntimeError(f"no experts module {key!r} was captured in this process: the "
+                           "per-rank program must come from autopar.capture here") from None
+
+
+def _module(key: str, n_local: int) -> nn.Module:
+    """The experts module of ``key`` holding ``n_local`` experts, running its own forward."""
+    cache = getattr(_PER_THREAD, "modules", None)
+    if cache is None:
+        cache = _PER_THREAD.modules = {}
+    m = cache.get((key, n_local))
+    if m is None:
+        t = template(key)
+        with _LOCK:
+            m = copy.deepcopy(t.module)
+        m.num_experts = n_local
+        m.forward = types.MethodType(t.forward, m)
+        cache[(key, n_local)] = m
+    return m
+
+
+def _call(key: str, n_local: int, stacks, hidden, index, weights) -> torch.Tensor:
+    m = _module(key, n_local)
+    params = dict(zip(_TEMPLATES[key].names, stacks))
+    return torch.func.functional_call(m, params, (hidden, index, weights))
+
+
+# ---- the op --------------------------------------------------------------------------------
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                stacks: list[torch.Tensor], key: str) -> torch.Tensor:
+    """The experts module of ``key`` with weights ``stacks`` (all its experts)."""
+    with torch.no_grad():
+        return _call(key, template(key).num_experts, stacks, hidden, top_k_index,
+                     top_k_weights).clone()
+
+
+@moe_experts.register_fake
+def _(hidden, top_k_index, top_k_weights, stacks, key):
+    return torch.empty_like(hidden)
+
+
+def _setup(ctx, inputs, output):
+    hidden, index, weights, stacks, key = inputs
+    ctx.key, ctx.n = key, len(stacks)
+    ctx.save_for_backward(hidden, index, weights, *stacks)
+
+
+def _backward(ctx, grad):
+    hidden, index, weights, *stacks = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in (hidden, weights, *stacks)]
+        h, w, *s = leaves
+        out = _call(ctx.key, template(ctx.key).num_experts, s, h, index, w)
+        want = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(out, want, grad, allow_unused=True))
+        grads = [next(got) if t.requires_grad else None for t in leaves]
+    gh, gw, *gs = [g if g is not None else torch.zeros_like(t) if t.requires_grad else None
+                   for g, t in zip(grads, leaves)]
+    return gh, None, gw, gs, None
+
+
+moe_experts.register_autograd(_backward, setup_context=_setup)
+
+EXPERTS_OP = torch.ops.autopar.moe_experts.default
+
+
+# ---- the split forms ---------------------------------------------------------------------
+
+def run_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                stacks: list[torch.Tensor], key: str, axes: tuple[int, ...],
+                dispatch: tuple[int, ...] = ()) -> torch.Tensor:
+    """This rank's part of the experts op: ``axes`` (mesh order, earlier axis outer) split
+    the stacks on dim 0; on the ``dispatch`` axes among them the tokens are split too (the
+    all-to-all form: the whole output for this rank's tokens), on the others the tokens are
+    whole (the all-gather form: this rank's experts' terms, P)."""
+    comm = current_comm()
+    split = _Split(tuple(axes), tuple(dispatch))
+    t = template(key)
+    n_local = stacks[0].shape[0]
+    sizes = [comm.size(a) for a in split.axes]
+    if math.prod(sizes) * n_local != t.num_experts:
+        raise RuntimeError(f"experts op {key}: {n_local} local experts on axes {split.axes} "
+                           f"(sizes {sizes}) do not make {t.num_experts}")
+    n_tok, k = top_k_index.shape
+    tok = torch.arange(n_tok, device=hidden.device).repeat_interleave(k)
+    expert = top_k_index.reshape(-1)
+    route = top_k_weights.reshape(-1)
+    block = torch.div(expert, n_local, rounding_mode="floor")
+    coords = _coords(block, sizes)            # the block's coordinate on each split axis
+    keep = torch.ones_like(expert, dtype=torch.bool)
+    for a, c in zip(split.axes, coords):
+        if a not in split.dispatch:
+            keep &= c == comm.coord[a]
+    tok, expert, route = tok[keep], expert[keep], route[keep]
+    coords = [c[keep] for c in coords]
+    rows = hidden[tok]
+    ids = expert
+    levels = []
+    for a in split.dispatch:
+        dest = _coords(torch.div(ids, n_local, rounding_mode="floor"), sizes)[split.axes.index(a)]
+        order = torch.argsort(dest, stable=True)
+        rows, ids = rows[order], ids[order]
+        send = torch.bincount(dest, minlength=comm.size(a))
+        recv = comm.all_to_all(send, a, 0, 0)
+        send, recv = tuple(send.tolist()), tuple(recv.tolist())
+        rows = all_to_all_v(rows, a, send, recv)
+        ids = all_to_all_v(ids, a, send, recv)
+        levels.append((a, order, send, recv))
+    local_ids = torch.remainder(ids, n_local).unsqueeze(1)
+    ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
+    y = _call(key, n_local, stacks, rows, local_ids, ones)
+    for a, order, send, recv in reversed(levels):
+        y = all_to_all_v(y, a, recv, send)
+        y = y[torch.argsort(order)]
+    # a stack no pair reached still gets its (zero) gradient, as on one device
+    anchor = sum(s.reshape(-1)[:1].sum() for s in stacks) * 0
+    weighted = (y * route.unsqueeze(1).to(y.dtype)).to(hidden.dtype) + anchor.to(hidden.dtype)
+    return torch.zeros_like(hidden).index_add(0, tok, weighted)
+
+
+@dataclass(frozen=True)
+class _Split:
+    axes: tuple[int, ...]
+    dispatch: tuple[int, ...]
+
+
+def _coords(block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Mixed-radix digits of ``block`` (earlier axis outer)."""
+    out = []
+    rest = block
+    for i in range(len(sizes) - 1, -1, -1):
+        out.append(torch.remainder(rest, sizes[i]))
+        rest = torch.div(rest, sizes[i], rounding_mode="floor")
+    return out[::-1]

@@ -1,0 +1,85 @@
+"""The time of a mixture of experts' expert op (``autopar::moe_experts``) under one option.
+
+Work. ``T`` tokens each routed to ``k`` experts make ``T k`` token-expert pairs; each pair
+is one token through one expert's MLP: for every weight stack ``[E, A, B]`` a GEMM row of
+``2 A B`` FLOPs. Under uniform routing (the assumption the router's load-balancing loss
+trains toward: Fedus et al., "Switch Transformers", JMLR 2022, Sec. 2.2) a rank computes
+``T k / n`` pairs, where ``n`` is the product of the mesh axes on which the option splits
+anything (tokens, experts or both): tokens split on an axis divide the pairs among its
+ranks; experts split divide them by expert. Routing is never quite uniform and the step
+waits for the busiest rank: where experts are split, the pairs are multiplied by
+``imbalance`` (>= 1; ``Options.expert_imbalance``, default 1). DeepSeek-V3 reports its
+auxiliary-loss-free balancing keeping experts near uniform (DeepSeek-AI, "DeepSeek-V3
+Technical Report", 2024, Sec. 2.1.2 and Fig. 9); a user who has measured the busiest
+expert's share sets the factor to it.
+
+The grouped GEMM: each of the rank's ``E_local`` experts multiplies its ``rows = pairs /
+E_local`` rows by each of its matrices, priced as ``E_local`` GEMMs of that shape by the
+roofline (``cost_models.compute``), so small per-expert shapes pay their lower efficiency
+and wave quantization. Gathering the pairs' rows and scattering the results back are
+memory-bound copies of ``pairs * H`` elements each way.
+
+Dispatch. On an axis where tokens and experts are both split (the all-to-all form), each
+rank sends its pairs' rows to the ranks holding their experts and receives the results:
+two ``all_to_all`` of ``T_local k H`` elements forward (dispatch, combine) and two in
+backward (the gradients, the same way back), priced on that axis's link by
+``cost_models.comm`` (NVLink inside a node, InfiniBand across, as the cluster says). The
+all-gather form's gather and reduce-scatter are edges the rewrite inserts around the op,
+priced as every other edge.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autopar.cost_models import comm as comm_model
+from autopar.cost_models import compute as compute_model
+from autopar.placement import Shard
+from autopar.sharding.registry import TensorMeta
+
+aten = torch.ops.aten
+
+
+def experts_time(call, combo, mesh_shape, device, dtype_key, links, imbalance: float = 1.0,
+                 native: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one option of an experts op on one rank."""
+    hidden, index = call.inputs[0], call.inputs[1]
+    stacks = call.inputs[3:]
+    n_tok, h = hidden.shape[0], hidden.shape[-1]
+    k = index.shape[-1]
+    n_exp = stacks[0].shape[0]
+    split = [a for a, s in enumerate(combo) if mesh_shape[a] > 1
+             and any(isinstance(p, Shard) for p in s.inputs)]
+    by_expert = [a for a in split if isinstance(combo[a].inputs[3], Shard)]
+    dispatch = [a for a in by_expert if isinstance(combo[a].inputs[0], Shard)]
+    pairs = n_tok * k / math.prod(mesh_shape[a] for a in split)
+    if by_expert:
+        pairs *= max(1.0, imbalance)
+    e_local = n_exp // math.prod(mesh_shape[a] for a in by_expert)
+    rows = max(1, round(pairs / e_local))
+    fwd = bwd = 0.0
+    for s in stacks:
+        if len(s.shape) != 3:
+            continue
+        a_dim, b_dim = s.shape[1], s.shape[2]
+        x, w = TensorMeta((rows, b_dim), hidden.dtype), TensorMeta((b_dim, a_dim), s.dtype)
+        f, b = compute_model.node_time(aten.mm.default, [x, w], [TensorMeta((rows, a_dim), hidden.dtype)],
+                                       device=device, dtype_key=dtype_key, native=native)
+        fwd, bwd = fwd + f * e_local, bwd + b * e_local
+    moved = TensorMeta((max(1, round(pairs)), h), hidden.dtype)
+    f, b = compute_model.node_time(aten.index_select.default, [moved], [moved], device=device,
+                                   dtype_key=dtype_key, native=native)
+    fwd, bwd = fwd + 2 * f, bwd + 2 * b
+    local_tok = n_tok / math.prod(mesh_shape[a] for a in split if isinstance(combo[a].inputs[0], Shard))
+    size = local_tok * k * h * _itemsize(hidden.dtype, dtype_key, native)
+    for a in dispatch:
+        t = comm_model.collective_time("all_to_all", size * (max(1.0, imbalance)), mesh_shape[a], links[a])
+        fwd, bwd = fwd + 2 * t, bwd + 2 * t
+    return fwd, bwd
+
+
+def _itemsize(dtype, dtype_key, native) -> int:
+    if dtype_key in ("bf16", "fp16") and not native and dtype == torch.float32:
+        return 2
+    return dtype.itemsize

@@ -1,0 +1,50 @@
+"""Rules for a mixture of experts' expert computation (``autopar::moe_experts``).
+
+``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k], stacks [E, ...]...)
+-> [T, H]`` is a sum over experts of each token's routed terms (``autopar.ops.experts``).
+On one mesh axis it runs:
+
+- tokens split:  ``S(0),S(0),S(0),R.. -> S(0)``  (data parallel; the model's own forward);
+- experts split, tokens whole: ``R,R,R,S(0).. -> P`` (the all-gather dispatch: each rank
+  computes its experts' terms for every token; the sum is the all-reduce or reduce-scatter
+  the rewrite inserts after it, and the hidden state's and router's gradients come back
+  partial, summed as Megatron's column-parallel input is);
+- experts and tokens split: ``S(0),S(0),S(0),S(0).. -> S(0)`` (the all-to-all dispatch:
+  each token-expert pair is sent to its expert's rank and back, inside the op; its cost is
+  priced with the op, ``autopar.pricing.costing``).
+
+Expert parallelism is therefore a placement the solver chooses per MoE layer, like any
+other: an expert stack split on dim 0 over an axis.
+"""
+from __future__ import annotations
+
+from autopar.ops.experts import EXPERTS_OP, run_experts
+from autopar.placement import Partial, Replicate, Shard
+from autopar.sharding.registry import OpCall, Strategy, register_local, register_rule
+
+R, P, S0 = Replicate(), Partial(), Shard(0)
+
+
+def split_axes(combo) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(axes splitting the stacks, those of them splitting the tokens too) of one option."""
+    axes = tuple(a for a, s in enumerate(combo) if isinstance(s.inputs[3], Shard))
+    return axes, tuple(a for a in axes if isinstance(combo[a].inputs[0], Shard))
+
+
+@register_rule(EXPERTS_OP)
+def experts(call: OpCall) -> list[Strategy]:
+    n = len(call.inputs) - 3
+    return [
+        Strategy((S0, S0, S0) + (R,) * n, (S0,)),
+        Strategy((R, R, R) + (S0,) * n, (P,)),
+        Strategy((S0, S0, S0) + (S0,) * n, (S0,)),
+    ]
+
+
+@register_local(EXPERTS_OP)
+def experts_local(call: OpCall, combo, mesh_shape):
+    axes, dispatch = split_axes(combo)
+    if not axes:                       # tokens split only: the model's own forward
+        return call.op, call.args, call.kwargs
+    hidden, index, weights, stacks, key = call.args
+    return run_experts, (hidden, index, weights, stacks, key), {"axes": axes, "dispatch": dispatch}
