@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost_models.hardware import ClusterError, parse_cluster
 from autopar.cost_models.offload import exposed_share, offload_times
+from autopar.placement import Shard
 
 if TYPE_CHECKING:           # for annotations only: plan.py imports this module
     from autopar.plan import Plan
@@ -102,6 +103,41 @@ def branch_lines(plan: Plan) -> list[str]:
     return lines
 
 
+EXPERTS_OP_NAME = "autopar.moe_experts.default"
+
+
+def expert_lines(plan: Plan) -> list[str]:
+    """How the plan runs each mixture-of-experts layer (``autopar::moe_experts`` node):
+    experts split over which axes and how tokens reach them, or replicated; layers with the
+    same choice on one line."""
+    by_choice: "OrderedDict[str, list[str]]" = OrderedDict()
+    for name, op in plan.node_ops.items():
+        if op != EXPERTS_OP_NAME or name not in plan.nodes:
+            continue
+        by_choice.setdefault(expert_choice(plan, name), []).append(name)
+    if not by_choice:
+        return []
+    n = sum(len(v) for v in by_choice.values())
+    lines = [f"mixture of experts ({n} expert layer{'s' * (n != 1)}):"]
+    for choice, names in by_choice.items():
+        lines.append(f"  {', '.join(names[:3]) + (' ...' if len(names) > 3 else '')}: {choice}")
+    return lines
+
+
+def expert_choice(plan: Plan, name: str) -> str:
+    """One experts node's choice in words."""
+    node = plan.nodes[name]
+    hidden, stack = node.input(0), node.input(3)
+    axes = [(a, plan.mesh_axes[a], plan.mesh_shape[a]) for a in range(len(plan.mesh_shape))
+            if plan.mesh_shape[a] > 1 and plan.mesh_axes[a] != "pipeline"]
+    split = [(ax, n, "all-to-all" if isinstance(hidden[a], Shard) else "all-gather + reduce")
+             for a, ax, n in axes if isinstance(stack[a], Shard)]
+    tokens = [f"{ax!r}" for a, ax, n in axes if isinstance(hidden[a], Shard) and not isinstance(stack[a], Shard)]
+    words = ("experts split " + ", ".join(f"{n}-way over {ax!r} (tokens by {how})" for ax, n, how in split)
+             if split else "experts replicated")
+    return words + (f"; tokens split over {', '.join(tokens)}" if tokens else "")
+
+
 def plan_summary(plan: Plan) -> str:
     e, s = plan.estimate, plan.solver
     lines = [
@@ -119,6 +155,7 @@ def plan_summary(plan: Plan) -> str:
         lines.append(f"memory budget: {fmt_bytes(plan.memory_budget)} per device")
     if e.comm:
         lines.append("communication: " + ", ".join(f"{k} {fmt_time(v)}" for k, v in e.comm.items()))
+    lines += expert_lines(plan)
     lines.append(f"solver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
                  f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
                  f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s")

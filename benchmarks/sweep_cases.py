@@ -45,7 +45,7 @@ SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interlea
              "pp-zero-bubble": "zero-bubble"}
 PLAN_KINDS = ("free", "free-budget", "data", "tensor", "2d", "zero1", "zero2", "zero3",
               "offload", "accumulate", "recompute", *SCHEDULES, "branch", "bf16", "fp16",
-              "per-rank")
+              "per-rank", "expert")
 # the world sizes each kind is drawn on (repeats weight the draw)
 WORLDS = {
     "free": (1, 2, 2, 3, 4, 4), "free-budget": (2, 2, 3, 4), "data": (2, 3, 4), "tensor": (2, 3, 4, 4),
@@ -53,14 +53,18 @@ WORLDS = {
     "offload": (2, 4), "accumulate": (1, 2, 4), "recompute": (1, 2, 4),
     "pp-gpipe": (2, 3, 4), "pp-1f1b": (2, 3, 4), "pp-interleaved": (2, 4), "pp-zero-bubble": (2, 4),
     "branch": (2,), "bf16": (1, 2, 4), "fp16": (1, 2, 4), "per-rank": (2, 3, 4),
+    "expert": (2, 4, 4),
 }
+EXPERT_DISPATCH = (None, "all-to-all", "all-gather")
 GLOO_ONLY = frozenset(SCHEDULES)     # pipelines run on torch.distributed ranks only
 
 
 def kinds_for(arch: str) -> tuple[str, ...]:
-    """The plan kinds drawn for ``arch``: branch parallelism only where there are branches."""
+    """The plan kinds drawn for ``arch``: branch parallelism only where there are branches,
+    expert parallelism only in a mixture of experts."""
     e = zoo.ZOO[arch]
-    return tuple(k for k in PLAN_KINDS if k != "branch" or "branches" in e.tags)
+    return tuple(k for k in PLAN_KINDS if (k != "branch" or "branches" in e.tags)
+                 and (k != "expert" or e.family == "moe"))
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,9 @@ def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
                                                 and m % d == 0 and batch // m >= 2])}
         if d > 1:
             pins["data"] = d
+            if e.family == "moe" and rng.random() < 0.5:   # the stage's ranks split experts
+                pins = {k: v for k, v in pins.items() if k != "data"}
+                pins["expert"] = d
         if kind == "pp-interleaved":
             pins["virtual_stages"] = 2
     elif kind == "branch":
@@ -161,6 +168,12 @@ def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
         pins = {"precision": kind, **base()}
         if w > 1 and rng.random() < 0.25:
             pins = {"precision": kind, "data": w, "zero": 3}
+    elif kind == "expert":
+        pins = rng.choice([{"expert": w}] + ([{"expert": 2, "data": 2}, {"expert": 2, "tensor": 2}]
+                                             if w == 4 else []))
+        dispatch = rng.choice(EXPERT_DISPATCH)
+        if dispatch:
+            pins["expert_dispatch"] = dispatch
     elif kind == "per-rank":
         per_rank = True
         pins = rng.choice([{"data": w}, {}] + ([{"data": 2, "tensor": 2}] if w == 4 else []))

@@ -238,11 +238,36 @@ def with_loss(model, inputs, target, kind: str, n_classes: int, hf: bool,
 
 # ---- Hugging Face builders -----------------------------------------------------------------
 
-def causal_lm(cfg_cls, model_cls, own_loss=False, attn="eager", **kw):
+def skew_routers(m):
+    """Zero every mixture-of-experts router (the module beside an experts module whose
+    weight is [experts, hidden], and its biases): every score ties, so top-k sends every
+    token to the first experts and the others receive none (DeepSeek-V3's group-limited
+    routing: the first groups). The first step's routing is as skewed as routing gets."""
+    from autopar.ops.experts import is_experts_module
+    with torch.no_grad():
+        for parent in m.modules():
+            experts = [c for c in parent.children() if is_experts_module(c)]
+            if not experts:
+                continue
+            n = experts[0].num_experts
+            for c in parent.children():
+                for name, p in c.named_parameters(recurse=False):
+                    if c is not experts[0] and p.shape[:1] == (n,):
+                        p.zero_()
+                for name, b in c.named_buffers(recurse=False):
+                    if b.shape[:1] == (n,) and b.is_floating_point():
+                        b.zero_()
+    return m
+
+
+def causal_lm(cfg_cls, model_cls, own_loss=False, attn="eager", after=None, **kw):
     """A builder ``build(batch=B, loss="mean")`` of a language model (causal or masked) on
-    (batch, S) token ids; ``own_loss``: the default loss is the model's own."""
+    (batch, S) token ids; ``own_loss``: the default loss is the model's own; ``after``: a
+    change made to the built model (``skew_routers``)."""
     def build(batch: int = B, loss: str | None = None) -> Built:
         m = _model(_tf_attr(cfg_cls), _tf_attr(model_cls), kw, attn=attn)
+        if after is not None:
+            m = after(m)
         kind = loss or ("own" if own_loss else "mean")
         if kind == "mean":        # exactly tests/test_hf_models.py's
             return Built(m, (token_ids(1, batch=batch),), lm_loss, token_ids(2, batch=batch),
@@ -318,9 +343,36 @@ HF_BUILDERS: dict[str, Callable] = {
     # mixture of experts
     "mixtral": causal_lm("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
                          num_experts_per_tok=2, **DEC),
+    "mixtral-skewed": causal_lm("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
+                                num_experts_per_tok=2, after=skew_routers, **DEC),
     "qwen3_moe": causal_lm("Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=8, num_experts=4,
                            num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                           **DEC),
+                           output_router_logits=True, router_aux_loss_coef=0.1, **DEC),
+    # DeepSeek-V3's form: a dense first layer, then MoE layers of 8 routed experts (top-2 of
+    # 2 groups chosen among 4, sigmoid scores with a correction bias) and a shared expert,
+    # multi-head latent attention
+    "deepseek_v3": causal_lm("DeepseekV3Config", "DeepseekV3ForCausalLM", vocab_size=V,
+                             hidden_size=H, intermediate_size=64, moe_intermediate_size=16,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                             max_position_embeddings=64, n_routed_experts=8, n_shared_experts=1,
+                             num_experts_per_tok=2, n_group=4, topk_group=2,
+                             first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                             qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4),
+    "deepseek_v3-skewed": causal_lm("DeepseekV3Config", "DeepseekV3ForCausalLM", vocab_size=V,
+                                    hidden_size=H, intermediate_size=64, moe_intermediate_size=16,
+                                    num_hidden_layers=3, num_attention_heads=4,
+                                    num_key_value_heads=4, max_position_embeddings=64,
+                                    n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                    n_group=4, topk_group=2, first_k_dense_replace=1,
+                                    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
+                                    v_head_dim=8, qk_nope_head_dim=4, after=skew_routers),
+    "olmoe": causal_lm("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                       output_router_logits=True, router_aux_loss_coef=0.1, eos_token_id=None,
+                       pad_token_id=None, **DEC),
+    "gpt_oss": causal_lm("GptOssConfig", "GptOssForCausalLM", vocab_size=V, hidden_size=H,
+                         intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                         num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8),
     # state space
     "mamba": causal_lm("MambaConfig", "MambaForCausalLM", vocab_size=V, hidden_size=H,
                        state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4),
@@ -448,7 +500,12 @@ ZOO: dict[str, Entry] = {
     "bloom": _e("decoder", HF_BUILDERS["bloom"], tags=("tied",)),
     # mixture of experts, state space
     "mixtral": _e("moe", HF_BUILDERS["mixtral"]),
-    "qwen3_moe": _e("moe", HF_BUILDERS["qwen3_moe"]),
+    "mixtral-skewed": _e("moe", HF_BUILDERS["mixtral-skewed"]),
+    "qwen3_moe": _e("moe", HF_BUILDERS["qwen3_moe"], LM_OWN),
+    "deepseek_v3": _e("moe", HF_BUILDERS["deepseek_v3"], LM_OWN, layers=3),
+    "deepseek_v3-skewed": _e("moe", HF_BUILDERS["deepseek_v3-skewed"], layers=3),
+    "olmoe": _e("moe", HF_BUILDERS["olmoe"], LM_OWN),
+    "gpt_oss": _e("moe", HF_BUILDERS["gpt_oss"]),
     "mamba": _e("state-space", HF_BUILDERS["mamba"], LM_OWN, tags=("tied",)),
     # encoders
     "bert": _e("encoder", HF_BUILDERS["bert"], LM_OWN, tags=("tied",)),

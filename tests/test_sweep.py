@@ -112,10 +112,23 @@ CASES: list[tuple[sc.Case, str | None]] = [
     (C("ex-gpt-deep", "zero3", 4, "weighted", {"data": 4, "zero": 3}, gloo=True), None),
     # a cut between an MoE router's expert counts (histc, no gradient) and the cumsum to
     # int32 that reads them: the next stage received the counts as requiring grad, and
-    # autograd refused the cumsum (the 400-case sweep's mixtral:pp-interleaved:363543:gloo)
+    # autograd refused the cumsum (the 400-case sweep's mixtral:pp-interleaved:363543:gloo;
+    # the experts are one op now, the case stays)
     (C("mixtral", "pp-interleaved", 4, "sum", {"data": 2, "pipeline": 2, "virtual_stages": 2,
                                                "schedule": "interleaved-1f1b",
                                                "micro_batch_size": 2}), None),
+    # expert parallelism on torch.distributed (all_to_all_single with run-time sizes, some
+    # of them 0: the skewed router sends no token to two of the four ranks), with a
+    # pipeline, and on thread ranks (tests/test_experts.py has more)
+    (C("mixtral-skewed", "expert", 4, "mean", {"expert": 4, "expert_dispatch": "all-to-all"},
+       gloo=True), None),
+    (C("deepseek_v3", "expert", 2, "own", {"expert": 2}, gloo=True), None),
+    (C("qwen3_moe", "expert", 4, "smoothing", {"expert": 2, "data": 2}), None),
+    (C("mixtral", "pp-1f1b", 4, "mean", {"expert": 2, "pipeline": 2, "schedule": "1f1b",
+                                         "micro_batch_size": 2}), None),
+    (C("deepseek_v3-skewed", "pp-gpipe", 4, "mean", {"expert": 2, "pipeline": 2, "schedule": "gpipe",
+                                                     "micro_batch_size": 2,
+                                                     "expert_dispatch": "all-gather"}), None),
 ]
 IDS = [c.id for c, _ in CASES]
 BY_ID = {c.id: c for c, _ in CASES}

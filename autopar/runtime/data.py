@@ -7,7 +7,8 @@ the same *data rank* pass the same slice, and the slices of data ranks ``0 .. da
 in that order make the global batch. ``pm.data_rank`` / ``pm.data_world`` are what a
 ``DistributedSampler(dataset, num_replicas=pm.data_world, rank=pm.data_rank)`` takes.
 
-The data axes of a plan: the mesh axis named ``"data"`` (``data=`` pins, ZeRO); in a plan
+The data axes of a plan: the mesh axes named ``"data"`` (``data=`` pins, ZeRO) and
+``"expert"`` (``expert=``, whose ranks split the batch for every op but the experts); in a plan
 without one (a free plan's ``axis0`` / ``axis1``), every axis on which each batched model
 input and the target are split along dim 0 (``S(0)``). A plan with no data axis has
 ``data_world == 1``: every rank passes the whole batch, as with ``"global"``. Several data
@@ -34,8 +35,9 @@ BATCH_MODES = ("global", "per_rank")
 def data_axes(plan: Plan, cap: Captured) -> tuple[int, ...]:
     """The axes of ``plan``'s whole mesh the batch is split over (see module doc)."""
     names = tuple(plan.mesh_axes)
-    if "data" in names:
-        return (names.index("data"),)
+    named = tuple(names.index(n) for n in ("data", "expert") if n in names)
+    if named:                  # the expert axis splits the batch too (dp2ep)
+        return named
     first = 1 if plan.pipeline_stages > 1 else 0      # a pipeline's axis 0 cuts layers
     batched = [n for n in cap.inputs if len(_shape(cap, n)) >= 1]
     if not batched:

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autopar.plan import Plan
-from autopar.report import (_group_layers, accumulation_line, fmt_bytes, fmt_time,
+from autopar.report import (_group_layers, accumulation_line, expert_lines, fmt_bytes, fmt_time,
                             memory_phases_note, offload_line)
 
 
@@ -53,6 +53,8 @@ def summary_renderable(plan: Plan, all_nodes: bool = False) -> Group:
         head.append("\n" + accumulation_line(plan))
     if plan.offload:
         head.append("\n" + offload_line(plan))
+    for line in expert_lines(plan):
+        head.append("\n" + line)
     head.append(f"\nsolver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
                 f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
                 f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s")

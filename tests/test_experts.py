@@ -1,0 +1,218 @@
+"""Mixture-of-experts models and expert parallelism (``autopar.ops.experts``).
+
+Each MoE layer's experts are captured as one op, split by the plan by token (data
+parallel), by expert with an all-to-all dispatch, or by expert with an all-gather dispatch.
+Every case here is planned, trained 3 SGD and 3 AdamW steps under its plan and on one
+device, and compared parameter by parameter (``benchmarks/sweep_cases.py``), after checking
+that the plan really splits the experts (each rank holds its share of every stack).
+
+The gloo cases (real torch.distributed processes: ``all_to_all_single`` with sizes known
+only at run time) and the pipelines run in ``tests/test_sweep.py``'s fixed list.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "benchmarks")]
+
+import sweep_cases as sc  # noqa: E402
+from examples import zoo  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.capture import capture  # noqa: E402
+from autopar.ops.experts import EXPERTS_OP  # noqa: E402
+from autopar.placement import Shard  # noqa: E402
+from autopar.report import expert_choice  # noqa: E402
+
+C = sc.make_case
+A2A, GATHER = {"expert_dispatch": "all-to-all"}, {"expert_dispatch": "all-gather"}
+
+# (case, the dispatch the plan must use on the expert axis)
+CASES = [
+    (C("mixtral", "expert", 2, "mean", {"expert": 2, **A2A}), "all-to-all"),
+    (C("mixtral", "expert", 2, "smoothing", {"expert": 2, **GATHER}), "all-gather"),
+    (C("qwen3_moe", "expert", 4, "own", {"expert": 2, "data": 2}), None),   # + aux loss
+    (C("qwen3_moe", "expert", 4, "mean", {"expert": 2, "tensor": 2, **GATHER}), "all-gather"),
+    (C("deepseek_v3", "expert", 4, "mean", {"expert": 4, **A2A}), "all-to-all"),
+    (C("deepseek_v3", "expert", 4, "own", {"expert": 2, "tensor": 2, **A2A}), "all-to-all"),
+    (C("deepseek_v3", "expert", 4, "padded", {"expert": 2, "data": 2, **GATHER}), "all-gather"),
+    # every token to the first experts: the others (and their ranks) receive none
+    (C("mixtral-skewed", "expert", 4, "mean", {"expert": 4, **A2A}), "all-to-all"),
+    (C("deepseek_v3-skewed", "expert", 2, "mean", {"expert": 2, **A2A}), "all-to-all"),
+    (C("deepseek_v3-skewed", "expert", 2, "sum", {"expert": 2, **GATHER}), "all-gather"),
+    (C("olmoe", "expert", 2, "own", {"expert": 2}), None),
+    (C("gpt_oss", "expert", 2, "mean", {"expert": 2, **A2A}), "all-to-all"),
+]
+
+
+def _plan(case):
+    b = sc.model_inputs(case)
+    got = sc.plan_case(case, b)
+    return got[0] if isinstance(got, tuple) else got
+
+
+@pytest.mark.parametrize("case,dispatch", CASES, ids=[c.id for c, _ in CASES])
+def test_expert_parallel_plan_equals_one_device(case, dispatch):
+    plan = _plan(case)
+    a = plan.mesh_axes.index("expert")
+    experts = [n for n, op in plan.node_ops.items() if op == "autopar.moe_experts.default"]
+    assert experts, "no experts op in the plan"
+    for n in experts:
+        node = plan.nodes[n]
+        assert node.input(3)[a] == Shard(0), (n, str(node))       # experts split
+        if dispatch is not None:
+            assert expert_choice(plan, n).count(dispatch) == 1, expert_choice(plan, n)
+    r = sc.run_threads(case)
+    assert r.status == "pass", f"{case.id}: {r.message}\n{r.detail}\nrepro: {case.repro}"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_free_plan_of_a_moe_equals_one_device(arch):
+    """The plan a user gets first (no pins), on 2 ranks."""
+    r = sc.run_threads(C(arch, "free", 2, "mean"))
+    assert r.status == "pass", f"{r.message}\n{r.detail}"
+
+
+def _routing(model, inputs) -> list[torch.Tensor]:
+    """The top-k expert ids each MoE layer chose on one forward."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(args[1].detach().clone()))
+             for m in model.modules() if type(m).__name__.endswith("Experts")]
+    with torch.no_grad():
+        model(*inputs)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["mixtral-skewed", "deepseek_v3-skewed"])
+def test_skewed_routers_send_every_token_to_the_first_experts(arch):
+    """The skewed builders make the cases above what they claim: every token goes to the
+    same experts (top-k of tied scores) and at least one expert receives none (under
+    expert=2 on Mixtral, every expert of one rank)."""
+    b = zoo.build(arch)
+    for ids in _routing(b.model, b.inputs):
+        counts = torch.bincount(ids.reshape(-1), minlength=int(ids.max()) + 2)
+        assert (counts == 0).any() and counts.max() >= ids.shape[0], counts
+    if arch == "mixtral-skewed":
+        assert all(len(ids.unique()) == 2 for ids in _routing(b.model, b.inputs))
+
+
+def test_capture_does_not_depend_on_the_example_routing():
+    """The same model captured on a batch routed evenly and on one routed to two experts
+    gives the same graph: one experts op per MoE layer, no shape set by the routing."""
+    even, skewed = zoo.build("mixtral"), zoo.build("mixtral")
+    zoo.skew_routers(skewed.model)
+    graphs = []
+    for b in (even, skewed):
+        cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+        graphs.append([(n.op, str(n.target), tuple(n.meta["val"].shape)
+                        if isinstance(n.meta.get("val"), torch.Tensor) else None)
+                       for n in cap.gm.graph.nodes])
+        ops = {str(n.target) for n in cap.gm.graph.nodes if n.op == "call_function"}
+        assert not {o for o in ops if "histc" in o or "grouped_mm" in o or "sort" in o}, ops
+        assert sum(n.target is EXPERTS_OP for n in cap.gm.graph.nodes) == 2
+    assert graphs[0] == graphs[1]
+
+
+def test_deepseek_layers_dense_then_moe_share_decisions_per_kind():
+    """DeepSeek-V3's first layer is dense, the rest MoE: repeated-layer detection groups
+    the MoE layers with each other (one shared decision per op) and leaves the dense one
+    on its own."""
+    from autopar.analysis.layers import repeated_layers
+    b = zoo.build("deepseek_v3")
+    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+    layers = repeated_layers(cap.gm)
+    assert layers, "no repeated layers found"
+    assert any("layers.1" in str(l) for l in layers) and any("layers.2" in str(l) for l in layers)
+
+
+def test_expert_pins_are_checked():
+    with pytest.raises(autopar.PinError, match="expert_dispatch"):
+        autopar.Options.from_pins(expert=2, expert_dispatch="ring")
+    with pytest.raises(autopar.PinError, match="expert_imbalance"):
+        autopar.Options.from_pins(expert=2, expert_imbalance=0.5)
+    with pytest.raises(autopar.PinError, match="zero"):
+        autopar.Options.from_pins(expert=2, zero=3)
+    b = zoo.build("mixtral")
+    with pytest.raises(autopar.PinError, match="expert=3 does not divide"):
+        autopar.plan(b.model, b.inputs, loss_fn=b.loss_fn, target=b.target, cluster="cpu:4",
+                     expert=3)
+
+
+def test_the_all_to_all_is_priced_and_grows_with_imbalance():
+    """Splitting experts over a slow link costs its all-to-all: the op's time under the
+    all-to-all form exceeds the token-split form's by at least the four all-to-alls of
+    ``T k H`` elements, and an imbalance factor scales the expert work and dispatch."""
+    from autopar.cost_models.comm import Link
+    from autopar.cost_models.hardware import axis_link, parse_cluster
+    from autopar.pricing.experts import experts_time
+    from autopar.sharding.registry import make_call, mesh_strategies
+    b = zoo.build("mixtral")
+    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+    node = next(n for n in cap.gm.graph.nodes if n.target is EXPERTS_OP)
+    call = make_call(node)
+    cl = parse_cluster("1x4xH100")
+    mesh = (4,)
+    links = [axis_link(cl, mesh, 0)]
+    opts = {str(o[0]): o for o in mesh_strategies(call, mesh)}
+    tokens = opts["S(0),S(0),S(0),R,R->S(0)"]
+    a2a = opts["S(0),S(0),S(0),S(0),S(0)->S(0)"]
+    t_tok = experts_time(call, tokens, mesh, cl.device, "bf16", links)
+    t_a2a = experts_time(call, a2a, mesh, cl.device, "bf16", links)
+    t_skew = experts_time(call, a2a, mesh, cl.device, "bf16", links, imbalance=2.0)
+    n_tok, k, h = call.inputs[0].shape[0], call.inputs[1].shape[1], call.inputs[0].shape[1]
+    from autopar.cost_models import comm
+    one = comm.collective_time("all_to_all", n_tok / 4 * k * h * 2, 4, links[0])
+    free = experts_time(call, a2a, mesh, cl.device, "bf16", [Link(bandwidth=1e30, latency=0.0)])
+    assert sum(t_a2a) - sum(free) == pytest.approx(4 * one, rel=1e-9)     # dispatch, combine, x2
+    assert sum(t_tok) != sum(t_a2a)
+    free_skew = experts_time(call, a2a, mesh, cl.device, "bf16", [Link(bandwidth=1e30, latency=0.0)],
+                             imbalance=2.0)
+    twice = comm.collective_time("all_to_all", n_tok / 4 * k * h * 2 * 2, 4, links[0])
+    assert sum(t_skew) - sum(free_skew) == pytest.approx(4 * twice, rel=1e-9)
+    assert sum(free_skew) > sum(free)          # the busiest rank computes twice the pairs
+
+
+def test_experts_memory_per_rank_matches_the_estimate():
+    """Expert weights, their gradients and AdamW state per rank under expert=4 are a
+    quarter of the model's, as held on thread ranks, and the plan's estimate of them is
+    within 15%."""
+    case = C("mixtral", "expert", 4, "mean", {"expert": 4, **A2A})
+    plan = _plan(case)
+    b = sc.model_inputs(case)
+    stacks = {n: p for n, p in b.model.named_parameters() if ".experts." in n}
+    full = sum(p.numel() * p.element_size() for p in stacks.values())
+    from autopar.ops.comm import ThreadWorld
+
+    cap = sc._captured(case, b)
+    from autopar.runtime import build
+    copies = [copy.deepcopy(b.model) for _ in range(4)]
+
+    def rank(comm):
+        pm = build(cap, plan, copies[comm.rank], b.loss_fn if b.target is None else None, comm)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        inputs, target = sc._rank_inputs(case, b, pm)
+        pm.train_step(*inputs, target=target)
+        opt.step()
+        # each stack's weight, gradient and AdamW's two moments
+        return sum(p.numel() * p.element_size() * 4 for n, p in pm.named_parameters()
+                   if "experts" in n)
+
+    held = ThreadWorld((4,)).run(rank)
+    assert all(h == held[0] for h in held)
+    assert held[0] == pytest.approx(full * 4 / 4, rel=1e-6)        # (w + g + m + v) / 4 ranks
+    est = plan.estimate.memory_bytes
+    total_est = sum(est.get(k, 0) for k in ("params", "grads", "optimizer"))
+    total_held = held[0] + sum(p.numel() * p.element_size() * 4 for n, p in b.model.named_parameters()
+                               if n not in stacks)
+    assert math.isclose(total_est, total_held, rel_tol=0.15), (total_est, total_held)
