@@ -73,6 +73,9 @@ SAVES: dict[str, dict[str, str]] = {
     "log_softmax": {"self": "result"}, "_log_softmax": {"self": "result"},
     # selections read their indices (and the mask / condition)
     "embedding": {"weight": "indices"},
+    # a mixture of experts' experts op (autopar.ops.experts): its inputs; what its experts
+    # keep inside (per token-expert pair) is priced by autopar.pricing.experts.saved_bytes
+    "moe_experts": {"hidden top_k_weights stacks": "hidden top_k_index top_k_weights"},
     "index": {"self": "indices"},
     "index_select": {"self": "index"},
     "gather": {"self": "index"},

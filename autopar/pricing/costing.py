@@ -29,7 +29,7 @@ from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
 from autopar.options import Options, as_options
 from autopar.ops.experts import EXPERTS_OP
-from autopar.pricing.experts import experts_time
+from autopar.pricing.experts import experts_saved_bytes, experts_time
 from autopar.pricing.problem import VIEW_OPS, NodeVar
 
 INF = float("inf")
@@ -362,6 +362,9 @@ class CostModel:
             ps = input_placements(combo, k) if side == "in" else output_placements(combo, k)
             b = e.nbytes * local(m, ps) / max(m.nbytes, 1)
             total += b if e.fp32 else self._act(b, m.dtype)
+        if v.call.op is EXPERTS_OP:
+            total += self._act(experts_saved_bytes(v.call, combo, self.mesh_shape, self.expert_imbalance),
+                               v.call.inputs[0].dtype)
         return total
 
     # ---- communication -------------------------------------------------------------------

@@ -41,6 +41,35 @@ from autopar.sharding.registry import TensorMeta
 aten = torch.ops.aten
 
 
+def _pairs(call, combo, mesh_shape, imbalance):
+    """(token-expert pairs this rank computes, axes splitting anything, axes splitting the
+    experts, of them the all-to-all ones)."""
+    hidden, index, n_tok = call.inputs[0], call.inputs[1], call.inputs[0].shape[0]
+    split = [a for a, s in enumerate(combo) if mesh_shape[a] > 1
+             and any(isinstance(p, Shard) for p in s.inputs)]
+    by_expert = [a for a in split if isinstance(combo[a].inputs[3], Shard)]
+    dispatch = [a for a in by_expert if isinstance(combo[a].inputs[0], Shard)]
+    pairs = n_tok * index.shape[-1] / math.prod(mesh_shape[a] for a in split)
+    if by_expert:
+        pairs *= max(1.0, imbalance)
+    return pairs, split, by_expert, dispatch
+
+
+def experts_saved_bytes(call, combo, mesh_shape, imbalance: float = 1.0) -> float:
+    """Bytes one rank's experts keep for backward beyond the op's inputs, at the hidden
+    state's dtype: per token-expert pair its gathered input row and its output row (``2 H``),
+    and twice the output of each weight stack but the last (the GEMM's output, and the
+    activation's: a gated MLP keeps ``gate_up`` (2I), ``act(gate)`` and the product (I each),
+    which is ``2 x 2I``), as Hugging Face's grouped experts forward saves them."""
+    pairs, *_ = _pairs(call, combo, mesh_shape, imbalance)
+    h = call.inputs[0].shape[-1]
+    matrices = [s for s in call.inputs[3:] if len(s.shape) == 3]
+    # a stack's output width: its dim that is not the hidden size ([E, 2I, H] or, stored
+    # transposed, [E, H, 2I])
+    inner = sum(next((d for d in s.shape[1:] if d != h), h) for s in matrices[:-1])
+    return pairs * (2 * h + 2 * inner) * call.inputs[0].dtype.itemsize
+
+
 def experts_time(call, combo, mesh_shape, device, dtype_key, links, imbalance: float = 1.0,
                  native: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one option of an experts op on one rank."""
@@ -49,13 +78,7 @@ def experts_time(call, combo, mesh_shape, device, dtype_key, links, imbalance: f
     n_tok, h = hidden.shape[0], hidden.shape[-1]
     k = index.shape[-1]
     n_exp = stacks[0].shape[0]
-    split = [a for a, s in enumerate(combo) if mesh_shape[a] > 1
-             and any(isinstance(p, Shard) for p in s.inputs)]
-    by_expert = [a for a in split if isinstance(combo[a].inputs[3], Shard)]
-    dispatch = [a for a in by_expert if isinstance(combo[a].inputs[0], Shard)]
-    pairs = n_tok * k / math.prod(mesh_shape[a] for a in split)
-    if by_expert:
-        pairs *= max(1.0, imbalance)
+    pairs, split, by_expert, dispatch = _pairs(call, combo, mesh_shape, imbalance)
     e_local = n_exp // math.prod(mesh_shape[a] for a in by_expert)
     rows = max(1, round(pairs / e_local))
     fwd = bwd = 0.0
