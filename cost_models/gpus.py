@@ -87,7 +87,20 @@ H200 = Device(
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
 )
 
-DEVICES: dict[str, Device] = {"a100": A100_80GB, "h100": H100_80GB, "h200": H200}
+H800 = Device(
+    name="H800-80GB-SXM",
+    memory_bytes=80 * 2**30,
+    # The export variant of H100 SXM: the same Hopper die, Tensor Core peaks and HBM3
+    # (NVIDIA H800 product brief), with NVLink cut to 400 GB/s bidirectional (below). The
+    # DeepSeek-V3 report trains on it (DeepSeek-AI 2024, arXiv:2412.19437, Sec. 3.1).
+    peak_flops=dict(H100_80GB.peak_flops),
+    mem_bandwidth=3350 * GB,
+    max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
+    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
+    sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
+)
+
+DEVICES: dict[str, Device] = {"a100": A100_80GB, "h100": H100_80GB, "h200": H200, "h800": H800}
 
 # --- Links -------------------------------------------------------------------------------
 # NVLink busbw: line rate minus NCCL's ~20% protocol overhead ("450GB/s is the line rate.
@@ -115,6 +128,12 @@ NVLINK3 = Link(bandwidth=300 * GB * _NCCL_NVLINK_EFF, latency=_HOP_LATENCY,  # D
                half_bytes=_NVLINK_HALF)
 NVLINK4 = Link(bandwidth=450 * GB * _NCCL_NVLINK_EFF, latency=_HOP_LATENCY,  # DGX H100/H200
                half_bytes=_NVLINK_HALF)
+# H800: NVLink 400 GB/s bidirectional (H800 product brief), 200 GB/s a direction; at NCCL's
+#   efficiency above that is 164 GB/s, as DeepSeek-V3's report measures it: "NVLink offers a
+#   bandwidth of 160 GB/s, roughly 3.2 times that of IB (50 GB/s)" (arXiv:2412.19437,
+#   Sec. 3.2.2); its IB, 50 GB/s a GPU, is one 400 Gb/s NDR NIC a GPU (IB_8xNDR).
+NVLINK_H800 = Link(bandwidth=200 * GB * _NCCL_NVLINK_EFF, latency=_HOP_LATENCY,
+                   half_bytes=_NVLINK_HALF)
 IB_8xHDR = Link(bandwidth=8 * 200 * Gbit * _IB_EFF, latency=_HOP_LATENCY,    # 8 x 200 Gb/s
                 half_bytes=_IB_HALF)
 IB_8xNDR = Link(bandwidth=8 * 400 * Gbit * _IB_EFF, latency=_HOP_LATENCY,    # 8 x 400 Gb/s
@@ -136,5 +155,8 @@ NODES: dict[str, NodePreset] = {
     "dgx-h100": NodePreset(H100_80GB, 8, NVLINK4, IB_8xNDR),
     # DGX H200: same fabric as DGX H100.
     "dgx-h200": NodePreset(H200, 8, NVLINK4, IB_8xNDR),
+    # H800 nodes as DeepSeek-V3 trained on them: 8 H800 on NVLink/NVSwitch (200 GB/s per
+    # direction), 8 x 400 Gb/s InfiniBand (arXiv:2412.19437, Sec. 3.1 and 3.2.2).
+    "dgx-h800": NodePreset(H800, 8, NVLINK_H800, IB_8xNDR),
 }
-NODE_OF_DEVICE = {"a100": "dgx-a100", "h100": "dgx-h100", "h200": "dgx-h200"}
+NODE_OF_DEVICE = {"a100": "dgx-a100", "h100": "dgx-h100", "h200": "dgx-h200", "h800": "dgx-h800"}

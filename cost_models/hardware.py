@@ -48,9 +48,9 @@ class ClusterError(AutoparInputError):
 
 
 # --- Parsing -----------------------------------------------------------------------------
-_PRESET_HELP = ("'<nodes>x<devices>x<A100|H100|H200>' (e.g. '4x8xH100'), "
-                "'<nodes>x<dgx-a100|dgx-h100|dgx-h200>' (e.g. '128xdgx-a100'), "
-                "'<devices>x<A100|H100|H200>' (one node, e.g. '8xA100'), "
+_PRESET_HELP = ("'<nodes>x<devices>x<A100|H100|H200|H800>' (e.g. '4x8xH100'), "
+                "'<nodes>x<dgx-a100|dgx-h100|dgx-h200|dgx-h800>' (e.g. '128xdgx-a100'), "
+                "'<devices>x<A100|H100|H200|H800>' (one node, e.g. '8xA100'), "
                 "'cpu:<ranks>' (e.g. 'cpu:4'), 'local'")
 
 

@@ -10,7 +10,8 @@ it a slice of a replicated tensor it would write into the tensor the slice views
 
 - ``x`` is the fresh result of an op that returns new memory (not a view, not an input of the
   graph — a parameter, buffer or user input — whose mutation the caller would see);
-- no view of ``x`` is taken by any other node (the view would see the write);
+- no view of ``x`` is taken before the write (the view would see it; a view taken after
+  reads the new node);
 - the out-of-place op gives the same dtype (every tensor operand has ``x``'s dtype, and no
   float scalar meets an integer ``x``).
 
@@ -74,11 +75,16 @@ def _takes_view(user: Node, x: Node) -> bool:
         a.alias_info is not None and a.alias_info.is_write for a in s.arguments)
 
 
+_INDEX_ARGS = frozenset({"index", "indices", "mask"})   # read as positions, not promoted
+
+
 def _same_dtype(node: Node, x: Node) -> bool:
     xv = x.meta.get("val")
     if not isinstance(xv, torch.Tensor):
         return False
-    for a in list(node.args[1:]) + list(node.kwargs.values()):
+    names = [arg.name for arg in node.target._schema.arguments]
+    operands = [a for i, a in enumerate(node.args[1:], 1) if names[i] not in _INDEX_ARGS]
+    for a in operands + [v for k, v in node.kwargs.items() if k not in _INDEX_ARGS]:
         if isinstance(a, Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor) and v.dtype != xv.dtype and v.ndim > 0:
@@ -105,8 +111,8 @@ def functionalize_inplace(gm: GraphModule) -> list[str]:
         if not isinstance(x, Node) or _returns_alias(x) or not _same_dtype(node, x):
             continue
         others = [u for u in x.users if u is not node]
-        if any(_takes_view(u, x) for u in others):
-            continue
+        if any(_takes_view(u, x) for u in others if order[u] < order[node]):
+            continue         # a view taken before the write would see it
         node.target = twin
         for u in others:
             if order[u] > order[node]:

@@ -14,3 +14,4 @@ from autopar.sharding.rules import losses  # noqa: F401
 from autopar.sharding.rules import misc  # noqa: F401
 from autopar.sharding.rules import hf_masks  # noqa: F401
 from autopar.sharding.rules import experts  # noqa: F401
+from autopar.sharding.rules import scatters  # noqa: F401

@@ -13,11 +13,14 @@ gathered.
   sharded the same way (they match ``x`` off ``dim``); linear, so all-Partial passes for
   floating point.
 - ``new_ones`` / ``new_zeros`` / ``new_full`` / ``new_empty(x, size)``: ``x`` gives only dtype
-  and device, the size is a constant: any placement of ``x``, a Replicate output.
+  and device, the size is a constant: any placement of ``x``; the output replicated, or
+  split on any dim (a block of a constant tensor is that constant; of an empty one, empty),
+  its size made local (DeepSeek's latent attention builds its keys in a ``new_empty`` the
+  size of the batch, then writes the halves into it).
 """
 from __future__ import annotations
 
-from autopar.sharding.registry import OpCall, Strategy, register_rule
+from autopar.sharding.registry import OpCall, Strategy, register_local, register_rule
 from autopar.sharding.rules.pointwise import (
     P, R, Shard, broadcast_strategies, is_float, norm_dim, ops,
 )
@@ -42,7 +45,19 @@ def diff(call: OpCall) -> list[Strategy]:
 
 @register_rule(*ops("new_ones", "new_zeros", "new_full", "new_empty"))
 def new_factory(call: OpCall) -> list[Strategy]:
-    x = call.inputs[0]
-    outs = tuple(R for _ in call.outputs)
-    return [Strategy((Shard(d),), outs) for d in range(x.ndim)] + [Strategy((P,), outs)]
+    x, out = call.inputs[0], call.outputs[0]
+    res = []
+    for o in [R] + [Shard(d) for d in range(out.ndim)]:
+        res += [Strategy((Shard(d),), (o,)) for d in range(x.ndim)]
+    # a Partial x only with a replicated output: making x partial is free in time but, from
+    # a shard, allocates the whole tensor (zeros around the block)
+    res += [Strategy((P,), (R,))] + [Strategy((R,), (Shard(d),)) for d in range(out.ndim)]
+    return res
+
+
+@register_local(*ops("new_ones", "new_zeros", "new_full", "new_empty"))
+def new_factory_local(call: OpCall, combo, mesh_shape):
+    from autopar.sharding.rules.views import local_out_shape, with_arg
+    args, kwargs = with_arg(call, 1, "size", local_out_shape(call, combo, mesh_shape))
+    return call.op, args, kwargs
 
