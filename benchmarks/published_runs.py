@@ -260,7 +260,8 @@ def _example(model: nn.Module, batch: int, seq: int, vocab: int) -> Example:
 class Run:
     name: str
     source: str
-    arch: str                   # "gpt" (Megatron GPT, unfused attention) or "llama"
+    arch: str                   # "gpt" (Megatron GPT, unfused attention), "llama", or
+                                # "hf:NAME" (a shipped transformers config, autopar.hf_models)
     layers: int
     hidden: int
     heads: int
@@ -287,10 +288,13 @@ class Run:
     selective_ac: bool = False  # torchtitan's selective op recomputation (see selective_ac_s)
     torchtitan: bool = False    # written and run as torchtitan ran it (see build)
     grad_reduce: str = "fp32"   # the dtype gradients were reduced in ("bf16": 16 bits; docstring, "Gradient reduction dtype")
+    expert: int = 1             # expert parallelism: experts split over this many of a stage's data ranks
+    pin_more: dict = field(default_factory=dict)   # further pins (a run's own expert dispatch)
 
     @property
     def data(self) -> int:
-        return self.gpus // (self.tensor * self.pipeline)
+        """Data-parallel ranks beside the expert axis (whose ranks split the batch too)."""
+        return self.gpus // (self.tensor * self.pipeline * self.expert)
 
     def model_flops(self) -> float:
         """FLOPs per step by the publication's count (Narayanan et al. 2021, eq. 3; for
@@ -336,6 +340,18 @@ class Run:
 # SXM +50.0%, NVL +31.5% (2026-11-23); the midpoint is not chosen on the row.
 H100_NVL_PEAK = {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12}
 TORCHTITAN_H100_PEAK = {k: (v + H100_NVL_PEAK[k]) / 2 for k, v in DEVICES["h100"].peak_flops.items()}
+# DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437): 2,048 H800 (Sec. 3.1); pipeline 16,
+# expert parallelism 64 over 8 nodes, ZeRO-1 data parallelism, no tensor parallelism
+# (Sec. 3.2); sequence 4,096 and a batch ramped to 15,360 sequences (Sec. 4.2); "180K H800
+# GPU hours" per trillion tokens (Sec. 1; Table 1: 2,664K GPU hours for 14.8T tokens):
+# 1e12 / (180e3 * 3600) = 1,543 tokens/s per GPU.
+DEEPSEEK_V3_TPS = 1e12 / (180e3 * 3600)
+# Qwen3-235B-A22B under Megatron-Core (github.com/yanring/Megatron-MoE-ModelZoo,
+# best_practice/Qwen3/readme.md at c1ad0b5, the "A2A" dispatcher row): 256 H100 (DGX-style,
+# NVLink 4, 8 x 50 GB/s InfiniBand), bf16, sequence 4,096, TP 2, EP 8 (folded over TP x DP),
+# PP 32 with 3 virtual stages, DP 4, micro-batch 1, global batch 2,048, recomputing norms
+# and activations; 24.2 s a step: 2048 * 4096 / 24.2 / 256 = 1,354 tokens/s per GPU.
+QWEN3_235B_TPS = 2048 * 4096 / 24.2 / 256
 N21 = "Narayanan et al. 2021, Table 1"
 K22 = "Korthikanti et al. 2022, Table 5 (full recompute)"
 
@@ -387,6 +403,14 @@ RUNS: list[Run] = [
     Run("Llama3 405B", "Dubey et al. 2024, Table 4 (16,384 GPUs)", "llama", 126, 16384, 128,
         128256, 8192, 2048, 16384, "h100", 8, 16, micro=1, published_tflops=400,
         kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", held=True),
+    # mixtures of experts (docstring, "MoE rows"): tokens/s per GPU
+    Run("DeepSeek-V3", "DeepSeek-AI 2024, arXiv:2412.19437, Sec. 3.1, Table 1 (2,048 H800)",
+        "hf:deepseek-v3", 61, 7168, 128, 129280, 4096, 15360, 2048, "h800", 1, 16, micro=1,
+        recompute=False, published_tps=DEEPSEEK_V3_TPS, held=True, expert=64),
+    Run("Qwen3 235B-A22B", "Megatron-MoE-ModelZoo best_practice/Qwen3 (256 H100, A2A)",
+        "hf:qwen3-235b-a22b", 94, 4096, 64, 151936, 4096, 2048, 256, "h100", 2, 32, micro=1,
+        recompute=False, published_tps=QWEN3_235B_TPS, held=True, expert=4, virtual=3,
+        schedule="interleaved-1f1b", pin_more={"expert_dispatch": "all-to-all"}),
 ]
 
 
@@ -397,6 +421,15 @@ def torchtitan_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def build(run: Run, batch: int) -> Example:
+    if run.arch.startswith("hf:"):
+        from autopar.hf_models import build as hf_build
+        with torch.device("meta"):
+            model, inputs, loss_fn, target = hf_build(run.arch[3:], batch=batch, seq=run.seq)
+        return Example(model, inputs, target, loss_fn)
+    return _build(run, batch)
+
+
+def _build(run: Run, batch: int) -> Example:
     """The run's model on the meta device. torchtitan rows (``torchtitan``) as torchtitan
     ran them (its Llama at 9dec370, the commit of the H100 benchmarks): FSDP2 computes with
     the parameters cast to bf16 (``MixedPrecisionPolicy(param_dtype=bfloat16)``), so the
@@ -426,8 +459,11 @@ def pins_of(run: Run) -> dict:
         pins["recompute"] = "full"
     if run.zero:
         pins["zero"] = run.zero
+    if run.expert > 1:
+        pins["expert"] = run.expert
+    pins.update(run.pin_more)
     if run.pipeline > 1:
-        pins.update(pipeline=run.pipeline, micro_batch_size=run.micro * run.data,
+        pins.update(pipeline=run.pipeline, micro_batch_size=run.micro * run.data * run.expert,
                     schedule=run.schedule)
         if run.virtual > 1:
             pins["virtual_stages"] = run.virtual
@@ -514,6 +550,9 @@ def predict(run: Run, time_limit_s: float = 30.0):
     plan, cap = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cluster,
                       pins=pins, memory_budget=budget, time_limit_s=time_limit_s)
     params = sum(p.numel() for p in ex.model.parameters())
+    # an expert's weights live on 1 of ``expert`` ranks (autopar.ops.experts: the stacks)
+    experts = sum(p.numel() for n, p in ex.model.named_parameters() if ".experts." in n)
+    params -= experts * (1 - 1 / run.expert)
     local = params / (run.tensor * run.pipeline) / (run.data if run.zero else 1)
     # torchtitan steps AdamW unfused (``foreach``) over FSDP2's fp32 shards of weights and
     # gradients (``optimizer.fused`` is off by default at 9dec370); the others fused

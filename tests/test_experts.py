@@ -125,15 +125,26 @@ def test_capture_does_not_depend_on_the_example_routing():
 
 
 def test_deepseek_layers_dense_then_moe_share_decisions_per_kind():
-    """DeepSeek-V3's first layer is dense, the rest MoE: repeated-layer detection groups
-    the MoE layers with each other (one shared decision per op) and leaves the dense one
-    on its own."""
-    from autopar.analysis.layers import repeated_layers
+    """DeepSeek-V3's first layer is dense, the next two MoE: the solver's repeated-layer map
+    sends layer 2's nodes and parameters to layer 1's (one shared decision each) and keeps
+    layer 0's apart (before, a container whose layers were not all alike shared nothing)."""
+    from autopar.pricing.problem import graph_index
     b = zoo.build("deepseek_v3")
     cap = capture(b.model, b.inputs, b.loss_fn, b.target)
-    layers = repeated_layers(cap.gm)
-    assert layers, "no repeated layers found"
-    assert any("layers.1" in str(l) for l in layers) and any("layers.2" in str(l) for l in layers)
+    rep = graph_index(cap).repetition
+    layer_of_node = {}
+    from autopar.capture import layer_of
+    for n in cap.gm.graph.nodes:
+        lay = layer_of(n) if n.op == "call_function" else None
+        if lay is not None:
+            layer_of_node[n.name] = lay[1]
+    by_layer = {i: [n for n, l in layer_of_node.items() if l == i] for i in (0, 1, 2)}
+    assert by_layer[2] and all(layer_of_node.get(rep.get(n)) == 1 for n in by_layer[2])
+    assert not any(n in rep for n in by_layer[0] + by_layer[1])
+    params = {names[0]: ph for ph, names in cap.params.items()}
+    assert rep[params["model.layers.2.mlp.experts.gate_up_proj"]] == \
+        params["model.layers.1.mlp.experts.gate_up_proj"]
+    assert params["model.layers.0.mlp.gate_proj.weight"] not in rep
 
 
 def test_expert_pins_are_checked():

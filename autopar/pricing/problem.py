@@ -419,7 +419,10 @@ def graph_index(cap: Captured) -> GraphIndex:
 
 
 def _repetition_map(cap: Captured, index: GraphIndex) -> dict[str, str]:
-    """Node name -> the name of the same node in the first of its repeated layers."""
+    """Node name -> the name of the same node in the first layer of its container that it
+    repeats. The layers of a container need not all be alike: each repeats the first one
+    of its kind (DeepSeek-V3's three dense layers share one decision, its 58 mixture-of-
+    experts layers another; MoE layers interleaved with dense ones likewise)."""
     layers: dict[str, dict[int, list[torch.fx.Node]]] = {}
     for node in cap.gm.graph.nodes:
         if node.op == "call_function":
@@ -427,39 +430,45 @@ def _repetition_map(cap: Captured, index: GraphIndex) -> dict[str, str]:
             if lay is not None:
                 layers.setdefault(lay[0], {}).setdefault(lay[1], []).append(node)
     rep: dict[str, str] = {}
+    layer_rep: dict[str, dict[int, int]] = {}      # container -> layer -> the layer it repeats
     for prefix, by_idx in layers.items():
         idxs = sorted(by_idx)
         if len(idxs) < 2:
             continue
-        first = by_idx[idxs[0]]
-        sig0 = [_signature(n, index) for n in first]
-        pos0 = {n.name: k for k, n in enumerate(first)}
-        for i in idxs[1:]:
+        kinds: list[tuple[int, list, list]] = []     # (first layer, its nodes, signature)
+        for i in idxs:
             nodes = by_idx[i]
-            if [_signature(n, index) for n in nodes] != sig0:
+            sig = [_signature(n, index) for n in nodes]
+            first = next((k for k in kinds if k[2] == sig and _same_wiring(nodes, k[1])), None)
+            if first is None:
+                kinds.append((i, nodes, sig))
                 continue
-            # inputs must come from the same position of the layer (or from outside it)
-            ok = True
-            local = {n.name: k for k, n in enumerate(nodes)}
-            for n, n0 in zip(nodes, first):
-                for a, a0 in zip(n.all_input_nodes, n0.all_input_nodes):
-                    if (a.name in local) != (a0.name in pos0) or (
-                            a.name in local and local[a.name] != pos0[a0.name]):
-                        ok = False
-            if not ok:
-                continue
-            for n, n0 in zip(nodes, first):
+            layer_rep.setdefault(prefix, {})[i] = first[0]
+            for n, n0 in zip(nodes, first[1]):
                 rep[n.name] = n0.name
     # parameters of repeated layers follow their layer
     by_param_name = {names[0]: ph for ph, names in cap.params.items()}
     for ph, names in cap.params.items():
         m = re.match(r"^(.*?)\.(\d+)\.(.*)$", names[0])
-        if m and m.group(1) in layers and int(m.group(2)) != min(layers[m.group(1)]):
-            first = f"{m.group(1)}.{min(layers[m.group(1)])}.{m.group(3)}"
+        if m and int(m.group(2)) in layer_rep.get(m.group(1), {}):
+            first = f"{m.group(1)}.{layer_rep[m.group(1)][int(m.group(2))]}.{m.group(3)}"
             ph0 = by_param_name.get(first)
             if ph0 is not None and _same_shape(cap, ph, ph0) and _users_repeat(cap, ph, ph0, rep):
                 rep[ph] = ph0
     return rep
+
+
+def _same_wiring(nodes: list, first: list) -> bool:
+    """Each node's inputs come from the same position of its layer as ``first``'s (or
+    from outside it)."""
+    local = {n.name: k for k, n in enumerate(nodes)}
+    pos0 = {n.name: k for k, n in enumerate(first)}
+    for n, n0 in zip(nodes, first):
+        for a, a0 in zip(n.all_input_nodes, n0.all_input_nodes):
+            if (a.name in local) != (a0.name in pos0) or (
+                    a.name in local and local[a.name] != pos0[a0.name]):
+                return False
+    return True
 
 
 def _same_shape(cap, a, b) -> bool:
