@@ -33,7 +33,7 @@ from autopar.cli_args import (  # noqa: F401 - _CAPTURED, parse_* and USER_ERROR
 )
 from autopar.cost_models.hardware import parse_cluster
 from autopar.ops.comm import ThreadWorld
-from autopar.report import fmt_bytes, fmt_time
+from autopar.report import expert_choice, fmt_bytes, fmt_time
 from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.timing import TimingReport
 from autopar.pricing.costing import INF
@@ -194,6 +194,9 @@ def explain(plan_file, node, factory, optimizer, show_all, factory_args, meta):
     con = _console()
     con.print(f"[bold]{x.node}[/] ({x.op}) chose [bold]{x.chosen_placement}[/] on mesh "
               f"{tuple(p.mesh_shape)} {tuple(p.mesh_axes)}")
+    if "moe_experts" in str(x.op):
+        con.print(f"a mixture of experts' experts: {expert_choice(p, x.node)} (its compute "
+                  "includes the all-to-all dispatch, autopar/pricing/experts.py)")
     if x.representative != x.node:
         con.print(f"it shares the choice of {x.representative} (a repeated layer; "
                   f"{len(x.members)} nodes decide together)")

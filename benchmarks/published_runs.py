@@ -149,6 +149,32 @@ Not modelled, and why a row may differ:
 - The ILP's time limit (``--time-limit``) bounds the search: on a loaded machine a row may
   get a worse plan than the optimum and print a lower throughput.
 
+MoE rows (2026-11-27, session 17; held out: no constant was chosen on them), tokens/s per
+GPU as each publication reports it (GPU hours per trillion tokens, or the step time), the
+model transformers' own class from its shipped config (``hf:deepseek-v3``,
+``hf:qwen3-235b-a22b``: each MoE layer's experts one ``autopar::moe_experts`` op, priced by
+``autopar/pricing/experts.py``), pinned with ``expert=`` (the stage's data ranks that
+split the experts, as DeepSeek's EP and Megatron's folded EP run):
+
+- 17 DeepSeek-V3 on 2,048 H800 (pipeline 16 x data 2 x expert 64, 120 micro-batches of 128
+  sequences, 1F1B): predicted 832 against 1,543 tokens/s (-46%), 36.9 s a step against
+  19.9 s. Two facts of how it ran that autopar does not price: its GEMMs and their
+  activations in FP8 (Sec. 3.3: fprop, dgrad and wgrad in FP8, about twice bf16's rate on
+  Hopper; autopar's precisions are fp32, bf16 and fp16), and DualPipe (Sec. 3.2.1), which
+  overlaps the all-to-all with compute and leaves a near-zero bubble, where 1F1B's is 22%
+  of the predicted step. ZeRO-1 is not pinned (``zero=`` with ``expert=`` is refused yet).
+- 18 Qwen3-235B-A22B under Megatron-Core, as run (TP 2, PP 32 with 3 virtual stages, EP 8,
+  DP 4, the plain all-to-all dispatcher): refused by the stage DP: its memory rule gives
+  each of a rank's v virtual stages 1/v of the device and counts the rank's in-flight
+  micro-batches in each, so the last virtual stage (the 151,936-way head and loss over a
+  4,096-token micro-batch) is charged ~22 micro-batches of logits where Megatron's
+  interleaved schedule runs its backward at once (``solver/stage_dp.py``, the ``limit / v``
+  constraint; a per-rank rule is the fix, not made here).
+- 19 the same without virtual stages (1F1B, not as run): 1,345 against 1,354 tokens/s
+  (-0.7%), 24.4 s a step against 24.2 s. EP 8 folds over TP 2 x DP 4 in Megatron; here
+  expert 4 is pinned beside tensor 2 and the plan splits the experts 4 ways and the tokens
+  over the tensor axis (each tensor rank runs the experts for half the tokens).
+
 Last run (2026-11-23 17:20, session 13, PYTHONHASHSEED=0, 27 s wall), pred / publ error:
 0 +9.5%, 1 +6.9%, 2 -1.7%, 3 -1.1%, 4 -5.7%, 5 +5.4%, 6 +2.1%, 7 +1.8%, 8 +2.9%, 9 -4.0%,
 10 (MT-NLG) +30.7%, 11 (BLOOM) +16.9%, 12 +12.1%, 13 +9.4%, 14 +30.3%, 15 -2.7%, 16 -8.7%.
@@ -411,6 +437,11 @@ RUNS: list[Run] = [
         "hf:qwen3-235b-a22b", 94, 4096, 64, 151936, 4096, 2048, 256, "h100", 2, 32, micro=1,
         recompute=False, published_tps=QWEN3_235B_TPS, held=True, expert=4, virtual=3,
         schedule="interleaved-1f1b", pin_more={"expert_dispatch": "all-to-all"}),
+    # the same run without virtual stages: the stage DP refuses the published 3 (docstring)
+    Run("Qwen3 235B-A22B", "the row above with 1F1B, no virtual stages (not as run)",
+        "hf:qwen3-235b-a22b", 94, 4096, 64, 151936, 4096, 2048, 256, "h100", 2, 32, micro=1,
+        recompute=False, published_tps=QWEN3_235B_TPS, held=True, expert=4,
+        pin_more={"expert_dispatch": "all-to-all"}),
 ]
 
 
@@ -580,7 +611,7 @@ def main() -> None:
         rows = [i for i in rows if not RUNS[i].held]
     print("pred / publ: TFLOP/s per GPU (the publication's FLOP count), or tokens/s per GPU "
           "for the torchtitan rows (marked tok/s)")
-    print(f"{'#':>2} {'run':<14}{'GPU':>5}{'n':>6} {'t x p x d':<12}{'B':>5}{'pred':>7}"
+    print(f"{'#':>2} {'run':<14}{'GPU':>5}{'n':>6} {'t x p x d(xe)':<12}{'B':>5}{'pred':>7}"
           f"{'publ':>6}{'err':>7}{'step s':>8}{'plan s':>7}  held  source")
     t_all = time.perf_counter()
     errs, errs_held = [], []
@@ -597,7 +628,8 @@ def main() -> None:
         err = pred / published - 1
         (errs_held if r.held else errs).append(err)
         print(f"{i:>2} {r.name:<14}{r.device.upper():>5}{r.gpus:>6} "
-              f"{f'{r.tensor}x{r.pipeline}x{r.data}':<12}{r.batch:>5}{pred:>7.1f}"
+              f"{f'{r.tensor}x{r.pipeline}x{r.data}' + (f'xe{r.expert}' if r.expert > 1 else ''):<12}"
+              f"{r.batch:>5}{pred:>7.1f}"
               f"{published:>6.0f}{err:>+7.1%}{step:>8.2f}"
               f"{time.perf_counter() - t0:>7.1f}  {'yes' if r.held else '   '}   {r.source}"
               + (" tok/s" if r.published_tps else ""),

@@ -183,7 +183,8 @@ from examples.hf_llama import hf_llama_meta  # noqa: E402
 from examples.llama import LlamaConfig, llama_factory  # noqa: E402
 from examples.models import EXAMPLES, gpt_factory  # noqa: E402
 
-ROWS = ("examples", "depth", "175b", "405b", "405b-pinned", "hf-llama-7b")
+ROWS = ("examples", "depth", "175b", "405b", "405b-pinned", "hf-llama-7b", "deepseek-v3",
+        "deepseek-v3-pinned")
 
 
 def row(label, build, cluster, world, pins=None, phases=False, **kw):
@@ -270,6 +271,16 @@ def hf_llama7b():
                          max_position_embeddings=4096)
 
 
+def deepseek_v3():
+    """transformers' DeepSeek-V3 (``hf:deepseek-v3``: 671B, 61 layers, 256 routed experts,
+    top-8) at DeepSeek's pre-training batch, 15,360 x 4,096 tokens, on the meta device."""
+    from autopar.hf_models import build
+    from examples.base import Example
+    with torch.device("meta"):
+        model, inputs, loss_fn, target = build("deepseek-v3", batch=15360, seq=4096)
+    return Example(model, inputs, target, loss_fn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS),
@@ -309,6 +320,16 @@ def main() -> None:
         wall, cpu = row("hf llama-7b (meta), bf16", hf_llama7b, "16xdgx-a100", 128,
                         pins={"precision": "bf16"}, phases=True)
         print(f"transformers Llama-7B on 128 A100s planned in {wall:.1f} s ({cpu})")
+    if "deepseek-v3" in rows:
+        wall, cpu = row("deepseek-v3 (meta), bf16", deepseek_v3, "256xdgx-h800", 2048,
+                        pins={"precision": "bf16"}, phases=True)
+        print(f"DeepSeek-V3 on 2,048 H800s planned free in {wall:.1f} s ({cpu}; goal 60 s)")
+    if "deepseek-v3-pinned" in rows:
+        wall, cpu = row("deepseek-v3 p16 e64 d2", deepseek_v3, "256xdgx-h800", 2048,
+                        pins={"precision": "bf16", "pipeline": 16, "expert": 64, "data": 2,
+                              "micro_batch_size": 128}, phases=True)
+        print(f"DeepSeek-V3 as published (pipeline 16, expert 64, data 2) planned in {wall:.1f} s "
+              f"({cpu})")
 
 
 if __name__ == "__main__":

@@ -14,16 +14,33 @@ from benchmarks.published_runs import RUNS, pins_of
 @pytest.mark.parametrize("run", RUNS, ids=[f"{r.name} ({r.gpus})" for r in RUNS])
 def test_pins_give_the_published_micro_batch(run):
     pins = Options.from_pins(pins_of(run))
-    assert run.tensor * run.pipeline * run.data == run.gpus
+    assert run.tensor * run.pipeline * run.data * run.expert == run.gpus
     assert pins["tensor"] == run.tensor and pins["data"] == run.data
+    assert (pins.expert or 1) == run.expert
     batch = [torch.empty(run.batch, 1)]          # only dim 0 is read
-    per_rank = run.batch // run.data              # samples per data-parallel rank a step
+    # samples per data-parallel rank a step (the expert axis's ranks split the batch too)
+    per_rank = run.batch // (run.data * run.expert)
     if run.pipeline > 1:
         p, v, m, _ = pipeline_config(batch, pins)
         assert (p, m) == (run.pipeline, per_rank // run.micro)
     else:
         k = accumulation_pin(pins, batch)
         assert (k or 1) == per_rank // run.micro
+
+
+def test_moe_rows_as_published():
+    """DeepSeek-V3: pipeline 16, expert parallelism 64, the other 2 ranks of a stage data
+    parallel, no tensor parallelism, 2,048 H800; Qwen3-235B-A22B under Megatron-Core: TP 2,
+    PP 32 with 3 virtual stages, EP 8 folded over TP 2 x DP 4 (pinned as expert 4 beside
+    tensor 2), the all-to-all dispatcher."""
+    rows = {(r.name, r.source.split(",")[0]): r for r in RUNS if r.expert > 1}
+    ds = next(r for r in RUNS if r.name == "DeepSeek-V3")
+    assert (ds.pipeline, ds.expert, ds.data, ds.tensor, ds.gpus, ds.device) == (16, 64, 2, 1, 2048, "h800")
+    qw = next(r for r in RUNS if r.name.startswith("Qwen3 235B") and r.virtual == 3)
+    pins = pins_of(qw)
+    assert (pins["tensor"], pins["pipeline"], pins["virtual_stages"], pins["expert"],
+            pins["expert_dispatch"]) == (2, 32, 3, 4, "all-to-all")
+    assert len(rows) >= 2
 
 
 def test_zero_stage_as_published():

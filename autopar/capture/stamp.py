@@ -71,7 +71,9 @@ MIN_BLOCKS = 8       # a container of fewer blocks is exported whole
 SHALLOW = 4          # blocks exported: 0 (reads the prologue), then 1..3 (two checked steps)
 _NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")   # torch.fx's name counters
 _FN = re.compile(r"^(.*)_(\d+)$")                                 # meta["torch_fn"] ids
-_KNOWN_META = {"val", "tensor_meta", "nn_module_stack", "torch_fn", "stack_trace", "custom"}
+_KNOWN_META = {"val", "tensor_meta", "nn_module_stack", "torch_fn", "stack_trace", "custom",
+               "eager_input_vals"}   # a custom op's inputs, as export saw them (the experts op)
+_VALUE_META = ("val", "eager_input_vals")     # fake tensors: compared by shape, dtype, strides
 
 
 class _Refuse(Exception):
@@ -511,7 +513,7 @@ class _Stamper:
             raise _Refuse(f"{where}: meta keys {sorted(set(a.meta) ^ set(c.meta) or a.meta)}")
         moved = self.moved_meta(a, b, 1)
         for key in a.meta:
-            if key == "val":
+            if key in _VALUE_META:
                 if _val_sig(a.meta[key]) != _val_sig(c.meta[key]):
                     raise _Refuse(f"{where}: other {key}")
             elif moved[key] != c.meta[key]:
@@ -713,6 +715,8 @@ def _val_sig(v):
                 v.requires_grad)
     if isinstance(v, (list, tuple)):
         return (type(v), tuple(_val_sig(x) for x in v))
+    if isinstance(v, dict):
+        return (dict, tuple((k, _val_sig(x)) for k, x in sorted(v.items())))
     if isinstance(v, (int, float, bool, str, type(None))):
         return (type(v), v)
     if isinstance(v, torch.SymInt):

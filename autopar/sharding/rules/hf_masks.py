@@ -21,6 +21,7 @@ gathered.
 from __future__ import annotations
 
 from autopar.sharding.registry import OpCall, Strategy, register_local, register_rule
+from autopar.sharding.rules.views import local_out_shape, with_arg
 from autopar.sharding.rules.pointwise import (
     P, R, Shard, broadcast_strategies, is_float, norm_dim, ops,
 )
@@ -57,7 +58,6 @@ def new_factory(call: OpCall) -> list[Strategy]:
 
 @register_local(*ops("new_ones", "new_zeros", "new_full", "new_empty"))
 def new_factory_local(call: OpCall, combo, mesh_shape):
-    from autopar.sharding.rules.views import local_out_shape, with_arg
     args, kwargs = with_arg(call, 1, "size", local_out_shape(call, combo, mesh_shape))
     return call.op, args, kwargs
 
