@@ -45,10 +45,12 @@ class Options(Mapping):
     split over it, and the batch is split over it for every other op (its ranks are data
     parallel there, as torchtitan's dp2ep); tokens reach their experts by all-to-all or by
     all-gather, as the solver prices them (``autopar.sharding.rules.experts``)."""
-    expert_dispatch: Literal["all-to-all", "all-gather"] | None = None
-    """How tokens reach experts split over an axis: ``"all-to-all"`` (each token-expert pair
-    sent to its expert's rank and back) or ``"all-gather"`` (every rank sees every token,
-    computes its own experts, and the terms are summed); unset, the solver prices both."""
+    expert_dispatch: Literal["all-to-all", "all-gather", "tensor"] | None = None
+    """How a mixture-of-experts layer is split where its experts are: ``"all-to-all"`` (each
+    token-expert pair sent to its expert's rank and back), ``"all-gather"`` (every rank sees
+    every token, computes its own experts, and the terms are summed), or ``"tensor"`` (every
+    expert's MLP split instead, Megatron's expert tensor parallelism); unset, the solver
+    prices them all."""
     expert_imbalance: float | None = None
     """The busiest expert-parallel rank's share of token-expert pairs over the mean, which
     the cost model multiplies its expert work and dispatch by (default 1.0: uniform)."""
@@ -233,8 +235,9 @@ def _check_values(p: dict) -> None:
     if n is not None and not _positive_int(n):
         raise PinError(f"pin branch={n!r} must be a positive integer (the number of device groups "
                        "the independent branches are spread over)")
-    if p.get("expert_dispatch") not in (None, "all-to-all", "all-gather"):
-        raise PinError(f"expert_dispatch={p['expert_dispatch']!r}: use 'all-to-all' or 'all-gather'")
+    if p.get("expert_dispatch") not in (None, "all-to-all", "all-gather", "tensor"):
+        raise PinError(f"expert_dispatch={p['expert_dispatch']!r}: use 'all-to-all', 'all-gather' "
+                       "or 'tensor'")
     imb = p.get("expert_imbalance")
     if imb is not None and (isinstance(imb, bool) or not isinstance(imb, (int, float)) or imb < 1):
         raise PinError(f"expert_imbalance={imb!r}: the busiest rank's load over the mean, a "
@@ -286,6 +289,10 @@ def _check_combinations(p: dict) -> None:
         if p.get("grad_reduce") == "bf16" and p.get("compress") not in (None, "none"):
             raise PinError(f"{lossy[0]} and grad_reduce='bf16' both choose how gradients are "
                            "reduced: pin one of them (compress='bf16' is the bf16 reduction)")
+    if (p.get("expert") or 1) > 1 and p.get("expert_dispatch") == "tensor":
+        raise PinError(f"expert={p['expert']} splits the experts over an axis; "
+                       "expert_dispatch='tensor' splits each expert instead (with tensor=): pin "
+                       "expert_dispatch='all-to-all' or 'all-gather' with expert=, or drop expert=")
     if (p.get("expert") or 1) > 1:
         for other, none in (("zero", 0), ("branch", 1), ("compress", "none"), ("local_sgd", None),
                             ("offload", None)):

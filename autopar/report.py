@@ -131,10 +131,15 @@ def expert_choice(plan: Plan, name: str) -> str:
     axes = [(a, plan.mesh_axes[a], plan.mesh_shape[a]) for a in range(len(plan.mesh_shape))
             if plan.mesh_shape[a] > 1 and plan.mesh_axes[a] != "pipeline"]
     split = [(ax, n, "all-to-all" if isinstance(hidden[a], Shard) else "all-gather + reduce")
-             for a, ax, n in axes if isinstance(stack[a], Shard)]
-    tokens = [f"{ax!r}" for a, ax, n in axes if isinstance(hidden[a], Shard) and not isinstance(stack[a], Shard)]
+             for a, ax, n in axes if stack[a] == Shard(0)]
+    inner = [f"{n}-way over {ax!r}" for a, ax, n in axes
+             if isinstance(stack[a], Shard) and stack[a] != Shard(0)]
+    tokens = [f"{ax!r}" for a, ax, n in axes if isinstance(hidden[a], Shard) and stack[a] != Shard(0)]
     words = ("experts split " + ", ".join(f"{n}-way over {ax!r} (tokens by {how})" for ax, n, how in split)
-             if split else "experts replicated")
+             if split else "experts replicated" if not inner else "")
+    if inner:
+        words += ("; " if words else "") + "each expert split " + ", ".join(inner) + \
+            " (tensor-sharded experts, summed by a reduce)"
     return words + (f"; tokens split over {', '.join(tokens)}" if tokens else "")
 
 

@@ -87,12 +87,13 @@ H200 = Device(
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
 )
 
+# H800 SXM, the export variant of H100 SXM: the same Hopper die, Tensor Core peaks and HBM3
+# (NVIDIA H800 datasheet / product brief), with NVLink cut to 400 GB/s bidirectional
+# (NVLINK_H800 below); the DeepSeek-V3 report trains on it (DeepSeek-AI 2024,
+# arXiv:2412.19437, Sec. 3.1).
 H800 = Device(
     name="H800-80GB-SXM",
     memory_bytes=80 * 2**30,
-    # The export variant of H100 SXM: the same Hopper die, Tensor Core peaks and HBM3
-    # (NVIDIA H800 product brief), with NVLink cut to 400 GB/s bidirectional (below). The
-    # DeepSeek-V3 report trains on it (DeepSeek-AI 2024, arXiv:2412.19437, Sec. 3.1).
     peak_flops=dict(H100_80GB.peak_flops),
     mem_bandwidth=3350 * GB,
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,

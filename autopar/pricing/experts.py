@@ -16,7 +16,8 @@ expert's share sets the factor to it.
 The grouped GEMM: each of the rank's ``E_local`` experts multiplies its ``rows = pairs /
 E_local`` rows by each of its matrices, priced as ``E_local`` GEMMs of that shape by the
 roofline (``cost_models.compute``), so small per-expert shapes pay their lower efficiency
-and wave quantization. Gathering the pairs' rows and scattering the results back are
+and wave quantization; under tensor-sharded experts each GEMM is the rank's slice of the
+expert's inner dim (its pairs not divided). Gathering the pairs' rows and scattering the results back are
 memory-bound copies of ``pairs * H`` elements each way.
 
 Dispatch. On an axis where tokens and experts are both split (the all-to-all form), each
@@ -35,7 +36,7 @@ import torch
 
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models import compute as compute_model
-from autopar.placement import Shard
+from autopar.placement import Shard, local_shape
 from autopar.sharding.registry import TensorMeta
 
 aten = torch.ops.aten
@@ -45,9 +46,11 @@ def _pairs(call, combo, mesh_shape, imbalance):
     """(token-expert pairs this rank computes, axes splitting anything, axes splitting the
     experts, of them the all-to-all ones)."""
     hidden, index, n_tok = call.inputs[0], call.inputs[1], call.inputs[0].shape[0]
+    # tokens or experts split on an axis divide its pairs; each expert split (its MLP's
+    # inner dim, tensor-sharded experts) does not
     split = [a for a, s in enumerate(combo) if mesh_shape[a] > 1
-             and any(isinstance(p, Shard) for p in s.inputs)]
-    by_expert = [a for a in split if isinstance(combo[a].inputs[3], Shard)]
+             and (isinstance(s.inputs[0], Shard) or s.inputs[3] == Shard(0))]
+    by_expert = [a for a in split if combo[a].inputs[3] == Shard(0)]
     dispatch = [a for a in by_expert if isinstance(combo[a].inputs[0], Shard)]
     pairs = n_tok * index.shape[-1] / math.prod(mesh_shape[a] for a in split)
     if by_expert:
@@ -63,23 +66,31 @@ def experts_saved_bytes(call, combo, mesh_shape, imbalance: float = 1.0) -> floa
     which is ``2 x 2I``), as Hugging Face's grouped experts forward saves them."""
     pairs, *_ = _pairs(call, combo, mesh_shape, imbalance)
     h = call.inputs[0].shape[-1]
-    matrices = [s for s in call.inputs[3:] if len(s.shape) == 3]
+    matrices = [s for s in _local_stacks(call, combo, mesh_shape) if len(s.shape) == 3]
     # a stack's output width: its dim that is not the hidden size ([E, 2I, H] or, stored
     # transposed, [E, H, 2I])
     inner = sum(next((d for d in s.shape[1:] if d != h), h) for s in matrices[:-1])
     return pairs * (2 * h + 2 * inner) * call.inputs[0].dtype.itemsize
 
 
+def _local_stacks(call, combo, mesh_shape) -> list:
+    """The stacks' shapes on one rank (experts and each expert's inner dim split)."""
+    out = []
+    for k, s in enumerate(call.inputs[3:], 3):
+        shape = local_shape(s.shape, [c.inputs[k] for c in combo], mesh_shape)
+        out.append(TensorMeta(tuple(shape if shape is not None else s.shape), s.dtype))
+    return out
+
+
 def experts_time(call, combo, mesh_shape, device, dtype_key, links, imbalance: float = 1.0,
                  native: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one option of an experts op on one rank."""
     hidden, index = call.inputs[0], call.inputs[1]
-    stacks = call.inputs[3:]
+    stacks = _local_stacks(call, combo, mesh_shape)
     n_tok, h = hidden.shape[0], hidden.shape[-1]
     k = index.shape[-1]
-    n_exp = stacks[0].shape[0]
     pairs, split, by_expert, dispatch = _pairs(call, combo, mesh_shape, imbalance)
-    e_local = n_exp // math.prod(mesh_shape[a] for a in by_expert)
+    e_local = stacks[0].shape[0]
     rows = max(1, round(pairs / e_local))
     fwd = bwd = 0.0
     for s in stacks:

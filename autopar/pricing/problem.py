@@ -262,12 +262,9 @@ def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, data_
         else:
             opts = _data_parallel(opts, expert_axis, from_batch, param_inputs)
     if call.op is EXPERTS_OP and expert_dispatch is not None:
-        # where the experts are split, the tokens are split too (all-to-all) or whole (all-gather)
-        split = Shard(0) if expert_dispatch == "all-to-all" else Replicate()
-        opts = [o for o in opts if all(s.inputs[0] == split for s in o
-                                       if isinstance(s.inputs[3], Shard))]
+        opts = [o for o in opts if all(_dispatched(s, expert_dispatch) for s in o)]
     if tensor_axis is not None:
-        weights = [k for k in param_inputs if call.inputs[k].ndim >= 2 and k not in stacks]
+        weights = [k for k in param_inputs if call.inputs[k].ndim >= 2]
         opts = [o for o in opts if all(not isinstance(o[tensor_axis].inputs[k], Replicate)
                                        for k in weights)] or opts
     return opts
@@ -291,6 +288,18 @@ def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
         if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
             out.append(a)
     return out
+
+
+def _dispatched(s: Strategy, dispatch: str) -> bool:
+    """An experts op's option on one axis obeys ``expert_dispatch``: where the experts are
+    split, the tokens are split too ("all-to-all") or whole ("all-gather"); "tensor" splits
+    each expert instead."""
+    stack = s.inputs[3]
+    if not isinstance(stack, Shard):
+        return True
+    if dispatch == "tensor":
+        return stack != Shard(0)
+    return stack == Shard(0) and s.inputs[0] == (Shard(0) if dispatch == "all-to-all" else Replicate())
 
 
 def _restrict_mutations(node, call: OpCall, opts: list[Combo]) -> list[Combo]:
@@ -347,7 +356,7 @@ def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape
                 opts = [o for o in opts if isinstance(on(data_axis, o), Replicate)]
     if tensor_axis is not None and kind == "input":
         opts = [o for o in opts if isinstance(on(tensor_axis, o), Replicate)]
-    if tensor_axis is not None and kind == "param" and meta.ndim >= 2 and not stack:
+    if tensor_axis is not None and kind == "param" and meta.ndim >= 2:
         # tensor parallelism pinned: every weight matrix is split over the tensor axis, and
         # the ops that use it read it split (activations move, weights stay)
         opts = [o for o in opts if isinstance(on(tensor_axis, o), Shard)] or opts
