@@ -327,9 +327,9 @@ def main() -> None:
     if "deepseek-v3-pinned" in rows:
         wall, cpu = row("deepseek-v3 p16 e64 d2", deepseek_v3, "256xdgx-h800", 2048,
                         pins={"precision": "bf16", "pipeline": 16, "expert": 64, "data": 2,
-                              "micro_batch_size": 128}, phases=True)
-        print(f"DeepSeek-V3 as published (pipeline 16, expert 64, data 2) planned in {wall:.1f} s "
-              f"({cpu})")
+                              "micro_batch_size": 128, "schedule": "1f1b"}, phases=True)
+        print(f"DeepSeek-V3 as published (pipeline 16, expert 64, data 2; 1F1B for its "
+              f"DualPipe) planned in {wall:.1f} s ({cpu})")
 
 
 if __name__ == "__main__":

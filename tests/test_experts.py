@@ -260,3 +260,27 @@ def test_experts_memory_per_rank_matches_the_estimate():
     total_held = held[0] + sum(p.numel() * p.element_size() * 4 for n, p in b.model.named_parameters()
                                if n not in stacks)
     assert math.isclose(total_est, total_held, rel_tol=0.15), (total_est, total_held)
+
+
+def test_a_load_balancing_loss_is_no_sum_over_micro_batches():
+    """OLMoE's own loss adds the router's load-balancing loss: expert counts (histc) times
+    mean router probabilities, a product of two batch sums, which no split into micro-batches
+    reproduces. Accumulation and pipelines are refused when planning (they trained to other
+    numbers before: the product of counts read as a per-sample value, its sum as a batch
+    sum); the batch-linearity analysis labels the aux term a batch statistic (S)."""
+    from autopar.analysis.batch_linearity import analyse
+    from autopar.analysis.microbatch_loss import MicrobatchLossError
+    b = zoo.build("olmoe", loss="own")
+    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+    lin = analyse(cap, cap.gm.graph)
+    loss = next(n for n in cap.gm.graph.nodes if n.op == "output").args[0][0]
+    assert lin.state[loss] == "S" and lin.lost is not None
+    assert any(lin.state[n] == "P" for n in cap.gm.graph.nodes if "histc" in str(n.target))
+    for pins in ({"accumulate": 2}, {"pipeline": 2, "micro_batch_size": 2, "schedule": "gpipe"}):
+        with pytest.raises(MicrobatchLossError, match="not linear"):
+            autopar.plan(b.model, b.inputs, loss_fn=b.loss_fn, target=b.target,
+                         cluster="cpu:2", **pins)
+    # the same model with a plain cross-entropy (no aux loss) accumulates
+    m = zoo.build("olmoe", loss="mean")
+    autopar.plan(m.model, m.inputs, loss_fn=m.loss_fn, target=m.target, cluster="cpu:2",
+                 accumulate=2)

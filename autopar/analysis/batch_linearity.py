@@ -3,11 +3,16 @@ into micro-batch terms (``autopar.analysis.microbatch_loss``).
 
 Values from the batch are ``B``, from parameters and constants only ``C``; a reduction over
 the batch dim of a ``B`` value (a loss op with ``mean`` / ``sum``, a ``sum`` / ``mean`` over
-dim 0 or over every element) is ``P``, partial over micro-batches. ``P`` stays ``P``
+dim 0 or over every element, a ``histc`` / ``bincount`` count) is ``P``, partial over
+micro-batches. ``P`` stays ``P``
 through linear ops (``P ± P``, ``P * C``, ``P / C``, views, casts, sums and means); read any
-other way it is a per-micro-batch value again (``B``: ``x - x.mean()`` inside a model is a
-batch statistic, per micro-batch as BatchNorm's). :func:`analyse` labels every node and
-walks back from the loss to the batch reductions it is a linear function of.
+other way it is a per-micro-batch value again: ``B`` where a per-sample value takes part
+(``x - x.mean()`` inside a model is a batch statistic, per micro-batch as BatchNorm's), ``S``
+where only sums over the batch do (a statistic of the whole batch with no per-sample dim
+left: a mixture of experts' load-balancing loss, the product of two batch means). An ``S``
+stays ``S`` through anything, reductions included (its dim 0 is no batch), so a loss that
+adds one is no sum over the batch. :func:`analyse` labels every node and walks back from
+the loss to the batch reductions it is a linear function of.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ POINTWISE = {op: pos for pos, names in ((2, ("mse_loss", "l1_loss", "smooth_l1_l
                                          (4, ("binary_cross_entropy_with_logits",)))
               for op in _ops(*names)}
 MEAN = {aten.mean.default, aten.mean.dim}
+# counts over every element (a router's tokens per expert): sums over the batch too
+HIST = _ops("histc", "bincount")
 SUM = {aten.sum.default, aten.sum.dim_IntList}
 # ops through which a partial (over micro-batches) value stays partial with any other
 # argument a non-tensor
@@ -139,11 +146,13 @@ def _label(inputs: set[str], g: fx.Graph) -> tuple[dict, list]:
         kinds = [st.get(a, "C") for a in tensors]
         red = reduction_pos(n)
         if "P" not in kinds:
-            if "B" not in kinds:
+            if "S" in kinds and "B" not in kinds:
+                st[n] = "S"
+            elif "B" not in kinds and "S" not in kinds:
                 st[n] = "C"
             elif red is not None and arg(n, red[0], red[1], 1) in (1, 2):
                 st[n] = "P"              # a loss reduced over its elements
-            elif (t in SUM or t in MEAN) and _covers_dim0(n):
+            elif ((t in SUM or t in MEAN) and _covers_dim0(n)) or t in HIST:
                 st[n] = "P"
             else:
                 st[n] = "B"
@@ -151,14 +160,14 @@ def _label(inputs: set[str], g: fx.Graph) -> tuple[dict, list]:
         if t in SUM or t in MEAN or t in LINEAR_UNARY or t is operator.getitem:
             ok = len(tensors) == 1
         elif t in MUL:
-            ok = kinds.count("P") == 1 and "B" not in kinds
+            ok = kinds.count("P") == 1 and "B" not in kinds and "S" not in kinds
         elif t in DIV:
             ok = kinds[0] == "P" and all(k == "C" for k in kinds[1:])
         elif t in ADD:
-            ok = "B" not in kinds
+            ok = "B" not in kinds and "S" not in kinds
         else:
             ok = False
-        st[n] = "P" if ok else "B"
+        st[n] = "P" if ok else "B" if "B" in kinds else "S"
         if not ok:
             demoted.append(n)
     return st, demoted
@@ -169,7 +178,7 @@ def analyse(cap, g: fx.Graph) -> "Linearity":
     constant terms of the partial loss, the node where the partial loss stopped being one.
 
     States: ``C`` (no batch), ``B`` (per micro-batch values), ``P`` (a sum over the batch,
-    partial over micro-batches). A ``P`` read non-linearly (``x - x.mean()`` inside the model,
+    partial over micro-batches), ``S`` (a function of batch sums, per micro-batch). A ``P`` read non-linearly (``x - x.mean()`` inside the model,
     ``exp(loss)``) is a per-micro-batch value again (``B``), as batch statistics are."""
     st, demoted = _label(set(cap.inputs), g)
     out = next(n for n in g.nodes if n.op == "output")

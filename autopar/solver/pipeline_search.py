@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from autopar.analysis.layers import repeated_layers, select_layers
+from autopar.analysis.microbatch_loss import MicrobatchLossError
 from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
 from autopar.analysis.stages import chain, parameter_positions
 from autopar.capture import Captured, capture
@@ -120,10 +121,19 @@ def capture_pipelined(model, example_inputs, loss_fn, target, m: int) -> Capture
 
 
 def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captured:
+    """The graph of one of ``m`` micro-batches, its loss rewritten into its term of the
+    global batch's; ``MicrobatchLossError`` (when planning, before anything runs) where the
+    loss is no sum of micro-batch terms (a mixture of experts' load-balancing loss, a
+    product of batch means)."""
     inputs = split_batch(example_inputs, m)
     tgt = split_batch((target,), m)[0] if target is not None else None
     # each micro-batch's loss a partial term of the global batch's (summed, never averaged)
-    return rewrite_microbatch_loss(capture(model, inputs, loss_fn, tgt), m, model)
+    cap = rewrite_microbatch_loss(capture(model, inputs, loss_fn, tgt), m, model)
+    spec = cap.microbatch_loss
+    if m > 1 and spec is not None and spec.error:
+        raise MicrobatchLossError(f"{m} micro-batches (a pipeline or gradient accumulation) "
+                                  f"would not train to the single-device numbers: {spec.error}")
+    return cap
 
 
 # ---- one intra-stage solution, priced per node ----------------------------------------------
