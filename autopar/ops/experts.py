@@ -55,14 +55,6 @@ class ExpertsTemplate:
     num_experts: int
     forward: types.FunctionType     # the class's own forward (not capture's stand-in)
 
-    def flops_per_pair(self) -> float:
-        """Forward FLOPs of one token through one expert: 2 per weight of the expert."""
-        return 2.0 * sum(math.prod(p.shape[1:]) for _, p in self._stacks())
-
-    def _stacks(self):
-        params = dict(self.module.named_parameters())
-        return [(n, params[n]) for n in self.names]
-
 
 _TEMPLATES: dict[str, ExpertsTemplate] = {}
 _LOCK = threading.Lock()
@@ -188,30 +180,29 @@ def run_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     all-to-all form: the whole output for this rank's tokens), on the others the tokens are
     whole (the all-gather form: this rank's experts' terms, P)."""
     comm = current_comm()
-    split = _Split(tuple(axes), tuple(dispatch))
+    axes = tuple(axes)
     t = template(key)
     n_local = stacks[0].shape[0]
-    sizes = [comm.size(a) for a in split.axes]
+    sizes = [comm.size(a) for a in axes]
     if math.prod(sizes) * n_local != t.num_experts:
-        raise RuntimeError(f"experts op {key}: {n_local} local experts on axes {split.axes} "
+        raise RuntimeError(f"experts op {key}: {n_local} local experts on axes {axes} "
                            f"(sizes {sizes}) do not make {t.num_experts}")
     n_tok, k = top_k_index.shape
     tok = torch.arange(n_tok, device=hidden.device).repeat_interleave(k)
     expert = top_k_index.reshape(-1)
     route = top_k_weights.reshape(-1)
-    block = torch.div(expert, n_local, rounding_mode="floor")
-    coords = _coords(block, sizes)            # the block's coordinate on each split axis
+    # each pair's expert block, as a coordinate on each split axis: the all-gather axes keep
+    # the pairs whose block is this rank's, the all-to-all axes send each pair to its block
+    coords = _coords(torch.div(expert, n_local, rounding_mode="floor"), sizes)
     keep = torch.ones_like(expert, dtype=torch.bool)
-    for a, c in zip(split.axes, coords):
-        if a not in split.dispatch:
+    for a, c in zip(axes, coords):
+        if a not in dispatch:
             keep &= c == comm.coord[a]
-    tok, expert, route = tok[keep], expert[keep], route[keep]
-    coords = [c[keep] for c in coords]
-    rows = hidden[tok]
-    ids = expert
+    tok, route = tok[keep], route[keep]
+    rows, ids = hidden[tok], expert[keep]
     levels = []
-    for a in split.dispatch:
-        dest = _coords(torch.div(ids, n_local, rounding_mode="floor"), sizes)[split.axes.index(a)]
+    for a in dispatch:
+        dest = _coords(torch.div(ids, n_local, rounding_mode="floor"), sizes)[axes.index(a)]
         order = torch.argsort(dest, stable=True)
         rows, ids = rows[order], ids[order]
         send = torch.bincount(dest, minlength=comm.size(a))
@@ -230,12 +221,6 @@ def run_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     anchor = sum(s.reshape(-1)[:1].sum() for s in stacks) * 0
     weighted = (y * route.unsqueeze(1).to(y.dtype)).to(hidden.dtype) + anchor.to(hidden.dtype)
     return torch.zeros_like(hidden).index_add(0, tok, weighted)
-
-
-@dataclass(frozen=True)
-class _Split:
-    axes: tuple[int, ...]
-    dispatch: tuple[int, ...]
 
 
 def _coords(block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
