@@ -352,3 +352,31 @@ def test_albert_recomputes_each_call_of_its_shared_layer():
     for got in simulate(full.captured, full.plan, model, lambda pm, comm: parallel_run(pm, (x,), y)):
         c = compare(ref, got)
         assert c.ok, c
+
+
+def test_zero_bubble_keeps_a_stage_whose_weight_is_read_twice_whole():
+    """A stage program reading one weight in two places (a shared layer, tied embeddings)
+    runs its whole backward at zero bubble's input half: torch's weight half frees the graph
+    one weight group at a time, and the second group that reaches the shared weight fails.
+    A stage reading each weight once still splits."""
+    import torch.fx as fx
+    from autopar.runtime.pipeline_runner import split_backward_safe
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4, 4))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, self.w), self.w)
+
+    class Once(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4, 4))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.w)
+
+    assert not split_backward_safe(fx.symbolic_trace(Twice()), [True])
+    assert split_backward_safe(fx.symbolic_trace(Once()), [True])

@@ -129,6 +129,12 @@ CASES: list[tuple[sc.Case, str | None]] = [
     (C("deepseek_v3-skewed", "pp-gpipe", 4, "mean", {"expert": 2, "pipeline": 2, "schedule": "gpipe",
                                                      "micro_batch_size": 2,
                                                      "expert_dispatch": "all-gather"}), None),
+    # zero bubble with a weight read more than once in a stage (ALBERT's one layer at every
+    # depth): torch's weight half ran autograd.grad per weight group, freeing the graph the
+    # next group needed ("backward through the graph a second time", then a hang; the
+    # 400-case sweep's albert:pp-zero-bubble:6712:gloo and t5:pp-zero-bubble:623460:gloo)
+    (C("albert", "pp-zero-bubble", 2, "sum", {"pipeline": 2, "schedule": "zero-bubble",
+                                              "micro_batch_size": 1}), None),
 ]
 IDS = [c.id for c, _ in CASES]
 BY_ID = {c.id: c for c, _ in CASES}

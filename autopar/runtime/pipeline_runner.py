@@ -90,13 +90,23 @@ def split_backward_safe(gm: GraphModule, input_requires_grad: list[bool]) -> boo
     computed from its differentiable inputs (the placeholders flagged in
     ``input_requires_grad``, in order): then zero bubble's weight half finds every weight
     (see :class:`_Stage`). False when some weight reaches the output by a path that no
-    differentiable input joins."""
+    differentiable input joins, or when a weight is read more than once in the stage
+    (ALBERT's one layer run at every depth, T5's shared embedding): torch groups weights by
+    the values they reach and computes each group's gradient with its own
+    ``autograd.grad`` that frees the graph, so a weight in two groups' paths fails the
+    second with "backward through the graph a second time"."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     joined = {n for n, rg in zip(placeholders, input_requires_grad) if rg}
     for n in gm.graph.nodes:
         if n.op == "call_function" and any(a in joined for a in n.all_input_nodes):
             joined.add(n)
     params = dict(gm.named_parameters())
+    reads: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and getattr(params.get(n.target), "requires_grad", False):
+            reads[n.target] = reads.get(n.target, 0) + len(n.users)
+    if any(k > 1 for k in reads.values()):
+        return False
     for n in gm.graph.nodes:
         if n.op != "get_attr" or not getattr(params.get(n.target), "requires_grad", False):
             continue
