@@ -11,7 +11,22 @@ on the meta device planned for a 2x4 mesh of A100s, and two large models planned
   (tensor 8, pipeline 16, data 128);
 - ``hf-llama-7b``: transformers' ``LlamaForCausalLM`` at Llama-2-7B's shape, batch 256 x
   4,096, on 128 A100s (16 DGX nodes), bf16 pinned: a Hugging Face model whose unpipelined
-  sharding programs (2-D meshes, 5-13 s of CBC each) are most of its planning.
+  sharding programs (2-D meshes, 5-13 s of CBC each) are most of its planning;
+- ``deepseek-v3``: transformers' DeepSeek-V3 (``hf:deepseek-v3``: 671B, 61 layers, 256
+  routed experts, top-8) at 15,360 x 4,096 tokens on 2,048 H800s (256 nodes), bf16 pinned,
+  everything else free (goal: 60 s); ``deepseek-v3-pinned``: its published degrees
+  (pipeline 16, expert 64, data 2, micro-batches of 128 sequences; 1F1B standing in for
+  DualPipe).
+
+Measured 2026-11-27 (session 17, ``PYTHONHASHSEED=0``, beside a test run):
+``deepseek-v3-pinned`` 12.2 s (capture 9.6 s: its three dense layers and 58 MoE layers are
+not alike, so capture exports all 61 rather than stamping; the ILP 1.1 s over 354 decisions,
+each kind of layer sharing one), objective 36.9116 s, digest 2a5bc89bfc5d. ``deepseek-v3``
+free did not finish: after 23 minutes it was still in the unpipelined phase (29 meshes of
+the whole graph, 1-67 s of CBC each) and its accumulation probes, and had not reached the
+pipelines. Goal (60 s) not met. The free search needs bounds that do not yet exist:
+pruning meshes whose parameters cannot fit, and starting from the pipelined degrees at
+this scale.
 
     python benchmarks/solve_time.py                      # every row
     python benchmarks/solve_time.py --rows 175b,405b     # some rows
