@@ -242,7 +242,7 @@ def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, z
                 f"{kind} {name!r} of shape {list(meta.shape)}: dim 0 cannot be split over the "
                 f"expert-parallel axis of size {mesh_shape[expert_axis]}; use a global batch (or a "
                 "number of experts) divisible by the expert-parallel degree, or pin a smaller expert=")
-    return _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape, stack)
+    return _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape)
 
 
 def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, data_axis, tensor_axis,
@@ -327,8 +327,7 @@ def _data_parallel(opts: list[Combo], axis: int, from_batch: bool, param_inputs:
     return opts
 
 
-def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape,
-                stack: bool = False) -> list[Combo]:
+def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape) -> list[Combo]:
     def on(axis, o):
         return o[axis].outputs[0]
 
