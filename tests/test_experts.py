@@ -24,8 +24,10 @@ pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs tra
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "benchmarks")]
 
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import sweep_cases as sc  # noqa: E402
 from examples import zoo  # noqa: E402
+from launch import case_result, register_cases, shared_cases  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.capture import capture  # noqa: E402
@@ -34,6 +36,8 @@ from autopar.placement import Shard  # noqa: E402
 from autopar.report import expert_choice  # noqa: E402
 
 C = sc.make_case
+GLOO_MEMORY = {"id": "experts-memory", "experts_case": True, "pins": {"expert": 2}}
+register_cases("zero_worker.py", 2, [GLOO_MEMORY])   # tests/test_zero.py's spawn
 A2A, GATHER = {"expert_dispatch": "all-to-all"}, {"expert_dispatch": "all-gather"}
 
 # (case, the dispatch the plan must use on the expert axis)
@@ -284,3 +288,17 @@ def test_a_load_balancing_loss_is_no_sum_over_micro_batches():
     m = zoo.build("olmoe", loss="mean")
     autopar.plan(m.model, m.inputs, loss_fn=m.loss_fn, target=m.target, cluster="cpu:2",
                  accumulate=2)
+
+
+def test_experts_memory_on_gloo_ranks_matches_the_estimate(tmp_path_factory):
+    """On 2 gloo processes under expert=2: each rank holds half of every expert stack, and
+    its parameters, gradients and AdamW moments, measured from the live tensors, are the
+    plan's estimate within 15% per term."""
+    tmp = tmp_path_factory.mktemp("zero")
+    r = case_result(shared_cases("zero_worker.py", 2, tmp, timeout=600, case_timeout=120),
+                    GLOO_MEMORY["id"])
+    assert r["mesh_axes"] == ["expert"]
+    assert r["stacks_local"] * 2 == r["stacks_whole"], r
+    for term in ("params", "grads", "optimizer"):
+        m, e = r["measured"][term], r["estimate"][term]
+        assert abs(m - e) <= 0.15 * e, (term, r["measured"], r["estimate"])

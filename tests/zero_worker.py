@@ -129,6 +129,9 @@ def run_case(case: dict) -> dict:
     if case.get("shared_conversion_case"):   # tests/test_shared_conversions.py's case too
         import shared_conversion_worker
         return shared_conversion_worker.run_case(case)
+    if case.get("experts_case"):     # tests/test_experts.py's memory case too
+        import experts_memory_worker
+        return experts_memory_worker.run_case(case, sys.modules[__name__])
     if case.get("offload_case"):     # tests/test_offload.py's cases share this spawn
         import offload_worker
         return offload_worker.run_case(case, sys.modules[__name__])
