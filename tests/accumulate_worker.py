@@ -64,9 +64,10 @@ def run_case(case: dict) -> dict:
     if case.get("plan_file"):
         # a saved accumulating plan: parallelize(plan=path) captures at its micro-batch
         planned = autopar.plan(model, inputs, loss_fn, target=target, cluster="cpu:2", **case["pins"])
-        path = os.path.join(tempfile.gettempdir(), f"autopar_accumulate_plan_{os.getpid()}.json")
-        planned.save(path)
-        pm = autopar.parallelize(model, inputs, loss_fn, target=target, plan=path)
+        with tempfile.TemporaryDirectory(prefix="autopar-accumulate-") as tmp:
+            path = os.path.join(tmp, "plan.json")
+            planned.save(path)
+            pm = autopar.parallelize(model, inputs, loss_fn, target=target, plan=path)
     else:
         pm = autopar.parallelize(model, inputs, loss_fn, target=target,
                                  memory_budget=case.get("budget"), batch=case.get("batch", "global"),

@@ -1,8 +1,9 @@
 """``compile=True``: each rank's programs through torch.compile (``autopar.runtime.compiled``).
 
 On real gloo ranks (one torchrun launch, 2 processes): data, tensor, ZeRO-3 and pipeline
-plans compiled with Inductor (and a transformers Llama under tensor=2) train as one device
-does, every program compiled (its
+plans compiled with Inductor (and a transformers Llama under tensor=2; Mixtral's experts
+split by all-to-all and by all-gather; a zero-bubble pipeline; ZeRO-Offload; compressed
+gradient reduction; branch parallelism) train as one device does, every program compiled (its
 compile seconds reported), ZeRO-3's weights gathered again in the compiled backward. In
 process: a graph break is an error naming the program's node; simulated (thread) ranks are
 refused; the option is checked like any other; the cost model prices fused memory-bound
@@ -29,6 +30,15 @@ CASES = [
     {"id": "zero3", "model": "mlp", "pins": {"data": 2, "zero": 3}, "count": True},
     {"id": "pipeline", "model": "mlp", "pins": {"pipeline": 2, "micro_batch_size": 2}},
     {"id": "hf-llama", "model": "hf-llama", "pins": {"tensor": 2}},    # transformers' Llama
+    # each MoE layer one experts op: its split forms are opaque ops of the compiled graph
+    {"id": "moe-all-to-all", "model": "hf-mixtral", "pins": {"expert": 2}},
+    {"id": "moe-all-gather", "model": "hf-mixtral", "pins": {"expert": 2, "expert_dispatch": "all-gather"}},
+    # a compiled stage runs its whole backward at I (torch's split finds no weight behind it)
+    {"id": "zero-bubble", "model": "mlp", "pins": {"pipeline": 2, "micro_batch_size": 2,
+                                                    "schedule": "zero-bubble"}},
+    {"id": "offload", "model": "mlp", "pins": {"data": 2, "offload": "optimizer"}},
+    {"id": "compress", "model": "mlp", "pins": {"data": 2, "compress": "topk:1"}},    # every entry: exact
+    {"id": "branch", "model": "inception", "pins": {"branch": 2}},
 ]
 
 
@@ -37,7 +47,7 @@ def gloo_results(tmp_path_factory):
     from autopar.runtime.compiled import COMPILE_FROM_TORCH
     if torch.__version__ < COMPILE_FROM_TORCH:
         pytest.skip(f"compile=True is refused on torch {torch.__version__} "
-                    "(test_torch_before_2_13_is_refused)")
+                    "(test_torch_before_2_11_is_refused)")
     return torchrun_cases("compile_worker.py", 2, CASES, tmp_path_factory.mktemp("compile") / "r.json",
                           timeout=900, case_timeout=400)
 
@@ -49,9 +59,10 @@ def test_compiled_plans_equal_one_device(gloo_results, case_id):
     report = r["report"]
     assert report is not None and report["compile_s"], report      # the compiled path ran
     assert all(s > 0 for s in report["compile_s"].values()), report
-    if case_id == "pipeline":       # each of this rank's stages, train program, compiled
+    if case_id in ("pipeline", "zero-bubble"):   # each of this rank's stages' train programs
         assert any(k.startswith("stage ") for k in report["compile_s"]), report
-    if case_id in ("tensor", "zero3", "pipeline", "hf-llama"):
+    if case_id in ("tensor", "zero3", "pipeline", "hf-llama", "moe-all-to-all", "moe-all-gather",
+                   "zero-bubble"):
         assert r["local_bytes"] < r["model_bytes"], r
 
 
@@ -90,12 +101,40 @@ def test_thread_ranks_are_refused():
         check_compilable(ThreadWorld((2,)).comm(0), version="2.13.0")
 
 
-def test_torch_before_2_13_is_refused():
-    """On torch 2.11 the compiled tensor-parallel GPT's gradients differed from one device's:
-    compile=True is refused there, before anything runs."""
+def test_torch_before_2_11_is_refused():
+    """compile=True is checked on torch 2.11 and later (``COMPILE_FROM_TORCH``): an older
+    torch is refused before anything runs; 2.11 itself passes the check."""
     from autopar.ops.comm import ThreadWorld
-    with pytest.raises(ArgumentError, match=r"compile=True needs torch >= 2.13 \(this is 2.11.0\+cu130"):
+    with pytest.raises(ArgumentError, match=r"compile=True needs torch >= 2.11 \(this is 2.10.0\+cu128"):
+        check_compilable(ThreadWorld((2,)).comm(0), version="2.10.0+cu128")
+    with pytest.raises(ArgumentError, match="compile=True runs on torch.distributed ranks"):
         check_compilable(ThreadWorld((2,)).comm(0), version="2.11.0+cu130")
+
+
+def test_a_compiled_autograd_function_keeps_its_gradient():
+    """An autograd function whose output is also one of its forward's intermediates (a
+    ``contiguous()`` of a contiguous block, as ``ops.collectives._slice`` returns): torch 2.11's
+    Dynamo sent its gradient elsewhere and the backward ran on zeros, unless the output is a
+    tensor of its own (``ops.collectives._own``, identity on torch >= 2.13)."""
+    from autopar.ops.collectives import _own
+
+    class FirstHalf(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return _own(x.chunk(2, dim=0)[0].contiguous())
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.cat([g, torch.zeros_like(g)])
+
+    def loss(x, w):
+        return (FirstHalf.apply(x) * w).sum()
+    x, w = torch.randn(4, 3), torch.arange(1.0, 7.0).view(2, 3)
+    want = torch.cat([w, torch.zeros_like(w)])
+    torch._dynamo.reset()
+    xc = x.clone().requires_grad_()
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(xc, w).backward()
+    assert torch.equal(xc.grad, want), xc.grad
 
 
 def test_the_option_is_checked_and_eager_is_its_default():

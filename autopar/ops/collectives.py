@@ -39,6 +39,24 @@ def _group_major(t: torch.Tensor, dim: int, n: int, groups: int) -> torch.Tensor
     return t.unflatten(dim, (n, groups, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
 
 
+OWN_OUTPUTS = torch.__version__ < (2, 13)     # a TorchVersion compares so
+"""Whether a compiled autograd function's output is made a tensor of its own (:func:`_own`):
+on torch 2.11 (and 2.12), Dynamo traces an ``autograd.Function``'s forward into a
+higher-order op that also returns the forward's intermediates, and when the returned tensor
+is one of them (``t.contiguous()`` of a contiguous ``t``, as :func:`_slice` does) autograd
+sends the output's gradient to the intermediate's slot: the backward runs on zeros (the
+tensor-parallel GPT's ``c_attn`` gradient; the mechanism of pytorch/pytorch#180642, not seen on
+2.13 or 2.15)."""
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a forward's output: under compilation on torch < 2.13, a view of it (a tensor
+    of its own, no copy: :data:`OWN_OUTPUTS`); else ``t`` itself."""
+    if OWN_OUTPUTS and torch.compiler.is_compiling():
+        return t.view_as(t)
+    return t
+
+
 def _gather(x, axis, dim, groups):
     comm = current_comm()
     return _group_major(comm.all_gather(x, axis, dim), dim, comm.size(axis), groups)
@@ -54,7 +72,7 @@ class _AllGather(torch.autograd.Function):
         out = _gather(x, axis, dim, groups)
         if regather:
             regathered_weights().register(out, x, axis, dim, groups)
-        return out
+        return _own(out)
 
     @staticmethod
     def backward(ctx, g):
@@ -74,7 +92,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, grad_partial):
         ctx.axis, ctx.grad_partial = axis, grad_partial
-        return current_comm().all_reduce(x, axis)
+        return _own(current_comm().all_reduce(x, axis))
 
     @staticmethod
     def backward(ctx, g):
@@ -98,7 +116,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim, groups=1):
         ctx.axis, ctx.dim, ctx.groups = axis, dim, groups
-        return _slice(x, axis, dim, groups)
+        return _own(_slice(x, axis, dim, groups))
 
     @staticmethod
     def backward(ctx, g):
@@ -109,7 +127,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim):
         ctx.axis, ctx.dim = axis, dim
-        return current_comm().reduce_scatter(x, axis, dim)
+        return _own(current_comm().reduce_scatter(x, axis, dim))
 
     @staticmethod
     def backward(ctx, g):
@@ -120,7 +138,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, split_dim, cat_dim):
         ctx.axis, ctx.split_dim, ctx.cat_dim = axis, split_dim, cat_dim
-        return current_comm().all_to_all(x, axis, split_dim, cat_dim)
+        return _own(current_comm().all_to_all(x, axis, split_dim, cat_dim))
 
     @staticmethod
     def backward(ctx, g):
@@ -128,10 +146,15 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _AllToAllV(torch.autograd.Function):
+    # forward and setup_context apart: the experts op's backward differentiates it under
+    # torch.func.vjp (ops/experts.py), which takes only this form
     @staticmethod
-    def forward(ctx, x, axis, send, recv):
-        ctx.axis, ctx.send, ctx.recv = axis, send, recv
-        return current_comm().all_to_all_v(x, axis, send, recv)
+    def forward(x, axis, send, recv):
+        return _own(current_comm().all_to_all_v(x, axis, send, recv))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.axis, ctx.send, ctx.recv = inputs
 
     @staticmethod
     def backward(ctx, g):
@@ -204,7 +227,7 @@ class _ShardToPartial(torch.autograd.Function):
         shape[dim] *= comm.size(axis)
         out = x.new_zeros(shape)
         out.narrow(dim, comm.coord[axis] * x.shape[dim], x.shape[dim]).copy_(x)
-        return out
+        return _own(out)
 
     @staticmethod
     def backward(ctx, g):

@@ -45,6 +45,8 @@ from autopar.ops.collectives import all_to_all_v
 from autopar.ops.comm import current_comm
 
 OP_NAME = "autopar::moe_experts"
+SPLIT_OP_NAME = "autopar::moe_experts_split"
+BACKWARD_OP_NAME = "autopar::moe_experts_backward"
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ _PER_THREAD = threading.local()     # functional_call swaps a module's weights i
 def is_experts_module(m: nn.Module) -> bool:
     """A Hugging Face experts module (``@use_experts_implementation``): weights stacked on
     dim 0 by expert, ``forward(hidden, top_k_index, top_k_weights)``."""
-    if not all(hasattr(m, a) for a in ("num_experts", "has_gate", "_is_expert_parallel")):
+    # has_gate and is_concatenated: set by the decorator (transformers 5.17 and 5.24 alike)
+    if not all(hasattr(m, a) for a in ("num_experts", "has_gate", "is_concatenated")):
         return False
     params = list(m.parameters())
     e = getattr(m, "num_experts")
@@ -151,17 +154,45 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(hidden, index, weights, *stacks)
 
 
+def _recomputed_grads(fn, grad, hidden, index, weights, stacks):
+    """Gradients of ``fn(hidden, index, weights, stacks)`` against ``grad`` for the hidden
+    state, the routing weights and each stack (zeros where unused), by running ``fn`` again
+    under ``torch.func.vjp``: a custom op's kernel runs below autograd, where
+    ``torch.autograd.grad`` would find no graph, and a functorch transform still
+    differentiates."""
+    _, vjp = torch.func.vjp(lambda h, w, s: fn(h, index, w, s), hidden, weights, list(stacks))
+    gh, gw, gs = vjp(grad)
+    return gh, gw, list(gs)
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
+def moe_experts_backward(grad: torch.Tensor, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor, stacks: list[torch.Tensor], key: str,
+                         axes: list[int], dispatch: list[int]) -> list[torch.Tensor]:
+    """The gradients of the hidden state, the routing weights and each stack of
+    ``moe_experts`` (no ``axes``) or of ``moe_experts_split``: the forward run again with
+    autograd on (its all-to-alls too). One op, so that a compiled program's backward graph
+    holds it whole: what it runs has shapes known only at run time."""
+    if axes:
+        fn = lambda h, i, w, s: _run_experts(h, i, w, s, key, tuple(axes), tuple(dispatch))  # noqa: E731
+    else:
+        n = template(key).num_experts
+        fn = lambda h, i, w, s: _call(key, n, s, h, i, w)  # noqa: E731
+    gh, gw, gs = _recomputed_grads(fn, grad, hidden, top_k_index, top_k_weights, stacks)
+    return [gh, gw, *gs]
+
+
+@moe_experts_backward.register_fake
+def _(grad, hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch):
+    return [torch.empty_like(hidden), torch.empty_like(top_k_weights), *map(torch.empty_like, stacks)]
+
+
+BACKWARD_OP = torch.ops.autopar.moe_experts_backward.default
+
+
 def _backward(ctx, grad):
     hidden, index, weights, *stacks = ctx.saved_tensors
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in (hidden, weights, *stacks)]
-        h, w, *s = leaves
-        out = _call(ctx.key, template(ctx.key).num_experts, s, h, index, w)
-        want = [t for t in leaves if t.requires_grad]
-        got = iter(torch.autograd.grad(out, want, grad, allow_unused=True))
-        grads = [next(got) if t.requires_grad else None for t in leaves]
-    gh, gw, *gs = [g if g is not None else torch.zeros_like(t) if t.requires_grad else None
-                   for g, t in zip(grads, leaves)]
+    gh, gw, *gs = BACKWARD_OP(grad, hidden, index, weights, stacks, ctx.key, [], [])
     return gh, None, gw, gs, None
 
 
@@ -178,7 +209,17 @@ def run_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     """This rank's part of the experts op: ``axes`` (mesh order, earlier axis outer) split
     the stacks on dim 0; on the ``dispatch`` axes among them the tokens are split too (the
     all-to-all form: the whole output for this rank's tokens), on the others the tokens are
-    whole (the all-gather form: this rank's experts' terms, P)."""
+    whole (the all-gather form: this rank's experts' terms, P).
+
+    Under ``torch.compile`` (``compile=True``) the call is the opaque op
+    ``autopar::moe_experts_split``: which pairs a rank keeps and how many it sends are known
+    only at run time, which a graph of static shapes cannot hold."""
+    if torch.compiler.is_compiling():
+        return SPLIT_OP(hidden, top_k_index, top_k_weights, list(stacks), key, list(axes), list(dispatch))
+    return _run_experts(hidden, top_k_index, top_k_weights, stacks, key, tuple(axes), tuple(dispatch))
+
+
+def _run_experts(hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch):
     comm = current_comm()
     axes = tuple(axes)
     t = template(key)
@@ -221,6 +262,41 @@ def run_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     anchor = sum(s.reshape(-1)[:1].sum() for s in stacks) * 0
     weighted = (y * route.unsqueeze(1).to(y.dtype)).to(hidden.dtype) + anchor.to(hidden.dtype)
     return torch.zeros_like(hidden).index_add(0, tok, weighted)
+
+
+@torch.library.custom_op(SPLIT_OP_NAME, mutates_args=())
+def moe_experts_split(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      stacks: list[torch.Tensor], key: str, axes: list[int],
+                      dispatch: list[int]) -> torch.Tensor:
+    """:func:`run_experts` as one op of a compiled program, run eagerly (its collectives
+    too); its backward runs it again with autograd on, as ``moe_experts``'s does."""
+    with torch.no_grad():
+        return _run_experts(hidden, top_k_index, top_k_weights, stacks, key, tuple(axes),
+                            tuple(dispatch)).clone()
+
+
+@moe_experts_split.register_fake
+def _(hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch):
+    return torch.empty_like(hidden)
+
+
+def _split_setup(ctx, inputs, output):
+    hidden, index, weights, stacks, key, axes, dispatch = inputs
+    ctx.key, ctx.axes, ctx.dispatch = key, tuple(axes), tuple(dispatch)
+    ctx.save_for_backward(hidden, index, weights, *stacks)
+
+
+def _split_backward(ctx, grad):
+    hidden, index, weights, *stacks = ctx.saved_tensors
+    gh, gw, *gs = BACKWARD_OP(grad, hidden, index, weights, stacks, ctx.key, list(ctx.axes),
+                              list(ctx.dispatch))
+    # no gradient for key, axes, dispatch: torch wants an empty list for an empty list
+    return gh, None, gw, gs, None, [] if not ctx.axes else None, [] if not ctx.dispatch else None
+
+
+moe_experts_split.register_autograd(_split_backward, setup_context=_split_setup)
+
+SPLIT_OP = torch.ops.autopar.moe_experts_split.default
 
 
 def _coords(block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

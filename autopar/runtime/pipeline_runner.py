@@ -228,9 +228,11 @@ class PipelineRunner:
                 mod = CompiledStage(mod, f"stage {sg.index} {which}")
             stage = _Stage(mod, sg.index, S, self.device, input_args=ins, output_args=outs,
                            group=self.pp_group)
-            # (the first stage torch runs whole at W already)
-            stage.split_backward = sg.index == 0 or split_backward_safe(
-                sg.gm, [t.requires_grad for t in ins])
+            # (the first stage torch runs whole at W already). A compiled stage's backward is
+            # one opaque autograd node: torch's split would find no weight behind it (its
+            # weight half computed wrong gradients), so it runs whole at I.
+            stage.split_backward = not plan.options.compile and (sg.index == 0 or split_backward_safe(
+                sg.gm, [t.requires_grad for t in ins]))
             if which == "train":
                 stage.on_last_backward = self._stage_done
             mine.append((sg, stage))

@@ -222,7 +222,10 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     a = pr.action
     split = schedule == "zero-bubble"
     weight = stage_times * (1 - FORWARD) / 2 + a
-    if split and len(nc.recomputed):
+    if split and pr.intra.options.compile:
+        # compiled stages run their whole backward at I, nothing at W (runtime/pipeline_runner)
+        weight = np.full_like(stage_times, a)
+    elif split and len(nc.recomputed):
         # a later stage holding recomputed layers runs its whole backward at I, nothing at W
         # (runtime/pipeline_runner.split_backward_safe: its checkpointed regions hide the
         # weights' path from torch's split)
