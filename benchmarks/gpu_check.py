@@ -35,7 +35,16 @@ error (message and traceback tail) and lets the next one run, in this order, ski
 4. ``memory``: the peak of ``torch.cuda.max_memory_allocated`` over the 20 steps against
    the plan's memory estimate; ``compile``: the GPT's eager single-device step against
    ``torch.compile`` of it (in a subprocess with a timeout; an error is recorded);
-5. ``multi_gpu``: with 2 or more GPUs, ``data=2``, ``tensor=2`` and ZeRO-3 plans of the
+5. ``attention_backends``: causal SDPA in bf16 at a few shapes (8k tokens, 128-dim heads; a
+   16k sequence) under each of torch's backends (FlashAttention-2, cuDNN, memory-efficient)
+   and torch's default, as fractions of the dense peak against the cost model's
+   ``attention_efficiency`` (which kernel the H100 constant should describe);
+6. ``moe``: transformers' Mixtral (4 layers, top-2 of 8 experts) trained as in 1., each MoE
+   layer one ``autopar::moe_experts`` op running the experts class's own forward here;
+7. ``autopar_compile``: the GPT through ``parallelize(compile=True)`` (Inductor, Triton on a
+   GPU) trained as in 1., against one device, with its compile seconds, and its step
+   against autopar eager's (1.) and the single-device ``torch.compile`` step (4.);
+8. ``multi_gpu``: with 2 or more GPUs, ``data=2``, ``tensor=2`` and ZeRO-3 plans of the
    GPT on 2 ranks (torchrun) against one device, and NCCL all-reduce bus bandwidth
    against the cost model's; on one GPU "skipped: 1 GPU".
 
@@ -328,24 +337,29 @@ def prepared_plans_fresh(ctx: Ctx) -> dict:
 
 
 # ---- section: equivalence ----------------------------------------------------------------------
-def train_and_compare(ctx: Ctx, name: str) -> dict:
+def train_and_compare(ctx: Ctx, name: str, key: str | None = None, **extra) -> dict:
+    """Model ``name`` trained ``ctx.steps`` steps through ``parallelize`` (keywords ``extra``
+    added: ``compile=True``) against eager training on one device; kept in ``ctx.models``
+    under ``key`` (default ``name``) for the later sections."""
     import autopar
     from gpu_check_ops import batches, build_model
     dev = ctx.device
+    key = key or name
     model, loss_fn, batch, seq, vocab = build_model(name, ctx.size)
     data = batches(ctx.steps, batch, seq, vocab)
     ref = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
     kw, source = plan_kwargs(ctx, name)
+    kw.update(extra)
     x0, y0 = data[0]
     # what other modules hold on the device (an earlier model's): not this model's peak
     resident = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else 0.0
     t0 = time.perf_counter()
     pm = autopar.parallelize(model, (x0,), loss_fn, target=y0, **kw)
     t_par = time.perf_counter() - t0
-    log(f"  {name}: parallelize {t_par:.1f} s ({source}), mesh {tuple(pm.plan.mesh_shape)}, "
+    log(f"  {key}: parallelize {t_par:.1f} s ({source}), mesh {tuple(pm.plan.mesh_shape)}, "
         f"cluster {pm.plan.cluster}")
-    ctx.models[name] = {"pm": pm, "loss_fn": loss_fn, "x": x0, "y": y0, "peak": None, "ref_peak": None,
+    ctx.models[key] = {"pm": pm, "loss_fn": loss_fn, "x": x0, "y": y0, "peak": None, "ref_peak": None,
                         "resident": resident}
     opt = torch.optim.SGD(pm.parameters(), lr=LR, momentum=MOMENTUM)
     if ctx.cuda:
@@ -389,11 +403,13 @@ def train_and_compare(ctx: Ctx, name: str) -> dict:
     ref.to("cpu")                    # off the device: the next model's peaks are its own
     if ctx.cuda:
         torch.cuda.empty_cache()
-    ctx.models[name].update(peak=peak, ref_peak=ref_peak)
+    ctx.models[key].update(peak=peak, ref_peak=ref_peak, median_step_s=statistics.median(steps_s[1:] or steps_s))
     nparams = sum(p.numel() for p in ref.parameters())
-    log(f"  {name}: {'PASS' if passed else 'FAIL'} max loss diff {max_loss:.2e} (tol {LOSS_RTOL:g}), "
+    log(f"  {key}: {'PASS' if passed else 'FAIL'} max loss diff {max_loss:.2e} (tol {LOSS_RTOL:g}), "
         f"max param diff {max_param:.2e} (tol {PARAM_RTOL:g}, {worst})")
+    compiled = pm.compile_report() if extra.get("compile") else None
     return {"passed": passed, "plan_source": source, "parallelize_s": t_par, "params": nparams,
+            "compile_report": compiled, "summary": pm.plan.summary(),
             "mesh": list(pm.plan.mesh_shape), "cluster": pm.plan.cluster,
             "losses": losses, "ref_losses": ref_losses, "loss_rel_diff": loss_rel,
             "max_loss_rel_diff": max_loss, "max_loss_abs_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -798,6 +814,120 @@ def worker_compile(args) -> dict:
     return res
 
 
+# ---- section: attention by SDPA backend -----------------------------------------------------------
+ATTENTION_SHAPES = {
+    "gpu": [(1, 64, 8192, 128), (1, 32, 8192, 128), (2, 32, 4096, 128), (4, 32, 2048, 128),
+            (8, 12, 512, 64), (1, 32, 16384, 128)],
+    "dry": [(1, 2, 64, 32)],
+}
+"""(batch, heads, sequence, head dim) of causal attention timed under each backend: the
+plan_quality shapes (8,192 tokens, 128-dim heads), shorter sequences at the same tokens,
+the check's GPT, and a long sequence (the context-parallel range)."""
+
+
+def section_attention_backends(ctx: Ctx) -> dict:
+    """Causal ``F.scaled_dot_product_attention`` in bf16, forward and backward, under each
+    of torch's SDPA backends (FlashAttention-2, cuDNN, memory-efficient) and under torch's
+    default choice, against the cost model's fused-attention prediction for this GPU
+    (``Device.attention_efficiency``): which backend torch runs by default here, and at
+    what fraction of the dense peak."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from gpu_check_ops import synth_predict, time_op
+    backends = {"default": None}
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        if hasattr(SDPBackend, name):
+            backends[name.lower()] = getattr(SDPBackend, name)
+    reps, warmup = (3, 1) if ctx.dry else (10, 3)
+    peak = ctx.cost_device.peak_flops["bf16"]
+    out = {"peak_bf16_flops": peak, "cost_model_attention_efficiency": list(ctx.cost_device.attention_efficiency or ()),
+           "flops": "causal: forward 2*B*H*S^2*D (half of 4*B*H*S^2*D), backward 2.5x forward", "shapes": []}
+    for b, h, sq, d in ATTENTION_SHAPES[ctx.size]:
+        desc = {"op": "aten.scaled_dot_product_attention.default", "family": "attention",
+                "inputs": [[[b, h, sq, d], "bfloat16"]] * 3, "outputs": [[[b, h, sq, d], "bfloat16"]],
+                "flags": {"is_causal": True}, "dtype_key": "bf16", "native": True}
+        flops_f = 2 * b * h * sq * sq * d
+        row = {"shape": [b, h, sq, d], "flops_fwd": flops_f, "backends": {}}
+        try:
+            pf, pb = synth_predict(desc, ctx.cost_device)
+            row.update(predicted_fwd_s=pf, predicted_bwd_s=pb)
+        except Exception as e:  # noqa: BLE001
+            row["predicted"] = error_info(e)
+            pf = pb = None
+        for label, be in backends.items():
+            if ctx.budget.left() < 20:
+                row["backends"][label] = {"skipped": "time budget spent"}
+                continue
+            try:
+                if be is None:
+                    m = time_op(desc, ctx.device, torch.bfloat16, reps, warmup)
+                else:
+                    with sdpa_kernel([be]):
+                        m = time_op(desc, ctx.device, torch.bfloat16, reps, warmup)
+                r = {"fwd_s": m["fwd_s"], "bwd_s": m["bwd_s"],
+                     "efficiency_fwd": flops_f / m["fwd_s"] / peak, "efficiency_bwd": 2.5 * flops_f / m["bwd_s"] / peak}
+                if pf and pb:
+                    r.update(ratio_fwd=m["fwd_s"] / pf, ratio_bwd=m["bwd_s"] / pb)
+            except Exception as e:  # noqa: BLE001 - a backend that cannot run this shape here
+                r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            finally:
+                if ctx.cuda:
+                    torch.cuda.empty_cache()
+            row["backends"][label] = r
+        got = {k: v for k, v in row["backends"].items() if "fwd_s" in v}
+        if "default" in got:
+            others = {k: v for k, v in got.items() if k != "default"}
+            if others:     # the backend whose time the default's is nearest
+                d0 = got["default"]
+                row["default_is"] = min(others, key=lambda k: abs(others[k]["fwd_s"] - d0["fwd_s"])
+                                        + abs(others[k]["bwd_s"] - d0["bwd_s"]))
+        log(f"  {b}x{h}x{sq}x{d}: " + ", ".join(
+            f"{k} {v['efficiency_fwd']:.2f}/{v['efficiency_bwd']:.2f}" if "fwd_s" in v else f"{k} -"
+            for k, v in row["backends"].items()) + f" of peak (fwd/bwd); default ~ {row.get('default_is')}")
+        out["shapes"].append(row)
+    return out
+
+
+# ---- sections: a mixture of experts; autopar's compiled programs ------------------------------
+def section_moe(ctx: Ctx) -> dict:
+    """transformers' Mixtral (top-2 of 8 experts) trained as the equivalence section trains
+    the GPT: each MoE layer one ``autopar::moe_experts`` op running the experts class's own
+    forward on this device."""
+    out = train_and_compare(ctx, "mixtral")
+    out["experts"] = [line for line in out["summary"].splitlines() if "expert" in line.lower()]
+    return out
+
+
+def section_autopar_compile(ctx: Ctx) -> dict:
+    """The GPT, then the Mixtral, through ``parallelize(compile=True)`` (each program through
+    ``torch.compile``: Inductor, Triton on a GPU; the experts op opaque in the graph) against
+    eager training on one device, and each step against autopar eager's (the same plan,
+    trained by the equivalence and moe sections) and, for the GPT, ``torch.compile`` of the
+    single-device model (the compile section)."""
+    out = {"models": {}}
+    # --dry: the GPT only (compiling on 2 CPU cores is slow; tests/test_compile.py compiles
+    # the experts op's plans)
+    for name in ("gpt",) if ctx.dry else ("gpt", "mixtral"):
+        if ctx.budget.left() < (60 if out["models"] else 0):
+            out["models"][name] = {"skipped": "time budget spent"}
+            continue
+        try:
+            r = train_and_compare(ctx, name, key=f"{name}-compiled", compile=True)
+        except Exception as e:  # noqa: BLE001 - recorded, the next model runs
+            out["models"][name] = error_info(e)
+            log(f"  {name} compiled: ERROR {out['models'][name]['error'][:300]}")
+            continue
+        eager = ctx.models.get(name, {}).get("median_step_s")
+        r["autopar_eager_step_s"] = eager
+        if eager and r["median_step_s"]:
+            r["speedup_over_autopar_eager"] = eager / r["median_step_s"]
+        rep = r.get("compile_report") or {}
+        log(f"  {name} compiled: step {r['median_step_s'] * 1e3:.2f} ms against autopar eager "
+            f"{(eager or float('nan')) * 1e3:.2f} ms; compiled in {sum((rep.get('compile_s') or {}).values()):.1f} s "
+            f"(cache hits {rep.get('cache_hits')}, misses {rep.get('cache_misses')})")
+        out["models"][name] = r
+    return out
+
+
 # ---- section: several GPUs -----------------------------------------------------------------------
 def section_multi_gpu(ctx: Ctx) -> dict:
     n = torch.cuda.device_count() if ctx.cuda else 0
@@ -982,6 +1112,26 @@ def summary(report: dict) -> list[str]:
         lines.append(f"compile gpt ({c['backend']}): eager {c['eager_step_s'] * 1e3:.2f} ms, compiled "
                      f"{c['compiled_step_s'] * 1e3:.2f} ms ({c['speedup']:.2f}x), first step "
                      f"{c['first_compiled_step_s']:.1f} s")
+    for r in s.get("attention_backends", {}).get("shapes", []):
+        parts = [f"{k} {v['efficiency_fwd']:.2f}/{v['efficiency_bwd']:.2f}" for k, v in r["backends"].items()
+                 if "fwd_s" in v]
+        lines.append(f"attention {'x'.join(map(str, r['shape']))} causal, fraction of peak fwd/bwd: "
+                     + ", ".join(parts) + f" (default ~ {r.get('default_is')})")
+    m = s.get("moe", {})
+    if "passed" in m:
+        lines.append(f"moe mixtral: {'PASS' if m['passed'] else 'FAIL'}: max loss diff {m['max_loss_rel_diff']:.2e}, "
+                     f"max param diff {m['max_param_rel_diff']:.2e} over {len(m['losses'])} steps; step "
+                     f"{m['median_step_s'] * 1e3:.2f} ms, eager {m['median_ref_step_s'] * 1e3:.2f} ms")
+    for name, m in s.get("autopar_compile", {}).get("models", {}).items():
+        if "passed" not in m:
+            lines.append(f"autopar compile=True {name}: {m.get('error') or m.get('skipped')}"[:240])
+            continue
+        lines.append(f"autopar compile=True {name}: {'PASS' if m['passed'] else 'FAIL'}: max loss diff "
+                     f"{m['max_loss_rel_diff']:.2e}, max param diff {m['max_param_rel_diff']:.2e}; step "
+                     f"{m['median_step_s'] * 1e3:.2f} ms against autopar eager "
+                     f"{_f((m.get('autopar_eager_step_s') or 0) * 1e3)} ms "
+                     f"({_f(m.get('speedup_over_autopar_eager'))}x), one-device eager "
+                     f"{m['median_ref_step_s'] * 1e3:.2f} ms")
     mg = s.get("multi_gpu", {})
     for label, r in (mg.get("plans") or {}).items():
         if "step_s" in r:
@@ -1037,6 +1187,7 @@ def main(argv=None) -> int:
     sections = [("environment", section_environment, 0), ("equivalence", section_equivalence, 30),
                 ("op_timing", section_op_timing, 20), ("plan_shapes", section_plan_shapes, 25),
                 ("memory", section_memory, 0), ("compile", section_compile, 60),
+                ("attention_backends", section_attention_backends, 30), ("moe", section_moe, 30), ("autopar_compile", section_autopar_compile, 60),
                 ("multi_gpu", section_multi_gpu, 30)]
     only = {s for s in args.only.split(",") if s}
     for name, fn, need in sections:

@@ -29,17 +29,25 @@ MAX_SHAPES = 40
 
 # ---- the models --------------------------------------------------------------------------
 # sizes: "gpu" for the GPU run, "dry" for --dry on a CPU. The GPT is examples/gpt.py's
-# nanoGPT; the Llama is transformers' LlamaForCausalLM (SDPA attention, no KV cache).
+# nanoGPT; the Llama is transformers' LlamaForCausalLM (SDPA attention, no KV cache); the
+# Mixtral is transformers' MixtralForCausalLM (top-2 of 8 experts: one autopar::moe_experts op
+# per layer, running the class's own experts forward on the GPU).
 MODELS = {
     "gpu": {
         "gpt": dict(batch=8, n_embd=768, n_layer=4, n_head=12, block_size=512, vocab_size=8192),
         "llama": dict(batch=8, seq=512, vocab_size=8192, hidden_size=512, intermediate_size=1536,
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4),
+        "mixtral": dict(batch=8, seq=512, vocab_size=8192, hidden_size=512, intermediate_size=1024,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                        num_local_experts=8, num_experts_per_tok=2),
     },
     "dry": {
         "gpt": dict(batch=4, n_embd=64, n_layer=2, n_head=4, block_size=32, vocab_size=128),
         "llama": dict(batch=2, seq=32, vocab_size=256, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        "mixtral": dict(batch=2, seq=32, vocab_size=256, hidden_size=64, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2),
     },
 }
 
@@ -57,13 +65,15 @@ def build_model(name: str, size: str, seed: int = 0):
         from examples.gpt import gpt_factory
         ex = gpt_factory(batch=batch, seed=seed, **cfg)
         return ex.model, ex.loss_fn, batch, cfg["block_size"], cfg["vocab_size"]
-    if name == "llama":
+    if name in ("llama", "mixtral"):
         import transformers
         seq = cfg.pop("seq")
-        config = transformers.LlamaConfig(max_position_embeddings=seq, use_cache=False, **cfg)
+        config_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if name == "llama"
+                                 else (transformers.MixtralConfig, transformers.MixtralForCausalLM))
+        config = config_cls(max_position_embeddings=seq, use_cache=False, **cfg)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+            model = model_cls._from_config(config, attn_implementation="sdpa")
         return model, hf_lm_loss, batch, seq, cfg["vocab_size"]
     raise KeyError(name)
 

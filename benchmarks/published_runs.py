@@ -157,8 +157,10 @@ model transformers' own class from its shipped config (``hf:deepseek-v3``,
 split the experts, as DeepSeek's EP and Megatron's folded EP run):
 
 - 17 DeepSeek-V3 on 2,048 H800 (pipeline 16 x data 2 x expert 64, 120 micro-batches of 128
-  sequences, 1F1B): predicted 832 against 1,543 tokens/s (-46%), 36.9 s a step against
-  19.9 s. Two facts of how it ran that autopar does not price: its GEMMs and their
+  sequences, 1F1B): predicted 889 against 1,543 tokens/s (-42.4%), 34.6 s a step against
+  19.9 s (832, -46%, 36.9 s before the H100 attention constant was measured: 2026-11-27,
+  session 18; which attention kernel DeepSeek ran is not stated, the measured cuDNN one is
+  priced). Two facts of how it ran that autopar does not price: its GEMMs and their
   activations in FP8 (Sec. 3.3: fprop, dgrad and wgrad in FP8, about twice bf16's rate on
   Hopper; autopar's precisions are fp32, bf16 and fp16), and DualPipe (Sec. 3.2.1), which
   overlaps the all-to-all with compute and leaves a near-zero bubble, where 1F1B's is 22%
@@ -170,8 +172,12 @@ split the experts, as DeepSeek's EP and Megatron's folded EP run):
   4,096-token micro-batch) is charged ~22 micro-batches of logits where Megatron's
   interleaved schedule runs its backward at once (``solver/stage_dp.py``, the ``limit / v``
   constraint; a per-rank rule is the fix, not made here).
-- 19 the same without virtual stages (1F1B, not as run): 1,345 against 1,354 tokens/s
-  (-0.7%), 24.4 s a step against 24.2 s. EP 8 folds over TP 2 x DP 4 in Megatron; here
+- 19 the same without virtual stages (1F1B, not as run): 1,522 against 1,354 tokens/s
+  (+12.4%), 21.5 s a step against 24.2 s; before the H100 attention constant was measured
+  (FlashAttention-2's figure), 1,345 (-0.7%), 24.4 s. Megatron-Core runs Transformer
+  Engine's fused attention, cuDNN's kernel on Hopper, the kernel measured; what the row
+  leaves out (its recomputed norms and activations, the dispatcher's permutations) is
+  not priced. EP 8 folds over TP 2 x DP 4 in Megatron; here
   expert 4 is pinned beside tensor 2 and the plan splits the experts 4 ways and the tokens
   over the tensor axis (each tensor rank runs the experts for half the tokens).
 
@@ -366,6 +372,13 @@ class Run:
 # SXM +50.0%, NVL +31.5% (2026-11-23); the midpoint is not chosen on the row.
 H100_NVL_PEAK = {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12}
 TORCHTITAN_H100_PEAK = {k: (v + H100_NVL_PEAK[k]) / 2 for k, v in DEVICES["h100"].peak_flops.items()}
+# The fused attention of the 2024 H100 runs (torchtitan's Table 1, Llama 3): FlashAttention-2,
+# torch's SDPA flash backend then, at "up to 335 TFLOPs/s" forward + backward on H100 (Dao
+# 2023, Sec. 4.1, Fig. 7), 0.339 of 989, split in A100's forward:backward ratio: 0.375, 0.326
+# (what ``gpus.py`` held until the GPU check measured torch 2.11's default there, cuDNN's
+# kernel, at 0.58-0.65 / 0.50-0.52: 2026-11-27). The GPU check's FlashAttention-2 on one
+# H100 measured 0.27-0.34 / 0.19-0.31 (benchmarks/results/gpu_check_nvidia-h100-80gb-hbm3.json).
+FA2_H100 = {"attention_efficiency": (0.375, 0.326), "attention_half_seq": (0.0, 0.0)}
 # DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437): 2,048 H800 (Sec. 3.1); pipeline 16,
 # expert parallelism 64 over 8 nodes, ZeRO-1 data parallelism, no tensor parallelism
 # (Sec. 3.2); sequence 4,096 and a batch ramped to 15,360 sequences (Sec. 4.2); "180K H800
@@ -422,13 +435,14 @@ RUNS: list[Run] = [
         128256, 8192, 16, 8, "h100", 1, 1, micro=2, recompute=False, kv_heads=8, ffn=14336,
         zero=3, published_tps=5762, held=True, selective_ac=True, torchtitan=True,
         extra={"memory_bytes": 96 * 2**30, "mem_bandwidth": 2.4e12,
-               "peak_flops": TORCHTITAN_H100_PEAK}),
+               "peak_flops": TORCHTITAN_H100_PEAK, **FA2_H100}),
     Run("Llama3 405B", "Dubey et al. 2024, Table 4 (8,192 GPUs)", "llama", 126, 16384, 128,
         128256, 8192, 2048, 8192, "h100", 8, 16, micro=1, published_tflops=430,
-        kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b"),
+        kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", extra=FA2_H100),
     Run("Llama3 405B", "Dubey et al. 2024, Table 4 (16,384 GPUs)", "llama", 126, 16384, 128,
         128256, 8192, 2048, 16384, "h100", 8, 16, micro=1, published_tflops=400,
-        kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", held=True),
+        kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", held=True,
+        extra=FA2_H100),
     # mixtures of experts (docstring, "MoE rows"): tokens/s per GPU
     Run("DeepSeek-V3", "DeepSeek-AI 2024, arXiv:2412.19437, Sec. 3.1, Table 1 (2,048 H800)",
         "hf:deepseek-v3", 61, 7168, 128, 129280, 4096, 15360, 2048, "h800", 1, 16, micro=1,

@@ -57,7 +57,8 @@ On a GPU (``Device.sms`` set; the CPU's measured constants are untouched):
   does (the largest that fills every SM); backward tiles grad-input and grad-weight apart;
 - under a 16-bit ``dtype_key`` every fp32 tensor is moved at 16 bits (mixed precision over
   an fp32 capture), unless ``native`` (a 16-bit capture: its fp32 tensors are real);
-- fused (flash) attention runs at ``Device.attention_efficiency`` (forward, backward);
+- fused (flash) attention runs at ``Device.attention_efficiency`` (forward, backward),
+  lower on short sequences where ``Device.attention_half_seq`` says so;
   unfused attention is its ops: the scores' matmuls, then mask, softmax and dropout, each
   memory-bound over ``b * heads * s^2`` elements forward and backward.
 
@@ -410,8 +411,11 @@ def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
     if fam == MATMUL and device.sms:
         q_fwd, q_bwd = _matmul_waves(op, inputs, outputs, device)
     elif fam == ATTENTION and device.sms and device.attention_efficiency[0] > 0:
-        rate_f = device.peak_flops[dtype_key] * device.attention_efficiency[0]
-        rate_b = device.peak_flops[dtype_key] * device.attention_efficiency[1]
+        s = inputs[0].shape[-2] if inputs and len(inputs[0].shape) >= 2 else 0
+        f_eff, b_eff = (e * (s / (s + s0) if s0 and s else 1.0)
+                        for e, s0 in zip(device.attention_efficiency, device.attention_half_seq))
+        rate_f = device.peak_flops[dtype_key] * f_eff
+        rate_b = device.peak_flops[dtype_key] * b_eff
         fwd = _kernel_time(f, b, 1, rate_f, bw, device)
         fb, bb, kernels = _backward(fam, op, inputs, outputs, f, b)
         return fwd, _kernel_time(fb, bb, kernels, rate_b, bw, device)

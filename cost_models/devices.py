@@ -45,6 +45,11 @@ class Device:
     attention_efficiency: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) fraction of the 16-bit peak a fused (flash) attention kernel
     reaches; (0, 0) = priced as any matmul-like op at ``max_efficiency``."""
+    attention_half_seq: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) query length S0 at which fused attention reaches half of
+    ``attention_efficiency``: at query length S it runs at ``efficiency * S / (S + S0)``
+    (the per-row softmax bookkeeping and the causal mask's diagonal blocks weigh more on a
+    short sequence). (0, 0): the efficiency at every length."""
     view_overhead: float = 0.0
     """Seconds per view op (a reshape, transpose, ...: framework dispatch and autograd
     bookkeeping, no kernel), forward and backward alike. Zero for GPUs, whose host runs

@@ -43,15 +43,17 @@ _H100_SMS = 132
 #   dense peak (read off the papers' benchmark figures):
 #   A100: FlashAttention-2 (Dao 2023, Fig. 4-6) forward ~190-200 of 312 TFLOP/s (0.62),
 #         backward ~165-175 (0.54); the paper's abstract: "50-73% of the theoretical maximum".
-#   H100: what torch's F.scaled_dot_product_attention runs there by default: its flash
-#         backend is FlashAttention-2 (torch.nn.attention._registry: "Restore the default FA2
-#         implementation"; FA3 is an opt-in prototype, torch.nn.attention._fa3). FA2 on H100
-#         reaches "up to 335 TFLOPs/s" forward + backward (Dao 2023, Sec. 4.1, Fig. 7), 0.339
-#         of 989; split into forward and backward in A100's ratio (0.62 : 0.54, above) at
-#         the same combined time (backward 2.5x the forward's FLOPs): 0.375, 0.326.
-#         (FlashAttention-3, Shah et al. 2024, Fig. 5-6, reaches 0.60 / 0.48 when activated.)
+#   H100: measured (benchmarks/gpu_check.py's attention_backends section, one H100 80GB
+#         HBM3, torch 2.11, 2026-11-27: benchmarks/results/gpu_check_nvidia-h100-80gb-hbm3.json):
+#         torch's default SDPA backend there is cuDNN's fused attention, at 0.58-0.65 of the
+#         bf16 peak forward and 0.50-0.52 backward at 8k-16k tokens, 0.46 / 0.33 at 2k
+#         (FlashAttention-2, its flash backend, 0.27-0.34 / 0.19-0.31: what this constant
+#         held before, from Dao 2023, Sec. 4.1: "up to 335 TFLOPs/s"). Fitted (least squares
+#         in relative error over 2k-16k, 32-64 heads of 128) as e * S / (S + S0):
+#         forward e 0.68, S0 1,050; backward e 0.59, S0 1,550 (within 7% of each point).
 _A100_ATTENTION = (0.62, 0.54)
-_H100_ATTENTION = (0.375, 0.326)
+_H100_ATTENTION = (0.68, 0.59)
+_H100_ATTENTION_HALF_SEQ = (1050.0, 1550.0)
 
 A100_80GB = Device(
     name="A100-80GB-SXM",
@@ -74,6 +76,7 @@ H100_80GB = Device(
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
+    attention_half_seq=_H100_ATTENTION_HALF_SEQ,
 )
 
 H200 = Device(
@@ -85,6 +88,7 @@ H200 = Device(
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
+    attention_half_seq=_H100_ATTENTION_HALF_SEQ,
 )
 
 # H800 SXM, the export variant of H100 SXM: the same Hopper die, Tensor Core peaks and HBM3
@@ -99,6 +103,7 @@ H800 = Device(
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
+    attention_half_seq=_H100_ATTENTION_HALF_SEQ,
 )
 
 DEVICES: dict[str, Device] = {"a100": A100_80GB, "h100": H100_80GB, "h200": H200, "h800": H800}

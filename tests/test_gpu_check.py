@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-SECTIONS = ("environment", "equivalence", "op_timing", "plan_shapes", "memory", "compile", "multi_gpu")
+SECTIONS = ("environment", "equivalence", "op_timing", "plan_shapes", "memory", "compile",
+            "attention_backends", "moe", "autopar_compile", "multi_gpu")
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check") / "report.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert out.exists(), proc.stdout[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -119,6 +120,42 @@ def test_memory_and_compile(dry):
         assert m["estimate_bytes"] > 0 and m["timing_report_peak_bytes"] > 0, (name, m)
     c = report["sections"]["compile"]
     assert c["eager_step_s"] > 0 and c["compiled_step_s"] > 0, c
+
+
+def _equal_to_one_device(m: dict, tol: dict) -> None:
+    """A run of ``train_and_compare`` against its eager reference, within the stated bf16
+    tolerances and to a small part of how far the weights moved."""
+    assert "error" not in m, (m.get("error"), m.get("traceback_tail"))
+    assert len(m["losses"]) == len(m["ref_losses"]) >= 2 and not m["missing_params"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(m["losses"], m["ref_losses"])) <= tol["loss_rtol"]
+    assert max(m["param_rel_diff"].values()) <= tol["param_rtol"]
+    assert m["max_param_diff_rel_to_change"] <= 0.05, m["max_param_diff_rel_to_change"]
+    assert m["losses"][-1] != m["losses"][0] and m["passed"] is True
+
+
+def test_mixtral_trains_through_its_experts_op(dry):
+    """transformers' Mixtral at world 1: each MoE layer one ``autopar::moe_experts`` op (the
+    plan's summary names the experts), equal to eager training."""
+    s = dry[0]["sections"]
+    m = s["moe"]
+    _equal_to_one_device(m, s["equivalence"]["tolerance"])
+    assert m["experts"], m["summary"]
+
+
+def test_autopar_compiled_gpt_equals_one_device(dry):
+    """``parallelize(compile=True)`` at world 1 (Inductor's C++ on the CPU): equal to eager
+    training, both programs compiled and their seconds reported."""
+    s = dry[0]["sections"]
+    m = s["autopar_compile"]["models"]["gpt"]
+    _equal_to_one_device(m, s["equivalence"]["tolerance"])
+    rep = m["compile_report"]
+    assert rep["compile_s"] and all(v > 0 for v in rep["compile_s"].values()), rep
+    assert m["autopar_eager_step_s"] > 0 and m["speedup_over_autopar_eager"] > 0
+
+
+def test_attention_backends_are_timed(dry):
+    rows = dry[0]["sections"]["attention_backends"]["shapes"]
+    assert rows and all(r["backends"]["default"]["fwd_s"] > 0 and r["predicted_fwd_s"] > 0 for r in rows)
 
 
 def test_without_a_gpu_it_refuses(tmp_path):
