@@ -313,7 +313,7 @@ def reference(b: zoo.Built, opt_kind: str, precision: str | None = None, micro: 
     ``float64``: in double precision (weights, floating inputs and target)."""
     model = copy.deepcopy(b.model)
     if float64:
-        model = model.double()
+        model = double_model(model)
         f64 = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
         b = zoo.Built(model, tuple(f64(x) for x in b.inputs), b.loss_fn, f64(b.target), b.spec)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -797,10 +797,22 @@ def rounding_suspect(r: Result) -> bool:
     return " err " in r.message and all(isinstance(x, float) and x < ROUNDING_SUSPECT for x in nums)
 
 
+def double_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in float64. A transformers mixture of experts computes its experts one by
+    one there (``experts_implementation="eager"``): torch's grouped matmul has no float64
+    kernel ("Expected mat_a to be Float32, BFloat16 or Float16")."""
+    model = model.double()
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
+            cfg._experts_implementation = "eager"
+    return model
+
+
 def as_float64(b: zoo.Built) -> zoo.Built:
     """A copy of the model, its floating inputs and target in float64."""
     f64 = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-    return zoo.Built(copy.deepcopy(b.model).double(), tuple(f64(x) for x in b.inputs), b.loss_fn,
+    return zoo.Built(double_model(copy.deepcopy(b.model)), tuple(f64(x) for x in b.inputs), b.loss_fn,
                      f64(b.target), b.spec)
 
 

@@ -31,6 +31,7 @@ CASES = [
     {"id": "pipeline", "model": "mlp", "pins": {"pipeline": 2, "micro_batch_size": 2}},
     {"id": "hf-llama", "model": "hf-llama", "pins": {"tensor": 2}},    # transformers' Llama
     # each MoE layer one experts op: its split forms are opaque ops of the compiled graph
+    {"id": "moe-free", "model": "hf-mixtral", "pins": {}},     # the experts op whole: its own op
     {"id": "moe-all-to-all", "model": "hf-mixtral", "pins": {"expert": 2}},
     {"id": "moe-all-gather", "model": "hf-mixtral", "pins": {"expert": 2, "expert_dispatch": "all-gather"}},
     # a compiled stage runs its whole backward at I (torch's split finds no weight behind it)

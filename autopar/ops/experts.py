@@ -154,15 +154,35 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(hidden, index, weights, *stacks)
 
 
-def _recomputed_grads(fn, grad, hidden, index, weights, stacks):
+def _recomputed_grads(fn, grad, hidden, index, weights, stacks, *, in_kernel: bool):
     """Gradients of ``fn(hidden, index, weights, stacks)`` against ``grad`` for the hidden
-    state, the routing weights and each stack (zeros where unused), by running ``fn`` again
-    under ``torch.func.vjp``: a custom op's kernel runs below autograd, where
-    ``torch.autograd.grad`` would find no graph, and a functorch transform still
-    differentiates."""
-    _, vjp = torch.func.vjp(lambda h, w, s: fn(h, index, w, s), hidden, weights, list(stacks))
-    gh, gw, gs = vjp(grad)
-    return gh, gw, list(gs)
+    state, the routing weights and each stack (zeros where unused), by running ``fn`` again.
+    In an autograd formula (``in_kernel=False``), with ``torch.autograd.grad``. In a custom
+    op's kernel, which runs below autograd where ``autograd.grad`` would find no graph,
+    under ``torch.func.vjp`` (a functorch transform differentiates there; it refuses to
+    run under saved-tensor hooks, which only the eager runtime sets)."""
+    if in_kernel:
+        _, vjp = torch.func.vjp(lambda h, w, s: fn(h, index, w, s), hidden, weights, list(stacks))
+        gh, gw, gs = vjp(grad)
+        return gh, gw, list(gs)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in (hidden, weights, *stacks)]
+        h, w, *s = leaves
+        out = fn(h, index, w, s)
+        want = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(out, want, grad, allow_unused=True))
+        grads = [next(got) if t.requires_grad else None for t in leaves]
+    gh, gw, *gs = [g if g is not None else torch.zeros_like(t) if t.requires_grad else None
+                   for g, t in zip(grads, leaves)]
+    return gh, gw, gs
+
+
+def _experts_fn(key: str, axes, dispatch):
+    """The computation to differentiate: the whole op (no ``axes``) or a split form."""
+    if axes:
+        return lambda h, i, w, s: _run_experts(h, i, w, s, key, tuple(axes), tuple(dispatch))
+    n = template(key).num_experts
+    return lambda h, i, w, s: _call(key, n, s, h, i, w)
 
 
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
@@ -173,12 +193,8 @@ def moe_experts_backward(grad: torch.Tensor, hidden: torch.Tensor, top_k_index: 
     ``moe_experts`` (no ``axes``) or of ``moe_experts_split``: the forward run again with
     autograd on (its all-to-alls too). One op, so that a compiled program's backward graph
     holds it whole: what it runs has shapes known only at run time."""
-    if axes:
-        fn = lambda h, i, w, s: _run_experts(h, i, w, s, key, tuple(axes), tuple(dispatch))  # noqa: E731
-    else:
-        n = template(key).num_experts
-        fn = lambda h, i, w, s: _call(key, n, s, h, i, w)  # noqa: E731
-    gh, gw, gs = _recomputed_grads(fn, grad, hidden, top_k_index, top_k_weights, stacks)
+    gh, gw, gs = _recomputed_grads(_experts_fn(key, axes, dispatch), grad, hidden, top_k_index,
+                                   top_k_weights, stacks, in_kernel=True)
     return [gh, gw, *gs]
 
 
@@ -190,9 +206,22 @@ def _(grad, hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch):
 BACKWARD_OP = torch.ops.autopar.moe_experts_backward.default
 
 
-def _backward(ctx, grad):
+def _experts_grads(ctx, grad, axes: tuple, dispatch: tuple):
+    """The backward of either op: eagerly, the forward again under autograd; while
+    ``torch.compile`` traces the backward, the opaque ``moe_experts_backward`` op (what it
+    runs has shapes known only at run time)."""
     hidden, index, weights, *stacks = ctx.saved_tensors
-    gh, gw, *gs = BACKWARD_OP(grad, hidden, index, weights, stacks, ctx.key, [], [])
+    # traced: AOTAutograd hands the formula its tracer's tensors (torch 2.11 does not say
+    # is_compiling() there); eagerly, a plain tensor
+    if torch.compiler.is_compiling() or type(grad) is not torch.Tensor:
+        gh, gw, *gs = BACKWARD_OP(grad, hidden, index, weights, stacks, ctx.key, list(axes), list(dispatch))
+        return gh, gw, gs
+    return _recomputed_grads(_experts_fn(ctx.key, axes, dispatch), grad, hidden, index, weights, stacks,
+                             in_kernel=False)
+
+
+def _backward(ctx, grad):
+    gh, gw, gs = _experts_grads(ctx, grad, (), ())
     return gh, None, gw, gs, None
 
 
@@ -287,9 +316,7 @@ def _split_setup(ctx, inputs, output):
 
 
 def _split_backward(ctx, grad):
-    hidden, index, weights, *stacks = ctx.saved_tensors
-    gh, gw, *gs = BACKWARD_OP(grad, hidden, index, weights, stacks, ctx.key, list(ctx.axes),
-                              list(ctx.dispatch))
+    gh, gw, gs = _experts_grads(ctx, grad, ctx.axes, ctx.dispatch)
     # no gradient for key, axes, dispatch: torch wants an empty list for an empty list
     return gh, None, gw, gs, None, [] if not ctx.axes else None, [] if not ctx.dispatch else None
 
