@@ -285,3 +285,41 @@ def test_parallel_module_places_its_programs(monkeypatch):
     assert seen == [comm.device, comm.device]          # train and forward
     loss = pm.train_step(*ex.inputs, target=ex.target)
     assert torch.isfinite(loss)
+
+
+_BACKWARD_ON_ANOTHER_THREAD = r"""
+import os, threading, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from autopar.ops import collectives
+from autopar.ops.comm import DistComm, use_comm
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+comm = DistComm(init_device_mesh("cpu", (1,)))
+x = torch.randn(4, requires_grad=True)
+with use_comm(comm):
+    y = collectives.all_reduce(x * 2, 0, grad_partial=True)    # backward all-reduces too
+got = []
+t = threading.Thread(target=lambda: got.append(torch.autograd.grad(y.sum(), x)[0]))
+t.start(); t.join()
+assert got and torch.equal(got[0], torch.full((4,), 2.0)), got
+print("backward on another thread: ok")
+dist.destroy_process_group()
+"""
+
+
+def test_backward_on_another_thread_finds_the_process_communicator():
+    """On a GPU the autograd engine runs backward on a thread of its own per device, where no
+    ``use_comm`` block is active: the collectives' backward (and the gradient buckets) read
+    the process's own rank's communicator there (``ops.comm._process_comm``). Here a
+    thread of ours runs the backward, on one gloo rank in a fresh process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PORT=str(port), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _BACKWARD_ON_ANOTHER_THREAD], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -137,8 +137,16 @@ def is_comm_failure(e: BaseException) -> bool:
             or "timed out" in text.lower())
 
 
+_process_comm: "Comm | None" = None
+"""The last communicator of this process's own rank made current (a :class:`DistComm`): what
+a thread that never entered :func:`use_comm` reads. On a GPU the autograd engine runs
+backward on a thread of its own per device, so the collectives' backward, the gradient
+buckets and the experts op's recomputation run where no ``use_comm`` block is active.
+Ranks simulated as threads share a process and set none: each must enter ``use_comm``."""
+
+
 def current_comm() -> "Comm":
-    comm = getattr(_local, "comm", None)
+    comm = getattr(_local, "comm", None) or _process_comm
     if comm is None:
         raise RuntimeError("no communicator is active: run the per-rank module through "
                            "autopar's ParallelModule (or `with use_comm(comm):`)")
@@ -147,8 +155,11 @@ def current_comm() -> "Comm":
 
 @contextlib.contextmanager
 def use_comm(comm: "Comm"):
+    global _process_comm
     prev = getattr(_local, "comm", None)
     _local.comm = comm
+    if comm is not None and comm.one_per_process:
+        _process_comm = comm
     try:
         yield comm
     finally:
@@ -175,6 +186,7 @@ class Comm:
     device: torch.device     # where this rank's tensors live
     _regathered = None       # ZeRO-3's per-communicator record (ops.collectives.regathered_weights)
     _settings: StepSettings | None = None
+    one_per_process = False  # the process's own rank (DistComm): threads without use_comm read it
 
     @property
     def settings(self) -> StepSettings:
@@ -205,6 +217,12 @@ class Comm:
         result stacks what each rank sent here (``recv[j]`` rows from rank ``j``) in rank
         order: an all-to-all with sizes known only at run time (a mixture of experts'
         token dispatch)."""
+        raise NotImplementedError
+
+    def shift(self, t: torch.Tensor, axis: int, offset: int = 1) -> torch.Tensor:
+        """Send ``t`` to the rank ``offset`` places ahead on ``axis`` (coordinate
+        ``(i + offset) % n``) and return what the rank ``offset`` places behind sent: one step
+        of a ring (context parallelism's ring attention)."""
         raise NotImplementedError
 
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], axis: int):
@@ -249,6 +267,7 @@ class _Inner(Comm):
 
     def __init__(self, outer: Comm):
         self.outer = outer
+        self.one_per_process = outer.one_per_process
         self.mesh_shape = tuple(outer.mesh_shape[1:])
         self.coord = tuple(outer.coord[1:])
         self.rank = outer.rank
@@ -269,6 +288,9 @@ class _Inner(Comm):
     def all_to_all_v(self, t, axis, send, recv):
         return self.outer.all_to_all_v(t, axis + 1, send, recv)
 
+    def shift(self, t, axis, offset=1):
+        return self.outer.shift(t, axis + 1, offset)
+
     def all_reduce_coalesced(self, tensors, axis):
         return self.outer.all_reduce_coalesced(tensors, axis + 1)
 
@@ -284,6 +306,8 @@ class DistComm(Comm):
     device type (the current CUDA device under NCCL, else the CPU). Every collective waits
     at most ``timeout`` seconds (None: the process group's own timeout), then raises
     :class:`CollectiveError`."""
+
+    one_per_process = True
 
     def __init__(self, mesh, timeout: float | None = None):
         _free_groups_at_exit()
@@ -386,6 +410,21 @@ class DistComm(Comm):
         self._wait(self.dist.all_to_all_single(out, t, list(recv), list(send),
                                                group=self.groups[axis], async_op=True),
                    "all_to_all", axis)
+        return out
+
+    def shift(self, t, axis, offset=1):
+        # point-to-point: the peers' global ranks in the axis' group
+        n, i, ranks = self.mesh_shape[axis], self.coord[axis], self.group_ranks[axis]
+        t = t.contiguous()
+        if offset % n == 0:
+            return t.clone()
+        out = torch.empty_like(t)
+        group = self.groups[axis]
+        works = self.dist.batch_isend_irecv([
+            self.dist.P2POp(self.dist.isend, t, ranks[(i + offset) % n], group),
+            self.dist.P2POp(self.dist.irecv, out, ranks[(i - offset) % n], group)])
+        for work in works:
+            self._wait(work, "shift", axis)
         return out
 
     def all_reduce_coalesced(self, tensors, axis):
@@ -536,6 +575,9 @@ class ThreadComm(Comm):
         out = [p.split(list(s), dim=0)[i] for p, s in zip(parts, self._exchange_sizes(send, axis))]
         assert [o.shape[0] for o in out] == list(recv), "all_to_all_v: sizes disagree"
         return torch.cat(out, dim=0)
+
+    def shift(self, t, axis, offset=1):
+        return self._exchange(t, axis)[(self.coord[axis] - offset) % self.mesh_shape[axis]]
 
     def _exchange_sizes(self, send, axis) -> list:
         barrier, box = self.world.group(axis, self.coord)

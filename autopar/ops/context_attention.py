@@ -1,0 +1,276 @@
+"""Context parallelism's attention: the sequence sharded over a mesh axis *through*
+scaled-dot-product attention, each rank's output shard equal to the matching rows of
+``F.scaled_dot_product_attention`` on the whole sequence.
+
+Layouts (which positions rank ``r`` of ``c`` holds, concatenated in this order):
+
+- ``"contiguous"``: positions ``[r*S/c, (r+1)*S/c)``. Under a causal mask the last rank
+  sees nearly all keys and the first almost none: the last does about ``(2c-1)/c`` times
+  the mean work (:func:`causal_work`), and the step waits for it.
+- ``"balanced"``: the sequence cut into ``2c`` chunks, rank ``r`` holding chunks ``r`` and
+  ``2c-1-r`` (a head and a tail), so every rank does the same masked work
+  (:func:`balanced_shard`, :func:`balanced_unshard`, :func:`balanced_positions`: rotary
+  embeddings and masks follow the shard by these positions).
+
+Forms (:func:`context_attention`), both an autograd function whose backward is the mirror:
+
+- ``"all-gather"``: K/V gathered along the axis, each rank's queries against the whole
+  sequence; backward gathers K/V again (the whole sequence's K/V is not held from forward to
+  backward: that per-layer term is what context parallelism removes) and reduce-scatters
+  dK/dV back to their owners.
+- ``"ring"``: ``c`` steps; at each, the local queries attend to the K/V block held, and the
+  block moves one rank on (:meth:`Comm.shift`); partial results are merged by log-sum-exp.
+  Backward recomputes each block's probabilities from the saved log-sum-exp (the flash
+  attention backward) while K/V go round again, their gradients travelling with them and
+  arriving home after the last step. A rank holds two K/V blocks at a time.
+
+Each block is split into the pieces of positions its ranks hold (one per rank contiguous,
+two balanced); a query piece against a key piece is skipped when every key is later than
+every query, computed unmasked when every key is earlier or the mask is off, and masked
+only on the diagonal. The block math is plain matmuls materializing one piece pair's
+scores, so it runs wherever torch does. A fused kernel that also returns the log-sum-exp
+could replace :func:`_attend` / :func:`_attend_grad` per piece pair later:
+``aten._scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``) on the CPU,
+``aten._scaled_dot_product_flash_attention`` / ``_efficient_attention`` or
+``_scaled_dot_product_cudnn_attention`` (with ``compute_log_sumexp``) on CUDA; their
+backward ops take the saved output and log-sum-exp, so the ring's backward per block
+would be one call. (Their grouped-query support differs by kernel: K/V may need
+``repeat_interleave`` first; the diagonal piece is ``is_causal=True``, the others unmasked.)
+
+Rank ``r``'s position on the axis is ``comm.coord[axis]`` of :func:`current_comm`; the
+ring sends to coordinate ``r+1`` and receives from ``r-1``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, Sequence
+
+import torch
+
+from autopar.ops.comm import current_comm
+
+FORMS = ("ring", "all-gather")
+LAYOUTS = ("balanced", "contiguous")
+
+Piece = tuple[int, int]      # (first position, length): a range of positions a rank holds
+
+
+# --- layouts ---------------------------------------------------------------------------
+
+def shard_pieces(seq_len: int, rank: int, c: int, layout: str = "balanced") -> list[Piece]:
+    """The ranges of positions rank ``rank`` of ``c`` holds of a sequence of ``seq_len``, in
+    the order its shard concatenates them."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    parts = c if layout == "contiguous" else 2 * c
+    if seq_len % parts:
+        raise ValueError(f"a {layout} shard over {c} ranks cuts the sequence into {parts} "
+                         f"equal chunks: {seq_len} positions do not divide")
+    n = seq_len // parts
+    if layout == "contiguous":
+        return [(rank * n, n)]
+    return [(rank * n, n), ((2 * c - 1 - rank) * n, n)]
+
+
+def shard_positions(seq_len: int, rank: int, c: int, layout: str = "balanced",
+                    device: torch.device | None = None) -> torch.Tensor:
+    """The positions rank ``rank`` holds, in shard order (for rotary embeddings and masks)."""
+    return torch.cat([torch.arange(a, a + n, device=device)
+                      for a, n in shard_pieces(seq_len, rank, c, layout)])
+
+
+def balanced_positions(seq_len: int, rank: int, c: int,
+                       device: torch.device | None = None) -> torch.Tensor:
+    """Positions of chunks ``rank`` and ``2c-1-rank`` of ``2c``: what :func:`balanced_shard`
+    gives rank ``rank``."""
+    return shard_positions(seq_len, rank, c, "balanced", device)
+
+
+def balanced_shard(x: torch.Tensor, dim: int, rank: int, c: int) -> torch.Tensor:
+    """Rank ``rank``'s balanced shard of ``x`` along ``dim``: chunks ``rank`` and
+    ``2c-1-rank`` of ``2c``, concatenated."""
+    shard_pieces(x.size(dim), rank, c)          # the size check
+    chunks = x.chunk(2 * c, dim)
+    return torch.cat([chunks[rank], chunks[2 * c - 1 - rank]], dim)
+
+
+def balanced_unshard(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """The whole tensor from every rank's :func:`balanced_shard`, in rank order."""
+    halves = [p.chunk(2, dim) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+
+def causal_work(seq_len: int, rank: int, c: int, layout: str = "balanced") -> int:
+    """Unmasked (query, key) pairs of rank ``rank``'s queries under a causal mask (a query at
+    position ``p`` sees ``p + 1`` keys): the attention work the rank does."""
+    return sum(n * a + n * (n + 1) // 2 for a, n in shard_pieces(seq_len, rank, c, layout))
+
+
+# --- block math ------------------------------------------------------------------------
+
+def _pairs(q_pieces: Sequence[Piece], kv_pieces: Sequence[Piece], causal: bool,
+           device: torch.device) -> Iterator[tuple[slice, slice, torch.Tensor | None]]:
+    """(query rows, key rows, mask or None) of the local tensors for every pair of pieces
+    with something to compute; consecutive unmasked key pieces of one query piece merged."""
+    q0 = 0
+    for qa, qn in q_pieces:
+        rows, run, k0 = slice(q0, q0 + qn), None, 0
+        for ka, kn in kv_pieces:
+            if not causal or ka + kn - 1 <= qa:        # every key visible: unmasked
+                run = slice(run.start if run else k0, k0 + kn)
+            else:
+                if run:
+                    yield rows, run, None
+                    run = None
+                if ka <= qa + qn - 1:                   # some visible: the diagonal
+                    qpos = torch.arange(qa, qa + qn, device=device)
+                    kpos = torch.arange(ka, ka + kn, device=device)
+                    yield rows, slice(k0, k0 + kn), kpos[None, :] <= qpos[:, None]
+            k0 += kn
+        if run:
+            yield rows, run, None
+        q0 += qn
+
+
+def _scores(q, k, scale, mask):
+    s = (q @ k.transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(~mask, -math.inf)
+
+
+def _attend(q5, k, v, q_pieces, kv_pieces, causal, scale, out, lse) -> None:
+    """Merge the local queries' attention to one K/V block into ``out`` / ``lse`` in place.
+    ``q5``, ``out``: [B, Hkv, group, L, D]; ``lse``: [B, Hkv, group, L]; ``k``, ``v``:
+    [B, Hkv, Lk, D]."""
+    k5, v5 = k.to(q5.dtype).unsqueeze(2), v.to(q5.dtype).unsqueeze(2)
+    for rows, keys, mask in _pairs(q_pieces, kv_pieces, causal, q5.device):
+        s = _scores(q5[..., rows, :], k5[..., keys, :], scale, mask)
+        blse = s.logsumexp(-1)
+        # a row with no visible key here (lse -inf) contributes nothing
+        bout = torch.exp(s - blse.clamp(min=torch.finfo(s.dtype).min)[..., None]) @ v5[..., keys, :]
+        o, m = out[..., rows, :], lse[..., rows]
+        new = torch.logaddexp(m, blse)
+        o.mul_(torch.exp(m - new)[..., None]).add_(bout * torch.exp(blse - new)[..., None])
+        m.copy_(new)
+
+
+def _attend_grad(q5, k, v, do5, lse, delta, q_pieces, kv_pieces, causal, scale, dq, dk, dv) -> None:
+    """Add one K/V block's share of the gradients into ``dq`` (as ``q5``) and ``dk``, ``dv``
+    (as ``k``), the probabilities recomputed from the whole row's ``lse``; ``delta`` is
+    rowsum(dO * O)."""
+    k5, v5 = k.to(q5.dtype).unsqueeze(2), v.to(q5.dtype).unsqueeze(2)
+    for rows, keys, mask in _pairs(q_pieces, kv_pieces, causal, q5.device):
+        qb, kb, vb, dob = q5[..., rows, :], k5[..., keys, :], v5[..., keys, :], do5[..., rows, :]
+        p = torch.exp(_scores(qb, kb, scale, mask) - lse[..., rows, None])
+        dv[..., keys, :] += (p.transpose(-1, -2) @ dob).sum(2)
+        ds = p * (dob @ vb.transpose(-1, -2) - delta[..., rows, None])
+        dq[..., rows, :] += scale * (ds @ kb)
+        dk[..., keys, :] += scale * (ds.transpose(-1, -2) @ qb).sum(2)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores, probabilities and running sums in float32 at least."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# --- the autograd function -------------------------------------------------------------
+
+class _ContextAttention(torch.autograd.Function):
+    """Outputs (out [B, H, L, D] in q's dtype, log-sum-exp [B, H, L], not differentiable)."""
+
+    @staticmethod
+    def forward(q, k, v, axis, form, causal, scale, layout):
+        comm = current_comm()
+        c, i = comm.size(axis), comm.coord[axis]
+        seq = q.shape[2] * c
+        hkv = k.shape[1]
+        q5 = q.to(_acc_dtype(q.dtype)).unflatten(1, (hkv, -1))
+        out = torch.zeros_like(q5)
+        lse = torch.full(q5.shape[:-1], -math.inf, dtype=q5.dtype, device=q5.device)
+        mine = shard_pieces(seq, i, c, layout)
+        if form == "all-gather":
+            every = [p for r in range(c) for p in shard_pieces(seq, r, c, layout)]
+            _attend(q5, comm.all_gather(k, axis, 2), comm.all_gather(v, axis, 2),
+                    mine, every, causal, scale, out, lse)
+        else:
+            kv = torch.stack([k, v])
+            for step in range(c):
+                # sent before the block is computed: an asynchronous shift would overlap them
+                nxt = comm.shift(kv, axis) if step < c - 1 else None
+                _attend(q5, kv[0], kv[1], mine, shard_pieces(seq, (i - step) % c, c, layout),
+                        causal, scale, out, lse)
+                kv = nxt
+        return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, axis, form, causal, scale, layout = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        ctx.axis, ctx.form, ctx.causal, ctx.scale, ctx.layout = axis, form, causal, scale, layout
+        # kept, not looked up again in backward: the autograd engine runs a CUDA tensor's
+        # backward on its device thread, where the caller's current communicator is not set
+        ctx.comm = current_comm()
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        axis, causal, scale, comm = ctx.axis, ctx.causal, ctx.scale, ctx.comm
+        c, i = comm.size(axis), comm.coord[axis]
+        seq = q.shape[2] * c
+        hkv, acc = k.shape[1], _acc_dtype(q.dtype)
+        q5 = q.to(acc).unflatten(1, (hkv, -1))
+        do5 = dout.to(acc).unflatten(1, (hkv, -1))
+        lse5 = lse.unflatten(1, (hkv, -1))
+        delta = (do5 * out.to(acc).unflatten(1, (hkv, -1))).sum(-1)
+        dq = torch.zeros_like(q5)
+        mine = shard_pieces(seq, i, c, ctx.layout)
+        if ctx.form == "all-gather":
+            every = [p for r in range(c) for p in shard_pieces(seq, r, c, ctx.layout)]
+            kk, vv = comm.all_gather(k, axis, 2), comm.all_gather(v, axis, 2)
+            dk = torch.zeros(kk.shape, dtype=acc, device=kk.device)
+            dv = torch.zeros_like(dk)
+            _attend_grad(q5, kk, vv, do5, lse5, delta, mine, every, causal, scale, dq, dk, dv)
+            dk, dv = comm.reduce_scatter(dk, axis, 2), comm.reduce_scatter(dv, axis, 2)
+        else:
+            kv = torch.stack([k, v])
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)   # the held block's dK, dV
+            for step in range(c):
+                nxt = comm.shift(kv, axis) if step < c - 1 else None
+                _attend_grad(q5, kv[0], kv[1], do5, lse5, delta, mine,
+                             shard_pieces(seq, (i - step) % c, c, ctx.layout),
+                             causal, scale, dq, dkv[0], dkv[1])
+                if c > 1:       # on with the block: after the last step, home to its owner
+                    dkv = comm.shift(dkv, axis)
+                kv = nxt
+            dk, dv = dkv[0], dkv[1]
+        return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                None, None, None, None, None)
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: int, *,
+                      form: str = "ring", causal: bool = True, scale: float | None = None,
+                      enable_gqa: bool = False, layout: str = "balanced") -> torch.Tensor:
+    """This rank's rows of ``F.scaled_dot_product_attention(Q, K, V, is_causal=causal,
+    scale=scale, enable_gqa=enable_gqa)`` over the whole sequence, given this rank's shards
+    ``q`` [B, H, L, D] and ``k``, ``v`` [B, Hkv, L, D] of it along mesh axis ``axis`` of
+    the current communicator, in ``layout`` (``"balanced"``: :func:`balanced_shard`;
+    ``"contiguous"``: rank ``r`` holds ``[r*L, (r+1)*L)``). ``form``: ``"ring"`` or
+    ``"all-gather"`` (the module's docstring). ``Hkv < H`` (grouped-query attention: query
+    head ``h`` reads K/V head ``h // (H / Hkv)``) needs ``enable_gqa=True``, as SDPA does.
+    Differentiable in ``q``, ``k`` and ``v``."""
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}: expected one of {FORMS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] \
+            or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"expected q [B, H, L, D] and k, v [B, Hkv, L, D] (one rank's shards of "
+                         f"one sequence); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    h, hkv = q.shape[1], k.shape[1]
+    if h != hkv and not (enable_gqa and h % hkv == 0):
+        raise ValueError(f"{h} query heads against {hkv} key/value heads: grouped-query attention "
+                         "needs enable_gqa=True and a head count that divides")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, _ = _ContextAttention.apply(q, k, v, axis, form, causal, scale, layout)
+    return out
