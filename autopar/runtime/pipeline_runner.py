@@ -94,7 +94,13 @@ def split_backward_safe(gm: GraphModule, input_requires_grad: list[bool]) -> boo
     (ALBERT's one layer run at every depth, T5's shared embedding): torch groups weights by
     the values they reach and computes each group's gradient with its own
     ``autograd.grad`` that frees the graph, so a weight in two groups' paths fails the
-    second with "backward through the graph a second time"."""
+    second with "backward through the graph a second time". False too for a stage that
+    splits a mixture of experts' experts (``ops.experts.run_experts``): their gradient
+    passes the dispatch's all-to-all, which the weight half would run again on one rank
+    only (Mixtral under expert=2 and zero bubble: that error, then the peers hung)."""
+    from autopar.ops.experts import run_experts
+    if any(n.op == "call_function" and n.target is run_experts for n in gm.graph.nodes):
+        return False
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     joined = {n for n, rg in zip(placeholders, input_requires_grad) if rg}
     for n in gm.graph.nodes:
