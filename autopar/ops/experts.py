@@ -230,6 +230,18 @@ moe_experts.register_autograd(_backward, setup_context=_setup)
 EXPERTS_OP = torch.ops.autopar.moe_experts.default
 
 
+def run_whole(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              stacks: list[torch.Tensor], key: str) -> torch.Tensor:
+    """The experts op on this rank's stacks where no split form applies (all experts here:
+    replicated, tokens split, or each expert split). Eagerly, the module's own forward under
+    autograd, which keeps what its backward reads (as the cost model prices it:
+    ``pricing/experts.py``) instead of computing the forward again in backward, as the op
+    does. Under ``torch.compile``, the op: its forward has shapes known only at run time."""
+    if torch.compiler.is_compiling():
+        return EXPERTS_OP(hidden, top_k_index, top_k_weights, list(stacks), key)
+    return _call(key, template(key).num_experts, list(stacks), hidden, top_k_index, top_k_weights)
+
+
 # ---- the split forms ---------------------------------------------------------------------
 
 def run_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -192,12 +192,13 @@ def input_placements(combo: Sequence[Strategy], k: int) -> tuple[Placement, ...]
 
 def localize(call: OpCall, combo: tuple[Strategy, ...], mesh_shape: tuple[int, ...]):
     """(target, args, kwargs) of the local call; unchanged when no localizer applies or
-    nothing is sharded. An axis of one rank counts as replicated (a shard or a partial
-    term over one rank is the whole tensor), so no local op crosses it."""
+    nothing is sharded (unless the localizer says ``always``: the experts op, whose eager
+    local call differs from the op). An axis of one rank counts as replicated (a shard or a
+    partial term over one rank is the whole tensor), so no local op crosses it."""
     fn = LOCALIZERS.get(call.op)
     combo = tuple(s if mesh_shape[a] > 1 else Strategy((R,) * len(s.inputs), (R,) * len(s.outputs))
                   for a, s in enumerate(combo))
-    if fn is None or all(_is_replicated(s) for s in combo):
+    if fn is None or (not getattr(fn, "always", False) and all(_is_replicated(s) for s in combo)):
         return call.op, call.args, call.kwargs
     return fn(call, combo, mesh_shape)
 

@@ -24,7 +24,7 @@ other: an expert stack split on dim 0 over an axis.
 """
 from __future__ import annotations
 
-from autopar.ops.experts import EXPERTS_OP, run_experts, template
+from autopar.ops.experts import EXPERTS_OP, run_experts, run_whole, template
 from autopar.placement import Partial, Replicate, Shard
 from autopar.sharding.registry import OpCall, Strategy, register_local, register_rule
 
@@ -67,7 +67,10 @@ def experts(call: OpCall) -> list[Strategy]:
 @register_local(EXPERTS_OP)
 def experts_local(call: OpCall, combo, mesh_shape):
     axes, dispatch = split_axes(combo)
-    if not axes:       # tokens or each expert split only: the model's own forward, local stacks
-        return call.op, call.args, call.kwargs
     hidden, index, weights, stacks, key = call.args
+    if not axes:       # tokens or each expert split only, or none: the model's own forward
+        return run_whole, (hidden, index, weights, stacks, key), {}
     return run_experts, (hidden, index, weights, stacks, key), {"axes": axes, "dispatch": dispatch}
+
+
+experts_local.always = True        # replicated too: run_whole, not the op's recomputing backward
