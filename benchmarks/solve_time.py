@@ -28,6 +28,28 @@ pipelines. Goal (60 s) not met. The free search needs bounds that do not yet exi
 pruning meshes whose parameters cannot fit, and starting from the pipelined degrees at
 this scale.
 
+Measured 2026-11-27 22:50-23:50 (session 18, ``PYTHONHASHSEED=0``, 1 worker, load 3-12,
+the row's ``solve`` call with ``verbose=True``, as ``python benchmarks/solve_time.py --rows
+deepseek-v3`` makes it; other sessions were editing the cost model meanwhile, so the two
+runs' objectives differ by their edits): ``deepseek-v3`` free does finish, in 2,129 s wall
+/ 1,062 CPU s before and 1,674 s / 995 CPU s after this session's bounds. The unpipelined
+phase was not the cost: nothing fits the full batch, and 100 of its 113 s were the
+least-memory ILPs that only explain why (now solved only if no other stage finds a plan:
+``explain="later"``), 0.5 s after. The pipeline search (122-138 s) finds p=2 only (78.9 s
+predicted; its stage meshes are data x tensor, no expert axis). The cost is gradient
+accumulation (1,834 -> 1,525 s), and it is the winner: k=2 micro-batches on mesh (256, 8),
+all 61 layers recomputed, 57.77 s (59.97 s before the cost-model edits), 79.9 GiB per
+device, against the published degrees' 36.9 s, which the free search cannot reach without
+expert parallelism. It captures k = 2, 3, 4, 5 (``accumulate.MAX_TRIES``; k=3-5 predict
+60.5-62.4 s) and solves on each the meshes with every layer recomputed (50-125 s of CBC
+each, some ending at the 60 s limit as FEASIBLE) and 3 fewest-layers probes. A bound that
+holds cannot skip the winner: the compute floor (``prices.compute_floor``) of its meshes
+is 21-22 s against 58 s; it skips the meshes that cannot beat the best of their own search
+((1024, 2) with every layer recomputed at k=2, floor 1,555 s, and at k=4: 2 of ~12 ILPs).
+Goal (60 s) not met; left: expert degrees in the free search (then a pipelined incumbent
+near 36.9 s, against which an LP bound might prune accumulation), and the accumulation's
+CBC seconds.
+
     python benchmarks/solve_time.py                      # every row
     python benchmarks/solve_time.py --rows 175b,405b     # some rows
 

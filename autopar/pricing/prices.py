@@ -341,6 +341,24 @@ def memory_floor(problem: Problem, cost: CostModel) -> float:
     return max(floors)
 
 
+def compute_floor(problem: Problem, cost: CostModel) -> float:
+    """Seconds no plan of ``problem`` under ``cost`` predicts less than (the ILP's objective,
+    ``ilp.solve``): the sum over every node, followers included, of its least compute
+    (forward + backward, recomputation included, times its members) over its options.
+
+    Why it holds: a solution's objective is ``compute_s + Σ comm_s - overlapped_s``
+    (``ilp._fill_breakdown``). ``compute_s`` is the sum of each node's compute at the
+    option chosen, so at least the sum of each node's least; every edge's, sink's and
+    absorbed edge's price is >= 0; ``overlapped_s`` = pool - ``exposed_sync``(pool, ...)
+    where the pool is the overlappable part of those same prices and ``exposed_sync`` is
+    >= 0, so ``Σ comm_s - overlapped_s`` >= ``Σ comm_s - pool`` >= 0. An option priced
+    ``INF`` the ILP never chooses; a node whose every option is ``INF`` gives ``INF``.
+    Reads no edge price (it builds the node prices the ILP reads anyway)."""
+    pt = price_table(problem, cost)
+    return sum(min(pt.compute_s(name, i) for i in range(len(v.options)))
+               for name, v in problem.vars.items() if v.options)
+
+
 def price_table(problem: Problem, cost: CostModel) -> PriceTable:
     """``cost``'s table for ``problem``, built on first use and kept on ``cost``."""
     table = getattr(cost, "_prices", None)

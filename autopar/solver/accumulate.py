@@ -97,15 +97,17 @@ def accumulated_plan(plan: Plan, k: int) -> Plan:
 
 def plan_accumulated(model, example_inputs, loss_fn, target, cl, world: int, k: int, pins: Options, *,
                      memory_budget=None, mesh_shape=None, optimizer="adamw", time_limit_s=60.0,
-                     verbose=False, profiler=None) -> tuple[Plan, Captured]:
-    """The one-stage plan of ``k`` micro-batches a step, and the graph it runs on."""
+                     verbose=False, profiler=None, explain=True) -> tuple[Plan, Captured]:
+    """The one-stage plan of ``k`` micro-batches a step, and the graph it runs on.
+    ``explain=False``: where nothing fits, without working out how far (the free search's
+    tries, which only note that ``k`` does not fit)."""
     t0 = time.perf_counter()
     cap = capture_accumulated(model, example_inputs, loss_fn, target, k)
     capture_s = time.perf_counter() - t0
     plan, _ = solve_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
                              optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
                              verbose=verbose, pins=pins, profiler=profiler,
-                             grad_sync_scale=1.0 / k)
+                             grad_sync_scale=1.0 / k, explain=explain)
     plan = accumulated_plan(plan, k)
     if verbose:
         print(f"accumulate {k} micro-batches: step {plan.estimate.step_time_s * 1e3:.3f} ms, "
@@ -159,7 +161,7 @@ def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, 
         if k not in planned:
             try:
                 planned[k] = plan_accumulated(model, example_inputs, loss_fn, target, cl, world,
-                                              k, pins, **kw)
+                                              k, pins, explain=False, **kw)
             except InfeasibleError as e:
                 planned[k] = None
                 if kw.get("verbose"):

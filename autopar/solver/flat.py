@@ -23,7 +23,7 @@ from autopar.solver.ilp import InfeasibleError, Solution, _gib, explain_infeasib
 from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
 from autopar.options import Options, as_options, check_optimizer
-from autopar.pricing.prices import memory_floor
+from autopar.pricing.prices import compute_floor, memory_floor
 from autopar.pricing.problem import _describe, _placeholder_choices, build_problem
 
 RECOMPUTE_WHEN = 0.9
@@ -95,15 +95,15 @@ def node_placements(problem, choice: dict[str, int]) -> dict[str, NodePlacement]
 
 def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
                   optimizer="adamw", time_limit_s=60.0, capture_s=0.0, verbose=False,
-                  pins=None, profiler=None, fewest_layers=True) -> Plan:
+                  pins=None, profiler=None, fewest_layers=True, explain=True) -> Plan:
     """The best plan for the captured graph on ``world`` devices of ``cl`` (no pipeline).
     ``fewest_layers=False``: where memory binds, every repeated layer recomputed, without
     the probes for the fewest that fit (``_fewest_layers``; the free search defers them
-    until the plan could win)."""
+    until the plan could win). ``explain``: as :func:`solve_captured`'s."""
     return solve_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
                           optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
                           verbose=verbose, pins=pins, profiler=profiler,
-                          fewest_layers=fewest_layers)[0]
+                          fewest_layers=fewest_layers, explain=explain)[0]
 
 
 def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
@@ -112,7 +112,11 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
                    grad_sync_scale=1.0, explain=True, fewest_layers=True) -> tuple[Plan, Solved]:
     """``plan_captured``, and the solver's :class:`Solved`. ``memory_weights`` and
     ``grad_sync_scale`` go to the :class:`CostModel` (the pipeline's per-stage view);
-    ``explain=False`` skips working out how far from fitting an infeasible mesh is."""
+    ``explain=False`` skips working out how far from fitting an infeasible mesh is;
+    ``explain="later"`` raises, when nothing fits, an :class:`InfeasibleError` whose
+    ``explain_later()`` returns the error ``explain=True`` raises (the least-memory ILPs of
+    ``infeasible``, one or more per mesh, solved only when called: the free search needs
+    them only if no other stage finds a plan either)."""
     pins = as_options(pins)
     budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
     ask = _Ask(cl, world, pins, budget, mesh_shape, optimizer, time_limit_s, verbose, profiler,
@@ -140,10 +144,17 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
                 best = got
     if best is None:
-        errors = [_explained(e) for e in errors]
-        if not explain or not any(e.explained for e in errors):
-            raise errors[0] if len(errors) == 1 else InfeasibleError("\n".join(str(e) for e in errors))
-        raise infeasible(cap, ask, errors)
+        def explained() -> InfeasibleError:
+            errs = [_explained(e) for e in errors]
+            if not explain or not any(e.explained for e in errs):
+                return errs[0] if len(errs) == 1 else InfeasibleError("\n".join(str(e) for e in errs))
+            return infeasible(cap, ask, errs)
+        if explain == "later" and any(e.unexplained is not None for e in errors):
+            later = InfeasibleError("\n".join(str(e) for e in errors) or
+                                    "no unpipelined plan fits the memory budget")
+            later.explain_later = explained
+            raise later
+        raise explained()
     plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases)
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
 
@@ -165,7 +176,19 @@ def _explained(e: InfeasibleError) -> InfeasibleError:
 
 def _search(cap: Captured, ask: _Ask, phases: dict, tag: str = ""):
     """(the best :class:`_Best` under ``ask.pins`` over the meshes they allow, or None; the
-    reasons of the meshes that did not fit)."""
+    reasons of the meshes that did not fit).
+
+    Branch and bound over the programs: once a plan is found, a program whose objective
+    cannot fall below the best so far is not solved (``prices.compute_floor``, a true lower
+    bound of its objective). The best is the least objective, the first of equals, so such
+    a program could not have replaced it: the best after each pass is the one the search
+    finds unpruned, and so is every choice made on it (whether to recompute every layer,
+    the fewest-layers probes on its mesh, the caller's ZeRO stages). A pruned program is
+    no reason that nothing fits (there is a plan), so it adds none. The bound is this
+    search's own best only: a caller's best elsewhere would prune programs whose outcome
+    steers what comes next (the recomputation pass, the probes of fewer layers, which can
+    fall below a full recomputation's floor), and the search would no longer be the one
+    made unpruned."""
     cl, world, pins, budget, time_limit_s = ask.cl, ask.world, ask.pins, ask.budget, ask.time_limit_s
     memory_weights, grad_sync_scale = ask.memory_weights, ask.grad_sync_scale
     n_states = check_optimizer(ask.optimizer)
@@ -198,6 +221,12 @@ def _search(cap: Captured, ask: _Ask, phases: dict, tag: str = ""):
         for problem, shape, axes, roles in problems:
             t0, key = time.perf_counter(), f"ilp {shape}{tag}"
             cost = _cost_model(cap, cl, shape, pins, roles, rec, **ask.cost_kw())
+            if best is not None and _cannot_beat(problem, cost, best.sol.objective_s):
+                phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
+                if ask.verbose:
+                    print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}{tag}: cannot "
+                          f"beat {best.sol.objective_s * 1e3:.3f} ms (compute floor), not solved")
+                continue
             try:
                 sol = _solve_program(problem, cost, budget, time_limit_s, lambda: _ilp_key(
                     cap, shape, roles, pins, n_states, rec, cl, memory_weights, grad_sync_scale,
@@ -223,6 +252,15 @@ def _search(cap: Captured, ask: _Ask, phases: dict, tag: str = ""):
     if not ask.fewest_layers:
         return best, errors
     return _with_fewest_layers(cap, best, ask), errors
+
+
+def _cannot_beat(problem, cost, objective_s: float) -> bool:
+    """Whether no solution of ``problem`` under ``cost`` has an objective below
+    ``objective_s``: its compute floor (``prices.compute_floor``) is at least that. A floor
+    that is infinite (a node with no option it can run) proves nothing here: the ILP says
+    why."""
+    floor = compute_floor(problem, cost)
+    return math.isfinite(floor) and floor >= objective_s
 
 
 def _cost_model(cap: Captured, cl, shape, pins: Options, roles: dict, rec, *, profiler=None,

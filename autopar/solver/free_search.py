@@ -21,6 +21,7 @@ step wins):
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import replace
 from typing import Callable
@@ -39,6 +40,10 @@ from autopar.solver.flat import (drop_deferred, mesh_jobs, plan_captured, recomp
 from autopar.solver.pipeline_free import degree_search, search_pipelines
 from autopar.solver.spec import Planned, SearchSpec
 from autopar.solver.speculate import Speculation, best_found_s, workers_for
+
+PROGRESS_AFTER_S = 10.0
+"""Planning seconds (capture included) after which each stage that ends prints one line
+on stderr: its name, its seconds and the best step so far (``_FreeSearch._progress``)."""
 
 PROBES = "the unpipelined plan's fewest recomputed layers"
 """The job of solving ``flat._fewest_layers``' probes ahead (``speculate``), after the
@@ -93,11 +98,12 @@ def search_captured(spec: SearchSpec, cap: Captured, capture_s: float = 0.0) -> 
             # as the search will, only where the unpipelined plan could beat the best pipeline
             # (predicted so far, with a margin for the planned step: PROBES_MARGIN); its
             # programs are read where written, the probes resume its search
-            flat = plan_captured(cap, spec.cluster, spec.world, **flat_args, fewest_layers=False)
+            flat = plan_captured(cap, spec.cluster, spec.world, **flat_args, fewest_layers=False,
+                                 explain="later")
             if flat.recompute and o.recompute is None and \
                     flat.estimate.step_time_s - recompute_bound_s(flat, cap) < \
                     PROBES_MARGIN * best_found_s():
-                plan_captured(cap, spec.cluster, spec.world, **flat_args)
+                plan_captured(cap, spec.cluster, spec.world, **flat_args, explain="later")
         else:
             search.solve_ahead(job)
     ahead = Speculation([PROBES, *recomputed, *first, *search.meshes], solve_ahead, workers) \
@@ -132,9 +138,22 @@ class _FreeSearch:
             return stage()
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+            self._progress(name, time.perf_counter() - t0)
+
+    def _progress(self, name: str, seconds: float) -> None:
+        """One line on stderr per stage that ends once planning has run
+        :data:`PROGRESS_AFTER_S` (a long search says where it is; a quick one stays quiet)."""
+        if self.capture_s + time.perf_counter() - self.t_start >= PROGRESS_AFTER_S:
+            best = (f", best so far {self.best.plan.estimate.step_time_s:.4g} s"
+                    if self.best is not None else "")
+            print(f"autopar: {name} {seconds:.1f}s{best}", file=sys.stderr, flush=True)
 
     def _flat_kw(self, **more) -> dict:
-        return self.spec.solve_kw(capture_s=self.capture_s, pins=self.spec.options, **more)
+        # where nothing fits unpipelined, how far from fitting each mesh is (least-memory
+        # ILPs, 130 of 180 s on DeepSeek-V3's first 4 layers) is worked out only if no other
+        # stage finds a plan either (``result``)
+        return self.spec.solve_kw(capture_s=self.capture_s, pins=self.spec.options,
+                                  explain="later", **more)
 
     # ---- the stages ----------------------------------------------------------------------
     def search(self, deferred: bool = False, pipelines=None, ahead=None) -> Planned:
@@ -176,6 +195,8 @@ class _FreeSearch:
         self.phases.update(self.flat.solver.phases if self.flat is not None else {})
         self.phases["unpipelined"] = time.perf_counter() - t0
         self.offer(Planned(self.flat, self.cap) if self.flat is not None else None)
+        self._progress("unpipelined" + ("" if self.flat is not None else " (nothing fits)"),
+                       self.phases["unpipelined"])
 
     def branches(self) -> None:
         """Independent branches over groups of ranks (``branches.search_branches``)."""
@@ -211,6 +232,7 @@ class _FreeSearch:
         fewer = plan_captured(cap, self.spec.cluster, self.spec.world, **self._flat_kw())
         self.phases["unpipelined, fewest layers"] = time.perf_counter() - t0
         self.offer(Planned(fewer, cap))
+        self._progress("unpipelined, fewest layers", self.phases["unpipelined, fewest layers"])
         if fewer.estimate.step_time_s < flat.estimate.step_time_s:
             self.flat = fewer
 
@@ -238,6 +260,8 @@ class _FreeSearch:
             print("planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items()))
         if self.best is None:
             error = self.error
+            if isinstance(error, InfeasibleError) and error.explain_later is not None:
+                error = error.explain_later()
             tried = [k for k in ("accumulation", "pipeline search", "offload") if k in self.phases]
             if tried and isinstance(error, InfeasibleError) and error.suggestions:
                 error.args = (f"{error}\nalso tried, none fits: {', '.join(tried)}",)

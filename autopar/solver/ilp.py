@@ -93,6 +93,10 @@ class InfeasibleError(AutoparInputError):
         self.meshes, self.closest = meshes or [], closest or []
         self.suggestions = suggestions or []
 
+    explain_later = None
+    """Where the search deferred the explanation (``flat.solve_captured(explain="later")``):
+    a function returning the explained error; None otherwise."""
+
     @property
     def explained(self) -> bool:
         """Whether the least-memory plan's figures (``need_bytes``, ``terms``) are known."""
