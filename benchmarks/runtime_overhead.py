@@ -50,14 +50,9 @@ against autopar eager (``*-vs-eager``):
   one gather per weight made the compiled ZeRO-3 step 2.28x FSDP2's and 2.92x eager's.
   On 4 ranks at load 3-10: 0.94, 0.60, 1.04 (1.06 in a second run of 30 steps); against
   autopar eager 1.00, 0.67, 0.73. The tensor row's 4-6% is the plan, not the compiled
-  runtime: autopar's ``tensor=4`` plan of this GPT issued 20 all-reduces and 3 all-gathers
-  a step where the hand layout issues 16 all-reduces; 12 of the gathers were the fused
-  ``c_attn.weight`` stored ``S(0)`` and read ``S(0/3)``. Since 2026-11-28 a parameter may
-  be stored in a strided shard its readers take (``pricing/problem._stored_strided``): 18
-  all-reduces and 3 small ones (the vocabulary-parallel loss); the 2 extra are the
-  ``tensor=`` pin's vocabulary-parallel embedding and head (Megatron-LM's layout; the hand
-  one keeps them whole). Then, at load 4-5: tensor-compiled 1.00 on 2 ranks, 1.17 on 4;
-  tensor-vs-eager 0.92 and 0.89; eager tensor 0.76 and 0.92.
+  runtime: autopar's ``tensor=4`` plan of this GPT issues 20 all-reduces and 3 all-gathers
+  a step (vocabulary-parallel embedding and loss, a sharded position embedding: the
+  solver's choice for gloo) where Megatron's layout issues 16 all-reduces.
 
 A timed step is ``zero_grad``, forward, backward, gradient sync and ``optimizer.step``
 (SGD, the same for both), between two barriers. Before timing, each pair runs one step

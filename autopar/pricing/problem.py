@@ -97,10 +97,9 @@ class Problem:
     optimizer_states: int           # optimizer tensors per parameter (AdamW: 2)
 
 
-def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int], strided: Sequence[Shard] = ()) -> list[Combo]:
-    """Every per-axis choice of R or S(d) that divides evenly, and of the strided shards
-    ``strided`` (``S(d/g)``: what a parameter's readers take, a fused projection's)."""
-    per_axis = [R] + [Shard(d) for d in range(meta.ndim)] + list(strided)
+def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Combo]:
+    """Every per-axis choice of R or S(d) that divides evenly."""
+    per_axis = [R] + [Shard(d) for d in range(meta.ndim)]
     out = []
     for ps in itertools.product(per_axis, repeat=len(mesh_shape)):
         if local_shape(meta.shape, ps, mesh_shape) is not None:
@@ -132,7 +131,6 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
             opts = _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero,
                                         expert_axis, name in stacks)
             vars[name] = NodeVar(name, kind, meta, None, opts, list(walk.members[name]))
-    _stored_strided(vars, walk.edges, cap, mesh_shape, data_axis, tensor_axis, zero, expert_axis, stacks)
     for v in vars.values():
         if not v.options:
             raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
@@ -229,38 +227,11 @@ def _walk(cap: Captured, index: GraphIndex) -> Walk:
     return Walk(decisions, members, edge_list, sink)
 
 
-def _stored_strided(vars: dict, edges, cap: Captured, mesh_shape, data_axis, tensor_axis, zero,
-                    expert_axis, stacks) -> None:
-    """A parameter may be stored in a strided shard ``S(d/g)`` that one of its readers takes
-    it in (a fused q/k/v or gate/up projection under tensor parallelism: Megatron's per-head
-    layout). Else a reader that takes ``S(0/3)`` of a weight stored ``S(0)`` gathers it on
-    every step, forward and backward (the small GPT's ``tensor=4`` plan: 12 weight
-    all-gathers a step)."""
-    wanted: dict[str, set] = {}
-    for e in edges:
-        src, dst = vars.get(e.src), vars.get(e.dst)
-        if src is None or dst is None or src.kind != "param" or dst.kind != "op":
-            continue
-        for combo in dst.options:
-            for s in combo:
-                p = s.inputs[e.dst_in] if e.dst_in < len(s.inputs) else None
-                if isinstance(p, Shard) and p.groups > 1:
-                    wanted.setdefault(e.src, set()).add(p)
-    for name, strided in wanted.items():
-        v = vars[name]
-        extra = _placeholder_choices(name, v.kind, v.meta, mesh_shape, data_axis, tensor_axis, zero,
-                                     expert_axis, name in stacks, strided=sorted(strided, key=str))
-        # not on the data or expert axis: ZeRO's and the experts' shards are plain blocks
-        plain = [a for a in (data_axis, expert_axis) if a is not None]
-        v.options = v.options + [o for o in extra if o not in v.options and
-                                 all(getattr(o[a].outputs[0], "groups", 1) == 1 for a in plain)]
-
-
 def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero,
-                         expert_axis=None, stack=False, strided=()) -> list[Combo]:
+                         expert_axis=None, stack=False) -> list[Combo]:
     """The options of a parameter, buffer or input under the pins (``stack``: a mixture of
-    experts' weight stack, experts on dim 0; ``strided``: strided shards its readers take)."""
-    opts = placeholder_options(meta, mesh_shape, strided)
+    experts' weight stack, experts on dim 0)."""
+    opts = placeholder_options(meta, mesh_shape)
     if kind == "buffer":
         opts = [o for o in opts if all(isinstance(s.outputs[0], Replicate) for s in o)]
     if expert_axis is not None:
