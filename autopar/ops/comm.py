@@ -26,6 +26,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -137,16 +138,17 @@ def is_comm_failure(e: BaseException) -> bool:
             or "timed out" in text.lower())
 
 
-_process_comm: "Comm | None" = None
-"""The last communicator of this process's own rank made current (a :class:`DistComm`): what
-a thread that never entered :func:`use_comm` reads. On a GPU the autograd engine runs
+_process_comm: "weakref.ref | None" = None
+"""The last communicator of this process's own rank made current (a :class:`DistComm`), by
+weak reference (its process groups must still be freed at shutdown): what a thread that
+never entered :func:`use_comm` reads. On a GPU the autograd engine runs
 backward on a thread of its own per device, so the collectives' backward, the gradient
 buckets and the experts op's recomputation run where no ``use_comm`` block is active.
 Ranks simulated as threads share a process and set none: each must enter ``use_comm``."""
 
 
 def current_comm() -> "Comm":
-    comm = getattr(_local, "comm", None) or _process_comm
+    comm = getattr(_local, "comm", None) or (_process_comm() if _process_comm is not None else None)
     if comm is None:
         raise RuntimeError("no communicator is active: run the per-rank module through "
                            "autopar's ParallelModule (or `with use_comm(comm):`)")
@@ -159,7 +161,7 @@ def use_comm(comm: "Comm"):
     prev = getattr(_local, "comm", None)
     _local.comm = comm
     if comm is not None and comm.one_per_process:
-        _process_comm = comm
+        _process_comm = weakref.ref(comm)
     try:
         yield comm
     finally:

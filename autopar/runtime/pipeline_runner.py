@@ -44,6 +44,7 @@ from autopar.capture import Captured
 from autopar.device import object_device
 from autopar.errors import ArgumentError
 from autopar.ops.comm import DistComm, is_comm_failure
+from autopar.ops.experts import run_experts
 from autopar.ops.stage_ops import StepContext, use_step_context
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.split_stages import StageGraph, split_stages
@@ -98,7 +99,6 @@ def split_backward_safe(gm: GraphModule, input_requires_grad: list[bool]) -> boo
     splits a mixture of experts' experts (``ops.experts.run_experts``): their gradient
     passes the dispatch's all-to-all, which the weight half would run again on one rank
     only (Mixtral under expert=2 and zero bubble: that error, then the peers hung)."""
-    from autopar.ops.experts import run_experts
     if any(n.op == "call_function" and n.target is run_experts for n in gm.graph.nodes):
         return False
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
