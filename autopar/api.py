@@ -8,6 +8,7 @@ import itertools
 import json
 import numbers
 import os
+import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -18,6 +19,7 @@ from autopar import first_step
 from autopar.capture import Captured, fingerprint
 from autopar.cost_models.local_devices import local_cluster
 from autopar.device import backend_for, rank_device
+from autopar import elastic as _elastic
 from autopar.errors import ArgumentError
 from autopar.ops.comm import collective_timeout
 from autopar.plan import Plan, PlanError
@@ -26,7 +28,9 @@ from autopar.runtime.data import BATCH_MODES
 from autopar.runtime.weights import capture_view, has_meta, weights_kind
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
-from autopar.options import KNOWN_PINS, OPTIMIZER_STATES, Options
+from autopar.options import KNOWN_PINS, OPTIMIZER_STATES, Options, refuse_hogwild_plan
+from autopar.runtime.compression import data_group
+from autopar.runtime.crossbow import Crossbow
 
 # names that moved to autopar.solver, still importable from here
 __all__ = ["plan", "parallelize", "KNOWN_PINS", "OPTIMIZER_STATES", "Planned", "Solved",
@@ -45,6 +49,7 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
     """
     _check_budget(memory_budget)
     _check_mesh_shape(mesh_shape)
+    _refuse_hogwild(Options.from_pins(pins))
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
         raise ArgumentError(f"time_limit_s={time_limit_s!r}: pass the solver's time limit in "
                             "seconds, a number > 0 (e.g. 60)")
@@ -63,7 +68,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                 memory_budget: float | None = None, mesh_shape: Sequence[int] | None = None,
                 optimizer: str = "adamw", comm=None, batch: str = "global",
                 timeout: float | None = None, weights: "str | os.PathLike | None" = None,
-                check: bool | None = None, **pins):
+                check: bool | None = None, elastic: bool = False, **pins):
     """Parallelize ``model`` over the ranks of this job (inside torchrun, or after
     ``torch.distributed.init_process_group``).
 
@@ -103,6 +108,14 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     ``autopar.first_step.FirstStepMismatch`` naming the worst parameter and the plan. Default:
     the environment variable ``AUTOPAR_CHECK=1``. For models that fit one device.
 
+    ``elastic``: this job's number of ranks may change between restarts (``torchrun --nnodes
+    MIN:MAX``); plan for the world it has now. The ``data`` axis takes the ranks the other
+    mesh pins leave, and ``accumulate`` grows so that each rank's micro-batch is no larger
+    than under the pins while the global batch (``example_inputs``' rows) stays the same
+    (``autopar.elastic.elastic_pins``; an error naming the world sizes that work when it
+    cannot). ``pm.elastic`` says what was chosen and how long planning took; resume with
+    ``autopar.elastic.resume`` and read data with ``autopar.elastic.GlobalBatchSampler``.
+
     Without ``plan=``, rank 0 solves (``autopar.solver.driver.solve``, as ``autopar.plan``
     does) and the other ranks take its plan and capture the graph it runs on. ``comm``: a
     communicator of thread ranks (tests); then every rank solves.
@@ -110,14 +123,27 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     >>> pm = autopar.parallelize(model, (x,), F.cross_entropy, target=y)
     >>> loss = pm.train_step(x, target=y)
     """
+    started = time.perf_counter()
     pins = Options.from_pins(dict(pins))
+    _refuse_hogwild(pins)
     _check_run_arguments(model, plan, pins, batch, memory_budget, mesh_shape)
+    _check_elastic(elastic, plan, mesh_shape)
     if weights is None:
         _check_not_meta(model)      # a meta model runs with weights= to load
     timeout = collective_timeout(timeout)
+    updates = [f"{n}={getattr(pins, n)!r}" for n in ("staleness", "param_server", "learners")
+               if getattr(pins, n) is not None]
+    if updates and first_step.wanted(check):
+        raise ArgumentError(f"check= compares the first step's gradients with one device's; under "
+                            f"{updates[0]} a rank does not hold them (delayed, on their server, or "
+                            "per learner): pass check=False (or unset AUTOPAR_CHECK)")
     reference = first_step.reference_copy(model) if first_step.wanted(check) else None
     world = _dist_world(timeout) if comm is None else (
         comm.world.world if hasattr(comm, "world") else int(dist.get_world_size()))
+    if elastic:     # this world's data degree and accumulation, the global batch kept
+        pins, info = _elastic.elastic_pins(pins, world, _elastic.global_batch_rows(example_inputs, target))
+    if pins.learners and pins.data is None and pins.tensor is None:
+        pins = pins.replace(data=world)     # Crossbow's learners are whole replicas per rank
     if weights is not None:
         weights_kind(weights)       # a path that is no weights source fails before planning
     # a meta model is captured as the model on the CPU (autopar.runtime.weights.capture_view)
@@ -136,10 +162,26 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     # this job's torch.distributed ranks, on a mesh on the rank's device
     pm = build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch,
                timeout=timeout, weights=weights)
+    if the_plan.options.learners:    # Crossbow: the learners over the plan's module
+        pm = _crossbow(pm, the_plan)
     if reference is not None:      # the first train_step, checked against one device
         pm.train_step = first_step.FirstStepCheck(pm, reference, loss_fn,
                                                   the_plan.options.precision)
+    if elastic:
+        pm.elastic = _elastic.ElasticInfo(info.world, info.data, the_plan.accumulate,
+                                          info.global_batch, time.perf_counter() - started)
     return pm
+
+
+def _refuse_hogwild(pins: Options) -> None:
+    refuse_hogwild_plan(pins)
+
+
+def _crossbow(pm, the_plan: Plan):
+    group = None
+    if "data" in the_plan.mesh_axes and the_plan.mesh_shape[the_plan.mesh_axes.index("data")] > 1:
+        group = data_group(pm.comm, the_plan.mesh_axes.index("data"))
+    return Crossbow(pm, the_plan.options.learners, group)
 
 
 def _check_budget(memory_budget) -> None:
@@ -171,6 +213,19 @@ def _check_run_arguments(model, plan, pins: Options, batch: str, memory_budget,
                             "the path of a plan file (plan.save's)")
     if plan is not None and pins:
         raise ArgumentError("pass pins to autopar.plan, or pass plan= — not both")
+
+
+def _check_elastic(elastic, plan, mesh_shape) -> None:
+    if not isinstance(elastic, bool):
+        raise ArgumentError(f"elastic={elastic!r}: pass True (re-plan for the world this job has "
+                            "now, keeping the global batch) or False")
+    if elastic and plan is not None:
+        raise ArgumentError("elastic=True plans for each world size the job runs on; plan= fixes "
+                            "one: pass pins instead of plan=, or drop elastic=True")
+    if elastic and mesh_shape is not None:
+        raise ArgumentError(f"elastic=True with mesh_shape={tuple(mesh_shape)!r} fixes the world "
+                            "size: pin the model-parallel degrees (tensor=, pipeline=) instead and "
+                            "let the data axis take the rest")
 
 
 def _check_not_meta(model) -> None:

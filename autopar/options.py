@@ -15,6 +15,7 @@ written before it used.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Literal, Union
@@ -30,7 +31,14 @@ OFFLOAD_DEFAULT_ZERO = 2
 DeepSpeed's ZeRO-Offload uses (Ren et al. 2021)."""
 
 COMPRESS_HELP = ("'powersgd:R' (rank R, e.g. 'powersgd:4'), 'topk:F' (fraction 0 < F <= 1, e.g. "
-                 "'topk:0.01'), 'bf16', 'int8', 'none', or 'auto' (the solver may choose one)")
+                 "'topk:0.01'), 'nuq:S' (NUQSGD, S = 1..127 exponentially spaced levels, e.g. "
+                 "'nuq:4'), 'accordion:powersgd:R1:R2' (rank R1 < R2, R2 in critical regimes, e.g. "
+                 "'accordion:powersgd:1:4') or 'accordion:topk:F1:F2' (F1 < F2, e.g. "
+                 "'accordion:topk:0.01:0.1'), 'bf16', 'int8', 'none', or 'auto' (the solver may "
+                 "choose one)")
+NUQ_MAX_LEVELS = 127
+"""``nuq:S``: a coordinate's code (sign and level index, ``2S + 1`` values) fits one byte."""
+AVERAGING = ("decentralized", "async")
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +62,16 @@ class Options(Mapping):
     expert_imbalance: float | None = None
     """The busiest expert-parallel rank's share of token-expert pairs over the mean, which
     the cost model multiplies its expert work and dispatch by (default 1.0: uniform)."""
+    context: int | None = None
+    """Degree of the context-parallel mesh axis: the sequence (dim 1 of every input that has
+    one) is split over it through the whole model, attention included: each rank's queries
+    attend to every rank's keys and values, passed around a ring or all-gathered
+    (``context_attention``; ``autopar.ops.context_attention``). Weights are read whole on it
+    and their gradients summed over it, as on the data axis."""
+    context_attention: Literal["ring", "all-gather"] | None = None
+    """How attention crosses the context axis: ``"ring"`` (each K/V block sent on to the next
+    rank while the current one is computed) or ``"all-gather"`` (K/V gathered whole, as Llama 3
+    trained); unset, the planner takes the one it predicts faster."""
     zero: Literal[0, 1, 2, 3] | None = None
     """ZeRO stage over the data axis: 0 none, 1 optimizer state sharded, 2 gradients too,
     3 parameters too (gathered per use and again in backward)."""
@@ -85,10 +103,44 @@ class Options(Mapping):
     gradients each step (after ``local_sgd_warmup`` exact steps)."""
     local_sgd_warmup: int | None = None
     """Steps of exact gradient all-reduce before Local SGD begins (default 100)."""
+    averaging: Literal["decentralized", "async"] | None = None
+    """BAGUA's model averaging (Gan et al. 2021; ``autopar.runtime.averaging``), instead of
+    the gradient all-reduce over the data axis: ``"decentralized"`` (each rank steps on its
+    own gradient, then averages its parameters with its two ring neighbours, D-PSGD) or
+    ``"async"`` (the parameters' average over the data axis is all-reduced in the background
+    while training goes on and folded in ``averaging_period`` steps later)."""
+    averaging_period: int | None = None
+    """Steps between averagings under ``averaging=`` (default 1)."""
+    staleness: int | None = None
+    """Stale-synchronous data parallelism (``autopar.runtime.stale``): the gradient of step
+    t - s is applied at step t (s >= 1), so each step's reduction runs behind the next s
+    steps; the first s steps apply none (``pm.step(opt)`` skips them). With
+    ``param_server=`` the servers apply the pushed gradients that late."""
+    param_server: int | None = None
+    """Parameter servers (Li et al. 2014; ``autopar.runtime.param_server``): this many ranks
+    of the data axis each own a shard of the parameters and their optimizer state; workers
+    push gradients to the owners (point-to-point), the owners step, workers pull the
+    parameters back. Exact without ``staleness=``."""
+    hogwild: int | None = None
+    """Hogwild (Recht et al. 2011; ``autopar.hogwild``): this many processes of one host
+    update one copy of the parameters in shared memory without locks. CPU only, and only
+    through ``autopar.hogwild(...)`` (not torchrun ranks)."""
+    learners: int | None = None
+    """Crossbow (Koliousis et al. 2019; ``autopar.runtime.crossbow``): this many learners (model
+    replicas) per rank, each training on its own batch (``train_step`` takes that many
+    batches stacked), pulled toward a central average model by synchronous model averaging
+    (SMA, with momentum) every step."""
     branch: int | None = None
     """Branch parallelism: independent branches spread over this many groups of ranks."""
-    offload: Literal["optimizer"] | None = None
-    """ZeRO-Offload: each rank's optimizer shard, fp32 master copy and step on the host."""
+    offload: Literal["optimizer", "disk"] | None = None
+    """ZeRO-Offload: each rank's optimizer shard, fp32 master copy and step on the host;
+    ``"disk"`` (ZeRO-Infinity's disk tier): the shard lives in files on local disk between
+    steps and is streamed through host memory a bucket at a time
+    (``autopar.runtime.disk_offload``)."""
+    offload_dir: str | None = None
+    """Under ``offload="disk"``: the local directory the optimizer state's files go in (each
+    rank makes its own directory inside it, removed when the module is); default a temporary
+    directory under ``tempfile.gettempdir()`` (``$TMPDIR``)."""
     compile: bool | None = None
     """Run each rank's programs through ``torch.compile`` (Inductor), forward and backward,
     collectives included as torch's functional collectives (``autopar.runtime.compiled``);
@@ -111,10 +163,13 @@ class Options(Mapping):
             del given["offload"]
         if given.get("compile") is False:      # eager is the default: one form for both
             del given["compile"]
-        if given.get("offload") == "optimizer" and given.get("zero") is None:
+        if given.get("offload_dir") is not None:      # a path as the plan file stores it
+            given["offload_dir"] = os.fspath(given["offload_dir"])
+        if given.get("offload") in ("optimizer", "disk") and given.get("zero") is None:
             given["zero"] = OFFLOAD_DEFAULT_ZERO
         if given.get("compress") not in (None, "none") or given.get("local_sgd") \
-                or given.get("offload"):
+                or given.get("offload") or any(given.get(n) for n in ASYNC_PINS) \
+                or given.get("averaging"):
             given.setdefault("pipeline", 1)     # not offered with pipelines (yet)
         if isinstance(given.get("recompute"), list):
             given["recompute"] = tuple(given["recompute"])
@@ -180,14 +235,18 @@ NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
 KNOWN_PINS = frozenset(NAMES)
 
 
-def compress_scheme(value) -> tuple[str, float] | None:
+def compress_scheme(value) -> tuple[str, Any] | None:
     """The data-parallel gradient compression a ``compress=`` value asks for: ``(kind,
-    parameter)`` with kind "powersgd" (parameter: the rank), "topk" (the fraction), "bf16"
-    or "int8" (parameter 0); None for no compression (None, "none") and for "auto" (the
+    parameter)`` with kind "powersgd" (parameter: the rank), "topk" (the fraction), "nuq"
+    (the levels), "accordion" (parameter ``(kind, A, B)``: powersgd ranks or topk fractions,
+    A < B, B the less compressed, used in critical regimes), "bf16" or "int8" (parameter
+    0); None for no compression (None, "none") and for "auto" (the
     solver's choice: ``autopar.solver.compress``). PinError on anything else."""
     if value is None or value in ("none", "auto"):
         return None
     kind, _, arg = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if kind == "accordion":
+        return kind, _accordion(value, arg)
     try:
         if kind in ("bf16", "int8") and not arg:
             return kind, 0
@@ -195,9 +254,33 @@ def compress_scheme(value) -> tuple[str, float] | None:
             return kind, int(arg)
         if kind == "topk" and 0 < float(arg) <= 1:
             return kind, float(arg)
+        if kind == "nuq" and str(int(arg)) == arg and 1 <= int(arg) <= NUQ_MAX_LEVELS:
+            return kind, int(arg)
     except ValueError:
         pass
     raise PinError(f"compress={value!r}: use {COMPRESS_HELP}")
+
+
+def _accordion(value: str, arg: str) -> tuple[str, Any, Any]:
+    """``accordion:KIND:A:B``'s ``(KIND, A, B)``; PinError naming the fix."""
+    inner, a, b = (arg.split(":") + ["", "", ""])[:3] if arg.count(":") == 2 else ("", "", "")
+    if inner not in ("powersgd", "topk"):
+        raise PinError(f"compress={value!r}: Accordion switches between two settings of one "
+                       "scheme: use 'accordion:powersgd:R1:R2' (ranks) or 'accordion:topk:F1:F2' "
+                       "(fractions), e.g. 'accordion:powersgd:1:4'")
+    try:
+        lo, hi = (compress_scheme(f"{inner}:{x}")[1] for x in (a, b))    # each checked alone
+    except PinError:
+        raise PinError(f"compress={value!r}: " + ("each rank R a positive integer, e.g. "
+                       "'accordion:powersgd:1:4'" if inner == "powersgd" else "each fraction F "
+                       "0 < F <= 1, e.g. 'accordion:topk:0.01:0.1'")) from None
+    if not lo < hi:
+        raise PinError(f"compress={value!r}: the first {inner} setting is the more compressed one "
+                       "(used outside critical regimes), the second the less compressed: give "
+                       f"them in increasing order, e.g. 'accordion:{inner}:{min(lo, hi)}:{max(lo, hi)}'"
+                       if lo != hi else f"compress={value!r}: Accordion needs two different "
+                       f"settings; for a fixed one pin compress='{inner}:{lo}'")
+    return inner, lo, hi
 
 
 # ---- validation: each value on its own first, then the combinations ----------------------
@@ -212,7 +295,7 @@ def _check_values(p: dict) -> None:
     pipe = p.get("pipeline")
     if pipe is not None and not _positive_int(pipe):
         raise PinError(f"pin pipeline={pipe!r} must be a positive integer")
-    for name in ("data", "tensor", "expert", "accumulate", "micro_batch_size"):
+    for name in ("data", "tensor", "expert", "context", "accumulate", "micro_batch_size"):
         if name in p and not _positive_int(p[name]):
             raise PinError(f"pin {name}={p[name]!r} must be a positive integer")
     rec = p.get("recompute")
@@ -228,9 +311,14 @@ def _check_values(p: dict) -> None:
         raise PinError(f"zero={p['zero']!r}: ZeRO stages over the data-parallel axis are 0 (none), "
                        "1 (optimizer state sharded), 2 (gradients too) and 3 (parameters too, "
                        "gathered per use and again in backward)")
-    if p.get("offload") not in (None, "none", "optimizer"):
+    if p.get("offload") not in (None, "none", "optimizer", "disk"):
         raise PinError(f"offload={p['offload']!r}: use 'optimizer' (ZeRO-Offload: optimizer state, "
-                       "fp32 master weights and the optimizer step on the host) or None")
+                       "fp32 master weights and the optimizer step on the host), 'disk' (the same "
+                       "state in files on local disk between steps, ZeRO-Infinity) or None")
+    d = p.get("offload_dir")
+    if d is not None and (not isinstance(d, (str, os.PathLike)) or not os.fspath(d)):
+        raise PinError(f"offload_dir={d!r}: give the path of a local directory (a str) for "
+                       "the files of offload='disk', or leave it out (a temporary directory)")
     n = p.get("branch")
     if n is not None and not _positive_int(n):
         raise PinError(f"pin branch={n!r} must be a positive integer (the number of device groups "
@@ -242,6 +330,8 @@ def _check_values(p: dict) -> None:
     if imb is not None and (isinstance(imb, bool) or not isinstance(imb, (int, float)) or imb < 1):
         raise PinError(f"expert_imbalance={imb!r}: the busiest rank's load over the mean, a "
                        "number >= 1 (1.0 is uniform routing)")
+    if p.get("context_attention") not in (None, "ring", "all-gather"):
+        raise PinError(f"context_attention={p['context_attention']!r}: use 'ring' or 'all-gather'")
     if p.get("compile") not in (None, True, False):
         raise PinError(f"compile={p['compile']!r}: use True (torch.compile each rank's programs) "
                        "or False (eager, the default)")
@@ -254,6 +344,15 @@ def _check_values(p: dict) -> None:
                              or warm < 0):
         raise PinError(f"local_sgd_warmup={warm!r}: the steps of gradient all-reduce before local "
                        "SGD begins, a non-negative integer, with local_sgd= pinned too")
+    _check_async_values(p)
+    if p.get("averaging") not in (None, *AVERAGING):
+        raise PinError(f"averaging={p['averaging']!r}: use 'decentralized' (each rank averages its "
+                       "parameters with its ring neighbours) or 'async' (parameters averaged in the "
+                       "background while training goes on)")
+    period = p.get("averaging_period")
+    if period is not None and (not _positive_int(period) or p.get("averaging") is None):
+        raise PinError(f"averaging_period={period!r}: the steps between model averagings, a "
+                       "positive integer, with averaging='decentralized' or 'async' pinned too")
 
 
 def _check_combinations(p: dict) -> None:
@@ -266,14 +365,19 @@ def _check_combinations(p: dict) -> None:
                        "runs its own micro-batches: pin micro_batch_size= with pipeline= instead")
     if p.get("grad_reduce") == "bf16" and p.get("precision") not in ("bf16", "fp16"):
         raise PinError("grad_reduce='bf16' needs mixed precision: pin precision='bf16' too")
-    if p.get("offload") == "optimizer":
+    if p.get("offload_dir") is not None and p.get("offload") != "disk":
+        raise PinError(f"offload_dir={p['offload_dir']!r} is where offload='disk' keeps the "
+                       f"optimizer state; offload={p.get('offload')!r} writes no files: pin "
+                       "offload='disk' too, or drop offload_dir=")
+    if p.get("offload") in ("optimizer", "disk"):
+        off = f"offload={p['offload']!r}"
         if p.get("zero") == 0:
-            raise PinError("offload='optimizer' moves each rank's ZeRO optimizer shard to the host; "
+            raise PinError(f"{off} moves each rank's ZeRO optimizer shard off the device; "
                            "zero=0 keeps no shard: pin zero=1, 2 or 3, or leave zero= out "
                            f"(offload implies zero={OFFLOAD_DEFAULT_ZERO}, as DeepSpeed's ZeRO-Offload)")
         for other, none in (("pipeline", 1), ("branch", 1), ("compress", "none"), ("local_sgd", None)):
             if p.get(other) not in (None, none):
-                raise PinError(f"offload='optimizer' with {other}={p[other]!r} is not supported: "
+                raise PinError(f"{off} with {other}={p[other]!r} is not supported: "
                                "drop one of the two pins")
     lossy = [f"{n}={p[n]!r}" for n in ("compress", "local_sgd") if p.get(n) not in (None, "none")]
     if len(lossy) == 2:
@@ -289,6 +393,8 @@ def _check_combinations(p: dict) -> None:
         if p.get("grad_reduce") == "bf16" and p.get("compress") not in (None, "none"):
             raise PinError(f"{lossy[0]} and grad_reduce='bf16' both choose how gradients are "
                            "reduced: pin one of them (compress='bf16' is the bf16 reduction)")
+    _check_async_combinations(p)
+    _check_averaging_combinations(p)
     if (p.get("expert") or 1) > 1 and p.get("expert_dispatch") == "tensor":
         raise PinError(f"expert={p['expert']} splits the experts over an axis; "
                        "expert_dispatch='tensor' splits each expert instead (with tensor=): pin "
@@ -299,12 +405,102 @@ def _check_combinations(p: dict) -> None:
             if p.get(other) not in (None, none):
                 raise PinError(f"expert={p['expert']} with {other}={p[other]!r} is not supported "
                                "yet: drop one of the two pins")
+    if (p.get("context") or 1) > 1:
+        for other, none in (("expert", 1), ("branch", 1), ("compile", False)):
+            if p.get(other) not in (None, none):
+                raise PinError(f"context={p['context']} with {other}={p[other]!r} is not supported "
+                               "yet: drop one of the two pins")
     n = p.get("branch")
     if n is not None and n > 1:
         for other, none in (("pipeline", 1), ("zero", 0), ("accumulate", 1), ("micro_batch_size", None)):
             if p.get(other) not in (None, none):
                 raise PinError(f"branch={n} with {other}={p[other]!r} is not supported yet: drop "
                                "one of the two pins")
+
+
+ASYNC_PINS = ("staleness", "param_server", "hogwild", "learners")
+"""The relaxed (or, for ``param_server`` alone, exact) update schemes of issue 31 that change
+how a step's update reaches the parameters; never chosen by the solver, only pinned."""
+
+_ASYNC_HELP = {
+    "staleness": "the delay s >= 1 in steps of each gradient (1: a step's reduction overlaps "
+                 "the whole next step), e.g. staleness=1; drop it for synchronous updates",
+    "param_server": "the number of server ranks (>= 1, at most the data-parallel degree) that "
+                    "own the parameter shards, e.g. param_server=1",
+    "hogwild": "the number of processes (>= 1) that share the parameters on this host, "
+               "e.g. autopar.hogwild(model, ..., processes=4)",
+    "learners": "the number of learners (model replicas, >= 1) per rank, e.g. learners=2",
+}
+
+
+def _check_async_values(p: dict) -> None:
+    for name in ASYNC_PINS:
+        v = p.get(name)
+        if v is not None and not _positive_int(v):
+            raise PinError(f"{name}={v!r}: give {_ASYNC_HELP[name]}")
+
+
+def _check_async_combinations(p: dict) -> None:
+    """Refuse what the relaxed update schemes cannot combine with (autopar.runtime.stale,
+    param_server, hogwild, crossbow)."""
+    set_ = [n for n in ASYNC_PINS if p.get(n) is not None]
+    if not set_:
+        return
+    if p.get("hogwild") is not None:
+        others = sorted(n for n, v in p.items() if n != "hogwild" and v is not None
+                        and not (n == "pipeline" and v == 1) and not (n == "offload" and v == "none")
+                        and not (n == "compile" and v is False))
+        if others:
+            raise PinError(f"hogwild={p['hogwild']} runs the whole model in each process of one "
+                           f"host on shared parameters; it takes no other pin ({', '.join(others)}): "
+                           "drop them, or drop hogwild=")
+        return
+    if p.get("learners") is not None:
+        for other in ("staleness", "param_server", "accumulate"):
+            if p.get(other) is not None:
+                raise PinError(f"learners={p['learners']} (Crossbow) with {other}={p[other]!r} is "
+                               "not supported: each learner steps every step on its own share of "
+                               "the batch; drop one of the two pins")
+        for other in ("tensor", "context"):
+            if (p.get(other) or 1) > 1:
+                raise PinError(f"learners={p['learners']} (Crossbow) keeps whole model replicas "
+                               f"per rank; {other}={p[other]} splits them: drop {other}= (or pin "
+                               f"{other}=1)")
+    first = f"{set_[0]}={p[set_[0]]!r}"
+    for other, none in (("compress", "none"), ("local_sgd", None), ("averaging", None)):
+        if p.get(other) not in (None, none):
+            raise PinError(f"{first} and {other}={p[other]!r} both change how the data-parallel "
+                           "update is made: pin one of them")
+    for other, none in (("zero", 0), ("pipeline", 1), ("branch", 1), ("expert", 1), ("offload", None)):
+        if p.get(other) not in (None, none):
+            raise PinError(f"{first} with {other}={p[other]!r} is not supported: it works on the "
+                           "replicated data-parallel update; drop one of the two pins")
+    if p.get("precision") == "fp16":
+        raise PinError(f"{first} with precision='fp16': a delayed or averaged update cannot follow "
+                       "dynamic loss scaling's skipped steps; pin precision='bf16'")
+    if p.get("grad_reduce") == "bf16":
+        raise PinError(f"{first} reduces gradients (or parameters) in fp32: drop grad_reduce='bf16'")
+
+
+def _check_averaging_combinations(p: dict) -> None:
+    """Refuse what ``averaging=`` (``autopar.runtime.averaging``) cannot combine with: it
+    replaces the data axis's gradient all-reduce with parameter averaging."""
+    if p.get("averaging") is None:
+        return
+    first = f"averaging={p['averaging']!r}"
+    for other, none in (("compress", "none"), ("local_sgd", None), *((n, None) for n in ASYNC_PINS)):
+        if p.get(other) not in (None, none):
+            raise PinError(f"{first} and {other}={p[other]!r} both change how the data-parallel "
+                           "update is made: pin one of them")
+    for other, none in (("zero", 0), ("pipeline", 1), ("branch", 1), ("expert", 1), ("offload", None)):
+        if p.get(other) not in (None, none):
+            raise PinError(f"{first} with {other}={p[other]!r} is not supported: it averages whole "
+                           "replicated parameters over the data axis; drop one of the two pins")
+    if p.get("precision") == "fp16":
+        raise PinError(f"{first} with precision='fp16': ranks skipping different steps under dynamic "
+                       "loss scaling would average unlike models; pin precision='bf16'")
+    if p.get("grad_reduce") == "bf16":
+        raise PinError(f"{first} reduces no gradient over the data axis: drop grad_reduce='bf16'")
 
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
@@ -318,10 +514,20 @@ def check_optimizer(optimizer: str) -> int:
     return OPTIMIZER_STATES[optimizer]
 
 
+def refuse_hogwild_plan(options: Options) -> None:
+    """The ArgumentError of ``hogwild=`` given to a planner (``autopar.plan``,
+    ``autopar.parallelize``, ``autopar plan --pin``): Hogwild runs no plan."""
+    if options.hogwild is not None:
+        raise ArgumentError(f"hogwild={options.hogwild} runs {options.hogwild} processes of one host "
+                            "on shared parameters, not a plan over torchrun ranks: call "
+                            f"autopar.hogwild(model, inputs, loss_fn, target=..., "
+                            f"processes={options.hogwild})")
+
+
 def as_options(pins: "Options | Mapping[str, Any] | None") -> Options:
     """``pins`` as Options (checked once: Options pass through as they are)."""
     return pins if isinstance(pins, Options) else Options.from_pins(pins)
 
 
-__all__ = ["COMPRESS_HELP", "KNOWN_PINS", "NAMES", "OFFLOAD_DEFAULT_ZERO", "OPTIMIZER_STATES",
+__all__ = ["ASYNC_PINS", "AVERAGING", "COMPRESS_HELP", "NUQ_MAX_LEVELS", "KNOWN_PINS", "NAMES", "OFFLOAD_DEFAULT_ZERO", "OPTIMIZER_STATES",
            "Options", "as_options", "check_optimizer", "compress_scheme"]

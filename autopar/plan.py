@@ -24,7 +24,7 @@ PLAN_VERSION = 3
 files (the pipeline's fields at the top level) are read and converted on load. The
 optional ``accumulate`` field (gradient accumulation) reads as 1 where a file lacks it, and
 the optional ``branches`` (branch parallelism) as none, and the optional ``offload``
-(ZeRO-Offload) and ``host_memory_bytes`` as none."""
+(ZeRO-Offload), ``host_memory_bytes``, ``disk_bytes`` and ``alternatives_s`` as none."""
 
 __all__ = ["PLAN_VERSION", "BranchGroups", "Estimate", "NodePlacement", "Pipeline", "Plan", "PlanError",
            "SolverReport"]
@@ -162,7 +162,15 @@ class Plan:
     device. ``estimate.memory_bytes`` is device memory; the host's is ``host_memory_bytes``."""
     host_memory_bytes: dict[str, float] = field(default_factory=dict)
     """Host bytes per rank by term under ``offload`` (``"optimizer"``: master copy and
-    moments, ``"grads"``: the gradient shard copied down); empty without offload."""
+    moments, ``"grads"``: the gradient shard copied down); empty without offload. Under
+    ``offload="disk"`` the optimizer term is on disk (``disk_bytes``), not here."""
+    disk_bytes: dict[str, float] = field(default_factory=dict)
+    """Disk bytes per rank by term under ``offload="disk"`` (``"optimizer"``: the master copy
+    and moments, in files between steps, ``autopar.runtime.disk_offload``); empty otherwise."""
+    alternatives_s: dict[str, float] = field(default_factory=dict)
+    """The predicted step of the best plan of each kind the search weighed against this one
+    and did not take (``"without a context axis"``: what context parallelism buys); empty
+    when none was weighed."""
     version: int = PLAN_VERSION
 
     def __post_init__(self):
@@ -253,6 +261,8 @@ class Plan:
                 pipeline=Pipeline(**pipe) if pipe else None, accumulate=accumulate,
                 branches=branches, offload=_offload(d),
                 host_memory_bytes={k: float(v) for k, v in (d.get("host_memory_bytes") or {}).items()},
+                disk_bytes={k: float(v) for k, v in (d.get("disk_bytes") or {}).items()},
+                alternatives_s={k: float(v) for k, v in (d.get("alternatives_s") or {}).items()},
                 version=PLAN_VERSION)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanError):
@@ -291,9 +301,9 @@ class Plan:
 def _offload(d: dict) -> str | None:
     """The plan's ``offload`` (absent in older files: None)."""
     v = d.get("offload")
-    if v not in (None, "optimizer"):
+    if v not in (None, "optimizer", "disk"):
         raise PlanError(f"plan field offload: {v!r} is not an offload choice (expected "
-                        "\"optimizer\" or null)")
+                        "\"optimizer\", \"disk\" or null)")
     return v
 
 

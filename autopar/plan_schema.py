@@ -65,6 +65,8 @@ SCHEMA: dict[str, Any] = {
         "accumulate": {"type": "integer", "minimum": 1},
         "offload": {"type": ["string", "null"]},
         "host_memory_bytes": {"type": "object", "additionalProperties": _NUM},
+        "disk_bytes": {"type": "object", "additionalProperties": _NUM},
+        "alternatives_s": {"type": "object", "additionalProperties": _NUM},
         "branches": {"type": "array", "items": {
             "type": "object", "required": ["fork", "join", "groups"],
             "properties": {"fork": _STR, "join": _STR,

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from autopar.cost_models.hardware import ClusterError, parse_cluster
-from autopar.cost_models.offload import exposed_share, offload_times
+from autopar.cost_models.offload import disk_seconds, disk_times, exposed_share, offload_times
 from autopar.placement import Shard
 
 if TYPE_CHECKING:           # for annotations only: plan.py imports this module
@@ -66,6 +66,8 @@ def memory_phases_note(estimate) -> str:
 def offload_line(plan: Plan) -> str:
     """What ZeRO-Offload does in a plan's step, with its host bytes and the seconds the cost
     model gives its copies and host step ("" without offload)."""
+    if getattr(plan, "offload", None) == "disk":
+        return disk_offload_line(plan)
     if getattr(plan, "offload", None) != "optimizer":
         return ""
     host = plan.host_memory_bytes
@@ -84,6 +86,28 @@ def offload_line(plan: Plan) -> str:
             f"{fmt_bytes(host.get('optimizer', 0.0))}, gradient shard {fmt_bytes(shard)}; each bucket's "
             f"gradient shards go down as its reduction finishes, its updated shards up just before "
             f"its gather{timing}")
+
+
+def disk_offload_line(plan: Plan) -> str:
+    """``offload="disk"`` (ZeRO-Infinity's disk tier): the disk bytes and seconds."""
+    shard = plan.host_memory_bytes.get("grads", 0.0)
+    disk = plan.disk_bytes.get("optimizer", 0.0)
+    timing = ""
+    if shard:
+        try:
+            states = round(disk / shard) - 1
+            dev = parse_cluster(plan.cluster).device
+            copies, step = offload_times(shard, states, dev, exposed_share(shard))
+            read, write = disk_times(shard, states, dev)
+            timing = (f"; per step: copies not hidden {fmt_time(copies)}, host step {fmt_time(step)}, "
+                      f"disk read {fmt_time(read)} + write {fmt_time(write)} beside it, "
+                      f"{fmt_time(disk_seconds(shard, states, dev))} not hidden (in compute)")
+        except ClusterError:
+            pass
+    return (f"ZeRO-Infinity disk tier (offload='disk', zero={plan.options.zero}): optimizer state "
+            f"(master copy and moments) in files on local disk, {fmt_bytes(disk)} per rank, read "
+            f"a bucket ahead of the host step and written back after it; host memory holds the "
+            f"gradient shard {fmt_bytes(shard)}{timing}")
 
 
 def branch_lines(plan: Plan) -> list[str]:
@@ -143,6 +167,24 @@ def expert_choice(plan: Plan, name: str) -> str:
     return words + (f"; tokens split over {', '.join(tokens)}" if tokens else "")
 
 
+def context_lines(plan: Plan) -> list[str]:
+    """Context parallelism: the axis, how attention crosses it, the layout, and what the
+    search predicted without it."""
+    if "context" not in plan.mesh_axes:
+        return []
+    c = plan.mesh_shape[plan.mesh_axes.index("context")]
+    form = plan.options.context_attention or "ring"
+    how = ("K/V blocks passed around the ring, each sent while the last is computed" if form == "ring"
+           else "K/V all-gathered, their gradients reduce-scattered")
+    lines = [f"context parallelism: the sequence split {c} ways over 'context', causally balanced "
+             f"(rank r holds chunks r and {2 * c - 1}-r of {2 * c}); attention: {how}"]
+    without = plan.alternatives_s.get("without a context axis")
+    if without is not None:
+        lines.append(f"  the best plan without a context axis: {fmt_time(without)} a step "
+                     f"({without / plan.estimate.step_time_s:.2f}x this plan's)")
+    return lines
+
+
 def plan_summary(plan: Plan) -> str:
     e, s = plan.estimate, plan.solver
     lines = [
@@ -161,6 +203,7 @@ def plan_summary(plan: Plan) -> str:
     if e.comm:
         lines.append("communication: " + ", ".join(f"{k} {fmt_time(v)}" for k, v in e.comm.items()))
     lines += expert_lines(plan)
+    lines += context_lines(plan)
     lines.append(f"solver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
                  f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
                  f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s")

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 LR, MOMENTUM, STEPS = 0.05, 0.9, 3
+ADAMW_LR = 1e-3
 LOSS_RTOL, GRAD_RTOL, WEIGHT_RTOL = 1e-5, 1e-4, 1e-4
 # the absolute floor, root mean square per element: four float32 rounding steps of a weight
 # of size 1 (a LayerNorm weight that moved by 3e-5 may differ by one rounding step)
@@ -49,15 +50,24 @@ class Run(NamedTuple):
     initial: dict[str, torch.Tensor] | None = None   # before them (the reference run's)
 
 
+def _optimizer(params, optimizer: str):
+    """The optimizer the runs compare under: ``"sgd"`` (SGD with momentum) or ``"adamw"``."""
+    if optimizer == "adamw":      # SGD's rate would move AdamW's weights by 0.05 each a step
+        return torch.optim.AdamW(params, lr=ADAMW_LR)
+    if optimizer != "sgd":
+        raise ValueError(f"optimizer={optimizer!r}: use 'sgd' or 'adamw'")
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
 def reference_run(model, inputs, target, loss_fn, steps: int = STEPS,
-                  micro_batches: int = 1) -> Run:
+                  micro_batches: int = 1, optimizer: str = "sgd") -> Run:
     """``steps`` SGD-with-momentum steps on one device (a copy of ``model``). With
     ``micro_batches`` > 1 the batch is split into that many equal parts whose mean-loss
     gradients are accumulated: the single-device model of a pipeline's micro-batches when
     per-batch statistics (BatchNorm) make the whole batch a different model."""
     model = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = _optimizer(model.parameters(), optimizer)
     xs = [x.tensor_split(micro_batches) for x in inputs]
     ys = target.tensor_split(micro_batches) if micro_batches > 1 else [target]
     losses, grads = [], []
@@ -77,11 +87,11 @@ def reference_run(model, inputs, target, loss_fn, steps: int = STEPS,
     return Run(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, initial)
 
 
-def parallel_run(pm, inputs, target, steps: int = STEPS) -> Run:
+def parallel_run(pm, inputs, target, steps: int = STEPS, optimizer: str = "sgd") -> Run:
     """The same on a ParallelModule (called on every rank). A pipeline rank whose stages hold
     no parameter (a stage of the loss alone) steps no optimizer."""
     params = list(pm.parameters())
-    opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM) if params else None
+    opt = _optimizer(params, optimizer) if params else None
     losses, grads = [], []
     for _ in range(steps):
         if opt is not None:

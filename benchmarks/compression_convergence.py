@@ -1,5 +1,5 @@
-"""Convergence of the lossy data-parallel pins (``compress=``, ``local_sgd=``) against the
-exact all-reduce: the small GPT (``examples/gpt.py`` default config) trained as a
+"""Convergence of the lossy data-parallel pins (``compress=``, ``local_sgd=``, ``averaging=``)
+against the exact all-reduce: the small GPT (``examples/gpt.py`` default config) trained as a
 character-level model over ``examples/data/lighthouse.txt`` on 2 gloo ranks.
 
 Every run starts from the same weights and reads the same batches (``examples/train_gpt.py``'s
@@ -13,8 +13,13 @@ per rank both send S per rank). The margin: final loss within ``MARGIN`` of the 
 uncompressed run from other initial weights ("none, seed 1") shows how far two exact runs
 land apart.
 
+``--seeds N`` runs each of them from N initial weights (``gpt_factory(seed=...)``) and compares each with the exact run of the same seed;
+``--nproc N`` trains on N ranks (default 2; a ring of 2 is one pair); ``--only a,b`` keeps the runs whose label starts with one of those (the exact run always
+runs). Under ``averaging=`` and local SGD the model evaluated is the ranks' average.
+
     nice python benchmarks/compression_convergence.py            # 300 steps, ~6-10 min on 2 busy cores
     nice python benchmarks/compression_convergence.py --steps 400
+    nice python benchmarks/compression_convergence.py --seeds 2 --only nuq,accordion,averaging
 """
 from __future__ import annotations
 
@@ -37,10 +42,28 @@ RUNS = [("none", {}), ("none, seed 1", {"seed": 1}), ("bf16", {"compress": "bf16
         ("topk:0.1", {"compress": "topk:0.1"}), ("topk:0.01", {"compress": "topk:0.01"}),
         ("powersgd:4", {"compress": "powersgd:4"}), ("powersgd:1", {"compress": "powersgd:1"}),
         ("local_sgd=4", {"local_sgd": 4, "local_sgd_warmup": 20}),
-        ("local_sgd=16", {"local_sgd": 16, "local_sgd_warmup": 20})]
+        ("local_sgd=16", {"local_sgd": 16, "local_sgd_warmup": 20}),
+        ("nuq:4", {"compress": "nuq:4"}), ("nuq:8", {"compress": "nuq:8"}),
+        ("accordion:powersgd:1:4", {"compress": "accordion:powersgd:1:4"}),
+        ("accordion:topk:0.01:0.1", {"compress": "accordion:topk:0.01:0.1"}),
+        ("averaging=decentralized", {"averaging": "decentralized"}),
+        ("averaging=async", {"averaging": "async"}),
+        ("averaging=async, period 4", {"averaging": "async", "averaging_period": 4})]
 
 
-def worker(steps: int, batch: int, lr: float, out: str) -> None:
+def chosen(only: str | None, seeds: int) -> list[tuple[str, int, dict]]:
+    """(label, seed, pins) of each run: the exact run first for every seed."""
+    keep = [w.strip() for w in only.split(",")] if only else None
+    runs = [(label, pins) for label, pins in RUNS
+            if label == "none" or (keep is None and "seed" not in label)
+            or (keep is not None and any(label.startswith(k) for k in keep))]
+    if seeds == 1 and keep is None:
+        runs = [(label, pins) for label, pins in RUNS]      # as before: "none, seed 1" too
+        return [(label, 0, pins) for label, pins in runs]
+    return [(label, seed, {**pins, "seed": seed}) for seed in range(seeds) for label, pins in runs]
+
+
+def worker(steps: int, batch: int, lr: float, out: str, only: str | None = None, seeds: int = 1) -> None:
     import itertools
 
     import torch
@@ -49,6 +72,7 @@ def worker(steps: int, batch: int, lr: float, out: str) -> None:
     from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
     import autopar
+    from autopar.runtime.averaging import ModelAveraging
     from autopar.runtime.compression import LocalSGD
     from examples.gpt import gpt_factory
     from examples.train_gpt import TEXT, CharWindows, data_steps
@@ -56,13 +80,14 @@ def worker(steps: int, batch: int, lr: float, out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     rows = []
-    for label, pins in RUNS:
+    for label, seed, pins in chosen(only, seeds):
         pins = dict(pins)
+        torch.manual_seed(seed)
         ex = gpt_factory(batch=batch, seed=pins.pop("seed", 0))
         ds = CharWindows(TEXT, ex.config.block_size, stride=4, vocab_size=ex.config.vocab_size)
         ids, target = (torch.stack(x) for x in zip(*(ds[i] for i in range(batch))))
         pm = autopar.parallelize(ex.model, (ids,), ex.loss_fn, target=target, batch="per_rank",
-                                 data=2, **pins)
+                                 data=dist.get_world_size(), **pins)
         opt = torch.optim.AdamW(pm.parameters(), lr=lr)
         reducer = pm._grad_sync.reducer
         sync = pm._grad_sync     # the gradients summed over the data axis (0) each step
@@ -75,7 +100,9 @@ def worker(steps: int, batch: int, lr: float, out: str) -> None:
             under local SGD, of the ranks' average)."""
             params = list(pm.parameters())
             own = [p.data for p in params]
-            if isinstance(reducer, LocalSGD):
+            if isinstance(reducer, ModelAveraging):
+                reducer.wait()          # no collective of its in flight beside this one
+            if isinstance(reducer, (LocalSGD, ModelAveraging)):
                 average_parameters(iter(params), reducer.group)
             state = pm.full_state_dict()
             for p, d in zip(params, own):      # training goes on from each rank's own
@@ -95,7 +122,9 @@ def worker(steps: int, batch: int, lr: float, out: str) -> None:
                 evaluate()
         if rank == 0:
             loss = sum(evals) / len(evals)
-            rows.append({"run": label, "loss": loss, "wire": wire / steps, "full": full})
+            rows.append({"run": label, "seed": seed, "loss": loss, "wire": wire / steps, "full": full,
+                         "critical": (sum(reducer.history) / len(reducer.history)
+                                      if getattr(reducer, "history", None) else None)})
             print(f"[rank 0] {label}: loss {loss:.4f}", file=sys.stderr, flush=True)
     if rank == 0:
         with open(out, "w") as f:
@@ -115,27 +144,34 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16, help="the global batch (windows a step)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seeds", type=int, default=1, help="initial weights per run (each compared "
+                    "with the exact run of its seed)")
+    ap.add_argument("--only", help="comma-separated label prefixes of the runs to do (the exact "
+                    "run always runs), e.g. 'nuq,accordion,averaging'")
+    ap.add_argument("--nproc", type=int, default=2, help="gloo ranks (the data-parallel degree)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.steps, args.batch, args.lr, args.worker)
+        worker(args.steps, args.batch, args.lr, args.worker, args.only, args.seeds)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__),
                "--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr),
+               "--seeds", str(args.seeds), *(["--only", args.only] if args.only else []),
                "--worker", out]
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         rows = json.load(open(out))
-    base = rows[0]["loss"]
+    base = {r.get("seed", 0): r["loss"] for r in rows if r["run"] == "none"}
     print(f"\nsmall GPT, {args.steps} steps of AdamW (lr {args.lr}), global batch {args.batch}, "
-          f"2 gloo ranks; margin: final loss within {MARGIN:.0%} of the uncompressed run")
-    print(f"{'run':<14} {'final loss':>10} {'vs none':>8} {'bytes/step':>11} {'of none':>8}  margin")
+          f"{args.nproc} gloo ranks; margin: final loss within {MARGIN:.0%} of the uncompressed run of the same seed")
+    print(f"{'run':<26} {'seed':>4} {'final loss':>10} {'vs none':>8} {'bytes/step':>11} {'of none':>8}  margin")
     for r in rows:
-        ratio = r["loss"] / base
-        print(f"{r['run']:<14} {r['loss']:>10.4f} {ratio:>8.3f} {r['wire']:>11.0f} "
-              f"{r['wire'] / r['full']:>8.3f}  {'within' if ratio <= 1 + MARGIN else 'OUTSIDE'}")
+        ratio = r["loss"] / base[r.get("seed", 0)]
+        crit = f"  (critical {r['critical']:.0%} of steps)" if r.get("critical") is not None else ""
+        print(f"{r['run']:<26} {r.get('seed', 0):>4} {r['loss']:>10.4f} {ratio:>8.3f} {r['wire']:>11.0f} "
+              f"{r['wire'] / r['full']:>8.3f}  {'within' if ratio <= 1 + MARGIN else 'OUTSIDE'}{crit}")
 
 
 if __name__ == "__main__":

@@ -322,11 +322,14 @@ class Run:
     grad_reduce: str = "fp32"   # the dtype gradients were reduced in ("bf16": 16 bits; docstring, "Gradient reduction dtype")
     expert: int = 1             # expert parallelism: experts split over this many of a stage's data ranks
     pin_more: dict = field(default_factory=dict)   # further pins (a run's own expert dispatch)
+    context: int = 1            # context parallelism: the sequence split over this many ranks
+    time_limit_s: float = 0.0   # the ILP's limit for this row, when the default is too short
 
     @property
     def data(self) -> int:
-        """Data-parallel ranks beside the expert axis (whose ranks split the batch too)."""
-        return self.gpus // (self.tensor * self.pipeline * self.expert)
+        """Data-parallel ranks beside the expert axis (whose ranks split the batch too) and
+        the context axis (whose ranks split the sequence)."""
+        return self.gpus // (self.tensor * self.pipeline * self.expert * self.context)
 
     def model_flops(self) -> float:
         """FLOPs per step by the publication's count (Narayanan et al. 2021, eq. 3; for
@@ -391,6 +394,17 @@ DEEPSEEK_V3_TPS = 1e12 / (180e3 * 3600)
 # PP 32 with 3 virtual stages, DP 4, micro-batch 1, global batch 2,048, recomputing norms
 # and activations; 24.2 s a step: 2048 * 4096 / 24.2 / 256 = 1,354 tokens/s per GPU.
 QWEN3_235B_TPS = 2048 * 4096 / 24.2 / 256
+# Long context (issue 29). Llama 3 405B's long-context stage (Dubey et al. 2024, Table 4, third
+# row): 16,384 H100, sequence 131,072, TP 8, CP 16, PP 16, DP 8, batch 16 sequences per DP
+# group (16M tokens a step), 380 TFLOP/s per GPU; CP as an all-gather of K/V (Sec. 3.3.2:
+# "all-gather based ... then compute attention output for the local Q tensor chunk"),
+# ZeRO-2 as the 8k rows. NeMo's long-sequence sweep (NVIDIA NeMo
+# docs/source/performance/performance_long_sequence.md at 0aa2671, "LLAMA2-7B (FP8)",
+# DGX-H100, NeMo 24.03.01): Llama 2 7B with CP at 128K (128 GPUs, TP 4, PP 1, DP 8, CP 4,
+# 555 TFLOP/s per GPU) and 256K (256 GPUs, TP 4, DP 8, CP 8, 549); it trained in FP8, which
+# autopar does not price (bf16 here: the error includes FP8's GEMM gain), and the page gives
+# no batch: one sequence per data-parallel group (micro-batch 1), full recomputation off.
+NEMO_LONG = "NeMo performance_long_sequence.md, LLAMA2-7B FP8 (DGX-H100)"
 N21 = "Narayanan et al. 2021, Table 1"
 K22 = "Korthikanti et al. 2022, Table 5 (full recompute)"
 
@@ -456,6 +470,17 @@ RUNS: list[Run] = [
         "hf:qwen3-235b-a22b", 94, 4096, 64, 151936, 4096, 2048, 256, "h100", 2, 32, micro=1,
         recompute=False, published_tps=QWEN3_235B_TPS, held=True, expert=4,
         pin_more={"expert_dispatch": "all-to-all"}),
+    # long context (issue 29): the sequence split over a context axis (above RUNS)
+    Run("Llama3 405B 128k", "Dubey et al. 2024, Table 4 (16,384 GPUs, CP 16)", "llama", 126,
+        16384, 128, 128256, 131072, 128, 16384, "h100", 8, 16, micro=1, published_tflops=380,
+        kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", held=True,
+        context=16, pin_more={"context_attention": "all-gather"}, extra=FA2_H100),
+    Run("Llama2 7B 128k", NEMO_LONG + ", 128K", "llama", 32, 4096, 32, 32000, 131072, 8, 128,
+        "h100", 4, 1, micro=1, recompute=False, published_tflops=555, kv_heads=32, ffn=11008,
+        held=True, context=4),
+    Run("Llama2 7B 256k", NEMO_LONG + ", 256K", "llama", 32, 4096, 32, 32000, 262144, 8, 256,
+        "h100", 4, 1, micro=1, recompute=False, published_tflops=549, kv_heads=32, ffn=11008,
+        held=True, context=8, time_limit_s=120),   # CBC needs more than 30 s on its ILP
 ]
 
 
@@ -506,6 +531,8 @@ def pins_of(run: Run) -> dict:
         pins["zero"] = run.zero
     if run.expert > 1:
         pins["expert"] = run.expert
+    if run.context > 1:
+        pins["context"] = run.context
     pins.update(run.pin_more)
     if run.pipeline > 1:
         pins.update(pipeline=run.pipeline, micro_batch_size=run.micro * run.data * run.expert,
@@ -593,7 +620,8 @@ def predict(run: Run, time_limit_s: float = 30.0):
         # once the solver chose the fewest) and memory is not checked on these rows
         pins["recompute"], budget = "none", math.inf
     plan, cap = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cluster,
-                      pins=pins, memory_budget=budget, time_limit_s=time_limit_s)
+                      pins=pins, memory_budget=budget,
+                      time_limit_s=max(time_limit_s, run.time_limit_s))
     params = sum(p.numel() for p in ex.model.parameters())
     # an expert's weights live on 1 of ``expert`` ranks (autopar.ops.experts: the stacks)
     experts = sum(p.numel() for n, p in ex.model.named_parameters() if ".experts." in n)

@@ -131,8 +131,11 @@ def grad_sync_time(grad_bytes: float, group_size: int, link: Link, backward_time
 #: per matrix, PowerSGD's error feedback and three matmuls, plus torch's Gram-Schmidt
 #: (about 4 per column of P and of Q).
 _KERNELS = {"bf16": lambda r: 2, "int8": lambda r: 6, "topk": lambda r: 6,
-            "powersgd": lambda r: 8 + 8 * r}
+            "powersgd": lambda r: 8 + 8 * r, "nuq": lambda s: 16}
+#: nuq: norm, abs, divide, frexp, clamps, two level lookups, the draw, compare, codes, pack;
+#: unpack, lookup, sign, scale, sum
 INT8_CHUNK = 512     # autopar.runtime.compression.INT8_CHUNK: one fp32 (min, scale) per chunk
+NUQ_CHUNK = 512      # autopar.runtime.compression.NUQ_CHUNK: one fp32 norm per chunk
 
 
 def compressed_reduce_time(kind: str, arg: float, shape, itemsize: float, group_size: int,
@@ -151,7 +154,18 @@ def compressed_reduce_time(kind: str, arg: float, shape, itemsize: float, group_
       rest``); with ``r = min(rows, cols, arg)``, all-reduces of P (``rows r``) and Q
       (``cols r``) when ``(rows + cols) r`` is under half of ``rows cols`` (torch's test),
       else an exact all-reduce.
+    - ``nuq`` (``arg`` levels): an all-gather of half a byte a value (a byte above 7
+      levels) and 4 (a norm) per chunk of ``NUQ_CHUNK``;
+    - ``accordion`` (``arg = (kind, A, B)``): ``kind`` at ``B``, the less compressed setting
+      of critical regimes (an upper bound: the benchmark reports how often the cheaper
+      ``A`` ran), plus adding the sum into its interval's accumulator.
     """
+    if kind == "accordion":
+        inner, _, dense = arg
+        t = compressed_reduce_time(inner, dense, shape, itemsize, group_size, link, device)
+        n_el = math.prod(shape) if len(shape) else 1
+        return t + (0.0 if int(group_size) <= 1 else
+                    3 * itemsize * n_el / (device.mem_bandwidth * device.mem_efficiency))
     n_el = math.prod(shape) if len(shape) else 1
     n = int(group_size)
     if n <= 1 or n_el == 0:
@@ -174,6 +188,12 @@ def compressed_reduce_time(kind: str, arg: float, shape, itemsize: float, group_
         # error add, abs, zeroing the sent; torch.topk's radix select reads the keys about
         # 8 times (a digit a pass, with counting); the scatter-add of every rank's entries
         passes = 12 * itemsize * n_el + n * k * (itemsize + 4.0)
+    elif kind == "nuq":
+        per_rank = n_el * (0.5 if arg <= 7 else 1.0) + 4.0 * math.ceil(n_el / NUQ_CHUNK)
+        wire = bw("all_gather", per_rank * n)
+        # quantise: about 10 fp32 passes (norm, abs, ratio, frexp, levels, draw, compare,
+        # codes); each rank's codes unpacked, looked up, scaled and summed
+        passes = (10 * 4 + itemsize) * n_el + n * (1 + 3 * 4) * n_el
     elif kind == "powersgd":
         rows = shape[0] if len(shape) else 1
         cols = n_el // rows
@@ -190,3 +210,39 @@ def compressed_reduce_time(kind: str, arg: float, shape, itemsize: float, group_
                + _KERNELS[kind](arg) * device.launch_overhead
                * (1.0 if kind == "powersgd" else min(1.0, full / DDP_BUCKET_BYTES)))
     return wire + compute
+
+
+def averaging_time(kind: str, nbytes: float, group_size: int, link: Link, period: int = 1) -> float:
+    """Seconds a step of BAGUA's model averaging (pin ``averaging=``,
+    ``autopar.runtime.averaging``) spends on one parameter of ``nbytes`` over ``group_size``
+    data ranks, averaged every ``period`` steps, as the bandwidth term of a bucketed
+    gradient (the bucket pays the latency): ``"decentralized"`` sends it to each ring
+    neighbour (1 with 2 ranks, else 2; point-to-point, both at once on a full-duplex link
+    still 2 sends of the rank's bytes); ``"async"`` all-reduces it (in the background: the
+    overlap rule hides it behind backward as it does a gradient's)."""
+    n = int(group_size)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if kind == "decentralized":
+        sends = 1 if n == 2 else 2
+        t = sends * (collective_time("send", nbytes, 2, link, skew=False)
+                     - collective_time("send", 1.0, 2, link, skew=False))
+    elif kind == "async":
+        t = (collective_time("all_reduce", nbytes, n, link, skew=False)
+             - collective_time("all_reduce", 1.0, n, link, skew=False))
+    else:
+        raise ValueError(f"unknown model averaging {kind!r}; known: decentralized, async")
+    return t / max(1, int(period))
+
+
+def param_server_time(nbytes: float, group_size: int, servers: int, link: Link) -> float:
+    """Seconds for one direction of a parameter server's traffic (``param_server=``,
+    ``autopar.runtime.param_server``): ``nbytes`` per rank (a push of gradients, or a pull of
+    parameters) to or from ``servers`` servers that each own 1/servers of them; each server's
+    link carries the ``group_size - 1`` other ranks' share (its own stays local), so the
+    servers' links, each at ``link.bandwidth`` a direction, are the bottleneck, plus one
+    latency per peer message."""
+    if group_size <= 1:
+        return 0.0
+    share = nbytes / servers
+    return (group_size - 1) * (share / link.bandwidth + link.latency)

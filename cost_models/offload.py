@@ -27,6 +27,9 @@ Every constant cites its source, as in ``gpus.py``; what is assumed says so.
 """
 from __future__ import annotations
 
+import os
+import tempfile
+import time
 from dataclasses import dataclass
 
 from . import comm
@@ -105,3 +108,106 @@ def offload_seconds(shard_bytes: float, optimizer_states: int, device: Device,
                     exposed: float = 1.0) -> float:
     """Seconds per step ZeRO-Offload adds for a shard of ``shard_bytes`` fp32 bytes."""
     return sum(offload_times(shard_bytes, optimizer_states, device, exposed))
+
+
+# --- The disk tier (ZeRO-Infinity, Rajbhandari et al. 2021: ``offload="disk"``) ------------
+# Under ``offload="disk"`` the optimizer shard (fp32 master copy and moments, ``(1 + states)
+# * b`` bytes) lives in files between steps; each step reads it in and writes it back
+# (``autopar.runtime.disk_offload``), bucket by bucket: the next bucket is read ahead while
+# the host steps this one, and a stepped bucket is written back while the host steps the
+# next. Overlap rule: the disk's reads and writes run beside the host step, so a step pays
+# the disk time beyond the host step (``max(0, read + write - host step)``); the copies and
+# the host step are ZeRO-Offload's (above), unchanged.
+#
+# NVMe per node, measured through DeepSpeed's DeepNVMe (``ds_io``, 1 GB transfers, drives in
+# one RAID-0 volume; DeepSpeed blog "DeepNVMe: Affordable I/O scaling for Deep Learning
+# Applications", blogs/deepnvme/03-2025 in github.com/deepspeedai/DeepSpeed): 4 PCIe Gen4
+# SSDs read 10 GB/s and write 5 GB/s; 8 Gen5 SSDs (Azure ND-H200-v5) read 48 GB/s and
+# write 26 GB/s. A DGX A100 has 4 U.2 NVMe data drives (PCIe Gen4; DGX A100 datasheet:
+# 15 TB = 4 x 3.84 TB), so its row is the 4 x Gen4 figure; the H100 and H200 rows take the
+# 8-drive Gen5 node (ASSUMED: DGX H100 holds 8 x 3.84 TB U.2 drives; their generation varies
+# by node). The node's 8 GPUs stream at once: one GPU's share is 1/8.
+_DISK_NODE_GPUS = 8
+
+
+@dataclass(frozen=True)
+class DiskLink:
+    """One rank's share of its node's local disk."""
+    read: float
+    """Bytes/s the rank reads its optimizer files at."""
+    write: float
+    """Bytes/s it writes them back at."""
+
+
+DISK_LINKS: dict[str, DiskLink] = {
+    A100_80GB.name: DiskLink(10 * GB / _DISK_NODE_GPUS, 5 * GB / _DISK_NODE_GPUS),
+    H100_80GB.name: DiskLink(48 * GB / _DISK_NODE_GPUS, 26 * GB / _DISK_NODE_GPUS),
+    H200.name: DiskLink(48 * GB / _DISK_NODE_GPUS, 26 * GB / _DISK_NODE_GPUS),
+}
+DEFAULT_GPU_DISK = DISK_LINKS[A100_80GB.name]
+"""A GPU without a preset: a DGX A100's 4 Gen4 drives, ASSUMED."""
+
+_measured_disk: DiskLink | None = None
+
+
+def measure_disk(directory: str | None = None, nbytes: int = 32 * 2**20) -> DiskLink:
+    """This machine's disk, measured once per process (about 0.1-0.5 s) and cached: the best
+    of two rounds of writing ``nbytes`` to a file in ``directory`` (default
+    ``tempfile.gettempdir()``, where ``offload="disk"`` puts its files) and ``fsync``-ing
+    it, then reading it back after dropping it from the page cache
+    (``posix_fadvise(DONTNEED)``), as the runtime writes its state back and reads it again."""
+    global _measured_disk
+    if _measured_disk is not None and directory is None:
+        return _measured_disk
+    buf = os.urandom(1 << 20) * (nbytes >> 20)
+    best_w = best_r = float("inf")
+    fd, path = tempfile.mkstemp(prefix="autopar-disk-probe-", dir=directory)
+    try:
+        for _ in range(2):
+            os.lseek(fd, 0, os.SEEK_SET)
+            t0 = time.perf_counter()
+            os.write(fd, buf)
+            os.fsync(fd)
+            best_w = min(best_w, time.perf_counter() - t0)
+            os.posix_fadvise(fd, 0, len(buf), os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            got = os.pread(fd, len(buf), 0)
+            best_r = min(best_r, time.perf_counter() - t0)
+            assert len(got) == len(buf)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    link = DiskLink(len(buf) / best_r, len(buf) / best_w)
+    if directory is None:
+        _measured_disk = link
+    return link
+
+
+def disk_link(device: Device) -> DiskLink:
+    """The disk share of one rank on ``device``: a GPU's from its node's NVMe (above); a CPU
+    rank's from this machine's disk, measured (:func:`measure_disk`), split among the ranks
+    that share this CPU (``cpu/N``: N ranks, as ``cpu.cpu_share`` names them)."""
+    if device.name in DISK_LINKS:
+        return DISK_LINKS[device.name]
+    if device.name.startswith("cpu"):
+        disk = measure_disk()
+        _, _, n = device.name.partition("/")
+        ranks = int(n) if n.isdigit() else 1
+        return DiskLink(disk.read / ranks, disk.write / ranks)
+    return DEFAULT_GPU_DISK
+
+
+def disk_times(shard_bytes: float, optimizer_states: int, device: Device) -> tuple[float, float]:
+    """(seconds of reading, of writing back) the optimizer files of a shard of
+    ``shard_bytes`` fp32 bytes: its master copy and ``optimizer_states`` moments."""
+    link = disk_link(device)
+    state = (1 + optimizer_states) * shard_bytes
+    return state / link.read, state / link.write
+
+
+def disk_seconds(shard_bytes: float, optimizer_states: int, device: Device) -> float:
+    """Seconds per step the disk tier adds beyond ZeRO-Offload's for a shard of
+    ``shard_bytes``: its reads and writes beyond the host step they run beside."""
+    read, write = disk_times(shard_bytes, optimizer_states, device)
+    _, step = offload_times(shard_bytes, optimizer_states, device)
+    return max(0.0, read + write - step)

@@ -29,6 +29,20 @@ the one-device model on rank 0 replays the steps before it, so the two columns s
 compare the same training. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each restart a
 fresh store for its process group (with torchrun's shared store a restarted rank may read
 the dead attempt's gloo address and fail to connect).
+
+Elastic (``--elastic``): the job may lose ranks and gain them back, and goes on each time:
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2:4 --nproc-per-node 1 \
+        --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id gpt --max-restarts 3 \
+        examples/train_gpt.py --elastic --checkpoint-dir ckpt --batch 12 --pin data=4
+
+on every node (a global batch of 12 splits over 2, 3 and 4 ranks; a world it does not split
+over is an error naming the sizes that work). Each time the agents meet again in another
+world, every rank plans for it (``autopar.parallelize(..., elastic=True)``: the data axis
+takes the ranks, accumulation keeps the global batch ``--batch``), reloads the newest
+checkpoint into that plan (``autopar.elastic.resume``, which prints how long both took) and
+reads the data from the step it had reached (``autopar.elastic.GlobalBatchSampler``: the
+global batch of a step does not depend on the world).
 """
 from __future__ import annotations
 
@@ -47,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import autopar  # noqa: E402
 from autopar.checkpoint import latest_checkpoint, save_step_checkpoint  # noqa: E402
 from autopar.device import backend_for, rank_device  # noqa: E402
+from autopar.elastic import GlobalBatchSampler, resume  # noqa: E402
 from examples.gpt import gpt_factory  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lighthouse.txt")
@@ -112,7 +127,12 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     ap.add_argument("--resume", action="store_true",
                     help="start from the newest complete checkpoint in --checkpoint-dir, if any")
+    ap.add_argument("--elastic", action="store_true",
+                    help="re-plan for the world each restart has, keep the global batch, resume "
+                         "from --checkpoint-dir (torchrun --nnodes MIN:MAX)")
     args = ap.parse_args()
+    if args.elastic and not args.checkpoint_dir:
+        ap.error("--elastic resumes each restart from a checkpoint: pass --checkpoint-dir DIR")
     if args.resume and not args.checkpoint_dir:
         ap.error("--resume reads the checkpoints of --checkpoint-dir: pass --checkpoint-dir DIR")
     if args.checkpoint_every < 1:
@@ -128,7 +148,7 @@ def main() -> None:
     # example inputs: a global batch (the plan is made for its shape)
     ids, target = (torch.stack(x) for x in zip(*(ds[i] for i in range(args.batch))))
     pm = autopar.parallelize(ex.model, (ids,), ex.loss_fn, target=target,
-                             batch=args.batch_mode, **parse_pins(args.pin))
+                             batch=args.batch_mode, elastic=args.elastic, **parse_pins(args.pin))
     w, r = pm.data_world, pm.data_rank
     if rank == 0:
         print(pm.plan.summary(), flush=True)
@@ -146,6 +166,10 @@ def main() -> None:
         ref.backward()
         ref_opt.step()
         return ref
+
+    if args.elastic:
+        train_elastic(args, pm, opt, ds, reference_step)
+        return
 
     step, epoch, position = 0, 0, 0
     ckpt = latest_checkpoint(args.checkpoint_dir) if args.resume else None
@@ -174,6 +198,35 @@ def main() -> None:
                                         "rng": torch.get_rng_state()})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def train_elastic(args, pm, opt, ds, reference_step) -> None:
+    """--elastic: resume from the newest checkpoint into this world's plan, read this data
+    rank's slice of every global batch from the step reached, checkpoint as usual."""
+    rank = dist.get_rank()
+    step = (resume(args.checkpoint_dir, pm, opt) or {"step": 0})["step"]
+    sampler = GlobalBatchSampler(len(ds), args.batch, pm.data_rank, pm.data_world, start=step,
+                                 seed=0, steps=args.steps)
+    if rank == 0:
+        for s in range(step):               # the one-device model catches up
+            reference_step([ds_batch(ds, sampler.global_indices(s))])
+    for x, y in DataLoader(ds, batch_sampler=sampler):
+        opt.zero_grad()
+        loss = pm.train_step(x, target=y)
+        opt.step()
+        if rank == 0:
+            ref = reference_step([ds_batch(ds, sampler.global_indices(step))])
+            print(f"{step:>4}  {loss.item():>12.6f}  {ref.item():>12.6f}", flush=True)
+        step += 1
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            save_step_checkpoint(args.checkpoint_dir, step, pm, opt, keep=2, extra={"step": step})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ds_batch(ds, indices):
+    """The windows ``indices`` of ``ds``, stacked: (ids, next ids)."""
+    return tuple(torch.stack(t) for t in zip(*(ds[i] for i in indices)))
 
 
 if __name__ == "__main__":

@@ -17,9 +17,16 @@ down, all-gathers, masters copied up) are reported in order (:func:`recorded`).
 from __future__ import annotations
 
 import copy
+import gc
+import json
+import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
+
+import autopar
 
 
 
@@ -116,6 +123,8 @@ def recorded(pm, zero1: bool) -> tuple[list, dict]:
 def run_case(case: dict, zw) -> dict:
     """One case, with ``zw`` the ``zero_worker`` module running the spawn (its capture and
     plans are made once per process)."""
+    if case["pins"].get("offload") == "disk":
+        return run_disk_case(case, zw)
     model, inputs, target, loss_fn = zw.gpt()
     w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     bf16 = case["pins"].get("precision") == "bf16"
@@ -150,3 +159,116 @@ def run_case(case: dict, zw) -> dict:
             "estimate": dict(pm.plan.estimate.memory_bytes), "host_estimate": dict(pm.plan.host_memory_bytes),
             "numel": sum(v.numel() for v in w0.values()), "events": events}
 
+
+
+# ---- offload="disk" (ZeRO-Infinity's disk tier) ----------------------------------------------
+def reference_adamw(model, inputs, target, loss_fn, steps: int, lr: float):
+    """``autopar.verify.reference_run`` with AdamW: losses, every gradient by step, weights."""
+    from autopar.verify import Run
+    m = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in m.named_parameters()}
+    opt = torch.optim.AdamW(m.parameters(), lr=lr)
+    losses, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(m(*inputs), target)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+        opt.step()
+    return Run(losses, grads, {n: p.detach().clone() for n, p in m.named_parameters()}, initial)
+
+
+def disk_state(pm, opt) -> dict:
+    """Where this rank's optimizer state is: its bytes in the files, in memory now, and
+    whether every master and state tensor is a view of a file in the rank's directory."""
+    off = pm._offload
+    off.drain()
+    tensors = list(pm.parameters()) + [v for st in opt.state.values() for v in st.values()
+                                       if torch.is_tensor(v) and v.dim() > 0]
+    files = [t.untyped_storage().filename for t in tensors]
+    return {"disk": off.disk_bytes(), "resident": off.resident_bytes(),
+            "all_on_disk": all(off.on_disk(t) for t in tensors),
+            "in_directory": all(f is not None and f.startswith(off.directory + os.sep) for f in files),
+            "in_memory": span_bytes(t for t in tensors if not off.on_disk(t))}
+
+
+def run_disk_case(case: dict, zw) -> dict:
+    """``offload="disk"``: the loss, every gradient and the weights after 3 AdamW steps
+    against one device (``autopar.verify.compare``); where the state is between steps; a
+    checkpoint saved and loaded into a fresh module, which steps on equal to the first; the
+    rank's directory removed with the module."""
+    from autopar.verify import Run, compare, parallel_run, reference_run
+    model, inputs, target, loss_fn = zw.gpt()
+    ref = reference_adamw(model, inputs, target, loss_fn, zw.STEPS, zw.LR)
+    root = os.path.join(tempfile.gettempdir(), f"autopar_disk_{os.environ['MASTER_PORT']}")
+    os.makedirs(root, exist_ok=True)
+    pins = {**case["pins"], "offload_dir": root}
+    pm = zw.parallel(model, inputs, target, loss_fn, pins)
+    if case.get("bucket_bytes"):     # several ZeRO-1/2 buckets, and several disk buckets
+        pm._grad_sync.bucket_bytes = pm._zero.bucket_bytes = case["bucket_bytes"]
+        pm._offload.bucket_bytes = case["bucket_bytes"]
+    opt = torch.optim.AdamW(pm.parameters(), lr=zw.LR)
+    losses, grads, between = [], [], []
+    for _ in range(zw.STEPS):
+        opt.zero_grad()
+        losses.append(pm.train_step(*inputs, target=target).item())
+        grads.append(pm.full_grads())
+        pm.step(opt)
+        between.append(disk_state(pm, opt))
+    check = compare(ref, Run(losses, grads, pm.full_state_dict()))
+    # the same plan without offload: the same numbers, bit for bit (the step only moved)
+    plain = zw.parallel(model, inputs, target, loss_fn, {k: v for k, v in case["pins"].items() if k != "offload"})
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=zw.LR)
+    grads_p = []
+    for _ in range(zw.STEPS):
+        opt_p.zero_grad()
+        plain.train_step(*inputs, target=target)
+        grads_p.append(plain.full_grads())
+        plain.step(opt_p)
+    w, wp = pm.full_state_dict(), plain.full_state_dict()
+    vs_plain = {"weights": max(float((w[k] - wp[k]).abs().max()) for k in wp),
+                "grads": max(float((a[k] - b[k]).abs().max()) for a, b in zip(grads, grads_p) for k in b),
+                "weight_err": compare(ref, Run(losses, grads_p, wp)).weight_err}
+    whole_err = zw.weight_err(w, ref.weights, ref.initial)     # over all parameters together
+    # autopar.verify's own run (SGD with momentum, a bare opt.step(): the post-hook's path)
+    sgd = zw.parallel(model, inputs, target, loss_fn, pins)
+    sgd_check = compare(reference_run(model, inputs, target, loss_fn), parallel_run(sgd, inputs, target))
+    sgd_opt_state = sgd._offload.disk_bytes()["optimizer"]
+    del sgd
+    after = disk_state(pm, opt)           # full_state_dict read the masters: some in memory
+    read = after["resident"]
+    pm._offload.write_back(list(pm._offload.masters))
+    # a checkpoint round trip: a fresh module loads it and steps on equal to this one
+    path = os.path.join(root, f"ckpt_{case['id']}")
+    autopar.save_checkpoint(path, pm, opt)
+    pm2 = zw.parallel(model, inputs, target, loss_fn, pins)
+    opt2 = torch.optim.AdamW(pm2.parameters(), lr=zw.LR)
+    autopar.load_checkpoint(path, pm2, opt2)
+    for m, o in ((pm, opt), (pm2, opt2)):
+        o.zero_grad()
+        m.train_step(*inputs, target=target)
+        m.step(o)
+    loaded = disk_state(pm2, opt2)
+    w, w2 = pm.full_state_dict(), pm2.full_state_dict()
+    resumed = max(float((w[k] - w2[k]).abs().max()) for k in w)
+    files_before = sorted(os.listdir(pm._offload.directory))
+    directory, plan = pm._offload.directory, pm.plan
+    del pm, pm2, opt, opt2
+    gc.collect()
+    removed = not os.path.exists(directory)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)       # the checkpoint too
+    return {"rank": dist.get_rank(), "plan_pins": plan.pins, "offload_dir": plan.options.offload_dir,
+            "loss_err": check.loss_err, "grad_err": check.grad_err, "weight_err": check.weight_err,
+            "grad_worst": check.grad_worst, "weight_worst": check.weight_worst,
+            "problems": list(check.problems), "vs_plain": vs_plain, "whole_err": whole_err, "between": between,
+            "sgd": {"loss_err": sgd_check.loss_err, "grad_err": sgd_check.grad_err,
+                    "weight_err": sgd_check.weight_err, "weight_worst": sgd_check.weight_worst,
+                    "problems": list(sgd_check.problems), "disk": sgd_opt_state}, "read_resident": read,
+            "resumed": resumed, "loaded": loaded, "files": files_before,
+            "removed": removed, "root": root,
+            "numel": sum(p.numel() for p in model.parameters()),
+            "plan_disk": dict(plan.disk_bytes), "plan_host": dict(plan.host_memory_bytes),
+            "estimate": dict(plan.estimate.memory_bytes)}

@@ -1,8 +1,9 @@
-"""Lossy data parallelism: ``compress=`` (PowerSGD, top-k, bf16, int8) and ``local_sgd=``.
+"""Lossy data parallelism: ``compress=`` (PowerSGD, top-k, bf16, int8, NUQSGD, Accordion),
+``local_sgd=`` and ``averaging=`` (BAGUA's decentralized and asynchronous model averaging).
 
-Runtime cases run on 2 gloo ranks in one torchrun launch (``tests/compression_worker.py``,
-whose docstring says what each checks); the pins' errors and the cost model's choice run
-here.
+Runtime cases run on 2 gloo ranks in one torchrun launch, and the ring of decentralized
+averaging on 4 in a second (``tests/compression_worker.py``, whose docstring says what each
+checks); NUQSGD's levels and unbiasedness, the pins' errors and the cost model run here.
 """
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ CASES = [
      "steps": 3},
     {"id": "local_sgd-2", "check": "local_sgd", "pins": {"local_sgd": 2, "local_sgd_warmup": 1},
      "steps": 4},
+    {"id": "nuq-reducer", "check": "nuq_reducer", "levels": 4, "pins": {}, "steps": 0},
+    {"id": "accordion-switch", "check": "accordion_switch", "pins": {}, "steps": 0},
+    {"id": "nuq-trains", "check": "trains", "pins": {"compress": "nuq:4"}, "steps": 30},
+    {"id": "accordion-trains", "check": "trains", "pins": {"compress": "accordion:powersgd:1:4"},
+     "steps": 30},
+    {"id": "async-math", "check": "averaging_math", "pins": {"averaging": "async"}, "steps": 4},
+    {"id": "async-trains", "check": "trains", "pins": {"averaging": "async"}, "steps": 30},
+    {"id": "decentralized-pair", "check": "local_sgd", "pins": {"averaging": "decentralized"},
+     "steps": 3},
+]
+RING_CASES = [     # 4 ranks: each rank's two ring neighbours differ, and are not everyone
+    {"id": "decentralized-math", "check": "averaging_math", "pins": {"averaging": "decentralized"},
+     "steps": 4},
+    {"id": "decentralized-trains", "check": "trains", "pins": {"averaging": "decentralized"},
+     "steps": 30},
 ]
 BF16_GRAD_TOL = 2 ** -7          # a gradient's relative error after one bf16 rounding and sum
 
@@ -41,6 +57,12 @@ BF16_GRAD_TOL = 2 ** -7          # a gradient's relative error after one bf16 ro
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("compression") / "results.json"
     return torchrun_cases("compression_worker.py", 2, CASES, out, timeout=600, case_timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ring_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compression4") / "results.json"
+    return torchrun_cases("compression_worker.py", 4, RING_CASES, out, timeout=600, case_timeout=120)
 
 
 @pytest.mark.parametrize("cid", ["powersgd-exact", "topk-all"])
@@ -94,6 +116,110 @@ def test_local_sgd_averages_every_h_steps_after_warmup(results):
     assert r["loss_err"] > LOSS_RTOL, r          # not the one-device run
 
 
+# ---- NUQSGD ----------------------------------------------------------------------------
+def test_nuq_levels_are_exponentially_spaced():
+    from autopar.runtime.compression import nuq_levels
+    assert nuq_levels(4).tolist() == [0.0, 0.125, 0.25, 0.5, 1.0]
+    lv = nuq_levels(9)
+    assert lv[0] == 0 and lv[-1] == 1 and torch.equal(lv[2:] / lv[1:-1], torch.full((8,), 2.0))
+
+
+@pytest.mark.parametrize("levels", [1, 4, 8])
+def test_nuq_is_unbiased_and_on_the_two_nearest_levels(levels):
+    """Each draw is one of the two levels around |x| / norm, and the mean of many is the
+    vector: the sum over coordinates of the standardised errors (each coordinate's exact
+    variance (hi - u)(u - lo) norm^2 / draws) is within 5 of its standard deviation, and
+    each coordinate within 5 standard errors plus 4 draws' worth of a level step (the
+    normal bound is loose for rare rounding). Rounding down instead fails the same test."""
+    from autopar.runtime.compression import nuq_dequantize, nuq_levels, nuq_pack, nuq_quantize, nuq_unpack
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g) * torch.rand(1000, generator=g) ** 2
+    x[:10] = 0.0
+    draws = 2000
+    total = torch.zeros(1000, dtype=torch.float64)
+    for _ in range(draws):
+        codes, norms = nuq_quantize(x, levels, g)
+        assert torch.equal(nuq_unpack(nuq_pack(codes, levels), levels), codes)
+        total += nuq_dequantize(codes, norms, levels).reshape(-1)[:1000].double()
+    norm = norms.repeat_interleave(512)[:1000].double()
+    table = nuq_levels(levels).double()
+    u = x.abs().double() / norm
+    lo = table[(table[None, :] <= u[:, None]).sum(1) - 1]
+    hi = table[(table[None, :] < u[:, None]).sum(1).clamp_max(levels)]
+    q = nuq_dequantize(codes, norms, levels).reshape(-1)[:1000].double().abs() / norm
+    assert (((q - lo).abs() < 1e-6) | ((q - hi).abs() < 1e-6)).all()
+    sigma = (((hi - u) * (u - lo)).clamp_min(0) * norm ** 2 / draws).sqrt()
+    live = sigma > 0
+
+    def fails(mean) -> tuple[bool, bool]:
+        err = (mean - x.double()) * x.sign().double()        # along each coordinate's sign
+        z = err[live] / sigma[live]
+        return (bool(z.sum().abs() > 5 * live.sum().sqrt()),
+                bool((err.abs() > 5 * sigma + 4 * (hi - lo) * norm / draws + 1e-6).any()))
+    assert fails(total / draws) == (False, False)
+    assert fails(lo * norm * x.sign().double())[0]            # E of rounding down: caught
+    assert (total / draws - x.double()).abs().max() > 0       # random, not exact
+    assert nuq_pack(codes, levels).numel() == codes.numel() // (2 if levels <= 7 else 1)
+
+
+def test_nuq_reducer_sums_each_ranks_quantisation(results):
+    r = case_result(results, "nuq-reducer")
+    assert r["vs_quantized"] < 1e-5 and r["on_levels"], r
+    assert r["exact_err"] > 0.1, r                            # lossy
+    assert r["wire_bytes"] < 0.14 * r["full_bytes"], r        # 4 bits a value and a norm per 512
+
+
+# ---- Accordion -------------------------------------------------------------------------
+def test_accordion_switches_with_the_gradient_norm(results):
+    """Checks every 2 steps: no earlier norm (critical), the same norm (compressed), the
+    norm tripled (critical again)."""
+    r = case_result(results, "accordion-switch")
+    assert r["critical"] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0], r
+    dense, sparse = r["wire_bytes"][0], r["wire_bytes"][4]
+    assert dense == 2 * r["full_bytes"] and sparse == dense // 2, r    # top-k 1.0 vs 0.5, with indices
+    assert r["wire_bytes"][1] == dense + 4 and r["wire_bytes"][5] == sparse + 4, r   # the norm, every 2 steps
+
+
+# ---- training runs of the lossy techniques ----------------------------------------------
+@pytest.mark.parametrize("cid,ring", [("nuq-trains", False), ("accordion-trains", False),
+                                      ("async-trains", False), ("decentralized-trains", True)])
+def test_lossy_techniques_train(results, ring_results, cid, ring):
+    """30 SGD steps on one batch: the loss falls as the one-device run's does."""
+    r = case_result(ring_results if ring else results, cid)
+    assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-5), r
+    assert r["losses"][-1] < 0.01 * r["losses"][0], r
+    assert r["losses"][-1] < 5 * r["ref_losses"][-1] + 1e-3, r
+    if cid == "nuq-trains":
+        assert max(r["wire_bytes"]) < 0.2 * r["full_bytes"], r
+    if cid == "accordion-trains":      # starts at the vanilla all-reduce, then rank 4 (critical)
+        assert r["wire_bytes"][0] == r["full_bytes"] and max(r["wire_bytes"][2:]) < 0.6 * r["full_bytes"], r
+    if cid == "decentralized-trains":  # two neighbours' copies a step
+        assert set(r["wire_bytes"]) == {2 * r["full_bytes"]}, r
+
+
+# ---- BAGUA's model averaging -----------------------------------------------------------
+def test_decentralized_averaging_is_the_ring_mean(ring_results):
+    r = case_result(ring_results, "decentralized-math")
+    assert r["ring"] == [[[0, 1, 3], [1, 0, 2], [2, 1, 3], [3, 0, 2]]], r
+    assert r["formula_err"] < 1e-4, r
+    assert min(r["rank_spread"]) > 1e-3, r      # the ranks differ: not a global average
+
+
+def test_decentralized_pair_equals_one_device(results):
+    """Two ranks: the ring is the pair, and averaging after each momentum-SGD step (linear)
+    equals summing the gradients."""
+    r = case_result(results, "decentralized-pair")
+    assert r["loss_err"] < LOSS_RTOL and r["weight_err"] < WEIGHT_RTOL, r
+    assert r["rank_spread"] == [0.0, 0.0, 0.0] and r["wire_bytes"] == [r["full_bytes"]] * 3, r
+
+
+def test_async_averaging_folds_in_the_last_average(results):
+    r = case_result(results, "async-math")
+    assert r["formula_err"] < 1e-4, r           # x_r <- mean_j(x_j of the step before) - lr g_r
+    assert min(r["rank_spread"]) > 1e-3, r
+    assert r["wire_bytes"] == [r["full_bytes"]] * 4, r
+
+
 # ---- pins ------------------------------------------------------------------------------
 @pytest.mark.parametrize("pins,words", [
     ({"compress": "powersgd:0"}, "powersgd:R"),
@@ -104,6 +230,21 @@ def test_local_sgd_averages_every_h_steps_after_warmup(results):
     ({"compress": "int8", "local_sgd": 4}, "pin one of them"),
     ({"compress": "bf16", "zero": 1}, "drop zero="),
     ({"local_sgd": 2, "pipeline": 2, "micro_batch_size": 2}, "drop pipeline="),
+    ({"compress": "nuq:0"}, "'nuq:S'"),
+    ({"compress": "nuq:128"}, "S = 1..127"),
+    ({"compress": "accordion:powersgd:4:1"}, "increasing order, e.g. 'accordion:powersgd:1:4'"),
+    ({"compress": "accordion:topk:0.1:0.1"}, "pin compress='topk:0.1'"),
+    ({"compress": "accordion:int8:1:2"}, "'accordion:topk:F1:F2'"),
+    ({"compress": "accordion:topk:0.1:2"}, "each fraction F 0 < F <= 1"),
+    ({"compress": "nuq:4", "zero": 1}, "drop zero="),
+    ({"averaging": "ring"}, "use 'decentralized'"),
+    ({"averaging_period": 2}, "with averaging='decentralized' or 'async' pinned too"),
+    ({"averaging": "async", "averaging_period": 0}, "a positive integer"),
+    ({"averaging": "async", "compress": "int8"}, "pin one of them"),
+    ({"averaging": "decentralized", "local_sgd": 2}, "pin one of them"),
+    ({"averaging": "async", "zero": 2}, "drop one of the two pins"),
+    ({"averaging": "async", "precision": "fp16"}, "pin precision='bf16'"),
+    ({"averaging": "decentralized", "precision": "bf16", "grad_reduce": "bf16"}, "drop grad_reduce="),
 ])
 def test_bad_pins_say_the_fix(pins, words):
     model = nn.Linear(4, 2)
@@ -152,7 +293,37 @@ def test_compressed_bytes_priced_per_scheme():
     assert t["int8"] == pytest.approx(exact / 4 * (1 + 8 / 512), rel=0.05)   # + its compute
     assert t["topk"] == pytest.approx(exact * 0.01 * 2, rel=0.05)
     assert t["powersgd"] == pytest.approx(exact * (4096 + 512) * 4 / (4096 * 512), rel=0.05)
+    nuq = compressed_reduce_time("nuq", 4, (4096, 512), 4, 2, slow, A100_80GB)
+    assert nuq == pytest.approx(exact / 8 * (1 + 8 / 512), rel=0.05)         # 4 bits + a norm per 512
+    acc = compressed_reduce_time("accordion", ("powersgd", 1, 4), (4096, 512), 4, 2, slow, A100_80GB)
+    assert t["powersgd"] < acc < t["powersgd"] * 1.05      # priced at its critical setting, rank 4
     # a matrix rank 4 does not shrink by half goes exact
     assert compressed_reduce_time("powersgd", 4, (8, 8), 4, 2, slow, A100_80GB) == \
         pytest.approx(collective_time("all_reduce", 256, 2, slow, skew=False)
                       - collective_time("all_reduce", 1, 2, slow, skew=False))   # as bucketed
+
+
+def test_averaging_priced_per_kind():
+    """Decentralized: one send of the parameter to each ring neighbour (1 with 2 ranks, the
+    all-reduce's bytes; 2 with 4, more than its 1.5); async: the all-reduce, 1/period."""
+    from autopar.cost_models.comm import averaging_time, collective_time
+    from autopar.cost_models.devices import Link
+    link = Link(bandwidth=1e9, latency=0.0)
+    s = 4e6
+    ar = {n: collective_time("all_reduce", s, n, link, skew=False) for n in (2, 4)}
+    assert averaging_time("decentralized", s, 2, link) == pytest.approx(ar[2], rel=1e-6)
+    assert averaging_time("decentralized", s, 4, link) == pytest.approx(2 * s / 1e9, rel=1e-6)
+    assert averaging_time("decentralized", s, 4, link) > ar[4]
+    assert averaging_time("async", s, 4, link, period=4) == pytest.approx(ar[4] / 4, rel=1e-6)
+
+
+def test_averaging_buffers_priced_as_optimizer_memory():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    kw = dict(target=torch.randint(0, 4, (8,)), cluster="cpu:4", data=4)
+    x = (torch.randn(8, 64),)
+    plain = autopar.plan(model, x, F.cross_entropy, **kw).estimate.memory_bytes
+    params = plain["params"]
+    for pins, copies in [({"averaging": "async"}, 2), ({"averaging": "decentralized"}, 3),
+                         ({"compress": "accordion:topk:0.01:0.1"}, 1)]:
+        got = autopar.plan(model, x, F.cross_entropy, **kw, **pins).estimate.memory_bytes
+        assert got["optimizer"] - plain["optimizer"] == pytest.approx(copies * params), pins

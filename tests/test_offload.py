@@ -12,10 +12,19 @@ events come in the overlapped order (gradient copies down during backward, maste
 bucket by bucket between ZeRO-1/2's gathers). Single process: the pin's checks, the plan
 file, the cost model's figures and its overlap rule, and the free search choosing offload
 under a device budget ZeRO-3 alone does not fit.
+
+``offload="disk"`` (ZeRO-Infinity's disk tier, ``autopar.runtime.disk_offload``), in the same
+spawn (ZeRO-1 and 2 with several disk buckets, ZeRO-3): loss and every gradient against one device
+within ``autopar.verify``'s tolerances, bit for bit the plan without offload, each weight
+under autopar.verify's own SGD run; between steps every master and moment is a view of the
+rank's files with none of its pages in memory, the files hold the plan's ``disk_bytes``; a
+checkpoint round trip; the rank's directory removed with the module. Single process: the
+pins, the disk's constants and this machine's measured disk, the price and the plan fields.
 """
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -25,7 +34,9 @@ import autopar
 from autopar.cost_models.gpus import A100_80GB, H100_80GB
 from autopar.cost_models.hardware import parse_cluster
 from autopar.cost_models.comm import DDP_BUCKET_BYTES
-from autopar.cost_models.offload import exposed_share, host_link, offload_seconds, offload_times
+from autopar.cost_models.offload import (disk_link, disk_seconds, disk_times, exposed_share, host_link,
+                                         measure_disk, offload_seconds, offload_times)
+from autopar.verify import GRAD_RTOL, LOSS_RTOL, WEIGHT_RTOL
 from autopar.errors import PinError
 from autopar.plan import Plan, PlanError
 from autopar.options import Options
@@ -46,6 +57,13 @@ BF16_LOSS_TOL, BF16_WEIGHT_TOL = 3e-4, 0.1       # tests/test_precision.py's, ag
 for _c in CASES:
     _c["offload_case"] = True
 register_cases("zero_worker.py", 2, CASES)     # run in test_zero's spawn (launch.shared_cases)
+DISK = {"offload": "disk"}
+DISK_CASES = [     # offload="disk": the worker pins offload_dir= to a directory of its own
+    {"id": "disk-zero1", "pins": {"data": 2, "zero": 1, **DISK}, "bucket_bytes": BUCKET, "offload_case": True},
+    {"id": "disk-zero2", "pins": {"data": 2, "zero": 2, **DISK}, "bucket_bytes": BUCKET, "offload_case": True},
+    {"id": "disk-zero3", "pins": {"data": 2, "zero": 3, **DISK}, "offload_case": True},
+]
+register_cases("zero_worker.py", 2, DISK_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +223,114 @@ def test_copies_priced_as_overlapped_but_one_bucket_each_way():
     hidden = offload_times(shard, 2, dev)[0] * (1 - DDP_BUCKET_BYTES / shard)    # what overlap saves
     assert added == pytest.approx(offload_seconds(shard, 2, dev) - hidden, rel=1e-6) and hidden > 0
     assert "copies not hidden" in pinned.summary()
+
+
+# ---- offload="disk": ZeRO-Infinity's disk tier ----------------------------------------------
+@pytest.mark.parametrize("case_id", [c["id"] for c in DISK_CASES])
+def test_disk_offload_matches_one_device(results, case_id):
+    """3 AdamW steps: the loss and every gradient at every step equal one device's within
+    autopar.verify's tolerances, and losses, gradients and weights equal the same plan
+    without offload bit for bit. AdamW's weights are compared with one device over all
+    parameters (as the offload="optimizer" cases): per parameter, AdamW turns the rounding
+    noise of a gradient that is zero in exact arithmetic (the key third of c_attn.bias:
+    softmax ignores a shift of the keys) into whole steps, on the plan without offload too.
+    Per parameter, autopar.verify's own run (SGD with momentum, linear in the gradients,
+    stepped by a bare opt.step()) equals one device within its tolerances."""
+    r = case_result(results, case_id)
+    assert r["plan_pins"]["offload"] == "disk" and r["offload_dir"] == r["root"], r["plan_pins"]
+    assert not r["problems"], r["problems"]
+    assert r["loss_err"] < LOSS_RTOL, r
+    assert r["grad_err"] < GRAD_RTOL, (r["grad_err"], r["grad_worst"])
+    assert r["vs_plain"]["weights"] == 0.0 and r["vs_plain"]["grads"] == 0.0, r["vs_plain"]
+    assert r["weight_err"] == r["vs_plain"]["weight_err"] and r["whole_err"] < WEIGHT_TOL, r
+    sgd = r["sgd"]
+    assert not sgd["problems"] and sgd["loss_err"] < LOSS_RTOL and sgd["grad_err"] < GRAD_RTOL, sgd
+    assert sgd["weight_err"] < WEIGHT_RTOL, sgd
+    assert sgd["disk"] == 2 * 4 * r["numel"] / 2, sgd      # masters and momentum, this rank's half
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in DISK_CASES])
+def test_disk_offload_state_is_on_disk_between_steps(results, case_id):
+    """After each pm.step the masters and AdamW's moments are views of the rank's files, none
+    of their pages in memory (mincore), and the files hold this rank's half of the fp32
+    master copy and both moments: the plan's disk_bytes. Host memory keeps the gradient
+    shard alone, the device no optimizer state."""
+    r = case_result(results, case_id)
+    half = 4 * r["numel"] / 2
+    assert r["plan_disk"] == {"optimizer": 3 * half} and r["plan_host"] == {"grads": half}, r
+    assert "optimizer" not in r["estimate"], r["estimate"]
+    for b in r["between"]:
+        assert b["all_on_disk"] and b["in_directory"] and b["in_memory"] == 0, b
+        assert b["disk"]["optimizer"] == r["plan_disk"]["optimizer"], b
+        assert b["disk"]["optimizer"] <= b["disk"]["files"] < b["disk"]["optimizer"] + 4096 * 200, b
+        assert b["resident"] == 0, b
+    assert r["read_resident"] > 0       # reading the masters (full_state_dict) brings pages in
+    assert "masters.bin" in r["files"] and any(f.startswith("state-") for f in r["files"]), r["files"]
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in DISK_CASES])
+def test_disk_offload_checkpoint_round_trip(results, case_id):
+    """save_checkpoint / load_checkpoint into a fresh module: it steps on to the same weights;
+    the loaded moments are moved into its files (no more disk than before), the directory of
+    each module is removed with it."""
+    r = case_result(results, case_id)
+    assert r["resumed"] == 0.0, r["resumed"]
+    loaded = r["loaded"]
+    assert loaded["all_on_disk"] and loaded["resident"] == 0 and loaded["in_memory"] == 0, loaded
+    assert loaded["disk"]["optimizer"] == r["plan_disk"]["optimizer"], loaded
+    assert r["removed"], "the rank's offload directory outlived its module"
+
+
+def test_disk_pin_values(tmp_path):
+    opts = Options.from_pins({"offload": "disk", "offload_dir": tmp_path})
+    assert opts.zero == 2 and opts.pipeline == 1 and opts.offload_dir == str(tmp_path)
+    assert Options.from_pins({"offload": "disk", "zero": 3}).zero == 3
+    for pins, words in [({"offload": "nvme"}, "'disk' .the same state in files"),
+                        ({"offload": "disk", "zero": 0}, "offload='disk' moves .* zero=0 keeps no shard"),
+                        ({"offload": "disk", "pipeline": 2}, "offload='disk' with pipeline=2"),
+                        ({"offload_dir": str(tmp_path)}, "pin offload='disk' too, or drop offload_dir="),
+                        ({"offload": "optimizer", "offload_dir": str(tmp_path)}, "offload='optimizer' writes no files"),
+                        ({"offload": "disk", "offload_dir": 3}, "offload_dir=3: give the path")]:
+        with pytest.raises(PinError, match=words):
+            Options.from_pins(dict(pins))
+    from autopar.errors import ArgumentError
+    from autopar.runtime.disk_offload import rank_directory
+    with pytest.raises(ArgumentError, match="is not a directory: create it"):
+        rank_directory(str(tmp_path / "missing"))
+    made = rank_directory(str(tmp_path))
+    assert os.path.dirname(made) == str(tmp_path) and "rank0" in os.path.basename(made)
+
+
+def test_disk_constants_and_measured_disk():
+    a100, h100 = disk_link(A100_80GB), disk_link(H100_80GB)
+    # DeepNVMe's ds_io per node: 4 Gen4 SSDs 10 / 5 GB/s, 8 Gen5 48 / 26 GB/s; a GPU's 1/8
+    assert (a100.read, a100.write) == (10e9 / 8, 5e9 / 8)
+    assert (h100.read, h100.write) == (48e9 / 8, 26e9 / 8)
+    cpu2 = parse_cluster("cpu:2").device
+    here = measure_disk()
+    assert 1e6 < here.read < 1e12 and 1e6 < here.write < 1e12, here
+    assert disk_link(cpu2).read == here.read / 2       # two ranks share this machine's disk
+    # 1 GB fp32 shard with AdamW on an A100: 3 GB read and written, 7 GB of host memory traffic
+    read, write = disk_times(1e9, 2, A100_80GB)
+    assert read == pytest.approx(3e9 / a100.read) and write == pytest.approx(3e9 / a100.write)
+    step = offload_times(1e9, 2, A100_80GB)[1]
+    assert disk_seconds(1e9, 2, A100_80GB) == pytest.approx(read + write - step) and read + write > step
+
+
+def test_disk_offload_priced_and_reported(mlp, tmp_path):
+    off = _plan(mlp, data=2, **OFF)
+    disk = _plan(mlp, data=2, **DISK)
+    assert disk.offload == "disk" and disk.pins["zero"] == 2
+    shard = 4 * sum(p.numel() for p in mlp[0].parameters()) / 2
+    assert disk.disk_bytes == {"optimizer": 3 * shard} and disk.host_memory_bytes == {"grads": shard}
+    assert disk.estimate.memory_bytes == off.estimate.memory_bytes     # the device: as offload
+    dev = parse_cluster("cpu:2").device
+    assert disk.estimate.compute_s - off.estimate.compute_s == pytest.approx(
+        disk_seconds(shard, 2, dev), rel=1e-6, abs=1e-12)
+    assert "ZeRO-Infinity disk tier (offload='disk', zero=2)" in disk.summary()
+    disk.save(tmp_path / "d.json")
+    assert Plan.load(tmp_path / "d.json").disk_bytes == disk.disk_bytes
+    # only on request: the free search under a budget offload fits picks offload='optimizer'
+    z3 = _plan(mlp, data=2, zero=3)
+    free = _plan(mlp, memory_budget=(z3.estimate.memory_total + off.estimate.memory_total) / 2)
+    assert free.offload == "optimizer", free.pins

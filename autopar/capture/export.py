@@ -57,6 +57,9 @@ class _WithLoss(nn.Module):
         return self.loss_fn(out, *rest), out
 
 
+from autopar.capture.sequence_layout import balance_sequence, current_layout  # noqa: E402
+
+
 def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None,
             target: Any = None, stamp: bool = True) -> Captured:
     """Export ``model`` (and ``loss_fn(model(*example_inputs), target)``) to an ATen graph.
@@ -71,7 +74,9 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
     args = example_inputs + ((target,) if loss_fn is not None else ())
     wrapper = _WithLoss(model, loss_fn, len(example_inputs))
     with experts_as_ops(model):
-        return _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper)
+        cap = _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper)
+    c = current_layout()
+    return balance_sequence(cap, c) if c else cap
 
 
 def _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper) -> Captured:

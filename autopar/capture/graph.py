@@ -36,6 +36,9 @@ class Captured:
     takes_target: bool                 # the last input is the loss's target
     method: str = "torch.export"
     microbatch_loss: Any = None
+    sequence_balanced: int | None = None
+    """Set when the token stream runs in the causally balanced order of this many context
+    ranks (``autopar.capture.sequence_layout``)."""
     """Set when the graph was captured at micro-batch size and its loss rewritten into
     partial terms (``autopar.analysis.microbatch_loss.MicrobatchLoss``: the scale inputs and
     how to compute them from the global batch)."""

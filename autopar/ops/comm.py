@@ -175,6 +175,13 @@ class StepSettings:
     grad_reduce_dtype: torch.dtype | None = None
     """The dtype data-parallel gradients are summed in (the plan's ``grad_reduce``); None:
     the master weights' dtype."""
+    context_attention: str = "ring"
+    """How context-parallel attention crosses its axis (the plan's ``context_attention``):
+    ``"ring"`` or ``"all-gather"`` (``autopar.ops.context_attention``)."""
+    context_layout: str = "contiguous"
+    """Which positions a rank's shard of the sequence holds in context-parallel attention:
+    ``"balanced"`` when the graph runs its token stream in the balanced order
+    (``autopar.capture.sequence_layout``: pin ``context=``), else ``"contiguous"``."""
     bucket_listener: Any = None
     """Handed each gradient bucket's shards as soon as its reduction finishes (ZeRO-Offload's
     ``runtime.offload.HostOptimizer``, which copies them to the host); None: nobody."""
@@ -227,6 +234,11 @@ class Comm:
         of a ring (context parallelism's ring attention)."""
         raise NotImplementedError
 
+    def shift_start(self, t: torch.Tensor, axis: int, offset: int = 1):
+        """Start :meth:`shift`; returns an object whose ``wait()`` returns what it would (the
+        ring attention's next block, sent while the current one is computed)."""
+        return _Ready(self.shift(t, axis, offset))
+
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], axis: int):
         """Start summing ``tensors`` in place; returns an object whose ``wait()`` finishes."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -242,6 +254,18 @@ class Comm:
         """Start gathering ``t`` along ``dim`` over ``axis``; returns an object whose
         ``wait()`` returns what :meth:`all_gather` would (ZeRO-3's prefetch)."""
         return _Ready(self.all_gather(t, axis, dim))
+
+
+class _Shifting:
+    """A point-to-point shift in flight (:meth:`DistComm.shift_start`)."""
+
+    def __init__(self, comm, works, out, axis):
+        self.comm, self.works, self.out, self.axis = comm, works, out, axis
+
+    def wait(self):
+        for work in self.works:
+            self.comm._wait(work, "shift", self.axis)
+        return self.out
 
 
 class _Ready:
@@ -292,6 +316,9 @@ class _Inner(Comm):
 
     def shift(self, t, axis, offset=1):
         return self.outer.shift(t, axis + 1, offset)
+
+    def shift_start(self, t, axis, offset=1):
+        return self.outer.shift_start(t, axis + 1, offset)
 
     def all_reduce_coalesced(self, tensors, axis):
         return self.outer.all_reduce_coalesced(tensors, axis + 1)
@@ -428,6 +455,18 @@ class DistComm(Comm):
         for work in works:
             self._wait(work, "shift", axis)
         return out
+
+    def shift_start(self, t, axis, offset=1):
+        n, i, ranks = self.mesh_shape[axis], self.coord[axis], self.group_ranks[axis]
+        t = t.contiguous()
+        if offset % n == 0:
+            return _Ready(t.clone())
+        out = torch.empty_like(t)
+        group = self.groups[axis]
+        works = self.dist.batch_isend_irecv([
+            self.dist.P2POp(self.dist.isend, t, ranks[(i + offset) % n], group),
+            self.dist.P2POp(self.dist.irecv, out, ranks[(i - offset) % n], group)])
+        return _Shifting(self, works, out, axis)
 
     def all_reduce_coalesced(self, tensors, axis):
         flat = torch.cat([t.reshape(-1) for t in tensors])

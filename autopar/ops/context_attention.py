@@ -109,14 +109,36 @@ def causal_work(seq_len: int, rank: int, c: int, layout: str = "balanced") -> in
 # --- block math ------------------------------------------------------------------------
 
 def _pairs(q_pieces: Sequence[Piece], kv_pieces: Sequence[Piece], causal: bool,
-           device: torch.device) -> Iterator[tuple[slice, slice, torch.Tensor | None]]:
+           device: torch.device, mask5: torch.Tensor | None = None
+           ) -> Iterator[tuple[slice, slice, torch.Tensor | None]]:
     """(query rows, key rows, mask or None) of the local tensors for every pair of pieces
-    with something to compute; consecutive unmasked key pieces of one query piece merged."""
+    with something to compute; consecutive unmasked key pieces of one query piece merged.
+    ``mask5``: an explicit mask's rows for the local queries, every key position as a column
+    (bool, True where a query may attend; or additive float), [B|1, Hkv|1, group|1, L, S]."""
     q0 = 0
     for qa, qn in q_pieces:
         rows, run, k0 = slice(q0, q0 + qn), None, 0
         for ka, kn in kv_pieces:
-            if not causal or ka + kn - 1 <= qa:        # every key visible: unmasked
+            if mask5 is not None:
+                if causal and ka > qa + qn - 1:         # every key later: nothing to compute
+                    k0 += kn
+                    continue
+                m = mask5[..., rows, ka:ka + kn]
+                if causal:
+                    qpos = torch.arange(qa, qa + qn, device=device)
+                    kpos = torch.arange(ka, ka + kn, device=device)
+                    tri = kpos[None, :] <= qpos[:, None]
+                    m = (m & tri) if m.dtype == torch.bool else m.masked_fill(~tri, -math.inf)
+                if m.dtype == torch.bool:
+                    # a built mask's blocks (transformers' causal one): skip what it hides
+                    # whole, drop it where it hides nothing
+                    if not bool(m.any()):
+                        k0 += kn
+                        continue
+                    if bool(m.all()):
+                        m = None
+                yield rows, slice(k0, k0 + kn), m
+            elif not causal or ka + kn - 1 <= qa:        # every key visible: unmasked
                 run = slice(run.start if run else k0, k0 + kn)
             else:
                 if run:
@@ -134,33 +156,37 @@ def _pairs(q_pieces: Sequence[Piece], kv_pieces: Sequence[Piece], causal: bool,
 
 def _scores(q, k, scale, mask):
     s = (q @ k.transpose(-1, -2)) * scale
-    return s if mask is None else s.masked_fill(~mask, -math.inf)
+    if mask is None:
+        return s
+    return s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
 
 
-def _attend(q5, k, v, q_pieces, kv_pieces, causal, scale, out, lse) -> None:
+def _attend(q5, k, v, q_pieces, kv_pieces, causal, scale, out, lse, mask5=None) -> None:
     """Merge the local queries' attention to one K/V block into ``out`` / ``lse`` in place.
     ``q5``, ``out``: [B, Hkv, group, L, D]; ``lse``: [B, Hkv, group, L]; ``k``, ``v``:
     [B, Hkv, Lk, D]."""
     k5, v5 = k.to(q5.dtype).unsqueeze(2), v.to(q5.dtype).unsqueeze(2)
-    for rows, keys, mask in _pairs(q_pieces, kv_pieces, causal, q5.device):
+    for rows, keys, mask in _pairs(q_pieces, kv_pieces, causal, q5.device, mask5):
         s = _scores(q5[..., rows, :], k5[..., keys, :], scale, mask)
         blse = s.logsumexp(-1)
         # a row with no visible key here (lse -inf) contributes nothing
         bout = torch.exp(s - blse.clamp(min=torch.finfo(s.dtype).min)[..., None]) @ v5[..., keys, :]
         o, m = out[..., rows, :], lse[..., rows]
         new = torch.logaddexp(m, blse)
-        o.mul_(torch.exp(m - new)[..., None]).add_(bout * torch.exp(blse - new)[..., None])
+        keep = torch.exp(m - new).nan_to_num(0.0)       # -inf - -inf: a row with nothing yet
+        o.mul_(keep[..., None]).add_(bout * torch.exp(blse - new).nan_to_num(0.0)[..., None])
         m.copy_(new)
 
 
-def _attend_grad(q5, k, v, do5, lse, delta, q_pieces, kv_pieces, causal, scale, dq, dk, dv) -> None:
+def _attend_grad(q5, k, v, do5, lse, delta, q_pieces, kv_pieces, causal, scale, dq, dk, dv,
+                 mask5=None) -> None:
     """Add one K/V block's share of the gradients into ``dq`` (as ``q5``) and ``dk``, ``dv``
     (as ``k``), the probabilities recomputed from the whole row's ``lse``; ``delta`` is
     rowsum(dO * O)."""
     k5, v5 = k.to(q5.dtype).unsqueeze(2), v.to(q5.dtype).unsqueeze(2)
-    for rows, keys, mask in _pairs(q_pieces, kv_pieces, causal, q5.device):
+    for rows, keys, mask in _pairs(q_pieces, kv_pieces, causal, q5.device, mask5):
         qb, kb, vb, dob = q5[..., rows, :], k5[..., keys, :], v5[..., keys, :], do5[..., rows, :]
-        p = torch.exp(_scores(qb, kb, scale, mask) - lse[..., rows, None])
+        p = torch.exp(_scores(qb, kb, scale, mask) - lse[..., rows, None]).nan_to_num(0.0)
         dv[..., keys, :] += (p.transpose(-1, -2) @ dob).sum(2)
         ds = p * (dob @ vb.transpose(-1, -2) - delta[..., rows, None])
         dq[..., rows, :] += scale * (ds @ kb)
@@ -178,34 +204,35 @@ class _ContextAttention(torch.autograd.Function):
     """Outputs (out [B, H, L, D] in q's dtype, log-sum-exp [B, H, L], not differentiable)."""
 
     @staticmethod
-    def forward(q, k, v, axis, form, causal, scale, layout):
+    def forward(q, k, v, mask, axis, form, causal, scale, layout):
         comm = current_comm()
         c, i = comm.size(axis), comm.coord[axis]
         seq = q.shape[2] * c
         hkv = k.shape[1]
         q5 = q.to(_acc_dtype(q.dtype)).unflatten(1, (hkv, -1))
+        mask5 = _mask5(mask, hkv)
         out = torch.zeros_like(q5)
         lse = torch.full(q5.shape[:-1], -math.inf, dtype=q5.dtype, device=q5.device)
         mine = shard_pieces(seq, i, c, layout)
         if form == "all-gather":
             every = [p for r in range(c) for p in shard_pieces(seq, r, c, layout)]
             _attend(q5, comm.all_gather(k, axis, 2), comm.all_gather(v, axis, 2),
-                    mine, every, causal, scale, out, lse)
+                    mine, every, causal, scale, out, lse, mask5)
         else:
             kv = torch.stack([k, v])
             for step in range(c):
-                # sent before the block is computed: an asynchronous shift would overlap them
-                nxt = comm.shift(kv, axis) if step < c - 1 else None
+                # the next block is on its way while this one is computed
+                nxt = comm.shift_start(kv, axis) if step < c - 1 else None
                 _attend(q5, kv[0], kv[1], mine, shard_pieces(seq, (i - step) % c, c, layout),
-                        causal, scale, out, lse)
-                kv = nxt
+                        causal, scale, out, lse, mask5)
+                kv = nxt.wait() if nxt is not None else None
         return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, axis, form, causal, scale, layout = inputs
+        q, k, v, mask, axis, form, causal, scale, layout = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.mark_non_differentiable(lse)
         ctx.axis, ctx.form, ctx.causal, ctx.scale, ctx.layout = axis, form, causal, scale, layout
         # kept, not looked up again in backward: the autograd engine runs a CUDA tensor's
@@ -214,12 +241,13 @@ class _ContextAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         axis, causal, scale, comm = ctx.axis, ctx.causal, ctx.scale, ctx.comm
         c, i = comm.size(axis), comm.coord[axis]
         seq = q.shape[2] * c
         hkv, acc = k.shape[1], _acc_dtype(q.dtype)
         q5 = q.to(acc).unflatten(1, (hkv, -1))
+        mask5 = _mask5(mask, hkv)
         do5 = dout.to(acc).unflatten(1, (hkv, -1))
         lse5 = lse.unflatten(1, (hkv, -1))
         delta = (do5 * out.to(acc).unflatten(1, (hkv, -1))).sum(-1)
@@ -230,27 +258,38 @@ class _ContextAttention(torch.autograd.Function):
             kk, vv = comm.all_gather(k, axis, 2), comm.all_gather(v, axis, 2)
             dk = torch.zeros(kk.shape, dtype=acc, device=kk.device)
             dv = torch.zeros_like(dk)
-            _attend_grad(q5, kk, vv, do5, lse5, delta, mine, every, causal, scale, dq, dk, dv)
+            _attend_grad(q5, kk, vv, do5, lse5, delta, mine, every, causal, scale, dq, dk, dv, mask5)
             dk, dv = comm.reduce_scatter(dk, axis, 2), comm.reduce_scatter(dv, axis, 2)
         else:
             kv = torch.stack([k, v])
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)   # the held block's dK, dV
             for step in range(c):
-                nxt = comm.shift(kv, axis) if step < c - 1 else None
+                nxt = comm.shift_start(kv, axis) if step < c - 1 else None
                 _attend_grad(q5, kv[0], kv[1], do5, lse5, delta, mine,
                              shard_pieces(seq, (i - step) % c, c, ctx.layout),
-                             causal, scale, dq, dkv[0], dkv[1])
+                             causal, scale, dq, dkv[0], dkv[1], mask5)
                 if c > 1:       # on with the block: after the last step, home to its owner
                     dkv = comm.shift(dkv, axis)
-                kv = nxt
+                kv = nxt.wait() if nxt is not None else None
             dk, dv = dkv[0], dkv[1]
         return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
+
+
+def _mask5(mask: torch.Tensor | None, hkv: int) -> torch.Tensor | None:
+    """An explicit mask [B|1, H|1, L, S] as [B|1, Hkv|1, group|1, L, S] (the query heads'
+    grouping of :func:`_attend`); a float mask in float32 at least."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        mask = mask.to(_acc_dtype(mask.dtype))
+    return mask.unsqueeze(1) if mask.shape[1] == 1 else mask.unflatten(1, (hkv, -1))
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: int, *,
                       form: str = "ring", causal: bool = True, scale: float | None = None,
-                      enable_gqa: bool = False, layout: str = "balanced") -> torch.Tensor:
+                      enable_gqa: bool = False, layout: str = "balanced",
+                      attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's rows of ``F.scaled_dot_product_attention(Q, K, V, is_causal=causal,
     scale=scale, enable_gqa=enable_gqa)`` over the whole sequence, given this rank's shards
     ``q`` [B, H, L, D] and ``k``, ``v`` [B, Hkv, L, D] of it along mesh axis ``axis`` of
@@ -258,6 +297,9 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: i
     ``"contiguous"``: rank ``r`` holds ``[r*L, (r+1)*L)``). ``form``: ``"ring"`` or
     ``"all-gather"`` (the module's docstring). ``Hkv < H`` (grouped-query attention: query
     head ``h`` reads K/V head ``h // (H / Hkv)``) needs ``enable_gqa=True``, as SDPA does.
+    ``attn_mask``: SDPA's mask (bool, True where a query may attend, or additive float)
+    for this rank's query rows and every key position in sequence order, [B|1, H|1, L, S]
+    (rank ``r``'s rows in the contiguous layout: the mask split on its rows as ``q`` is).
     Differentiable in ``q``, ``k`` and ``v``."""
     if form not in FORMS:
         raise ValueError(f"form={form!r}: expected one of {FORMS}")
@@ -272,5 +314,34 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: i
         raise ValueError(f"{h} query heads against {hkv} key/value heads: grouped-query attention "
                          "needs enable_gqa=True and a head count that divides")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = _ContextAttention.apply(q, k, v, axis, form, causal, scale, layout)
+    if attn_mask is not None:
+        if attn_mask.dim() != 4 or attn_mask.shape[2] != q.shape[2] \
+                or attn_mask.shape[3] != q.shape[2] * current_comm().size(axis) \
+                or attn_mask.shape[1] not in (1, h) or attn_mask.shape[0] not in (1, q.shape[0]):
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)}: expected this rank's "
+                             f"query rows of the whole sequence's mask, [B|1, H|1, {q.shape[2]}, "
+                             f"{q.shape[2] * current_comm().size(axis)}]")
+    out, _ = _ContextAttention.apply(q, k, v, attn_mask, axis, form, causal, scale, layout)
     return out
+
+
+def context_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                 *, axis: int) -> torch.Tensor:
+    """``aten.scaled_dot_product_attention`` on this rank's shards of the sequence along mesh
+    axis ``axis``: the local call the sharding rule gives an SDPA whose sequence is split
+    there (``autopar.sharding.rules.attention``). The form and the layout are the step's
+    (``StepSettings``: the plan's ``context_attention`` option; ``"balanced"`` under a
+    ``context=`` pin, whose graph runs the sequence in that order, else contiguous). A mask's
+    rows are the local queries', its columns every key in sequence order."""
+    if dropout_p:
+        raise NotImplementedError("context-parallel attention with dropout_p > 0")
+    settings = current_comm().settings
+    form, layout = settings.context_attention, settings.context_layout
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise ValueError(f"{query.shape[1]} query heads against {key.shape[1]} key/value heads "
+                         "without enable_gqa")
+    return context_attention(query, key, value, axis, form=form, causal=bool(is_causal),
+                             scale=scale, enable_gqa=key.shape[1] != query.shape[1],
+                             layout=layout, attn_mask=attn_mask)

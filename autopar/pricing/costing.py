@@ -11,6 +11,7 @@ Compute, communication and memory stay separate all the way to the plan's estima
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,13 +23,14 @@ from autopar.analysis.saved import Kept
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models import compute as compute_model
 from autopar.cost_models import memory as memory_model
-from autopar.cost_models.offload import exposed_share, offload_seconds
+from autopar.cost_models.offload import disk_seconds, exposed_share, offload_seconds
 from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
 from autopar.options import Options, as_options
 from autopar.ops.experts import EXPERTS_OP
+from autopar.pricing.context import context_attention_time, context_axis_of
 from autopar.pricing.experts import experts_saved_bytes, experts_time
 from autopar.pricing.problem import VIEW_OPS, NodeVar
 
@@ -87,11 +89,21 @@ class CostModel:
     local_sgd: int | None = None
     """Pin ``local_sgd=H``: parameters averaged every H steps instead of gradients summed
     every step (priced after the warm-up: the all-reduce's 1/H)."""
+    averaging: str | None = None
+    """Pin ``averaging=`` (BAGUA; ``autopar.runtime.averaging``): parameters exchanged with
+    the ring neighbours ("decentralized") or all-reduced in the background ("async") every
+    ``averaging_period`` steps instead of gradients summed (``comm.averaging_time``); its
+    buffers (:data:`AVERAGING_COPIES`) are priced as optimizer state."""
+    averaging_period: int = 1
     offload: bool = False
     """``offload="optimizer"`` (ZeRO-Offload): a parameter's optimizer state lives on the host
     (no device bytes) and each step pays its shard's host step and the exposed share of its
     copies (``cost_models.offload``'s overlap rule), as that parameter's backward time, once
     per step."""
+    offload_disk: bool = False
+    """``offload="disk"`` (ZeRO-Infinity's disk tier): on top of :attr:`offload`, each
+    parameter's optimizer shard is read from disk and written back every step; it pays the
+    disk time beyond its host step (``cost_models.offload.disk_seconds``)."""
     offload_exposed: float = 1.0
     """Under ``offload``: the share of the copies not hidden (``offload.exposed_share`` of the
     problem's parameters, set by :meth:`offload_share` when a problem is priced)."""
@@ -105,6 +117,11 @@ class CostModel:
     makes itself (``x.float()`` in a norm, a loss's upcast) at 32 bits. Otherwise mixed
     precision moves every fp32 tensor of the (fp32) capture at 16 bits."""
 
+    context_form: str | None = None
+    context_balanced: bool = False
+    """The graph runs the sequence in the causally balanced order (pin ``context=``)."""
+    """How context-parallel attention crosses its axis (pin ``context_attention``); None:
+    each option priced at the faster form (``autopar.pricing.context``)."""
     compiled: bool = False
     """``compile=True``: memory-bound ops fuse as TorchInductor fuses them
     (``cost_models.compute``'s docstring), their fused inputs named by :attr:`fused_reads`."""
@@ -167,9 +184,11 @@ class CostModel:
                 self.grad_reduce)
         self._edge_cache = _shared(base)
         self._sync_cache = _shared((*base, self.zero, self.data_axis, self.compress, self.local_sgd,
+                                    self.averaging, self.averaging_period,
                                     self.cluster.device))
         self._time_cache = _shared(("time", self.mesh_shape, self.cluster.device, self.dtype_key,
-                                    self.native, self.compiled)) \
+                                    self.native, self.compiled, tuple(self.links),
+                                    self.context_form, self.context_balanced)) \
             if self.profiler is None else {}
         self._rec_count: dict = {}   # id(NodeVar) -> (it, members recomputed)
         self._kept: dict = {}        # id(NodeVar) -> (it, whether a member is kept, _keeps)
@@ -191,9 +210,13 @@ class CostModel:
                    recompute=frozenset(rec), recompute_kept=frozenset(kept),
                    memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
                    compress=pins.compression, local_sgd=pins.local_sgd,
-                   offload=pins.offload == "optimizer", native=native, compiled=bool(pins.compile),
+                   averaging=pins.averaging, averaging_period=pins.averaging_period or 1,
+                   offload=pins.offload in ("optimizer", "disk"), offload_disk=pins.offload == "disk",
+                   native=native, compiled=bool(pins.compile),
                    grad_reduce=pins.grad_reduce or "fp32",
-                   expert_imbalance=pins.expert_imbalance or 1.0)
+                   expert_imbalance=pins.expert_imbalance or 1.0,
+                   context_form=pins.context_attention,
+                   context_balanced=(pins.context or 1) > 1)
 
     # ---- overlap (cost_models/step.py) --------------------------------------------------
     def overlap_rule(self) -> tuple[float, bool]:
@@ -234,8 +257,10 @@ class CostModel:
         if v.call is None:
             if self.offload and v.kind == "param":
                 b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
-                return 0.0, offload_seconds(b, optimizer_states, self.cluster.device,
-                                            self.offload_exposed) * self.grad_sync_scale
+                t = offload_seconds(b, optimizer_states, self.cluster.device, self.offload_exposed)
+                if self.offload_disk:
+                    t += disk_seconds(b, optimizer_states, self.cluster.device)
+                return 0.0, t * self.grad_sync_scale
             return 0.0, 0.0
         key = (id(v.call), combo)      # the call held in the memo: its id is not reused
         got = self._time_cache.get(key)
@@ -249,6 +274,11 @@ class CostModel:
         if v.call.op is EXPERTS_OP:
             return experts_time(v.call, combo, self.mesh_shape, self.cluster.device,
                                 self.dtype_key, self.links, self.expert_imbalance, self.native)
+        axis = context_axis_of(v.call, combo, self.mesh_shape)
+        if axis is not None:
+            return context_attention_time(v.call, combo, self.mesh_shape, axis, self.cluster.device,
+                                          self.dtype_key, self.links, self.context_form, self.native,
+                                          self.context_balanced)
         ins = [_local(m, input_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.inputs)]
         outs = [_local(m, output_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.outputs)]
         if self.profiler is not None and not self.mixed:
@@ -330,6 +360,8 @@ class CostModel:
                 out = {"params": held / 2, "grads": grads, "optimizer": b * (1 + optimizer_states)}
             else:
                 out = {"params": held, "grads": grads, "optimizer": b * optimizer_states}
+            if self.averaging or (self.compress and self.compress[0] == "accordion"):
+                out["optimizer"] += b * self._lossy_copies()
             if self.memory_phases and self.zero in (0, 1) and any(
                     n > 1 and (isinstance(p, Replicate) or (self.zero == 1 and a == self.data_axis))
                     for a, (p, n) in enumerate(zip(placements, self.mesh_shape))):
@@ -471,7 +503,10 @@ class CostModel:
 
     def _lossy_grad_sync(self, t: float, local: TensorMeta, scale: float, n: int, link) -> float:
         """A parameter's gradient all-reduce over the data axis (``t`` seconds exact) under
-        ``local_sgd`` or ``compress``."""
+        ``local_sgd``, ``averaging`` or ``compress``."""
+        if self.averaging:
+            return comm_model.averaging_time(self.averaging, math.prod(local.shape) * local.dtype.itemsize
+                                             * scale, n, link, self.averaging_period)
         if self.local_sgd:
             return t / self.local_sgd
         if self.compress is None:
@@ -480,6 +515,21 @@ class CostModel:
         return comm_model.compressed_reduce_time(kind, arg, local.shape, local.dtype.itemsize * scale,
                                                  n, link, self.cluster.device)
 
+
+    def _lossy_copies(self) -> int:
+        """Parameter-sized buffers a parameter keeps under ``averaging`` (decentralized: its
+        flat copy and one received from each ring neighbour; async: the snapshot and its
+        sum in flight) or Accordion (its interval's accumulated gradient)."""
+        if self.averaging == "async":
+            return AVERAGING_COPIES["async"]
+        if self.averaging == "decentralized":
+            n = self.mesh_shape[self.data_axis] if self.data_axis is not None else 1
+            return 1 + (1 if n == 2 else 2) if n > 1 else 0
+        return 1
+
+
+AVERAGING_COPIES = {"async": 2, "decentralized": 3}
+"""Parameter copies ``averaging=`` keeps (decentralized: 2 with 2 data ranks)."""
 
 COPY_OUT = "copy_out"
 """The kind of a ZeRO-3 gather's copy-out (:meth:`CostModel._edge_steps`): device memory

@@ -376,6 +376,8 @@ def roles(plan: Plan) -> dict:
         out["tensor_axis"] = axes.index("tensor")
     if "expert" in axes:
         out["expert_axis"] = axes.index("expert")
+    if "context" in axes:
+        out["context_axis"] = axes.index("context")
     if plan.options.expert_dispatch:
         out["expert_dispatch"] = plan.options.expert_dispatch
     return out

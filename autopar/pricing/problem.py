@@ -22,6 +22,7 @@ from autopar.analysis.saved import Kept, merge, saved_activations
 from autopar.capture import Captured, layer_of
 from autopar.capture.experts import expert_stacks
 from autopar.ops.experts import EXPERTS_OP
+from autopar.sharding.rules.attention import context_axes
 from autopar.errors import PinError
 from autopar.placement import Replicate, Shard, local_shape
 from autopar.sharding.registry import (
@@ -109,7 +110,8 @@ def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Com
 
 def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | None = None,
                   tensor_axis: int | None = None, expert_axis: int | None = None, zero: int = 0,
-                  optimizer_states: int = 2, expert_dispatch: str | None = None) -> Problem:
+                  optimizer_states: int = 2, expert_dispatch: str | None = None,
+                  context_axis: int | None = None) -> Problem:
     """The problem of ``cap`` on ``mesh_shape``: a decision per node (repeated layers'
     nodes join their first layer's), an edge per tensor that flows between decisions."""
     mesh_shape = tuple(mesh_shape)
@@ -124,12 +126,12 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
         if kind == "op":
             call = index.call(node)
             opts = _op_choices(cap, index.tensor_args(node), node, call, mesh_shape, data_axis,
-                               tensor_axis, from_batch, expert_axis, expert_dispatch)
+                               tensor_axis, from_batch, expert_axis, expert_dispatch, context_axis)
             vars[name] = NodeVar(name, kind, None, call, opts, list(walk.members[name]))
         else:
             meta = TensorMeta(shape, dtype)
             opts = _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero,
-                                        expert_axis, name in stacks)
+                                        expert_axis, name in stacks, context_axis)
             vars[name] = NodeVar(name, kind, meta, None, opts, list(walk.members[name]))
     for v in vars.values():
         if not v.options:
@@ -228,10 +230,21 @@ def _walk(cap: Captured, index: GraphIndex) -> Walk:
 
 
 def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero,
-                         expert_axis=None, stack=False) -> list[Combo]:
+                         expert_axis=None, stack=False, context_axis=None) -> list[Combo]:
     """The options of a parameter, buffer or input under the pins (``stack``: a mixture of
     experts' weight stack, experts on dim 0)."""
     opts = placeholder_options(meta, mesh_shape)
+    if context_axis is not None:
+        # the sequence (dim 1 of an input that has one) split on the context axis; weights,
+        # buffers and per-sample inputs whole there
+        want = Shard(1) if kind == "input" and meta.ndim >= 2 else Replicate()
+        opts = [o for o in opts if o[context_axis].outputs[0] == want]
+        if not opts:
+            raise PinError(
+                f"input {name!r} of shape {list(meta.shape)}: its sequence dim (dim 1, size "
+                f"{meta.shape[1]}) cannot be split over the context-parallel axis of size "
+                f"{mesh_shape[context_axis]}; use a sequence length divisible by the context "
+                "degree (or pin a smaller context=)")
     if kind == "buffer":
         opts = [o for o in opts if all(isinstance(s.outputs[0], Replicate) for s in o)]
     if expert_axis is not None:
@@ -247,10 +260,14 @@ def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, z
 
 def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, data_axis, tensor_axis,
                 from_batch: bool, expert_axis: int | None = None,
-                expert_dispatch: str | None = None) -> list[Combo]:
+                expert_dispatch: str | None = None, context_axis: int | None = None) -> list[Combo]:
     """The options of an op node (tensor inputs ``args``) under the pins (``from_batch``:
     computed from the batch)."""
     opts = mesh_strategies(call, mesh_shape)
+    if call.op is aten.scaled_dot_product_attention.default:
+        # the sequence split through attention on one axis at most (context parallelism)
+        opts = [o for o in opts if sum(1 for a in context_axes(o, call.inputs[0].ndim)
+                                       if mesh_shape[a] > 1) <= 1]
     opts = _restrict_mutations(node, call, opts)
     param_inputs = [k for k, a in enumerate(args) if a.name in cap.params]
     stacks = [k for k in param_inputs if call.op is EXPERTS_OP and k >= 3]
@@ -261,6 +278,19 @@ def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, data_
             opts = [o for o in opts if all(o[expert_axis].inputs[k] == Shard(0) for k in stacks)]
         else:
             opts = _data_parallel(opts, expert_axis, from_batch, param_inputs)
+    if context_axis is not None:
+        opts = _data_parallel(opts, context_axis, from_batch, param_inputs)
+        if call.op is aten.scaled_dot_product_attention.default:
+            # attention on the context axis is context-parallel: the sequence split through it
+            # (the graph's token stream is in the balanced order only that op knows)
+            opts = [o for o in opts if context_axis in context_axes(o, call.inputs[0].ndim)]
+            if not opts:
+                raise PinError(
+                    f"node {node.name} (scaled_dot_product_attention, q {list(call.inputs[0].shape)}, "
+                    f"k {list(call.inputs[1].shape)}) cannot split its sequence over the context "
+                    f"axis of size {mesh_shape[context_axis]}: context parallelism needs "
+                    "self-attention (as many keys as queries), no dropout and a boolean mask if "
+                    "any, and a sequence the mesh divides; plan without context=")
     if call.op is EXPERTS_OP and expert_dispatch is not None:
         opts = [o for o in opts if all(_dispatched(s, expert_dispatch) for s in o)]
     if tensor_axis is not None:

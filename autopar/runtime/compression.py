@@ -17,6 +17,23 @@ the bucket's gradients, as the exact all-reduce would.
   and scale (fp32), all-gathered, and each rank sums the dequantised chunks. torch's
   ``quantization_perchannel_hook`` does this in a Python loop per chunk; this is the same
   arithmetic, vectorised. No error feedback (as torch's).
+- ``"nuq:S"``: NUQSGD (Ramezani-Kebrya et al. 2021): each chunk of ``NUQ_CHUNK`` values is
+  sent as its L2 norm (fp32) and, per value, a sign and one of the ``S + 1`` exponentially
+  spaced levels ``0, 2^-(S-1), ..., 1/2, 1`` of the norm, rounded at random to one of the two
+  levels around ``|x| / norm`` with the probability that makes its expectation exactly
+  ``|x| / norm`` (unbiased; no error feedback, as in the paper). Codes are 4 bits (two a
+  byte) for ``S <= 7``, else a byte; all-gathered, each rank sums the dequantised vectors.
+  Each rank draws from its own generator (``NUQ_SEED`` + its global rank). Written here:
+  torch has no NUQSGD hook and the authors' code is a fork of an old Horovod/PyTorch.
+- ``"accordion:powersgd:R1:R2"`` / ``"accordion:topk:F1:F2"``: Accordion (Agarwal et al. 2021)
+  over a PowerSGD or top-k reducer: every ``ACCORDION_INTERVAL`` steps the norm of each
+  bucket's summed gradient, accumulated over the interval, is compared with the last
+  interval's; a relative change of at least ``ACCORDION_ETA`` (the paper's 0.5) marks a
+  critical regime, and the bucket uses the less compressed setting (R2 / F2) until the next
+  check, else the more compressed one (R1 / F1). Training starts critical. The two settings
+  share one error-feedback residual. The norms are averaged over the data ranks (one
+  float a bucket an interval) so every rank switches alike. Written here: no maintained
+  library offers Accordion (the authors' code is a research script).
 - ``local_sgd=H``: no gradient reduction after the warm-up (``local_sgd_warmup`` steps of
   exact all-reduce, default ``LOCAL_SGD_WARMUP``); each rank steps on its own gradient (its
   term of the global loss times the data size: its local batch's mean), and
@@ -54,6 +71,13 @@ POWERSGD_START = 2
 LOCAL_SGD_WARMUP = 100
 """Default ``local_sgd_warmup``: torch's post-local-SGD example switches after 100 steps."""
 INT8_CHUNK = 512
+NUQ_CHUNK = 512
+"""Values per NUQSGD norm (the paper's bucket size d; QSGD's 512)."""
+NUQ_SEED = 1234
+ACCORDION_INTERVAL = 10
+"""Steps between Accordion's checks of the gradient norm (the paper checks once an epoch)."""
+ACCORDION_ETA = 0.5
+"""Accordion's threshold on the relative change of the gradient norm (the paper's eta)."""
 
 
 def data_group(comm: Comm, axis: int):
@@ -70,7 +94,8 @@ def data_group(comm: Comm, axis: int):
 
 def make_reducer(options: Options, comm: Comm, axis: int | None) -> "Reducer | None":
     """The reducer of a plan's ``compress=`` / ``local_sgd=`` options on the data axis ``axis``
-    (None when the plan has none, or no data axis, or its data axis has one rank)."""
+    (None when the plan has none, or no data axis, or its data axis has one rank;
+    ``averaging=`` is ``runtime.updates``')."""
     scheme, h = options.compression, options.local_sgd
     if axis is None or comm.size(axis) == 1 or (scheme is None and h is None):
         return None
@@ -78,7 +103,8 @@ def make_reducer(options: Options, comm: Comm, axis: int | None) -> "Reducer | N
     if h is not None:
         return LocalSGD(h, options.local_sgd_warmup if options.local_sgd_warmup is not None else LOCAL_SGD_WARMUP, group, axis)
     kind, arg = scheme
-    return {"bf16": Bf16, "powersgd": PowerSGD, "topk": TopK, "int8": Int8}[kind](group, axis, arg)
+    return {"bf16": Bf16, "powersgd": PowerSGD, "topk": TopK, "int8": Int8, "nuq": Nuq,
+            "accordion": Accordion}[kind](group, axis, arg)
 
 
 class FlatBucket:
@@ -115,17 +141,21 @@ class _Result:
         self.grads, self.value = grads, value    # a Future, a function giving the sum, or it
 
     def wait(self) -> None:
-        flat = self.value
-        if callable(flat):
-            flat = flat()
-        elif not isinstance(flat, torch.Tensor):
-            flat = flat.wait()          # a torch Future
-        if isinstance(flat, list):
-            flat = flat[0]
+        flat = resolve(self.value)
         off = 0
         for g in self.grads:
             g.copy_(flat[off: off + g.numel()].view_as(g))
             off += g.numel()
+
+
+def resolve(value) -> torch.Tensor:
+    """The flat sum a :meth:`Reducer.reduce` returned: a Future of it, a function giving it,
+    or it."""
+    if callable(value):
+        value = value()
+    elif not isinstance(value, torch.Tensor):
+        value = value.wait()          # a torch Future
+    return value[0] if isinstance(value, list) else value
 
 
 class Reducer:
@@ -269,6 +299,137 @@ class Int8(Reducer):
             w2.wait()
             return dequantize_int8(codes_all, stats_all).sum(0).reshape(-1)[: flat.numel()].to(flat.dtype)
         return total
+
+
+def nuq_levels(levels: int, device=None) -> torch.Tensor:
+    """NUQSGD's ``levels + 1`` levels of the norm: ``0, 2^-(levels-1), ..., 1/2, 1``."""
+    k = torch.arange(levels + 1, dtype=torch.float32, device=device)
+    return torch.where(k > 0, torch.exp2(k - levels), torch.zeros_like(k))
+
+
+def nuq_quantize(flat: torch.Tensor, levels: int, generator: torch.Generator | None = None,
+                 chunk: int = NUQ_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, norms) of ``flat``, zero-padded to chunks of ``chunk``: per chunk its L2 norm
+    (fp32), per value ``sign * k + levels`` (uint8, ``0 .. 2 levels``), level ``k`` drawn
+    between the two levels around ``|x| / norm`` so that its mean is exactly that."""
+    pad = (-flat.numel()) % chunk
+    x = torch.nn.functional.pad(flat.float(), (0, pad)).view(-1, chunk)
+    norms = torch.linalg.vector_norm(x, dim=1)
+    u = (x.abs() / norms.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(0, 1)
+    _, e = torch.frexp(u)                    # u = m 2^e, m in [1/2, 1): floor(log2 u) = e - 1
+    lower = torch.where(u > 0, (e - 1 + levels).clamp(0, levels), torch.zeros_like(e))
+    upper = (lower + 1).clamp_max(levels)
+    table = nuq_levels(levels, flat.device)
+    lo, hi = table[lower], table[upper]
+    p = ((u - lo) / (hi - lo).clamp_min(torch.finfo(torch.float32).tiny)).clamp_(0, 1)
+    k = lower + (torch.rand(u.shape, generator=generator, device=u.device) < p).to(lower.dtype)
+    codes = (torch.where(x < 0, -k, k) + levels).to(torch.uint8)
+    return codes, norms
+
+
+def nuq_dequantize(codes: torch.Tensor, norms: torch.Tensor, levels: int) -> torch.Tensor:
+    """The values ``(codes, norms)`` of :func:`nuq_quantize` stand for (chunks x chunk)."""
+    k = codes.long() - levels
+    return torch.sign(k) * nuq_levels(levels, codes.device)[k.abs()] * norms[..., None]
+
+
+def nuq_pack(codes: torch.Tensor, levels: int) -> torch.Tensor:
+    """Codes two a byte when they fit 4 bits (``levels <= 7``); else as they are."""
+    if 2 * levels > 15:
+        return codes
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def nuq_unpack(packed: torch.Tensor, levels: int) -> torch.Tensor:
+    if 2 * levels > 15:
+        return packed
+    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
+
+
+class Nuq(Reducer):
+    """``nuq:S``: NUQSGD's unbiased stochastic quantisation to exponentially spaced levels."""
+
+    def __init__(self, group, axis: int, levels: int):
+        super().__init__(group, axis)
+        self.levels = levels
+        self.generator: torch.Generator | None = None
+
+    def reduce(self, index, flat, shapes):
+        if self.generator is None or self.generator.device != flat.device:
+            self.generator = torch.Generator(device=flat.device)
+            self.generator.manual_seed(NUQ_SEED + dist.get_rank())
+        codes, norms = nuq_quantize(flat, self.levels, self.generator)
+        packed_all, w1 = self._all_gather(nuq_pack(codes, self.levels))
+        norms_all, w2 = self._all_gather(norms)
+
+        def total():
+            w1.wait()
+            w2.wait()
+            got = nuq_dequantize(nuq_unpack(packed_all, self.levels), norms_all, self.levels)
+            return got.sum(0).reshape(-1)[: flat.numel()].to(flat.dtype)
+        return total
+
+
+class Accordion(Reducer):
+    """``accordion:KIND:A:B``: PowerSGD or top-k, setting ``B`` (less compressed) in critical
+    regimes, ``A`` elsewhere, chosen per bucket from the change of its gradient's norm."""
+
+    def __init__(self, group, axis: int, arg: tuple, interval: int = ACCORDION_INTERVAL,
+                 eta: float = ACCORDION_ETA):
+        super().__init__(group, axis)
+        kind, low, high = arg
+        make = PowerSGD if kind == "powersgd" else TopK
+        self.sparse, self.dense = make(group, axis, low), make(group, axis, high)
+        if kind == "powersgd":       # one error-feedback residual, whichever setting runs
+            self.dense.state.error_dict = self.sparse.state.error_dict
+        else:
+            self.dense.errors = self.sparse.errors
+        self.interval, self.eta = interval, eta
+        self.critical: dict[int, bool] = {}       # by bucket; absent: critical (the start)
+        self._acc: dict[int, torch.Tensor] = {}   # the bucket's summed gradient this interval
+        self._norm: dict[int, float] = {}         # the last interval's norm of it
+        self.steps = 0
+        self.history: list[float] = []            # per step: the share of buckets critical
+
+    def reduce(self, index, flat, shapes):
+        inner = self.dense if self.critical.get(index, True) else self.sparse
+        value = inner.reduce(index, flat, shapes)
+        self._step_bytes += inner._step_bytes
+        inner._step_bytes = 0
+
+        def total():
+            got = resolve(value)
+            acc = self._acc.get(index)
+            self._acc[index] = got.detach().clone() if acc is None else acc.add_(got)
+            return got
+        return total
+
+    def end_step(self) -> None:
+        self.history.append(sum(self.critical.get(i, True) for i in self._index.values())
+                            / max(1, len(self._index)))
+        self.sparse.end_step()
+        self.dense.end_step()
+        self.steps += 1
+        if self.steps % self.interval == 0 and self._acc:
+            self._detect()
+        super().end_step()
+
+    def _detect(self) -> None:
+        """Each bucket critical when its accumulated gradient's norm changed by ``eta`` or
+        more since the last check (the ranks' norms averaged: all decide alike)."""
+        idx = sorted(self._acc)
+        norms = torch.stack([torch.linalg.vector_norm(self._acc[i].float()) for i in idx])
+        dist.all_reduce(norms, group=self.group)
+        self._step_bytes += norms.numel() * norms.element_size()
+        for i, n in zip(idx, (norms / self.size).tolist()):
+            old = self._norm.get(i)
+            self.critical[i] = old is None or abs(old - n) >= self.eta * max(old, 1e-30)
+            self._norm[i] = n
+        self._acc.clear()
+
+    def local_error(self, names: tuple[str, ...]) -> torch.Tensor | None:
+        self.sparse._index = self.dense._index = self._index
+        return self.sparse.local_error(names)
 
 
 class LocalSGD(Reducer):

@@ -31,6 +31,10 @@ parameters; ZeRO-3's shards) and each gradient until its bucket's copy to the ho
 
 On a CPU rank host and device are one memory: the masters are still separate tensors and
 every copy is made, so the path the tests run is the one a GPU runs.
+
+``offload="disk"`` (ZeRO-Infinity's disk tier) is :class:`HostOptimizer` with the masters
+and the optimizer's state in files on local disk between steps, streamed through host
+memory a bucket at a time: ``autopar.runtime.disk_offload.DiskOptimizer``.
 """
 from __future__ import annotations
 
@@ -42,8 +46,9 @@ from autopar.plan import Plan
 
 
 def offloaded(plan: Plan) -> bool:
-    """Whether ``plan`` runs ZeRO-Offload."""
-    return getattr(plan, "offload", None) == "optimizer"
+    """Whether ``plan`` runs ZeRO-Offload (``"optimizer"``, or its disk tier ``"disk"``:
+    ``autopar.runtime.disk_offload``)."""
+    return getattr(plan, "offload", None) in ("optimizer", "disk")
 
 
 class HostOptimizer:
@@ -63,12 +68,17 @@ class HostOptimizer:
         self._attr = {id(p): a for a, p in self.device_params.items()}
         self.masters: dict[str, nn.Parameter] = {}
         with torch.no_grad():
-            for attr, p in self.device_params.items():
-                host = torch.empty(p.shape, dtype=p.dtype, device=HOST, pin_memory=self.pinned)
+            for (attr, p), host in zip(self.device_params.items(), self._master_buffers()):
                 host.copy_(p.detach())
                 self.masters[attr] = nn.Parameter(host, requires_grad=p.requires_grad)
         self._versions = self._now()
         self._down: dict[str, list[torch.Tensor]] = {}   # this step's gradient copies in flight
+
+    def _master_buffers(self) -> list[torch.Tensor]:
+        """Uninitialised host tensors for the masters, one per device parameter in order (the
+        disk tier's are views of a memory-mapped file)."""
+        return [torch.empty(p.shape, dtype=p.dtype, device=HOST, pin_memory=self.pinned)
+                for p in self.device_params.values()]
 
     def _now(self) -> dict[str, int]:
         return {a: m._version for a, m in self.masters.items()}
@@ -123,6 +133,10 @@ class HostOptimizer:
             if m._version != self._versions[attr]:
                 p.copy_(m, non_blocking=self.pinned)
                 self._versions[attr] = m._version
+
+    def stepping(self, optimizer):
+        """What ``pm.step`` steps: ``optimizer`` itself (the disk tier's steps by buckets)."""
+        return optimizer
 
     def params_up(self) -> None:
         """Copy every changed master into its device shard."""

@@ -45,14 +45,17 @@ from autopar.runtime.compiled import (
     CompiledProgram, cache_counts, check_compilable, compile_report,
 )
 from autopar.runtime.compression import LocalSGD, make_reducer
+from autopar.runtime.averaging import ModelAveraging
 from autopar.runtime.branch_stage import BranchRanks
 from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.updates import make_update_reducer
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
 from autopar.runtime.plan_check import check_plan_fits
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
 from autopar.runtime.shards import Shards, get_tensor, set_tensor, shard_model
 from autopar.runtime.timing import TimingReport, timing_report
+from autopar.runtime.disk_offload import DiskOptimizer
 from autopar.runtime.offload import HostOptimizer, offloaded
 from autopar.runtime.weights import load_weights
 from autopar.runtime.zero import (
@@ -243,7 +246,8 @@ class ParallelModule(nn.Module):
             data_axis = splan.mesh_axes.index("data") if "data" in splan.mesh_axes else None
             self._grad_sync = GradSync(working, grad_axes, self._stage_comm,
                                        reduce_dtype=grad_reduce_dtype(plan.options),
-                                       reducer=make_reducer(plan.options, self._stage_comm, data_axis))
+                                       reducer=make_update_reducer(plan.options, self._stage_comm, data_axis, working)
+                                       or make_reducer(plan.options, self._stage_comm, data_axis))
         self.scaler = self._mixed_precision(plan, pipelined)
         if not pipelined:
             self._grad_sync.launch_on_accumulate()
@@ -253,8 +257,13 @@ class ParallelModule(nn.Module):
         self._offload = None
         self._compile_report: dict | None = None
         if offloaded(self.plan):
-            # ZeRO-Offload (autopar.runtime.offload): pm.parameters() are host master copies
-            self._offload = HostOptimizer(dict(self.module.named_parameters()), self.device)
+            # ZeRO-Offload (autopar.runtime.offload): pm.parameters() are host master copies,
+            # in files on disk between steps under offload="disk" (runtime.disk_offload)
+            if self.plan.offload == "disk":
+                self._offload = DiskOptimizer(dict(self.module.named_parameters()), self.device,
+                                              self.plan.options.offload_dir)
+            else:
+                self._offload = HostOptimizer(dict(self.module.named_parameters()), self.device)
             self._stage_comm.settings.bucket_listener = self._offload  # copies by bucket, overlapped
             for attr, p in self._offload.masters.items():
                 set_tensor(self.module, attr, p)
@@ -262,7 +271,10 @@ class ParallelModule(nn.Module):
     def _mixed_precision(self, plan: Plan, pipelined: bool) -> LossScaler | None:
         """Set up the plan's precision (``autopar.runtime.precision``); the loss scaler under fp16."""
         dtype = compute_dtype(plan.options)
-        self._stage_comm.configure(StepSettings(grad_reduce_dtype=grad_reduce_dtype(plan.options)))
+        self._stage_comm.configure(StepSettings(
+            grad_reduce_dtype=grad_reduce_dtype(plan.options),
+            context_attention=plan.options.context_attention or "ring",
+            context_layout="balanced" if (plan.options.context or 1) > 1 else "contiguous"))
         if not pipelined:
             self.runner.device, self.runner.dtype = self.device, dtype
         if dtype != torch.float16:
@@ -273,14 +285,24 @@ class ParallelModule(nn.Module):
     def step(self, optimizer) -> bool:
         """``optimizer.step()``; under fp16, with dynamic loss scaling (unscale, skip on inf/nan
         on any rank, adjust the scale). Returns whether the optimizer stepped. Under
-        ``local_sgd=H``, averages the parameters over the data axis every ``H`` steps."""
-        if self.scaler is None:
-            optimizer.step()
-            stepped = True
+        ``local_sgd=H``, averages the parameters over the data axis every ``H`` steps; under
+        ``staleness=s`` skips the first s steps (no gradient yet); under ``param_server=``
+        steps the parameters this rank serves and pulls the rest from their servers."""
+        if self._offload is not None:      # offload="disk": steps by buckets, streamed from disk
+            optimizer = self._offload.stepping(optimizer)
+
+        def optimizer_step() -> bool:
+            if self.scaler is None:
+                optimizer.step()
+                return True
+            return self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
+        reducer = getattr(self._grad_sync, "reducer", None)
+        if hasattr(reducer, "optimizer_step"):    # staleness= / param_server= (runtime/stale.py)
+            stepped = reducer.optimizer_step(optimizer_step, self.module.parameters())
         else:
-            stepped = self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
-        if isinstance(getattr(self._grad_sync, "reducer", None), LocalSGD):
-            self._grad_sync.reducer.average(self.module.parameters())
+            stepped = optimizer_step()
+        if isinstance(getattr(self._grad_sync, "reducer", None), (LocalSGD, ModelAveraging)):
+            self._grad_sync.reducer.average(self.module.parameters())   # local_sgd=, averaging=
         self._gather_params()
         return stepped
 

@@ -33,7 +33,9 @@ import torch
 from autopar.capture import Captured, capture
 from autopar.capture.export import check_loss_outside
 from autopar.cost_models.hardware import parse_cluster
-from autopar.options import Options, as_options, check_optimizer
+from autopar.capture.sequence_layout import sequence_layout
+from autopar.pricing.updates import reprice_updates
+from autopar.options import Options, as_options, check_optimizer, refuse_hogwild_plan
 from autopar.plan import Plan
 from autopar.solver.accumulate import accumulation_pin, capture_accumulated, plan_accumulated
 from autopar.solver.free_search import search_captured
@@ -108,13 +110,22 @@ def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local",
            pins=None, memory_budget=None, mesh_shape=None, optimizer="adamw", time_limit_s=60.0,
            verbose=False, profiler=None, captured=None, capture_s=None) -> Planned:
     options = Options.from_pins(pins)
+    if options.hogwild is not None:     # an entry point of its own (autopar.hogwild), no plan
+        refuse_hogwild_plan(options)
     check_optimizer(optimizer)
     cl = parse_cluster(cluster)
     spec = SearchSpec(model, example_inputs, loss_fn if target is not None else None, target, cl,
                       world_size or cl.world_size, options, memory_budget,
                       tuple(mesh_shape) if mesh_shape is not None else None, optimizer,
                       time_limit_s, verbose, profiler)
-    return _solve_spec(spec, captured, capture_s)
+    if (options.context or 1) > 1 and captured is not None and \
+            getattr(captured, "sequence_balanced", None) != options.context:
+        captured = None        # captured for another layout: capture again, balanced
+    with sequence_layout(options.context):
+        planned = _solve_spec(spec, captured, capture_s)
+    if any(getattr(options, n) for n in ("staleness", "param_server", "learners")):
+        planned = Planned(reprice_updates(planned.plan, cl, spec.budget), *planned[1:])
+    return planned
 
 
 def _solve_spec(spec: SearchSpec, captured: Captured | None, capture_s: float | None) -> Planned:
@@ -163,6 +174,11 @@ def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world
 def capture_for_plan(model, example_inputs, loss_fn, target, plan: Plan) -> Captured:
     """The graph ``plan`` runs on (the loss in it when ``target`` is given): captured at the
     plan's micro-batch when it is pipelined or accumulates, at the full batch otherwise."""
+    with sequence_layout(plan.options.context):
+        return _capture_for_plan(model, example_inputs, loss_fn, target, plan)
+
+
+def _capture_for_plan(model, example_inputs, loss_fn, target, plan: Plan) -> Captured:
     in_graph_loss = loss_fn if target is not None else None
     if plan.pipeline_stages > 1:
         return capture_pipelined(model, example_inputs, in_graph_loss, target, plan.n_microbatches)

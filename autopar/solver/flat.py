@@ -22,6 +22,7 @@ from autopar.solver import speculate
 from autopar.solver.ilp import InfeasibleError, Solution, _gib, explain_infeasible
 from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
+from autopar.pricing.context import best_form, context_axis_of
 from autopar.options import Options, as_options, check_optimizer
 from autopar.pricing.prices import compute_floor, memory_floor
 from autopar.pricing.problem import _describe, _placeholder_choices, build_problem
@@ -573,6 +574,10 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: Options, memory_b
                           capture_s, sol.n_variables, sol.n_constraints, n_graph, len(problem.vars),
                           phases=dict(phases or {}))
     params = {names[i]: ph for ph, names in cap.params.items() for i in range(len(names))}
+    if pins.context_attention is None and any(
+            context_axis_of(v.call, v.options[sol.choice[n]], best.shape) is not None
+            for n, v in problem.vars.items() if v.kind == "op"):
+        pins = pins.replace(context_attention=best_form(problem, sol.choice, best.cost))
     return Plan(world_size=world, mesh_shape=best.shape, mesh_axes=axes, cluster=cl.name,
                 options=pins, nodes=nodes,
                 params=params, fingerprint=fingerprint(cap), estimate=est, solver=report,
@@ -581,20 +586,38 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: Options, memory_b
                 node_ops={n.name: str(n.target) for n in cap.gm.graph.nodes
                           if n.op == "call_function" and n.name in nodes},
                 inputs=tuple(cap.inputs), recompute=best.recompute,
-                offload=pins.offload, host_memory_bytes=_host_bytes(best))
+                offload=pins.offload, host_memory_bytes=_host_bytes(best),
+                disk_bytes=_disk_bytes(best))
 
 
 def _host_bytes(best: _Best) -> dict[str, float]:
     """Host bytes per rank under ``offload="optimizer"``: each parameter's optimizer shard
-    (its fp32 master copy and moments) and the gradient shard copied down; {} without."""
-    if best.pins.offload != "optimizer":
+    (its fp32 master copy and moments) and the gradient shard copied down; {} without.
+    Under ``offload="disk"`` the gradient shard alone (the optimizer shard is on disk)."""
+    if best.pins.offload not in ("optimizer", "disk"):
         return {}
+    if best.pins.offload == "disk":
+        return {"grads": _offload_shard(best)}
+    shard = _offload_shard(best)
+    return {"optimizer": shard * (1 + best.problem.optimizer_states), "grads": shard}
+
+
+def _disk_bytes(best: _Best) -> dict[str, float]:
+    """Disk bytes per rank under ``offload="disk"``: the optimizer shard's files (fp32
+    master copy and moments); {} otherwise."""
+    if best.pins.offload != "disk":
+        return {}
+    return {"optimizer": _offload_shard(best) * (1 + best.problem.optimizer_states)}
+
+
+def _offload_shard(best: _Best) -> float:
+    """fp32 bytes of this rank's parameter shards (what offload steps off the device)."""
     shard = 0.0
     for name, v in best.problem.vars.items():
         if v.kind == "param":
             placements = output_placements(v.options[best.sol.choice[name]], 0)
             shard += len(v.members) * _numel(v.meta.shape, placements, best.shape) * 4
-    return {"optimizer": shard * (1 + best.problem.optimizer_states), "grads": shard}
+    return shard
 
 
 def _numel(shape, placements, mesh_shape) -> int:
@@ -650,7 +673,8 @@ def _with_zero(base, zero: int, roles: dict):
     for name, v in base.vars.items():
         if v.kind == "param":
             opts = _placeholder_choices(name, v.kind, v.meta, base.mesh_shape, roles.get("data_axis"),
-                                        roles.get("tensor_axis"), zero)
+                                        roles.get("tensor_axis"), zero, roles.get("expert_axis"),
+                                        context_axis=roles.get("context_axis"))
             if not opts:
                 raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
                                f"{base.mesh_shape}: {_describe(v)}")

@@ -8,6 +8,8 @@ step wins):
 * ``unpipelined``: every mesh the options allow, recomputing when memory binds
   (``flat.plan_captured``);
 * ``branches``: independent branches over groups of ranks (``branches``);
+* ``context``: context parallelism, for self-attention over long sequences
+  (``context_search``);
 * ``pipelines``: on a cluster of several nodes, or when nothing unpipelined fits
   (:func:`may_pipeline`), every pipeline degree (``pipeline_free.search_pipelines``; its
   meshes and the unpipelined plan's programs solved ahead on the other cores,
@@ -16,7 +18,9 @@ step wins):
   could still win;
 * ``accumulation``: micro-batches of the full batch, where its activations do not fit or
   fit only recomputed (``accumulate``);
-* ``offload``: ZeRO-Offload, when nothing else fits device memory (:func:`may_offload`).
+* ``offload``: ZeRO-Offload, when nothing else fits device memory (:func:`may_offload`);
+  never its disk tier (``offload="disk"``, only on request: it frees no more device memory,
+  and the search budgets device memory alone).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from autopar.options import Options
 from autopar.plan import Plan
 from autopar.solver.accumulate import accumulation_may_win, may_accumulate, search_accumulation
 from autopar.solver.branches import plan_branched, search_branches
+from autopar.solver.context_search import search_context
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import (drop_deferred, mesh_jobs, plan_captured, recompute_bound_s,
                                  solve_captured, solve_mesh_job)
@@ -125,9 +130,13 @@ class _FreeSearch:
         self.flat: Plan | None = None               # the unpipelined plan
         self.error: InfeasibleError | None = None   # why nothing unpipelined fits
         self.searched = False                       # pipelines searched
+        self.best_plain: float | None = None        # the best step without a context axis
 
     # ---- the one comparison ------------------------------------------------------------
     def offer(self, got: "Planned | None") -> None:
+        if got is not None and (got.plan.options.context or 1) == 1 and (
+                self.best_plain is None or got.plan.estimate.step_time_s < self.best_plain):
+            self.best_plain = got.plan.estimate.step_time_s
         if got is not None and (self.best is None or
                                 got.plan.estimate.step_time_s < self.best.plan.estimate.step_time_s):
             self.best = got
@@ -167,6 +176,7 @@ class _FreeSearch:
             self.pipelines("the unpipelined plan after them", pipelines)
         self.unpipelined(deferred)
         self._timed("branches", self.branches)
+        self._timed("context", self.context)
         if not self.searched and may_pipeline(spec, cap, self.flat is None):
             self.pipelines("nothing fits unpipelined" if self.best is None else
                            f"against {self.best.plan.estimate.step_time_s:.4g} s unpipelined",
@@ -197,6 +207,11 @@ class _FreeSearch:
         self.offer(Planned(self.flat, self.cap) if self.flat is not None else None)
         self._progress("unpipelined" + ("" if self.flat is not None else " (nothing fits)"),
                        self.phases["unpipelined"])
+
+    def context(self) -> None:
+        """Context parallelism over long sequences (``context_search``)."""
+        for plan, cap in search_context(self.spec, self.cap, plan_captured, self._flat_kw()):
+            self.offer(Planned(plan, cap))
 
     def branches(self) -> None:
         """Independent branches over groups of ranks (``branches.search_branches``)."""
@@ -267,6 +282,8 @@ class _FreeSearch:
                 error.args = (f"{error}\nalso tried, none fits: {', '.join(tried)}",)
             raise error
         plan = self.best.plan
+        if (plan.options.context or 1) > 1 and self.best_plain is not None:
+            plan = replace(plan, alternatives_s={"without a context axis": self.best_plain})
         return Planned(replace(plan, solver=replace(plan.solver, phases=self.phases)),
                        self.best.captured)
 
@@ -288,7 +305,8 @@ def may_offload(pins: Options, mesh_shape) -> bool:
     if pins.offload is not None or pins.zero == 0 or mesh_shape is not None:
         return False
     return (not pins.pipelined and (pins.branch or 1) == 1
-            and pins.compress in (None, "none") and not pins.local_sgd)
+            and pins.compress in (None, "none") and not pins.local_sgd
+            and not getattr(pins, "averaging", None))
 
 
 def _offloaded(spec: SearchSpec, cap: Captured, capture_s: float) -> Planned | None:

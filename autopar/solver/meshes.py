@@ -31,7 +31,8 @@ def mesh_candidates(world: int, pins: Options, mesh_shape, devices_per_node: int
 
 
 def _meshes(world, pins: Options, mesh_shape, devices_per_node):
-    if pins.data is not None or pins.tensor is not None or (pins.expert or 1) > 1:
+    if pins.data is not None or pins.tensor is not None or (pins.expert or 1) > 1 \
+            or (pins.context or 1) > 1:
         return [_pinned_mesh(world, pins, mesh_shape)]
     if pins.zero:
         return [((world,), ("data",), {"data_axis": 0})]
@@ -46,13 +47,18 @@ def _meshes(world, pins: Options, mesh_shape, devices_per_node):
 
 
 def _pinned_mesh(world: int, pins: Options, mesh_shape):
-    """The one mesh the ``data=`` / ``tensor=`` / ``expert=`` pins give: axes data, expert,
-    tensor (outer to inner)."""
-    data, tensor, expert = pins.data, pins.tensor, pins.expert or 1
-    if world % expert:
-        raise PinError(f"pin expert={expert} does not divide the world size {world}: pin an "
-                       f"expert-parallel degree that divides {world}")
-    rest = world // expert
+    """The one mesh the ``data=`` / ``tensor=`` / ``expert=`` / ``context=`` pins give: axes
+    data, context, expert, tensor (outer to inner: tensor parallelism inside a node, context
+    next, as Llama 3's long-context runs were laid out)."""
+    data, tensor, expert, context = pins.data, pins.tensor, pins.expert or 1, pins.context or 1
+    for name, n in (("expert", expert), ("context", context)):
+        if world % n:
+            raise PinError(f"pin {name}={n} does not divide the world size {world}: pin a "
+                           f"{name}-parallel degree that divides {world}")
+    if world % (expert * context):
+        raise PinError(f"pins expert={expert} and context={context} do not divide the world "
+                       f"size {world} together")
+    rest = world // (expert * context)
     if data is None and tensor is None:
         data, tensor = rest, 1
     if data is None:
@@ -60,14 +66,17 @@ def _pinned_mesh(world: int, pins: Options, mesh_shape):
     if tensor is None:
         tensor = rest // data if rest % data == 0 else None
     if data is None or tensor is None or data * tensor != rest:
-        ex = f" expert={expert}" if expert > 1 else ""
+        ex = (f" expert={expert}" if expert > 1 else "") + (f" context={context}" if context > 1 else "")
         raise PinError(f"pins data={pins.data} tensor={pins.tensor}{ex} do not "
                        f"multiply to the world size {world}: pin data and tensor whose product "
                        f"is {rest}, or plan for data x tensor devices (world_size=)")
     axes, shape, roles = [], [], {}
-    if data > 1 or (tensor == 1 and expert == 1):
+    if data > 1 or (tensor == 1 and expert == 1 and context == 1):
         roles["data_axis"] = len(shape)
         axes.append("data"), shape.append(data)
+    if context > 1:
+        roles["context_axis"] = len(shape)
+        axes.append("context"), shape.append(context)
     if expert > 1:
         roles["expert_axis"] = len(shape)
         axes.append("expert"), shape.append(expert)

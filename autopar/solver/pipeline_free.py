@@ -34,7 +34,7 @@ def stage_meshes(cl, d: int, pins: Options) -> list[tuple[int, int]]:
     the rest (as pinned)."""
     dpn, pins = cl.devices_per_node, as_options(pins)
     ts = [pins.tensor] if pins.tensor else [t for t in range(1, dpn + 1) if dpn % t == 0]
-    e = pins.expert or 1                 # the expert axis takes its share of the devices
+    e = (pins.expert or 1) * (pins.context or 1)   # the expert and context axes take their share
     out = []
     for t in ts:
         if d % (t * e) or (pins.data and pins.data != d // (t * e)):

@@ -62,7 +62,7 @@ from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan, DEF
 
 DEFAULT_SCHEDULE = "1f1b"
 INTRA_PINS = ("data", "tensor", "expert", "expert_dispatch", "expert_imbalance", "zero", "precision",
-              "recompute", "grad_reduce")
+              "recompute", "grad_reduce", "context", "context_attention")
 
 
 def micro_batches(batch: int, p: int, v: int, micro_batch_size: int | None) -> int:
@@ -283,7 +283,8 @@ def solve_intra(cap: Captured, cl, world: int, p: int, pins: Options, *, weights
     """(Plan, Solved) of the whole graph on one stage's ``world // p`` devices."""
     d = world // p
     intra_pins = Options.from_pins({k: v for k, v in as_options(pins).items() if k in INTRA_PINS})
-    if intra_pins.data or intra_pins.tensor or intra_pins.zero or intra_pins.expert:
+    if intra_pins.data or intra_pins.tensor or intra_pins.zero or intra_pins.expert \
+            or intra_pins.context:
         mesh_shape = None                       # the pins say which mesh
     return solve_captured(cap, _sub_cluster(cl, d), d, memory_budget=memory_budget,
                           mesh_shape=mesh_shape, optimizer=optimizer,

@@ -11,13 +11,22 @@ softmax / log_softmax shard any dim but the softmax dim.
   mask is aligned to the local positions, so it would be wrong on all but the first shard.)
 - never E: the default ``scale`` is 1/sqrt(E) of the local head dim; never S (the softmax
   crosses it).
+- the sequence, on one axis (context parallelism): q, k, v and the mask's rows shard their
+  sequence dim alike and the output is q's rows; the local call is
+  ``autopar.ops.context_attention.context_sdpa``, which passes K/V around the axis (a ring)
+  or gathers them (the plan's ``context_attention``), so each rank's queries see every key.
+  Self-attention only (L == S), without dropout; a mask only boolean (an additive float mask
+  may be learned, and its gradient is not computed by the ring).
 - v Partial -> output Partial (attention is linear in v), without dropout only: with
   ``dropout_p > 0`` each rank would draw its own mask, and per-rank masks are also why any
   sharded strategy with dropout matches one device in distribution only.
 """
 from __future__ import annotations
 
-from autopar.sharding.registry import OpCall, Strategy, register_rule
+import torch
+
+from autopar.ops import context_attention as cp
+from autopar.sharding.registry import OpCall, Strategy, register_local, register_rule
 from autopar.sharding.rules.pointwise import (
     P, R, is_float, is_tensor, norm_dim, ops, placement_in, Shard,
 )
@@ -57,4 +66,29 @@ def sdpa(call: OpCall) -> list[Strategy]:
         res.append(Strategy(with_mask((Shard(d), R, R), d), (Shard(d),)))
     if dropout == 0.0 and is_float(v):
         res.append(Strategy((R, R, P) + ((R,) if mask is not None else ()), (P,)))
+    s_dim = q.ndim - 2
+    if dropout == 0.0 and q.ndim == 4 and k.shape[s_dim] == q.shape[s_dim] == v.shape[s_dim] \
+            and (mask is None or (mask.ndim == 4 and mask.shape[-1] == k.shape[s_dim]
+                                  and mask.dtype == torch.bool)):
+        rows = (() if mask is None else
+                (Shard(2) if mask.shape[2] == q.shape[s_dim] else R,))
+        res.append(Strategy((Shard(s_dim),) * 3 + rows, (Shard(s_dim),)))
     return res
+
+
+def context_axes(combo, q_ndim: int = 4) -> list[int]:
+    """The mesh axes on which an SDPA option splits the keys' sequence (context parallelism)."""
+    return [a for a, s in enumerate(combo) if s.inputs[1] == Shard(q_ndim - 2)]
+
+
+@register_local(*ops("scaled_dot_product_attention"))
+def sdpa_local(call: OpCall, combo, mesh_shape):
+    axes = [a for a in context_axes(combo, call.inputs[0].ndim) if mesh_shape[a] > 1]
+    if not axes:
+        return call.op, call.args, call.kwargs
+    if len(axes) > 1:
+        raise NotImplementedError(f"node {call.node}: the sequence split through attention on "
+                                  f"mesh axes {axes}; context parallelism runs on one axis")
+    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    kw = {n: call.arg(3 + i, n, d) for i, (n, d) in enumerate(zip(names, (None, 0.0, False, None, False)))}
+    return cp.context_sdpa, tuple(call.args[:3]), {**kw, "axis": axes[0]}

@@ -1,0 +1,97 @@
+"""The free search's context stage: context parallelism (``context=c``) weighed against the
+plans without it, for models whose attention runs over long sequences.
+
+Where: a graph with self-attention (``scaled_dot_product_attention`` with as many keys as
+queries) over at least :data:`LONG_SEQUENCE` positions, and no pin that excludes a context
+axis. Below that length attention's ``s^2`` work and activations are small next to the
+rest, and splitting the sequence only adds transfers, so the search does not spend its
+solves there (Llama 3 kept 8k tokens without it and moved to context parallelism for its
+long-context stage: Dubey et al., "The Llama 3 Herd of Models", 2024, Sec. 3.3.2).
+
+What: each context degree ``c`` (2, 4, 8, ... up to the world, the batch split over the
+rest as data parallelism where it divides), with tensor parallelism inside a node (the
+``tensor=`` pin, else a node's devices when they divide what is left, else none), planned
+as if pinned (``flat.plan_captured`` on the graph in the balanced order:
+``autopar.capture.sequence_layout``) and offered to the one comparison; the plan records
+``context=`` and ``tensor=`` in its options, as a search's ZeRO stage is.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from autopar.capture.sequence_layout import balance_sequence
+from autopar.errors import PinError
+from autopar.options import Options
+from autopar.solver.errors import InfeasibleError
+
+aten = torch.ops.aten
+
+LONG_SEQUENCE = 16384
+"""Positions from which the free search weighs a context axis (module docstring)."""
+
+
+def long_attention(cap) -> int | None:
+    """The sequence length of ``cap``'s self-attention when it is long enough to weigh a
+    context axis (the first input's dim 1, matched by an SDPA's queries and keys)."""
+    first = cap.node(cap.inputs[0]).meta.get("val")
+    if not isinstance(first, torch.Tensor) or first.dim() < 2 or first.shape[1] < LONG_SEQUENCE:
+        return None
+    seq = int(first.shape[1])
+    for n in cap.gm.graph.nodes:
+        if n.target is aten.scaled_dot_product_attention.default:
+            q, k = n.args[0].meta["val"], n.args[1].meta["val"]
+            if q.shape[-2] == k.shape[-2] == seq:
+                return seq
+    return None
+
+
+def context_candidates(pins: Options, world: int, batch: int, devices_per_node: int,
+                       seq: int) -> list[tuple[int, int]]:
+    """(context, tensor) degrees to plan (module docstring)."""
+    if any((getattr(pins, n) or 1) > 1 for n in ("context", "expert", "branch", "pipeline")) \
+            or pins.compile or pins.zero or pins.compress not in (None, "none") or pins.local_sgd:
+        return []
+    out = []
+    c = 2
+    while c <= world and seq % (2 * c) == 0:
+        rest = world // c if world % c == 0 else 0
+        t = pins.tensor or (devices_per_node if rest and rest % devices_per_node == 0 else 1)
+        if rest and rest % t == 0:
+            d = rest // t
+            if (pins.data is None or pins.data == d) and batch % d == 0:
+                out.append((c, t))
+        c *= 2
+    return out
+
+
+def balanced_copy(cap, c: int):
+    """A copy of ``cap`` with its token stream in the balanced order of ``c`` ranks (what a
+    capture under ``sequence_layout(c)`` gives)."""
+    twin = copy.copy(cap)
+    twin.gm = copy.deepcopy(cap.gm)
+    twin.__post_init__()
+    return balance_sequence(twin, c)
+
+
+def search_context(spec, cap, plan_captured, flat_kw: dict):
+    """The context plans of :func:`context_candidates`: [(Plan, its graph)] that fit."""
+    seq = long_attention(cap)
+    if seq is None or spec.mesh_shape is not None:
+        return []
+    batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0])
+    out = []
+    for c, t in context_candidates(spec.options, spec.world, batch,
+                                   spec.cluster.devices_per_node or spec.world, seq):
+        pins = spec.options.replace(context=c, tensor=t if t > 1 else None)
+        try:
+            bal = balanced_copy(cap, c)
+            got = plan_captured(bal, spec.cluster, spec.world, **{**flat_kw, "pins": pins})
+        except (InfeasibleError, PinError):
+            continue
+        out.append((got, bal))
+    return out
+
+
+__all__ = ["LONG_SEQUENCE", "context_candidates", "long_attention", "search_context"]

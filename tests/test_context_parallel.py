@@ -1,0 +1,155 @@
+"""Context parallelism (pin ``context=``): the sequence split over a mesh axis through the
+whole model, attention included, equal to one device on gloo ranks for transformers Llama
+and Qwen2 (grouped-query attention, rotary positions) and GPT-2 (learned positions), alone
+and beside tensor, data and pipeline parallelism, with a padded batch too.
+
+The ranks run in two torchrun launches (2 and 4 processes; ``tests/context_parallel_worker.py``)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import autopar  # noqa: E402
+from autopar.errors import PinError  # noqa: E402
+from launch import case_result, torchrun_cases  # noqa: E402
+
+TWO = [
+    {"id": "llama-c2", "model": "llama", "pins": {"context": 2}},
+    {"id": "qwen2-c2-allgather", "model": "qwen2", "pins": {"context": 2, "context_attention": "all-gather"}},
+    {"id": "gpt2-c2", "model": "gpt2", "pins": {"context": 2}},
+    {"id": "llama-c2-padded", "model": "llama", "pins": {"context": 2}, "padded": True},
+]
+FOUR = [
+    {"id": "llama-c4", "model": "llama", "pins": {"context": 4}},
+    {"id": "gpt2-c4-padded", "model": "gpt2", "pins": {"context": 4}, "padded": True},
+    {"id": "qwen2-c2-t2", "model": "qwen2", "pins": {"context": 2, "tensor": 2}},
+    {"id": "llama-c2-d2", "model": "llama", "pins": {"context": 2, "data": 2}},
+    {"id": "gpt2-c2-p2", "model": "gpt2", "pins": {"context": 2, "pipeline": 2, "micro_batch_size": 2}},
+]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return torchrun_cases("context_parallel_worker.py", 2, TWO,
+                          tmp_path_factory.mktemp("cp2") / "r.json", timeout=900, case_timeout=240)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return torchrun_cases("context_parallel_worker.py", 4, FOUR,
+                          tmp_path_factory.mktemp("cp4") / "r.json", timeout=900, case_timeout=240)
+
+
+def _check(r, case):
+    c = case["pins"]["context"]
+    assert r["mesh"][r["axes"].index("context")] == c, r
+    # the mode happened: every attention ran with its keys split on the context axis
+    assert r["n_sdpa"] >= 2 and len(r["context_sdpa"]) == r["n_sdpa"], r
+    assert r["form"] == case["pins"].get("context_attention", r["form"]), r
+    assert r["layout"] == "balanced", r     # rank r holds chunks r and 2c-1-r of the sequence
+
+
+@pytest.mark.parametrize("case", TWO, ids=[c["id"] for c in TWO])
+def test_two_ranks_equal_one_device(two, case):
+    _check(case_result(two, case["id"]), case)
+
+
+@pytest.mark.parametrize("case", FOUR, ids=[c["id"] for c in FOUR])
+def test_four_ranks_equal_one_device(four, case):
+    _check(case_result(four, case["id"]), case)
+
+
+def test_the_balanced_order_gives_each_rank_a_head_and_a_tail_chunk():
+    import torch
+    from autopar.capture.sequence_layout import balanced_order
+    from autopar.ops.context_attention import causal_work, shard_positions
+    for c in (2, 4):
+        perm = balanced_order(32, c)
+        for r, block in enumerate(perm.chunk(c)):
+            assert torch.equal(block, shard_positions(32, r, c, "balanced"))
+        works = [causal_work(32, r, c, "balanced") for r in range(c)]
+        assert max(works) == min(works)
+        contiguous = [causal_work(32, r, c, "contiguous") for r in range(c)]
+        # contiguous: the last rank's work near (2c-1)/c of the mean (1.5 at c=2, 1.75 at c=4)
+        assert max(contiguous) / (sum(contiguous) / c) > 0.95 * (2 * c - 1) / c
+
+
+def test_an_op_that_reads_the_sequence_in_order_is_refused():
+    import torch
+    from torch import nn
+
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+
+        def forward(self, ids):
+            return self.emb(ids).cumsum(1)
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(PinError, match="reads the sequence in order"):
+        autopar.plan(Shifted(), (ids,), lambda y, t: y.sum(), target=torch.zeros(1),
+                     world_size=2, cluster="cpu:2", context=2)
+
+
+def test_context_pins_are_checked():
+    with pytest.raises(PinError, match="context_attention"):
+        autopar.Options.from_pins(context=2, context_attention="ulysses")
+    with pytest.raises(PinError, match="context=2 with expert"):
+        autopar.Options.from_pins(context=2, expert=2)
+    with pytest.raises(PinError, match="positive integer"):
+        autopar.Options.from_pins(context=0)
+
+
+# ---- pricing (autopar/pricing/context.py) -------------------------------------------------
+
+def _sdpa_var(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 128, causal: bool = True):
+    """The problem variable of one SDPA call [1, heads, seq, dim] on a 4-way mesh axis."""
+    import torch
+    from autopar.sharding.registry import make_call
+    g = torch.fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    for n, h in ((q, heads), (k, heads), (v, heads)):
+        n.meta["val"] = torch.empty(1, h, seq, dim, dtype=torch.bfloat16, device="meta")
+    out = g.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v),
+                          {"is_causal": causal})
+    out.meta["val"] = torch.empty(1, heads, seq, dim, dtype=torch.bfloat16, device="meta")
+    return make_call(out)
+
+
+def test_context_attention_prices_its_imbalance_and_its_forms():
+    from autopar.cost_models.hardware import parse_cluster
+    from autopar.placement import Replicate, Shard
+    from autopar.pricing.context import context_attention_time
+    from autopar.sharding.registry import Strategy
+    from autopar.pricing.costing import CostModel
+    cl = parse_cluster("1xdgx-h100")
+    cost = CostModel.for_pins(cl, (2, 4), autopar.Options.from_pins(precision="bf16"))
+    links = cost.links[1:]     # the inner axis of 4: NVLink
+    ctx = (Strategy((Shard(2),) * 3, (Shard(2),)),)
+    whole = (Strategy((Replicate(),) * 3, (Replicate(),)),)
+
+    def t(call, form, combo=ctx):
+        return sum(context_attention_time(call, combo, (4,), 0, cl.device, "bf16", links, form))
+
+    long, short = _sdpa_var(131072), _sdpa_var(2048)
+    # compute-bound at 128k: the ring hides each block's transfer, the gathers do not hide
+    assert t(long, "ring") < t(long, "all-gather")
+    # the slowest rank's causal work: (2c - 1) / c of the mean, c = 4: 1.75 x a quarter
+    from autopar.cost_models import compute as compute_model
+    from autopar.sharding.registry import TensorMeta
+    q4 = TensorMeta((1, 32, 131072 // 4, 128), long.inputs[0].dtype)   # a rank's query rows
+    local = sum(compute_model.node_time(long.op, [q4, *long.inputs[1:]], [q4], long.args,
+                                        long.kwargs, cl.device, "bf16"))
+    from autopar.cost_models import comm as comm_model
+    kv_fp32 = 2 * long.inputs[1].numel // 4 * 4          # a rank's K and V block in float32
+    dkv = 4 * comm_model.collective_time("send", kv_fp32, 2, links[0])   # c sends, not hidden
+    ring = t(long, "ring")
+    assert abs(ring - (local * 1.75 + dkv)) < 1e-3 * ring, (ring, local, dkv)
+    # the unpinned form is the faster one
+    assert t(short, None) == min(t(short, "ring"), t(short, "all-gather"))
+    assert t(long, None) == t(long, "ring")
