@@ -45,7 +45,7 @@ SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interlea
              "pp-zero-bubble": "zero-bubble"}
 PLAN_KINDS = ("free", "free-budget", "data", "tensor", "2d", "zero1", "zero2", "zero3",
               "offload", "accumulate", "recompute", *SCHEDULES, "branch", "bf16", "fp16",
-              "per-rank", "expert")
+              "per-rank", "expert", "context", "param-server")
 # the world sizes each kind is drawn on (repeats weight the draw)
 WORLDS = {
     "free": (1, 2, 2, 3, 4, 4), "free-budget": (2, 2, 3, 4), "data": (2, 3, 4), "tensor": (2, 3, 4, 4),
@@ -53,18 +53,22 @@ WORLDS = {
     "offload": (2, 4), "accumulate": (1, 2, 4), "recompute": (1, 2, 4),
     "pp-gpipe": (2, 3, 4), "pp-1f1b": (2, 3, 4), "pp-interleaved": (2, 4), "pp-zero-bubble": (2, 4),
     "branch": (2,), "bf16": (1, 2, 4), "fp16": (1, 2, 4), "per-rank": (2, 3, 4),
-    "expert": (2, 4, 4),
+    "expert": (2, 4, 4), "context": (2, 4, 4), "param-server": (2, 3, 4),
 }
 EXPERT_DISPATCH = (None, "all-to-all", "all-gather")
-GLOO_ONLY = frozenset(SCHEDULES)     # pipelines run on torch.distributed ranks only
+GLOO_ONLY = frozenset(SCHEDULES) | {"param-server"}   # torch.distributed ranks only
+SEQUENCE_MODELS = ("ex-gpt", "ex-gpt-deep", "ex-llama")
+"""Besides the decoders, the zoo's models over a sequence of tokens (``context`` plans)."""
 
 
 def kinds_for(arch: str) -> tuple[str, ...]:
     """The plan kinds drawn for ``arch``: branch parallelism only where there are branches,
-    expert parallelism only in a mixture of experts."""
+    expert parallelism only in a mixture of experts, context parallelism only over a
+    sequence of tokens (decoders and the examples' language models)."""
     e = zoo.ZOO[arch]
     return tuple(k for k in PLAN_KINDS if (k != "branch" or "branches" in e.tags)
-                 and (k != "expert" or e.family == "moe"))
+                 and (k != "expert" or e.family == "moe")
+                 and (k != "context" or e.family == "decoder" or arch in SEQUENCE_MODELS))
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
         if w == 4 and rng.random() < 0.3:
             pins = {"data": 2, "tensor": 2, "zero": int(kind[-1])}
     elif kind == "offload":
-        pins = {"data": w, "offload": "optimizer"}
+        pins = {"data": w, "offload": rng.choice(["optimizer", "optimizer", "disk"])}
         z = rng.choice([None, 1, 3])
         if z:
             pins["zero"] = z
@@ -174,6 +178,13 @@ def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
         dispatch = rng.choice(EXPERT_DISPATCH)
         if dispatch:
             pins["expert_dispatch"] = dispatch
+    elif kind == "context":
+        pins = rng.choice([{"context": w}] + ([{"context": 2, "data": 2}, {"context": 2, "tensor": 2}]
+                                              if w == 4 else []))
+        if rng.random() < 0.3:
+            pins["context_attention"] = "all-gather"
+    elif kind == "param-server":
+        pins = {"data": w, "param_server": rng.choice([k for k in (1, 2) if k <= w])}
     elif kind == "per-rank":
         per_rank = True
         pins = rng.choice([{"data": w}, {}] + ([{"data": 2, "tensor": 2}] if w == 4 else []))

@@ -64,7 +64,54 @@ def padded_batch(ids: torch.Tensor, target: torch.Tensor):
     return mask, torch.where(mask.bool(), target, IGNORE)
 
 
+LONG = {**GQA, "max_position_embeddings": 1024}
+
+
+def saved_bytes(pm, inputs, target) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one ``train_step`` on
+    this rank: its activations (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in pm.module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pm.train_step(*inputs, target=target)
+    return sum(seen.values())
+
+
+def memory_case(case: dict) -> dict:
+    """A sequence 4x longer than one rank's budget holds, on context=4: the activation bytes
+    each rank saves against the plan's estimate."""
+    from autopar.solver.errors import InfeasibleError
+    seq = case["seq"]
+    build = causal_lm("LlamaConfig", "LlamaForCausalLM", attn="sdpa", **LONG)
+    short, long = build(batch=1), build(batch=1)
+    ids = torch.randint(0, V, (1, seq), generator=torch.Generator().manual_seed(3))
+    tgt = torch.randint(0, V, (1, seq), generator=torch.Generator().manual_seed(4))
+    quarter = autopar.plan(short.model, (ids[:, :seq // 4],), lm_loss, target=tgt[:, :seq // 4],
+                           world_size=1, cluster="cpu:1")
+    budget = quarter.estimate.memory_total          # what one rank holds at a quarter
+    try:
+        autopar.plan(long.model, (ids,), lm_loss, target=tgt, world_size=1, cluster="cpu:1",
+                     memory_budget=budget, recompute="none")
+        fits_one = True
+    except InfeasibleError:
+        fits_one = False
+    pm = autopar.parallelize(long.model, (ids,), lm_loss, target=tgt, context=4,
+                             memory_budget=budget, recompute="none")
+    measured = saved_bytes(pm, (ids,), tgt)
+    return {"fits_one_rank": fits_one, "budget": budget, "measured": measured,
+            "estimate": pm.plan.estimate.memory_bytes.get("activations", 0.0),
+            "memory_total": pm.plan.estimate.memory_total}
+
+
 def run_case(case: dict) -> dict:
+    if case.get("memory"):
+        return memory_case(case)
     b = MODELS[case["model"]]()
     model, inputs, target = b.model, b.inputs, b.target
     if case.get("padded"):

@@ -14,7 +14,7 @@ from benchmarks.published_runs import RUNS, pins_of
 @pytest.mark.parametrize("run", RUNS, ids=[f"{r.name} ({r.gpus})" for r in RUNS])
 def test_pins_give_the_published_micro_batch(run):
     pins = Options.from_pins(pins_of(run))
-    assert run.tensor * run.pipeline * run.data * run.expert == run.gpus
+    assert run.tensor * run.pipeline * run.data * run.expert * run.context == run.gpus
     assert pins["tensor"] == run.tensor and pins["data"] == run.data
     assert (pins.expert or 1) == run.expert
     batch = [torch.empty(run.batch, 1)]          # only dim 0 is read

@@ -1,4 +1,4 @@
-"""The differential sweep's fixed subset: 72 cases of ``benchmarks/sweep.py``, each a test.
+"""The differential sweep's fixed subset: 85 cases of ``benchmarks/sweep.py``, each a test.
 
 Each case (an architecture of ``examples/zoo.py``, a plan, a loss, a world size) is planned
 by autopar, trained 3 SGD-momentum steps and 3 AdamW steps under the plan and on one
@@ -87,6 +87,12 @@ CASES: list[tuple[sc.Case, str | None]] = [
     (C("bloom", "bf16", 1, "padded", {"precision": "bf16"}), None),
     (C("bert", "fp16", 2, "padded", {"data": 2, "precision": "fp16"}), None),
     (C("resnet", "per-rank", 2, "mean", {"data": 2}), None),
+    # context parallelism (issue 29): the sequence in the balanced order through eager
+    # attention (mistral) and SDPA (ex-llama), beside tensor parallelism
+    (C("mistral", "context", 2, "padded", {"context": 2}), None),
+    (C("ex-llama", "context", 4, "sum", {"context": 2, "tensor": 2,
+                                         "context_attention": "all-gather"}), None),
+    (C("phi", "offload", 2, "mean", {"data": 2, "offload": "disk"}), None),
     (C("mixtral", "per-rank", 3, "padded"), None),
     # on gloo processes (2 ranks, then 4)
     (C("llama", "free", 2, "mean", gloo=True), None),
@@ -103,6 +109,11 @@ CASES: list[tuple[sc.Case, str | None]] = [
     (C("t5", "pp-gpipe", 4, "own", {"data": 2, "pipeline": 2, "schedule": "gpipe",
                                     "micro_batch_size": 2}), None),
     (C("gpt_neox", "per-rank", 2, "sum", {"data": 2}, gloo=True), None),
+    # a synchronous parameter server (issue 31) equals one device; its servers hold the
+    # global gradients, which full_grads broadcasts
+    (C("ex-gpt", "param-server", 2, "mean", {"data": 2, "param_server": 1}), None),
+    (C("qwen2", "param-server", 4, "padded", {"data": 4, "param_server": 2}), None),
+    (C("llama-sdpa", "context", 4, "weighted", {"context": 2, "data": 2}, gloo=True), None),
     (C("gemma2", "offload", 2, "weighted", {"data": 2, "offload": "optimizer", "zero": 3}, gloo=True), None),
     (C("bert", "free", 4, "mean", gloo=True), None),
     (C("bert", "pp-1f1b", 4, "mean", {"pipeline": 2, "data": 2, "schedule": "1f1b", "micro_batch_size": 2}), None),

@@ -479,7 +479,12 @@ class ParallelModule(nn.Module):
         def local(attr):
             p = mine.get(attr)
             return None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))
-        return self._by_name((attr, self._whole(attr, local(attr))) for attr in self._shards.params)
+        grads = {attr: local(attr) for attr in self._shards.params}
+        served = getattr(getattr(self._grad_sync, "reducer", None), "served_grads", None)
+        if served is not None:      # a parameter server holds the global gradient
+            grads = served({a: g for a, g in grads.items() if g is not None}) | \
+                {a: g for a, g in grads.items() if g is None}
+        return self._by_name((attr, self._whole(attr, grads[attr])) for attr in self._shards.params)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load whole tensors (as from ``model.state_dict()``); each rank keeps its blocks of

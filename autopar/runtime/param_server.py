@@ -125,6 +125,22 @@ class ParamServer(Delayed):
         return stepped
 
     @torch.no_grad()
+    def served_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``grads`` (this rank's ``.grad`` by attribute) with each parameter's gradient as
+        its server holds it, the global batch's (a broadcast from each server; collective
+        over the data axis: ``ParallelModule.full_grads``)."""
+        out = {}
+        for attr, g in grads.items():
+            server = self.owner.get(attr)
+            if server is None:
+                out[attr] = g
+                continue
+            t = g.detach().clone().contiguous()
+            dist.broadcast(t, self._peer[server], group=self.group)
+            out[attr] = t
+        return out
+
+    @torch.no_grad()
     def pull(self) -> None:
         """Every rank receives each parameter from its server (point-to-point)."""
         works, into, sent = [], [], 0
