@@ -32,14 +32,15 @@ import copy
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, HERE]
+
+from compression_convergence import free_port  # noqa: E402
 
 MARGIN = 0.05
 EVAL_EVERY, LAST = 10, 5
@@ -142,12 +143,6 @@ def hogwild_rows(steps: int, batch: int, lr: float) -> list[dict]:
         rows.append({"run": "hogwild=2", "seed": seed, "loss": loss, "wire": 0.0, "full": full})
         print(f"hogwild=2 seed {seed}: loss {loss:.4f}", file=sys.stderr, flush=True)
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

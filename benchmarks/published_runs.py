@@ -474,13 +474,14 @@ RUNS: list[Run] = [
     Run("Llama3 405B 128k", "Dubey et al. 2024, Table 4 (16,384 GPUs, CP 16)", "llama", 126,
         16384, 128, 128256, 131072, 128, 16384, "h100", 8, 16, micro=1, published_tflops=380,
         kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", held=True,
-        context=16, pin_more={"context_attention": "all-gather"}, extra=FA2_H100),
+        context=16, pin_more={"context_attention": "all-gather"}, extra=FA2_H100,
+        time_limit_s=120),
     Run("Llama2 7B 128k", NEMO_LONG + ", 128K", "llama", 32, 4096, 32, 32000, 131072, 8, 128,
         "h100", 4, 1, micro=1, recompute=False, published_tflops=555, kv_heads=32, ffn=11008,
-        held=True, context=4),
+        held=True, context=4, time_limit_s=120),
     Run("Llama2 7B 256k", NEMO_LONG + ", 256K", "llama", 32, 4096, 32, 32000, 262144, 8, 256,
         "h100", 4, 1, micro=1, recompute=False, published_tflops=549, kv_heads=32, ffn=11008,
-        held=True, context=8, time_limit_s=120),   # CBC needs more than 30 s on its ILP
+        held=True, context=8, time_limit_s=120),   # CBC needs more than 30 s on these ILPs
 ]
 
 

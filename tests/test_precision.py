@@ -31,8 +31,11 @@ Tolerances (bf16 keeps 8 bits of mantissa: unit roundoff 2^-8 = 3.9e-3):
   is the check that it computes bf16.
 
 fp16 (10 bits of mantissa: unit roundoff 2^-11 = 4.9e-4), 3 AdamW steps against autocast
-fp16 + GradScaler: loss <= FP16_LOSS_TOL = 1e-4 (measured <= 1.0e-5, pipeline=2 the worst:
-its loss is the sum of 4 micro-batch terms), weights <= FP16_WEIGHT_TOL = 0.05 (measured
+fp16 + GradScaler: loss <= FP16_LOSS_TOL = 2.5e-4, half a unit roundoff (measured <= 1.0e-5,
+pipeline=2 the worst: its loss is the sum of 4 micro-batch terms; but 1.05e-4 under tensor=2
+when the plan keeps c_proj's bias replicated, not split: the ILP's choice between those
+equal-cost placements follows this machine's measured op times, so either plan is drawn,
+2026-11-28), weights <= FP16_WEIGHT_TOL = 0.05 (measured
 0.013-0.029), the scale equal to GradScaler's after the steps. "Really fp16": the loss is
 nearer the autocast run than the fp32 run in every case (measured 1e-5 vs 1.8e-4); the
 weights too except under tensor=2 (0.0286 vs 0.0284: its fp16 partial sums, as for bf16).
@@ -59,7 +62,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 LOSS_TOL, WEIGHT_TOL = 6e-4, 0.1
-FP16_LOSS_TOL, FP16_WEIGHT_TOL = 1e-4, 0.05
+FP16_LOSS_TOL, FP16_WEIGHT_TOL = 2.5e-4, 0.05
 PP = {"pipeline": 2, "micro_batch_size": 2, "schedule": "1f1b"}
 BF16_CASES = {
     "data2": {"data": 2},
