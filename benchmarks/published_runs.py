@@ -181,6 +181,24 @@ split the experts, as DeepSeek's EP and Megatron's folded EP run):
   expert 4 is pinned beside tensor 2 and the plan splits the experts 4 ways and the tokens
   over the tensor axis (each tensor rank runs the experts for half the tokens).
 
+Long-context rows (2026-11-28, session 19; held out), TFLOP/s per GPU, the sequence split
+over a ``context`` axis as each run split it (``context=``; the graph in the causally
+balanced order, ``autopar/capture/sequence_layout.py``; each row's ILP limited to 120 s:
+CBC needed more than the default 30 on these):
+
+- 20 Llama 3 405B's long-context stage (tensor 8 x context 16 x pipeline 16 x data 8 on
+  16,384 H100, 131,072 tokens, K/V all-gathered): predicted 231 against 380 (-39.2%),
+  17.9 s a step (an earlier planning of the row, 17.6 s, printed a 31% bubble: 16
+  micro-batches over 16 stages, interleaved; and activations filling the device, 78.7 GiB
+  of 80). Before K/V were gathered ahead of
+  their grouped-query copies (``autopar/capture/grouped_kv.py``) it was 140 (-63%).
+- 21, 22 NeMo's Llama 2 7B at 128K (tensor 4 x context 4 x data 8) and 256K (tensor 4 x
+  context 8 x data 8): 408 against 555 (-26.5%) and 403 against 549 (-26.7%). The runs
+  trained in FP8, which autopar does not price (bf16 here), and the page gives no batch
+  (one sequence per data-parallel group, assumed).
+
+``python benchmarks/published_runs.py --rows 20,21,22`` (274 s wall, 2026-11-28).
+
 Last run (2026-11-23 17:20, session 13, PYTHONHASHSEED=0, 27 s wall), pred / publ error:
 0 +9.5%, 1 +6.9%, 2 -1.7%, 3 -1.1%, 4 -5.7%, 5 +5.4%, 6 +2.1%, 7 +1.8%, 8 +2.9%, 9 -4.0%,
 10 (MT-NLG) +30.7%, 11 (BLOOM) +16.9%, 12 +12.1%, 13 +9.4%, 14 +30.3%, 15 -2.7%, 16 -8.7%.
