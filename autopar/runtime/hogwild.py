@@ -91,7 +91,7 @@ def hogwild(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable 
         raise ArgumentError("hogwild: inputs and target must have the same number of rows (dim 0)")
     for what, t in [*(("parameter " + k, v) for k, v in model.named_parameters()),
                     *(("input", x) for x in inputs), ("target", target)]:
-        if isinstance(t, torch.Tensor) and t.device.type != HOST.type:
+        if isinstance(t, torch.Tensor) and t.device.type != HOST:
             raise PinError(f"hogwild: the {what} is on {t.device}; Hogwild shares parameters between "
                            "processes of one host in CPU shared memory: move the model and data to "
                            "the CPU (model.cpu()), or use autopar.parallelize with data= (and "
