@@ -31,13 +31,10 @@ FOUR = [
     {"id": "gpt2-c2-p2", "model": "gpt2", "pins": {"context": 2, "pipeline": 2, "micro_batch_size": 2}},
     {"id": "memory-c4", "memory": True, "seq": 512},
 ]
-MEMORY_TOL = 0.25
-"""The issue asks 15%; measured 0.78 of the estimate on 2026-11-28 (697 against 898 KB a
-rank), not met. The estimate is high, on the side of fitting. Of the 201 KB, 128 KB is at
-the loss: 192 KB estimated where autograd saves 64 KB of log-probabilities; the estimate
-adds what the loss's backward makes beside them (``Kept.transient``), which a saved-tensor
-hook does not see. One rank at 128 tokens without a context axis (the same local shapes) is
-within 2%: 852 against 867 KB."""
+MEMORY_TOL = 0.15
+"""The issue's figure. Measured 2026-11-28: 696,840 bytes saved a rank against 700,928
+estimated (0.994), after the estimate stopped counting attention's q, k, v twice (once at
+their producers, once at the context attention)."""
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +73,14 @@ def test_a_sequence_four_times_what_one_rank_holds_runs_on_four_within_its_estim
     """The budget one rank needs at a quarter of the sequence: the whole sequence does not
     fit one rank under it, and context=4 fits; each rank's saved activations (the distinct
     storages autograd keeps for backward, measured on gloo) within ``MEMORY_TOL`` of the
-    plan's."""
+    plan's saved part: its activations less the loss's transient gradients (made by the
+    loss's backward beside the saved tensors, ``analysis.saved.LOSS_GRADIENTS``; at the
+    step's peak, but no saved-tensor hook sees them)."""
     r = case_result(four, "memory-c4")
     assert not r["fits_one_rank"], r
     assert r["memory_total"] <= r["budget"], r
-    assert abs(r["measured"] / r["estimate"] - 1) < MEMORY_TOL, r
+    assert 0 < r["transient"] < r["estimate"] / 4, r
+    assert abs(r["measured"] / (r["estimate"] - r["transient"]) - 1) < MEMORY_TOL, r
 
 
 def test_the_balanced_order_gives_each_rank_a_head_and_a_tail_chunk():

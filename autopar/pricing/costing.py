@@ -383,8 +383,6 @@ class CostModel:
         kept, view = v.kept, v.call.op in VIEW_OPS
         if kept is None and view:
             return 0.0
-        if context_axis_of(v.call, combo, self.mesh_shape) is not None:
-            return self._context_saved(v, combo)
         if kept is None or (not view and self.recompute_kept and self._keeps(v)):
             kept = Kept((1.0,) * len(v.call.outputs))
         local = lambda m, ps: _local(m, ps, self.mesh_shape).nbytes  # noqa: E731
@@ -400,16 +398,6 @@ class CostModel:
             total += self._act(experts_saved_bytes(v.call, combo, self.mesh_shape, self.expert_imbalance),
                                v.call.inputs[0].dtype)
         return total
-
-    def _context_saved(self, v: NodeVar, combo) -> float:
-        """What a context-parallel attention keeps for backward
-        (``ops.context_attention._ContextAttention``): its local q, k, v, mask and output,
-        and the float32 log-sum-exp of its rows; never a block of scores (recomputed)."""
-        ins = [_local(m, input_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.inputs)]
-        out = _local(v.call.outputs[0], output_placements(combo, 0), self.mesh_shape)
-        total = sum(self._act(m.nbytes, m.dtype) for m in ins + [out] if m.dtype.is_floating_point)
-        total += sum(m.nbytes for m in ins if not m.dtype.is_floating_point)   # a boolean mask
-        return total + out.numel // out.shape[-1] * 4
 
     # ---- communication -------------------------------------------------------------------
     def edge_time(self, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],

@@ -126,7 +126,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     best, errors = _search(cap, ask, phases)
     binds = best is None or best.sol.memory_total > RECOMPUTE_WHEN * budget
     if pins.zero is None and (mesh_shape is None or len(mesh_shape) == 1) and (
-            binds or wide_grads(pins)):
+            binds or wide_grads(pins)) and _data_parallel(world, pins, mesh_shape, cl):
         # memory binds: weigh sharding parameters, gradients and optimizer state over the
         # data axis (ZeRO 1, 2, 3); the least predicted step wins. Gradients reduced wider
         # than the compute dtype: ZeRO-2 also moves less (a reduce-scatter of the gradients
@@ -158,6 +158,14 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
         raise explained()
     plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases)
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
+
+
+def _data_parallel(world: int, pins: Options, mesh_shape, cl) -> bool:
+    """Whether a mesh the pins allow has a data axis of more than one device. ZeRO shards
+    over that axis; where none has one (e.g. ``context=4, tensor=8`` on 32 devices), each
+    stage's program is the plan's own and solving it again only costs time."""
+    return any(roles.get("data_axis") is not None and shape[roles["data_axis"]] > 1
+               for shape, _, roles in mesh_candidates(world, pins, mesh_shape, cl.devices_per_node))
 
 
 def wide_grads(pins: Options) -> bool:
