@@ -221,7 +221,7 @@ from examples.llama import LlamaConfig, llama_factory  # noqa: E402
 from examples.models import EXAMPLES, gpt_factory  # noqa: E402
 
 ROWS = ("examples", "depth", "175b", "405b", "405b-pinned", "hf-llama-7b", "deepseek-v3",
-        "deepseek-v3-pinned")
+        "deepseek-v3-pinned", "hf-llama3-8b-262k")
 
 
 def row(label, build, cluster, world, pins=None, phases=False, **kw):
@@ -308,6 +308,15 @@ def hf_llama7b():
                          max_position_embeddings=4096)
 
 
+def hf_llama3_8b_262k():
+    """transformers' LlamaForCausalLM at Llama 3 8B's shape (32 layers, hidden 4096, MLP
+    14,336, 32 heads / 8 key-value heads, vocabulary 128,256, rotary base 500,000), one
+    sequence of 262,144 tokens, on the meta device."""
+    return hf_llama_meta(1, 262144, vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=262144, rope_theta=500000.0)
+
+
 def deepseek_v3():
     """transformers' DeepSeek-V3 (``hf:deepseek-v3``: 671B, 61 layers, 256 routed experts,
     top-8) at DeepSeek's pre-training batch, 15,360 x 4,096 tokens, on the meta device."""
@@ -367,6 +376,11 @@ def main() -> None:
                               "micro_batch_size": 128, "schedule": "1f1b"}, phases=True)
         print(f"DeepSeek-V3 as published (pipeline 16, expert 64, data 2; 1F1B for its "
               f"DualPipe) planned in {wall:.1f} s ({cpu})")
+    if "hf-llama3-8b-262k" in rows:
+        wall, cpu = row("hf llama3-8b 262k (meta), bf16", hf_llama3_8b_262k, "4xdgx-h100", 32,
+                        pins={"precision": "bf16"}, phases=True)
+        print(f"transformers Llama-3-8B at 262,144 tokens on 32 H100s planned free in "
+              f"{wall:.1f} s ({cpu}; goal 30 s)")
 
 
 if __name__ == "__main__":
