@@ -173,3 +173,35 @@ def test_context_attention_prices_its_imbalance_and_its_forms():
     # the unpinned form is the faster one
     assert t(short, None) == min(t(short, "ring"), t(short, "all-gather"))
     assert t(long, None) == t(long, "ring")
+
+
+def test_a_free_long_sequence_plan_takes_a_context_axis_and_says_what_it_buys():
+    """A tiny transformers Llama over 16,384 tokens on a DGX node, planned free: attention's
+    s^2 work dominates, so the search's context stage wins; the plan keeps the best step
+    without a context axis, and both summaries (``plan_summary`` and the CLI's tables)
+    print it against the plan's own, as it survives the plan file."""
+    import torch
+    import transformers
+    from rich.console import Console
+
+    from autopar.plan import Plan
+    from autopar.report import plan_summary
+    from autopar.viz.summary import summary_renderable
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=16384)
+    cfg.use_cache = False
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    ids = torch.zeros(1, 16384, dtype=torch.long, device="meta")
+    plan = autopar.plan(model, (ids,), lambda o, y: torch.nn.functional.cross_entropy(
+        o.logits.flatten(0, 1), y.flatten()), target=ids, cluster="1xdgx-h100", precision="bf16")
+    assert "context" in plan.mesh_axes and plan.options.context > 1, plan.options
+    without = plan.alternatives_s["without a context axis"]
+    assert without > plan.estimate.step_time_s
+    ratio = f"({without / plan.estimate.step_time_s:.2f}x this plan's)"
+    console = Console(record=True, width=240)
+    console.print(summary_renderable(Plan.from_dict(plan.to_dict())))
+    for text in (plan_summary(plan), console.export_text()):
+        assert f"the sequence split {plan.options.context} ways over 'context', causally balanced" in text
+        assert "the best plan without a context axis" in text and ratio in text, text[:2000]

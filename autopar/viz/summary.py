@@ -8,8 +8,8 @@ from rich.table import Table
 from rich.text import Text
 
 from autopar.plan import Plan
-from autopar.report import (_group_layers, accumulation_line, expert_lines, fmt_bytes, fmt_time,
-                            memory_phases_note, offload_line)
+from autopar.report import (_group_layers, accumulation_line, branch_lines, context_lines,
+                            expert_lines, fmt_bytes, fmt_time, memory_phases_note, offload_line)
 
 
 def _table(title: str, *cols: str, **kw) -> Table:
@@ -53,7 +53,7 @@ def summary_renderable(plan: Plan, all_nodes: bool = False) -> Group:
         head.append("\n" + accumulation_line(plan))
     if plan.offload:
         head.append("\n" + offload_line(plan))
-    for line in expert_lines(plan):
+    for line in expert_lines(plan) + branch_lines(plan) + context_lines(plan):
         head.append("\n" + line)
     head.append(f"\nsolver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
                 f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
