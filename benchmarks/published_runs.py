@@ -199,6 +199,32 @@ CBC needed more than the default 30 on these):
 
 ``python benchmarks/published_runs.py --rows 20,21,22`` (274 s wall, 2026-11-28).
 
+- 23-28 torchtitan's context-parallel sweeps (2026-11-28, session 20; held out; tokens/s per
+  GPU; performance.md at d4c86e3, Tables 2 and 6, each table's CP 1 row beside its CP 2 and
+  CP 4 rows): FSDP2 with full recomputation, K/V all-gathered, as torchtitan ran them at
+  9dec370 (``TT_CP`` above RUNS), on row 14's H100s. The runs were compiled and trained
+  their linears in Float8, the 405B ones with AsyncTP too: none of the three is priced
+  (bf16, eager), so each error includes their gain. Llama 3.1 8B on 8 H100, one sequence
+  per FSDP rank, 32,768 tokens a GPU in every row: CP 1 (32K) 4,144 against 3,890 (+6.5%),
+  CP 2 (64K) 2,697 against 2,540 (+6.2%), CP 4 (128K) 1,592 against 1,071 (+48.6%). Llama
+  3.1 405B on 512 H100 (TP 8, PP 8, 1F1B over 8 micro-batches of one sequence, ZeRO-2 as
+  FSDP2 under PP ran): CP 1 66.3 against 76 (-12.8%), CP 2 53.0 against 47 (+12.9%), CP 4
+  37.8 against 31 (+22.1%). The 8B steps: predicted 7.9, 12.2, 20.6 s, published 8.4, 12.9,
+  30.6 s (59.8 s at CP 8): the predicted step grows as attention's work per GPU does (it
+  doubles with each row), the published one by 17.7 s from CP 2 to CP 4 where the first two
+  rows' difference (4.5 s, attention's doubling) predicts about 9. What torch's CP spends
+  beyond that at 4 ranks is not priced and not identified here (its SDPA is run per K/V
+  chunk and the chunks' outputs merged by log-sum-exp in fp32, ``_cp_options.
+  convert_to_f32``; not measured). Not as run, here: autopar's ZeRO shards over the data
+  axis only where torchtitan's FSDP shards over data and context ranks together
+  (``dp_shard_cp``): the CP 2 / CP 4 plans hold 2x / 4x the state torchtitan held (the 8B
+  CP 4 plan 96.2 GiB of 96; state moves a fraction of a second a step, gathers included).
+  The CP 8 rows (FSDP 1, 262,144 tokens: 548 and 16) are not added for that reason: with
+  one data rank the 8B plan holds the whole optimizer state and the solver moves it to the
+  host (``offload='optimizer'``; 833 tokens/s, +52.0%, not as run).
+
+``python benchmarks/published_runs.py --rows 23,24,25,26,27,28`` (37-71 s wall, 2026-11-28).
+
 Last run (2026-11-23 17:20, session 13, PYTHONHASHSEED=0, 27 s wall), pred / publ error:
 0 +9.5%, 1 +6.9%, 2 -1.7%, 3 -1.1%, 4 -5.7%, 5 +5.4%, 6 +2.1%, 7 +1.8%, 8 +2.9%, 9 -4.0%,
 10 (MT-NLG) +30.7%, 11 (BLOOM) +16.9%, 12 +12.1%, 13 +9.4%, 14 +30.3%, 15 -2.7%, 16 -8.7%.
@@ -423,6 +449,31 @@ QWEN3_235B_TPS = 2048 * 4096 / 24.2 / 256
 # autopar does not price (bf16 here: the error includes FP8's GEMM gain), and the page gives
 # no batch: one sequence per data-parallel group (micro-batch 1), full recomputation off.
 NEMO_LONG = "NeMo performance_long_sequence.md, LLAMA2-7B FP8 (DGX-H100)"
+# torchtitan's context-parallel sweeps (pytorch/torchtitan docs/performance.md at d4c86e3,
+# 2025-01-30, the benchmarks of 2024-12 at torchtitan 9dec370 and torch 1963fc8; since moved
+# to benchmarks/llama3_h100_202412_torchtitan.md), on the H100s of row 14 (96 GB HBM2e, 2.4
+# TB/s, 500 W, ``TORCHTITAN_H100_PEAK``; hosts joined at 400 Gb/s per GPU, a DGX H100's),
+# TPS/GPU as torchtitan counts it (train.py: each data-parallel rank's tokens before CP
+# shards them, over the step and ``cp * tp * pp``: global tokens / step / GPUs):
+# Table 2, "FSDP + CP + torch.compile + Float8. Llama 3.1 8B model. 8 GPUs. Local batch size
+# 1. Full activation checkpointing": FSDP 4, CP 2, 65536: 2,540; FSDP 2, CP 4, 131072: 1,071
+# and FSDP 8, CP 1, 32768: 3,890 (FSDP 1, CP 8, 262144: 548 not added: docstring).
+# Table 6, "4D parallelism (FSDP + TP + PP + CP) + torch.compile + Float8 + AsyncTP + 1F1B.
+# Llama 3.1 405B model. 512 GPUs (TP 8, PP8). Local batch size 8. Full activation
+# checkpointing": FSDP 4, CP 2, 65536: 47; FSDP 2, CP 4, 131072: 31; FSDP 8, CP 1, 32768: 76
+# (FSDP 1, CP 8, 262144: 16 not added). As run at 9dec370: the local batch is per FSDP rank
+# (global = local x FSDP degree); K/V all-gathered
+# (``--experimental.context_parallel_rotate_method`` defaults to "allgather"), torch's CP load-balanced head-tail (``_cp_options.
+# enable_load_balance = True``, the layout autopar plans); FSDP2 over the data and context
+# ranks together (``dp_shard_cp``: autopar's ZeRO shards over the data axis only), reducing
+# in fp32; under PP not resharding after forward (``apply_fsdp``: ``reshard_after_forward =
+# False``: ZeRO-2 here, as rows 15-16); PP's micro-batches the default, its degree (8, one
+# sequence each: the table states none, the default assumed); AdamW foreach. Not priced:
+# Float8 linears, torch.compile (refused beside ``context=``), AsyncTP: each run's error
+# includes their gain.
+TT_CP = "torchtitan performance.md (d4c86e3)"
+TT_H100 = {"memory_bytes": 96 * 2**30, "mem_bandwidth": 2.4e12,
+           "peak_flops": TORCHTITAN_H100_PEAK, **FA2_H100}
 N21 = "Narayanan et al. 2021, Table 1"
 K22 = "Korthikanti et al. 2022, Table 5 (full recompute)"
 
@@ -500,6 +551,32 @@ RUNS: list[Run] = [
     Run("Llama2 7B 256k", NEMO_LONG + ", 256K", "llama", 32, 4096, 32, 32000, 262144, 8, 256,
         "h100", 4, 1, micro=1, recompute=False, published_tflops=549, kv_heads=32, ffn=11008,
         held=True, context=8, time_limit_s=120),   # CBC needs more than 30 s on these ILPs
+    # torchtitan's CP sweeps (above RUNS): tokens/s per GPU, FP8 and compiled as run, bf16
+    # here; each table's CP 1 row too, the same tokens per GPU without a context axis
+    Run("Llama3 8B 32k", TT_CP + " Table 2 (8 H100, FSDP 8 CP 1)", "llama", 32, 4096, 32,
+        128256, 32768, 8, 8, "h100", 1, 1, micro=1, recompute=True, kv_heads=8, ffn=14336,
+        zero=3, published_tps=3890, held=True, torchtitan=True, extra=TT_H100,
+        time_limit_s=120),
+    Run("Llama3 8B 64k", TT_CP + " Table 2 (8 H100, FSDP 4 CP 2)", "llama", 32, 4096, 32,
+        128256, 65536, 4, 8, "h100", 1, 1, micro=1, recompute=True, kv_heads=8, ffn=14336,
+        zero=3, published_tps=2540, held=True, torchtitan=True, context=2,
+        pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
+    Run("Llama3 8B 128k", TT_CP + " Table 2 (8 H100, FSDP 2 CP 4)", "llama", 32, 4096, 32,
+        128256, 131072, 2, 8, "h100", 1, 1, micro=1, recompute=True, kv_heads=8, ffn=14336,
+        zero=3, published_tps=1071, held=True, torchtitan=True, context=4,
+        pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
+    Run("Llama3 405B 32k", TT_CP + " Table 6 (512 H100, FSDP 8 CP 1)", "llama", 126, 16384,
+        128, 128256, 32768, 64, 512, "h100", 8, 8, micro=1, recompute=True, kv_heads=8,
+        ffn=53248, zero=2, published_tps=76, held=True, torchtitan=True, extra=TT_H100,
+        time_limit_s=120),
+    Run("Llama3 405B 64k", TT_CP + " Table 6 (512 H100, FSDP 4 CP 2)", "llama", 126, 16384,
+        128, 128256, 65536, 32, 512, "h100", 8, 8, micro=1, recompute=True, kv_heads=8,
+        ffn=53248, zero=2, published_tps=47, held=True, torchtitan=True, context=2,
+        pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
+    Run("Llama3 405B 128k", TT_CP + " Table 6 (512 H100, FSDP 2 CP 4)", "llama", 126, 16384,
+        128, 128256, 131072, 16, 512, "h100", 8, 8, micro=1, recompute=True, kv_heads=8,
+        ffn=53248, zero=2, published_tps=31, held=True, torchtitan=True, context=4,
+        pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
 ]
 
 
@@ -686,10 +763,12 @@ def main() -> None:
                   flush=True)
             continue
         published = r.published_tps or r.published_tflops
+        mesh = (f"{r.tensor}x{r.pipeline}x{r.data}" + (f"xe{r.expert}" if r.expert > 1 else "")
+                + (f"xc{r.context}" if r.context > 1 else ""))
         err = pred / published - 1
         (errs_held if r.held else errs).append(err)
         print(f"{i:>2} {r.name:<14}{r.device.upper():>5}{r.gpus:>6} "
-              f"{f'{r.tensor}x{r.pipeline}x{r.data}' + (f'xe{r.expert}' if r.expert > 1 else ''):<12}"
+              f"{mesh:<12}"
               f"{r.batch:>5}{pred:>7.1f}"
               f"{published:>6.0f}{err:>+7.1%}{step:>8.2f}"
               f"{time.perf_counter() - t0:>7.1f}  {'yes' if r.held else '   '}   {r.source}"

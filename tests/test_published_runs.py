@@ -70,3 +70,30 @@ def test_selective_recomputation_runs_the_even_matmuls_and_no_attention_again():
     assert not any("scaled_dot_product" in str(nodes[n].target) for n in again)
     assert any(nodes[n].target is torch.ops.aten.silu.default for n in again)
     assert all(".layers." in "." + module(n) or module(n).startswith("layers.") for n in again)
+
+
+def test_torchtitan_context_parallel_rows_as_published():
+    """torchtitan's CP sweeps (performance.md at d4c86e3, Tables 2 and 6): Llama 3.1 8B on 8
+    GPUs, local batch 1 per FSDP rank, FSDP x CP = 8; 405B on 512 GPUs, TP 8, PP 8 (1F1B),
+    local batch 8 per FSDP rank; full recomputation, K/V all-gathered (torchtitan's default
+    rotate method at 9dec370), FSDP2 as ZeRO-3 (ZeRO-2 under PP: not resharded after
+    forward), tokens/s per GPU."""
+    rows = {(r.name, r.context): r for r in RUNS
+            if r.source.startswith("torchtitan performance.md (d4c86e3)")}
+    published = {("Llama3 8B 32k", 1): 3890, ("Llama3 8B 64k", 2): 2540,
+                 ("Llama3 8B 128k", 4): 1071, ("Llama3 405B 32k", 1): 76,
+                 ("Llama3 405B 64k", 2): 47, ("Llama3 405B 128k", 4): 31}
+    assert {k: r.published_tps for k, r in rows.items()} == published
+    for (name, cp), r in rows.items():
+        pins = pins_of(r)
+        assert r.seq == 32768 * cp and r.held and r.torchtitan and pins["recompute"] == "full"
+        assert pins.get("context", 1) == cp
+        assert cp == 1 or pins["context_attention"] == "all-gather"
+        if name.startswith("Llama3 8B"):
+            assert (r.gpus, r.tensor, r.pipeline, r.data * cp, r.batch) == (8, 1, 1, 8, r.data)
+            assert pins["zero"] == 3
+        else:
+            assert (r.gpus, r.tensor, r.pipeline, r.data * cp) == (512, 8, 8, 8)
+            assert r.batch == 8 * r.data
+            assert pins["zero"] == 2 and pins["schedule"] == "1f1b"
+            assert pins["micro_batch_size"] == r.data      # 8 micro-batches of one sequence
