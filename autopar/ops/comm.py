@@ -234,9 +234,11 @@ class Comm:
         of a ring (context parallelism's ring attention)."""
         raise NotImplementedError
 
-    def shift_start(self, t: torch.Tensor, axis: int, offset: int = 1):
+    def shift_start(self, t: torch.Tensor, axis: int, offset: int = 1, tag: int = 0):
         """Start :meth:`shift`; returns an object whose ``wait()`` returns what it would (the
-        ring attention's next block, sent while the current one is computed)."""
+        ring attention's next block, sent while the current one is computed). ``tag``: two
+        shifts in flight at once between the same ranks are told apart by it (gloo matches
+        point-to-point messages by tag; NCCL by the order issued, the same on every rank)."""
         return _Ready(self.shift(t, axis, offset))
 
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], axis: int):
@@ -317,8 +319,8 @@ class _Inner(Comm):
     def shift(self, t, axis, offset=1):
         return self.outer.shift(t, axis + 1, offset)
 
-    def shift_start(self, t, axis, offset=1):
-        return self.outer.shift_start(t, axis + 1, offset)
+    def shift_start(self, t, axis, offset=1, tag=0):
+        return self.outer.shift_start(t, axis + 1, offset, tag)
 
     def all_reduce_coalesced(self, tensors, axis):
         return self.outer.all_reduce_coalesced(tensors, axis + 1)
@@ -456,7 +458,7 @@ class DistComm(Comm):
             self._wait(work, "shift", axis)
         return out
 
-    def shift_start(self, t, axis, offset=1):
+    def shift_start(self, t, axis, offset=1, tag=0):
         n, i, ranks = self.mesh_shape[axis], self.coord[axis], self.group_ranks[axis]
         t = t.contiguous()
         if offset % n == 0:
@@ -464,8 +466,8 @@ class DistComm(Comm):
         out = torch.empty_like(t)
         group = self.groups[axis]
         works = self.dist.batch_isend_irecv([
-            self.dist.P2POp(self.dist.isend, t, ranks[(i + offset) % n], group),
-            self.dist.P2POp(self.dist.irecv, out, ranks[(i - offset) % n], group)])
+            self.dist.P2POp(self.dist.isend, t, ranks[(i + offset) % n], group, tag),
+            self.dist.P2POp(self.dist.irecv, out, ranks[(i - offset) % n], group, tag)])
         return _Shifting(self, works, out, axis)
 
     def all_reduce_coalesced(self, tensors, axis):

@@ -22,7 +22,10 @@ Forms (:func:`context_attention`), both an autograd function whose backward is t
   block moves one rank on (:meth:`Comm.shift`); partial results are merged by log-sum-exp.
   Backward recomputes each block's probabilities from the saved log-sum-exp (the flash
   attention backward) while K/V go round again, their gradients travelling with them and
-  arriving home after the last step. A rank holds two K/V blocks at a time.
+  arriving home after the last step: each step computes this rank's share of the held
+  block's dK/dV while the sum so far arrives from the rank behind, adds it, and sends the
+  total on while the next block is computed. A rank holds two K/V blocks at a time (and
+  in backward two dK/dV blocks).
 
 Each block is split into the pieces of positions its ranks hold (one per rank contiguous,
 two balanced); a query piece against a key piece is skipped when every key is later than
@@ -262,15 +265,19 @@ class _ContextAttention(torch.autograd.Function):
             dk, dv = comm.reduce_scatter(dk, axis, 2), comm.reduce_scatter(dv, axis, 2)
         else:
             kv = torch.stack([k, v])
-            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)   # the held block's dK, dV
+            travelling = None   # the held block's dK, dV so far, on its way from the rank behind
             for step in range(c):
                 nxt = comm.shift_start(kv, axis) if step < c - 1 else None
+                part = torch.zeros(kv.shape, dtype=acc, device=kv.device)   # this rank's share
                 _attend_grad(q5, kv[0], kv[1], do5, lse5, delta, mine,
                              shard_pieces(seq, (i - step) % c, c, ctx.layout),
-                             causal, scale, dq, dkv[0], dkv[1], mask5)
-                if c > 1:       # on with the block: after the last step, home to its owner
-                    dkv = comm.shift(dkv, axis)
+                             causal, scale, dq, part[0], part[1], mask5)
+                dkv = part if travelling is None else travelling.wait() + part
+                # on with the block while the next one is computed; after the last step, home
+                # to its owner (tagged apart from the K/V block in flight beside it)
+                travelling = comm.shift_start(dkv, axis, tag=1) if c > 1 else None
                 kv = nxt.wait() if nxt is not None else None
+            dkv = travelling.wait() if travelling is not None else dkv
             dk, dv = dkv[0], dkv[1]
         return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 None, None, None, None, None, None)

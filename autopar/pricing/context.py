@@ -20,8 +20,10 @@ Communication, forms (``Options.context_attention``):
 - ``"ring"``: ``c-1`` steps forward, each sending this rank's K/V block (2 tensors of
   ``L/c`` rows) one rank on while the current block is computed (``Comm.shift_start``): a
   step exposes what its transfer takes beyond one block's compute (``1/c`` of the work).
-  Backward: the same ``c-1`` K/V transfers behind the blocks' gradients, plus ``c`` transfers
-  of the travelling dK/dV (fp32), which wait (they carry the block just finished).
+  Backward: the same ``c-1`` K/V transfers behind the blocks' gradients, each beside the
+  travelling dK/dV (fp32) of the block just finished, both on the link while the next block
+  is computed: a step exposes what the two take beyond one block's backward; the last
+  dK/dV transfer (home to the block's owner) has nothing left to hide behind.
 - ``"all-gather"``: K and V gathered over the axis forward and again in backward, and
   dK/dV reduce-scattered (fp32): all exposed (no overlap is issued).
 
@@ -78,8 +80,9 @@ def context_attention_time(call, combo, mesh_shape, axis: int, device, dtype_key
     if form == "ring":
         send = comm_model.collective_time("send", kv_bytes, 2, link)
         send_grad = comm_model.collective_time("send", kv_bytes * ACC_BYTES / itemsize, 2, link)
+        both = comm_model.collective_time("send", kv_bytes * (1 + ACC_BYTES / itemsize), 2, link)
         f_exp = (c - 1) * max(0.0, send - f / c)
-        b_exp = (c - 1) * max(0.0, send - b / c) + c * send_grad
+        b_exp = (c - 1) * max(0.0, both - b / c) + send_grad
     else:
         gather = comm_model.collective_time("all_gather", kv_bytes * c, c, link)
         scatter = comm_model.collective_time("reduce_scatter", kv_bytes * c * ACC_BYTES / itemsize,
