@@ -131,7 +131,12 @@ def run_case(case: dict) -> dict:
     ref = reference_run(model, inputs, target, lm_loss, optimizer=opt)
     got = parallel_run(pm, inputs, target, optimizer=opt)
     worst = compare(ref, got, case["id"])
+    local = sum(t.numel() for t in pm.module.parameters())      # this rank's parameter shards
     return {"worst": worst, "mesh": list(plan.mesh_shape), "axes": list(plan.mesh_axes),
+            "param_numel": [local, sum(t.numel() for t in model.parameters())],
+            "names": sorted(plan.params),
+            "split_on_context": sorted(n for n, ph in plan.params.items()
+                                       if isinstance(plan.nodes[ph].output(0)[axis], Shard)),
             "context_sdpa": ring, "n_sdpa": sum("scaled_dot_product_attention" in n for n in plan.nodes),
             "form": plan.options.context_attention,
             "layout": pm._stage_comm.settings.context_layout}

@@ -22,12 +22,14 @@ TWO = [
     {"id": "qwen2-c2-allgather", "model": "qwen2", "pins": {"context": 2, "context_attention": "all-gather"}},
     {"id": "gpt2-c2", "model": "gpt2", "pins": {"context": 2}},
     {"id": "llama-c2-padded", "model": "llama", "pins": {"context": 2}, "padded": True},
+    {"id": "llama-c2-zero3", "model": "llama", "pins": {"context": 2, "zero": 3}},
 ]
 FOUR = [
     {"id": "llama-c4", "model": "llama", "pins": {"context": 4}},
     {"id": "gpt2-c4-padded", "model": "gpt2", "pins": {"context": 4}, "padded": True},
     {"id": "qwen2-c2-t2", "model": "qwen2", "pins": {"context": 2, "tensor": 2}},
     {"id": "llama-c2-d2", "model": "llama", "pins": {"context": 2, "data": 2}},
+    {"id": "qwen2-c2-d2-zero3", "model": "qwen2", "pins": {"context": 2, "data": 2, "zero": 3}},
     {"id": "gpt2-c2-p2", "model": "gpt2", "pins": {"context": 2, "pipeline": 2, "micro_batch_size": 2}},
     {"id": "memory-c4", "memory": True, "seq": 512},
 ]
@@ -56,6 +58,14 @@ def _check(r, case):
     assert r["n_sdpa"] >= 2 and len(r["context_sdpa"]) == r["n_sdpa"], r
     assert r["form"] == case["pins"].get("context_attention", r["form"]), r
     assert r["layout"] == "balanced", r     # rank r holds chunks r and 2c-1-r of the sequence
+    local, total = r["param_numel"]
+    if case["pins"].get("zero") == 3:
+        # ZeRO-3 over the context axis too (with the data axis where there is one): every
+        # weight stored split, a rank holding 1/(data x context) of them
+        assert len(r["split_on_context"]) == len(r["names"]), r
+        assert local == total // (c * case["pins"].get("data", 1)), r
+    else:
+        assert not r["split_on_context"], r
 
 
 @pytest.mark.parametrize("case", TWO, ids=[c["id"] for c in TWO])

@@ -476,8 +476,9 @@ class CostModel:
                     # by a consumer's parameters (see ``shared``)
                     t += link.skew / (max(1, shared) if bucketed else 1)
                 # ZeRO-3 frees a gathered weight after use and gathers it again for backward
-                regather = (not backward and bucketed and self.zero >= 3 and kind == "all_gather"
-                            and step.axis == self.data_axis)
+                # (on whichever axis it is split: the data axis, and a context axis too,
+                # ``pricing.problem``; ``passes.insert_collectives`` marks every weight gather)
+                regather = (not backward and bucketed and self.zero >= 3 and kind == "all_gather")
                 # once per step: the deferred gradient reduction (GradSync) and ZeRO-1/2's;
                 # ZeRO-3's reduce-scatter is in the backward graph, so it runs per micro-batch
                 # what may hide behind compute (cost_models/step.py's overlap rule): the
@@ -485,7 +486,7 @@ class CostModel:
                 # ZeRO-1/2's reduce-scatter, ZeRO-3's per-block gathers and reduce-scatters
                 overlap = ((bucketed and backward and step.kind == "grad_all_reduce")
                            or (per_step and backward)
-                           or (bucketed and self.zero >= 3 and step.axis == self.data_axis))
+                           or (bucketed and self.zero >= 3))
                 out.append(Collective(kind, step.axis, backward, t,
                                       (bucketed and backward and step.kind == "grad_all_reduce")
                                       or per_step, regather, overlap))

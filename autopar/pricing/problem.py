@@ -235,10 +235,15 @@ def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, z
     experts' weight stack, experts on dim 0)."""
     opts = placeholder_options(meta, mesh_shape)
     if context_axis is not None:
-        # the sequence (dim 1 of an input that has one) split on the context axis; weights,
-        # buffers and per-sample inputs whole there
+        # the sequence (dim 1 of an input that has one) split on the context axis; buffers
+        # and per-sample inputs whole there, and weights too unless ZeRO-3 shards them over
+        # it as over the data axis (gathered where used, their gradients reduce-scattered:
+        # torchtitan's FSDP over data x context ranks), wherever a dim divides
         want = Shard(1) if kind == "input" and meta.ndim >= 2 else Replicate()
-        opts = [o for o in opts if o[context_axis].outputs[0] == want]
+        on = [o for o in opts if o[context_axis].outputs[0] == want]
+        if kind == "param" and zero >= 3:
+            on = [o for o in opts if isinstance(o[context_axis].outputs[0], Shard)] or on
+        opts = on
         if not opts:
             raise PinError(
                 f"input {name!r} of shape {list(meta.shape)}: its sequence dim (dim 1, size "

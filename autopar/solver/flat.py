@@ -125,14 +125,17 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     phases: dict = {}
     best, errors = _search(cap, ask, phases)
     binds = best is None or best.sol.memory_total > RECOMPUTE_WHEN * budget
-    if pins.zero is None and (mesh_shape is None or len(mesh_shape) == 1) and (
-            binds or wide_grads(pins)) and _data_parallel(world, pins, mesh_shape, cl):
+    if pins.zero is None and (mesh_shape is None or len(mesh_shape) == 1):
         # memory binds: weigh sharding parameters, gradients and optimizer state over the
         # data axis (ZeRO 1, 2, 3); the least predicted step wins. Gradients reduced wider
         # than the compute dtype: ZeRO-2 also moves less (a reduce-scatter of the gradients
         # and a 16-bit gather of the weights against an fp32 all-reduce), so it is weighed
         # even when memory does not bind
-        for stage in ZERO_STAGES if binds else (2,):
+        stages = _zero_stages(world, pins, mesh_shape, cl, binds)
+    else:
+        stages = ()
+    if stages:
+        for stage in stages:
             if verbose:
                 print(f"trying zero={stage} on the data axis")
             try:
@@ -140,7 +143,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
                                  phases, tag=f" zero={stage}")
             except PinError:         # e.g. a batch the data axis cannot split, or a lossy pin
                 break
-            if got is None and stage == ZERO_STAGES[0]:
+            if got is None and stage == stages[0]:
                 break
             if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
                 best = got
@@ -160,12 +163,19 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
 
 
-def _data_parallel(world: int, pins: Options, mesh_shape, cl) -> bool:
-    """Whether a mesh the pins allow has a data axis of more than one device. ZeRO shards
-    over that axis; where none has one (e.g. ``context=4, tensor=8`` on 32 devices), each
-    stage's program is the plan's own and solving it again only costs time."""
-    return any(roles.get("data_axis") is not None and shape[roles["data_axis"]] > 1
-               for shape, _, roles in mesh_candidates(world, pins, mesh_shape, cl.devices_per_node))
+def _zero_stages(world: int, pins: Options, mesh_shape, cl, binds: bool) -> tuple[int, ...]:
+    """The ZeRO stages to weigh (``solve_captured``): all where memory binds, else ZeRO-2
+    where gradients are reduced wider than the compute dtype, on meshes with a data axis
+    of more than one device. Without one, ZeRO-1 and 2 (which shard over the data axis
+    only) would solve the plan's own program again; ZeRO-3 also shards weights over a
+    context axis (``pricing.problem``), so a mesh with one weighs it where memory binds
+    (e.g. ``context=4, tensor=8`` on 32 devices)."""
+    meshes = mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)
+    def has(role):
+        return any(roles.get(role) is not None and shape[roles[role]] > 1 for shape, _, roles in meshes)
+    if has("data_axis"):
+        return ZERO_STAGES if binds else (2,) if wide_grads(pins) else ()
+    return (3,) if binds and has("context_axis") else ()
 
 
 def wide_grads(pins: Options) -> bool:
