@@ -243,7 +243,8 @@ def row(label, build, cluster, world, pins=None, phases=False, **kw):
     if phases:     # each planning phase's wall seconds (plan.solver.phases)
         print("    phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in s.phases.items()), flush=True)
         print(f"    plan: mesh {plan.mesh_shape} {plan.mesh_axes}, options {plan.pins}, "
-              f"objective {plan.estimate.step_time_s:.6g} s, digest {plan_digest(plan)}", flush=True)
+              f"objective {plan.estimate.step_time_s:.6g} s, digest {plan_digest(plan)}"
+              + "".join(f"; {k}: {v:.6g} s" for k, v in plan.alternatives_s.items()), flush=True)
     return wall, f"{cpu:.1f} s of CPU" + (f" here, {workers:.1f} s in workers" if workers else "")
 
 
