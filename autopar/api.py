@@ -28,7 +28,7 @@ from autopar.runtime.data import BATCH_MODES
 from autopar.runtime.weights import capture_view, has_meta, weights_kind
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
-from autopar.options import KNOWN_PINS, OPTIMIZER_STATES, Options, refuse_hogwild_plan
+from autopar.options import KNOWN_PINS, OPTIMIZER_STATES, Options, refuse_hogwild_plan, refuse_workers_check
 from autopar.runtime.compression import data_group
 from autopar.runtime.crossbow import Crossbow
 
@@ -137,13 +137,16 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
         raise ArgumentError(f"check= compares the first step's gradients with one device's; under "
                             f"{updates[0]} a rank does not hold them (delayed, on their server, or "
                             "per learner): pass check=False (or unset AUTOPAR_CHECK)")
+    if first_step.wanted(check):
+        refuse_workers_check(pins)
     reference = first_step.reference_copy(model) if first_step.wanted(check) else None
     world = _dist_world(timeout) if comm is None else (
         comm.world.world if hasattr(comm, "world") else int(dist.get_world_size()))
     if elastic:     # this world's data degree and accumulation, the global batch kept
         pins, info = _elastic.elastic_pins(pins, world, _elastic.global_batch_rows(example_inputs, target))
-    if pins.learners and pins.data is None and pins.tensor is None:
-        pins = pins.replace(data=world)     # Crossbow's learners are whole replicas per rank
+    if (pins.learners or pins.workers) and pins.data is None and pins.tensor is None:
+        # Crossbow's learners are whole replicas per rank; workers= needs the data axis
+        pins = pins.replace(data=world)
     if weights is not None:
         weights_kind(weights)       # a path that is no weights source fails before planning
     # a meta model is captured as the model on the CPU (autopar.runtime.weights.capture_view)
@@ -158,6 +161,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                                         pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
                                         optimizer=optimizer)
     _validate(the_plan, cap, world)
+    if plan is not None and comm is None:
+        _same_plan_on_every_rank(the_plan)
     # loss_fn without a target runs outside the graph, on the replicated output; comm None:
     # this job's torch.distributed ranks, on a mesh on the rank's device
     pm = build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch,
@@ -291,6 +296,27 @@ def _validate(p: Plan, cap: Captured, world: int) -> None:
         raise PlanError(f"the plan was made for another graph (fingerprint {p.fingerprint}, this "
                         f"model gives {fp}): same model, example input shapes and loss? "
                         "plan again with autopar.plan")
+
+
+def _same_plan_on_every_rank(p: Plan) -> None:
+    """A ``plan=`` each rank passed itself: the same on every rank, or a PlanError naming
+    the ranks that differ (two plans run as one program exchange tensors that do not match:
+    wrong numbers or a hang). Plans solved on each rank can differ where the solver breaks
+    a tie by measured op times."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, p.digest())
+    if len(set(every)) > 1:
+        groups: dict = {}
+        for rank, d in enumerate(every):
+            groups.setdefault(d, []).append(rank)
+        raise PlanError(
+            "the ranks were given different plans (" + "; ".join(
+                f"ranks {ranks}: digest {d}" for d, ranks in groups.items()) + "): make the "
+            "plan once and give every rank the same one (autopar.plan on rank 0, then "
+            "plan.save / Plan.load, or dist.broadcast_object_list of plan.to_json()), or "
+            "leave plan= out and parallelize plans on rank 0 for every rank")
 
 
 def _dist_world(timeout: float | None = None) -> int:

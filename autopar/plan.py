@@ -7,6 +7,7 @@ thing that crosses from deciding (capture, cost, solve) to doing (passes, runtim
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -218,6 +219,13 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(self._fields(), indent=1)
+
+    def digest(self) -> str:
+        """A hash of everything the plan chose (placements, mesh, stage cuts, options,
+        estimate), not of the solver's report (its timings) or the file's version: equal
+        digests, the same plan."""
+        chosen = {k: v for k, v in self.to_dict().items() if k not in ("solver", "version")}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     def _fields(self) -> dict:
         d = asdict(self)

@@ -28,7 +28,7 @@ import autopar  # noqa: E402
 from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from loss_worker import example  # noqa: E402
 from precision_worker import loss_dist, reference, weight_dist  # noqa: E402
-from worker_loop import run_cases  # noqa: E402
+from worker_loop import on_rank0, run_cases  # noqa: E402
 
 STEPS = 3
 
@@ -63,7 +63,8 @@ def run_case(case: dict) -> dict:
     model, inputs, target, loss_fn = example(case["loss"])
     if case.get("plan_file"):
         # a saved accumulating plan: parallelize(plan=path) captures at its micro-batch
-        planned = autopar.plan(model, inputs, loss_fn, target=target, cluster="cpu:2", **case["pins"])
+        planned = on_rank0(lambda: autopar.plan(model, inputs, loss_fn, target=target,
+                                                cluster="cpu:2", **case["pins"]))
         with tempfile.TemporaryDirectory(prefix="autopar-accumulate-") as tmp:
             path = os.path.join(tmp, "plan.json")
             planned.save(path)

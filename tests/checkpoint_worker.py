@@ -30,7 +30,7 @@ import autopar  # noqa: E402
 from autopar.checkpoint import export_checkpoint, import_state_dict  # noqa: E402
 from capture_reuse import same_model  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
-from worker_loop import run_cases  # noqa: E402
+from worker_loop import on_rank0, run_cases  # noqa: E402
 
 LR, EPS = 1e-2, 1e-6
 # worst |got - ref| / (max |ref - initial| of that tensor), over every tensor: AdamW divides
@@ -155,7 +155,8 @@ def _run_case(case: dict) -> dict:
     ex = example(case, 0)          # the data of every step; the weights of seed 0 ...
     model = ex.model if case["kind"] == "save" else example(case, 1).model    # ... or others
     if case.get("strided"):
-        pm = autopar.parallelize(model, ex.inputs, ex.loss_fn, target=ex.target, plan=strided_plan(ex))
+        pm = autopar.parallelize(model, ex.inputs, ex.loss_fn, target=ex.target,
+                                 plan=on_rank0(lambda: strided_plan(ex)))
         strided = [a for a, p in pm._shards.placements.items() if any(getattr(x, "groups", 1) > 1 for x in p)]
         assert strided, "the hand-made plan holds no strided shard"
     else:

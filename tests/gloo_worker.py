@@ -27,6 +27,7 @@ from autopar.verify_worker import check_rank  # noqa: E402
 from capture_reuse import same_model  # noqa: E402
 from equivalence import compare, parallel_run, reference_run, sharding_budget  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
+from autopar.plan import PlanError  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
 
@@ -50,6 +51,15 @@ def _run_case(case: dict) -> dict:
                          cluster=f"cpu:{dist.get_world_size()}", **case["pins"]).save(path)
         dist.barrier()
         pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, plan=path)
+    elif plan == "per-rank":
+        # each rank its own plan (a user's mistake): refused on every rank, naming them
+        mine = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                            cluster=f"cpu:{dist.get_world_size()}", **case["pins_by_rank"][dist.get_rank()])
+        try:
+            autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, plan=mine)
+        except PlanError as e:
+            return {"refused": str(e)}
+        return {"refused": None}
     elif case.get("shard"):
         world = dist.get_world_size()
         replicated = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from worker_loop import run_cases  # noqa: E402
+from worker_loop import on_rank0, run_cases  # noqa: E402
 
 STEPS, LR = 3, 1e-2
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -81,7 +81,8 @@ def run_case(case: dict) -> dict:
     pins = dict(case["pins"], precision=precision)
     if case.get("plan_file"):
         # a saved plan's precision is honoured: parallelize(plan=path) with no pins
-        planned = autopar.plan(model, inputs, loss_fn, target=target, cluster="cpu:2", **pins)
+        planned = on_rank0(lambda: autopar.plan(model, inputs, loss_fn, target=target,
+                                                cluster="cpu:2", **pins))
         path = os.path.join(tempfile.gettempdir(), f"autopar_precision_plan_{os.getpid()}.json")
         planned.save(path)
         pm = autopar.parallelize(model, inputs, loss_fn, target=target, plan=path)

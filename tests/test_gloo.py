@@ -45,6 +45,7 @@ def test_two_ranks(tmp_path):
         {"model": "llama", "pins": {"data": 2, "zero": 3}},
         {"model": "resnet", "pins": {}, "shard": True},
         {"model": "mlp", "pins": {"tensor": 2}, "plan": "saved", "path": str(tmp_path / "plan2.json")},
+        {"model": "mlp", "plan": "per-rank", "pins_by_rank": [{"data": 2}, {"tensor": 2}]},
         *TIMING_CASES,      # predicted against measured (tests/test_timing.py)
         # autopar verify's rank check with a planted fault (tests/equivalence.py): must fail
         {"verify": {"factory": "examples.models:gpt_factory", "factory_args": {}, "plan": None,
@@ -53,7 +54,9 @@ def test_two_ranks(tmp_path):
     results = torchrun(2, cases, tmp_path)
     check(results)
     check_timing(results)
-    assert [r["mesh"] for r in results][:3] == [[2], [2], [2]]
+    assert [r["mesh"] for r in results[:3]] == [[2], [2], [2]]
+    refused = results[5]["refused"]      # two plans passed to one job: a PlanError on each rank
+    assert refused and "the ranks were given different plans" in refused and "ranks [0]" in refused, refused
     caught = results[-1]["check"]
     assert (caught["grad_worst"], caught["grad_step"]) == (FAULT_PARAM, FAULT_STEP), caught
     assert not Check(**caught).ok and caught["weight_worst"] == FAULT_PARAM, caught

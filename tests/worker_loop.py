@@ -77,3 +77,13 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
     gc.collect()       # drop every module (and its work handles) before the groups go
     dist.barrier()
     dist.destroy_process_group()
+
+
+def on_rank0(make: Callable):
+    """``make()`` on rank 0, its result on every rank: for a plan every rank must run alike
+    (``autopar.plan`` on each rank can return different plans where the solver breaks a tie
+    by this machine's measured op times, which a loaded machine measures differently per
+    process; ``parallelize(plan=...)`` refuses plans that differ)."""
+    box = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    return box[0]

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from autopar.analysis.batch_statistics import batch_statistics_nodes
 from autopar.capture import Captured
 from autopar.cost_models.memory import training_state_bytes
 from autopar.errors import PinError
@@ -121,7 +122,8 @@ def may_accumulate(cap: Captured, example_inputs, pins: Options, flat: Plan | No
     in the graph, every input split along dim 0, and the full batch's best plan ``flat``
     recomputes layers to fit, or no plan of the full batch fits (not even recomputed) while
     the training state could (``budget`` above its bytes sharded over all ``world``
-    devices: micro-batches shrink activations only). Micro-batches are the other way to
+    devices: micro-batches shrink activations only); never for a graph that normalizes by
+    batch statistics (``analysis.batch_statistics``: its numbers would change). Micro-batches are the other way to
     shrink activations: each costs its kernels' launches and smaller GEMMs where
     recomputation costs a layer's forward again, and the least predicted step wins."""
     if pins.accumulate is not None or pins.micro_batch_size is not None:
@@ -131,6 +133,8 @@ def may_accumulate(cap: Captured, example_inputs, pins: Options, flat: Plan | No
     if not all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in example_inputs):
         return False
     if int(example_inputs[0].shape[0]) < 2:
+        return False
+    if batch_statistics_nodes(cap):      # BatchNorm: micro-batches change its statistics
         return False
     if flat is not None:
         return bool(flat.recompute) and pins.recompute is None

@@ -170,7 +170,11 @@ def _zero_stages(world: int, pins: Options, mesh_shape, cl, binds: bool) -> tupl
     only) would solve the plan's own program again; ZeRO-3 also shards weights over a
     context axis (``pricing.problem``), so a mesh with one weighs it where memory binds
     (e.g. ``context=4, tensor=8`` on 32 devices)."""
-    meshes = mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)
+    try:       # the meshes a ZeRO pin allows (it makes a free mesh's axis the data axis)
+        meshes = mesh_candidates(world, pins.replace(zero=3), mesh_shape, cl.devices_per_node)
+    except (ValueError, PinError):
+        return ()
+
     def has(role):
         return any(roles.get(role) is not None and shape[roles[role]] > 1 for shape, _, roles in meshes)
     if has("data_axis"):

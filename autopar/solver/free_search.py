@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from autopar.analysis.batch_statistics import batch_statistics_nodes
 from autopar.capture import Captured
 from autopar.errors import PinError
 from autopar.options import Options
@@ -332,7 +333,8 @@ def _offloaded(spec: SearchSpec, cap: Captured, capture_s: float) -> Planned | N
 def may_pipeline(spec: SearchSpec, cap: Captured, nothing_fits: bool) -> bool:
     """Whether the free search considers pipelines: no pipeline pin (``pipeline=1`` means
     none), more than one node (or nothing unpipelined fits), the loss in the graph, every
-    input split along dim 0, and room beside the data/tensor pins."""
+    input split along dim 0, room beside the data/tensor pins, and no op that normalizes by
+    batch statistics (``analysis.batch_statistics``: micro-batches would change them)."""
     pins, cl, world = spec.options, spec.cluster, spec.world
     if pins.pipeline is not None or spec.mesh_shape is not None or spec.profiler is not None:
         return False
@@ -343,4 +345,4 @@ def may_pipeline(spec: SearchSpec, cap: Captured, nothing_fits: bool) -> bool:
     if not all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in spec.example_inputs):
         return False
     fixed = (pins.data or 1) * (pins.tensor or 1)
-    return fixed < world
+    return fixed < world and not batch_statistics_nodes(cap)
