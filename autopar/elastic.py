@@ -10,7 +10,10 @@ nothing had happened:
    job at the size it was written for; in the world it has now, the ``data`` axis takes the
    ranks the other mesh pins (``tensor``, ``pipeline``, ``expert``, ``branch``) leave, and
    gradient accumulation grows so that each rank's micro-batch is no larger than under the
-   pins, while the global batch (the example inputs' rows) stays what it was.
+   pins, while the global batch (the example inputs' rows) stays what it was. Under
+   ``workers="accordion:W1:W2"`` (``autopar.runtime.workers``) W1 and W2 are capped at this
+   world's data degree (with a warning), and the schedule's state (regime, last norm,
+   steps) travels in the checkpoint :func:`resume` loads.
 2. :class:`GlobalBatchSampler`: the global batch of every step does not depend on the
    world (one permutation of the dataset per epoch, cut into global batches); a data rank
    reads its slice of it. The data position is the step counter alone.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -106,6 +110,12 @@ def elastic_pins(pins: Options, world: int, global_batch: int) -> tuple[Options,
         acc = next(a for a in range(-(-global_batch // (data * rows)), global_batch // data + 1)
                    if global_batch % (data * a) == 0)
     new = {**dict(pins), "data": data}
+    counts = pins.worker_counts
+    if counts is not None and counts[1] > data:     # workers=: at most this world's data ranks
+        new["workers"] = f"accordion:{min(counts[0], data)}:{data}"
+        warnings.warn(f"elastic: workers={pins.workers!r} asks for more data-parallel workers than "
+                      f"the {data} data ranks of this {world}-rank job: training with "
+                      f"workers={new['workers']!r} until the job grows again", stacklevel=2)
     new.pop("accumulate", None)
     if acc > 1:
         new["accumulate"] = acc

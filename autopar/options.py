@@ -39,6 +39,9 @@ COMPRESS_HELP = ("'powersgd:R' (rank R, e.g. 'powersgd:4'), 'topk:F' (fraction 0
 NUQ_MAX_LEVELS = 127
 """``nuq:S``: a coordinate's code (sign and level index, ``2S + 1`` values) fits one byte."""
 AVERAGING = ("decentralized", "async")
+WORKERS_LR = ("linear", "constant")
+WORKERS_HELP = ("'accordion:W1:W2': W1 data-parallel workers train in critical regimes, W2 (W1 <= "
+                "W2 <= the data degree) otherwise, e.g. workers='accordion:2:8'")
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,6 +133,19 @@ class Options(Mapping):
     replicas) per rank, each training on its own batch (``train_step`` takes that many
     batches stacked), pulled toward a central average model by synchronous model averaging
     (SMA, with momentum) every step."""
+    workers: str | None = None
+    """Accordion's batch-size form (Agarwal et al. 2021; ``autopar.runtime.workers``) as the
+    number of data-parallel workers that train: ``"accordion:W1:W2"``. Every 10 steps the
+    norm of the whole model's gradient, accumulated since the last check, is compared with
+    the last check's; a relative change of 0.5 or more (and the start) is a critical regime,
+    where data ranks ``0 .. W1-1`` train, else ``0 .. W2-1``. The other data ranks skip
+    forward and backward (their batch is not used), contribute a zero gradient, and the
+    gradient is averaged over the ranks that trained. Relaxed: it changes the optimisation;
+    never chosen by the solver."""
+    workers_lr: Literal["linear", "constant"] | None = None
+    """Under ``workers=``: ``"linear"`` (the default, Accordion's linear scaling rule) steps
+    with the learning rate times (workers training) / W2 in ``pm.step(opt)``; ``"constant"``
+    keeps the optimizer's learning rate."""
     branch: int | None = None
     """Branch parallelism: independent branches spread over this many groups of ranks."""
     offload: Literal["optimizer", "disk"] | None = None
@@ -169,7 +185,7 @@ class Options(Mapping):
             given["zero"] = OFFLOAD_DEFAULT_ZERO
         if given.get("compress") not in (None, "none") or given.get("local_sgd") \
                 or given.get("offload") or any(given.get(n) for n in ASYNC_PINS) \
-                or given.get("averaging"):
+                or given.get("averaging") or given.get("workers"):
             given.setdefault("pipeline", 1)     # not offered with pipelines (yet)
         if isinstance(given.get("recompute"), list):
             given["recompute"] = tuple(given["recompute"])
@@ -203,6 +219,12 @@ class Options(Mapping):
         """The gradient compression asked for: ``(kind, parameter)``, or None (none, or
         ``"auto"``: the solver's choice)."""
         return compress_scheme(self.compress)
+
+    @property
+    def worker_counts(self) -> tuple[int, int] | None:
+        """``workers=``'s ``(W1, W2)``: the data-parallel workers that train in critical
+        regimes and otherwise; None when unset."""
+        return workers_schedule(self.workers)
 
     # ---- read as the mapping of the options that are set ---------------------------------
     def __getitem__(self, name: str) -> Any:
@@ -259,6 +281,22 @@ def compress_scheme(value) -> tuple[str, Any] | None:
     except ValueError:
         pass
     raise PinError(f"compress={value!r}: use {COMPRESS_HELP}")
+
+
+def workers_schedule(value) -> tuple[int, int] | None:
+    """``(W1, W2)`` of a ``workers=`` value ``"accordion:W1:W2"`` (1 <= W1 <= W2); None for
+    None. PinError naming the form otherwise."""
+    if value is None:
+        return None
+    parts = value.split(":") if isinstance(value, str) else []
+    if len(parts) == 3 and parts[0] == "accordion" and all(x.isdigit() for x in parts[1:]):
+        lo, hi = int(parts[1]), int(parts[2])
+        if 1 <= lo <= hi:
+            return lo, hi
+        if lo > hi >= 1:
+            raise PinError(f"workers={value!r}: W1 (critical regimes) is the smaller count: give "
+                           f"them in increasing order, workers='accordion:{hi}:{lo}'")
+    raise PinError(f"workers={value!r}: use {WORKERS_HELP}")
 
 
 def _accordion(value: str, arg: str) -> tuple[str, Any, Any]:
@@ -345,6 +383,7 @@ def _check_values(p: dict) -> None:
         raise PinError(f"local_sgd_warmup={warm!r}: the steps of gradient all-reduce before local "
                        "SGD begins, a non-negative integer, with local_sgd= pinned too")
     _check_async_values(p)
+    _check_workers_values(p)
     if p.get("averaging") not in (None, *AVERAGING):
         raise PinError(f"averaging={p['averaging']!r}: use 'decentralized' (each rank averages its "
                        "parameters with its ring neighbours) or 'async' (parameters averaged in the "
@@ -395,6 +434,7 @@ def _check_combinations(p: dict) -> None:
                            "reduced: pin one of them (compress='bf16' is the bf16 reduction)")
     _check_async_combinations(p)
     _check_averaging_combinations(p)
+    _check_workers_combinations(p)
     if (p.get("expert") or 1) > 1 and p.get("expert_dispatch") == "tensor":
         raise PinError(f"expert={p['expert']} splits the experts over an axis; "
                        "expert_dispatch='tensor' splits each expert instead (with tensor=): pin "
@@ -503,6 +543,57 @@ def _check_averaging_combinations(p: dict) -> None:
         raise PinError(f"{first} reduces no gradient over the data axis: drop grad_reduce='bf16'")
 
 
+def _check_workers_values(p: dict) -> None:
+    workers_schedule(p.get("workers"))
+    lr = p.get("workers_lr")
+    if lr is not None and (lr not in WORKERS_LR or p.get("workers") is None):
+        raise PinError(f"workers_lr={lr!r}: 'linear' (the default: the learning rate scaled by the "
+                       "workers that train over W2) or 'constant', with workers='accordion:W1:W2' "
+                       "pinned too")
+
+
+def _check_workers_combinations(p: dict) -> None:
+    """Refuse what ``workers=`` (``autopar.runtime.workers``) cannot combine with: idle data
+    ranks skip forward and backward, so nothing in them may cross the data axis, and the
+    data axis's reduction is its own."""
+    counts = workers_schedule(p.get("workers"))
+    if counts is None:
+        return
+    first = f"workers={p['workers']!r}"
+    data = p.get("data")
+    if data is not None and data < counts[1]:
+        raise PinError(f"{first} trains W2={counts[1]} data-parallel workers outside critical regimes, "
+                       f"more than data={data}: pin data= >= {counts[1]}, or a smaller W2")
+    for other, none in (("compress", "none"), ("local_sgd", None), ("averaging", None),
+                        *((n, None) for n in ASYNC_PINS)):
+        if p.get(other) not in (None, none):
+            raise PinError(f"{first} and {other}={p[other]!r} both change how the data-parallel "
+                           "update is made: pin one of them")
+    why = {"pipeline": "a pipeline's stages exchange activations across ranks",
+           "zero": "ZeRO shards the data axis's reduction (zero=3 gathers weights over it in forward)",
+           "offload": "offload runs on ZeRO's shards",
+           "expert": "the expert axis splits the batch and exchanges tokens across it in forward",
+           "branch": "branch groups exchange activations",
+           "compile": "the compiled programs are not checked for it"}
+    for other, none in (("pipeline", 1), ("zero", 0), ("offload", None), ("expert", 1),
+                        ("branch", 1), ("compile", False)):
+        if p.get(other) not in (None, none):
+            raise PinError(f"{first} with {other}={p[other]!r} is not supported: idle data ranks "
+                           f"skip forward and backward, and {why[other]}; drop one of the two pins")
+    if p.get("grad_reduce") == "bf16":
+        raise PinError(f"{first} reduces the data axis's gradient in the gradients' dtype: drop "
+                       "grad_reduce='bf16'")
+
+
+def refuse_workers_check(options: "Options") -> None:
+    """The ArgumentError of ``check=`` (the first step against one device) under ``workers=``."""
+    if options.workers is not None:
+        raise ArgumentError(f"check= compares the first step's gradients with one device's on the "
+                            f"whole batch; under workers={options.workers!r} the first step (a "
+                            "critical regime) trains on W1 workers' batches only: pass check=False "
+                            "(or unset AUTOPAR_CHECK)")
+
+
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """Optimizer tensors kept per parameter, by the ``optimizer=`` argument's names."""
 
@@ -529,5 +620,5 @@ def as_options(pins: "Options | Mapping[str, Any] | None") -> Options:
     return pins if isinstance(pins, Options) else Options.from_pins(pins)
 
 
-__all__ = ["ASYNC_PINS", "AVERAGING", "COMPRESS_HELP", "NUQ_MAX_LEVELS", "KNOWN_PINS", "NAMES", "OFFLOAD_DEFAULT_ZERO", "OPTIMIZER_STATES",
+__all__ = ["ASYNC_PINS", "AVERAGING", "WORKERS_HELP", "WORKERS_LR", "workers_schedule", "COMPRESS_HELP", "NUQ_MAX_LEVELS", "KNOWN_PINS", "NAMES", "OFFLOAD_DEFAULT_ZERO", "OPTIMIZER_STATES",
            "Options", "as_options", "check_optimizer", "compress_scheme"]

@@ -9,7 +9,9 @@ on the weights of the last ``LAST`` evaluations, ``EVAL_EVERY`` steps apart, and
 one evaluation moves with the last few batches), its ratio to the uncompressed run's, and
 the bytes of gradient (or, under local SGD, parameter) traffic each rank sent per step,
 averaged over the run (at 2 ranks a ring all-reduce of S bytes and an all-gather of S bytes
-per rank both send S per rank). The margin: final loss within ``MARGIN`` of the uncompressed run's; the
+per rank both send S per rank), and the worker-steps (data ranks that ran forward and
+backward, summed over the steps) over the exact run's (below 1 only under ``workers=``,
+Accordion's batch-size form, whose idle ranks skip the step). The margin: final loss within ``MARGIN`` of the uncompressed run's; the
 uncompressed run from other initial weights ("none, seed 1") shows how far two exact runs
 land apart.
 
@@ -20,6 +22,7 @@ runs). Under ``averaging=`` and local SGD the model evaluated is the ranks' aver
     nice python benchmarks/compression_convergence.py            # 300 steps, ~6-10 min on 2 busy cores
     nice python benchmarks/compression_convergence.py --steps 400
     nice python benchmarks/compression_convergence.py --seeds 2 --only nuq,accordion,averaging
+    nice python benchmarks/compression_convergence.py --seeds 2 --only workers
 """
 from __future__ import annotations
 
@@ -48,7 +51,9 @@ RUNS = [("none", {}), ("none, seed 1", {"seed": 1}), ("bf16", {"compress": "bf16
         ("accordion:topk:0.01:0.1", {"compress": "accordion:topk:0.01:0.1"}),
         ("averaging=decentralized", {"averaging": "decentralized"}),
         ("averaging=async", {"averaging": "async"}),
-        ("averaging=async, period 4", {"averaging": "async", "averaging_period": 4})]
+        ("averaging=async, period 4", {"averaging": "async", "averaging_period": 4}),
+        ("workers=accordion:1:2", {"workers": "accordion:1:2"}),
+        ("workers=accordion:1:2, lr constant", {"workers": "accordion:1:2", "workers_lr": "constant"})]
 
 
 def chosen(only: str | None, seeds: int) -> list[tuple[str, int, dict]]:
@@ -122,7 +127,9 @@ def worker(steps: int, batch: int, lr: float, out: str, only: str | None = None,
                 evaluate()
         if rank == 0:
             loss = sum(evals) / len(evals)
+            counts = getattr(reducer, "counts", None)      # workers=: ranks that trained, by step
             rows.append({"run": label, "seed": seed, "loss": loss, "wire": wire / steps, "full": full,
+                         "compute": sum(counts) / (steps * dist.get_world_size()) if counts else 1.0,
                          "critical": (sum(reducer.history) / len(reducer.history)
                                       if getattr(reducer, "history", None) else None)})
             print(f"[rank 0] {label}: loss {loss:.4f}", file=sys.stderr, flush=True)
@@ -166,12 +173,15 @@ def main() -> None:
     base = {r.get("seed", 0): r["loss"] for r in rows if r["run"] == "none"}
     print(f"\nsmall GPT, {args.steps} steps of AdamW (lr {args.lr}), global batch {args.batch}, "
           f"{args.nproc} gloo ranks; margin: final loss within {MARGIN:.0%} of the uncompressed run of the same seed")
-    print(f"{'run':<26} {'seed':>4} {'final loss':>10} {'vs none':>8} {'bytes/step':>11} {'of none':>8}  margin")
+    w = max(26, *(len(r["run"]) for r in rows))
+    print(f"{'run':<{w}} {'seed':>4} {'final loss':>10} {'vs none':>8} {'bytes/step':>11} {'of none':>8} "
+          f"{'compute':>8}  margin")
     for r in rows:
         ratio = r["loss"] / base[r.get("seed", 0)]
         crit = f"  (critical {r['critical']:.0%} of steps)" if r.get("critical") is not None else ""
-        print(f"{r['run']:<26} {r.get('seed', 0):>4} {r['loss']:>10.4f} {ratio:>8.3f} {r['wire']:>11.0f} "
-              f"{r['wire'] / r['full']:>8.3f}  {'within' if ratio <= 1 + MARGIN else 'OUTSIDE'}{crit}")
+        print(f"{r['run']:<{w}} {r.get('seed', 0):>4} {r['loss']:>10.4f} {ratio:>8.3f} {r['wire']:>11.0f} "
+              f"{r['wire'] / r['full']:>8.3f} {r.get('compute', 1.0):>8.3f}  "
+              f"{'within' if ratio <= 1 + MARGIN else 'OUTSIDE'}{crit}")
 
 
 if __name__ == "__main__":

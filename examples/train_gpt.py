@@ -43,6 +43,12 @@ takes the ranks, accumulation keeps the global batch ``--batch``), reloads the n
 checkpoint into that plan (``autopar.elastic.resume``, which prints how long both took) and
 reads the data from the step it had reached (``autopar.elastic.GlobalBatchSampler``: the
 global batch of a step does not depend on the world).
+
+``--pin workers=accordion:1:4`` (with or without ``--elastic``): Accordion's batch-size
+form (``autopar.runtime.workers``): 1 data rank trains in critical regimes, 4 otherwise;
+the others skip the step (their slice of the batch is not used), so the one-device column,
+which trains on the whole batch, no longer matches. Its regime is saved in the checkpoints
+and resumed with them.
 """
 from __future__ import annotations
 
@@ -187,7 +193,7 @@ def main() -> None:
         x, y = batches[r]
         opt.zero_grad()
         loss = pm.train_step(x, target=y)
-        opt.step()
+        pm.step(opt)          # opt.step(), plus what a pin asks of it (e.g. workers=' rate)
         if rank == 0:
             ref = reference_step(batches)
             print(f"{step:>4}  {loss.item():>12.6f}  {ref.item():>12.6f}", flush=True)
@@ -213,7 +219,7 @@ def train_elastic(args, pm, opt, ds, reference_step) -> None:
     for x, y in DataLoader(ds, batch_sampler=sampler):
         opt.zero_grad()
         loss = pm.train_step(x, target=y)
-        opt.step()
+        pm.step(opt)          # opt.step(), plus what a pin asks of it (e.g. workers=' rate)
         if rank == 0:
             ref = reference_step([ds_batch(ds, sampler.global_indices(step))])
             print(f"{step:>4}  {loss.item():>12.6f}  {ref.item():>12.6f}", flush=True)

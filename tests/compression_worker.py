@@ -31,6 +31,23 @@ tiny MLP, each case checking what can be checked exactly:
   ``x_j - lr g_j`` over ``j`` in ``{r - 1, r, r + 1}`` (decentralized; 4 ranks), and
   ``mean_j(x_j) - lr g_r`` (async: the last step's average folded in).
 
+- ``workers-exact`` (``workers="accordion:2:2"``: W1 == W2 == the data degree): equal to one
+  device on the whole batch (loss, gradients, weights);
+- ``workers-critical`` (``workers="accordion:1:2"``, the first 10 steps critical, so only data
+  rank 0 trains): loss, gradients and weights (momentum SGD through ``pm.step``, the learning
+  rate halved by the linear rule; ``workers_lr="constant"``: not) equal one device over
+  rank 0's half of the batch alone, and rank 1 ran no forward after the first (watched) step
+  (``workers-critical-4``: ``"accordion:2:4"`` on 4 ranks, ranks 0 and 1's rows;
+  ``workers-critical-tp``: ``"accordion:1:2"`` on data 2 x tensor 2, where both tensor ranks
+  of data rank 1 idle together);
+- ``workers-switch``: the reducer on known per-rank gradients, checking every 2 steps: the
+  sum over the data axis divided by the ranks that trained, and the regime from the whole
+  gradient's norm (critical at the start, W2 once it stays, critical again when it triples);
+- ``workers-checkpoint``: the schedule's state (regime, last norm, steps) saved with
+  ``save_checkpoint`` and restored by ``load_checkpoint`` into a fresh module;
+- ``workers-batchnorm``: a BatchNorm model (batch statistics all-gathered over the data axis
+  in forward) is refused on every rank after the first step, naming the op.
+
 Rank 0 writes one JSON result per case.
 """
 from __future__ import annotations
@@ -38,6 +55,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -48,7 +66,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
+from autopar.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from autopar.errors import ArgumentError  # noqa: E402
 from autopar.runtime.averaging import ring_neighbours  # noqa: E402
+from autopar.runtime.workers import ActiveWorkers  # noqa: E402
 from autopar.runtime.compression import (NUQ_SEED, Accordion, Int8, Nuq, dequantize_int8,  # noqa: E402
                                          nuq_dequantize, nuq_levels, nuq_quantize, quantize_int8)
 from autopar.verify import LR, MOMENTUM, Run, compare, parallel_run, reference_run  # noqa: E402
@@ -66,8 +87,9 @@ def example():
 def build(pins: dict):
     model, inputs, target, loss_fn = example()
     n = dist.get_world_size()
-    pm = autopar.parallelize(copy.deepcopy(model), inputs, loss_fn, target=target, data=n, **pins)
-    assert pm.plan.mesh_shape == (n,) and pm._grad_sync.reducer is not None, pm.plan
+    pm = autopar.parallelize(copy.deepcopy(model), inputs, loss_fn, target=target, **{"data": n, **pins})
+    assert pm.plan.mesh_shape in ((n,), (pins.get("data"), pins.get("tensor"))), pm.plan
+    assert pm._grad_sync.reducer is not None, pm.plan
     return model, inputs, target, loss_fn, pm
 
 
@@ -248,7 +270,108 @@ def averaging_math(pins: dict, steps: int) -> dict:
             "full_bytes": grad_bytes(pm), "ring": ring[:1]}
 
 
+def workers_critical(pins: dict, steps: int) -> dict:
+    """``workers="accordion:W1:W2"`` for ``steps`` (< 10) steps, all critical: against one
+    device over data ranks 0 .. W1-1's rows of the batch, the learning rate times W1 / W2
+    under the linear rule; each rank's forward calls per step."""
+    model, inputs, target, loss_fn, pm = build(pins)
+    red = pm._grad_sync.reducer
+    half = inputs[0].shape[0] * red.low // red.size
+    lr = LR * (red.low / red.high if pins.get("workers_lr", "linear") == "linear" else 1.0)
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=lr, momentum=MOMENTUM)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR, momentum=MOMENTUM)
+    calls = [0]
+    run_loss = pm.runner._loss
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return run_loss(*a, **kw)
+    pm.runner._loss = counted
+    loss_err = grad_err = 0.0
+    forwards = []
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref_model(inputs[0][:half]), target[:half])
+        ref_loss.backward()
+        opt.zero_grad()
+        calls[0] = 0
+        loss = pm.train_step(*inputs, target=target)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, calls[0])
+        forwards.append(every)
+        loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+        got = pm.full_grads()
+        for n, p in ref_model.named_parameters():
+            grad_err = max(grad_err, float((got[n] - p.grad).norm() / p.grad.norm()))
+        pm.step(opt)
+        ref_opt.step()
+    state = pm.full_state_dict()
+    weight_err = max(float((state[n] - p.detach()).norm() / (p.detach() - dict(model.named_parameters())[n].detach()).norm())
+                     for n, p in ref_model.named_parameters())
+    return {"loss_err": loss_err, "grad_err": grad_err, "weight_err": weight_err,
+            "forwards": forwards, "counts": red.counts, "lr_after": opt.param_groups[0]["lr"]}
+
+
+def workers_switch() -> dict:
+    """The reducer alone, a check every 2 steps: rank r hands its term of the mean, G / n
+    (zeros when it does not train), for 4 steps, then 3 G / n."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    red = ActiveWorkers(dist.group.WORLD, 0, 1, n, interval=2)
+    g = torch.randn(3000, generator=torch.Generator().manual_seed(7))
+    err = 0.0
+    for step in range(8):
+        want = g * (3.0 if step >= 4 else 1.0)
+        buf = want / n if red.trains else torch.zeros_like(g)
+        red.start(("x",), [buf]).wait()
+        red.end_step()
+        err = max(err, float((buf - want).abs().max() / want.abs().max()))
+    return {"critical": red.history, "counts": red.counts, "mean_err": err,
+            "lr_scale": red.lr_scale}
+
+
+def workers_checkpoint(pins: dict) -> dict:
+    """Train with the parameters fixed (the same gradient each step: the norm stays), a check
+    every 2 steps, until the regime is not critical; save; load into a fresh module."""
+    _, inputs, target, _, pm = build(pins)
+    pm._grad_sync.reducer.detector.interval = 2
+    for _ in range(4):
+        for p in pm.parameters():
+            p.grad = None
+        pm.train_step(*inputs, target=target)
+    saved = pm._grad_sync.reducer.state_dict()
+    where = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    save_checkpoint(os.path.join(where[0], "ck"), pm)
+    _, _, _, _, fresh = build(pins)
+    before = fresh._grad_sync.reducer.workers
+    load_checkpoint(os.path.join(where[0], "ck"), fresh)
+    red = fresh._grad_sync.reducer
+    return {"saved": saved, "loaded": red.state_dict(), "workers_before": before,
+            "workers_after": red.workers}
+
+
+def workers_batchnorm(pins: dict) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
+    x, y = torch.randn(4, 16), torch.randint(0, 4, (4,))
+    pm = autopar.parallelize(model, (x,), F.cross_entropy, target=y, data=dist.get_world_size(), **pins)
+    try:
+        pm.train_step(x, target=y)
+    except ArgumentError as e:
+        return {"refused": str(e)}
+    return {"refused": ""}
+
+
 def run_case(case: dict) -> dict:
+    if case["check"] == "workers_critical":
+        return workers_critical(case["pins"], case["steps"])
+    if case["check"] == "workers_switch":
+        return workers_switch()
+    if case["check"] == "workers_checkpoint":
+        return workers_checkpoint(case["pins"])
+    if case["check"] == "workers_batchnorm":
+        return workers_batchnorm(case["pins"])
     if case["check"] == "nuq_reducer":
         return nuq_reducer(case["levels"])
     if case["check"] == "accordion_switch":

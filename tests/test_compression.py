@@ -1,5 +1,6 @@
 """Lossy data parallelism: ``compress=`` (PowerSGD, top-k, bf16, int8, NUQSGD, Accordion),
-``local_sgd=`` and ``averaging=`` (BAGUA's decentralized and asynchronous model averaging).
+``local_sgd=``, ``averaging=`` (BAGUA's decentralized and asynchronous model averaging) and
+``workers=`` (Accordion's batch-size form: how many data ranks train).
 
 Runtime cases run on 2 gloo ranks in one torchrun launch, and the ring of decentralized
 averaging on 4 in a second (``tests/compression_worker.py``, whose docstring says what each
@@ -43,12 +44,26 @@ CASES = [
     {"id": "async-trains", "check": "trains", "pins": {"averaging": "async"}, "steps": 30},
     {"id": "decentralized-pair", "check": "local_sgd", "pins": {"averaging": "decentralized"},
      "steps": 3},
+    {"id": "workers-exact", "check": "equal", "pins": {"workers": "accordion:2:2"}, "steps": 3},
+    {"id": "workers-critical", "check": "workers_critical", "pins": {"workers": "accordion:1:2"},
+     "steps": 3},
+    {"id": "workers-critical-constant", "check": "workers_critical",
+     "pins": {"workers": "accordion:1:2", "workers_lr": "constant"}, "steps": 3},
+    {"id": "workers-switch", "check": "workers_switch", "pins": {}, "steps": 0},
+    {"id": "workers-checkpoint", "check": "workers_checkpoint", "pins": {"workers": "accordion:1:2"},
+     "steps": 0},
+    {"id": "workers-batchnorm", "check": "workers_batchnorm", "pins": {"workers": "accordion:1:2"},
+     "steps": 0},
 ]
 RING_CASES = [     # 4 ranks: each rank's two ring neighbours differ, and are not everyone
     {"id": "decentralized-math", "check": "averaging_math", "pins": {"averaging": "decentralized"},
      "steps": 4},
     {"id": "decentralized-trains", "check": "trains", "pins": {"averaging": "decentralized"},
      "steps": 30},
+    {"id": "workers-critical-4", "check": "workers_critical", "pins": {"workers": "accordion:2:4"},
+     "steps": 3},
+    {"id": "workers-critical-tp", "check": "workers_critical",
+     "pins": {"workers": "accordion:1:2", "data": 2, "tensor": 2}, "steps": 3},
 ]
 BF16_GRAD_TOL = 2 ** -7          # a gradient's relative error after one bf16 rounding and sum
 
@@ -220,6 +235,75 @@ def test_async_averaging_folds_in_the_last_average(results):
     assert r["wire_bytes"] == [r["full_bytes"]] * 4, r
 
 
+# ---- workers= (Accordion's batch-size form) ----------------------------------------------
+def test_workers_equal_to_the_data_degree_is_plain_data_parallelism(results):
+    r = case_result(results, "workers-exact")
+    assert not r["problems"], r
+    assert r["loss_err"] < LOSS_RTOL and r["grad_err"] < GRAD_RTOL and r["weight_err"] < WEIGHT_RTOL, r
+
+
+@pytest.mark.parametrize("cid,ring,w1,training", [
+    ("workers-critical", False, 1, [1, 0]), ("workers-critical-constant", False, 1, [1, 0]),
+    ("workers-critical-4", True, 2, [1, 1, 0, 0]),
+    ("workers-critical-tp", True, 1, [1, 1, 0, 0])])      # data 2 x tensor 2: ranks 0, 1 are data rank 0
+def test_workers_critical_regime_trains_on_the_first_w1_ranks_only(results, ring_results, cid, ring,
+                                                                    w1, training):
+    """Critical (the start): the gradient is the mean over data ranks 0 .. W1-1's batches,
+    equal to one device over just those rows; the other ranks ran no forward after the
+    first step (which every rank runs, watched)."""
+    r = case_result(ring_results if ring else results, cid)
+    assert r["loss_err"] < LOSS_RTOL and r["grad_err"] < GRAD_RTOL and r["weight_err"] < WEIGHT_RTOL, r
+    assert r["counts"] == [w1] * 3, r
+    assert r["forwards"][0] == [1] * len(training) and r["forwards"][1:] == [training] * 2, r
+    assert r["lr_after"] == pytest.approx(0.05), r          # the optimizer's rate put back
+
+
+def test_workers_regime_switches_with_the_whole_gradient_norm(results):
+    """Checks every 2 steps: no earlier norm (critical, W1), the same norm (W2), tripled
+    (critical again); the averaged gradient is G whichever ranks trained."""
+    r = case_result(results, "workers-switch")
+    assert r["critical"] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0], r
+    assert r["counts"] == [1, 1, 1, 1, 2, 2, 1, 1], r
+    assert r["mean_err"] < 1e-6, r
+    assert r["lr_scale"] == 0.5, r
+
+
+def test_workers_schedule_survives_a_checkpoint(results):
+    r = case_result(results, "workers-checkpoint")
+    assert r["saved"]["detector"]["critical"] == {"model": False}, r
+    assert r["loaded"] == r["saved"], r
+    assert r["workers_before"] == 1 and r["workers_after"] == 2, r
+
+
+def test_workers_refuses_a_step_that_crosses_the_data_axis(results):
+    r = case_result(results, "workers-batchnorm")
+    assert "crosses the data axis (all_gather" in r["refused"] and "drop workers=" in r["refused"], r
+
+
+def test_elastic_caps_workers_at_the_data_degree():
+    from autopar.elastic import elastic_pins
+    from autopar.options import Options
+    with pytest.warns(UserWarning, match="accordion:2:2"):
+        pins, info = elastic_pins(Options.from_pins({"workers": "accordion:2:4", "data": 4}), 2, 8)
+    assert pins.workers == "accordion:2:2" and info.data == 2
+    pins, _ = elastic_pins(Options.from_pins({"workers": "accordion:1:2"}), 4, 8)
+    assert pins.workers == "accordion:1:2" and pins.data == 4
+
+
+def test_workers_priced_as_the_exact_step_with_its_reduction_exposed():
+    """The exact plan's compute (W2 workers, an upper bound), the data axis's all-reduce no
+    longer hidden behind backward, and two gradient-sized buffers."""
+    model, inputs, target = _mlp()
+    kw = dict(target=target, cluster="2x8xA100", data=2, tensor=8)
+    exact = autopar.plan(model, inputs, F.cross_entropy, **kw)
+    got = autopar.plan(model, inputs, F.cross_entropy, **kw, workers="accordion:1:2")
+    assert got.estimate.compute_s == pytest.approx(exact.estimate.compute_s)
+    assert got.estimate.comm["all_reduce@data"] == pytest.approx(exact.estimate.comm["all_reduce@data"])
+    assert "overlapped" not in " ".join(got.estimate.comm), got.estimate.comm
+    assert got.estimate.step_time_s >= exact.estimate.step_time_s
+    assert got.estimate.memory_bytes["workers_buffers"] == pytest.approx(2 * exact.estimate.memory_bytes["grads"])
+
+
 # ---- pins ------------------------------------------------------------------------------
 @pytest.mark.parametrize("pins,words", [
     ({"compress": "powersgd:0"}, "powersgd:R"),
@@ -245,6 +329,18 @@ def test_async_averaging_folds_in_the_last_average(results):
     ({"averaging": "async", "zero": 2}, "drop one of the two pins"),
     ({"averaging": "async", "precision": "fp16"}, "pin precision='bf16'"),
     ({"averaging": "decentralized", "precision": "bf16", "grad_reduce": "bf16"}, "drop grad_reduce="),
+    ({"workers": "accordion:2:1"}, "workers='accordion:1:2'"),
+    ({"workers": "accordion:0:2"}, "'accordion:W1:W2'"),
+    ({"workers": "2:4"}, "'accordion:W1:W2'"),
+    ({"workers": "accordion:1:4", "data": 2}, "pin data= >= 4"),
+    ({"workers_lr": "linear"}, "with workers='accordion:W1:W2' pinned too"),
+    ({"workers": "accordion:1:2", "workers_lr": "sqrt"}, "'linear'"),
+    ({"workers": "accordion:1:2", "compress": "int8"}, "pin one of them"),
+    ({"workers": "accordion:1:2", "averaging": "async"}, "pin one of them"),
+    ({"workers": "accordion:1:2", "staleness": 1}, "pin one of them"),
+    ({"workers": "accordion:1:2", "zero": 2}, "drop one of the two pins"),
+    ({"workers": "accordion:1:2", "pipeline": 2, "micro_batch_size": 2}, "drop one of the two pins"),
+    ({"workers": "accordion:1:2", "precision": "bf16", "grad_reduce": "bf16"}, "drop grad_reduce="),
 ])
 def test_bad_pins_say_the_fix(pins, words):
     model = nn.Linear(4, 2)

@@ -1,5 +1,5 @@
-"""The prices of the update-scheme pins ``staleness=``, ``param_server=`` and ``learners=``
-(issue 31): :func:`reprice_updates` turns the estimate of the exact data-parallel plan the
+"""The prices of the update-scheme pins ``staleness=``, ``param_server=``, ``learners=``
+(issue 31) and ``workers=``: :func:`reprice_updates` turns the estimate of the exact data-parallel plan the
 solver found into the pinned scheme's (as ``solver.accumulate.accumulated_plan`` turns one
 micro-batch's into a step's). The solver never chooses these schemes (only a pin sets one),
 so the layout is the one the exact reduction prices best, and only the data axis's
@@ -19,6 +19,15 @@ gradient reduction, the optimizer state and the extra copies change:
   hidden); m copies of the parameters, gradients and optimizer state, plus the central
   model and its previous value (``central_model``).
 
+- ``workers="accordion:W1:W2"`` (Accordion's batch-size form, ``autopar.runtime.workers``):
+  priced at W2 workers, an upper bound: a rank that trains computes its whole per-rank
+  batch in either regime and the idle ones wait at the collective, so the step time is the
+  exact plan's compute (the worker-steps, not the step, shrink in critical regimes); the
+  data axis's all-reduce is the same bytes but no longer hidden behind backward (idle ranks
+  have no backward to order buckets by: it runs after it, whole), and memory holds two
+  more gradient-sized buffers (the flat sum and the detector's accumulated gradient,
+  ``workers_buffers``). The regime check (one number all-reduced every 10 steps) is left out.
+
 A plan whose memory then exceeds the budget is refused (PinError naming the fix).
 """
 from __future__ import annotations
@@ -36,6 +45,8 @@ def reprice_updates(plan, cluster, budget: float):
     ``plan`` itself when none is pinned or it has no data axis of more than one rank."""
     o = plan.options
     s, k, m = o.staleness or 0, o.param_server, o.learners
+    if o.workers is not None:
+        return _reprice_workers(plan, budget)
     if not (s or k or m):
         return plan
     axes, shape = tuple(plan.mesh_axes), tuple(plan.mesh_shape)
@@ -82,4 +93,21 @@ def reprice_updates(plan, cluster, budget: float):
         raise PinError(f"{what}: {est.memory_total / 2**30:.2f} GiB a device, over the budget of "
                        f"{budget / 2**30:.2f} GiB; pin fewer (or drop the pin), or a larger "
                        "memory_budget=")
+    return replace(plan, estimate=est)
+
+
+def _reprice_workers(plan, budget: float):
+    """``workers=``' price (module docstring): the exact plan's compute, its data-axis
+    all-reduce exposed, two more gradient-sized buffers."""
+    e = plan.estimate
+    mem, comm = dict(e.memory_bytes), dict(e.comm)
+    if "all_reduce@data" in comm:
+        comm.pop(OVERLAPPED, None)        # after backward, not beside it
+    mem["workers_buffers"] = 2 * mem.get("grads", 0.0)
+    comm_s = sum(comm.values())
+    est = replace(e, step_time_s=e.compute_s + comm_s, comm_s=comm_s, memory_bytes=mem, comm=comm)
+    if est.memory_total > budget:
+        raise PinError(f"workers={plan.options.workers!r} keeps two more gradient-sized buffers: "
+                       f"{est.memory_total / 2**30:.2f} GiB a device, over the budget of "
+                       f"{budget / 2**30:.2f} GiB; drop workers=, or pin a larger memory_budget=")
     return replace(plan, estimate=est)

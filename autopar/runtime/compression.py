@@ -32,8 +32,10 @@ the bucket's gradients, as the exact all-reduce would.
   critical regime, and the bucket uses the less compressed setting (R2 / F2) until the next
   check, else the more compressed one (R1 / F1). Training starts critical. The two settings
   share one error-feedback residual. The norms are averaged over the data ranks (one
-  float a bucket an interval) so every rank switches alike. Written here: no maintained
-  library offers Accordion (the authors' code is a research script).
+  float a bucket an interval) so every rank switches alike (the detector is
+  ``autopar.runtime.regime``'s, shared with ``workers=``, Accordion's batch-size form).
+  Written here: no maintained library offers Accordion (the authors' code is a research
+  script).
 - ``local_sgd=H``: no gradient reduction after the warm-up (``local_sgd_warmup`` steps of
   exact all-reduce, default ``LOCAL_SGD_WARMUP``); each rank steps on its own gradient (its
   term of the global loss times the data size: its local batch's mean), and
@@ -66,6 +68,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from autopar.errors import ArgumentError
 from autopar.ops.comm import Comm
 from autopar.options import Options
+from autopar.runtime.regime import ACCORDION_ETA, ACCORDION_INTERVAL, RegimeDetector
 
 POWERSGD_START = 2
 LOCAL_SGD_WARMUP = 100
@@ -74,10 +77,6 @@ INT8_CHUNK = 512
 NUQ_CHUNK = 512
 """Values per NUQSGD norm (the paper's bucket size d; QSGD's 512)."""
 NUQ_SEED = 1234
-ACCORDION_INTERVAL = 10
-"""Steps between Accordion's checks of the gradient norm (the paper checks once an epoch)."""
-ACCORDION_ETA = 0.5
-"""Accordion's threshold on the relative change of the gradient norm (the paper's eta)."""
 
 
 def data_group(comm: Comm, axis: int):
@@ -384,48 +383,42 @@ class Accordion(Reducer):
             self.dense.state.error_dict = self.sparse.state.error_dict
         else:
             self.dense.errors = self.sparse.errors
-        self.interval, self.eta = interval, eta
-        self.critical: dict[int, bool] = {}       # by bucket; absent: critical (the start)
-        self._acc: dict[int, torch.Tensor] = {}   # the bucket's summed gradient this interval
-        self._norm: dict[int, float] = {}         # the last interval's norm of it
-        self.steps = 0
+        self.detector = RegimeDetector(interval, eta)      # a regime per bucket index
         self.history: list[float] = []            # per step: the share of buckets critical
 
+    @property
+    def critical(self) -> dict[int, bool]:
+        """Each bucket's regime (absent: critical, the start)."""
+        return self.detector.critical
+
     def reduce(self, index, flat, shapes):
-        inner = self.dense if self.critical.get(index, True) else self.sparse
+        inner = self.dense if self.detector.is_critical(index) else self.sparse
         value = inner.reduce(index, flat, shapes)
         self._step_bytes += inner._step_bytes
         inner._step_bytes = 0
 
         def total():
             got = resolve(value)
-            acc = self._acc.get(index)
-            self._acc[index] = got.detach().clone() if acc is None else acc.add_(got)
+            self.detector.add(index, got)
             return got
         return total
 
     def end_step(self) -> None:
-        self.history.append(sum(self.critical.get(i, True) for i in self._index.values())
+        self.history.append(sum(self.detector.is_critical(i) for i in self._index.values())
                             / max(1, len(self._index)))
         self.sparse.end_step()
         self.dense.end_step()
-        self.steps += 1
-        if self.steps % self.interval == 0 and self._acc:
+        if self.detector.end_step():
             self._detect()
         super().end_step()
 
     def _detect(self) -> None:
         """Each bucket critical when its accumulated gradient's norm changed by ``eta`` or
         more since the last check (the ranks' norms averaged: all decide alike)."""
-        idx = sorted(self._acc)
-        norms = torch.stack([torch.linalg.vector_norm(self._acc[i].float()) for i in idx])
+        idx, norms = self.detector.local_norms()
         dist.all_reduce(norms, group=self.group)
         self._step_bytes += norms.numel() * norms.element_size()
-        for i, n in zip(idx, (norms / self.size).tolist()):
-            old = self._norm.get(i)
-            self.critical[i] = old is None or abs(old - n) >= self.eta * max(old, 1e-30)
-            self._norm[i] = n
-        self._acc.clear()
+        self.detector.judge(dict(zip(idx, (norms / self.size).tolist())))
 
     def local_error(self, names: tuple[str, ...]) -> torch.Tensor | None:
         self.sparse._index = self.dense._index = self._index

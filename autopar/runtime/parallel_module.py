@@ -30,7 +30,7 @@ from autopar.analysis.stages import assign_stages
 from autopar.capture import Captured
 from autopar.errors import ArgumentError
 from autopar.ops.collectives import regathered_weights
-from autopar.ops.comm import Comm, StepSettings, use_comm
+from autopar.ops.comm import Comm, StepSettings, current_comm, use_comm
 from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.branch_parallel import keep_branches
 from autopar.passes.check_grad_sync import check_grad_sync
@@ -50,6 +50,7 @@ from autopar.runtime.branch_stage import BranchRanks
 from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.updates import make_update_reducer
+from autopar.runtime.workers import ActiveWorkers, scaled_lr
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
 from autopar.runtime.plan_check import check_plan_fits
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
@@ -77,6 +78,8 @@ class OneStage:
 
     pp_rank = 0
     device, dtype, loss_scale = None, None, None    # mixed precision (set by ParallelModule)
+    _workers_pin = None          # workers= (set by ParallelModule), for its errors
+    _idle_loss = None            # workers=: the zero loss term of a rank that skips a step
 
     def __init__(self, cap: Captured, programs: dict[str, GraphModule], loss_fn: Callable | None,
                  shards: Shards, n_microbatches: int = 1, branches: BranchRanks | None = None,
@@ -100,6 +103,32 @@ class OneStage:
         return {attr: [0] for attr in self._shards.placements}
 
     def train(self, inputs: tuple, target, sync: GradSync, params, owners) -> torch.Tensor:
+        workers = sync.reducer if isinstance(sync.reducer, ActiveWorkers) else None
+        if workers is None:
+            return self._train(inputs, target, sync)
+        # workers= (runtime.workers): only the step's data ranks train; the first step runs
+        # every rank (the idle ones' results dropped), watching for collectives on the data
+        # axis inside forward and backward, which a rank that skips could not join
+        if "train" not in self.programs:
+            raise ArgumentError("workers= needs the loss in the graph: pass loss_fn and target= "
+                                "(ranks that skip a step add a zero term to the loss's sum)")
+        if not workers.watched:
+            with use_comm(workers.watch(current_comm())):
+                total = self._train(inputs, target, sync, drop=not workers.trains, every_grad=True)
+            self._idle_loss = torch.zeros_like(total)
+            workers.check_watch(self._workers_pin)
+        elif workers.trains:
+            total = self._train(inputs, target, sync, every_grad=True)
+        else:
+            total = self._idle(sync)
+        return total * workers.loss_scale      # the mean over the batches that trained
+
+    def _train(self, inputs: tuple, target, sync: GradSync, drop: bool = False,
+               every_grad: bool = False) -> torch.Tensor:
+        """Forward and backward of every micro-batch, the step's gradient sync, the loss's
+        sum. ``drop``: this rank's loss term and gradients count as zeros; ``every_grad``:
+        every synced parameter gets a gradient (zeros where backward made none), so the
+        step reduces the same gradients on every rank (``workers=``)."""
         k = self.n_microbatches
         total, summing = None, None
         try:
@@ -108,6 +137,8 @@ class OneStage:
                     sync.begin()        # the step's reductions run in the last backward
                 loss = self._loss(mb_inputs, mb_target, scales)
                 total = loss.detach().clone() if total is None else total + loss.detach()
+                if drop:
+                    total = torch.zeros_like(total)
                 if i == k - 1 and self.loss_sync:    # the loss's sum over ranks, beside backward
                     summing = sync.comm.all_reduce_coalesced([total], self.loss_sync[0])
                 (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
@@ -115,6 +146,23 @@ class OneStage:
             sync.abort()
             raise
         with torch.no_grad():
+            if every_grad:
+                _every_grad(sync, zero=drop)
+            sync.finish()
+            if summing is not None:
+                summing.wait()
+                for a in self.loss_sync[1:]:
+                    total = sync.comm.all_reduce(total, a)
+        return total
+
+    def _idle(self, sync: GradSync) -> torch.Tensor:
+        """A data rank outside ``workers=``' set this step: no forward or backward; a zero
+        term in the loss's sum and a zero gradient in the data axis's."""
+        sync.begin()
+        total = self._idle_loss.clone()
+        summing = sync.comm.all_reduce_coalesced([total], self.loss_sync[0]) if self.loss_sync else None
+        with torch.no_grad():
+            _every_grad(sync, zero=True)
             sync.finish()
             if summing is not None:
                 summing.wait()
@@ -250,6 +298,7 @@ class ParallelModule(nn.Module):
                                        or make_reducer(plan.options, self._stage_comm, data_axis))
         self.scaler = self._mixed_precision(plan, pipelined)
         if not pipelined:
+            self.runner._workers_pin = plan.options.workers
             self._grad_sync.launch_on_accumulate()
         self._out_spec = cap.model_output_spec
         if weights is not None:
@@ -287,7 +336,9 @@ class ParallelModule(nn.Module):
         on any rank, adjust the scale). Returns whether the optimizer stepped. Under
         ``local_sgd=H``, averages the parameters over the data axis every ``H`` steps; under
         ``staleness=s`` skips the first s steps (no gradient yet); under ``param_server=``
-        steps the parameters this rank serves and pulls the rest from their servers."""
+        steps the parameters this rank serves and pulls the rest from their servers; under
+        ``workers=`` (``workers_lr="linear"``) steps with the learning rate times the workers
+        that trained over W2."""
         if self._offload is not None:      # offload="disk": steps by buckets, streamed from disk
             optimizer = self._offload.stepping(optimizer)
 
@@ -297,10 +348,12 @@ class ParallelModule(nn.Module):
                 return True
             return self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
         reducer = getattr(self._grad_sync, "reducer", None)
-        if hasattr(reducer, "optimizer_step"):    # staleness= / param_server= (runtime/stale.py)
-            stepped = reducer.optimizer_step(optimizer_step, self.module.parameters())
-        else:
-            stepped = optimizer_step()
+        # workers=: the learning rate scaled with the workers that trained (runtime.workers)
+        with scaled_lr(optimizer, getattr(reducer, "lr_scale", None)):
+            if hasattr(reducer, "optimizer_step"):    # staleness= / param_server= (runtime/stale.py)
+                stepped = reducer.optimizer_step(optimizer_step, self.module.parameters())
+            else:
+                stepped = optimizer_step()
         if isinstance(getattr(self._grad_sync, "reducer", None), (LocalSGD, ModelAveraging)):
             self._grad_sync.reducer.average(self.module.parameters())   # local_sgd=, averaging=
         self._gather_params()
@@ -512,6 +565,16 @@ class ParallelModule(nn.Module):
         (``autopar.runtime.timing``). Collective: rank 0 gets the report (print it), the
         others None. Parameters and gradients are left as they were."""
         return timing_report(self, tuple(inputs), target, steps, warmup, optimizer)
+
+
+def _every_grad(sync: GradSync, zero: bool) -> None:
+    """Every parameter ``sync`` reduces gets a gradient: zeros where it has none (and, with
+    ``zero``, everywhere)."""
+    for p in sync.params.values():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif zero:
+            p.grad.zero_()
 
 
 @contextlib.contextmanager

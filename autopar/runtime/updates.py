@@ -1,5 +1,5 @@
-"""The reducer of the update-scheme pins ``staleness=``, ``param_server=``, ``learners=``
-and ``averaging=`` (issue 31), in place of ``compression.make_reducer``'s:
+"""The reducer of the update-scheme pins ``staleness=``, ``param_server=``, ``learners=``,
+``averaging=`` (issue 31) and ``workers=``, in place of ``compression.make_reducer``'s:
 :func:`make_update_reducer`."""
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ from autopar.runtime.compression import data_group
 from autopar.runtime.crossbow import LocalGrads
 from autopar.runtime.param_server import ParamServer
 from autopar.runtime.stale import Stale
+from autopar.runtime.workers import make_workers
 
 
 def make_update_reducer(options: Options, comm: Comm, axis: int | None, params: dict):
     """``autopar.runtime.stale.Stale`` (``staleness=``), ``param_server.ParamServer``
     (``param_server=``, with ``staleness=`` if pinned) or ``crossbow.LocalGrads``
-    (``learners=``), or ``averaging.make_averaging``'s (``averaging=``, BAGUA) on the data
-    axis ``axis``; None when none is pinned."""
+    (``learners=``), ``averaging.make_averaging``'s (``averaging=``, BAGUA) or
+    ``workers.ActiveWorkers`` (``workers=``, Accordion's batch-size form) on the data axis
+    ``axis``; None when none is pinned."""
+    if options.workers is not None:
+        return make_workers(options, comm, axis)
     if options.averaging is not None:
         if axis is None or comm.size(axis) == 1:
             return None
