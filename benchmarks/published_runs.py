@@ -193,7 +193,7 @@ CBC needed more than the default 30 on these):
   of 80). Before K/V were gathered ahead of
   their grouped-query copies (``autopar/capture/grouped_kv.py``) it was 140 (-63%).
 - 21, 22 NeMo's Llama 2 7B at 128K (tensor 4 x context 4 x data 8) and 256K (tensor 4 x
-  context 8 x data 8): 408 against 555 (-26.5%) and 403 against 549 (-26.7%). The runs
+  context 8 x data 8): 455 against 555 (-18.0%) and 467 against 549 (-15.0%) (-26.5% and -26.7% before the ring's backward overlapped its dK/dV transfers). The runs
   trained in FP8, which autopar does not price (bf16 here), and the page gives no batch
   (one sequence per data-parallel group, assumed).
 
@@ -215,15 +215,18 @@ CBC needed more than the default 30 on these):
   rows' difference (4.5 s, attention's doubling) predicts about 9. What torch's CP spends
   beyond that at 4 ranks is not priced and not identified here (its SDPA is run per K/V
   chunk and the chunks' outputs merged by log-sum-exp in fp32, ``_cp_options.
-  convert_to_f32``; not measured). Not as run, here: autopar's ZeRO shards over the data
-  axis only where torchtitan's FSDP shards over data and context ranks together
-  (``dp_shard_cp``): the CP 2 / CP 4 plans hold 2x / 4x the state torchtitan held (the 8B
-  CP 4 plan 96.2 GiB of 96; state moves a fraction of a second a step, gathers included).
-  The CP 8 rows (FSDP 1, 262,144 tokens: 548 and 16) are not added for that reason: with
-  one data rank the 8B plan holds the whole optimizer state and the solver moves it to the
-  host (``offload='optimizer'``; 833 tokens/s, +52.0%, not as run).
+  convert_to_f32``; not measured). Rerun the same day (session 20) after two changes:
+  ring attention's backward overlap (rows 21/22, ring: -26.5/-26.7% -> -18.0/-15.0%) and
+  ZeRO-3 over the context axis too (torchtitan's FSDP over data and context ranks,
+  ``dp_shard_cp``; it had held 2x / 4x the state on the CP 2 / CP 4 plans): 24 +6.1%, 25
+  +48.5%, the others unchanged. With it Table 2's CP 8 row is added:
+- 29 Llama 3.1 8B on 8 H100, FSDP 1 x CP 8, 262,144 tokens: 894.5 against 548 (+63.2%;
+  step 36.6 s predicted, 59.8 s published): the trend of rows 23-25, the published step
+  growing faster than attention's work. Table 6's CP 8 row (405B, 16) is not added: under
+  PP torchtitan's FSDP does not reshard after forward (ZeRO-2 here, which shards over the
+  data axis only; with one data rank the state would be whole).
 
-``python benchmarks/published_runs.py --rows 23,24,25,26,27,28`` (37-71 s wall, 2026-11-28).
+``python benchmarks/published_runs.py --rows 23,24,25,26,27,28,29`` (37-71 s wall, 2026-11-28).
 
 Last run (2026-11-23 17:20, session 13, PYTHONHASHSEED=0, 27 s wall), pred / publ error:
 0 +9.5%, 1 +6.9%, 2 -1.7%, 3 -1.1%, 4 -5.7%, 5 +5.4%, 6 +2.1%, 7 +1.8%, 8 +2.9%, 9 -4.0%,
@@ -457,7 +460,7 @@ NEMO_LONG = "NeMo performance_long_sequence.md, LLAMA2-7B FP8 (DGX-H100)"
 # shards them, over the step and ``cp * tp * pp``: global tokens / step / GPUs):
 # Table 2, "FSDP + CP + torch.compile + Float8. Llama 3.1 8B model. 8 GPUs. Local batch size
 # 1. Full activation checkpointing": FSDP 4, CP 2, 65536: 2,540; FSDP 2, CP 4, 131072: 1,071
-# and FSDP 8, CP 1, 32768: 3,890 (FSDP 1, CP 8, 262144: 548 not added: docstring).
+# and FSDP 8, CP 1, 32768: 3,890; FSDP 1, CP 8, 262144: 548 (row 29).
 # Table 6, "4D parallelism (FSDP + TP + PP + CP) + torch.compile + Float8 + AsyncTP + 1F1B.
 # Llama 3.1 405B model. 512 GPUs (TP 8, PP8). Local batch size 8. Full activation
 # checkpointing": FSDP 4, CP 2, 65536: 47; FSDP 2, CP 4, 131072: 31; FSDP 8, CP 1, 32768: 76
@@ -465,7 +468,7 @@ NEMO_LONG = "NeMo performance_long_sequence.md, LLAMA2-7B FP8 (DGX-H100)"
 # (global = local x FSDP degree); K/V all-gathered
 # (``--experimental.context_parallel_rotate_method`` defaults to "allgather"), torch's CP load-balanced head-tail (``_cp_options.
 # enable_load_balance = True``, the layout autopar plans); FSDP2 over the data and context
-# ranks together (``dp_shard_cp``: autopar's ZeRO shards over the data axis only), reducing
+# ranks together (``dp_shard_cp``: ZeRO-3 here, which shards over data and context), reducing
 # in fp32; under PP not resharding after forward (``apply_fsdp``: ``reshard_after_forward =
 # False``: ZeRO-2 here, as rows 15-16); PP's micro-batches the default, its degree (8, one
 # sequence each: the table states none, the default assumed); AdamW foreach. Not priced:
@@ -576,6 +579,11 @@ RUNS: list[Run] = [
     Run("Llama3 405B 128k", TT_CP + " Table 6 (512 H100, FSDP 2 CP 4)", "llama", 126, 16384,
         128, 128256, 131072, 16, 512, "h100", 8, 8, micro=1, recompute=True, kv_heads=8,
         ffn=53248, zero=2, published_tps=31, held=True, torchtitan=True, context=4,
+        pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
+    # Table 2's CP 8 row: FSDP over the 8 context ranks alone (ZeRO-3 over the context axis)
+    Run("Llama3 8B 256k", TT_CP + " Table 2 (8 H100, FSDP 1 CP 8)", "llama", 32, 4096, 32,
+        128256, 262144, 1, 8, "h100", 1, 1, micro=1, recompute=True, kv_heads=8, ffn=14336,
+        zero=3, published_tps=548, held=True, torchtitan=True, context=8,
         pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
 ]
 

@@ -82,7 +82,8 @@ def test_torchtitan_context_parallel_rows_as_published():
             if r.source.startswith("torchtitan performance.md (d4c86e3)")}
     published = {("Llama3 8B 32k", 1): 3890, ("Llama3 8B 64k", 2): 2540,
                  ("Llama3 8B 128k", 4): 1071, ("Llama3 405B 32k", 1): 76,
-                 ("Llama3 405B 64k", 2): 47, ("Llama3 405B 128k", 4): 31}
+                 ("Llama3 405B 64k", 2): 47, ("Llama3 405B 128k", 4): 31,
+                 ("Llama3 8B 256k", 8): 548}
     assert {k: r.published_tps for k, r in rows.items()} == published
     for (name, cp), r in rows.items():
         pins = pins_of(r)
