@@ -187,8 +187,9 @@ balanced order, ``autopar/capture/sequence_layout.py``; each row's ILP limited t
 CBC needed more than the default 30 on these):
 
 - 20 Llama 3 405B's long-context stage (tensor 8 x context 16 x pipeline 16 x data 8 on
-  16,384 H100, 131,072 tokens, K/V all-gathered): predicted 231 against 380 (-39.2%),
-  17.9 s a step (an earlier planning of the row, 17.6 s, printed a 31% bubble: 16
+  16,384 H100, 131,072 tokens, K/V all-gathered): predicted 235 against 380 (-38.2%;
+  session 20, after ZeRO-3's regathers were priced on every axis; 231, -39.2%, before),
+  17.6 s a step (17.9 s before) (an earlier planning of the row, 17.6 s, printed a 31% bubble: 16
   micro-batches over 16 stages, interleaved; and activations filling the device, 78.7 GiB
   of 80). Before K/V were gathered ahead of
   their grouped-query copies (``autopar/capture/grouped_kv.py``) it was 140 (-63%).
@@ -653,10 +654,14 @@ def run_cluster(run: Run):
     """The run's cluster: DGX nodes of its GPU, or the publication's own variant of them
     (the GPU's memory and bandwidth, ``extra``; the network's line rate, ``nic_gbps``, at
     the same NCCL efficiency as InfiniBand's, ``gpus._IB_EFF``)."""
-    if not run.extra and not run.nic_gbps:
+    if not run.extra and not run.nic_gbps and run.context == 1:
         return f"{run.gpus // 8}xdgx-{run.device}"
     node = NODES[f"dgx-{run.device}"]
-    dev = replace(node.device, name=node.device.name + "-variant", **run.extra)
+    # a published run's context-parallel attention ran its own code and kernels
+    # (TransformerEngine's cuDNN one under NeMo, SDPA's under torchtitan), not autopar's
+    # pairs and merges: priced at the run's attention efficiency (None: ``attention_efficiency``)
+    extra = {"context_attention_efficiency": None, **run.extra}
+    dev = replace(node.device, name=node.device.name + "-variant", **extra)
     inter = node.inter
     if run.nic_gbps:
         inter = replace(inter, bandwidth=run.nic_gbps * Gbit * _IB_EFF)

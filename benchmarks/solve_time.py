@@ -20,10 +20,13 @@ on the meta device planned for a 2x4 mesh of A100s, and two large models planned
 - ``hf-llama3-8b-262k``: transformers' ``LlamaForCausalLM`` at Llama 3 8B's shape, one
   sequence of 262,144 tokens, on 32 H100s (4 DGX nodes), bf16 pinned, everything else free
   (goal: 30 s; issue 29): the free search's context stage against the unpipelined plan.
-  Measured 2026-11-28 (session 20, quiet machine, ``PYTHONHASHSEED=0``): 24.7 s wall (18.2
-  s of CPU here, 23.9 s in the worker), context 4 x tensor 8, 4.36552 s, digest
-  48b2b106315a, against 7.76607 s without a context axis. It took 31.9 s while the ZeRO
-  stages were solved again on the context stage's meshes, which have no data axis.
+  Measured 2026-11-28 (session 20, ``PYTHONHASHSEED=0``): 24.7 s wall on a quiet machine
+  (context 4 x tensor 8, 4.36552 s, against 7.76607 s without a context axis); then, with
+  context-parallel attention priced at the rate its pairs were measured at on an H200
+  (``Device.context_attention_efficiency``), 28.6 s (load 2.8; 28.5 s of CPU here, 27.7 s
+  in the worker), context 4 x tensor 8, 7.01885 s, digest 19f4245a52d4, against 8.34835 s
+  without a context axis. It took 31.9 s while the ZeRO stages were solved again on the
+  context stage's meshes, which have no data axis.
 
 Measured 2026-11-27 (session 17, ``PYTHONHASHSEED=0``, beside a test run):
 ``deepseek-v3-pinned`` 12.2 s (capture 9.6 s: its three dense layers and 58 MoE layers are

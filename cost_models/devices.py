@@ -45,6 +45,10 @@ class Device:
     attention_efficiency: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) fraction of the 16-bit peak a fused (flash) attention kernel
     reaches; (0, 0) = priced as any matmul-like op at ``max_efficiency``."""
+    context_attention_efficiency: tuple[float, float] | None = None
+    """(forward, backward) fraction of the 16-bit peak context-parallel attention reaches:
+    its piece pairs, each a fused kernel call, and their merges by log-sum-exp
+    (``autopar.ops.context_attention``), as measured; None: ``attention_efficiency``."""
     attention_half_seq: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) query length S0 at which fused attention reaches half of
     ``attention_efficiency``: at query length S it runs at ``efficiency * S / (S + S0)``

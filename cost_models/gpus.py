@@ -51,6 +51,15 @@ _H100_SMS = 132
 #         held before, from Dao 2023, Sec. 4.1: "up to 335 TFLOPs/s"). Fitted (least squares
 #         in relative error over 2k-16k, 32-64 heads of 128) as e * S / (S + S0):
 #         forward e 0.68, S0 1,050; backward e 0.59, S0 1,550 (within 7% of each point).
+# Context-parallel attention on Hopper (``Device.context_attention_efficiency``): its piece
+#   pairs through cuDNN's fused kernel with the merges, causal, bf16, grouped-query 32/8 heads
+#   of 128, one H200, torch 2.11 (benchmarks/gpu_context_block.py, 2026-11-28:
+#   benchmarks/results/gpu_context_block_cudnn_session20.json): 191 / 241 TFLOP/s forward /
+#   backward at 8k tokens, 296 / 354 at 16k, of the 989.5 peak; the 16k figures (a ring's
+#   blocks are longer still at the lengths it is used for). Through the flash kernel they
+#   were 150 / 171 and 221 / 229 (..._fused_session20.json), as plain matmuls 12 / 19
+#   (..._matmul_session20.json).
+_HOPPER_CONTEXT = (0.30, 0.36)
 _A100_ATTENTION = (0.62, 0.54)
 _H100_ATTENTION = (0.68, 0.59)
 _H100_ATTENTION_HALF_SEQ = (1050.0, 1550.0)
@@ -76,7 +85,7 @@ H100_80GB = Device(
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
-    attention_half_seq=_H100_ATTENTION_HALF_SEQ,
+    attention_half_seq=_H100_ATTENTION_HALF_SEQ, context_attention_efficiency=_HOPPER_CONTEXT,
 )
 
 H200 = Device(
@@ -88,7 +97,7 @@ H200 = Device(
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
-    attention_half_seq=_H100_ATTENTION_HALF_SEQ,
+    attention_half_seq=_H100_ATTENTION_HALF_SEQ, context_attention_efficiency=_HOPPER_CONTEXT,
 )
 
 # H800 SXM, the export variant of H100 SXM: the same Hopper die, Tensor Core peaks and HBM3
@@ -103,7 +112,7 @@ H800 = Device(
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
-    attention_half_seq=_H100_ATTENTION_HALF_SEQ,
+    attention_half_seq=_H100_ATTENTION_HALF_SEQ, context_attention_efficiency=_HOPPER_CONTEXT,
 )
 
 DEVICES: dict[str, Device] = {"a100": A100_80GB, "h100": H100_80GB, "h200": H200, "h800": H800}

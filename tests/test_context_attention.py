@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autopar.device import HOST
 from autopar.ops.comm import ThreadWorld
 from autopar.ops.context_attention import (FORMS, LAYOUTS, balanced_positions, balanced_shard,
                                            balanced_unshard, causal_work, context_attention,
@@ -62,6 +63,27 @@ def test_equals_one_device(c, form, causal, layout):
     got = _on_ranks(c, q, k, v, do, layout, form=form, causal=causal, enable_gqa=True)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("c", [1, 2, 4])
+def test_fused_pairs_equal_one_device(monkeypatch, c, form, layout):
+    """The piece pairs run by torch's fused flash kernels (the path a GPU takes in 16-bit,
+    ``FUSED_DEVICES``), here the CPU's own, forward and backward with the whole row's
+    log-sum-exp: the causal diagonal blocks with ``is_causal``, the rest unmasked."""
+    import autopar.ops.context_attention as ca
+    monkeypatch.setattr(ca, "FUSED_DEVICES", (*ca.FUSED_DEVICES, HOST))
+    calls = []
+    for name in ("_flash_fwd", "_flash_bwd"):
+        real = getattr(ca, name)
+        monkeypatch.setattr(ca, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    q, k, v, do = _inputs(8 * c)
+    want = _reference(q, k, v, do, is_causal=True, enable_gqa=True)
+    got = _on_ranks(c, q, k, v, do, layout, form=form, causal=True, enable_gqa=True)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert "_flash_fwd" in calls and "_flash_bwd" in calls
 
 
 @pytest.mark.parametrize("form", FORMS)

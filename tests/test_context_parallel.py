@@ -173,8 +173,12 @@ def test_context_attention_prices_its_imbalance_and_its_forms():
     from autopar.cost_models import compute as compute_model
     from autopar.sharding.registry import TensorMeta
     q4 = TensorMeta((1, 32, 131072 // 4, 128), long.inputs[0].dtype)   # a rank's query rows
+    # at the efficiency measured for the pairs and their merges (below SDPA's own)
+    import dataclasses
+    assert cl.device.context_attention_efficiency[0] < cl.device.attention_efficiency[0]
+    flash = dataclasses.replace(cl.device, attention_efficiency=cl.device.context_attention_efficiency)
     local = sum(compute_model.node_time(long.op, [q4, *long.inputs[1:]], [q4], long.args,
-                                        long.kwargs, cl.device, "bf16"))
+                                        long.kwargs, flash, "bf16"))
     from autopar.cost_models import comm as comm_model
     kv_fp32 = 2 * long.inputs[1].numel // 4 * 4          # a rank's K and V block in float32
     # compute-bound: each dK/dV send beside the next block's K/V is hidden behind that block's

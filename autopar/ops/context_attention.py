@@ -46,10 +46,12 @@ ring sends to coordinate ``r+1`` and receives from ``r-1``.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterator, Sequence
 
 import torch
 
+from autopar.device import CPU, CUDA
 from autopar.ops.comm import current_comm
 
 FORMS = ("ring", "all-gather")
@@ -164,16 +166,115 @@ def _scores(q, k, scale, mask):
     return s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
 
 
-def _attend(q5, k, v, q_pieces, kv_pieces, causal, scale, out, lse, mask5=None) -> None:
+FUSED_DEVICES = (CUDA,)
+"""Device types whose piece pairs run torch's fused attention kernels (forward and
+backward, each taking the whole row's log-sum-exp: :func:`_flash_fwd`, :func:`_flash_bwd`;
+on CUDA cuDNN's, else the flash kernel: :data:`CUDA_KERNELS`) in 16-bit without an explicit
+mask; elsewhere the pairs are plain matmuls. On one H200, bf16, causal, 16k tokens, against
+SDPA's own call (``benchmarks/gpu_context_block.py``, 2026-11-28): plain matmuls 52x its
+forward and 27x its backward, the flash kernel 3.0x / 2.1x, cuDNN's 2.2x / 1.4x (the rest:
+the merges and copies). ``"cpu"`` can be added (``_scaled_dot_product_flash_attention_for_cpu``,
+fp32 too): the tests do, to check the fused path's piece logic where no GPU is."""
+
+
+def _fused(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether ``q``'s pairs run the fused kernels (:data:`FUSED_DEVICES`)."""
+    if mask is not None or q.device.type not in FUSED_DEVICES or q.shape[-1] > 256:
+        return False
+    return q.dtype in (torch.float16, torch.bfloat16) or q.device.type == CPU
+
+
+CUDA_KERNELS = ["cudnn", "flash"]
+"""The fused kernels a CUDA device's pairs try, in order: cuDNN's (torch's default SDPA
+backend on Hopper, about twice the flash kernel's rate there: ``cost_models/gpus.py``),
+then the flash kernel. A kernel that raises is dropped for the rest of the process, with a
+warning (cuDNN's needs a recent cuDNN and takes some shapes only)."""
+
+
+def _flash_fwd(q, k, v, causal: bool, scale: float):
+    """(out, log-sum-exp [B, H, L] float32) of one piece pair, fused; q, k, v [B, H, *, D]."""
+    if q.device.type == CPU:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+        return out, lse.float()
+    while CUDA_KERNELS[0] == "cudnn":
+        try:
+            got = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, False,
+                scale=scale)
+            return got[0], got[1].reshape(q.shape[:3]).float()
+        except RuntimeError as e:
+            _drop_cudnn(e)
+    got = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return got[0], got[1][..., :q.shape[2]].float()
+
+
+def _drop_cudnn(e: BaseException) -> None:
+    if CUDA_KERNELS[0] == "cudnn":
+        CUDA_KERNELS.pop(0)
+        warnings.warn(f"context-parallel attention: cuDNN's fused kernel failed ({str(e).splitlines()[0][:200]}); "
+                      "using the flash kernel from now on", stacklevel=3)
+
+
+def _flash_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one piece pair, its probabilities recomputed from ``lse`` (the whole
+    row's) and its ``out`` the whole row's too: the fused backward of a block of keys."""
+    if q.device.type == CPU:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, scale=scale)
+    while CUDA_KERNELS[0] == "cudnn":
+        try:
+            seed = torch.empty((), dtype=torch.int64, device=q.device)
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+                lse.reshape(*lse.shape, 1).contiguous(), seed, seed, None, None, None,
+                q.shape[2], k.shape[2], 0.0, causal, scale=scale)[:3]
+        except RuntimeError as e:
+            _drop_cudnn(e)
+    # dense batches: no cumulative sequence lengths (None: undefined, as the forward returns
+    # them); no dropout: the RNG state is not read
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, seed,
+        scale=scale)[:3]
+
+
+def _aligned_causal(mask: torch.Tensor | None) -> bool:
+    """A pair's mask is None (every key visible) or the square diagonal block of a causal
+    mask (what a fused kernel's ``is_causal`` means)."""
+    if mask is None:
+        return True
+    n = mask.shape[-1]
+    return mask.dim() == 2 and mask.shape[0] == n and bool(
+        torch.equal(mask, torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()))
+
+
+def _heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    """K or V [B, Hkv, S, D] as the query heads read them [B, Hkv * group, S, D]."""
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _attend(q5, k, v, q_pieces, kv_pieces, causal, scale, out, lse, mask5=None, q=None) -> None:
     """Merge the local queries' attention to one K/V block into ``out`` / ``lse`` in place.
     ``q5``, ``out``: [B, Hkv, group, L, D]; ``lse``: [B, Hkv, group, L]; ``k``, ``v``:
-    [B, Hkv, Lk, D]."""
+    [B, Hkv, Lk, D]. ``q``: the queries [B, H, L, D] in their own dtype where the pairs may
+    run fused (:func:`_fused`)."""
     k5, v5 = k.to(q5.dtype).unsqueeze(2), v.to(q5.dtype).unsqueeze(2)
+    hkv, group = q5.shape[1], q5.shape[2]
+    kx = vx = None
     for rows, keys, mask in _pairs(q_pieces, kv_pieces, causal, q5.device, mask5):
-        s = _scores(q5[..., rows, :], k5[..., keys, :], scale, mask)
-        blse = s.logsumexp(-1)
-        # a row with no visible key here (lse -inf) contributes nothing
-        bout = torch.exp(s - blse.clamp(min=torch.finfo(s.dtype).min)[..., None]) @ v5[..., keys, :]
+        if q is not None and _aligned_causal(mask):
+            if kx is None:
+                kx, vx = _heads(k.to(q.dtype), group), _heads(v.to(q.dtype), group)
+            bout, blse = _flash_fwd(q[..., rows, :], kx[..., keys, :], vx[..., keys, :],
+                                    mask is not None, scale)
+            bout = bout.to(q5.dtype).unflatten(1, (hkv, group))
+            blse = blse.to(q5.dtype).unflatten(1, (hkv, group))
+        else:
+            s = _scores(q5[..., rows, :], k5[..., keys, :], scale, mask)
+            blse = s.logsumexp(-1)
+            # a row with no visible key here (lse -inf) contributes nothing
+            bout = torch.exp(s - blse.clamp(min=torch.finfo(s.dtype).min)[..., None]) @ v5[..., keys, :]
         o, m = out[..., rows, :], lse[..., rows]
         new = torch.logaddexp(m, blse)
         keep = torch.exp(m - new).nan_to_num(0.0)       # -inf - -inf: a row with nothing yet
@@ -182,12 +283,26 @@ def _attend(q5, k, v, q_pieces, kv_pieces, causal, scale, out, lse, mask5=None) 
 
 
 def _attend_grad(q5, k, v, do5, lse, delta, q_pieces, kv_pieces, causal, scale, dq, dk, dv,
-                 mask5=None) -> None:
+                 mask5=None, fused=None) -> None:
     """Add one K/V block's share of the gradients into ``dq`` (as ``q5``) and ``dk``, ``dv``
     (as ``k``), the probabilities recomputed from the whole row's ``lse``; ``delta`` is
-    rowsum(dO * O)."""
+    rowsum(dO * O). ``fused``: (q, dout, out [B, H, L, D] in q's dtype, lse [B, H, L]
+    float32) where the pairs may run fused (:func:`_fused`)."""
     k5, v5 = k.to(q5.dtype).unsqueeze(2), v.to(q5.dtype).unsqueeze(2)
+    hkv, group = q5.shape[1], q5.shape[2]
+    kx = vx = None
     for rows, keys, mask in _pairs(q_pieces, kv_pieces, causal, q5.device, mask5):
+        if fused is not None and _aligned_causal(mask):
+            q, dout, out, lse4 = fused
+            if kx is None:
+                kx, vx = _heads(k.to(q.dtype), group), _heads(v.to(q.dtype), group)
+            dqb, dkb, dvb = _flash_bwd(dout[..., rows, :], q[..., rows, :], kx[..., keys, :],
+                                       vx[..., keys, :], out[..., rows, :],
+                                       lse4[..., rows].contiguous(), mask is not None, scale)
+            dq[..., rows, :] += dqb.to(dq.dtype).unflatten(1, (hkv, group))
+            dk[..., keys, :] += dkb.to(dk.dtype).unflatten(1, (hkv, group)).sum(2)
+            dv[..., keys, :] += dvb.to(dv.dtype).unflatten(1, (hkv, group)).sum(2)
+            continue
         qb, kb, vb, dob = q5[..., rows, :], k5[..., keys, :], v5[..., keys, :], do5[..., rows, :]
         p = torch.exp(_scores(qb, kb, scale, mask) - lse[..., rows, None]).nan_to_num(0.0)
         dv[..., keys, :] += (p.transpose(-1, -2) @ dob).sum(2)
@@ -217,17 +332,18 @@ class _ContextAttention(torch.autograd.Function):
         out = torch.zeros_like(q5)
         lse = torch.full(q5.shape[:-1], -math.inf, dtype=q5.dtype, device=q5.device)
         mine = shard_pieces(seq, i, c, layout)
+        fq = q.contiguous() if _fused(q, mask) else None
         if form == "all-gather":
             every = [p for r in range(c) for p in shard_pieces(seq, r, c, layout)]
             _attend(q5, comm.all_gather(k, axis, 2), comm.all_gather(v, axis, 2),
-                    mine, every, causal, scale, out, lse, mask5)
+                    mine, every, causal, scale, out, lse, mask5, fq)
         else:
             kv = torch.stack([k, v])
             for step in range(c):
                 # the next block is on its way while this one is computed
                 nxt = comm.shift_start(kv, axis) if step < c - 1 else None
                 _attend(q5, kv[0], kv[1], mine, shard_pieces(seq, (i - step) % c, c, layout),
-                        causal, scale, out, lse, mask5)
+                        causal, scale, out, lse, mask5, fq)
                 kv = nxt.wait() if nxt is not None else None
         return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
@@ -256,12 +372,15 @@ class _ContextAttention(torch.autograd.Function):
         delta = (do5 * out.to(acc).unflatten(1, (hkv, -1))).sum(-1)
         dq = torch.zeros_like(q5)
         mine = shard_pieces(seq, i, c, ctx.layout)
+        fused = ((q.contiguous(), dout.to(q.dtype).contiguous(), out.contiguous(), lse.float().contiguous())
+                 if _fused(q, mask) else None)
         if ctx.form == "all-gather":
             every = [p for r in range(c) for p in shard_pieces(seq, r, c, ctx.layout)]
             kk, vv = comm.all_gather(k, axis, 2), comm.all_gather(v, axis, 2)
             dk = torch.zeros(kk.shape, dtype=acc, device=kk.device)
             dv = torch.zeros_like(dk)
-            _attend_grad(q5, kk, vv, do5, lse5, delta, mine, every, causal, scale, dq, dk, dv, mask5)
+            _attend_grad(q5, kk, vv, do5, lse5, delta, mine, every, causal, scale, dq, dk, dv, mask5,
+                         fused)
             dk, dv = comm.reduce_scatter(dk, axis, 2), comm.reduce_scatter(dv, axis, 2)
         else:
             kv = torch.stack([k, v])
@@ -271,7 +390,7 @@ class _ContextAttention(torch.autograd.Function):
                 part = torch.zeros(kv.shape, dtype=acc, device=kv.device)   # this rank's share
                 _attend_grad(q5, kv[0], kv[1], do5, lse5, delta, mine,
                              shard_pieces(seq, (i - step) % c, c, ctx.layout),
-                             causal, scale, dq, part[0], part[1], mask5)
+                             causal, scale, dq, part[0], part[1], mask5, fused)
                 dkv = part if travelling is None else travelling.wait() + part
                 # on with the block while the next one is computed; after the last step, home
                 # to its owner (tagged apart from the K/V block in flight beside it)

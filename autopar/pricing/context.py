@@ -3,8 +3,10 @@ sequence split on a mesh axis: ``autopar.sharding.rules.attention``, run by
 ``autopar.ops.context_attention``) under one option.
 
 Work. Each of the axis's ``c`` ranks holds ``L/c`` query rows and attends to every key:
-the roofline of the local call with the keys whole (``cost_models.compute``, at the device's
-attention efficiency for the whole sequence's length). Under ``is_causal`` the runtime skips
+the roofline of the local call with the keys whole (``cost_models.compute``, at the
+efficiency its piece pairs and their merges were measured at where the device has one,
+``Device.context_attention_efficiency``, else its fused attention's, for the whole
+sequence's length). Under ``is_causal`` the runtime skips
 the blocks wholly above the diagonal. Under a ``context=`` pin the graph runs the sequence
 in the balanced order (``autopar.capture.sequence_layout``: rank ``r`` holds chunks ``r`` and
 ``2c-1-r``), and every rank does the mean work. Otherwise (a free plan's generic axis) the
@@ -33,6 +35,8 @@ collectives. The form the plan runs is the one pinned, else the faster one summe
 the graph's context-parallel attentions (:func:`best_form`).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -70,6 +74,8 @@ def context_attention_time(call, combo, mesh_shape, axis: int, device, dtype_key
     k_local = ins[1]
     whole_kv = [TensorMeta(m.shape[:-2] + (m.shape[-2] * c,) + m.shape[-1:], m.dtype) for m in ins[1:3]]
     key = None if native else dtype_key
+    if device.context_attention_efficiency is not None:      # the pairs and their merges, measured
+        device = dataclasses.replace(device, attention_efficiency=device.context_attention_efficiency)
     f, b = compute_model.node_time(call.op, [ins[0], *whole_kv, *ins[3:]], outs, call.args,
                                    call.kwargs, device, key, native=native)
     if bool(call.arg(5, "is_causal", False)) and not balanced:
