@@ -165,3 +165,16 @@ def test_without_a_gpu_it_refuses(tmp_path):
     assert proc.returncode != 0
     assert "no CUDA GPU present" in proc.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_context_block_benchmark_runs_dry(tmp_path):
+    """``benchmarks/gpu_context_block.py --dry``: its CPU path at a tiny shape (fp32), the
+    numbers of context attention at one rank against SDPA's (the GPU run's check)."""
+    out = tmp_path / "block.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_context_block.py"), "--dry",
+                           "--repeats", "1", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["err_out"] < 1e-5 and max(r["err_grads"]) < 1e-5 for r in rows), rows
