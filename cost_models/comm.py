@@ -218,8 +218,9 @@ def averaging_time(kind: str, nbytes: float, group_size: int, link: Link, period
     data ranks, averaged every ``period`` steps, as the bandwidth term of a bucketed
     gradient (the bucket pays the latency): ``"decentralized"`` sends it to each ring
     neighbour (1 with 2 ranks, else 2; point-to-point, both at once on a full-duplex link
-    still 2 sends of the rank's bytes); ``"async"`` all-reduces it (in the background: the
-    overlap rule hides it behind backward as it does a gradient's)."""
+    still 2 sends of the rank's bytes; exposed: the runtime sends after the optimizer step);
+    ``"async"`` all-reduces it (in the background: the overlap rule hides it behind backward
+    as it does a gradient's)."""
     n = int(group_size)
     if n <= 1 or nbytes <= 0:
         return 0.0

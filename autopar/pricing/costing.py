@@ -484,7 +484,10 @@ class CostModel:
                 # what may hide behind compute (cost_models/step.py's overlap rule): the
                 # gradient reductions GradSync launches as buckets fill during backward,
                 # ZeRO-1/2's reduce-scatter, ZeRO-3's per-block gathers and reduce-scatters
-                overlap = ((bucketed and backward and step.kind == "grad_all_reduce")
+                # (not decentralized averaging's exchange: the runtime runs it after the
+                # optimizer step, ``runtime.averaging.Decentralized``, where nothing hides it)
+                overlap = ((bucketed and backward and step.kind == "grad_all_reduce"
+                            and not (self.averaging == "decentralized" and step.axis == self.data_axis))
                            or (per_step and backward)
                            or (bucketed and self.zero >= 3))
                 out.append(Collective(kind, step.axis, backward, t,
