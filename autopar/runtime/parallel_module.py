@@ -148,12 +148,7 @@ class OneStage:
         with torch.no_grad():
             if every_grad:
                 _every_grad(sync, zero=drop)
-            sync.finish()
-            if summing is not None:
-                summing.wait()
-                for a in self.loss_sync[1:]:
-                    total = sync.comm.all_reduce(total, a)
-        return total
+            return self._finish(sync, summing, total)
 
     def _idle(self, sync: GradSync) -> torch.Tensor:
         """A data rank outside ``workers=``' set this step: no forward or backward; a zero
@@ -163,11 +158,17 @@ class OneStage:
         summing = sync.comm.all_reduce_coalesced([total], self.loss_sync[0]) if self.loss_sync else None
         with torch.no_grad():
             _every_grad(sync, zero=True)
-            sync.finish()
-            if summing is not None:
-                summing.wait()
-                for a in self.loss_sync[1:]:
-                    total = sync.comm.all_reduce(total, a)
+            return self._finish(sync, summing, total)
+
+    def _finish(self, sync: GradSync, summing, total: torch.Tensor) -> torch.Tensor:
+        """End a step's gradient sums (``sync``), and the loss's over the ranks (``summing``:
+        its sum over the first axis of ``loss_sync``, started beside backward; the rest
+        here)."""
+        sync.finish()
+        if summing is not None:
+            summing.wait()
+            for a in self.loss_sync[1:]:
+                total = sync.comm.all_reduce(total, a)
         return total
 
     def _loss(self, inputs: tuple, target, scales: tuple) -> torch.Tensor:
