@@ -58,6 +58,10 @@ FORMS = ("ring", "all-gather")
 LAYOUTS = ("balanced", "contiguous")
 
 Piece = tuple[int, int]      # (first position, length): a range of positions a rank holds
+CAUSAL = "causal"
+"""A pair's mask when it is the square diagonal block of a causal mask (query and key
+pieces the same positions): each query sees the keys up to its own. Built as a tensor only
+where the pair runs as matmuls (:func:`_scores`); a fused kernel takes it as ``is_causal``."""
 
 
 # --- layouts ---------------------------------------------------------------------------
@@ -115,9 +119,10 @@ def causal_work(seq_len: int, rank: int, c: int, layout: str = "balanced") -> in
 
 def _pairs(q_pieces: Sequence[Piece], kv_pieces: Sequence[Piece], causal: bool,
            device: torch.device, mask5: torch.Tensor | None = None
-           ) -> Iterator[tuple[slice, slice, torch.Tensor | None]]:
+           ) -> Iterator[tuple[slice, slice, torch.Tensor | str | None]]:
     """(query rows, key rows, mask or None) of the local tensors for every pair of pieces
-    with something to compute; consecutive unmasked key pieces of one query piece merged.
+    with something to compute; consecutive unmasked key pieces of one query piece merged; a
+    square causal diagonal block's mask is :data:`CAUSAL`.
     ``mask5``: an explicit mask's rows for the local queries, every key position as a column
     (bool, True where a query may attend; or additive float), [B|1, Hkv|1, group|1, L, S]."""
     q0 = 0
@@ -149,7 +154,9 @@ def _pairs(q_pieces: Sequence[Piece], kv_pieces: Sequence[Piece], causal: bool,
                 if run:
                     yield rows, run, None
                     run = None
-                if ka <= qa + qn - 1:                   # some visible: the diagonal
+                if ka == qa and kn == qn:               # the square diagonal block
+                    yield rows, slice(k0, k0 + kn), CAUSAL
+                elif ka <= qa + qn - 1:                 # some visible: the diagonal
                     qpos = torch.arange(qa, qa + qn, device=device)
                     kpos = torch.arange(ka, ka + kn, device=device)
                     yield rows, slice(k0, k0 + kn), kpos[None, :] <= qpos[:, None]
@@ -163,6 +170,9 @@ def _scores(q, k, scale, mask):
     s = (q @ k.transpose(-1, -2)) * scale
     if mask is None:
         return s
+    if mask is CAUSAL:
+        n = s.shape[-1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
     return s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
 
 
@@ -239,14 +249,10 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
         scale=scale)[:3]
 
 
-def _aligned_causal(mask: torch.Tensor | None) -> bool:
-    """A pair's mask is None (every key visible) or the square diagonal block of a causal
-    mask (what a fused kernel's ``is_causal`` means)."""
-    if mask is None:
-        return True
-    n = mask.shape[-1]
-    return mask.dim() == 2 and mask.shape[0] == n and bool(
-        torch.equal(mask, torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()))
+def _aligned_causal(mask) -> bool:
+    """A pair's mask is None (every key visible) or :data:`CAUSAL` (what a fused kernel's
+    ``is_causal`` means); a tensor mask runs as matmuls."""
+    return mask is None or mask is CAUSAL
 
 
 def _heads(t: torch.Tensor, group: int) -> torch.Tensor:

@@ -134,19 +134,18 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
         stages = _zero_stages(world, pins, mesh_shape, cl, binds)
     else:
         stages = ()
-    if stages:
-        for stage in stages:
-            if verbose:
-                print(f"trying zero={stage} on the data axis")
-            try:
-                got, _ = _search(cap, replace(ask, pins=pins.replace(zero=stage), explain=False),
-                                 phases, tag=f" zero={stage}")
-            except PinError:         # e.g. a batch the data axis cannot split, or a lossy pin
-                break
-            if got is None and stage == stages[0]:
-                break
-            if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
-                best = got
+    for stage in stages:
+        if verbose:
+            print(f"trying zero={stage} on the data axis")
+        try:
+            got, _ = _search(cap, replace(ask, pins=pins.replace(zero=stage), explain=False),
+                             phases, tag=f" zero={stage}")
+        except PinError:         # e.g. a batch the data axis cannot split, or a lossy pin
+            break
+        if got is None and stage == stages[0]:
+            break
+        if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
+            best = got
     if best is None:
         def explained() -> InfeasibleError:
             errs = [_explained(e) for e in errors]
