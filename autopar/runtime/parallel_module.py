@@ -44,6 +44,7 @@ from autopar.plan import Plan
 from autopar.runtime.compiled import (
     CompiledProgram, cache_counts, check_compilable, compile_report,
 )
+from autopar.runtime.backward_loop import BackwardLoop, refusal
 from autopar.runtime.compression import LocalSGD, make_reducer
 from autopar.runtime.averaging import ModelAveraging
 from autopar.runtime.branch_stage import BranchRanks
@@ -298,6 +299,10 @@ class ParallelModule(nn.Module):
                                        reducer=make_update_reducer(plan.options, self._stage_comm, data_axis, working)
                                        or make_reducer(plan.options, self._stage_comm, data_axis))
         self.scaler = self._mixed_precision(plan, pipelined)
+        # loss_fn(pm(x), y).backward(): the ordinary loop (autopar.runtime.backward_loop)
+        self._loop = BackwardLoop(self._grad_sync, self._zero, lambda: self._offload, refusal(
+            plan.options, pipelined, plan.accumulate, bool(plan.branches), compute_dtype(plan.options),
+            batch == "per_rank" and self.rank_data.world > 1))
         if not pipelined:
             self.runner._workers_pin = plan.options.workers
             self._grad_sync.launch_on_accumulate()
@@ -419,9 +424,20 @@ class ParallelModule(nn.Module):
         inputs = self._check_inputs(inputs, None, "forward")
         inputs, _ = self.rank_data.global_batch(inputs, None)
         self._gather_params()
-        with use_comm(self._stage_comm):
+        grad = torch.is_grad_enabled()
+        if grad:
+            self._loop.arm()        # a backward may follow: its gradient sync listens
+        with use_comm(self._stage_comm), self._saved_tensor_policy():
             flat = self.runner.forward(inputs)
+        if grad:
+            flat = self._loop.attach(flat)
         return pytree.tree_unflatten(flat, self._out_spec)
+
+    def no_sync(self):
+        """``with pm.no_sync():`` the backward passes of forwards run inside keep their
+        gradients local, adding up in ``.grad``; the first backward after it sums them over
+        the data-parallel ranks once (DDP's ``no_sync``)."""
+        return self._loop.no_sync()
 
     def train_step(self, *inputs, target=None) -> torch.Tensor:
         """Forward and backward on the global batch; returns the global mean loss. Gradients
@@ -434,6 +450,7 @@ class ParallelModule(nn.Module):
         inputs, target = self.rank_data.global_batch(inputs, target)
         params = self._local_params()
         self._gather_params()
+        self._loop.disarm()       # a forward's armed sync, never followed by its backward
         if self._zero is not None:
             self._zero.drop_working_grads()
         first_compiled = self.plan.options.compile and self._compile_report is None
