@@ -21,6 +21,7 @@ wrote.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -101,6 +102,34 @@ def parallel_run(pm, inputs, target, steps: int = STEPS, optimizer: str = "sgd")
         grads.append(pm.full_grads())
         if opt is not None:
             opt.step()
+    return Run(losses, grads, pm.full_state_dict())
+
+
+def backward_run(pm, inputs, target, loss_fn, steps: int = STEPS, optimizer: str = "sgd",
+                 micro_batches: int = 1) -> Run:
+    """The same through the loop people already have: ``loss_fn(pm(x), y).backward()``,
+    ``opt.step()``. With ``micro_batches`` = k > 1 the plan is one micro-batch's (``pm`` was
+    planned for ``1/k`` of ``inputs``): each step accumulates k backward passes, all but
+    the last under ``pm.no_sync()``, each loss divided by k (:func:`reference_run`'s model
+    of accumulation, on one device over the whole batch)."""
+    params = list(pm.parameters())
+    opt = _optimizer(params, optimizer)
+    xs = [x.tensor_split(micro_batches) for x in inputs]
+    ys = target.tensor_split(micro_batches) if target is not None else [None] * micro_batches
+    losses, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for k in range(micro_batches):
+            with pm.no_sync() if k < micro_batches - 1 else contextlib.nullcontext():
+                out = pm(*(x[k] for x in xs))
+                loss = loss_fn(out, ys[k]) if loss_fn is not None else out
+                loss = loss / micro_batches if micro_batches > 1 else loss
+                loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grads.append(pm.full_grads())
+        opt.step()
     return Run(losses, grads, pm.full_state_dict())
 
 

@@ -420,7 +420,10 @@ class ParallelModule(nn.Module):
     # ---- running ------------------------------------------------------------------------
     def forward(self, *inputs):
         """The model's outputs (whole, on every rank) for the global batch ``inputs`` (this
-        data rank's slice of it under ``batch="per_rank"``)."""
+        data rank's slice of it under ``batch="per_rank"``). Differentiable: a loss on them
+        trains the plan through ``loss.backward()`` (``autopar.runtime.backward_loop``:
+        the data-parallel gradient sums run in buckets as backward makes them; plans that
+        cannot run that loop raise at backward, naming ``train_step``)."""
         inputs = self._check_inputs(inputs, None, "forward")
         inputs, _ = self.rank_data.global_batch(inputs, None)
         self._gather_params()
