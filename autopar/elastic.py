@@ -8,7 +8,8 @@ nothing had happened:
 
 1. :func:`elastic_pins` (``autopar.parallelize(..., elastic=True)``): the pins describe the
    job at the size it was written for; in the world it has now, the ``data`` axis takes the
-   ranks the other mesh pins (``tensor``, ``pipeline``, ``expert``, ``branch``) leave, and
+   ranks the other mesh pins (``tensor``, ``context``, ``expert``, ``pipeline``, ``branch``:
+   ``autopar.options.MESH_AXIS_PINS``) leave, and
    gradient accumulation grows so that each rank's micro-batch is no larger than under the
    pins, while the global batch (the example inputs' rows) stays what it was. Under
    ``workers="accordion:W1:W2"`` (``autopar.runtime.workers``) W1 and W2 are capped at this
@@ -36,11 +37,11 @@ from torch.utils.data import Sampler
 
 from autopar.checkpoint import latest_checkpoint, load_checkpoint
 from autopar.errors import ArgumentError
-from autopar.options import Options
+from autopar.options import MESH_AXIS_PINS, Options
 
 __all__ = ["ElasticInfo", "GlobalBatchSampler", "elastic_pins", "global_batch_rows", "resume"]
 
-MODEL_AXES = ("tensor", "pipeline", "expert", "branch")
+MODEL_AXES = tuple(a for a in MESH_AXIS_PINS if a != "data")
 """The mesh pins an elastic job keeps as they are; ``data`` takes the rest of the world."""
 
 

@@ -40,6 +40,10 @@ NUQ_MAX_LEVELS = 127
 """``nuq:S``: a coordinate's code (sign and level index, ``2S + 1`` values) fits one byte."""
 AVERAGING = ("decentralized", "async")
 WORKERS_LR = ("linear", "constant")
+MESH_AXIS_PINS = ("data", "context", "expert", "tensor", "pipeline", "branch")
+"""Every option that is the degree of a mesh axis, under the axis's name (``Plan.mesh_axes``
+uses the same names). A new axis is added here, so that what reads every mesh pin
+(``autopar.elastic``'s re-plan for a new world size) sees it."""
 WORKERS_HELP = ("'accordion:W1:W2': W1 data-parallel workers train in critical regimes, W2 (W1 <= "
                 "W2 <= the data degree) otherwise, e.g. workers='accordion:2:8'")
 

@@ -62,8 +62,8 @@ TORCH_FX_PRIVATE = {
 }
 """The private torch.fx state stamping reads and writes, in one place. Checked on the
 torch versions of CHECKED_TORCH (``tests/test_capture_stamp.py`` compares every stamped
-capture with the whole export, node by node; run on each of them, see the README's "Torch
-versions"); a torch that changes it makes stamping fail, which ``export_stamped`` reports
+capture with the whole export, node by node; run on each of them: docs/versions.md);
+a torch that changes it makes stamping fail, which ``export_stamped`` reports
 at warning level before exporting the model whole."""
 CHECKED_TORCH = ("2.11", "2.13", "2.15")
 
