@@ -4,7 +4,9 @@ on real gloo ranks (``tests/backward_loop_worker.py``): the loss of 3 AdamW step
 gradient, the weights after them. Data, ZeRO 1-3, tensor, 2-D meshes, the free plans of 2
 and 4 ranks, accumulation under ``pm.no_sync()``, real transformers models (the ones the
 issue found training wrong: Llama under data=2, BERT under ZeRO-3, Qwen2 free, GPT-2 under
-tensor=2, and a model returning its own loss). Plans that cannot run the loop raise an
+tensor=2, and a model returning its own loss), an expert axis (Mixtral), a context axis
+(Llama: ``pm(x)`` returns the sequence in order, not in the balanced layout the ranks run),
+and ZeRO-Offload. Plans that cannot run the loop raise an
 ``ArgumentError`` at backward that names ``train_step``; so does a second backward through
 a step whose gradients were already summed.
 
@@ -35,6 +37,9 @@ CASES = {
         {"id": "gpt2-tensor2", "model": "gpt2", "pins": {"tensor": 2}, "optimizer": "sgd"},
         {"id": "gpt2-own-loss-data2", "model": "gpt2-own-loss", "pins": {"data": 2},
          "optimizer": "sgd"},
+        {"id": "mixtral-expert2", "model": "mixtral", "pins": {"expert": 2}},
+        {"id": "llama-context2", "model": "llama-sdpa", "pins": {"context": 2}},
+        {"id": "gpt-offload", "model": "gpt", "pins": {"data": 2, "offload": "optimizer"}},
         {"id": "gpt-pipeline2", "model": "gpt", "pins": {"pipeline": 2, "micro_batch_size": 4},
          "refused": "train_step"},
         {"id": "gpt-accumulate2", "model": "gpt", "pins": {"data": 2, "accumulate": 2},
@@ -75,7 +80,7 @@ def test_backward_loop(launch, nproc, case_id):
         print(f"{case_id}: {r['error'][:160]}")
         return
     pins = case["pins"]
-    if pins.get("zero") == 3 or pins.get("tensor"):    # the mode happened: weights split
+    if pins.get("zero") == 3 or pins.get("tensor") or pins.get("expert"):   # weights split
         assert r["local_param_bytes"] < r["model_param_bytes"], r
     if pins.get("data"):
         assert r["mesh"][r["axes"].index("data")] == pins["data"], r

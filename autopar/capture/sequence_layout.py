@@ -276,6 +276,9 @@ def _restore_outputs(graph, out, cap, stream, seq, inv) -> None:
         return made[a.name]
 
     out.args = torch.utils._pytree.tree_map(fix, out.args)
+    # the forward program returns the nodes ``cap.output`` names: the restored ones (they
+    # named the balanced-order nodes, so pm(x) returned its sequence shuffled)
+    cap.output = [made[n].name if n in made else n for n in cap.output]
 
 
 __all__ = ["balance_sequence", "balanced_order", "current_layout", "sequence_layout"]
