@@ -106,12 +106,16 @@ def parallel_run(pm, inputs, target, steps: int = STEPS, optimizer: str = "sgd")
 
 
 def backward_run(pm, inputs, target, loss_fn, steps: int = STEPS, optimizer: str = "sgd",
-                 micro_batches: int = 1) -> Run:
+                 micro_batches: int = 1, in_graph: bool = False, rank_slice=None) -> Run:
     """The same through the loop people already have: ``loss_fn(pm(x), y).backward()``,
-    ``opt.step()``. With ``micro_batches`` = k > 1 the plan is one micro-batch's (``pm`` was
+    ``opt.step()`` (``in_graph``: ``pm(x, target=y).backward()``, the loss the plan
+    computes). With ``micro_batches`` = k > 1 the plan is one micro-batch's (``pm`` was
     planned for ``1/k`` of ``inputs``): each step accumulates k backward passes, all but
     the last under ``pm.no_sync()``, each loss divided by k (:func:`reference_run`'s model
-    of accumulation, on one device over the whole batch)."""
+    of accumulation, on one device over the whole batch). ``rank_slice(t)``: what this rank
+    passes of a batch tensor (``batch="per_rank"``)."""
+    if rank_slice is not None:
+        inputs, target = tuple(rank_slice(x) for x in inputs), rank_slice(target)
     params = list(pm.parameters())
     opt = _optimizer(params, optimizer)
     xs = [x.tensor_split(micro_batches) for x in inputs]
@@ -122,15 +126,29 @@ def backward_run(pm, inputs, target, loss_fn, steps: int = STEPS, optimizer: str
         total = 0.0
         for k in range(micro_batches):
             with pm.no_sync() if k < micro_batches - 1 else contextlib.nullcontext():
-                out = pm(*(x[k] for x in xs))
-                loss = loss_fn(out, ys[k]) if loss_fn is not None else out
+                if in_graph:
+                    loss = pm(*(x[k] for x in xs), target=ys[k])
+                else:
+                    out = pm(*(x[k] for x in xs))
+                    loss = loss_fn(out, ys[k]) if loss_fn is not None else out
                 loss = loss / micro_batches if micro_batches > 1 else loss
                 loss.backward()
             total += loss.item()
+        if rank_slice is not None and not in_graph:     # each rank's loss is its slice's
+            total = _mean_over_ranks(total)
         losses.append(total)
         grads.append(pm.full_grads())
         opt.step()
     return Run(losses, grads, pm.full_state_dict())
+
+
+def _mean_over_ranks(x: float) -> float:
+    """The mean of ``x`` over every rank of the default group (the global batch's mean loss
+    from the ranks' means over equal slices)."""
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
 
 
 @dataclass

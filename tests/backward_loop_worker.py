@@ -6,7 +6,8 @@ gradient by name, the weights after the steps (``tests/equivalence.py``).
 A case names a model (the examples' GPT, or a transformers architecture of
 ``examples/zoo.py``), the pins (none: the free plan) and ``k``: with k > 1 the plan is made
 for a k-th of the batch and each step accumulates k backward passes, all but the last
-under ``pm.no_sync()``. A case with ``refused`` expects the backward to raise an
+under ``pm.no_sync()``; ``in_graph``: the loss is ``pm(x, target=y)``, the plan's own;
+``per_rank``: ``batch="per_rank"``, each rank passing its slice. A case with ``refused`` expects the backward to raise an
 ``ArgumentError`` whose message holds that text, on every rank, and no rank to hang.
 """
 from __future__ import annotations
@@ -46,11 +47,15 @@ def run_case(case: dict) -> dict:
     k = case.get("k", 1)
     first = tuple(x.tensor_split(k)[0] for x in inputs)      # the plan's (micro-)batch
     first_t = target.tensor_split(k)[0] if target is not None else None
-    pm = autopar.parallelize(model, first, loss_fn, target=first_t, **case["pins"])
+    per_rank = case.get("per_rank", False)
+    pm = autopar.parallelize(model, first, loss_fn, target=first_t, **case["pins"],
+                             **({"batch": "per_rank"} if per_rank else {}))
+    # batch="per_rank": each data rank passes its slice of the global batch
+    mine = (lambda t: t.tensor_split(pm.data_world)[pm.data_rank]) if per_rank else None
     info = {"mesh": list(pm.plan.mesh_shape), "axes": list(pm.plan.mesh_axes)}
     if "refused" in case:
         try:
-            backward_run(pm, first, first_t, loss_fn, steps=1)
+            backward_run(pm, first, first_t, loss_fn, steps=1, rank_slice=mine)
         except autopar.ArgumentError as e:
             assert case["refused"] in str(e), f"the error does not say {case['refused']!r}: {e}"
             return {**info, "error": str(e)}
@@ -59,7 +64,8 @@ def run_case(case: dict) -> dict:
         return {**info, "error": _backward_twice(pm, first, first_t, loss_fn)}
     opt = case.get("optimizer", "adamw")
     ref = reference_run(model, inputs, target, loss_fn, optimizer=opt)
-    got = backward_run(pm, inputs, target, loss_fn, optimizer=opt, micro_batches=k)
+    got = backward_run(pm, inputs, target, loss_fn, optimizer=opt, micro_batches=k,
+                       in_graph=case.get("in_graph", False), rank_slice=mine)
     info["worst"] = compare(ref, got, f"{case['id']} rank {dist.get_rank()}")
     info["local_param_bytes"] = sum(p.numel() * p.element_size() for p in pm.parameters())
     info["model_param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -8,7 +8,9 @@ tensor=2, and a model returning its own loss), an expert axis (Mixtral), a conte
 (Llama: ``pm(x)`` returns the sequence in order, not in the balanced layout the ranks run),
 and ZeRO-Offload. Plans that cannot run the loop raise an
 ``ArgumentError`` at backward that names ``train_step``; so does a second backward through
-a step whose gradients were already summed.
+a step whose gradients were already summed. ``pm(x, target=y)`` (the plan's own loss,
+differentiable) trains the same; under ``batch="per_rank"`` so does ``loss_fn(pm(x_local),
+y_local)``, DDP's form (this rank's rows of the outputs, gradients averaged).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_backward_loop.py
 """
@@ -40,6 +42,10 @@ CASES = {
         {"id": "mixtral-expert2", "model": "mixtral", "pins": {"expert": 2}},
         {"id": "llama-context2", "model": "llama-sdpa", "pins": {"context": 2}},
         {"id": "gpt-offload", "model": "gpt", "pins": {"data": 2, "offload": "optimizer"}},
+        {"id": "gpt-zero2-in-graph", "model": "gpt", "pins": {"data": 2, "zero": 2}, "in_graph": True},
+        {"id": "gpt-per-rank-in-graph", "model": "gpt", "pins": {"data": 2}, "in_graph": True,
+         "per_rank": True},
+        {"id": "gpt-per-rank-outputs", "model": "gpt", "pins": {"data": 2}, "per_rank": True},
         {"id": "gpt-pipeline2", "model": "gpt", "pins": {"pipeline": 2, "micro_batch_size": 4},
          "refused": "train_step"},
         {"id": "gpt-accumulate2", "model": "gpt", "pins": {"data": 2, "accumulate": 2},
@@ -51,6 +57,8 @@ CASES = {
         {"id": "gpt-zero3-tensor2", "model": "gpt", "pins": {"data": 2, "tensor": 2, "zero": 3}},
         {"id": "gpt-free4", "model": "gpt", "pins": {}},
         {"id": "llama-free4", "model": "llama", "pins": {}},
+        {"id": "gpt-tensor2-in-graph", "model": "gpt", "pins": {"data": 2, "tensor": 2},
+         "in_graph": True, "per_rank": True},
     ],
 }
 IDS = [(n, c["id"]) for n, cases in CASES.items() for c in cases]

@@ -19,6 +19,14 @@ program leaves to the step is the sum of data-parallel gradients over the ranks
   every bucket, give ZeRO-1/2's optimizer shards their blocks, copy offloaded gradients
   down (:meth:`BackwardLoop._end`).
 
+``pm(x, target=y)`` (the loss in the plan's graph) returns the global batch's loss,
+differentiable: each rank's term of it summed over the ranks by an all-reduce whose backward
+hands every rank its own term's gradient. Under ``batch="per_rank"`` (each data rank passes
+its slice) ``pm(x)`` returns this rank's rows of the outputs, as DDP does, and backward
+averages the gradients over the data ranks (``RankData.local_rows``): a loss that is a mean
+over equal slices then trains as on one device; ``pm(x, target=y)`` is the global batch's
+loss there too.
+
 Accumulating with ``no_sync``: the gradients of the backward passes under it stay local and
 add up in ``.grad``; the first backward outside it sums the accumulated gradients once, as
 DDP does. The loss a user writes on the whole outputs is the global batch's loss, so the
@@ -28,7 +36,7 @@ each loss by ``k``, as on one device.
 Not run this way (the error says why and what to call): pipelined plans (the schedule
 interleaves micro-batches' forward and backward: ``train_step``), plans that accumulate
 micro-batches themselves (``accumulate=``), ``branch=``, fp16 (loss scaling lives in
-``train_step`` / ``pm.step``), ``batch="per_rank"``, and the data-parallel update schemes
+``train_step`` / ``pm.step``), and the data-parallel update schemes
 other than the exact sum (``compress=``, ``local_sgd=`` and the rest change what a step
 does with the gradients and are stepped through ``train_step``).
 """
@@ -47,7 +55,7 @@ UPDATE_PINS = ("compress", "local_sgd", "averaging", "staleness", "param_server"
 
 
 def refusal(options: Options, pipelined: bool, accumulate: int, branches: bool,
-            compute_dtype, per_rank: bool) -> str | None:
+            compute_dtype) -> str | None:
     """Why a plan cannot train through ``loss.backward()`` on ``pm(x)``, or None."""
     if pipelined:
         return ("the plan is pipelined: its schedule runs forward and backward of the "
@@ -63,10 +71,6 @@ def refusal(options: Options, pipelined: bool, accumulate: int, branches: bool,
     if compute_dtype == torch.float16:
         return ("precision='fp16' scales the loss dynamically inside pm.train_step and "
                 "pm.step(opt): train with those, or use precision='bf16'")
-    if per_rank:
-        return ("batch='per_rank' returns the whole global batch's outputs from pm(x), "
-                "which a loss on this rank's targets cannot be written against: use "
-                "batch='global' (every rank passes the global batch) or pm.train_step")
     pinned = [n for n in UPDATE_PINS if getattr(options, n, None) not in (None, "none")]
     if pinned:
         return (f"{pinned[0]}={getattr(options, pinned[0])!r} changes how a step applies the "
@@ -79,14 +83,14 @@ class _Entry(torch.autograd.Function):
     """Identity on the model's outputs; its backward starts the step's end (see module)."""
 
     @staticmethod
-    def forward(ctx, loop, synced, n_anchor, *outs):
-        ctx.loop, ctx.synced, ctx.n_anchor = loop, synced, n_anchor
+    def forward(ctx, loop, why_not, synced, n_anchor, *outs):
+        ctx.loop, ctx.why_not, ctx.synced, ctx.n_anchor = loop, why_not, synced, n_anchor
         return tuple(o.view_as(o) for o in outs[n_anchor:])
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.loop._backward_began(ctx.synced)
-        return (None, None, None, *(None,) * ctx.n_anchor, *grads)
+        ctx.loop._backward_began(ctx.why_not, ctx.synced)
+        return (None, None, None, None, *(None,) * ctx.n_anchor, *grads)
 
 
 class BackwardLoop:
@@ -124,27 +128,28 @@ class BackwardLoop:
         self._armed = False
 
     def attach(self, outs: list) -> list:
-        """The outputs, through the entry node (tensors that require grad only)."""
+        """The outputs, through the entry node (tensors that require grad only); a backward
+        through them raises the plan's refusal, if any."""
+        why_not = self.why_not
         idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         anchor = ()
-        if not idx and self.why_not is not None:
+        if not idx and why_not is not None:
             # a refused plan's forward may not record a graph (a pipeline's stages): its
             # floating outputs still lead a backward here, to the error that says why
             idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
             anchor = (torch.zeros((), requires_grad=True),)
         if not idx:
             return outs
-        through = _Entry.apply(self, not self._no_sync and self.why_not is None, len(anchor),
+        through = _Entry.apply(self, why_not, not self._no_sync and why_not is None, len(anchor),
                                *anchor, *(outs[i] for i in idx))
         outs = list(outs)
         for i, t in zip(idx, through):
             outs[i] = t
         return outs
 
-    def _backward_began(self, synced: bool) -> None:
-        if self.why_not is not None:
-            raise ArgumentError(f"loss.backward() through pm(x) cannot train this plan: "
-                                f"{self.why_not}")
+    def _backward_began(self, why_not: str | None, synced: bool) -> None:
+        if why_not is not None:
+            raise ArgumentError(f"loss.backward() through pm(x) cannot train this plan: {why_not}")
         if self._queued:
             return
         if synced and not self._armed:

@@ -160,3 +160,34 @@ class RankData:
         for a in reversed(self.axes):      # innermost first: row-major over the data axes
             x = self._comm.all_gather(x, a, 0)
         return x.to(torch.bool) if t.dtype == torch.bool else x
+
+    def local_rows(self, outs: list) -> list:
+        """``pm(x)`` under ``"per_rank"``: this data rank's rows of every output whose dim 0
+        is the global batch, as DDP returns a rank's outputs; their gradient is divided by
+        ``world``, so that the data-parallel sum of the ranks' gradients is their mean, as
+        DDP's (a mean loss over equal slices then trains as on one device). Unchanged
+        under ``"global"`` or without a data axis."""
+        if self.world == 1:
+            return outs
+        first = _shape(self._cap, self._cap.inputs[0])
+        rows = first[0] * self._micro if first else 0
+        return [_LocalRows.apply(t, self.world, self.rank)
+                if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == rows else t
+                for t in outs]
+
+
+class _LocalRows(torch.autograd.Function):
+    """Rank ``rank``'s block of ``world`` along dim 0; backward: the gradient there over
+    ``world``, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, t, world: int, rank: int):
+        ctx.shape, ctx.world, ctx.rank = t.shape, world, rank
+        return t.tensor_split(world, dim=0)[rank].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        full = g.new_zeros(ctx.shape)
+        full.tensor_split(ctx.world, dim=0)[ctx.rank].copy_(g / ctx.world)
+        return full, None, None
+

@@ -29,7 +29,7 @@ from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.analysis.stages import assign_stages
 from autopar.capture import Captured
 from autopar.errors import ArgumentError
-from autopar.ops.collectives import regathered_weights
+from autopar.ops.collectives import all_reduce, regathered_weights
 from autopar.ops.comm import Comm, StepSettings, current_comm, use_comm
 from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.branch_parallel import keep_branches
@@ -205,6 +205,18 @@ class OneStage:
         parts = [t.tensor_split(k, dim=0) for t in tensors]
         return [tuple(p[j] for p in parts) for j in range(k)]
 
+    def loss(self, inputs: tuple, target) -> torch.Tensor:
+        """The global batch's loss, differentiable (``pm(x, target=y)``): this rank's term
+        summed over the ranks by an all-reduce whose backward gives each rank its own
+        term's gradient."""
+        if self.n_microbatches > 1:
+            raise ArgumentError(f"pm(x, target=y) on a plan that accumulates {self.n_microbatches} "
+                                "micro-batches: call loss = pm.train_step(x, target=y)")
+        total = self._loss(inputs, target, ())
+        for a in self.loss_sync:
+            total = all_reduce(total, a)
+        return total
+
     def forward(self, inputs: tuple) -> list:
         with autocast(self.device, self.dtype):
             if self.n_microbatches == 1:
@@ -301,8 +313,7 @@ class ParallelModule(nn.Module):
         self.scaler = self._mixed_precision(plan, pipelined)
         # loss_fn(pm(x), y).backward(): the ordinary loop (autopar.runtime.backward_loop)
         self._loop = BackwardLoop(self._grad_sync, self._zero, lambda: self._offload, refusal(
-            plan.options, pipelined, plan.accumulate, bool(plan.branches), compute_dtype(plan.options),
-            batch == "per_rank" and self.rank_data.world > 1))
+            plan.options, pipelined, plan.accumulate, bool(plan.branches), compute_dtype(plan.options)))
         if not pipelined:
             self.runner._workers_pin = plan.options.workers
             self._grad_sync.launch_on_accumulate()
@@ -418,13 +429,17 @@ class ParallelModule(nn.Module):
         return self.rank_data.world
 
     # ---- running ------------------------------------------------------------------------
-    def forward(self, *inputs):
-        """The model's outputs (whole, on every rank) for the global batch ``inputs`` (this
-        data rank's slice of it under ``batch="per_rank"``). Differentiable: a loss on them
-        trains the plan through ``loss.backward()`` (``autopar.runtime.backward_loop``:
-        the data-parallel gradient sums run in buckets as backward makes them; plans that
-        cannot run that loop raise at backward, naming ``train_step``)."""
-        inputs = self._check_inputs(inputs, None, "forward")
+    def forward(self, *inputs, target=None):
+        """The model's outputs (whole, on every rank) for the global batch ``inputs`` (under
+        ``batch="per_rank"``, for this data rank's slice: its rows of the outputs, DDP's
+        form); with ``target=``, the global batch's loss instead (``loss_fn`` on it, in the plan's graph or after it).
+        Differentiable: ``loss.backward()`` on a loss of them trains the plan
+        (``autopar.runtime.backward_loop``: the data-parallel gradient sums run in buckets
+        as backward makes them; plans that cannot run that loop raise at backward, naming
+        ``train_step``)."""
+        inputs = self._check_inputs(inputs, target, "forward")
+        if target is not None:
+            return self._loss(inputs, target)
         inputs, _ = self.rank_data.global_batch(inputs, None)
         self._gather_params()
         grad = torch.is_grad_enabled()
@@ -434,7 +449,25 @@ class ParallelModule(nn.Module):
             flat = self.runner.forward(inputs)
         if grad:
             flat = self._loop.attach(flat)
-        return pytree.tree_unflatten(flat, self._out_spec)
+        # batch="per_rank": this rank's rows, as DDP returns them (gradients averaged)
+        return pytree.tree_unflatten(self.rank_data.local_rows(flat), self._out_spec)
+
+    def _loss(self, inputs: tuple, target) -> torch.Tensor:
+        """``pm(x, target=y)``: the global batch's loss, differentiable."""
+        if isinstance(self.runner, PipelineRunner):
+            raise ArgumentError("pm(x, target=y) on a pipelined plan: its schedule runs forward "
+                                "and backward together; call loss = pm.train_step(x, target=y)")
+        if not self._cap.has_loss and self.runner._loss_fn is None:
+            raise ArgumentError("pm(x, target=y): there is no loss to compute: pass loss_fn (and "
+                                "target=) to autopar.parallelize, or call pm(x) and compute it")
+        inputs, target = self.rank_data.global_batch(inputs, self._to_device(target))
+        self._gather_params()
+        grad = torch.is_grad_enabled()
+        if grad:
+            self._loop.arm()
+        with use_comm(self._stage_comm), self._saved_tensor_policy():
+            loss = self.runner.loss(inputs, target)
+        return self._loop.attach([loss])[0] if grad else loss
 
     def no_sync(self):
         """``with pm.no_sync():`` the backward passes of forwards run inside keep their
