@@ -2,7 +2,7 @@
 own slice, drawn by a ``DistributedSampler(num_replicas=pm.data_world, rank=pm.data_rank)``
 (interleaved indices, so the concatenated batch is not the example batch in its order);
 the run must equal the model on one device on the concatenation of the slices in data-rank
-order: the outputs of ``pm(slice)``, the loss of 3 SGD-momentum steps, every gradient, the
+order: the outputs of ``pm(slice)`` (this rank's rows of them), the loss of 3 SGD-momentum steps, every gradient, the
 weights after the steps. A slice of the wrong size is refused before any collective.
 
 The model is loss_worker's token classifier with a mean or a padded (``ignore_index``)
@@ -50,9 +50,9 @@ def run_case(case: dict) -> dict:
             assert "per_rank" in str(e), e
         else:
             raise AssertionError("a slice of the wrong size was accepted")
-    # forward: every rank gets the whole output of the concatenated batch
+    # forward: every rank gets its rows of the output of the concatenated batch (DDP's form)
     out = pm(ids_s[r])
-    want = model(whole_ids)
+    want = model(whole_ids).tensor_split(w)[r]
     fwd_err = float((out - want).abs().max() / want.abs().max())
     assert fwd_err < 1e-5, f"forward differs from one device: {fwd_err:.2e}"
     ref = reference_run(model, (whole_ids,), whole_target, loss_fn)
