@@ -699,7 +699,8 @@ def selective_ac_s(cap, plan, cluster, nodes=selective_ac_nodes) -> float:
     """Seconds a step spends on a selective recomputation policy (``nodes``: the graph's
     nodes it runs again; default torchtitan's, :func:`selective_ac_nodes`), each op priced
     by the plan's own per-node forward seconds (``solver.pipeline_costs.node_costs``), times
-    the micro-batches of a step."""
+    the micro-batches of a step; under a pipeline, a rank's share (1 / stages: the repeated
+    layers split evenly)."""
     from step_terms import _solved
     from autopar.solver.pipeline_costs import node_costs
     from autopar.cost_models.hardware import parse_cluster
@@ -708,7 +709,8 @@ def selective_ac_s(cap, plan, cluster, nodes=selective_ac_nodes) -> float:
     nc = node_costs(cap, _solved(cap, plan, cl, "adamw"), lambda n: 0.0, axes=plan.mesh_axes[k0:])
     total = sum(nc.node_forward.get(name, 0.0) for name in nodes(cap))
     m = plan.n_microbatches if plan.pipeline_stages > 1 else plan.accumulate
-    return max(m, 1) * total
+    # a pipeline rank runs its stages' share of the layers (the graph holds them all)
+    return max(m, 1) * total / max(plan.pipeline_stages, 1)
 
 
 @dataclass

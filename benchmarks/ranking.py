@@ -319,6 +319,18 @@ def groups() -> list[Group]:
 
 
 # --- pricing -------------------------------------------------------------------------------
+_PRICED: dict[tuple[str, float], object] = {}
+
+
+def priced(run: Run, time_limit_s: float):
+    """``published_runs.predict_parts`` of ``run``, once per distinct run: rows that differ
+    only by a technique autopar does not price are the same run to it."""
+    key = (repr(run), time_limit_s)
+    if key not in _PRICED:
+        _PRICED[key] = predict_parts(run, time_limit_s)
+    return _PRICED[key]
+
+
 def predicted(group: Group, cfg: Config, time_limit_s: float) -> float:
     """The configuration's predicted value in the group's unit."""
     run = cfg.run
@@ -326,11 +338,11 @@ def predicted(group: Group, cfg: Config, time_limit_s: float) -> float:
         # one layer's forward + backward: the plan's estimate of 3 layers minus that of 2
         # (repeated layers, so recompute='full' has layers to recompute; the optimizer step
         # and the host's constant are not in a layer's time)
-        more, fewer = (predict_parts(replace(run, layers=n), time_limit_s) for n in (3, 2))
+        more, fewer = (priced(replace(run, layers=n), time_limit_s) for n in (3, 2))
         layer_s = (more.plan.estimate.step_time_s + more.selective_s
                    - fewer.plan.estimate.step_time_s - fewer.selective_s)
         return layer_s * 1e3
-    p = predict_parts(run, time_limit_s)
+    p = priced(run, time_limit_s)
     if group.unit == "tok/s/GPU":
         return run.batch * run.seq / p.step / run.gpus
     return p.step
@@ -392,7 +404,11 @@ DRY_GROUPS = ("k22-t4-22b", "tt-a100-l2-13b")
 
 
 def fmt(x: float, spec: str) -> str:
-    return "    -" if math.isnan(x) else format(x, spec)
+    """``x`` formatted by ``spec``; NaN as "-", right-aligned to the spec's width."""
+    if not math.isnan(x):
+        return format(x, spec)
+    width = int("".join(ch for ch in spec.split(".")[0] if ch.isdigit()) or 0)
+    return "-".rjust(width)
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
