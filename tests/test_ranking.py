@@ -62,7 +62,7 @@ def test_every_row_has_a_source_and_a_measurement():
     every = groups()
     assert len({g.key for g in every}) == len(every)
     for g in every:
-        assert g.source and g.unit in ("s/step", "ms/layer", "tok/s/GPU")
+        assert g.source and g.unit in ("s/step", "ms/layer", "tok/s/GPU", "TFLOP/s/GPU")
         assert len(g.configs) >= 2
         for c in g.configs:
             assert c.measured > 0 and c.run.source
