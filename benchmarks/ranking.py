@@ -11,11 +11,11 @@ ZeRO stage, recomputation) and priced by the same cost model as every published 
 (:func:`published_runs.predict_parts`: the plan's estimate, the optimizer step, the host's
 constant, a selective recomputation policy's forward seconds). Per group it prints the
 Spearman rank correlation of predicted against measured time (a group's unit: seconds a
-step, milliseconds a layer, or tokens/s per GPU, turned into time per token so that lower
-is better everywhere), the regret of taking the predicted best (its measured time over the
-measured best's, minus 1; where several configurations tie for the predicted best, the
-worst of them, measured), and each row's error (predicted / measured - 1, in the group's
-unit). Then the mean |error| over all rows.
+step, milliseconds a layer, or tokens/s or TFLOP/s per GPU, those two turned into time per
+unit of work so that lower is better everywhere), the regret of taking the predicted best
+(its measured time over the measured best's, minus 1; where several configurations tie for
+the predicted best, the worst of them, measured), and each row's error (predicted / measured
+- 1, in the group's unit). Then the mean |error| over the goal rows (and over every row).
 
 Goals (issue 39): Spearman >= 0.9 in every group, regret <= 3% in every group, mean |error|
 <= 7%. Nothing is tuned here to meet them: no constant of the cost model was chosen on any
