@@ -372,6 +372,7 @@ class Run:
     pin_more: dict = field(default_factory=dict)   # further pins (a run's own expert dispatch)
     context: int = 1            # context parallelism: the sequence split over this many ranks
     time_limit_s: float = 0.0   # the ILP's limit for this row, when the default is too short
+    selective_nodes: object = None  # under selective_ac: cap -> the nodes recomputed (None: torchtitan's policy)
 
     @property
     def data(self) -> int:
@@ -694,31 +695,44 @@ def selective_ac_nodes(cap) -> list[str]:
     return out
 
 
-def selective_ac_s(cap, plan, cluster) -> float:
-    """Seconds a step spends on torchtitan's selective recomputation
-    (:func:`selective_ac_nodes`), each op priced by the plan's own per-node forward seconds
-    (``solver.pipeline_costs.node_costs``), times the micro-batches of a step."""
+def selective_ac_s(cap, plan, cluster, nodes=selective_ac_nodes) -> float:
+    """Seconds a step spends on a selective recomputation policy (``nodes``: the graph's
+    nodes it runs again; default torchtitan's, :func:`selective_ac_nodes`), each op priced
+    by the plan's own per-node forward seconds (``solver.pipeline_costs.node_costs``), times
+    the micro-batches of a step; under a pipeline, a rank's share (1 / stages: the repeated
+    layers split evenly)."""
     from step_terms import _solved
     from autopar.solver.pipeline_costs import node_costs
     from autopar.cost_models.hardware import parse_cluster
     cl = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     k0 = 1 if plan.pipeline_stages > 1 else 0
     nc = node_costs(cap, _solved(cap, plan, cl, "adamw"), lambda n: 0.0, axes=plan.mesh_axes[k0:])
-    total = sum(nc.node_forward.get(name, 0.0) for name in selective_ac_nodes(cap))
+    total = sum(nc.node_forward.get(name, 0.0) for name in nodes(cap))
     m = plan.n_microbatches if plan.pipeline_stages > 1 else plan.accumulate
-    return max(m, 1) * total
+    # a pipeline rank runs its stages' share of the layers (the graph holds them all)
+    return max(m, 1) * total / max(plan.pipeline_stages, 1)
 
 
-def predict(run: Run, time_limit_s: float = 30.0):
-    """(predicted TFLOP/s per GPU, step seconds, plan) of one run.
+@dataclass
+class Priced:
+    """One run as priced: the step (seconds) and its parts beside the plan's estimate."""
+    step: float                 # seconds a step, every term below included
+    plan: object
+    cap: object                 # the captured graph the plan was solved on
+    optimizer_s: float          # the optimizer step (not in the estimate)
+    selective_s: float          # the selective recomputation policy's forward seconds
+
+
+def predict_parts(run: Run, time_limit_s: float = 30.0) -> Priced:
+    """One run priced (:func:`predict`'s step, with its parts and the captured graph).
 
     The step is the plan's estimate (operators, collectives, bubble) plus what the solver
     does not price yet: the optimizer step, memory-bound over the parameters this GPU holds
     (``cost_models.step.optimizer_step_time``), and the host's per-step constant
     (``cost_models.step.HOST_OVERHEAD_S``); plus how the run ran where autopar's own
     runtime would run otherwise: a reduction that did not overlap backward (``overlap``:
-    the estimate's ``overlapped`` row added back) and torchtitan's selective recomputation
-    (:func:`selective_ac_s`)."""
+    the estimate's ``overlapped`` row added back) and a selective recomputation policy
+    (:func:`selective_ac_s`: torchtitan's, or the run's ``selective_nodes``)."""
     ex = build(run, run.batch)
     cluster = run_cluster(run)
     pins, budget = pins_of(run), None
@@ -743,11 +757,20 @@ def predict(run: Run, time_limit_s: float = 30.0):
     step = plan.estimate.step_time_s + HOST_OVERHEAD_S + opt
     if not run.overlap:
         step -= plan.estimate.comm.get(OVERLAPPED, 0.0)
+    sel = 0.0
     if run.selective_ac:
-        step += selective_ac_s(cap, plan, cluster)
+        sel = selective_ac_s(cap, plan, cluster, run.selective_nodes or selective_ac_nodes)
+        step += sel
+    return Priced(step, plan, cap, opt, sel)
+
+
+def predict(run: Run, time_limit_s: float = 30.0):
+    """(predicted TFLOP/s per GPU, step seconds, plan) of one run (:func:`predict_parts`)."""
+    p = predict_parts(run, time_limit_s)
+    step = p.step
     if run.published_tps:
-        return run.batch * run.seq / step / run.gpus, step, plan
-    return run.model_flops() / step / run.gpus / 1e12, step, plan
+        return run.batch * run.seq / step / run.gpus, step, p.plan
+    return run.model_flops() / step / run.gpus / 1e12, step, p.plan
 
 
 def main() -> None:
