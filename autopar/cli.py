@@ -405,7 +405,7 @@ def _verify(factory, args, nproc, plan_file, pins, timeout, timing: int = 0):
 def demo(cluster, config, nproc, skip_verify, output):
     """Plan a GPT for a multi-node GPU cluster, then verify a small plan on CPU ranks."""
     con = _console()
-    spec = "examples.models:gpt_factory"
+    spec = "autopar.nanogpt:demo_factory"     # in the package: the demo needs no source tree
     cl = parse_cluster(cluster)
     con.rule(f"1. plan {config} for {cluster} ({cl.world_size} GPUs), on the meta device")
     with _progress() as step:
