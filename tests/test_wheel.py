@@ -52,6 +52,11 @@ def _expected_names() -> set[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    import setuptools
+    major_minor = tuple(int(n) for n in setuptools.__version__.split(".")[:2])
+    assert major_minor >= (70, 1), (
+        f"setuptools {setuptools.__version__} in {sys.prefix} cannot build a wheel without the "
+        "`wheel` package: pip install 'setuptools>=70.1' (the dev extra pins it)")
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     src.mkdir()
@@ -86,7 +91,7 @@ def test_every_module_and_data_file_is_in_the_wheel(wheel):
     tops = {n.split("/", 1)[0] for n in names}
     dist_info = {t for t in tops if t.endswith(".dist-info")}
     assert tops - dist_info == {"autopar"}, f"the wheel installs more than autopar: {sorted(tops)}"
-    extra = sorted(n for n in names - expected if not n.split("/", 1)[0] in dist_info)
+    extra = sorted(n for n in names - expected if n.split("/", 1)[0] not in dist_info)
     assert not extra, f"the wheel holds files the source tree does not: {extra[:20]}"
     (info,) = dist_info
     entry_points = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
@@ -101,11 +106,13 @@ _PROBE = textwrap.dedent("""
     import torch
     import autopar, autopar.passes, autopar.cost_models
     from autopar import hf_models
+    from autopar.cli import DEMO_FACTORY
     from autopar.cli_args import build_example
-    read_from = {m.__name__: str(Path(m.__file__).resolve())
-                 for m in (autopar, autopar.passes, autopar.cost_models, hf_models)}
     # the demo's model and the shipped configs come from the package, not the source tree
-    demo = build_example("autopar.nanogpt:demo_factory", {"batch": 8})
+    demo = build_example(DEMO_FACTORY, {"batch": 8})
+    demo_module = sys.modules[type(demo.model).__module__]
+    read_from = {m.__name__: str(Path(m.__file__).resolve())
+                 for m in (autopar, autopar.passes, autopar.cost_models, hf_models, demo_module)}
     name, cfg = hf_models.load_config("gpt2")
     model = torch.nn.Linear(16, 16)
     x, y = torch.randn(32, 16), torch.randn(32, 16)
@@ -114,6 +121,7 @@ _PROBE = textwrap.dedent("""
     print(json.dumps({
         "site": str(site), "read_from": read_from,
         "examples_importable": importlib.util.find_spec("examples") is not None,
+        "demo_factory": DEMO_FACTORY,
         "shipped": hf_models.shipped(), "gpt2_layers": cfg["n_layer"],
         "demo_params": sum(p.numel() for p in demo.model.parameters()),
         "demo_loss": demo.loss_fn(demo.model(*demo.inputs), demo.target).item(),
@@ -139,6 +147,7 @@ def test_the_unpacked_wheel_imports_and_plans_without_the_source_tree(wheel, tmp
     assert "gpt2" in got["shipped"] and len(got["shipped"]) == len(
         list((ROOT / "autopar" / "hf_configs").glob("*.json")))
     assert got["gpt2_layers"] == 12                       # GPT-2 small: 12 layers
+    assert got["demo_factory"].startswith("autopar."), got["demo_factory"]
     # the demo's GPT is the examples' tiny GPT: the same parameters and the same first loss
     from examples.gpt import gpt_factory
     ex = gpt_factory(batch=8)
