@@ -396,6 +396,11 @@ def _verify(factory, args, nproc, plan_file, pins, timeout, timing: int = 0):
         click.echo(str(TimingReport.from_dict(report)))
 
 
+DEMO_FACTORY = "autopar.nanogpt:demo_factory"
+"""The model ``autopar demo`` plans and verifies: in the package, so that the demo runs from an
+installed wheel with no source tree (``tests/test_wheel.py``)."""
+
+
 @cli.command()
 @click.option("--cluster", default="2xdgx-a100", show_default=True)
 @click.option("--config", default="gpt-1.3b", show_default=True, help="GPT preset to plan")
@@ -405,7 +410,7 @@ def _verify(factory, args, nproc, plan_file, pins, timeout, timing: int = 0):
 def demo(cluster, config, nproc, skip_verify, output):
     """Plan a GPT for a multi-node GPU cluster, then verify a small plan on CPU ranks."""
     con = _console()
-    spec = "examples.models:gpt_factory"
+    spec = DEMO_FACTORY
     cl = parse_cluster(cluster)
     con.rule(f"1. plan {config} for {cluster} ({cl.world_size} GPUs), on the meta device")
     with _progress() as step:

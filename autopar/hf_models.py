@@ -105,7 +105,7 @@ def _positive(what: str, v) -> int:
 
 def _model(name: str, cfg: dict, layers: int | None):
     try:
-        import transformers             # optional (the dev extra): only hf: models need it
+        import transformers             # a dependency, imported late: only hf: models need it
         from transformers import AutoConfig
     except ImportError as e:
         raise HFConfigError(f"hf: models are built by transformers, which is not installed "
