@@ -37,7 +37,7 @@ $(PY):
 
 # torch first, so the local CPU file satisfies `torch>=2.13` before pip resolves the
 # project's dependencies (a bare `torch` from PyPI is a multi-GB CUDA build).
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml setup.py | $(PY)
 	@if $(PY) -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null; then \
 	  echo "torch $(TORCH_VERSION) already in $(VENV)"; \
 	elif $(PIP) install -q --dry-run --no-index --no-deps torch==$(TORCH_VERSION) >/dev/null 2>&1; then \
