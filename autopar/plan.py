@@ -91,6 +91,12 @@ class SolverReport:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per planning phase (capture, each mesh's ILP, ZeRO stages, accumulation,
     pipeline search, total), as the search measured them."""
+    time_limit: str = ""
+    """"" when every sharding ILP of the search finished (``status`` "OPTIMAL"); else what
+    the time limit (``time_limit_s``) stopped: the chosen program's search, ended with its
+    incumbent (``status`` "FEASIBLE", ``gap`` to its bound), and the programs skipped for
+    having no solution by then. Such a plan depends on how far the search got, so on the
+    machine's load; raise ``time_limit_s`` for the one a finished search gives."""
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,8 @@ def plan_summary(plan: Plan) -> str:
     lines += context_lines(plan)
     lines.append(f"solver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
                  f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
-                 f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s")
+                 f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s"
+                 + (f"; {s.time_limit}" if s.time_limit else ""))
     lines.append("")
     lines.append("parameters (placement per mesh axis):")
     rows = []

@@ -1,5 +1,7 @@
 """This machine as a cluster: one CPU core's rates and the TCP loopback link, measured once
-per process, and gloo's measured collective constants.
+per machine and kept on disk (``machine.py``: the first process measures, every later one
+reads the same rounded figures, so plans for ``cpu:`` clusters do not move with the load
+or the noise of one process's measurement), and gloo's measured collective constants.
 
 ``parse_cluster("cpu:4")`` (``hardware.py``) runs :func:`cpu_cluster`: 4 gloo ranks on this
 CPU, each with its share of the cores, joined by loopback TCP.
@@ -16,6 +18,7 @@ from dataclasses import replace
 import torch
 
 from .devices import Cluster, Device, Link
+from .machine import measured_once
 
 _cpu_core: Device | None = None
 _loopback: Link | None = None
@@ -30,7 +33,9 @@ def cores() -> int:
 
 
 def cpu_core() -> Device:
-    """One core of this machine, measured once per process (about 0.3 s) and cached.
+    """One core of this machine, measured once per machine (about 0.3 s), kept on disk and
+    read by every later process (``machine.measured_once``: figures rounded to 2
+    significant digits; the first measurement on a machine wins), and kept per process.
 
     Measured on ONE thread: on a shared machine a multi-threaded matmul waits for its
     slowest thread, and a thread that loses its core to another process stalls the whole
@@ -47,10 +52,21 @@ def cpu_core() -> Device:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            _cpu_core = _measure_cpu()
+            figures = measured_once("cpu-core", lambda: _core_figures(_measure_cpu()))
         finally:
             torch.set_num_threads(threads)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        _cpu_core = Device(name="cpu-core", memory_bytes=float(memory),
+                           max_efficiency=1.0, mem_efficiency=1.0, **figures)
     return _cpu_core
+
+
+_CORE_FIGURES = ("peak_flops", "mem_bandwidth", "fill_time", "launch_overhead", "view_overhead")
+"""The fields of :func:`cpu_core`'s Device that are measured (and kept on disk)."""
+
+
+def _core_figures(device: Device) -> dict:
+    return {k: getattr(device, k) for k in _CORE_FIGURES}
 
 
 def cpu_device() -> Device:
@@ -131,11 +147,14 @@ def loopback_link() -> Link:
     through a 127.0.0.1 TCP socket (bandwidth) and one-byte ping-pongs (half the best round
     trip = latency). This is the link of ranks that each have a core; :func:`parse_cluster`
     divides the bandwidth when ranks outnumber cores and floors the latency at gloo's own
-    per-step cost (``GLOO_STEP_LATENCY``).
+    per-step cost (``GLOO_STEP_LATENCY``). Measured once per machine and kept on disk, as
+    :func:`cpu_core` is (``machine.measured_once``).
     """
     global _loopback
     if _loopback is None:
-        _loopback = _measure_loopback()
+        figures = measured_once("loopback", lambda: {
+            k: getattr(lo, k) for lo in [_measure_loopback()] for k in ("bandwidth", "latency")})
+        _loopback = Link(**figures)
     return _loopback
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from . import comm
 from .devices import Device
 from .gpus import A100_80GB, GB, H100_80GB, H200
+from .machine import measured_once
 
 # --- Host links ----------------------------------------------------------------------------
 # PCIe line rates per direction for x16 (PCI-SIG: 4.0 = 16 GT/s, 5.0 = 32 GT/s per lane,
@@ -151,14 +152,22 @@ _measured_disk: DiskLink | None = None
 
 
 def measure_disk(directory: str | None = None, nbytes: int = 32 * 2**20) -> DiskLink:
-    """This machine's disk, measured once per process (about 0.1-0.5 s) and cached: the best
-    of two rounds of writing ``nbytes`` to a file in ``directory`` (default
+    """This machine's disk (``directory`` None: measured once per machine and kept on disk,
+    rounded, as ``cpu.py``'s figures are: ``machine.measured_once``; else measured in that
+    directory now, about 0.1-0.5 s): the best of two rounds of writing ``nbytes`` to a file in ``directory`` (default
     ``tempfile.gettempdir()``, where ``offload="disk"`` puts its files) and ``fsync``-ing
     it, then reading it back after dropping it from the page cache
     (``posix_fadvise(DONTNEED)``), as the runtime writes its state back and reads it again."""
     global _measured_disk
-    if _measured_disk is not None and directory is None:
+    if directory is None:
+        if _measured_disk is None:
+            figures = measured_once("disk", lambda: vars(_measure_disk(None, nbytes)))
+            _measured_disk = DiskLink(**figures)
         return _measured_disk
+    return _measure_disk(directory, nbytes)
+
+
+def _measure_disk(directory: str | None, nbytes: int) -> DiskLink:
     buf = os.urandom(1 << 20) * (nbytes >> 20)
     best_w = best_r = float("inf")
     fd, path = tempfile.mkstemp(prefix="autopar-disk-probe-", dir=directory)
@@ -177,10 +186,7 @@ def measure_disk(directory: str | None = None, nbytes: int = 32 * 2**20) -> Disk
     finally:
         os.close(fd)
         os.unlink(path)
-    link = DiskLink(len(buf) / best_r, len(buf) / best_w)
-    if directory is None:
-        _measured_disk = link
-    return link
+    return DiskLink(len(buf) / best_r, len(buf) / best_w)
 
 
 def disk_link(device: Device) -> DiskLink:

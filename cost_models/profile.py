@@ -52,14 +52,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .families import VIEW, family, op_name
+from .machine import default_cache_dir
 
 _FORMAT = 2     # 2: forward timed with autograd recording, engine per-node cost kept
-
-
-def default_cache_dir() -> Path:
-    """``$AUTOPAR_CACHE`` or ``~/.cache/autopar``."""
-    env = os.environ.get("AUTOPAR_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "autopar"
 
 
 class Profiler:

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from autopar.plan import PlanError
-from autopar.solver.ilp import InfeasibleError, _gib
+from autopar.solver.ilp import InfeasibleError, TimeLimitError, _gib
 from autopar.pricing.problem import PinError
 from autopar.solver.stage_dp import StagesDoNotFit
 
 __all__ = ["InfeasibleError", "PipelineInfeasibleError", "PinError", "PlanError",
-           "StageCutError", "StagesDoNotFit"]
+           "StageCutError", "StagesDoNotFit", "TimeLimitError"]
 
 
 class PipelineInfeasibleError(InfeasibleError):

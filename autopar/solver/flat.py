@@ -7,7 +7,7 @@ import math
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.analysis.layers import recompute_nodes, repeated_layers, select_layers
@@ -19,7 +19,8 @@ from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.costing import OVERLAPPED, CostModel
 from autopar.solver.errors import gib, one_screen
 from autopar.solver import speculate
-from autopar.solver.ilp import InfeasibleError, Solution, _gib, explain_infeasible
+from autopar.solver.ilp import (InfeasibleError, Solution, TimeLimitError, _gib, explain_infeasible,
+                                time_limit_fix)
 from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
 from autopar.pricing.context import best_form, context_axis_of
@@ -61,6 +62,10 @@ class _Ask:
     grad_sync_scale: float
     explain: bool
     fewest_layers: bool
+    timeouts: list = field(default_factory=list)
+    """The programs this call's search skipped because they reached the time limit with no
+    solution (their :class:`TimeLimitError` s), shared by the ``replace`` d asks of its ZeRO
+    stages."""
 
     def cost_kw(self) -> dict:
         return dict(profiler=self.profiler, memory_weights=self.memory_weights,
@@ -146,6 +151,8 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             break
         if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
             best = got
+    if best is None and ask.timeouts:
+        raise _timed_out(ask, errors)
     if best is None:
         def explained() -> InfeasibleError:
             errs = [_explained(e) for e in errors]
@@ -158,8 +165,31 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             later.explain_later = explained
             raise later
         raise explained()
-    plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases)
+    plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases,
+                    time_limit=_time_limit_note(best.sol, ask.timeouts))
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
+
+
+def _timed_out(ask: _Ask, errors: list) -> TimeLimitError:
+    """The error of a search that found no plan and skipped programs at the time limit: a
+    longer limit might find one (the meshes that do not fit memory are only counted)."""
+    meshes = sorted({str(e.mesh_shape) for e in ask.timeouts})
+    rest = f"; {len(errors)} other programs do not fit the memory budget" if errors else ""
+    return TimeLimitError(
+        f"no plan found: the sharding ILP found no solution within its time limit of "
+        f"{ask.time_limit_s:g} s on mesh{'es' if len(meshes) > 1 else ''} {', '.join(meshes)}"
+        f"{rest}; " + time_limit_fix(ask.time_limit_s), time_limit_s=ask.time_limit_s)
+
+
+def _time_limit_note(sol: Solution, timeouts: list) -> str:
+    """``SolverReport.time_limit``: "" when no program of the search met its time limit;
+    else the chosen program's (stopped with a solution) and the count of those skipped."""
+    notes = [sol.time_limit] if sol.time_limit else []
+    if timeouts:
+        meshes = sorted({str(e.mesh_shape) for e in timeouts})
+        notes.append(f"{len(timeouts)} sharding ILP(s) skipped: no solution within the time limit "
+                     f"of {timeouts[0].time_limit_s:g} s (mesh {', '.join(meshes)})")
+    return "; ".join(notes)
 
 
 def _zero_stages(world: int, pins: Options, mesh_shape, cl, binds: bool) -> tuple[int, ...]:
@@ -253,6 +283,11 @@ def _search(cap: Captured, ask: _Ask, phases: dict, tag: str = ""):
                 sol = _solve_program(problem, cost, budget, time_limit_s, lambda: _ilp_key(
                     cap, shape, roles, pins, n_states, rec, cl, memory_weights, grad_sync_scale,
                     budget, time_limit_s))
+            except TimeLimitError as e:   # no plan on this mesh in the time: the others may have
+                ask.timeouts.append(e)
+                if ask.verbose:
+                    print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}{tag}: {e}")
+                continue
             except InfeasibleError as e:
                 e.axes, e.roles, e.recompute = axes, roles, rec
                 if ask.explain and rec == choices[-1]:
@@ -345,6 +380,9 @@ def _solve_or_read(problem, cost, budget: float, time_limit_s: float, key) -> So
     k = key()
     got = speculate.read(k)
     if isinstance(got, tuple):
+        if got[0] == "time limit":
+            raise TimeLimitError(got[1], mesh_shape=tuple(problem.mesh_shape),
+                                 time_limit_s=time_limit_s)
         raise InfeasibleError(got[1])
     if got is not None:
         return got
@@ -352,7 +390,7 @@ def _solve_or_read(problem, cost, budget: float, time_limit_s: float, key) -> So
         sol = solve_ilp(problem, cost, budget if budget != float("inf") else None, time_limit_s,
                         explain=False)
     except InfeasibleError as e:
-        speculate.record(k, ("infeasible", str(e)))
+        speculate.record(k, ("time limit" if isinstance(e, TimeLimitError) else "infeasible", str(e)))
         raise
     speculate.record(k, sol)
     return sol
@@ -579,7 +617,7 @@ def _accumulation(cap, best: dict, budget: float, pins: Options):
 
 
 def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: Options, memory_budget,
-             capture_s: float, phases: dict | None = None) -> Plan:
+             capture_s: float, phases: dict | None = None, time_limit: str = "") -> Plan:
     """The Plan of the solver's best solution."""
     sol, problem, axes = best.sol, best.problem, best.axes
     nodes = node_placements(problem, sol.choice)
@@ -593,7 +631,7 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: Options, memory_b
     n_graph = sum(1 for n in cap.gm.graph.nodes if n.op in ("placeholder", "call_function"))
     report = SolverReport(sol.status, sol.objective_s, sol.bound_s, sol.gap, sol.solve_time_s,
                           capture_s, sol.n_variables, sol.n_constraints, n_graph, len(problem.vars),
-                          phases=dict(phases or {}))
+                          phases=dict(phases or {}), time_limit=time_limit)
     params = {names[i]: ph for ph, names in cap.params.items() for i in range(len(names))}
     if pins.context_attention is None and any(
             context_axis_of(v.call, v.options[sol.choice[n]], best.shape) is not None

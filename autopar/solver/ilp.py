@@ -103,6 +103,25 @@ class InfeasibleError(AutoparInputError):
         return self.need_bytes is not None
 
 
+class TimeLimitError(InfeasibleError):
+    """The sharding ILP reached its time limit without any solution (``solve``). A kind of
+    :class:`InfeasibleError` ("no plan here"), so a search over meshes, stages and pipeline
+    degrees skips that program as it skips one that does not fit, and fails only when no
+    program gave a plan; its message names the limit and how to raise it. Not explained
+    by a least-memory ILP (memory is not what stopped it)."""
+
+    def __init__(self, message: str = "", *, time_limit_s: float | None = None, **kw):
+        super().__init__(message, **kw)
+        self.time_limit_s = time_limit_s
+
+
+def time_limit_fix(time_limit_s: float) -> str:
+    """How to give the solver more time (the end of a :class:`TimeLimitError`'s message)."""
+    more = max(2 * time_limit_s, 60.0)
+    return (f"raise the limit: autopar.plan(..., time_limit_s={more:g}) or "
+            f"`autopar plan --time-limit {more:g}`, or pin more choices (tensor=, data=, ...)")
+
+
 @dataclass
 class Solution:
     choice: dict[str, int]                     # representative -> option index
@@ -117,6 +136,7 @@ class Solution:
     overlapped_s: float = 0.0                      # of comm_s, hidden behind compute
     memory: dict = field(default_factory=dict)     # term -> bytes per device
     memory_phases: tuple = ()                      # groups of terms never live at once
+    time_limit: str = ""         # "" when proven optimal; else what the time limit stopped
 
     @property
     def memory_total(self) -> float:
@@ -267,6 +287,22 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     Solved as a MIP (OR-Tools' CBC, SCIP where CBC is missing): the transport form's LP
     relaxation is tight enough that branch-and-bound finishes in well under a second on one
     transformer layer.
+
+    Same program, same answer: CBC runs single-threaded with its fixed default seed, and
+    the program is written in one order in every process (variables in the problem's
+    graph order, each edge's pairs in the order of its classes' numbers,
+    ``PriceTable.number``, none in the order of a hash of strings), so equal coefficients
+    give the same choice, ties included: among optima of equal objective the plan is the
+    one CBC's deterministic branch-and-bound reaches first on that program. The
+    coefficients are equal when the cluster's constants are (datasheets; ``cpu:``
+    clusters' figures measured once per machine and kept, ``cost_models/machine.py``).
+
+    The time limit (``time_limit_s``, wall-clock seconds of CBC's search) is the one
+    exception: a program stopped by it returns its incumbent, status ``"FEASIBLE"``, with
+    ``Solution.time_limit`` saying so and the gap to the bound; which incumbent depends on
+    how far the search got, so on the machine's load. A program stopped with no solution
+    at all raises :class:`TimeLimitError`, naming the limit and how to raise it; so does an
+    "INFEASIBLE" that took the whole limit (CBC cut short reports it without a proof).
     """
     t0 = time.perf_counter()
     tab = tabulate(problem, cost)
@@ -322,7 +358,12 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
         for v, c in obj.items():
             objective.SetCoefficient(v, c)
         objective.SetMinimization()
+    t_solve = time.perf_counter()
     status = m.Solve()
+    if status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t_solve >= time_limit_s:
+        # CBC stopped by its limit mid-search can report INFEASIBLE (seen: a program with
+        # no memory budget, 0.05 s): a search cut short proves nothing, so no solution in time
+        status = pywraplp.Solver.NOT_SOLVED
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED"}
     name = names.get(status, f"STATUS_{status}")
@@ -331,8 +372,15 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
             if not explain:    # the caller has another way to try: skip the second solve
                 raise InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits the memory budget")
             raise explain_infeasible(problem, cost, memory_budget, time_limit_s)
-        raise RuntimeError(f"the sharding ILP ended with status {name} after "
-                           f"{time.perf_counter() - t0:.1f}s; raise time_limit_s or pin more choices")
+        if status == pywraplp.Solver.NOT_SOLVED:    # stopped by the limit, nothing in hand
+            raise TimeLimitError(
+                f"the sharding ILP on mesh {tuple(problem.mesh_shape)} found no solution within "
+                f"its time limit of {time_limit_s:g} s ({len(x)} decisions, {m.NumVariables()} "
+                f"variables, {time.perf_counter() - t0:.1f} s with building it); "
+                + time_limit_fix(time_limit_s),
+                mesh_shape=tuple(problem.mesh_shape), time_limit_s=time_limit_s)
+        raise RuntimeError(f"the sharding ILP on mesh {tuple(problem.mesh_shape)} ended with "
+                           f"status {name} after {time.perf_counter() - t0:.1f}s")
     choice = {n: max(range(len(xs)), key=lambda i: xs[i].solution_value()) for n, xs in x.items()}
     for n, (root, pick) in tab.follow.items():
         choice[n] = pick[choice[root]]
@@ -343,6 +391,10 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     sol.objective_s = total
     bound = m.Objective().BestBound() if not minimize_memory else total
     sol.bound_s = min(total, bound) if status != pywraplp.Solver.OPTIMAL else total
+    if status == pywraplp.Solver.FEASIBLE:   # CBC stops only at the limit: its incumbent
+        sol.time_limit = (f"the sharding ILP on mesh {tuple(problem.mesh_shape)} stopped at its "
+                          f"time limit of {time_limit_s:g} s with a solution {sol.gap:.1%} from "
+                          "its bound")
     return sol
 
 

@@ -57,7 +57,8 @@ def summary_renderable(plan: Plan, all_nodes: bool = False) -> Group:
         head.append("\n" + line)
     head.append(f"\nsolver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
                 f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
-                f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s")
+                f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s"
+                + (f"; {s.time_limit}" if s.time_limit else ""))
     parts: list = [head, Text("")]
 
     mem = _table(f"memory per device: {fmt_bytes(e.memory_total)}"
