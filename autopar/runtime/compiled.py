@@ -43,6 +43,7 @@ from torch.torch_version import TorchVersion
 
 from autopar.errors import ArgumentError, AutoparInputError
 from autopar.ops.comm import DistComm
+from autopar.runtime.collective_order import CollectiveOrderError, OrderCheck, checked_backend
 
 
 INDUCTOR_OPTIONS = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all",
@@ -64,9 +65,12 @@ class CompiledProgram:
     on the first call. ``which`` names the program in errors ("train", "forward", "stage 1
     train", ...)."""
 
-    def __init__(self, gm: torch.nn.Module, which: str):
+    def __init__(self, gm: torch.nn.Module, which: str, check: OrderCheck | None = None):
         self.gm, self.which = gm, which
-        self._compiled = torch.compile(gm, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+        # ``check``: the ranks compare the collectives Inductor's code issues before it first
+        # runs (``runtime.collective_order``); None: Inductor alone
+        self._compiled = torch.compile(gm, fullgraph=True, dynamic=False,
+                                       backend=checked_backend(which, check, INDUCTOR_OPTIONS))
         self.compile_s: float | None = None
 
     @property
@@ -81,6 +85,12 @@ class CompiledProgram:
             out = self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
             raise CompileError(graph_break_message(self.gm, self.which, e)) from e
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            # the ranks' generated code would issue collectives in different orders: refused
+            # (runtime.collective_order), with its own message rather than Dynamo's wrapping
+            if isinstance(e.inner_exception, CollectiveOrderError):
+                raise e.inner_exception from e
+            raise
         self.compile_s = time.perf_counter() - t0
         return out
 
@@ -89,10 +99,10 @@ class CompiledStage(torch.nn.Module):
     """A pipeline stage's program (``gm``, or its ``AutocastStage``) compiled, as the module
     ``torch.distributed.pipelining`` runs: parameters and buffers stay ``gm``'s."""
 
-    def __init__(self, gm: torch.nn.Module, which: str):
+    def __init__(self, gm: torch.nn.Module, which: str, check: OrderCheck | None = None):
         super().__init__()
         self.gm = gm
-        self.program = CompiledProgram(gm, which)
+        self.program = CompiledProgram(gm, which, check)
 
     @property
     def code(self) -> str:
