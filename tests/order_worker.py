@@ -93,8 +93,15 @@ def run_case(case: dict) -> dict:
                 check_eager_programs(check, comm, {"train": _program(reverse)})
                 sa, sb = _program(reverse)(a, b)
     except CollectiveOrderError as e:
-        return {"refused": str(e), "checked": check.checked}
-    return {"refused": None, "checked": check.checked, "sums": [sa.tolist(), sb.tolist()]}
+        refused = str(e)
+    else:
+        refused = None
+    on = [None] * dist.get_world_size()          # which ranks refused it
+    dist.all_gather_object(on, refused is not None)
+    if refused is not None:
+        return {"refused": refused, "refused_on": on, "checked": check.checked}
+    return {"refused": None, "refused_on": on, "checked": check.checked,
+            "sums": [sa.tolist(), sb.tolist()]}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,13 @@ What changes against eager, and why:
   (``torch.utils.checkpoint``'s selective policy, as torchtitan's SimpleFSDP does:
   ``ops.collectives.all_gather``), so AOTAutograd's partitioner gathers it again in the
   backward graph instead of saving it.
+- What reaches Inductor is the same graph on every rank: a rank's choice that would change
+  the graph's shape is read from a tensor at run time (``ops.collectives.to_partial``), since
+  Inductor orders two different graphs' collectives differently, and ranks that issue one
+  group's collectives in different orders wait for each other for ever (issue 43). The code
+  Inductor generates for each forward and backward is checked before it first runs: every
+  rank of each group issues the same collectives in the same order, else a
+  ``CollectiveOrderError`` (``runtime.collective_order``).
 - Collectives inside the compiled graph are limited by the process group's timeout
   (``parallelize(timeout=)`` sets it when autopar creates the group), not by the
   per-collective wait of eager ``DistComm``.
