@@ -271,7 +271,7 @@ class ParallelModule(nn.Module):
         # every rank of each group issues the same collectives in the same order, or the
         # program is refused before it runs (runtime.collective_order): eager programs now,
         # compiled ones as Inductor generates them
-        order = order_check(comm, pipelined)
+        order = order_check(comm, pipelined) if compiled or not pipelined else None
         if not compiled and not pipelined:
             check_eager_programs(order, comm, programs)
         if compiled and not pipelined:   # a pipeline compiles each of its stages
