@@ -56,7 +56,8 @@ def test_a_rewritten_graph_lists_its_collectives():
     z = g.call_function(collectives.scatter, (y,), {"axis": 0, "dim": 1})   # no communication
     g.output(g.call_function(collectives.all_reduce, (z,), {"axis": 0}))
     got = graph_collectives(fx.GraphModule(torch.nn.Module(), g), [("1", "data", (0, 1))])
-    assert [(c.kind, c.of, c.numel) for c in got] == [("all_gather", "x", 32), ("all_reduce", "scatter", None)]
+    assert [(c.kind, c.of, c.numel) for c in got] == [("all_gather", "x", 32),
+                                                      ("all_reduce", "scatter", None)]
 
 
 def _c(kind, numel, group="1", ranks=(0, 1)):

@@ -152,7 +152,8 @@ def graph_collectives(gm: torch.fx.GraphModule, groups_by_axis: Sequence[tuple[s
         group, name, ranks = groups_by_axis[axis]
         src = n.args[0] if n.args else None
         val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
-        numel = val.numel() if isinstance(val, torch.Tensor) and not isinstance(val.numel(), torch.SymInt) else None
+        numel = val.numel() if isinstance(val, torch.Tensor) else None
+        numel = numel if isinstance(numel, int) else None        # a symbolic size: unknown
         out.append(Collective(kind, group, name, tuple(ranks), numel,
                               src.name if isinstance(src, torch.fx.Node) else ""))
     return out
