@@ -49,6 +49,10 @@ $(STAMP): pyproject.toml setup.py | $(PY)
 	  $(PIP) install --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
 	fi
 	$(PIP) install -e '.[dev]'
+	# torchtitan's Llama 3 for tests/test_titan.py: the model code without its trainer's
+	# dependencies (pyproject's `titan` extra); optional, the tests skip without it
+	$(PIP) install -q --no-deps torchtitan==0.2.0 && $(PIP) install -q tyro \
+	  || echo "could not install torchtitan: tests/test_titan.py will say it is skipped"
 	@touch $@
 
 # Optional system packages for the pictures and the HTML render test: Graphviz's `dot`

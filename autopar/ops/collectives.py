@@ -164,7 +164,13 @@ class _AllToAllV(torch.autograd.Function):
 class _ToPartial(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis):
-        return x.clone() if current_comm().coord[axis] == 0 else torch.zeros_like(x)
+        comm = current_comm()
+        if torch.compiler.is_compiling():
+            # the rank's choice read from a tensor at run time, not a Python branch: a branch
+            # traces rank 0's graph reading x and the others' not (zeros_like), and Inductor
+            # orders two different graphs' collectives differently (issue 43: a hang)
+            return torch.where(comm.first_on_axis[axis], x, torch.zeros_like(x))
+        return x.clone() if comm.coord[axis] == 0 else torch.zeros_like(x)
 
     @staticmethod
     def backward(ctx, g):

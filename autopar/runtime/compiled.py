@@ -21,6 +21,13 @@ What changes against eager, and why:
   (``torch.utils.checkpoint``'s selective policy, as torchtitan's SimpleFSDP does:
   ``ops.collectives.all_gather``), so AOTAutograd's partitioner gathers it again in the
   backward graph instead of saving it.
+- What reaches Inductor is the same graph on every rank: a rank's choice that would change
+  the graph's shape is read from a tensor at run time (``ops.collectives.to_partial``), since
+  Inductor orders two different graphs' collectives differently, and ranks that issue one
+  group's collectives in different orders wait for each other for ever (issue 43). The code
+  Inductor generates for each forward and backward is checked before it first runs: every
+  rank of each group issues the same collectives in the same order, else a
+  ``CollectiveOrderError`` (``runtime.collective_order``).
 - Collectives inside the compiled graph are limited by the process group's timeout
   (``parallelize(timeout=)`` sets it when autopar creates the group), not by the
   per-collective wait of eager ``DistComm``.
@@ -43,6 +50,7 @@ from torch.torch_version import TorchVersion
 
 from autopar.errors import ArgumentError, AutoparInputError
 from autopar.ops.comm import DistComm
+from autopar.runtime.collective_order import CollectiveOrderError, OrderCheck, checked_backend
 
 
 INDUCTOR_OPTIONS = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all",
@@ -64,9 +72,12 @@ class CompiledProgram:
     on the first call. ``which`` names the program in errors ("train", "forward", "stage 1
     train", ...)."""
 
-    def __init__(self, gm: torch.nn.Module, which: str):
+    def __init__(self, gm: torch.nn.Module, which: str, check: OrderCheck | None = None):
         self.gm, self.which = gm, which
-        self._compiled = torch.compile(gm, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+        # ``check``: the ranks compare the collectives Inductor's code issues before it first
+        # runs (``runtime.collective_order``); None: Inductor alone
+        self._compiled = torch.compile(gm, fullgraph=True, dynamic=False,
+                                       backend=checked_backend(which, check, INDUCTOR_OPTIONS))
         self.compile_s: float | None = None
 
     @property
@@ -81,6 +92,12 @@ class CompiledProgram:
             out = self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
             raise CompileError(graph_break_message(self.gm, self.which, e)) from e
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            # the ranks' generated code would issue collectives in different orders: refused
+            # (runtime.collective_order), with its own message rather than Dynamo's wrapping
+            if isinstance(e.inner_exception, CollectiveOrderError):
+                raise e.inner_exception from e
+            raise
         self.compile_s = time.perf_counter() - t0
         return out
 
@@ -89,10 +106,10 @@ class CompiledStage(torch.nn.Module):
     """A pipeline stage's program (``gm``, or its ``AutocastStage``) compiled, as the module
     ``torch.distributed.pipelining`` runs: parameters and buffers stay ``gm``'s."""
 
-    def __init__(self, gm: torch.nn.Module, which: str):
+    def __init__(self, gm: torch.nn.Module, which: str, check: OrderCheck | None = None):
         super().__init__()
         self.gm = gm
-        self.program = CompiledProgram(gm, which)
+        self.program = CompiledProgram(gm, which, check)
 
     @property
     def code(self) -> str:

@@ -41,6 +41,7 @@ from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
+from autopar.runtime.collective_order import check_eager_programs, order_check
 from autopar.runtime.compiled import (
     CompiledProgram, cache_counts, check_compilable, compile_report,
 )
@@ -280,10 +281,17 @@ class ParallelModule(nn.Module):
             place_on(gm, self.device)
             if not compiled:
                 fast_bindings(gm)      # last: ops through torch's Python bindings
+        # every rank of each group issues the same collectives in the same order, or the
+        # program is refused before it runs (runtime.collective_order): eager programs now,
+        # compiled ones as Inductor generates them
+        order = order_check(comm, pipelined) if compiled or not pipelined else None
+        if not compiled and not pipelined:
+            check_eager_programs(order, comm, programs)
         if compiled and not pipelined:   # a pipeline compiles each of its stages
-            programs = {w: CompiledProgram(gm, w) for w, gm in programs.items()}
+            programs = {w: CompiledProgram(gm, w, order) for w, gm in programs.items()}
         if pipelined:
-            self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes)
+            self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes,
+                                         order if compiled else None)
         else:
             self.runner = OneStage(cap, programs, loss_fn, shards, plan.accumulate,
                                    BranchRanks(plan, comm, shards.attr_of) if plan.branches else None,

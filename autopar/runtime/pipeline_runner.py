@@ -167,7 +167,11 @@ class PipelineRunner:
     loss_scale = None      # fp16: the LossScaler (set by ParallelModule)
 
     def __init__(self, cap: Captured, plan: Plan, comm: DistComm, root: nn.Module, shards: Shards,
-                 programs: dict[str, GraphModule], grad_axes: dict[str, tuple[int, ...]]):
+                 programs: dict[str, GraphModule], grad_axes: dict[str, tuple[int, ...]],
+                 order_check=None):
+        # compiled stages: their ranks compare the collectives Inductor's code issues before
+        # it first runs (``runtime.collective_order``)
+        self._order_check = order_check
         if not isinstance(comm, DistComm):
             raise ArgumentError("a pipelined plan runs on torch.distributed ranks (torchrun), "
                                 "not on simulated ones")
@@ -231,7 +235,7 @@ class PipelineRunner:
             dtype = self._dtype
             mod = sg.gm if dtype is None else AutocastStage(sg.gm, self.device, dtype)
             if plan.options.compile:
-                mod = CompiledStage(mod, f"stage {sg.index} {which}")
+                mod = CompiledStage(mod, f"stage {sg.index} {which}", self._order_check)
             stage = _Stage(mod, sg.index, S, self.device, input_args=ins, output_args=outs,
                            group=self.pp_group)
             # (the first stage torch runs whole at W already). A compiled stage's backward is
