@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 LR, MOMENTUM, STEPS = 0.05, 0.9, 3
 ADAMW_LR = 1e-3
@@ -145,7 +146,6 @@ def backward_run(pm, inputs, target, loss_fn, steps: int = STEPS, optimizer: str
 def _mean_over_ranks(x: float) -> float:
     """The mean of ``x`` over every rank of the default group (the global batch's mean loss
     from the ranks' means over equal slices)."""
-    import torch.distributed as dist
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()

@@ -149,7 +149,7 @@ def _through_op(node: Node, src: Node, plan: Plan, states: dict, add, n: int) ->
     ins = [np.input(k) for k in range(len(call.inputs))]
     outs = [np.output(k) for k in range(len(call.outputs))]
     for k, local in enumerate(node.meta.get("inputs", ())):
-        if not call.inputs[k].dtype.is_floating_point:
+        if not call.inputs[k].carries_grad:
             continue
         st = []
         for a in range(n):

@@ -245,7 +245,7 @@ class _Rewriter:
             dst = tuple(s.inputs[k] for s in combo)
             param = name if name in self.cap.params else None
             gp = _grad_partial(combo, k)
-            if not call.inputs[k].dtype.is_floating_point:
+            if not call.inputs[k].carries_grad:
                 gp = (False,) * len(self.mesh)      # ids, masks, positions carry no gradient
             key = (name, dst, gp, self.region(node)) if self.share and param is None else None
             moved = self.converted.get(key) if key is not None else None
@@ -338,7 +338,7 @@ def _replicated_from(node: Node, a: int, cand: set[str], const: set[str], plan: 
             return False
         if name in cand:
             has_cand = True
-        elif call.inputs[k].dtype.is_floating_point and name not in const:
+        elif call.inputs[k].carries_grad and name not in const:
             return False
     return has_cand
 

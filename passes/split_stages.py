@@ -145,7 +145,7 @@ class _Cut:
 
     def meta(self, v: Node):
         shape, dtype = self.meta_of(v)
-        return (shape, dtype, self.rg[v] and dtype.is_floating_point)
+        return (shape, dtype, self.rg[v] and (dtype.is_floating_point or dtype.is_complex))
 
     def crossings(self) -> tuple[list[list[Node]], dict[Node, list[int]]]:
         """Regular values ``s -> s+1`` per stage, and skip values with the stages > q + 1

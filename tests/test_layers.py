@@ -42,8 +42,9 @@ LAYERS = [
 ]
 ENTRY_POINTS = ("autopar.api", "autopar.cli")
 # optional heavy dependencies may be imported where they are used (each says so in a comment)
+# torch._inductor: 3 s to import, needed only under compile=True (runtime.collective_order)
 LAZY_OK = ("matplotlib", "pydot", "rich", "transformers", "torch.distributed.pipelining",
-           "torchvision", "safetensors", "IPython", "graphviz")
+           "torchvision", "safetensors", "IPython", "graphviz", "torch._inductor")
 
 
 def _modules() -> dict[str, Path]:

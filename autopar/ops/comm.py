@@ -196,6 +196,17 @@ class Comm:
     _regathered = None       # ZeRO-3's per-communicator record (ops.collectives.regathered_weights)
     _settings: StepSettings | None = None
     one_per_process = False  # the process's own rank (DistComm): threads without use_comm read it
+    _first_on_axis = None
+
+    @property
+    def first_on_axis(self) -> tuple[torch.Tensor, ...]:
+        """Whether this rank is first on each axis, as 0-dim tensors a compiled program reads
+        at run time (``ops.collectives.to_partial``): made before any tracing (DistComm makes
+        them at construction), so that Dynamo lifts them as inputs and every rank's graph
+        is the same; made on first use elsewhere (simulated ranks)."""
+        if self._first_on_axis is None:
+            self._first_on_axis = tuple(torch.tensor(c == 0, device=self.device) for c in self.coord)
+        return self._first_on_axis
 
     @property
     def settings(self) -> StepSettings:
@@ -300,8 +311,7 @@ class _Inner(Comm):
         self.coord = tuple(outer.coord[1:])
         self.rank = outer.rank
         self.device = outer.device
-        if hasattr(outer, "first_on_axis"):
-            self.first_on_axis = outer.first_on_axis[1:]
+        self._first_on_axis = outer.first_on_axis[1:]
 
     def all_reduce(self, t, axis):
         return self.outer.all_reduce(t, axis + 1)
@@ -351,10 +361,7 @@ class DistComm(Comm):
         self.rank = dist.get_rank()
         self.groups = [mesh.get_group(a) for a in range(mesh.ndim)]
         self.device = mesh_device(mesh.device_type)
-        # whether this rank is first on each axis, as tensors a compiled program reads at
-        # run time (ops.collectives.to_partial): made here, before any tracing, so that
-        # Dynamo lifts them as inputs and every rank's graph is the same
-        self.first_on_axis = tuple(torch.tensor(c == 0, device=self.device) for c in self.coord)
+        self.first_on_axis     # made here, before any tracing (Comm.first_on_axis)
         self.timeout = timeout
         self.axis_names = tuple(mesh.mesh_dim_names or (f"dim{a}" for a in range(mesh.ndim)))
         self.group_ranks = [dist.get_process_group_ranks(g) for g in self.groups]

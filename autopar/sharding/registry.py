@@ -47,6 +47,12 @@ class TensorMeta:
         return len(self.shape)
 
     @property
+    def carries_grad(self) -> bool:
+        """Whether a gradient can flow through it: floating or complex (ids, masks and
+        positions carry none; a rotary embedding's complex product does)."""
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    @property
     def numel(self) -> int:
         n = 1
         for s in self.shape:
