@@ -48,12 +48,14 @@ def _plan(hidden: int, **pins):
     with torch.device("meta"):
         model = Stack(hidden)
         x, y = torch.randn(BATCH, hidden), torch.randn(BATCH, hidden)
+    pins = {"data": DATA, "zero": 3, **pins}
     return autopar.plan(model, (x,), nn.functional.mse_loss, target=y, cluster=CLUSTER,
-                        memory_budget=BUDGET, data=DATA, zero=3, **pins)
+                        memory_budget=BUDGET, **{k: v for k, v in pins.items() if v is not None})
 
 
-@pytest.mark.parametrize("pins", [{}, {"micro_batch_size": BATCH}],
-                         ids=["free micro-batch", "micro_batch_size pinned"])
+@pytest.mark.parametrize("pins", [{}, {"micro_batch_size": BATCH}, {"zero": None}],
+                         ids=["free micro-batch", "micro_batch_size pinned",
+                              "zero free: the search's ZeRO-3 row"])
 def test_unshardable_weights_name_the_cause_not_a_one_row_batch(pins):
     try:
         _plan(40, **pins)
