@@ -117,7 +117,7 @@ changed on them):
   now says why (``InfeasibleError``, both rows): autopar shards a ZeRO parameter along one
   dim in equal blocks, and no dim of 529.6B's weights (h 20,480 = 2^12 x 5, vocabulary
   51,200, sequence 2,048) has the factor 7 of 1,120 and 2,240, so every parameter stays
-  whole on every rank (7,892 GiB of state); DeepSpeed pads each flattened parameter to a
+  whole on every rank (7,892 GiB a GPU); DeepSpeed pads each flattened parameter to a
   multiple of the data degree (``solver/zero_whole.py``). Padded shards in the runtime are
   what would plan them; of 1,120's divisors 160 shards every weight. (Before: without a
   micro-batch pin the accumulation fallback tried a one-row micro-batch over 1,120 ranks and

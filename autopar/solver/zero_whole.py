@@ -9,8 +9,8 @@ every rank, which is right for a bias of odd length and wrong by orders of magni
 model whose every dim misses a factor of the data degree. Narayanan et al. 2021, Table 2
 ran 529.6B (h 20,480 = 2^12 x 5) under DeepSpeed's ZeRO-3 on 1,120 and 2,240 GPUs
 (2^5 x 5 x 7 and 2^6 x 5 x 7): no dim of any of its weights has the factor 7, so every
-parameter stayed whole and the least-memory plan needed 7,892 GiB a GPU of optimizer state
-"under zero=3". DeepSpeed pads each flattened parameter to a multiple of the data degree
+parameter stayed whole and the least-memory plan needed 7,892 GiB a GPU (5,919 GiB of it
+optimizer state) "under zero=3". DeepSpeed pads each flattened parameter to a multiple of the data degree
 before partitioning (``deepspeed/runtime/zero/partition_parameters.py``,
 ``Init._padding_size``: ``world_size - numel % world_size``), so any degree shards;
 autopar's runtime has no padded shards yet, so the plan cannot either, and the
