@@ -113,12 +113,30 @@ changed on them):
   reduce-scatters hide behind compute by the overlap rule, ``cost_models/step.py``), where
   the measured throughput falls 39%: ZeRO-3's exposed communication over hundreds of nodes
   is the term to look at (the overlap rule, or the data axis' collective bandwidth across
-  nodes). The PTD-P rows are within 2.7-6.4%. autopar plans neither 529.6B ZeRO-3 row:
-  without a micro-batch pin the solver falls back to accumulation and fails on a one-row
-  micro-batch (``PinError``), and with ``micro_batch_size=2240`` it reports no plan within
-  80 GiB, its closest-plan line naming 7,892 GiB of unsharded optimizer state under
-  ``zero=3`` (``InfeasibleError``): a memory-model or report defect to check, since
-  DeepSpeed ran it.
+  nodes). The PTD-P rows are within 2.7-6.4%. autopar plans neither 529.6B ZeRO-3 row, and
+  now says why (``InfeasibleError``, both rows): autopar shards a ZeRO parameter along one
+  dim in equal blocks, and no dim of 529.6B's weights (h 20,480 = 2^12 x 5, vocabulary
+  51,200, sequence 2,048) has the factor 7 of 1,120 and 2,240, so every parameter stays
+  whole on every rank (7,892 GiB a GPU); DeepSpeed pads each flattened parameter to a
+  multiple of the data degree (``solver/zero_whole.py``). Padded shards in the runtime are
+  what would plan them; of 1,120's divisors 160 shards every weight. (Before: without a
+  micro-batch pin the accumulation fallback tried a one-row micro-batch over 1,120 ranks and
+  its ``PinError`` hid the memory error; it now tries only micro-batches the data degree
+  splits.) The 174.6B ZeRO-3 rows, read from each plan's estimate: 3 x 1,156 per-parameter
+  gathers (forward, recomputed forward, backward: 9.3 / 12.6 / 19.3 s at 384 / 768 / 1,536
+  GPUs) and 1,156 reduce-scatters (3.1 / 4.2 / 6.4 s) against 52.1 / 26.4 / 13.6 s of
+  compute, all hidden but at 1,536. The measured rows imply a step of 81.6 / 66.7 / 66.7 s
+  (eq. 3's 4.51e18 FLOPs a step over GPUs x TFLOP/s): the same 66.7 s at 768 and 1,536, a
+  cost that does not grow with the ranks, so a bandwidth term, not ring latency, which
+  grows with them (even at NCCL's Simple-protocol hop latencies, ``tuning.cc``'s 5.7 us on
+  NVLink and 6.6 us on the network against the 2.5 us of LL128 that autopar uses, the
+  4 x 1,156 collectives would add about 12 s at 768 GPUs and 23 s at 1,536). ZeRO-3 moves
+  4 x 349 GB a GPU a step in bf16 (three gathers and a reduce-scatter): 1.40 TB / 66.7 s =
+  21 GB/s, one HDR NIC's (22.5 GB/s at 90%), an eighth of the 180 GB/s of ring bus
+  bandwidth that a node's eight NICs give an axis across nodes (``gpus.IB_8xHDR``;
+  nccl-tests#119 measures that aggregate). DeepSpeed's 2021 ZeRO-3 ran as if each GPU's
+  traffic crossed its own NIC alone; no published constant prices that, so the model is
+  left as it is (21 GB/s would be a figure fitted to these rows).
 - Megatron-LM (K22): within 2% at 22B and 175B, +9% at 530B and +12-13% at 1T in both
   rows. 1T (present-work row): the stage DP's slowest stage is 0.139 s a micro-batch
   against a mean of 0.117 (512 micro-batches: 71.4 s from that stage alone, the whole

@@ -48,6 +48,14 @@ def _batch(example_inputs: Sequence) -> int:
     return int(t.shape[0])
 
 
+def _splits(pins: Options, micro: int) -> bool:
+    """Whether a micro-batch of ``micro`` rows splits over the pinned ``data=`` x
+    ``expert=`` ranks (both axes split an input's dim 0: ``pricing.problem``; unpinned
+    degrees ask nothing)."""
+    ranks = (pins.data or 1) * (pins.expert or 1)
+    return micro % ranks == 0
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -157,8 +165,12 @@ def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, 
     """The fastest plan over micro-batch counts ``k`` (divisors of the batch, the least
     first, at most :data:`MAX_TRIES`), or None when none fits. It stops at the first ``k``
     that fits without recomputation (more micro-batches only add per-micro-batch costs);
-    when the least ``k`` does not fit, it gives up unless the most (one sample each) does."""
-    counts = [d for d in _divisors(_batch(example_inputs)) if d > 1]
+    when the least ``k`` does not fit, it gives up unless the most (one sample each) does.
+    With ``data=`` pinned, only counts whose micro-batch that degree splits (a micro-batch
+    of fewer rows than data ranks has no plan: ``build_problem`` refuses it with a
+    ``PinError`` about the input, which would hide why the full batch did not fit)."""
+    batch = _batch(example_inputs)
+    counts = [d for d in _divisors(batch) if d > 1 and _splits(pins, batch // d)]
     planned: dict[int, tuple[Plan, Captured] | None] = {}
 
     def attempt(k: int):

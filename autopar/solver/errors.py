@@ -31,9 +31,10 @@ def gib(b: float) -> str:
 
 
 def one_screen(budget: float, world: int, closest: list[dict], suggestions: list[dict],
-               n_meshes: int) -> str:
+               n_meshes: int, notes: tuple = ()) -> str:
     """The message of an infeasible search: the closest plan per mesh family (its memory
-    per device by term, the binding term), then the smallest changes that fit."""
+    per device by term, the binding term), then the smallest changes that fit, then
+    ``notes`` (e.g. parameters a ZeRO stage leaves whole: ``solver.zero_whole``)."""
     lines = [f"no plan fits the memory budget of {_gib(budget)} per device on {world} devices "
              f"({n_meshes} meshes tried; every mesh's figures: error.meshes, or verbose=True).",
              "closest plan per mesh family (least memory per device):"]
@@ -47,4 +48,5 @@ def one_screen(budget: float, world: int, closest: list[dict], suggestions: list
                  "no single change found that fits: pin a pipeline (pipeline=p) or use more devices")
     for s in suggestions:
         lines.append(f"  {s['change']}: {s['why']}")
+    lines.extend(f"note: {n}" for n in notes)
     return "\n".join(lines)

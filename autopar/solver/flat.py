@@ -18,6 +18,7 @@ from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.costing import OVERLAPPED, CostModel
 from autopar.solver.errors import gib, one_screen
+from autopar.solver.zero_whole import whole_note
 from autopar.solver import speculate
 from autopar.solver.ilp import (InfeasibleError, Solution, TimeLimitError, _gib, explain_infeasible,
                                 time_limit_fix)
@@ -566,8 +567,31 @@ def infeasible(cap: Captured, ask: _Ask, errors: list) -> InfeasibleError:
     if ask.verbose:
         for r in rows:
             print(f"  {r['family']:<22} mesh {str(r['mesh']):<10} {r['variant']:<22} needs {gib(r['need'])}")
-    return InfeasibleError(one_screen(budget, world, list(closest.values()), sugg, len(rows)),
+    notes = _zero_notes(cap, ask, errors, zero_free)
+    return InfeasibleError(one_screen(budget, world, list(closest.values()), sugg, len(rows), notes),
                            meshes=rows, closest=list(closest.values()), suggestions=sugg)
+
+
+def _zero_notes(cap, ask: _Ask, errors: list, zero_free: bool) -> tuple:
+    """The lines (one per distinct note) naming the parameters a ZeRO stage leaves whole on
+    the data axis of the meshes tried (``solver.zero_whole``); with no ``zero=`` pin, the
+    ZeRO-3 row's mesh (``(world,)``) is asked."""
+    n_states = check_optimizer(ask.optimizer)
+    asks = [(e.mesh_shape, e.roles, ask.pins.zero_stage) for e in errors
+            if e.roles and e.roles.get("data_axis") is not None]
+    if zero_free:
+        asks.append(((ask.world,), {"data_axis": 0}, 3))
+    notes: list = []
+    for shape, roles, zero in asks:
+        if zero < 1:
+            continue
+        try:
+            note = whole_note(_problem(cap, shape, roles, zero, n_states), roles["data_axis"], zero)
+        except PinError:
+            continue
+        if note and note not in notes:
+            notes.append(note)
+    return tuple(notes)
 
 
 def _up(b: float) -> int:
