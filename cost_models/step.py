@@ -83,6 +83,16 @@ def optimizer_step_time(params_on_device: float, device: Device, *, optimizer: s
             + OPTIMIZER_KERNELS * device.launch_overhead)
 
 
+def step_time(device_s: float, host_s: float) -> float:
+    """A step whose device side takes ``device_s`` and whose host dispatches take
+    ``host_s`` (``cost_models.host``: eager GPU programs), overlapped, the GPU running
+    asynchronously behind the host: ``max(device_s, host_s)``. Checked against the GPU
+    check's committed reports (``benchmarks/host_time.py``); not yet in the search's
+    estimate: a pipeline rank's host calls are not priced by the stage DP, and a host term
+    on flat plans alone would favour pipelines for small models."""
+    return max(device_s, host_s)
+
+
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
     """Fraction of a pipelined step the average stage idles (Narayanan et al. 2021,
     Sec. 2.2): ``(p - 1) / (v m + p - 1)``; zero bubble schedules: 0 in the ideal."""
