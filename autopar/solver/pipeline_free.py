@@ -261,7 +261,7 @@ class _DegreeSearch:
         pin the intra-stage search weighs ZeRO over the data axis: flat.py; an expert axis
         splits the experts' stacks and is not combined with ZeRO:
         ``expert_search.least_state_bytes``)."""
-        if expert > 1:
+        if expert > 1 and self.state_split is not None:
             return least_state_bytes(*self.state_split, p, tensor, expert)
         return self.state / (p * tensor * (1 if self.pins.zero == 0 else data))
 
