@@ -11,6 +11,21 @@ row's gradient dtype pinned; ``--pin k=v`` adds or replaces pins (at a batch oth
 row's, its micro-batch and schedule may not run: DeepSeek-V3's 128-sequence micro-batches
 over 16 stages need 2,048 sequences for 1F1B). Issue 40 planned DeepSeek-V3 (row 17) free
 at 1,920 sequences.
+
+Measured 2026-11-29 (2-core machine shared, load 6-15; ``PYTHONHASHSEED=0``), row 17 at
+1,920 x 4,096 on 256 DGX H800 nodes:
+
+- free, before expert axes in the free search (b08e95d): pipeline 4 x data 128 x tensor 4,
+  ZeRO-3, every layer recomputed, m=1 GPipe, bubble 0.750, 35.06 s, 78.2 GiB; planned in
+  987 s wall (142.8 s CPU in the main process; capture 116 s, pipeline search 590 s,
+  unpipelined 280 s). One micro-batch: the micro-batch counts the 128-way batch split
+  allows are 1, 3, 5 and 15, and on the ZeRO-3 stage mesh each micro-batch gathers the
+  parameters again; the loss analysis does not refuse micro-batches
+  (``tests/test_expert_search.py``).
+- published degrees (pipeline 16 x data 2 x expert 64, micro-batches of 128: m=15, GPipe,
+  since 1F1B needs m >= 16): 7.803 s, bubble 0.527, 76.0 GiB; 657 s wall, 37.5 s CPU.
+- free, with expert axes: not finished within the session (after 55 minutes at load 10-15,
+  the pipeline search had planned p=2's meshes and was in p=4's).
 """
 from __future__ import annotations
 
