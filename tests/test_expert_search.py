@@ -137,3 +137,17 @@ def test_free_expert_plan_equals_one_device_on_gloo(tmp_path):
                                      tmp_path / "out.json", timeout=900, case_timeout=600),
                       "free-experts")
     assert got["status"] == "pass", f"{got['message']}\n{got.get('detail', '')}"
+
+
+def test_expert_stage_meshes_split_the_batch():
+    """The pipeline search leaves out expert meshes whose data x expert ranks do not divide
+    the batch (DeepSeek-V3's 1,920 sequences over 256 or more of them)."""
+    from autopar.solver.pipeline_free import _DegreeSearch
+    search = _DegreeSearch.__new__(_DegreeSearch)
+    search.cl, search.world, search.pins, search.batch = parse_cluster("16xdgx-h800"), 32, Options(), 12
+    search.n_experts = 8
+    got = search._stage_meshes(2)
+    assert all(e == 1 or 12 % (d * e) == 0 for d, _, e in got)
+    # 16 devices a stage: data x expert = 16 / tensor divides 12 with tensor 8 or 4 only
+    assert {m for m in got if m[2] > 1} == {(1, 8, 2), (2, 4, 2), (1, 4, 4)}
+    assert [m for m in got if m[2] == 1] == [(2, 8, 1), (4, 4, 1), (8, 2, 1), (16, 1, 1)]

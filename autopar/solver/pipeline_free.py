@@ -251,8 +251,12 @@ class _DegreeSearch:
     def _stage_meshes(self, p: int) -> list[tuple[int, int, int]]:
         """(data, tensor, expert) of ``p``'s stage meshes in ``best``'s order: by expert
         degree as ``stage_meshes_experts`` gives them (no expert axis first), most tensor
-        parallel first within one."""
-        meshes = stage_meshes_experts(self.cl, self.world // p, self.pins, self.n_experts)
+        parallel first within one. An expert mesh whose data x expert ranks do not divide
+        the batch is left out: the batch is split over both, so no plan on it exists (the
+        problem it would build, 30 s of CPU on DeepSeek-V3, ends in that error)."""
+        meshes = [m for m in stage_meshes_experts(self.cl, self.world // p, self.pins,
+                                                  self.n_experts)
+                  if m[2] == 1 or self.batch % (m[0] * m[2]) == 0]
         order = list(dict.fromkeys(e for _, _, e in meshes))
         return sorted(meshes, key=lambda m: (order.index(m[2]), -m[1]))
 
