@@ -321,6 +321,18 @@ def _cannot_beat(problem, cost, objective_s: float) -> bool:
     return math.isfinite(floor) and floor >= objective_s
 
 
+def mesh_floor(cap: Captured, cl, world: int, pins, optimizer: str = "adamw") -> float:
+    """The compute floor (``prices.compute_floor``) of the one mesh ``pins`` give, without
+    recomputation (which only adds compute): no plan ``plan_captured`` makes under ``pins``
+    predicts a step below it."""
+    pins = as_options(pins)
+    n_states = check_optimizer(optimizer)
+    meshes = mesh_candidates(world, pins, None, cl.devices_per_node)
+    return min(compute_floor(_problem(cap, shape, roles, pins.zero_stage, n_states),
+                             _cost_model(cap, cl, shape, pins, roles, None))
+               for shape, _, roles in meshes)
+
+
 def _cost_model(cap: Captured, cl, shape, pins: Options, roles: dict, rec, *, profiler=None,
                 memory_weights=None, grad_sync_scale=1.0) -> CostModel:
     """The cost model of ``_search``'s program on mesh ``shape`` recomputing ``rec``."""

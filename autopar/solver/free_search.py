@@ -10,6 +10,8 @@ step wins):
 * ``branches``: independent branches over groups of ranks (``branches``);
 * ``context``: context parallelism, for self-attention over long sequences
   (``context_search``);
+* ``experts``: expert parallelism, for graphs with mixture-of-experts layers
+  (``expert_search``; the pipeline search weighs expert axes in its stage meshes too);
 * ``pipelines``: on a cluster of several nodes, or when nothing unpipelined fits
   (:func:`may_pipeline`), every pipeline degree (``pipeline_free.search_pipelines``; its
   meshes and the unpipelined plan's programs solved ahead on the other cores,
@@ -40,6 +42,7 @@ from autopar.plan import Plan
 from autopar.solver.accumulate import accumulation_may_win, may_accumulate, search_accumulation
 from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.context_search import search_context
+from autopar.solver.expert_search import search_experts
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import (drop_deferred, mesh_jobs, plan_captured, recompute_bound_s,
                                  solve_captured, solve_mesh_job)
@@ -178,6 +181,7 @@ class _FreeSearch:
         self.unpipelined(deferred)
         self._timed("branches", self.branches)
         self._timed("context", self.context)
+        self._timed("experts", self.experts)
         if not self.searched and may_pipeline(spec, cap, self.flat is None):
             self.pipelines("nothing fits unpipelined" if self.best is None else
                            f"against {self.best.plan.estimate.step_time_s:.4g} s unpipelined",
@@ -213,6 +217,15 @@ class _FreeSearch:
         """Context parallelism over long sequences (``context_search``)."""
         for plan, cap in search_context(self.spec, self.cap, plan_captured, self._flat_kw()):
             self.offer(Planned(plan, cap))
+
+    def experts(self) -> None:
+        """Expert parallelism for mixture-of-experts layers (``expert_search``), each mesh
+        pruned by its memory and compute bounds against the best plan found so far."""
+        best = self.best.plan.estimate.step_time_s if self.best is not None else None
+        if self.spec.profiler is not None:
+            best = None          # the floor is priced without the profiler's times
+        for plan in search_experts(self.spec, self.cap, self._flat_kw(), best):
+            self.offer(Planned(plan, self.cap))
 
     def branches(self) -> None:
         """Independent branches over groups of ranks (``branches.search_branches``)."""

@@ -20,8 +20,11 @@ from autopar.options import Options, as_options
 from autopar.plan import Plan
 from autopar.solver import speculate
 from autopar.solver.errors import InfeasibleError
+from autopar.solver.expert_search import (expert_degrees, expert_free, least_state_bytes,
+                                          moe_experts, split_state_bytes)
 from autopar.solver.flat import wide_grads
-from autopar.solver.pipeline_price import batch_degree, memory_weights, price_plan, state_bytes
+from autopar.solver.pipeline_price import (batch_degree, memory_weights, price_plan, state_bytes,
+                                           state_per_param)
 from autopar.solver.pipeline_search import (
     _allowed_micro_batches, _choose, _has_layers, capture_microbatch, most_stages, plan_pipeline,
     plan_pipelined, solve_intra, step_floor,
@@ -40,6 +43,25 @@ def stage_meshes(cl, d: int, pins: Options) -> list[tuple[int, int]]:
         if d % (t * e) or (pins.data and pins.data != d // (t * e)):
             continue
         out.append((d // (t * e), t))
+    return out
+
+
+def stage_meshes_experts(cl, d: int, pins: Options, n_experts: int | None
+                         ) -> list[tuple[int, int, int]]:
+    """(data, tensor, expert) degrees of a stage of ``d`` devices: :func:`stage_meshes`'
+    (expert 1, or as pinned), then, for a graph with mixture-of-experts layers of
+    ``n_experts`` experts whose expert degree the pins leave free, each expert degree
+    ``expert_search.expert_degrees`` allows beside each tensor degree (the batch over the
+    data x expert ranks), least expert degree first."""
+    pins = as_options(pins)
+    out = [(data, tensor, pins.expert or 1) for data, tensor in stage_meshes(cl, d, pins)]
+    if n_experts is None or not expert_free(pins):
+        return out
+    for _, tensor in stage_meshes(cl, d, pins):
+        for e in expert_degrees(n_experts, d // tensor):
+            data = d // (tensor * e)
+            if pins.data is None or pins.data == data:
+                out.append((data, tensor, e))
     return out
 
 
@@ -152,7 +174,8 @@ def _replan_recomputing(real: Plan, mcap, model, example_inputs, loss_fn, target
     batch = int(example_inputs[0].shape[0])
     mesh = {k: v for k, v in extra.items() if k != "recompute"}
     tries = [mesh]
-    if pins.zero is None and not mesh.get("zero") and mesh.get("data", 1) > 1:
+    if pins.zero is None and not mesh.get("zero") and mesh.get("data", 1) > 1 \
+            and (mesh.get("expert") or pins.expert or 1) == 1:
         tries.append({**mesh, "zero": 2})
     # (accumulate=1, "no accumulation", may be pinned beside a pipeline the search chose)
     at = pins.replace(pipeline=p, micro_batch_size=batch // m, accumulate=None)
@@ -165,7 +188,7 @@ def _replan_recomputing(real: Plan, mcap, model, example_inputs, loss_fn, target
             continue
         if again.estimate.step_time_s < best.estimate.step_time_s:
             best = replace(again, options=Options.from_pins(
-                {k: v for k, v in again.options.items() if k in pins or k == "zero"}))
+                {k: v for k, v in again.options.items() if k in pins or k in ("zero", "expert")}))
     return best
 
 
@@ -179,52 +202,81 @@ class _DegreeSearch:
         self.cap, self.cl, self.world, self.pins, self.batch = cap, cl, world, pins, batch
         self.budget, self.optimizer, self.time_limit_s, self.verbose = budget, optimizer, time_limit_s, verbose
         self.degrees = degrees
-        # every (p, data, tensor) ``best`` may solve, in its order: what workers solve ahead
-        self.meshes = [(p, data, tensor) for p in degrees for data, tensor in self._stage_meshes(p)]
+        self.n_experts = moe_experts(cap)
+        # every (p, data, tensor, expert) ``best`` may solve, in its order: what workers
+        # solve ahead
+        self.meshes = [(p, *mesh) for p in degrees for mesh in self._stage_meshes(p)]
         self.layers = select_layers(cap.gm, "full") \
             if pins.recompute is None and _has_layers(cap) else ()
         self.state = state_bytes(cap, optimizer, pins.precision)
+        # the state of the experts' weight stacks apart (an expert axis splits them)
+        self.state_split = split_state_bytes(cap, state_per_param(optimizer, pins.precision)) \
+            if self.n_experts is not None else None
         # branch and bound: the least predicted step found so far; a mesh whose step floor
         # (pipeline_search.step_floor: its busiest rank's work) cannot beat it is skipped
         self.bound, self.pruned = math.inf, []
         # a pruned mesh's intra-stage solution and prices, kept for ``unpruned`` (which
         # would otherwise solve the same ILP again)
-        self.priced: dict[tuple[int, int, int], tuple] = {}
+        self.priced: dict[tuple[int, int, int, int], tuple] = {}
 
     def unpruned(self) -> dict:
         """{p: best} over the meshes the bound skipped, priced in full."""
         out, pruned = {}, self.pruned
         self.bound, self.pruned = math.inf, []
-        for p, data, tensor in pruned:
-            got = self._on_mesh(p, data, tensor, self.priced.pop((p, data, tensor), None))
+        for p, data, tensor, expert in pruned:
+            got = self._on_mesh(p, data, tensor, expert,
+                                self.priced.pop((p, data, tensor, expert), None))
             if got is not None and (p not in out or got[0] < out[p][0]):
                 out[p] = got
         return out
 
     def best(self, p: int):
-        """(predicted step, p, StagePlan, intra pins) of least predicted step, or None. The
-        most tensor-parallel stage mesh first: it holds the least per device, so when no
-        plan on it fits the memory budget, none on the others does and they are skipped."""
-        best = None
-        for k, (data, tensor) in enumerate(self._stage_meshes(p)):
+        """(predicted step, p, StagePlan, intra pins) of least predicted step, or None. Per
+        expert degree, the most tensor-parallel stage mesh first: of one expert degree it
+        holds the least per device, so when no plan on it fits the memory budget, none of
+        the others of that degree does and they are skipped."""
+        best, skip = None, set()
+        meshes = self._stage_meshes(p)
+        for k, (data, tensor, expert) in enumerate(meshes):
+            if expert in skip:
+                continue
             self.out_of_memory = False
-            got = self._on_mesh(p, data, tensor)
-            if k == 0 and self.out_of_memory:
-                break
+            got = self._on_mesh(p, data, tensor, expert)
+            if self.out_of_memory and (k == 0 or meshes[k - 1][2] != expert):
+                skip.add(expert)
             if got is not None and (best is None or got[0] < best[0]):
                 best = got
         return best
 
-    def _stage_meshes(self, p: int) -> list[tuple[int, int]]:
-        """(data, tensor) of ``p``'s stage meshes in ``best``'s order."""
-        return sorted(stage_meshes(self.cl, self.world // p, self.pins), key=lambda dt: -dt[1])
+    def _stage_meshes(self, p: int) -> list[tuple[int, int, int]]:
+        """(data, tensor, expert) of ``p``'s stage meshes in ``best``'s order: by expert
+        degree as ``stage_meshes_experts`` gives them (no expert axis first), most tensor
+        parallel first within one. An expert mesh whose data x expert ranks do not divide
+        the batch is left out: the batch is split over both, so no plan on it exists (the
+        problem it would build, 30 s of CPU on DeepSeek-V3, ends in that error)."""
+        meshes = [m for m in stage_meshes_experts(self.cl, self.world // p, self.pins,
+                                                  self.n_experts)
+                  if m[2] == 1 or self.batch % (m[0] * m[2]) == 0]
+        order = list(dict.fromkeys(e for _, _, e in meshes))
+        return sorted(meshes, key=lambda m: (order.index(m[2]), -m[1]))
 
-    def _least_state(self, p: int, data: int, tensor: int) -> float:
+    def _least_state(self, p: int, data: int, tensor: int, expert: int = 1) -> float:
         """Parameter and optimizer bytes the fullest rank holds at least (without a zero=
-        pin the intra-stage search weighs ZeRO over the data axis: flat.py)."""
+        pin the intra-stage search weighs ZeRO over the data axis: flat.py; an expert axis
+        splits the experts' stacks and is not combined with ZeRO:
+        ``expert_search.least_state_bytes``)."""
+        if expert > 1 and self.state_split is not None:
+            return least_state_bytes(*self.state_split, p, tensor, expert)
         return self.state / (p * tensor * (1 if self.pins.zero == 0 else data))
 
-    def _solve(self, p: int, data: int, tensor: int):
+    def _mesh(self, data: int, tensor: int, expert: int) -> dict:
+        """The intra-stage pins of a stage mesh (the expert degree where the search chose it)."""
+        mesh = {"data": data, "tensor": tensor}
+        if expert > 1 and not self.pins.expert:
+            mesh["expert"] = expert
+        return mesh
+
+    def _solve(self, p: int, data: int, tensor: int, expert: int = 1):
         """The intra-stage (Plan, Solved) of one stage mesh, memory seen as one rank of a
         1F1B pipeline with the smallest micro-batch (one sample per data-parallel rank)
         sees it: 1/p of the state, the activations of one micro-batch of the whole graph
@@ -233,11 +285,14 @@ class _DegreeSearch:
         exceed the budget)."""
         weights = memory_weights("1f1b", p, p, 1)
         weights["activations"] *= data / self.batch
-        weights["inputs"] = weights["recompute"] = data / self.batch
-        mesh = {"data": data, "tensor": tensor}
+        # (a rank of the expert axis holds its own samples as a data-parallel rank does)
+        weights["activations"] *= expert
+        weights["inputs"] = weights["recompute"] = data * expert / self.batch
+        mesh = self._mesh(data, tensor, expert)
         kw = dict(weights=weights, memory_budget=self.budget, optimizer=self.optimizer,
                   time_limit_s=self.time_limit_s, explain=False)
-        if self.pins.zero is None and data > 1 and wide_grads(self.pins):
+        if self.pins.zero is None and data > 1 and wide_grads(self.pins) and \
+                (self.pins.expert or expert) == 1:
             # gradients reduced in fp32 once a step: ZeRO-2's reduce-scatter and 16-bit
             # gather move less than an fp32 all-reduce, and hold less, so it is the stage
             # mesh's ZeRO stage (the flat search would weigh it against the all-reduce
@@ -251,17 +306,19 @@ class _DegreeSearch:
         return solve_intra(self.cap, self.cl, self.world, p, self.pins.replace(**mesh), **kw)
 
     def solve_ahead(self, mesh: tuple[int, int, int]) -> None:
-        """A worker's part (``speculate.Speculation``): solve ``mesh`` = (p, data, tensor)
-        as ``_on_mesh`` will, its programs' outcomes recorded for the search."""
+        """A worker's part (``speculate.Speculation``): solve ``mesh`` = (p, data, tensor,
+        expert) as ``_on_mesh`` will, its programs' outcomes recorded for the search."""
         if self._least_state(*mesh) <= self.budget:
             self._solve(*mesh)
 
-    def _on_mesh(self, p: int, data: int, tensor: int, priced: tuple | None = None):
+    def _on_mesh(self, p: int, data: int, tensor: int, expert: int = 1,
+                 priced: tuple | None = None):
         """``best``'s figure for one stage mesh; ``priced``: its (intra plan, Solved,
         Priced, allowed micro-batch counts) from when the bound pruned it."""
         cap, pins, batch = self.cap, self.pins, self.batch
-        mesh = {"data": data, "tensor": tensor}
-        least = self._least_state(p, data, tensor)
+        mesh = self._mesh(data, tensor, expert)
+        key = (p, data, tensor, expert)
+        least = self._least_state(p, data, tensor, expert)
         if least > self.budget:          # the fullest rank holds at least this much state
             self._say(p, mesh, f"at least {least / 2**30:.1f} GiB of parameters and optimizer "
                                "state per device")
@@ -269,9 +326,9 @@ class _DegreeSearch:
         if priced is None:
             ahead = speculate.active()
             if ahead is not None:
-                ahead.take((p, data, tensor))     # a worker's outcomes, if it took the mesh
+                ahead.take(key)     # a worker's outcomes, if it took the mesh
             try:
-                intra, sol = self._solve(p, data, tensor)
+                intra, sol = self._solve(p, data, tensor, expert)
                 pr = price_plan(cap, intra, sol, self.cl, self.world, p, most_stages(pins, p))
                 priced = (intra, sol, pr, _allowed_micro_batches(batch, batch_degree(cap, intra)))
             except ValueError as e:          # InfeasibleError, PinError, ...
@@ -281,21 +338,21 @@ class _DegreeSearch:
         intra, sol, pr, allowed = priced
         if step_floor(pr, p, batch, pins, allowed) >= self.bound:
             # its busiest rank alone takes longer than the best found (recomputing only adds)
-            self.pruned.append((p, data, tensor))
-            self.priced[(p, data, tensor)] = priced
+            self.pruned.append(key)
+            self.priced[key] = priced
             self._say(p, mesh, f"cannot beat {self.bound:.4g} s")
             return None
         for rec in ((), self.layers) if self.layers else ((),):
             if rec:
                 pr = replace(pr, nc=pr.nc.with_recompute(cap, rec))
             try:
-                got = _choose(_per_micro_batch(pr, data / batch), p, batch, self.budget, pins,
+                got = _choose(_per_micro_batch(pr, data * expert / batch), p, batch, self.budget, pins,
                               allowed, bound=self.bound * (1 + 1e-6))
             except ValueError:
                 continue
             if got is None:     # nothing on this mesh can beat the best found (nor recomputing)
-                self.pruned.append((p, data, tensor))
-                self.priced[(p, data, tensor)] = priced
+                self.pruned.append(key)
+                self.priced[key] = priced
                 self._say(p, mesh, f"cannot beat {self.bound:.4g} s")
                 return None
             sp, predicted = got
@@ -310,7 +367,8 @@ class _DegreeSearch:
 
     def _say(self, p, mesh, why):
         if self.verbose:
-            print(f"pipeline search p={p} data={mesh['data']} tensor={mesh['tensor']}: {why}")
+            e = f" expert={mesh['expert']}" if "expert" in mesh else ""
+            print(f"pipeline search p={p} data={mesh['data']} tensor={mesh['tensor']}{e}: {why}")
 
 
 def _per_micro_batch(pr, share: float):

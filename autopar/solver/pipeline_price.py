@@ -277,10 +277,14 @@ def state_bytes(cap: Captured, optimizer: str, precision: str | None) -> float:
     4 (2 + k) per parameter in fp32, 2 + 4 + 4 (1 + k) in mixed precision (16-bit weight
     copies, fp32 grads, fp32 master and moments), for k optimizer tensors per parameter
     (AdamW: 2)."""
-    k = OPTIMIZER_STATES.get(optimizer, 2)
-    per = 2 + 4 + 4 * (1 + k) if precision in ("bf16", "fp16") else 4 * (2 + k)
     n = sum(cap.node(ph).meta["val"].numel() for ph in cap.params)
-    return float(n * per)
+    return float(n * state_per_param(optimizer, precision))
+
+
+def state_per_param(optimizer: str, precision: str | None) -> float:
+    """:func:`state_bytes`' bytes per parameter element."""
+    k = OPTIMIZER_STATES.get(optimizer, 2)
+    return 2 + 4 + 4 * (1 + k) if precision in ("bf16", "fp16") else 4 * (2 + k)
 
 
 def local_bytes(cap: Captured, intra: Plan, node, memo: dict | None = None) -> float:

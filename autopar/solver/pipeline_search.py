@@ -345,7 +345,10 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: Options, config: tuple[in
     return replace(intra, nodes=nodes, world_size=world, mesh_shape=(p, *intra.mesh_shape),
                    mesh_axes=("pipeline", *intra.mesh_axes), memory_budget=memory_budget,
                    options=Options.from_pins(pins).replace(
-                       **({"zero": intra.options.zero} if intra.options.zero else {})),
+                       **({"zero": intra.options.zero} if intra.options.zero else {}),
+                       # an expert axis the search chose is a choice the runtime reads
+                       **({"expert": intra.options.expert} if (intra.options.expert or 1) > 1
+                          else {})),
                    estimate=estimate,
                    pipeline=Pipeline(p, v, m, schedule, tuple(units[c] for c in cuts)))
 
