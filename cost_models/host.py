@@ -62,7 +62,7 @@ FREE_TARGETS = ("getitem",)
 # decay mul_, lerp_, mul_, addcmul_, sqrt, div_, add_, bias corrections, addcdiv_).
 OPTIMIZER_DISPATCHES = {0: 1, 1: 3, 2: 10}
 
-# Host seconds per ATen call of an eager step on a GPU (Device.host_op_s), derived from ONE
+# Host seconds per ATen call of an eager step on a GPU (GPU_HOST_OP_S), derived from ONE
 # measurement: the Llama of benchmarks/gpu_check.py on the H100 report
 # (benchmarks/results/gpu_check_nvidia-h100-80gb-hbm3.json, op_timing, the plain step's
 # median): 20.278 ms a step, whose device side the cost model puts at 4.33 ms and the
