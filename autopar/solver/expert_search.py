@@ -33,6 +33,8 @@ from autopar.errors import PinError
 from autopar.ops.experts import EXPERTS_OP
 from autopar.options import Options
 from autopar.solver.errors import InfeasibleError
+from autopar.solver.flat import mesh_floor, plan_captured
+from autopar.solver.pipeline_price import state_per_param
 
 
 def moe_experts(cap) -> int | None:
@@ -106,8 +108,6 @@ def search_experts(spec, cap, flat_kw: dict, best_s: float | None):
     """The unpipelined expert plans of :func:`flat_candidates` that fit: [Plan], each
     mesh pruned first by the memory bound, then by its compute floor against the best step
     found (``best_s``, or the best of these so far)."""
-    from autopar.solver.flat import mesh_floor, plan_captured
-    from autopar.solver.pipeline_price import state_per_param
     n = moe_experts(cap)
     if n is None or spec.mesh_shape is not None:
         return []
