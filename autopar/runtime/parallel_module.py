@@ -440,8 +440,8 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs, target=None):
         """The model's outputs (whole, on every rank) for the global batch ``inputs`` (under
         ``batch="per_rank"``, for this data rank's slice: its rows of the outputs, DDP's
-        form); with ``target=``, the global batch's loss instead (``loss_fn`` on it, in the plan's graph or after it).
-        Differentiable: ``loss.backward()`` on a loss of them trains the plan
+        form); with ``target=``, the global batch's loss instead (``loss_fn`` on it, in the
+        plan's graph or after it). Differentiable: ``loss.backward()`` on a loss of them trains the plan
         (``autopar.runtime.backward_loop``: the data-parallel gradient sums run in buckets
         as backward makes them; plans that cannot run that loop raise at backward, naming
         ``train_step``)."""
@@ -450,13 +450,7 @@ class ParallelModule(nn.Module):
             return self._loss(inputs, target)
         inputs, _ = self.rank_data.global_batch(inputs, None)
         self._gather_params()
-        grad = torch.is_grad_enabled()
-        if grad:
-            self._loop.arm()        # a backward may follow: its gradient sync listens
-        with use_comm(self._stage_comm), self._saved_tensor_policy():
-            flat = self.runner.forward(inputs)
-        if grad:
-            flat = self._loop.attach(flat)
+        flat = self._differentiable(lambda: self.runner.forward(inputs))
         # batch="per_rank": this rank's rows, as DDP returns them (gradients averaged)
         return pytree.tree_unflatten(self.rank_data.local_rows(flat), self._out_spec)
 
@@ -470,12 +464,18 @@ class ParallelModule(nn.Module):
                                 "target=) to autopar.parallelize, or call pm(x) and compute it")
         inputs, target = self.rank_data.global_batch(inputs, self._to_device(target))
         self._gather_params()
+        return self._differentiable(lambda: [self.runner.loss(inputs, target)])[0]
+
+    def _differentiable(self, run) -> list:
+        """``run()``'s outputs; with grad enabled, a backward through them trains the plan:
+        the step's gradient sync is armed first and the outputs pass the loop's entry node
+        (``runtime.backward_loop``)."""
         grad = torch.is_grad_enabled()
         if grad:
-            self._loop.arm()
+            self._loop.arm()        # a backward may follow: its gradient sync listens
         with use_comm(self._stage_comm), self._saved_tensor_policy():
-            loss = self.runner.loss(inputs, target)
-        return self._loop.attach([loss])[0] if grad else loss
+            outs = run()
+        return self._loop.attach(outs) if grad else outs
 
     def no_sync(self):
         """``with pm.no_sync():`` the backward passes of forwards run inside keep their
