@@ -47,6 +47,11 @@ error (message and traceback tail) and lets the next one run, in this order, ski
 8. ``multi_gpu``: with 2 or more GPUs, ``data=2``, ``tensor=2`` and ZeRO-3 plans of the
    GPT on 2 ranks (torchrun) against one device, and NCCL all-reduce bus bandwidth
    against the cost model's; on one GPU "skipped: 1 GPU".
+9. ``scale``: one rank's program of real-scale plans (Llama-3-8B ``tensor=8`` at 8,192
+   tokens, a Llama-3-70B pipeline stage of a 64-GPU plan, a DeepSeek-V3-shaped MoE stack
+   under ``expert=8``) trained on this GPU under torch's fake process group: peak memory
+   and compute by op family against the plan (``benchmarks/gpu_check_scale.py``; its plans
+   prepared by ``--prepare-scale`` into ``benchmarks/data/gpu_check_scale.json``).
 
 Plans: solved here when OR-Tools imports (``--plans live``); otherwise (``--plans saved``)
 the world-1 plans prepared for this GPU (H100, H200) are loaded, which holds only while
@@ -1021,6 +1026,12 @@ def worker_multi(args) -> dict:
     return res if rank == 0 else None
 
 
+# ---- section: one rank of real-scale plans (benchmarks/gpu_check_scale.py) -----------------------
+def section_scale(ctx: Ctx) -> dict:
+    from gpu_check_scale import section_scale as scale
+    return scale(ctx, HAVE_ORTOOLS, log)
+
+
 # ---- the report ----------------------------------------------------------------------------------
 def run_section(report: dict, ctx: Ctx, name: str, fn, need_s: float, out_path: Path) -> None:
     left = ctx.budget.left()
@@ -1138,6 +1149,8 @@ def summary(report: dict) -> list[str]:
             lines.append(f"multi-gpu {label}: {'PASS' if r['passed'] else 'FAIL'} loss diff "
                          f"{r['max_loss_rel_diff']:.1e}, step {r['step_s'] * 1e3:.2f} ms "
                          f"(predicted {r['predicted_step_s'] * 1e3:.2f}), {r['speedup_vs_one_device']:.2f}x one device")
+    from gpu_check_scale import summary_lines
+    lines += summary_lines(s.get("scale", {}))
     return lines
 
 
@@ -1146,6 +1159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry", action="store_true", help="on the CPU at tiny sizes (gloo, 2 steps)")
     ap.add_argument("--prepare", action="store_true",
                     help=f"compute {DATA.relative_to(ROOT)} here (needs OR-Tools)")
+    ap.add_argument("--prepare-scale", action="store_true",
+                    help="solve the scale section's real-scale plans here (needs OR-Tools)")
     ap.add_argument("--out", type=Path, default=None, help="the JSON report")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would start after this")
     ap.add_argument("--steps", type=int, default=20, help="training steps of the equivalence check")
@@ -1166,6 +1181,12 @@ def main(argv=None) -> int:
         return 0
     if args.prepare:
         return prepare(args)
+    if args.prepare_scale:
+        if not HAVE_ORTOOLS:
+            print(f"--prepare-scale needs OR-Tools ({ORTOOLS})", file=sys.stderr)
+            return 2
+        from gpu_check_scale import prepare as prepare_scale
+        return prepare_scale(log)
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry:
         print("gpu_check: no CUDA GPU present (torch.cuda.is_available() is False): nothing to "
@@ -1188,7 +1209,7 @@ def main(argv=None) -> int:
                 ("op_timing", section_op_timing, 20), ("plan_shapes", section_plan_shapes, 25),
                 ("memory", section_memory, 0), ("compile", section_compile, 60),
                 ("attention_backends", section_attention_backends, 30), ("moe", section_moe, 30), ("autopar_compile", section_autopar_compile, 60),
-                ("multi_gpu", section_multi_gpu, 30)]
+                ("multi_gpu", section_multi_gpu, 30), ("scale", section_scale, 60)]
     only = {s for s in args.only.split(",") if s}
     for name, fn, need in sections:
         if only and name not in only and name not in ("environment", "equivalence"):

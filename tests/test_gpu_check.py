@@ -15,8 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
 SECTIONS = ("environment", "equivalence", "op_timing", "plan_shapes", "memory", "compile",
-            "attention_backends", "moe", "autopar_compile", "multi_gpu")
+            "attention_backends", "moe", "autopar_compile", "multi_gpu", "scale")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def test_every_section_ran(dry):
     report, _ = dry
     s = report["sections"]
     assert set(SECTIONS) <= set(s)
-    for name in SECTIONS[:-1]:
+    for name in [n for n in SECTIONS if n != "multi_gpu"]:
         assert s[name]["status"] == "ok", (name, s[name].get("error"), s[name].get("traceback_tail"))
     assert s["multi_gpu"]["status"] == "skipped"
 
@@ -156,6 +158,37 @@ def test_autopar_compiled_gpt_equals_one_device(dry):
 def test_attention_backends_are_timed(dry):
     rows = dry[0]["sections"]["attention_backends"]["shapes"]
     assert rows and all(r["backends"]["default"]["fwd_s"] > 0 and r["predicted_fwd_s"] > 0 for r in rows)
+
+
+def test_scale_runs_one_rank_of_each_plan(dry):
+    """The scale section (``benchmarks/gpu_check_scale.py``) at dry sizes: each case's rank-0
+    program, built from its plan under the fake process group, trained a step: its compute
+    by family, its peak memory and the plan's prediction recorded; its loss and gradients
+    finite, every parameter the local shape the plan's placements give, and the module
+    holding only its shards: the whole model's bytes over the rank's is the plan's degree
+    for the dense cases (every weight matrix split over every mesh axis; only the norm
+    vectors, 0.3% of the bytes, replicated), more than 1 for the experts (split) beside the
+    replicated attention and embeddings."""
+    from gpu_check_scale import DRY_CASES
+    report, _ = dry
+    cases = report["sections"]["scale"]["cases"]
+    assert set(cases) == set(DRY_CASES)
+    for name, c in cases.items():
+        assert "error" not in c, (name, c.get("error"), c.get("traceback_tail"))
+        assert c["world_size"] == math.prod(c["mesh"]) >= 2, name
+        assert c["families"]["matmul"]["measured_s"] > 0, (name, c["families"])
+        assert c["compute_measured_s"] > 0 and c["timing_report"].startswith("predicted vs measured")
+        assert c["peak_bytes"] > 0 and c["predicted_memory_bytes"] > 0, name
+        assert c["memory_ratio"] == c["peak_bytes"] / c["predicted_memory_bytes"]
+        ch = c["checks"]
+        assert ch["loss_finite"] and ch["grads_finite"], (name, ch)
+        assert ch["n_params_without_grad"] == 0 and ch["n_wrong_local_shapes"] == 0, (name, ch)
+        assert c["local_param_bytes"] < c["whole_model_param_bytes"], name
+    for name in ("llama3_8b_tp8", "llama3_70b_pp_stage"):
+        c = cases[name]
+        assert c["whole_over_local"] >= 0.99 * math.prod(c["mesh"]), (name, c["whole_over_local"], c["mesh"])
+        assert c["compute_predicted_s"] or "pipeline" in c["mesh_axes"], name
+    assert cases["deepseek_v3_moe_ep8"]["mesh_axes"] == ["expert"]
 
 
 def test_without_a_gpu_it_refuses(tmp_path):
