@@ -1029,7 +1029,7 @@ def worker_multi(args) -> dict:
 # ---- section: one rank of real-scale plans (benchmarks/gpu_check_scale.py) -----------------------
 def section_scale(ctx: Ctx) -> dict:
     from gpu_check_scale import section_scale as scale
-    return scale(ctx, HAVE_ORTOOLS, log)
+    return scale(ctx, HAVE_ORTOOLS, log, error_info, init_process_group)
 
 
 # ---- the report ----------------------------------------------------------------------------------

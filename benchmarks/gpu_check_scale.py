@@ -30,8 +30,12 @@ training step's peak ``torch.cuda.max_memory_allocated`` (after the weights and 
 states exist) against ``plan.estimate.memory_total`` (the plan's per-device prediction),
 and compute by op family (``autopar.runtime.timing.measure``: every ATen op timed between
 two device synchronisations) against the plan's price table
-(``autopar.runtime.timing.predicted_compute``; for the pipeline stage, this stage's nodes
-only, summed over its micro-batches). Goal: ratios within 10% (reported, not asserted).
+(``autopar.runtime.timing.predicted_compute``). For the pipeline stage the price table is
+not rebuilt per stage (``pricing.prices.plan_prices`` refuses pipeline plans): its total
+compute is compared with the plan's estimate of its busiest stage (``estimate.compute_s``,
+``solver.pipeline_price``) and its peak with the fullest stage's memory; rank 0 runs stage
+0 (the embedding, and under 1F1B the most micro-batches in flight). Goal: ratios within
+10% (reported, not asserted).
 
 Run::
 
@@ -156,9 +160,10 @@ def make_plan(case: dict, time_limit_s: float = 120.0):
 
 
 @contextlib.contextmanager
-def fake_world(world: int, device: torch.device):
+def fake_world(world: int, device: torch.device, restore_group=None):
     """torch's fake process group of ``world`` ranks, this process rank 0 (collectives return
-    at once); the previous group (gpu_check's world-1 group) is put back afterwards."""
+    at once); the previous group (gpu_check's world-1 group) is put back afterwards by
+    ``restore_group(device)``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     prev = None
     if dist.is_initialized():
@@ -178,9 +183,8 @@ def fake_world(world: int, device: torch.device):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if prev is not None:
-            from gpu_check import init_process_group
-            init_process_group(device)
+        if prev is not None and restore_group is not None:
+            restore_group(device)
 
 
 @contextlib.contextmanager
@@ -325,7 +329,7 @@ def local_checks(pm, plan, inputs, target) -> dict:
             "wrong_local_shapes": wrong[:8], "n_wrong_local_shapes": len(wrong)}
 
 
-def run_case(ctx, name: str, case: dict, have_ortools: bool, log) -> dict:
+def run_case(ctx, name: str, case: dict, have_ortools: bool, log, restore_group=None) -> dict:
     import autopar
     from autopar.runtime import timing
     plan, source, plan_s = load_plan(name, case, ctx.dry, have_ortools)
@@ -335,7 +339,7 @@ def run_case(ctx, name: str, case: dict, have_ortools: bool, log) -> dict:
     whole_bytes = sum(p.numel() * p.element_size() for p in whole.values())
     dev = ctx.device
     steps, warmup = (1, 0) if ctx.dry else (3, 1)
-    with fake_world(plan.world_size, dev), without_peers(), random_weights() as weights:
+    with fake_world(plan.world_size, dev, restore_group), without_peers(), random_weights() as weights:
         resident = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else 0.0
         t = time.perf_counter()
         pm = autopar.parallelize(model, inputs, loss_fn, target=target, plan=plan, weights=weights)
@@ -363,7 +367,11 @@ def run_case(ctx, name: str, case: dict, have_ortools: bool, log) -> dict:
         families[fam] = {"measured_s": meas, "predicted_s": pred,
                          "ratio": meas / pred if meas and pred else None}
     compute_meas = sum(rank.compute_s.values())
-    compute_pred = sum(predicted.values()) if predicted else None
+    pipelined = plan.pipeline_stages > 1
+    # a pipeline plan's estimate is of its busiest stage's compute and its fullest stage's
+    # memory (solver.pipeline_price); rank 0 runs stage 0, which under 1F1B holds the most
+    # micro-batches in flight and the embedding
+    compute_pred = est.compute_s if pipelined else (sum(predicted.values()) if predicted else None)
     out = {"case": case, "plan_source": source, "plan_seconds": plan_s, "build_seconds": build_s,
            "world_size": plan.world_size, "mesh": list(plan.mesh_shape), "mesh_axes": list(plan.mesh_axes),
            "cluster": plan.cluster, "summary": plan.summary(),
@@ -377,6 +385,9 @@ def run_case(ctx, name: str, case: dict, have_ortools: bool, log) -> dict:
            "compute_ratio": compute_meas / compute_pred if compute_pred else None,
            "family_prediction": "plan price table (timing.predicted_compute)" if predicted else
                                 "none: pricing.prices.plan_prices does not rebuild a pipeline stage's prices",
+           "prediction_note": "pipeline: compute_predicted_s is the plan's busiest stage's compute per step and "
+                              "predicted_memory_bytes its fullest stage's (solver.pipeline_price); this is stage 0"
+                              if pipelined else "the plan's per-device estimate (every rank alike)",
            "step_measured_s": rank.step_s, "step_predicted_s": est.step_time_s,
            "timing_report": str(rep)}
     log(f"  {name}: local params {local_bytes / 2**30:.3f} GiB of {whole_bytes / 2**30:.3f} GiB; peak "
@@ -385,9 +396,10 @@ def run_case(ctx, name: str, case: dict, have_ortools: bool, log) -> dict:
     return out
 
 
-def section_scale(ctx, have_ortools: bool, log) -> dict:
-    """gpu_check's ``scale`` section: every case, each error recorded and the next one run."""
-    from gpu_check import error_info
+def section_scale(ctx, have_ortools: bool, log, error_info, restore_group) -> dict:
+    """gpu_check's ``scale`` section: every case, each error recorded and the next one run
+    (``error_info``: gpu_check's record of an exception; ``restore_group(device)``: its
+    world-1 process group, made again after each case's fake one)."""
     if ctx.cuda:      # the earlier sections' modules: off the device, its memory is this section's
         ctx.models.clear()
         torch.cuda.empty_cache()
@@ -400,7 +412,7 @@ def section_scale(ctx, have_ortools: bool, log) -> dict:
             continue
         t = time.perf_counter()
         try:
-            out["cases"][name] = run_case(ctx, name, case, have_ortools, log)
+            out["cases"][name] = run_case(ctx, name, case, have_ortools, log, restore_group)
         except Exception as e:  # noqa: BLE001 - recorded; the next case runs
             out["cases"][name] = error_info(e)
             log(f"  {name}: ERROR {out['cases'][name]['error'][:400]}")
@@ -417,6 +429,7 @@ def summary_lines(sec: dict) -> list[str]:
         fams = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in c["families"].items() if v["ratio"])
         lines.append(f"scale {name} (mesh {c['mesh']}): peak {c['peak_bytes'] / 2**30:.2f} GiB vs plan "
                      f"{c['predicted_memory_bytes'] / 2**30:.2f} GiB ({c['memory_ratio']:.2f}x); compute "
-                     f"{c['compute_measured_s'] * 1e3:.1f} ms" + (f" ({c['compute_ratio']:.2f}x: {fams})"
+                     f"{c['compute_measured_s'] * 1e3:.1f} ms" + (f" ({c['compute_ratio']:.2f}x"
+                                                                   + (f": {fams})" if fams else ")")
                                                                    if c["compute_ratio"] else ""))
     return lines
