@@ -19,11 +19,12 @@ input into each peer's slot, so shapes and routed token counts are real):
 - ``deepseek_v3_moe_ep8``: a DeepSeek-V3-shaped stack (``hf:deepseek-v3``'s hidden 7,168,
   MLA attention, 256 routed experts of 2,048, top-8, one shared expert) of
   ``MOE_LAYERS`` MoE layers (``first_k_dense_replace=0``) under ``expert=8`` on
-  ``8xH100``, 8 sequences of 4,096 tokens: rank 0 holds 32 experts and computes the
-  tokens the router sends them (the fake all-to-all delivers rank 0's own counts from
-  every peer: each expert gets 8x the tokens rank 0 routes to it, as a balanced router's).
-  Planned for ``8xH200``: on ``8xH100`` the two layers need 85 GiB a device (the replicated
-  embedding and head, 1.85 B parameters, with their AdamW states), more than an H100 has.
+  ``8xH200``, 8 sequences of 4,096 tokens (4,096 a rank): rank 0 holds 32 experts. The
+  fake all-to-all hands rank 0, as if from peer j, what rank 0 sends to peer j (the counts
+  first, then the tokens): its 32 experts receive all 32,768 of its routed token copies,
+  1,024 each on average, what a balanced router gives them. Planned for H200s: on
+  ``8xH100`` the two layers need 85 GiB a device (the replicated embedding and head, 1.85 B
+  parameters, with their AdamW states), more than an H100 has.
 
 For each case: the module's parameters (bytes held against the whole model's), one
 training step's peak ``torch.cuda.max_memory_allocated`` (after the weights and optimizer
@@ -48,14 +49,25 @@ The real-scale plans are made on a CPU with OR-Tools (``--prepare-scale``) into
 OR-Tools); a plan is checked against the graph captured there (its fingerprint). The
 weights are random (``normal(0, 0.02)``, written straight into the local shards: a real
 checkpoint is not needed to time or size a step). ``--dry`` runs the same code on the CPU
-at tiny sizes (2-4 layers, hidden 64, 32 tokens, ``tensor=2`` / ``pipeline=2`` /
-``expert=2`` on ``cpu:2``), planned live; its numbers mean nothing.
+at tiny sizes (1-2 layers, hidden 64, 32 tokens; ``tensor=2`` on ``cpu:2``,
+``tensor=2, pipeline=2`` on ``cpu:4``, ``expert=2`` on ``cpu:2``), planned live; its numbers
+mean nothing. It takes about 10 s (the section's ``seconds`` in the report, on the 2-core
+development machine).
+
+Planning the real-scale cases (``--prepare-scale``, on that machine with OR-Tools, capture
+on FakeTensors included): Llama-3-8B 6-7 s, Llama-3-70B 4-19 s, DeepSeek-V3 stack 2-13 s
+(the larger figures with other work running). Predicted memory per device: 20.7, 52.6 and
+85.2 GiB: an H200 (139 GiB) runs all three; on an 80 GB GPU the MoE case records its
+out-of-memory error and the others run.
 
 Limits: the fake process group measures no communication (the plan's communication
 terms are reported, not checked); the pipeline stage runs without its peers, so its
-bubble is absent and the gradients it receives are zeros; rank 0 is one rank (other stages, other expert ranks differ: the last
-pipeline stage holds the output head and loss); the expert router's choices follow random
-weights, not a trained router's.
+bubble is absent and the gradients it receives are zeros; rank 0 is one rank (other
+stages and expert ranks differ: the last pipeline stage holds the output head and loss);
+the expert router's choices follow random weights, not a trained router's; the plans are
+priced for H100 / H200 (``cluster``), so on another GPU the compute ratios mix the cost
+model's error with the device's difference; per-op timing adds a launch and two
+synchronisations to every op (as in the ``op_timing`` section).
 """
 from __future__ import annotations
 
@@ -73,7 +85,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "gpu_check_scale.json"
 INIT_STD = 0.02
-"""Standard deviation of the random weights (Llama's and DeepSeek's ``initializer_range``)."""
+"""Standard deviation of the random weights: ``initializer_range`` of transformers'
+``LlamaConfig`` and ``DeepseekV3Config`` (their default; the shipped configs leave it out)."""
 MOE_LAYERS = 2
 
 # name -> how it is planned. "hf": a shipped config; "config": keys changed in it;
@@ -89,7 +102,7 @@ CASES = {
 }
 # the same code paths on a CPU: tiny configs, small worlds
 DRY_CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
+              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 8192}
 DRY_CASES = {
     "llama3_8b_tp8": {"hf": "llama3-8b", "layers": 2, "batch": 1, "seq": 32, "cluster": "cpu:2",
                       "config": DRY_CONFIG, "pins": {"tensor": 2}},
@@ -114,8 +127,8 @@ def cases(dry: bool) -> dict:
 
 def build_meta(case: dict):
     """(model on the meta device with real buffers, inputs, loss_fn, target): the case's
-    shipped config with its changes, built by transformers (``autopar.hf_models``)."""
-    import autopar
+    shipped config with its changes, built by transformers (``autopar.hf_models``: the
+    class its ``architectures`` names, SDPA attention, fp32, no KV cache)."""
     from autopar import hf_models
     name, cfg = hf_models.load_config(case["hf"])
     cfg = {**cfg, **case.get("config", {})}
@@ -132,9 +145,9 @@ def real_buffers(model, config) -> None:
     """The buffers of a model built on the meta device computed for real: each module that
     holds meta buffers and no parameters of its own (a rotary embedding's tables) is built
     again on the CPU from ``config`` and its buffers taken; a module with parameters gets
-    zeros (DeepSeek-V3's router ``e_score_correction_bias``, zeros in transformers' init). (``autopar.meta_parameters``
-    would allocate each parameter on the CPU before moving it: 30 GB for one DeepSeek-V3
-    expert stack.)"""
+    zeros (DeepSeek-V3's router ``e_score_correction_bias``, zeros in transformers' init).
+    (``autopar.meta_parameters`` would allocate each parameter on the CPU before moving it:
+    30 GB for one DeepSeek-V3 expert stack.)"""
     for mod in model.modules():
         if any(b is not None and b.is_meta for b in mod._buffers.values()):
             if mod._parameters:   # DeepSeek's router: its bias buffer starts at zero
@@ -249,11 +262,12 @@ def random_weights(seed: int = 0):
 
 
 # ---- plans: solved here (OR-Tools) or prepared ---------------------------------------------
-def load_plan(name: str, case: dict, dry: bool, have_ortools: bool):
-    """(the plan of ``case``, where it came from, seconds it took): solved here with OR-Tools
-    (always in dry mode), else the prepared one of ``DATA``."""
+def load_plan(name: str, case: dict, live: bool):
+    """(the plan of ``case``, where it came from, seconds it took): solved here (``live``:
+    gpu_check's ``--plans live``, OR-Tools importable, or a dry run), else the prepared one
+    of ``DATA``."""
     from autopar import Plan
-    if dry or have_ortools:
+    if live:
         t = time.perf_counter()
         p = make_plan(case)
         return p, "solved here (OR-Tools)", time.perf_counter() - t
@@ -329,10 +343,13 @@ def local_checks(pm, plan, inputs, target) -> dict:
             "wrong_local_shapes": wrong[:8], "n_wrong_local_shapes": len(wrong)}
 
 
-def run_case(ctx, name: str, case: dict, have_ortools: bool, log, restore_group=None) -> dict:
+def run_case(ctx, name: str, case: dict, live: bool, log, restore_group=None) -> dict:
+    """Case ``name``: planned (or its prepared plan), rank 0's module built under the fake
+    process group with random weights, checked (:func:`local_checks`) and timed."""
     import autopar
+    from autopar.plan import PlanError
     from autopar.runtime import timing
-    plan, source, plan_s = load_plan(name, case, ctx.dry, have_ortools)
+    plan, source, plan_s = load_plan(name, case, live)
     log(f"  {name}: plan {source}, mesh {tuple(plan.mesh_shape)} {tuple(plan.mesh_axes)} on {plan.cluster}")
     model, inputs, loss_fn, target = build_meta(case)
     whole = {n: p for n, p in model.named_parameters()}
@@ -342,7 +359,12 @@ def run_case(ctx, name: str, case: dict, have_ortools: bool, log, restore_group=
     with fake_world(plan.world_size, dev, restore_group), without_peers(), random_weights() as weights:
         resident = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else 0.0
         t = time.perf_counter()
-        pm = autopar.parallelize(model, inputs, loss_fn, target=target, plan=plan, weights=weights)
+        try:
+            pm = autopar.parallelize(model, inputs, loss_fn, target=target, plan=plan, weights=weights)
+        except PlanError as e:
+            raise PlanError(f"{e} [{name}: plan {source}; a prepared plan is made for the graph one torch "
+                            "and transformers capture: run `python benchmarks/gpu_check.py --prepare-scale` "
+                            "with this machine's versions, or carry OR-Tools to solve here]") from e
         build_s = time.perf_counter() - t
         local = dict(pm.module.named_parameters())
         local_bytes = sum(p.numel() * p.element_size() for p in local.values())
@@ -412,11 +434,14 @@ def section_scale(ctx, have_ortools: bool, log, error_info, restore_group) -> di
             continue
         t = time.perf_counter()
         try:
-            out["cases"][name] = run_case(ctx, name, case, have_ortools, log, restore_group)
+            live = ctx.dry or (ctx.plan_source == "live" and have_ortools)
+            out["cases"][name] = run_case(ctx, name, case, live, log, restore_group)
         except Exception as e:  # noqa: BLE001 - recorded; the next case runs
             out["cases"][name] = error_info(e)
             log(f"  {name}: ERROR {out['cases'][name]['error'][:400]}")
         out["cases"][name]["seconds"] = time.perf_counter() - t
+        if ctx.cuda:
+            torch.cuda.empty_cache()
     return out
 
 
