@@ -54,6 +54,19 @@ class Priced:
     latency: float
     action: float = 0.0          # the runtime's seconds per scheduled action of a stage
     message: float = 0.0         # seconds of latency per tensor sent between stages
+    near_bandwidth: float = 0.0  # bytes/s per rank of a cut inside a node (0: ``bandwidth``)
+    ranks_apart: int = 0         # ranks between neighbouring stages (world // p)
+    devices_per_node: int = 0    # 0: one node (every cut inside it)
+
+    def cut_bandwidths(self, p: int, n_stages: int) -> list[float]:
+        """Bytes/s per rank of each of the ``n_stages - 1`` stage boundaries, on the link
+        that boundary crosses (:func:`cut_crosses_nodes`): a rank's own NIC share
+        (``bandwidth``) where the two stages sit on different nodes, NVLink
+        (``near_bandwidth``) where they share one."""
+        near = self.near_bandwidth or self.bandwidth
+        return [self.bandwidth if cut_crosses_nodes(k % p, (k + 1) % p, self.ranks_apart,
+                                                    self.devices_per_node) else near
+                for k in range(n_stages - 1)]
 
     @property
     def positions(self) -> np.ndarray:
@@ -95,8 +108,11 @@ def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_sta
     # (nothing, free nodes, buffer slices): no stage
     positions = [i for i in cut_points(nc.cross, n_stages) if nc.cross_learned[i - 1] > 0]
     bw, lat = pipeline_link(cl, world // p, world)
+    near, _ = pipeline_link(cl, world // p, 1)
     return Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat,
-                   float(getattr(cl.device, "pipeline_action", 0.0)), message_latency(cl, world))
+                  float(getattr(cl.device, "pipeline_action", 0.0)), message_latency(cl, world),
+                  near_bandwidth=near, ranks_apart=world // p,
+                  devices_per_node=cl.devices_per_node if cl.nodes > 1 else 0)
 
 
 PRICED_KEPT = 4
@@ -167,6 +183,20 @@ def pipeline_link(cl, d: int, world: int) -> tuple[float, float]:
     return bw, float(getattr(link, "latency", 0.0) or 0.0) + float(getattr(link, "skew", 0.0))
 
 
+def cut_crosses_nodes(a: int, b: int, d: int, devices_per_node: int) -> bool:
+    """Whether the boundary between pipeline ranks ``a`` and ``b`` crosses nodes: the
+    pipeline axis is the mesh's outermost (``hardware``'s row-major layout), so pipeline
+    rank ``r``'s ``d`` ranks are ``r d .. r d + d - 1`` and each sends to the one at the same
+    offset in its neighbour; the boundary crosses if any such pair sits on two nodes (all
+    pairs send at once, the slowest sets the pace). ``devices_per_node`` 0: one node.
+    With ``d >= devices_per_node`` every boundary crosses; with ``d`` = 2 on 8-GPU nodes
+    (tensor 2, no data parallelism) three boundaries in four stay inside a node."""
+    if devices_per_node <= 0 or a == b:
+        return False
+    return any((a * d + j) // devices_per_node != (b * d + j) // devices_per_node
+               for j in range(d))
+
+
 def message_latency(cl, world: int) -> float:
     """Seconds of latency of one tensor sent between neighbouring stages: a send of next to
     no bytes on their link (``pipeline_link``'s), without the wait for the peer (that is in
@@ -217,7 +247,10 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     # every tensor crossing a stage's cuts is a message each way per micro-batch (stage_dp)
     at = cut_latency(np.concatenate([[0.0], nc.cross_tensors, [0.0]]), pr.message)
     stage_times = np.array([times[j:i].sum() + at[j] + at[i] for j, i in stages])
-    p2p = [float(nc.cross[c - 1] / pr.bandwidth + pr.latency) for c in cuts]
+    # each boundary at the link it crosses (NVLink inside a node, the rank's NIC across);
+    # the stage DP chose the cuts at the slower, ``pr.bandwidth`` (a bound for every cut)
+    p2p = [float(nc.cross[c - 1] / bw + pr.latency)
+           for c, bw in zip(cuts, pr.cut_bandwidths(p, S))]
     # the runtime's cost per action: F and B, or F, I and W (the backward pays two)
     a = pr.action
     split = schedule == "zero-bubble"
