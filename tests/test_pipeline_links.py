@@ -65,16 +65,19 @@ def test_one_stage_a_node_and_one_node_keep_their_single_rate():
 
 
 def test_many_stages_keep_every_block_boundary_as_a_cut_point():
-    """128 blocks of 10 chain positions, three of them (offsets 4, 7 and the block boundary)
-    crossing the residual's bytes only: 384 equal cut points. 64 stages need the boundary
-    after every second block; thinned evenly to 256 a third of the points go and with them
-    block boundaries (the GPT 1T row of K22 Table 5 then held 2.5 blocks on 10 stages)."""
+    """128 blocks of 10 chain positions, the residual's bytes alone crossing before offsets
+    4, 7 and 10 of one block and 5 and 10 of the next (2.5 points a block, as the GPT 1T
+    chain of K22 Table 5: 323 such points): 64 stages need the boundary after every second
+    block. Thinned evenly to a fixed 256, a fifth of the points go and with them block
+    boundaries (that row then held 2.5 blocks on 10 of its 64 stages)."""
     from autopar.solver.pipeline_price import MAX_UNITS, cut_points, max_units
-    block = [5.0, 5.0, 5.0, 1.0, 5.0, 5.0, 1.0, 5.0, 5.0, 1.0]   # cheap before offsets 4, 7, 10
-    cross = np.array(block * 128 + [5.0] * 9)
+    a = [5.0, 5.0, 5.0, 1.0, 5.0, 5.0, 1.0, 5.0, 5.0, 1.0]
+    b = [5.0, 5.0, 5.0, 5.0, 1.0, 5.0, 5.0, 5.0, 5.0, 1.0]
+    cross = np.array((a + b) * 64 + [5.0] * 9)
     boundaries = {10 * k for k in range(1, 128)}
     assert max_units(64) == 512 and max_units(4) == MAX_UNITS
     points = cut_points(cross, 64)
-    assert boundaries <= set(points) and 3 * 128 <= len(points) <= max_units(64)
+    assert boundaries <= set(points) and 320 <= len(points) <= max_units(64)
     # the fixed cap of 256 (32 stages) loses block boundaries: the case this guards
-    assert not boundaries <= set(cut_points(cross, 32))
+    lost = boundaries - set(cut_points(cross, 32))
+    assert len(lost) > 10
