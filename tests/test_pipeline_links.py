@@ -81,3 +81,40 @@ def test_many_stages_keep_every_block_boundary_as_a_cut_point():
     # the fixed cap of 256 (32 stages) loses block boundaries: the case this guards
     lost = boundaries - set(cut_points(cross, 32))
     assert len(lost) > 10
+
+
+def test_a_plans_sends_are_priced_per_boundary(monkeypatch):
+    """A planned pipeline (tensor 2 x pipeline 4 on two nodes of 4 A100s: stages 0-1 on one
+    node, 2-3 on the other): its estimate's sends on the busiest rank are each boundary's
+    bytes at that boundary's link, NVLink for 0-1 and 2-3, a rank's NIC share for 1-2."""
+    import torch
+    import autopar
+    import autopar.solver.pipeline_search as ps
+    from examples.models import gpt_factory
+    seen = {}
+    real = ps.pipeline_estimate
+
+    def spy(pr, config, cuts):
+        seen.update(pr=pr, config=config, cuts=cuts)
+        return real(pr, config, cuts)
+    monkeypatch.setattr(ps, "pipeline_estimate", spy)
+    with torch.device("meta"):
+        ex = gpt_factory(batch=16, n_layer=4, n_embd=256, n_head=8, block_size=128, vocab_size=512)
+    plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="2x4xA100",
+                        pipeline=4, tensor=2, micro_batch_size=4)
+    pr, (p, v, m, _), cuts = seen["pr"], seen["config"], seen["cuts"]
+    assert (p, v, pr.ranks_apart, pr.devices_per_node) == (4, 1, 2, 4)
+    bws = pr.cut_bandwidths(p, p)
+    cl = parse_cluster("2x4xA100")
+    assert bws[1] == pytest.approx(cl.inter.bandwidth / 4) and bws[1] < bws[0] / 5
+    assert bws[0] == bws[2] == pytest.approx(NVLINK3.bandwidth)
+    p2p = [pr.nc.cross[c - 1] / bw + pr.latency for c, bw in zip(cuts, bws)]
+    sends = {r: m * ((p2p[r - 1] if r > 0 else 0.0) + (p2p[r] if r < p - 1 else 0.0))
+             for r in range(p)}
+    got = plan.estimate.comm["send_recv@pipeline"]
+    assert any(got == pytest.approx(s) for s in sends.values()), (got, sends)
+    # priced at one NIC everywhere (as before), no rank's sends come to the estimate's
+    flat = [pr.nc.cross[c - 1] / pr.bandwidth + pr.latency for c in cuts]
+    old = [m * ((flat[r - 1] if r > 0 else 0.0) + (flat[r] if r < p - 1 else 0.0))
+           for r in range(p)]
+    assert all(got != pytest.approx(s) for s in old), (got, old)

@@ -185,8 +185,13 @@ def cut_points(cross: np.ndarray, n_stages: int) -> list[int]:
 
 def pipeline_link(cl, d: int, world: int) -> tuple[float, float]:
     """(bytes/s per rank, seconds of latency and wait) between neighbouring stages, ``d``
-    ranks apart.
-    Across nodes each rank gets its share of the node's NICs (one per GPU on a DGX)."""
+    ranks apart, where their boundary crosses nodes (``world`` beyond one node).
+    Across nodes each rank gets its share of the node's NICs (one per GPU on a DGX: a
+    send and its receive are point to point, rank to rank, over the sender's and the
+    receiver's own NICs, rail-optimized, not a ring over the node's eight); inside a node,
+    NVLink (``world`` <= devices_per_node; :meth:`Priced.cut_bandwidths` picks, per
+    boundary, the one it crosses). Both at the link's NCCL bus bandwidth, which for a
+    send/recv is its bandwidth (nccl-tests PERFORMANCE.md: busbw = algbw for sendrecv)."""
     dpn = cl.devices_per_node
     if cl.nodes > 1 and world > dpn:
         link = cl.inter
