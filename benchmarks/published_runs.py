@@ -238,6 +238,14 @@ capture, the ZeRO-3 copy-out, torchtitan's foreach AdamW), 11, 15, 16 (the gradi
 reduction's dtype). Before: mean 10.0% (11 +18.6%, 12 +17.2%, 13 +13.4%, 14 +40.9%, 15
 -1.7%, 16 -6.9%); before the session of 2026-11-23 (early): 15 -21.4%, 16 -25.8%, 14
 +17.7%, mean 10.9%; before that of 2026-11-22: rows 0-14 11.9%, all 17 19.3%.
+
+2026-11-29 (issue 39, item 2): the stage DP keeps at least 8 cut points a stage
+(``pipeline_price.max_units``), so a 64-stage pipeline keeps every block boundary: row 9
+(1008B, PP 64) -4.0% -> +6.3% (step 106.95 -> 96.57 s: its stages held 2.5 blocks where
+the thinned cut points lacked a boundary); rows 4-8, 10, 11 unchanged (``--rows
+4,5,6,7,8,9,10,11``, 17 s wall; mean |error| over them 8.7% -> 9.0%). Each pipeline boundary
+is now priced on the link it crosses (NVLink inside a node): no row here has a boundary
+inside a node (every pipeline's stages are 8 or more ranks apart), so none moves by it.
 """
 from __future__ import annotations
 
