@@ -69,6 +69,7 @@ from autopar.cost_models.hardware import parse_cluster  # noqa: E402
 from autopar.cost_models.profile import PeakMemory, Profiler  # noqa: E402
 from examples.models import gpt_factory, llama_factory, mlp_factory  # noqa: E402
 from gloo_collectives import constants  # noqa: E402
+from rank_stats import spearman  # noqa: E402
 
 # (label, model, world, pins): model names a builder below
 CASES = [
@@ -204,26 +205,6 @@ def launch(world: int, cases: list[dict], steps: int, warmup: int, tmp: str) -> 
         raise RuntimeError(f"torchrun with {world} ranks failed:\n{proc.stderr[-12000:]}")
     with open(out) as f:
         return json.load(f)
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x):
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else float("nan")
 
 
 def mae(pred: list[float], meas: list[float]) -> float:

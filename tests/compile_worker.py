@@ -24,6 +24,45 @@ from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
+CASES = [
+    {"id": "free", "model": "gpt", "pins": {}},        # the plan a user gets without pins
+    {"id": "data", "model": "mlp", "pins": {"data": 2}},
+    {"id": "tensor", "model": "gpt", "pins": {"tensor": 2}},
+    {"id": "zero3", "model": "mlp", "pins": {"data": 2, "zero": 3}, "count": True},
+    {"id": "pipeline", "model": "mlp", "pins": {"pipeline": 2, "micro_batch_size": 2}},
+    {"id": "hf-llama", "model": "hf-llama", "pins": {"tensor": 2}},    # transformers' Llama
+    # each MoE layer one experts op: its split forms are opaque ops of the compiled graph
+    {"id": "moe-free", "model": "hf-mixtral", "pins": {}},     # the experts op whole: its own op
+    {"id": "moe-all-to-all", "model": "hf-mixtral", "pins": {"expert": 2}},
+    {"id": "moe-all-gather", "model": "hf-mixtral", "pins": {"expert": 2, "expert_dispatch": "all-gather"}},
+    # a compiled stage runs its whole backward at I (torch's split finds no weight behind it)
+    {"id": "zero-bubble", "model": "mlp", "pins": {"pipeline": 2, "micro_batch_size": 2,
+                                                    "schedule": "zero-bubble"}},
+    {"id": "offload", "model": "mlp", "pins": {"data": 2, "offload": "optimizer"}},
+    {"id": "compress", "model": "mlp", "pins": {"data": 2, "compress": "topk:1"}},    # every entry: exact
+    {"id": "branch", "model": "inception", "pins": {"branch": 2}},
+]
+"""Every compiled case: ``tests/test_compile.py`` runs a few (``CORE``), ``benchmarks/
+compiled_plans.py`` all of them."""
+SHARDED = ("tensor", "zero3", "pipeline", "hf-llama", "moe-all-to-all", "moe-all-gather", "zero-bubble")
+
+
+def check_compiled(r: dict) -> None:
+    """Asserts what says a case's compiled path ran as planned (its equality with one device
+    was checked on the ranks: a difference fails the case there): every program compiled, in
+    seconds; a pipelined rank's stage programs among them; sharded plans hold less than the
+    whole model."""
+    case_id = r["case"]["id"]
+    assert r["options"].get("compile") is True, r
+    report = r["report"]
+    assert report is not None and report["compile_s"], report      # the compiled path ran
+    assert all(s > 0 for s in report["compile_s"].values()), report
+    if case_id in ("pipeline", "zero-bubble"):   # each of this rank's stages' train programs
+        assert any(k.startswith("stage ") for k in report["compile_s"]), report
+    if case_id in SHARDED:
+        assert r["local_bytes"] < r["model_bytes"], r
+
+
 GATHER = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out")
 
 

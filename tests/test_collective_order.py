@@ -20,6 +20,8 @@ from autopar.runtime.collective_order import (
 )
 from launch import case_result, torchrun_cases
 
+pytestmark = pytest.mark.timeout(900)     # a fresh machine's first Inductor compile: minutes
+
 GROUPS = {"1": ("data", (0, 1))}
 
 INDUCTOR_CODE = """
@@ -114,7 +116,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
     return torchrun_cases("order_worker.py", 2, CASES, tmp_path_factory.mktemp("order") / "r.json",
-                          timeout=400, case_timeout=200)
+                          timeout=850, case_timeout=400)
 
 
 @pytest.mark.parametrize("mode", ["compiled", "eager"])

@@ -1,13 +1,15 @@
 """``compile=True``: each rank's programs through torch.compile (``autopar.runtime.compiled``).
 
-On real gloo ranks (one torchrun launch, 2 processes): data, tensor, ZeRO-3 and pipeline
-plans compiled with Inductor (and a transformers Llama under tensor=2; Mixtral's experts
-split by all-to-all and by all-gather; a zero-bubble pipeline; ZeRO-Offload; compressed
-gradient reduction; branch parallelism) train as one device does, every program compiled (its
-compile seconds reported), ZeRO-3's weights gathered again in the compiled backward. In
-process: a graph break is an error naming the program's node; simulated (thread) ranks are
-refused; the option is checked like any other; the cost model prices fused memory-bound
-ops, and only those.
+On real gloo ranks (one torchrun launch, 2 processes): the free plan of the small GPT, a
+ZeRO-3 and a pipeline plan compiled with Inductor train as one device does, every program
+compiled (its compile seconds reported), ZeRO-3's weights gathered again in the compiled
+backward. The other compiled cases of ``tests/compile_worker.py`` (tensor, a transformers
+Llama under tensor=2, Mixtral's experts split by all-to-all and by all-gather, a zero-bubble
+pipeline, ZeRO-Offload, compressed gradient reduction, branch parallelism) are
+``benchmarks/compiled_plans.py``'s: on a fresh machine every case compiles its own kernels,
+minutes of this 2-core machine for them all. In process: a graph break is an error naming
+the program's node; simulated (thread) ranks are refused; the option is checked like any
+other; the cost model prices fused memory-bound ops, and only those.
 """
 from __future__ import annotations
 
@@ -21,26 +23,19 @@ import autopar
 from autopar.errors import ArgumentError, PinError
 from autopar.options import Options
 from autopar.runtime.compiled import CompiledProgram, CompileError, check_compilable
+from compile_worker import CASES as ALL_CASES, check_compiled
 from launch import case_result, torchrun_cases
 
-CASES = [
-    {"id": "free", "model": "gpt", "pins": {}},        # the plan a user gets without pins
-    {"id": "data", "model": "mlp", "pins": {"data": 2}},
-    {"id": "tensor", "model": "gpt", "pins": {"tensor": 2}},
-    {"id": "zero3", "model": "mlp", "pins": {"data": 2, "zero": 3}, "count": True},
-    {"id": "pipeline", "model": "mlp", "pins": {"pipeline": 2, "micro_batch_size": 2}},
-    {"id": "hf-llama", "model": "hf-llama", "pins": {"tensor": 2}},    # transformers' Llama
-    # each MoE layer one experts op: its split forms are opaque ops of the compiled graph
-    {"id": "moe-free", "model": "hf-mixtral", "pins": {}},     # the experts op whole: its own op
-    {"id": "moe-all-to-all", "model": "hf-mixtral", "pins": {"expert": 2}},
-    {"id": "moe-all-gather", "model": "hf-mixtral", "pins": {"expert": 2, "expert_dispatch": "all-gather"}},
-    # a compiled stage runs its whole backward at I (torch's split finds no weight behind it)
-    {"id": "zero-bubble", "model": "mlp", "pins": {"pipeline": 2, "micro_batch_size": 2,
-                                                    "schedule": "zero-bubble"}},
-    {"id": "offload", "model": "mlp", "pins": {"data": 2, "offload": "optimizer"}},
-    {"id": "compress", "model": "mlp", "pins": {"data": 2, "compress": "topk:1"}},    # every entry: exact
-    {"id": "branch", "model": "inception", "pins": {"branch": 2}},
-]
+# a cold Inductor cache (a fresh machine) compiles every kernel: the launch below, setup of
+# the first test, takes minutes
+pytestmark = pytest.mark.timeout(1200)
+
+# make test runs these; benchmarks/compiled_plans.py runs every case of
+# compile_worker.CASES (tensor, transformers' Llama, Mixtral's experts both ways, a
+# zero-bubble pipeline, offload, compression, branches): each compiles its own kernels, and
+# Inductor's first compile of a kernel costs this 2-core machine seconds (minutes a launch)
+CORE = ("free", "zero3", "pipeline")
+CASES = [c for c in ALL_CASES if c["id"] in CORE]
 
 
 @pytest.fixture(scope="module")
@@ -50,21 +45,12 @@ def gloo_results(tmp_path_factory):
         pytest.skip(f"compile=True is refused on torch {torch.__version__} "
                     "(test_torch_before_2_11_is_refused)")
     return torchrun_cases("compile_worker.py", 2, CASES, tmp_path_factory.mktemp("compile") / "r.json",
-                          timeout=900, case_timeout=400)
+                          timeout=1100, case_timeout=500)
 
 
 @pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
 def test_compiled_plans_equal_one_device(gloo_results, case_id):
-    r = case_result(gloo_results, case_id)       # loss, gradients, weights: tests/equivalence
-    assert r["options"].get("compile") is True
-    report = r["report"]
-    assert report is not None and report["compile_s"], report      # the compiled path ran
-    assert all(s > 0 for s in report["compile_s"].values()), report
-    if case_id in ("pipeline", "zero-bubble"):   # each of this rank's stages' train programs
-        assert any(k.startswith("stage ") for k in report["compile_s"]), report
-    if case_id in ("tensor", "zero3", "pipeline", "hf-llama", "moe-all-to-all", "moe-all-gather",
-                   "zero-bubble"):
-        assert r["local_bytes"] < r["model_bytes"], r
+    check_compiled(case_result(gloo_results, case_id))    # loss, gradients, weights equal
 
 
 def test_compiled_zero3_gathers_weights_again_in_backward(gloo_results):

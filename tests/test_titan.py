@@ -1,7 +1,9 @@
 """torchtitan's own Llama 3 (its ``Transformer``, tiny: dim 64, 2 layers, 4 heads,
-vocabulary 256, sequence 32), model code written outside autopar, under ``compile=True`` on
-2 gloo ranks (one torchrun launch): ZeRO-3, data and tensor parallel plans train as one
-device does (loss, every gradient, the weights after 3 AdamW steps).
+vocabulary 256, sequence 32), model code written outside autopar, on 2 gloo ranks (one
+torchrun launch): ZeRO-3 and tensor parallel plans under ``compile=True``, and a data
+parallel plan eager (compiled, it is ``benchmarks/compiled_plans.py``'s kind of case: its
+kernels cost minutes of a fresh machine), train as one device does (loss, every gradient,
+the weights after 3 AdamW steps).
 
 Issue 43: under ZeRO-3 this hung, the two ranks' compiled programs issuing their collectives
 in different orders (``ops.collectives.to_partial`` chose by a Python branch on the rank, so
@@ -17,6 +19,9 @@ partial frequency table; the rewrite treated complex tensors as carrying no grad
 ids and masks), so that product's gradient was never summed: wq's and wk's gradients were
 one rank's term, 73% off, eager and compiled alike (``TensorMeta.carries_grad`` now counts
 complex values: the ``data`` case below).
+
+On a fresh machine Inductor compiles every kernel (no cache yet): the launch, the setup of
+the first test, then takes minutes, hence the module's timeout.
 """
 from __future__ import annotations
 
@@ -26,9 +31,11 @@ import torch
 import titan_llama
 from launch import case_result, torchrun_cases
 
+pytestmark = pytest.mark.timeout(1500)
+
 CASES = [
     {"id": "zero3", "pins": {"zero": 3}},          # the reported plan: data 2 (the free mesh), ZeRO-3
-    {"id": "data", "pins": {"data": 2}},
+    {"id": "data", "pins": {"data": 2}, "compile": False},
     {"id": "tensor", "pins": {"tensor": 2}},
     {"id": "rank-branch", "pins": {"zero": 3}, "rank_branch": True},
 ]
@@ -43,14 +50,16 @@ def gloo_results(tmp_path_factory):
     if torch.__version__ < COMPILE_FROM_TORCH:
         pytest.skip(f"compile=True is refused on torch {torch.__version__}")
     return torchrun_cases("titan_worker.py", 2, CASES, tmp_path_factory.mktemp("titan") / "r.json",
-                          timeout=1200, case_timeout=400)
+                          timeout=1400, case_timeout=600)
 
 
 @pytest.mark.parametrize("case_id", ["zero3", "data", "tensor"])
-def test_torchtitan_llama3_compiled_equals_one_device(gloo_results, case_id):
+def test_torchtitan_llama3_equals_one_device(gloo_results, case_id):
     r = case_result(gloo_results, case_id)      # loss, gradients, weights: tests/equivalence
-    assert r["options"].get("compile") is True, r
-    assert r["report"] and r["report"]["compile_s"], r          # the compiled path ran
+    compiled = next(c for c in CASES if c["id"] == case_id).get("compile", True)
+    assert bool(r["options"].get("compile")) is compiled, r
+    if compiled:
+        assert r["report"] and r["report"]["compile_s"], r      # the compiled path ran
     if case_id in ("zero3", "tensor"):
         assert r["local_bytes"] < r["model_bytes"], r           # weights sharded
     if case_id == "zero3":
