@@ -1,5 +1,5 @@
 """autopar's first GPU run, prepared: one script that checks on a CUDA machine what the CPU
-tests cannot (issue 30, item 2), in at most about 6 minutes on one H100.
+tests cannot (issue 30, item 2), in at most about 7 minutes on one H100.
 
 Run, from the repository root (autopar need not be installed)::
 
@@ -10,7 +10,7 @@ Run, from the repository root (autopar need not be installed)::
 It writes a JSON report (``--out``; default ``benchmarks/results/gpu_check_<gpu>.json``,
 a temporary file with ``--dry``) and prints a summary. Sections, each of which records its
 error (message and traceback tail) and lets the next one run, in this order, skipped once
-``--budget-s`` (default 420 s) is spent:
+``--budget-s`` (default 480 s) is spent:
 
 1. ``equivalence``: the small GPT of ``examples/gpt.py`` and a transformers Llama
    (``LlamaConfig``: 4 layers, hidden 512, GQA, SDPA; no download) trained 20 steps
@@ -1162,7 +1162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prepare-scale", action="store_true",
                     help="solve the scale section's real-scale plans here (needs OR-Tools)")
     ap.add_argument("--out", type=Path, default=None, help="the JSON report")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would start after this")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="skip what would start after this")
     ap.add_argument("--steps", type=int, default=20, help="training steps of the equivalence check")
     ap.add_argument("--plans", choices=("auto", "live", "saved"), default="auto",
                     help="auto: solve where OR-Tools imports, else the prepared plans")
