@@ -182,7 +182,7 @@ from dataclasses import dataclass, field, replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from published_runs import TT_H100, Run, predict_parts  # noqa: E402
+from published_runs import MEGATRON_SPLIT, TT_H100, Run, predict_parts  # noqa: E402
 from rank_stats import ranks, spearman  # noqa: E402,F401  (tests import them from here)
 
 SPEARMAN_GOAL = 0.9
@@ -260,7 +260,9 @@ def _gpt(name, source, layers, hidden, heads, batch, gpus, tensor, pipeline, mic
                tensor, pipeline, micro=micro, recompute=recompute, selective_ac=selective,
                selective_nodes=megatron_core_attention if selective else None,
                schedule="interleaved-1f1b" if virtual > 1 else "1f1b", virtual=virtual,
-               grad_reduce="bf16", overlap=False)
+               grad_reduce="bf16", overlap=False,
+               # Megatron-LM's pipelines put num_layers / (p v) layers on each (virtual) stage
+               stage_split=MEGATRON_SPLIT if pipeline > 1 else "")
 
 
 def _k22_t5(size, layers, hidden, heads, gpus, pipeline, virtual, full_s, present_s) -> Group:
@@ -322,7 +324,8 @@ def _n21_t2(size, layers, hidden, heads, gpus, ptd_pipeline, batch, zero_micro, 
     zero3 = Run(f"GPT {size}", N21_T2, "gpt", tensor=1, pipeline=1, micro=zero_micro, zero=3,
                 **gpt)     # DeepSpeed's ZeRO-3 overlaps its collectives (``overlap``)
     ptd = Run(f"GPT {size}", N21_T2, "gpt", tensor=8, pipeline=ptd_pipeline, micro=1,
-              overlap=False, **gpt)    # Megatron-LM (2021): the all-reduce after backward
+              overlap=False,           # Megatron-LM (2021): the all-reduce after backward
+              stage_split=MEGATRON_SPLIT, **gpt)   # and even layers a stage
     return Group(f"n21-t2-{size.lower()}-{gpus}", f"GPT {size}, {gpus} A100, batch {batch}",
                  N21_T2, "TFLOP/s/GPU", [
                      Config(f"ZeRO-3, micro-batch {zero_micro}", zero3, zero_tflops),
