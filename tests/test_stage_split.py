@@ -2,7 +2,7 @@
 Megatron-LM and torchtitan cut it, the same number of repeated layers on every stage, the
 embedding on the first and the final norm, head and loss on the last; checked on the
 captured graph the plan cuts, against the stage DP's balanced cuts (unchanged when not
-pinned, and never predicted slower than the even ones: the DP is optimal for its price).
+pinned, and predicted faster here: the DP minimises the slowest stage).
 Planning only, no processes; the pinned plan trained on 2 gloo ranks against one device is
 ``tests/test_pipeline_runtime.py``'s ``gpt-pp2-even-layers`` case."""
 from __future__ import annotations
@@ -103,8 +103,10 @@ def test_unpinned_and_balanced_plans_are_the_stage_dp(n_stages):
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 @pytest.mark.parametrize("n_stages", [2, 4])
 def test_even_split_never_predicted_faster_than_the_dp(model, n_stages):
-    """Same configuration (m, schedule) pinned: the DP minimises the price the even cuts
-    are priced by, so the even split is never faster."""
+    """Same configuration (m, schedule) pinned: the DP's cuts minimise the slowest stage,
+    so on a few equal blocks under a larger head the even split is not predicted faster.
+    (Not a law of the simulated step: GPT 530B over 105 interleaved stages simulates 0.2%
+    faster on the even cuts than on the DP's, ``benchmarks/ranking.py`` docstring.)"""
     ex = example(model)
     even = plan(ex, pipeline=n_stages, stage_split="even-layers", **PINS)
     free = plan(ex, pipeline=n_stages, **PINS)
