@@ -496,7 +496,12 @@ and loss on the last (NVIDIA/Megatron-LM: ``megatron/training/arguments.py`` req
 ``num_layers`` divisible by the pipeline size; ``megatron/core/transformer/transformer_block.py``
 builds that many layers a stage; every pipelined row of Narayanan et al. 2021, Table 1 has
 a layer count divisible by its stages: 48/2 ... 128/64), not the stage DP's balanced cuts
-(``autopar.options``' ``stage_split``)."""
+(``autopar.options``' ``stage_split``). Rows 4-9 price the same under it (2026-11-29): on
+these TP 8 GPTs the DP's cuts were already the even ones. Not pinned: MT-NLG and BLOOM
+(Megatron-DeepSpeed, its own partitioning; BLOOM's 70 layers over 12 stages are not even),
+Llama 3 405B (Meta's own stack; 126 layers over 16), Qwen3-235B (94 layers over 32 x 3:
+Megatron-Core's uneven first/last stages, which the pin does not model) and torchtitan's
+PP 8 rows (126 layers over 8)."""
 K22 = "Korthikanti et al. 2022, Table 5 (full recompute)"
 
 RUNS: list[Run] = [
