@@ -91,6 +91,13 @@ class Options(Mapping):
     """The pipeline schedule (``torch.distributed.pipelining``); needs ``pipeline`` > 1."""
     virtual_stages: int | None = None
     """Stages per pipeline rank (interleaved 1F1B); needs ``pipeline`` > 1."""
+    stage_split: Literal["balanced", "even-layers"] | None = None
+    """Where a pipeline's stages are cut: ``"balanced"`` (the default) by the stage DP, the
+    cuts of least predicted step; ``"even-layers"`` as Megatron-LM and torchtitan split
+    (``num_layers / p`` transformer layers a stage, embedding with the first, output layer
+    and loss with the last): each stage (each virtual stage under interleaving) holds the
+    same number of repeated layers, what precedes the first on the first stage and what
+    follows the last on the last (``autopar.solver.even_split``); needs ``pipeline`` > 1."""
     recompute: Recompute | None = None
     """Activation recomputation: ``"full"`` (every repeated layer), ``"none"``, or layer
     names (``("h.0", "h.1")``, a unique suffix is enough)."""
@@ -183,6 +190,8 @@ class Options(Mapping):
             del given["offload"]
         if given.get("compile") is False:      # eager is the default: one form for both
             del given["compile"]
+        if given.get("stage_split") == "balanced":     # the default: one form for both
+            del given["stage_split"]
         if given.get("offload_dir") is not None:      # a path as the plan file stores it
             given["offload_dir"] = os.fspath(given["offload_dir"])
         if given.get("offload") in ("optimizer", "disk") and given.get("zero") is None:
@@ -258,6 +267,8 @@ class Options(Mapping):
 
 
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
+STAGE_SPLITS = ("balanced", "even-layers")
+"""Values of the ``stage_split=`` pin."""
 KNOWN_PINS = frozenset(NAMES)
 
 
@@ -340,6 +351,10 @@ def _check_values(p: dict) -> None:
     for name in ("data", "tensor", "expert", "context", "accumulate", "micro_batch_size"):
         if name in p and not _positive_int(p[name]):
             raise PinError(f"pin {name}={p[name]!r} must be a positive integer")
+    if p.get("stage_split") is not None and p["stage_split"] not in STAGE_SPLITS:
+        raise PinError(f"stage_split={p['stage_split']!r}: use 'balanced' (the stage DP's "
+                       "cuts, the default) or 'even-layers' (the same number of repeated "
+                       "layers on every stage, as Megatron-LM and torchtitan)")
     rec = p.get("recompute")
     if not (rec is None or isinstance(rec, bool) or rec in ("full", "none")
             or (isinstance(rec, (list, tuple)) and all(isinstance(r, str) for r in rec))):
@@ -400,8 +415,8 @@ def _check_values(p: dict) -> None:
 
 def _check_combinations(p: dict) -> None:
     pipe = p.get("pipeline") or 1
-    for name in ("schedule", "virtual_stages"):
-        if p.get(name) is not None and pipe == 1:
+    for name in ("schedule", "virtual_stages", "stage_split"):
+        if p.get(name) not in (None, "balanced") and pipe == 1:
             raise PinError(f"the pin {name}= needs pipeline parallelism: pin pipeline= > 1 too")
     if p.get("accumulate") is not None and pipe > 1:
         raise PinError("accumulate= is gradient accumulation without a pipeline; a pipeline "
@@ -624,5 +639,5 @@ def as_options(pins: "Options | Mapping[str, Any] | None") -> Options:
     return pins if isinstance(pins, Options) else Options.from_pins(pins)
 
 
-__all__ = ["ASYNC_PINS", "AVERAGING", "WORKERS_HELP", "WORKERS_LR", "workers_schedule", "COMPRESS_HELP", "NUQ_MAX_LEVELS", "KNOWN_PINS", "NAMES", "OFFLOAD_DEFAULT_ZERO", "OPTIMIZER_STATES",
+__all__ = ["ASYNC_PINS", "AVERAGING", "WORKERS_HELP", "WORKERS_LR", "workers_schedule", "COMPRESS_HELP", "NUQ_MAX_LEVELS", "KNOWN_PINS", "NAMES", "OFFLOAD_DEFAULT_ZERO", "OPTIMIZER_STATES", "STAGE_SPLITS",
            "Options", "as_options", "check_optimizer", "compress_scheme"]

@@ -381,6 +381,7 @@ class Run:
     context: int = 1            # context parallelism: the sequence split over this many ranks
     time_limit_s: float = 0.0   # the ILP's limit for this row, when the default is too short
     selective_nodes: object = None  # under selective_ac: cap -> the nodes recomputed (None: torchtitan's policy)
+    stage_split: str = ""       # the stage_split= pin of a pipelined run ("": the stage DP's cuts)
 
     @property
     def data(self) -> int:
@@ -488,6 +489,19 @@ TT_CP = "torchtitan performance.md (d4c86e3)"
 TT_H100 = {"memory_bytes": 96 * 2**30, "mem_bandwidth": 2.4e12,
            "peak_flops": TORCHTITAN_H100_PEAK, **FA2_H100}
 N21 = "Narayanan et al. 2021, Table 1"
+MEGATRON_SPLIT = "even-layers"
+"""Megatron-LM's pipeline split, as its runs ran: ``num_layers / p`` transformer layers a
+stage (``/ (p v)`` a virtual stage), the embedding on the first, the final norm, output layer
+and loss on the last (NVIDIA/Megatron-LM: ``megatron/training/arguments.py`` requires
+``num_layers`` divisible by the pipeline size; ``megatron/core/transformer/transformer_block.py``
+builds that many layers a stage; every pipelined row of Narayanan et al. 2021, Table 1 has
+a layer count divisible by its stages: 48/2 ... 128/64), not the stage DP's balanced cuts
+(``autopar.options``' ``stage_split``). Rows 4-9 price the same under it (2026-11-29): on
+these TP 8 GPTs the DP's cuts were already the even ones. Not pinned: MT-NLG and BLOOM
+(Megatron-DeepSpeed, its own partitioning; BLOOM's 70 layers over 12 stages are not even),
+Llama 3 405B (Meta's own stack; 126 layers over 16), Qwen3-235B (94 layers over 32 x 3:
+Megatron-Core's uneven first/last stages, which the pin does not model) and torchtitan's
+PP 8 rows (126 layers over 8)."""
 K22 = "Korthikanti et al. 2022, Table 5 (full recompute)"
 
 RUNS: list[Run] = [
@@ -500,17 +514,23 @@ RUNS: list[Run] = [
     Run("GPT 18.4B", N21, "gpt", 40, 6144, 48, 51200, 2048, 1024, 256, "a100", 8, 1,
         micro=4, published_tflops=135, held=True, overlap=False, grad_reduce="bf16"),
     Run("GPT 39.1B", N21, "gpt", 48, 8192, 64, 51200, 2048, 1536, 512, "a100", 8, 2,
-        micro=1, published_tflops=138, overlap=False, grad_reduce="bf16"),
+        micro=1, published_tflops=138, overlap=False, grad_reduce="bf16",
+        stage_split=MEGATRON_SPLIT),   # Megatron-LM: even layers a stage
     Run("GPT 76.1B", N21, "gpt", 60, 10240, 80, 51200, 2048, 1792, 1024, "a100", 8, 4,
-        micro=1, published_tflops=140, held=True, overlap=False, grad_reduce="bf16"),
+        micro=1, published_tflops=140, held=True, overlap=False, grad_reduce="bf16",
+        stage_split=MEGATRON_SPLIT),   # Megatron-LM: even layers a stage
     Run("GPT 145.6B", N21, "gpt", 80, 12288, 96, 51200, 2048, 2304, 1536, "a100", 8, 8,
-        micro=1, published_tflops=148, overlap=False, grad_reduce="bf16"),
+        micro=1, published_tflops=148, overlap=False, grad_reduce="bf16",
+        stage_split=MEGATRON_SPLIT),   # Megatron-LM: even layers a stage
     Run("GPT 310.1B", N21, "gpt", 96, 16384, 128, 51200, 2048, 2160, 1920, "a100", 8, 16,
-        micro=1, published_tflops=155, held=True, overlap=False, grad_reduce="bf16"),
+        micro=1, published_tflops=155, held=True, overlap=False, grad_reduce="bf16",
+        stage_split=MEGATRON_SPLIT),   # Megatron-LM: even layers a stage
     Run("GPT 529.6B", N21, "gpt", 105, 20480, 128, 51200, 2048, 2520, 2520, "a100", 8, 35,
-        micro=1, published_tflops=163, overlap=False, grad_reduce="bf16"),
+        micro=1, published_tflops=163, overlap=False, grad_reduce="bf16",
+        stage_split=MEGATRON_SPLIT),   # Megatron-LM: even layers a stage
     Run("GPT 1008B", N21, "gpt", 128, 25600, 160, 51200, 2048, 3072, 3072, "a100", 8, 64,
-        micro=1, published_tflops=163, held=True, overlap=False, grad_reduce="bf16"),
+        micro=1, published_tflops=163, held=True, overlap=False, grad_reduce="bf16",
+        stage_split=MEGATRON_SPLIT),   # Megatron-LM: even layers a stage
     Run("MT-NLG 530B", "Smith et al. 2022, Table 1 (280 nodes)", "gpt", 105, 20480, 128,
         51200, 2048, 1920, 2240, "a100", 8, 35, micro=1, published_tflops=126, overlap=False,
         grad_reduce="bf16"),
@@ -653,6 +673,8 @@ def pins_of(run: Run) -> dict:
                     schedule=run.schedule)
         if run.virtual > 1:
             pins["virtual_stages"] = run.virtual
+        if run.stage_split:
+            pins["stage_split"] = run.stage_split
     elif run.micro * run.data < run.batch:
         # gradient accumulation without a pipeline: the published micro-batch per rank
         pins["micro_batch_size"] = run.micro * run.data

@@ -138,13 +138,19 @@ changed on them):
   nccl-tests#119 measures that aggregate). DeepSpeed's 2021 ZeRO-3 ran as if each GPU's
   traffic crossed its own NIC alone; no published constant prices that, so the model is
   left as it is (21 GB/s would be a figure fitted to these rows).
-- Megatron-LM (K22): Table 5 within 3% in every row (530B -0.5 / -0.6%, 1T +1.6 / +2.7%). Until
+- Megatron-LM (K22): Table 5 within 3% in every row (530B -0.7 / -0.8%, 1T +1.6 / +2.7%). Until
   2026-11-29 530B was +9% and 1T +12-13%: the stage DP saw at most 256 cut points, and a
   chain with 2-3 equal points a block (1T: 323) thinned evenly to 255 lost block
   boundaries, so 10 of 1T's 64 stages held 2.5 blocks (0.189 s a micro-batch against
   0.157 for two blocks) and paced the pipeline; Megatron-LM splits the blocks evenly. The
   DP now keeps at least 8 points a stage (``pipeline_price.max_units``; 1T: 0.168 s at the
   slowest stage, the first's embedding and the last's head on top of two blocks).
+  Megatron-LM's pipelined rows (K22 Table 5, N21 Table 2's PTD-P) are pinned
+  ``stage_split="even-layers"`` (``published_runs.MEGATRON_SPLIT``), as they ran: on these
+  TP 8 GPTs (vocabulary 51,200) the DP's balanced cuts were already those even ones
+  (175B: the same cuts and step), except 530B's 105 interleaved stages of one block each
+  (-0.5 / -0.6% balanced; the even cuts simulate 0.2% faster than the DP's, whose price is
+  the closed-form bottleneck, not the simulated schedule).
   530B's ``send_recv@pipeline``, 14.9 s a step on the thinned cuts (some mid-block, 2
   tensors), is 1.6 s now (1T: 1.2 s, 175B: 0.18 s). One 22B layer (Table 4)
   is priced 6-9% slow in every row; the recomputation increments agree (full: +8.0 ms
@@ -182,7 +188,7 @@ from dataclasses import dataclass, field, replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from published_runs import TT_H100, Run, predict_parts  # noqa: E402
+from published_runs import MEGATRON_SPLIT, TT_H100, Run, predict_parts  # noqa: E402
 from rank_stats import ranks, spearman  # noqa: E402,F401  (tests import them from here)
 
 SPEARMAN_GOAL = 0.9
@@ -260,7 +266,9 @@ def _gpt(name, source, layers, hidden, heads, batch, gpus, tensor, pipeline, mic
                tensor, pipeline, micro=micro, recompute=recompute, selective_ac=selective,
                selective_nodes=megatron_core_attention if selective else None,
                schedule="interleaved-1f1b" if virtual > 1 else "1f1b", virtual=virtual,
-               grad_reduce="bf16", overlap=False)
+               grad_reduce="bf16", overlap=False,
+               # Megatron-LM's pipelines put num_layers / (p v) layers on each (virtual) stage
+               stage_split=MEGATRON_SPLIT if pipeline > 1 else "")
 
 
 def _k22_t5(size, layers, hidden, heads, gpus, pipeline, virtual, full_s, present_s) -> Group:
@@ -322,7 +330,8 @@ def _n21_t2(size, layers, hidden, heads, gpus, ptd_pipeline, batch, zero_micro, 
     zero3 = Run(f"GPT {size}", N21_T2, "gpt", tensor=1, pipeline=1, micro=zero_micro, zero=3,
                 **gpt)     # DeepSpeed's ZeRO-3 overlaps its collectives (``overlap``)
     ptd = Run(f"GPT {size}", N21_T2, "gpt", tensor=8, pipeline=ptd_pipeline, micro=1,
-              overlap=False, **gpt)    # Megatron-LM (2021): the all-reduce after backward
+              overlap=False,           # Megatron-LM (2021): the all-reduce after backward
+              stage_split=MEGATRON_SPLIT, **gpt)   # and even layers a stage
     return Group(f"n21-t2-{size.lower()}-{gpus}", f"GPT {size}, {gpus} A100, batch {batch}",
                  N21_T2, "TFLOP/s/GPU", [
                      Config(f"ZeRO-3, micro-batch {zero_micro}", zero3, zero_tflops),

@@ -45,12 +45,20 @@ def _matrix_case(model: str, mesh: str, schedule: str) -> dict:
     return {"id": _case_id(model, mesh, schedule), "model": model, "forward": True, "pins": pins}
 
 
+EVEN_LAYERS = {"id": "gpt-pp2-even-layers", "model": "gpt", "forward": True,
+               "pins": {"pipeline": 2, "schedule": "1f1b", "micro_batch_size": 2,
+                        "stage_split": "even-layers"}}
+
+
 def _extra_cases(nproc: int, tmp) -> list[dict]:
     if nproc == 2:
         return [
             # the plan's own micro-batch count, and a plan through a file that recomputes one
             # of the two layers (its stage checkpoints it: passes/recompute)
             {"id": "gpt-pp2-default", "model": "gpt", "pins": {"pipeline": 2}, "forward": True},
+            # Megatron-LM's split (tests/test_stage_split.py): one layer a stage, trained as
+            # one device trains
+            EVEN_LAYERS,
             {"id": "gpt-pp2-saved", "model": "gpt",
              "pins": {"pipeline": 2, "schedule": "1f1b", "recompute": ["h.0"]},
              "plan": "saved", "path": str(tmp / "pp2.json"), "regions": True},
@@ -129,6 +137,18 @@ def test_partial_recompute_list_under_a_pipeline(launch):
     assert r["recompute"] == ["transformer.h.0"]
     regions = [layer for layers in r["regions"].values() for layer in layers]
     assert regions == ["transformer.h.0"], r["regions"]       # checkpointed once, nothing else
+
+
+def test_even_layer_split_trains_as_one_device(launch):
+    """The stage_split="even-layers" plan on 2 gloo ranks: its cut is the second layer's
+    first op (what the plan says), and loss, gradients and weights equal one device's (the
+    worker compares them)."""
+    r = _result(launch, 2, EVEN_LAYERS["id"])
+    ex = EXAMPLES["gpt"]()
+    p = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2",
+                     **EVEN_LAYERS["pins"])
+    assert r["cuts"] == list(p.stage_cuts) and len(p.stage_cuts) == 1
+    assert p.pins["stage_split"] == "even-layers" and set(r["worst"]) == {"loss", "grad", "weight"}
 
 
 def test_data_parallel_reduction_starts_inside_the_schedule(launch):

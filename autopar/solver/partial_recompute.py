@@ -196,7 +196,7 @@ def partial_pipeline(cap, fitted, cl, world: int, config, budget: float):
     solved, pr_full, sp_full = fitted
     layers = select_layers(cap.gm, "full")
     bare = without_recompute(solved[1])
-    pr0 = price_plan(cap, solved[0], bare, cl, world, p, p * v)
+    pr0 = price_plan(cap, solved[0], bare, cl, world, p, p * v, pr_full.starts)
     if len(pr0.bounds) != len(pr_full.bounds) or (pr0.bounds != pr_full.bounds).any():
         return fitted                      # (the cut points are the same: not recomputed)
     full_cuts = tuple(int(pr_full.bounds[c]) for c in sp_full.cuts)
@@ -226,4 +226,5 @@ def _cut(pr, config, limit: float):
     p, v, m, schedule = config
     return plan_stages(pr.layer_costs(), n_devices=p, global_batch=pr.nc.batch * m,
                        memory_limit=max(limit, 1.0), bandwidth=pr.bandwidth, n_stages=p,
-                       micro_batches=m, schedule=schedule, virtual_stages=v, explain=False)
+                       micro_batches=m, schedule=schedule, virtual_stages=v, explain=False,
+                       fixed_cuts=pr.fixed_cuts)

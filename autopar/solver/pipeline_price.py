@@ -24,6 +24,7 @@ from autopar.pricing.costing import OVERLAPPED, exposed_sync
 from autopar.options import OPTIMIZER_STATES
 from autopar.solver.pipeline_costs import node_costs
 from autopar.pricing.simulate import simulate
+from autopar.solver.even_split import even_cuts
 from autopar.solver.stage_dp import LayerCosts, in_flight, plan_stages
 from autopar.solver.stage_tables import cut_latency
 
@@ -67,6 +68,17 @@ class Priced:
     near_bandwidth: float = 0.0  # bytes/s per rank of a cut inside a node (0: ``bandwidth``)
     ranks_apart: int = 0         # ranks between neighbouring stages (world // p)
     devices_per_node: int = 0    # 0: one node (every cut inside it)
+    starts: tuple | None = None  # stage_split="even-layers": each repeated layer's chain start
+
+    @property
+    def fixed_cuts(self):
+        """None (the stage DP cuts), or under ``stage_split="even-layers"`` S -> the DP-unit
+        indices of the even cuts into S stages (``even_split.even_cuts``) for
+        ``plan_stages(fixed_cuts=)``."""
+        if self.starts is None:
+            return None
+        unit = {int(x): k for k, x in enumerate(self.bounds)}
+        return lambda S: tuple(unit[c] for c in even_cuts(list(self.starts), S))
 
     def cut_bandwidths(self, p: int, n_stages: int) -> list[float]:
         """Bytes/s per rank of each of the ``n_stages - 1`` stage boundaries, on the link
@@ -112,17 +124,23 @@ class Priced:
         return sync
 
 
-def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages: int) -> Priced:
+def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_stages: int,
+               starts: Sequence[int] | None = None) -> Priced:
+    """``starts``: under ``stage_split="even-layers"``, each repeated layer's chain start
+    (``even_split.block_starts``), kept among the cut points (the even cuts are of them)."""
     nc = _node_costs(cap, intra, solved)
     # a cut no parameter's value crosses leaves the stages before it without a backward
     # (nothing, free nodes, buffer slices): no stage
     positions = [i for i in cut_points(nc.cross, n_stages) if nc.cross_learned[i - 1] > 0]
+    if starts is not None:
+        positions = sorted(set(positions) | {int(i) for i in starts if i > 0})
     bw, lat = pipeline_link(cl, world // p, world)
     near, _ = pipeline_link(cl, world // p, 1)
     return Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat,
                   float(getattr(cl.device, "pipeline_action", 0.0)), message_latency(cl, world),
                   near_bandwidth=near, ranks_apart=world // p,
-                  devices_per_node=cl.devices_per_node if cl.nodes > 1 else 0)
+                  devices_per_node=cl.devices_per_node if cl.nodes > 1 else 0,
+                  starts=None if starts is None else tuple(int(i) for i in starts))
 
 
 PRICED_KEPT = 4
@@ -242,13 +260,14 @@ def batch_degree(cap: Captured, intra: Plan) -> int:
     return degree
 
 
-def worst_rank_memory(cap, solved, cl, world, config) -> float:
-    """Bytes per device of the fullest rank under the fastest cuts, memory aside."""
+def worst_rank_memory(cap, solved, cl, world, config, starts=None) -> float:
+    """Bytes per device of the fullest rank under the fastest cuts (the even ones under
+    ``starts``: ``price_plan``), memory aside."""
     p, v, m, schedule = config
-    pr = price_plan(cap, solved[0], solved[1], cl, world, p, p * v)
+    pr = price_plan(cap, solved[0], solved[1], cl, world, p, p * v, starts)
     sp = plan_stages(pr.layer_costs(), n_devices=p, global_batch=pr.nc.batch * m,
                      memory_limit=math.inf, bandwidth=pr.bandwidth, n_stages=p, micro_batches=m,
-                     schedule=schedule, virtual_stages=v)
+                     schedule=schedule, virtual_stages=v, fixed_cuts=pr.fixed_cuts)
     cuts = [int(pr.bounds[c]) for c in sp.cuts]
     bounds = (0, *cuts, len(pr.nc.units))
     stages = list(zip(bounds[:-1], bounds[1:]))

@@ -53,6 +53,7 @@ from autopar.options import Options, as_options
 from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
 from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
+from autopar.solver.even_split import block_starts, even_cuts
 from autopar.solver.flat import Solved, solve_captured
 from autopar.solver.partial_recompute import fewest_step, partial_pipeline, without_recompute
 from autopar.solver.pipeline_price import (
@@ -170,7 +171,7 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowe
                              bandwidth=pr.bandwidth, n_stages=p,
                              micro_batches=batch // mbs if mbs else None, schedule=kind,
                              virtual_stages=v, micro_batch_options=allowed_m, explain=False,
-                             above=bound)
+                             above=bound, fixed_cuts=pr.fixed_cuts)
         except ValueError as e:
             error = error or e
             continue
@@ -320,6 +321,8 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: Options, config: tuple[in
     if p * v > learned:
         raise PinError(_too_few_parameters(p, v, learned, world))
     pins = as_options(pins)
+    if pins.stage_split == "even-layers":
+        even_cuts(block_starts(cap), p, v)          # a PinError naming the counts
     cutter = _Cutter(cap, cl, world, config, pins.replace(**(extra_pins or {})),
                      memory_budget if memory_budget is not None else cl.device.memory_bytes,
                      dict(optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
@@ -371,11 +374,13 @@ class _Cutter:
         """(Priced, StagePlan) of ``solved``; raises StagesDoNotFit when no cut fits."""
         p, v, m, schedule = self.config
         limit = self.budget if limit is None else limit
-        pr = price_plan(self.cap, solved[0], solved[1], self.cl, self.world, p, p * v)
+        pr = price_plan(self.cap, solved[0], solved[1], self.cl, self.world, p, p * v,
+                        stage_starts(self.cap, self.pins))
         sp = plan_stages(pr.layer_costs(), n_devices=p, global_batch=pr.nc.batch * m,
                          memory_limit=max(limit - pr.extra_memory(), 1.0),
                          bandwidth=pr.bandwidth, n_stages=p, micro_batches=m,
-                         schedule=schedule, virtual_stages=v, explain=explain)
+                         schedule=schedule, virtual_stages=v, explain=explain,
+                         fixed_cuts=pr.fixed_cuts)
         return pr, sp
 
     def fitting(self, solved):
@@ -397,7 +402,8 @@ class _Cutter:
         except StagesDoNotFit:
             pass
         retries = []
-        worst = worst_rank_memory(self.cap, solved, self.cl, self.world, self.config)
+        worst = worst_rank_memory(self.cap, solved, self.cl, self.world, self.config,
+                                  stage_starts(self.cap, self.pins))
         seen = sum(solved[0].estimate.memory_bytes.values())
         if worst > self.budget and seen > 0:
             retries.append((self.pins, self.budget * seen / worst * 0.98))
@@ -454,11 +460,12 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     intra = solved[0]
     batch = int(example_inputs[0].shape[0])
     try:
-        pr = price_plan(cap0, intra, solved[1], cl, world, p, most_stages(pins, p))
+        starts = stage_starts(cap0, pins)
+        pr = price_plan(cap0, intra, solved[1], cl, world, p, most_stages(pins, p), starts)
         partial = None
         if intra.recompute and pins.recompute is None:
             partial = (price_plan(cap0, intra, without_recompute(solved[1]), cl, world, p,
-                                  most_stages(pins, p)), select_layers(cap0.gm, "full"))
+                                  most_stages(pins, p), starts), select_layers(cap0.gm, "full"))
         ranked = _choose(pr, p, batch, budget, pins,
                          _allowed_micro_batches(batch, batch_degree(cap0, intra)),
                          partial=partial, ranked=True)
@@ -498,6 +505,12 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     if base is None:
         raise error or base_error
     return base, cap0
+
+
+def stage_starts(cap: Captured, pins: Options) -> list[int] | None:
+    """Each repeated layer's chain start under ``stage_split="even-layers"``
+    (``even_split.block_starts``), None otherwise (the stage DP cuts)."""
+    return block_starts(cap) if pins.stage_split == "even-layers" else None
 
 
 _LAYERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -171,7 +171,7 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
                 schedule: str | None = None, virtual_stages: int | None = None,
                 shard_state: bool = False, micro_batch_options: Sequence[int] | None = None,
                 schedule_options: Sequence[str] | None = None, explain: bool = True,
-                above: float = INF) -> StagePlan | None:
+                above: float = INF, fixed_cuts=None) -> StagePlan | None:
     """Choose pipeline degree, cuts, micro-batch count and schedule of least predicted step.
 
     ``memory_limit`` is bytes per device; ``bandwidth`` bytes/s of the link between
@@ -188,6 +188,9 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
     and of the longest layer; the simulated step cannot be shorter) is not planned; None
     is returned when every configuration is such (an error when one below ``above`` does
     not fit: a caller may then recompute, which only adds time).
+    ``fixed_cuts``: S -> the cuts (layer indices) of S stages, in place of the DP's (the
+    ``stage_split="even-layers"`` pin, ``autopar.solver.even_split``); the configurations
+    (m, schedule, virtual stages) are searched as before, each priced at those cuts.
 
     >>> costs = LayerCosts(time=[1.0] * 8, state_bytes=[1.0] * 8, activation_bytes=[1.0] * 8,
     ...                    boundary_bytes=[0.0] * 7)
@@ -219,19 +222,26 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
 
     best: tuple[float, StagePlan] | None = None
     tried = False          # a configuration that could beat ``above`` was tried
+    uneven = None          # fixed_cuts' error for a stage count it cannot cut
     for c in sorted(candidates, key=lower_bound):
         if best is not None and lower_bound(c) >= best[0] * (1 - 1e-12):
             break
+        try:
+            fixed = None if fixed_cuts is None else tuple(int(x) for x in fixed_cuts(c.p * c.v))
+        except PinError as e:          # this many stages do not split the layers evenly
+            uneven = uneven or e
+            continue
         if above < INF and _busiest_floor(c, costs, n_devices, global_batch) >= above:
             continue
         tried = True
         if cannot_fit(c):
             continue
-        key = (fingerprint, c, *args, sync_bw)
+        key = (fingerprint, c, *args, sync_bw) + (() if fixed is None else (fixed,))
         plan = _PLANNED.pop(key, _UNPLANNED)
         if plan is _UNPLANNED:
             cost, tiebreak, memory, share, comm = tables.arrays(c, *args)
-            bottleneck, cuts = stage_dp(cost, tiebreak)
+            bottleneck, cuts = stage_dp(cost, tiebreak) if fixed is None else \
+                (_fixed_bottleneck(cost, fixed, L), fixed)
             plan = _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, sync_bw) \
                 if math.isfinite(bottleneck) else None
         _PLANNED[key] = plan                          # most recent last
@@ -241,12 +251,30 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
             continue
         if best is None or plan.predicted_step_time < best[0]:
             best = (plan.predicted_step_time, plan)
+    if best is None and not tried and uneven is not None \
+            and all(_cannot_cut(fixed_cuts, c) for c in candidates):
+        raise uneven                 # no candidate's stage count splits the layers evenly
     if best is None and not tried and above < INF:
         return None
     if best is None:
         raise StagesDoNotFit(_no_fit_message(candidates, tables, args) if explain else
                              f"no pipeline plan fits {memory_limit / 2**30:.3g} GiB per device")
     return best[1]
+
+
+def _cannot_cut(fixed_cuts, c: Candidate) -> bool:
+    """Whether ``fixed_cuts`` cannot cut candidate c's p * v stages (a PinError)."""
+    try:
+        fixed_cuts(c.p * c.v)
+    except PinError:
+        return True
+    return False
+
+
+def _fixed_bottleneck(cost, cuts: tuple[int, ...], L: int) -> float:
+    """The slowest stage of the chain cut at ``cuts`` (``inf`` when one does not fit)."""
+    bounds = (0, *cuts, L)
+    return max(float(cost[k, j, i]) for k, (j, i) in enumerate(zip(bounds[:-1], bounds[1:])))
 
 
 PLANNED_SIZE = 1024
