@@ -239,9 +239,9 @@ def test_free_virtual_stages_are_priced_with_cut_points_for_the_most_stages(monk
     seen = []
     real = ps.price_plan
 
-    def spy(cap, intra, solved, cl, world, p, n_stages):
+    def spy(cap, intra, solved, cl, world, p, n_stages, *rest):
         seen.append(n_stages)
-        return real(cap, intra, solved, cl, world, p, n_stages)
+        return real(cap, intra, solved, cl, world, p, n_stages, *rest)
 
     monkeypatch.setattr(ps, "price_plan", spy)
     ex = meta_gpt(batch=8, n_layer=8, n_embd=256, block_size=64)
