@@ -106,8 +106,14 @@ def pipeline_config(example_inputs: Sequence, pins: Options) -> tuple[int, int, 
     try:
         check_schedule(schedule, p, m, v)
     except ValueError as e:
+        fix = ""
+        if schedule == "dualpipev" and m < 2 * p:
+            fix = (f"; pin micro_batch_size to at most {batch // (2 * p)} (a divisor of the batch "
+                   f"{batch}) so the batch makes >= {2 * p} micro-batches" if batch >= 2 * p else
+                   f"; the batch of {batch} cannot make {2 * p} micro-batches: use a batch of at "
+                   f"least {2 * p}, fewer pipeline stages, or another schedule")
         raise PinError(f"schedule {schedule!r} cannot run {p} pipeline stages with {m} "
-                       f"micro-batches ({v} virtual stages per rank): {e}") from e
+                       f"micro-batches ({v} virtual stages per rank): {e}{fix}") from e
     return p, v, m, schedule
 
 
@@ -221,7 +227,8 @@ def _kinds_and_virtual(pins: Options, p: int) -> list[tuple[str, int | None]]:
     since the closed form that ``plan_stages`` ranks them by does not order their timelines."""
     v = pins.virtual_stages
     return [(kind, u) for kind in _kinds(pins)
-            for u in ([v] if v is not None or kind != "interleaved-1f1b" or p < 2
+            for u in ([2] if kind == "dualpipev" and v is None     # its V: two stages a rank
+                      else [v] if v is not None or kind != "interleaved-1f1b" or p < 2
                       else DEFAULT_VIRTUAL)]
 
 
