@@ -10,6 +10,7 @@ import functools
 
 import numpy as np
 
+from autopar.pricing.simulate import makespan
 from autopar.schedule import schedule_actions, stage_ranks
 from autopar.solver.stage_plan import LayerCosts
 
@@ -68,7 +69,6 @@ def dualpipev_rho(p: int, f: float, i: float, w: float) -> float:
     has no bubble), so one m serves every m; 0 for p = 1 (nothing to fill)."""
     if p < 2:
         return 0.0
-    from autopar.pricing.simulate import makespan      # lazy: simulate imports this package's schedule
     m = 2 * p
     rank = 2 * (f + i + w)                               # two stages per rank, one micro-batch
     excess = makespan(schedule_actions("dualpipev", p, m, 2), forward=f, backward=i + w,
