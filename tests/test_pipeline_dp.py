@@ -219,6 +219,11 @@ def test_dualpipev_memory_places_the_v():
     assert plan.virtual_stages == 2 and len(plan.cuts) == 2 * p - 1
     # 2 layers per stage: state 2 x 20, activations 2 per stage-micro-batch
     assert plan.memory_per_stage == pytest.approx([40 + (2 * p + 1) * 2] * p)
+    # the middle boundary (stages p - 1 and p, both on rank p - 1) sends nothing
+    sent = plan_stages(costs_of([1.0] * L, state=[10.0] * L, act=[1.0] * L, boundary=[1.0] * (L - 1)),
+                       n_devices=p, global_batch=m, memory_limit=1e9, bandwidth=1.0, n_stages=p,
+                       micro_batches=m, schedule="dualpipev").boundary_times
+    assert [t == 0 for t in sent] == [k == p - 1 for k in range(2 * p - 1)]
 
 
 def test_search_weighs_dualpipev_where_it_can_run():

@@ -79,7 +79,7 @@ import numpy as np
 
 from autopar.errors import PinError
 
-from autopar.schedule import SCHEDULES, check_schedule, schedule_actions
+from autopar.schedule import SCHEDULES, check_schedule, schedule_actions, stage_ranks
 from autopar.pricing.simulate import compile_schedule, makespan_compiled, simulate
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
 from autopar.solver.stage_tables import (
@@ -410,7 +410,9 @@ def _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, syn
     bounds = (0, *cuts, tables.L)
     stages = list(zip(bounds[:-1], bounds[1:]))
     stage_times = np.array([cost[k, j, i] for k, (j, i) in enumerate(stages)])
-    comm_cuts = np.array([comm[i] for i in cuts])
+    # a boundary between two stages of one rank (DualPipeV's middle one) sends nothing
+    ranks = stage_ranks(c.schedule, c.p, c.v)
+    comm_cuts = np.array([0.0 if ranks[k] == ranks[k + 1] else comm[i] for k, i in enumerate(cuts)])
     step, bubble = price(c, stage_times, comm_cuts, split)
     stage_memory = np.array([memory[k, j, i] for k, (j, i) in enumerate(stages)])
     rank_sync = rank_times(c.schedule, c.p, c.v, [tables.sync[j, i] for j, i in stages])
