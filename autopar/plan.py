@@ -109,7 +109,7 @@ class Pipeline:
     stages: int
     virtual_stages: int = 1
     n_microbatches: int = 1
-    schedule: str = "1f1b"        # "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
+    schedule: str = "1f1b"        # "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"
     stage_cuts: tuple[str, ...] = ()          # first graph node of stages 1 .. p*v-1
 
     def __post_init__(self):
