@@ -52,6 +52,13 @@ DUALPIPEV = {"id": "gpt-pp2-dualpipev-adamw", "model": "gpt", "forward": True, "
              "pins": {"pipeline": 2, "schedule": "dualpipev", "micro_batch_size": 1}}
 
 
+# DualPipeV beside a data and a tensor axis (4 ranks): the free search may choose it on any
+# pipelined mesh, so each axis it can share a plan with runs here
+DUALPIPEV_4 = [{"id": f"gpt-pp2x{axis[:1]}p2-dualpipev", "model": "gpt", "forward": True,
+                "pins": {"pipeline": 2, axis: 2, "schedule": "dualpipev", "micro_batch_size": mb}}
+               for axis, mb in (("data", 2), ("tensor", 1))]
+
+
 EVEN_LAYERS = {"id": "gpt-pp2-even-layers", "model": "gpt", "forward": True,
                "pins": {"pipeline": 2, "schedule": "1f1b", "micro_batch_size": 2,
                         "stage_split": "even-layers"}}
@@ -84,6 +91,7 @@ def _extra_cases(nproc: int, tmp) -> list[dict]:
              "cuts": ["slice_2"]},
         ]
     return [
+        *DUALPIPEV_4,
         # every stage holds parameters (the cuts are fixed: the planner's may leave a stage
         # without any, which then starts no reduction)
         {"id": "gpt-pp2xdp2-interleaved-overlap", "model": "gpt",
@@ -151,6 +159,15 @@ def test_dualpipev_trains_as_one_device(launch):
     assert r["forward_err"] < 1e-5
     assert set(r["worst"]) == {"loss", "grad", "weight"}
     print(f"dualpipev: loss {r['worst']['loss']:.1e} grad {r['worst']['grad']:.1e} "
+          f"weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
+
+
+@pytest.mark.parametrize("case", DUALPIPEV_4, ids=[c["id"] for c in DUALPIPEV_4])
+def test_dualpipev_beside_data_and_tensor_axes(launch, case):
+    r = _result(launch, 4, case["id"])          # equal to one device (the worker checks)
+    assert r["schedule"] == "dualpipev" and r["v"] == 2 and r["m"] >= 4
+    assert r["mesh"][0] == 2 and r["mesh"][1:] == [2]
+    print(f"{case['id']}: loss {r['worst']['loss']:.1e} grad {r['worst']['grad']:.1e} "
           f"weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
 
 
