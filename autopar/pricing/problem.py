@@ -268,7 +268,8 @@ def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, roles
                 from_batch: bool) -> list[Combo]:
     """The options of an op node (tensor inputs ``args``) on axes playing ``roles``
     (``from_batch``: computed from the batch)."""
-    data_axis, tensor_axis, expert_axis, context_axis = roles.data, roles.tensor, roles.expert, roles.context
+    data_axis, tensor_axis = roles.data, roles.tensor
+    expert_axis, context_axis = roles.expert, roles.context
     opts = mesh_strategies(call, mesh_shape)
     if is_attention(call.op):
         # the sequence split through attention on one axis at most (context parallelism)
