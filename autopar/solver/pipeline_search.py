@@ -49,6 +49,7 @@ from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
 from autopar.analysis.stages import chain, parameter_positions
 from autopar.capture import Captured, capture
 from autopar.errors import PinError
+from autopar.mesh_roles import STAGE_AXES
 from autopar.options import Options, as_options
 from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
@@ -63,8 +64,8 @@ from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan, DEF
 from autopar.solver.stage_tables import rank_times
 
 DEFAULT_SCHEDULE = "1f1b"
-INTRA_PINS = ("data", "tensor", "expert", "expert_dispatch", "expert_imbalance", "zero", "precision",
-              "recompute", "grad_reduce", "context", "context_attention")
+INTRA_PINS = (*STAGE_AXES, "expert_dispatch", "expert_imbalance", "zero", "precision", "recompute",
+              "grad_reduce", "context_attention")
 
 
 def micro_batches(batch: int, p: int, v: int, micro_batch_size: int | None) -> int:
