@@ -117,8 +117,9 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         goal_plan_s=5.0),
     Row("llama3-70b", replace(_RUNS[13], name="Llama3 70B (H100)", device="h100"), (
         Config("FSDP 64, full recompute", _RUNS[13].source + ", on H100"),
-        Config("FSDP 8 x TP 8, full recompute", "torchtitan's 2-D recipe (FSDP x TP inside a node)",
-               dict(tensor=8)),
+        # each tensor-parallel group takes the 8 sequences its 8 GPUs took under FSDP 64
+        Config("FSDP 8 x TP 8, local batch 8, full recompute",
+               "torchtitan's 2-D recipe (FSDP x TP inside a node)", dict(tensor=8, micro=8)),
     )),
     Row("llama3-8b-262k", replace(_RUNS[29], name="Llama3 8B 262k (32 H100)", gpus=32, batch=4),
         (Config("FSDP 4 x CP 8", _RUNS[29].source + ", data-parallel over 4 such groups"),
