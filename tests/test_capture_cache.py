@@ -197,3 +197,31 @@ def test_search_stages_reach_the_reporter():
     assert set(began) == set(ended)
     bests = [b for _, sec, b in seen if sec is not None and b is not None]
     assert bests and min(bests) >= p.estimate.step_time_s * (1 - 1e-12)
+
+
+def test_ranks_run_a_plan_made_on_cached_graphs(monkeypatch, tmp_path):
+    """``autopar.parallelize`` planning on every rank (thread ranks): the second job reads
+    each rank's graph from the cache, exports nothing, and its ranks still compute what one
+    device computes (loss, every gradient, the weights after the step)."""
+    import copy
+    from autopar.ops.comm import ThreadWorld
+    from equivalence import compare, parallel_run, reference_run
+    _cache_at(monkeypatch, tmp_path)
+    calls = _counting(monkeypatch)
+    ex = EXAMPLES["llama"]()
+    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
+    for job in ("first", "second"):
+        before = len(calls)
+        world = ThreadWorld((2, 2))
+        copies = [copy.deepcopy(ex.model) for _ in range(world.world)]
+
+        def body(comm):
+            pm = autopar.parallelize(copies[comm.rank], ex.inputs, ex.loss_fn, target=ex.target,
+                                     cluster="cpu:4", comm=comm, data=2, tensor=2)
+            return parallel_run(pm, ex.inputs, ex.target)
+        for rank, got in enumerate(world.run(body)):
+            compare(ref, got, f"{job} job, rank {rank}")
+        if job == "first":
+            assert len(calls) > before and _entries(tmp_path)
+        else:
+            assert len(calls) == before, "the second job exported again"
