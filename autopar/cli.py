@@ -96,8 +96,7 @@ def _solve(step, ex: Example, cl, world: int, pins: Options, cache: bool = True,
                               ex.target)
                 capture_s = time.perf_counter() - t0
                 if use.hits:
-                    line(f"read from the capture cache ({cache_dir()}; --no-cache: capture "
-                         "afresh)", final=True)
+                    line(f"read from the capture cache in {cache_dir()}", final=True)
         what = "pipelines, meshes" if pins.pipelined or cl.nodes > 1 else "meshes"
         with step(f"solving ({what}) for {world} devices of {cl.name}") as line:
             def stage(name: str, seconds, best_s) -> None:

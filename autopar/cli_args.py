@@ -64,8 +64,10 @@ def _console(stderr: bool = False):
 @contextlib.contextmanager
 def _progress(quiet: bool = False):
     """Steps with spinners and times, on stderr (stdout stays for the result). ``with
-    step(text) as line:`` shows one step; ``line(more)`` rewrites its line in place (a long
-    search's stage and best plan so far), ``line(more, final=True)`` the text it ends with.
+    step(text) as line:`` shows one step; ``line(more)`` rewrites its line in place as
+    ``short: more`` (``short``: ``text`` up to its first " (", to fit a terminal's line: a
+    long search's stage and best plan so far), ``line(more, final=True)`` the text it ends
+    with, ``short: more``.
     ``quiet``: nothing is shown."""
     if quiet:
         @contextlib.contextmanager
@@ -83,9 +85,9 @@ def _progress(quiet: bool = False):
 
             def line(more: str, final: bool = False) -> None:
                 if final:
-                    end[0] = f"{text}: {more} [green]done[/]"
+                    end[0] = f"{text.split(' (')[0]}: {more} [green]done[/]"
                 else:
-                    p.update(task, description=f"{text}: {more}")
+                    p.update(task, description=f"{text.split(' (')[0]}: {more}")
             yield line
             p.update(task, completed=1, description=end[0])
         yield step
