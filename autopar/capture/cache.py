@@ -43,7 +43,7 @@ import pickle
 import tempfile
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,6 @@ class CacheUse:
     captures: int = 0
     hits: int = 0
     stored: int = 0
-    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """``"off"``, ``"hit"`` (every capture from the cache), ``"miss"`` (none), or
@@ -135,20 +134,22 @@ def current_use() -> CacheUse | None:
 
 
 # ---- the key ---------------------------------------------------------------------------------
-_FILE_HASH: dict[str, str] = {}
+_FILE_HASH: dict[tuple, str] = {}
 _FILE_LOCK = threading.Lock()
 
 
 def _file_hash(path: str) -> str:
+    """SHA-256 of a file's bytes, remembered while its size and mtime stay (a file edited
+    in a long-running process, a notebook's, is read again)."""
+    st = os.stat(path)
+    memo = (path, st.st_size, st.st_mtime_ns)
     with _FILE_LOCK:
-        got = _FILE_HASH.get(path)
+        got = _FILE_HASH.get(memo)
     if got is None:
-        st = os.stat(path)
         with open(path, "rb") as f:
             got = hashlib.sha256(f.read()).hexdigest()
-        got = f"{got}:{st.st_size}"
         with _FILE_LOCK:
-            _FILE_HASH[path] = got
+            _FILE_HASH[memo] = got
     return got
 
 
@@ -241,14 +242,19 @@ def _loss_line(loss_fn) -> str:
     fn = getattr(loss_fn, "func", loss_fn)          # functools.partial: its function
     extra = ""
     if fn is not loss_fn:
-        parts = list(getattr(loss_fn, "args", ())) + sorted(getattr(loss_fn, "keywords", {}).items())
+        parts = (list(getattr(loss_fn, "args", ()))
+                 + sorted(getattr(loss_fn, "keywords", {}).items()))
         if not _simple([v for p in parts for v in (p if isinstance(p, tuple) else (p,))]):
             raise _Unstorable("a partial loss with arguments that are not simple")
         extra = repr(parts)
     name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
     if getattr(fn, "__closure__", None):
         raise _Unstorable(f"loss_fn {name} is a closure")
-    return f"loss {name}|{extra}|{_source_of(fn if inspect.isroutine(fn) else type(fn))}"
+    code = getattr(fn, "__code__", None)      # which function of its file (two lambdas)
+    where = (f"{code.co_firstlineno}|{hashlib.sha256(code.co_code).hexdigest()}"
+             if code is not None else "")
+    return (f"loss {name}|{where}|{extra}|"
+            f"{_source_of(fn if inspect.isroutine(fn) else type(fn))}")
 
 
 def capture_key(model: nn.Module, example_inputs: tuple, loss_fn, target, stamp: bool,
@@ -437,7 +443,8 @@ def load(key: str):
         return None
     try:
         got = json.loads(head)
-        if got.get("format") != FORMAT or got.get("key") != key or got.get("torch") != torch.__version__:
+        if (got.get("format"), got.get("key"), got.get("torch")) != (FORMAT, key,
+                                                                       torch.__version__):
             raise ValueError("another format or key")
         if hashlib.sha256(data).hexdigest() != got.get("sha256"):
             raise ValueError("its bytes do not match their hash")

@@ -9,7 +9,8 @@ from rich.text import Text
 
 from autopar.plan import Plan
 from autopar.report import (_group_layers, accumulation_line, branch_lines, capture_cache_note,
-                            context_lines, expert_lines, fmt_bytes, fmt_time, memory_phases_note, offload_line)
+                            context_lines, expert_lines, fmt_bytes, fmt_time, memory_phases_note,
+                            offload_line)
 
 
 def _table(title: str, *cols: str, **kw) -> Table:
