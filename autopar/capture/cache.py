@@ -374,7 +374,9 @@ def dumps(cap) -> bytes:
              "gm_meta": dict(getattr(cap.gm, "meta", {}))}
     f = io.BytesIO()
     try:
-        _Pickler(f, names).dump(state)
+        with warnings.catch_warnings():   # torch 2.13's pytree warns on pickling a LeafSpec
+            warnings.simplefilter("ignore", FutureWarning)
+            _Pickler(f, names).dump(state)
     except _Unstorable:
         raise
     except Exception as e:  # noqa: BLE001 - any value pickle cannot store: not cached
