@@ -97,6 +97,10 @@ class SolverReport:
     incumbent (``status`` "FEASIBLE", ``gap`` to its bound), and the programs skipped for
     having no solution by then. Such a plan depends on how far the search got, so on the
     machine's load; raise ``time_limit_s`` for the one a finished search gives."""
+    capture_cache: str = ""
+    """Whether the captured graphs came from the capture cache (``autopar.capture.cache``):
+    "hit" (all of them), "miss" (none; stored for the next planning), "k of n from the
+    cache", "off" (``cache=False`` / ``AUTOPAR_CACHE=0``), "" (not recorded)."""
 
 
 @dataclass(frozen=True)
