@@ -5,6 +5,8 @@ replaced; ``AUTOPAR_CACHE=0`` and ``cache=False`` turn it off. Every test caches
 own ``tmp_path``. The progress line (item 5): the CLI's ``--quiet`` prints none."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from click.testing import CliRunner
 
@@ -225,3 +227,14 @@ def test_ranks_run_a_plan_made_on_cached_graphs(monkeypatch, tmp_path):
             assert len(calls) > before and _entries(tmp_path)
         else:
             assert len(calls) == before, "the second job exported again"
+
+
+def test_the_off_switch_is_not_a_folder_for_the_machine_figures(monkeypatch):
+    """``AUTOPAR_CACHE=0`` turns the capture cache off; the machine figures and the profiler,
+    which read the same variable as a folder, keep their default folder (not ``./0``)."""
+    from autopar.cost_models.machine import default_cache_dir
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("AUTOPAR_CACHE", off)
+        assert default_cache_dir() == Path.home() / ".cache" / "autopar"
+    monkeypatch.setenv("AUTOPAR_CACHE", "/tmp/somewhere")
+    assert str(default_cache_dir()) == "/tmp/somewhere"
