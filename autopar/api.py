@@ -29,8 +29,8 @@ from autopar.runtime.weights import capture_view, has_meta, weights_kind
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
 from autopar.options import KNOWN_PINS, OPTIMIZER_STATES, Options, refuse_hogwild_plan, refuse_workers_check
-from autopar.runtime.compression import data_group
-from autopar.runtime.crossbow import Crossbow
+from autopar.runtime.updates.rule import data_group
+from autopar.runtime.updates.crossbow import Crossbow
 
 # names that moved to autopar.solver, still importable from here
 __all__ = ["plan", "parallelize", "KNOWN_PINS", "OPTIMIZER_STATES", "Planned", "Solved",

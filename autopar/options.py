@@ -118,7 +118,7 @@ class Options(Mapping):
     local_sgd_warmup: int | None = None
     """Steps of exact gradient all-reduce before Local SGD begins (default 100)."""
     averaging: Literal["decentralized", "async"] | None = None
-    """BAGUA's model averaging (Gan et al. 2021; ``autopar.runtime.averaging``), instead of
+    """BAGUA's model averaging (Gan et al. 2021; ``autopar.runtime.updates.averaging``), instead of
     the gradient all-reduce over the data axis: ``"decentralized"`` (each rank steps on its
     own gradient, then averages its parameters with its two ring neighbours, D-PSGD) or
     ``"async"`` (the parameters' average over the data axis is all-reduced in the background
@@ -126,12 +126,12 @@ class Options(Mapping):
     averaging_period: int | None = None
     """Steps between averagings under ``averaging=`` (default 1)."""
     staleness: int | None = None
-    """Stale-synchronous data parallelism (``autopar.runtime.stale``): the gradient of step
+    """Stale-synchronous data parallelism (``autopar.runtime.updates.stale``): the gradient of step
     t - s is applied at step t (s >= 1), so each step's reduction runs behind the next s
     steps; the first s steps apply none (``pm.step(opt)`` skips them). With
     ``param_server=`` the servers apply the pushed gradients that late."""
     param_server: int | None = None
-    """Parameter servers (Li et al. 2014; ``autopar.runtime.param_server``): this many ranks
+    """Parameter servers (Li et al. 2014; ``autopar.runtime.updates.param_server``): this many ranks
     of the data axis each own a shard of the parameters and their optimizer state; workers
     push gradients to the owners (point-to-point), the owners step, workers pull the
     parameters back. Exact without ``staleness=``."""
@@ -140,12 +140,12 @@ class Options(Mapping):
     update one copy of the parameters in shared memory without locks. CPU only, and only
     through ``autopar.hogwild(...)`` (not torchrun ranks)."""
     learners: int | None = None
-    """Crossbow (Koliousis et al. 2019; ``autopar.runtime.crossbow``): this many learners (model
+    """Crossbow (Koliousis et al. 2019; ``autopar.runtime.updates.crossbow``): this many learners (model
     replicas) per rank, each training on its own batch (``train_step`` takes that many
     batches stacked), pulled toward a central average model by synchronous model averaging
     (SMA, with momentum) every step."""
     workers: str | None = None
-    """Accordion's batch-size form (Agarwal et al. 2021; ``autopar.runtime.workers``) as the
+    """Accordion's batch-size form (Agarwal et al. 2021; ``autopar.runtime.updates.workers``) as the
     number of data-parallel workers that train: ``"accordion:W1:W2"``. Every 10 steps the
     norm of the whole model's gradient, accumulated since the last check, is compared with
     the last check's; a relative change of 0.5 or more (and the start) is a critical regime,
@@ -500,7 +500,7 @@ def _check_async_values(p: dict) -> None:
 
 
 def _check_async_combinations(p: dict) -> None:
-    """Refuse what the relaxed update schemes cannot combine with (autopar.runtime.stale,
+    """Refuse what the relaxed update schemes cannot combine with (autopar.runtime.updates.stale,
     param_server, hogwild, crossbow)."""
     set_ = [n for n in ASYNC_PINS if p.get(n) is not None]
     if not set_:
@@ -542,7 +542,7 @@ def _check_async_combinations(p: dict) -> None:
 
 
 def _check_averaging_combinations(p: dict) -> None:
-    """Refuse what ``averaging=`` (``autopar.runtime.averaging``) cannot combine with: it
+    """Refuse what ``averaging=`` (``autopar.runtime.updates.averaging``) cannot combine with: it
     replaces the data axis's gradient all-reduce with parameter averaging."""
     if p.get("averaging") is None:
         return
@@ -572,7 +572,7 @@ def _check_workers_values(p: dict) -> None:
 
 
 def _check_workers_combinations(p: dict) -> None:
-    """Refuse what ``workers=`` (``autopar.runtime.workers``) cannot combine with: idle data
+    """Refuse what ``workers=`` (``autopar.runtime.updates.workers``) cannot combine with: idle data
     ranks skip forward and backward, so nothing in them may cross the data axis, and the
     data axis's reduction is its own."""
     counts = workers_schedule(p.get("workers"))

@@ -46,7 +46,7 @@ __all__ = ["AUTO_COMPRESS", "Planned", "SearchSpec", "capture_for_plan", "plan_s
            "search_captured"]
 
 AUTO_COMPRESS = (None, "bf16", "int8", "topk:0.01", "powersgd:4")
-"""What ``compress="auto"`` chooses from (``autopar.runtime.compression``)."""
+"""What ``compress="auto"`` chooses from (``autopar.runtime.updates.compression``)."""
 
 
 def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
