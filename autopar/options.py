@@ -4,7 +4,8 @@ leaving the rest to the solver.
 
 :class:`Options` is the one place that says what each option is, which values it takes,
 which combinations are refused (with the words of ``autopar.errors``' catalogue) and what
-one implies (``offload`` implies ``zero=2``). It is built once, from the user's keywords
+one implies (``offload`` implies ``zero=2``). The data-parallel update schemes are values
+(``Options.update``, ``autopar.update_schemes``), each declaring what it refuses. It is built once, from the user's keywords
 (:meth:`Options.from_pins`), never mutates them, and travels as it is: the solver reads
 it, the plan stores the options it runs with (``Plan.options``: the user's, plus what the
 search chose, such as the ZeRO stage), and the runtime reads only that.
@@ -22,6 +23,9 @@ from typing import Any, Iterator, Literal, Union
 
 from autopar.errors import ArgumentError, PinError
 from autopar.schedule import SCHEDULES, ScheduleKind
+from autopar.update_schemes import (
+    COUNT_PINS, SCHEMES, UpdateScheme, check_update_pins, pinned_schemes, scheme_of,
+)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Recompute = Union[bool, Literal["full", "none"], tuple[str, ...]]
@@ -196,9 +200,7 @@ class Options(Mapping):
             given["offload_dir"] = os.fspath(given["offload_dir"])
         if given.get("offload") in ("optimizer", "disk") and given.get("zero") is None:
             given["zero"] = OFFLOAD_DEFAULT_ZERO
-        if given.get("compress") not in (None, "none") or given.get("local_sgd") \
-                or given.get("offload") or any(given.get(n) for n in ASYNC_PINS) \
-                or given.get("averaging") or given.get("workers"):
+        if pinned_schemes(given) or given.get("offload"):
             given.setdefault("pipeline", 1)     # not offered with pipelines (yet)
         if isinstance(given.get("recompute"), list):
             given["recompute"] = tuple(given["recompute"])
@@ -232,6 +234,13 @@ class Options(Mapping):
         """The gradient compression asked for: ``(kind, parameter)``, or None (none, or
         ``"auto"``: the solver's choice)."""
         return compress_scheme(self.compress)
+
+    @property
+    def update(self) -> UpdateScheme:
+        """The data-parallel update scheme these options pin, as one frozen value
+        (``autopar.update_schemes``: ``Compressed("powersgd:4")``, ``Stale(1)``, ...;
+        ``Exact()`` when none); its ``pins()`` are the options that write it."""
+        return scheme_of(dict(self))
 
     @property
     def worker_counts(self) -> tuple[int, int] | None:
@@ -437,23 +446,8 @@ def _check_combinations(p: dict) -> None:
             if p.get(other) not in (None, none):
                 raise PinError(f"{off} with {other}={p[other]!r} is not supported: "
                                "drop one of the two pins")
-    lossy = [f"{n}={p[n]!r}" for n in ("compress", "local_sgd") if p.get(n) not in (None, "none")]
-    if len(lossy) == 2:
-        raise PinError(f"{lossy[0]} and {lossy[1]}: local SGD has no per-step gradient reduction "
-                       "to compress; pin one of them")
-    if lossy:
-        if (p.get("zero") or 0) > 0:
-            raise PinError(f"{lossy[0]} works on the replicated data-parallel gradient all-reduce; "
-                           "ZeRO shards it: drop zero= or the lossy pin")
-        if pipe > 1:
-            raise PinError(f"{lossy[0]} is not supported with a pipeline yet: drop pipeline= or "
-                           "the lossy pin")
-        if p.get("grad_reduce") == "bf16" and p.get("compress") not in (None, "none"):
-            raise PinError(f"{lossy[0]} and grad_reduce='bf16' both choose how gradients are "
-                           "reduced: pin one of them (compress='bf16' is the bf16 reduction)")
-    _check_async_combinations(p)
-    _check_averaging_combinations(p)
-    _check_workers_combinations(p)
+    # the update schemes (autopar.update_schemes): one at most, and what each refuses
+    check_update_pins(p)
     if (p.get("expert") or 1) > 1 and p.get("expert_dispatch") == "tensor":
         raise PinError(f"expert={p['expert']} splits the experts over an axis; "
                        "expert_dispatch='tensor' splits each expert instead (with tensor=): pin "
@@ -477,89 +471,16 @@ def _check_combinations(p: dict) -> None:
                                "one of the two pins")
 
 
-ASYNC_PINS = ("staleness", "param_server", "hogwild", "learners")
-"""The relaxed (or, for ``param_server`` alone, exact) update schemes of issue 31 that change
-how a step's update reaches the parameters; never chosen by the solver, only pinned."""
-
-_ASYNC_HELP = {
-    "staleness": "the delay s >= 1 in steps of each gradient (1: a step's reduction overlaps "
-                 "the whole next step), e.g. staleness=1; drop it for synchronous updates",
-    "param_server": "the number of server ranks (>= 1, at most the data-parallel degree) that "
-                    "own the parameter shards, e.g. param_server=1",
-    "hogwild": "the number of processes (>= 1) that share the parameters on this host, "
-               "e.g. autopar.hogwild(model, ..., processes=4)",
-    "learners": "the number of learners (model replicas, >= 1) per rank, e.g. learners=2",
-}
+ASYNC_PINS = COUNT_PINS
+"""The update schemes pinned by a count (``staleness``, ``param_server``, ``learners``,
+``hogwild``: ``autopar.update_schemes``), of issue 31; never chosen by the solver."""
 
 
 def _check_async_values(p: dict) -> None:
-    for name in ASYNC_PINS:
-        v = p.get(name)
-        if v is not None and not _positive_int(v):
-            raise PinError(f"{name}={v!r}: give {_ASYNC_HELP[name]}")
-
-
-def _check_async_combinations(p: dict) -> None:
-    """Refuse what the relaxed update schemes cannot combine with (autopar.runtime.updates.stale,
-    param_server, hogwild, crossbow)."""
-    set_ = [n for n in ASYNC_PINS if p.get(n) is not None]
-    if not set_:
-        return
-    if p.get("hogwild") is not None:
-        others = sorted(n for n, v in p.items() if n != "hogwild" and v is not None
-                        and not (n == "pipeline" and v == 1) and not (n == "offload" and v == "none")
-                        and not (n == "compile" and v is False))
-        if others:
-            raise PinError(f"hogwild={p['hogwild']} runs the whole model in each process of one "
-                           f"host on shared parameters; it takes no other pin ({', '.join(others)}): "
-                           "drop them, or drop hogwild=")
-        return
-    if p.get("learners") is not None:
-        for other in ("staleness", "param_server", "accumulate"):
-            if p.get(other) is not None:
-                raise PinError(f"learners={p['learners']} (Crossbow) with {other}={p[other]!r} is "
-                               "not supported: each learner steps every step on its own share of "
-                               "the batch; drop one of the two pins")
-        for other in ("tensor", "context"):
-            if (p.get(other) or 1) > 1:
-                raise PinError(f"learners={p['learners']} (Crossbow) keeps whole model replicas "
-                               f"per rank; {other}={p[other]} splits them: drop {other}= (or pin "
-                               f"{other}=1)")
-    first = f"{set_[0]}={p[set_[0]]!r}"
-    for other, none in (("compress", "none"), ("local_sgd", None), ("averaging", None)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} and {other}={p[other]!r} both change how the data-parallel "
-                           "update is made: pin one of them")
-    for other, none in (("zero", 0), ("pipeline", 1), ("branch", 1), ("expert", 1), ("offload", None)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} with {other}={p[other]!r} is not supported: it works on the "
-                           "replicated data-parallel update; drop one of the two pins")
-    if p.get("precision") == "fp16":
-        raise PinError(f"{first} with precision='fp16': a delayed or averaged update cannot follow "
-                       "dynamic loss scaling's skipped steps; pin precision='bf16'")
-    if p.get("grad_reduce") == "bf16":
-        raise PinError(f"{first} reduces gradients (or parameters) in fp32: drop grad_reduce='bf16'")
-
-
-def _check_averaging_combinations(p: dict) -> None:
-    """Refuse what ``averaging=`` (``autopar.runtime.updates.averaging``) cannot combine with: it
-    replaces the data axis's gradient all-reduce with parameter averaging."""
-    if p.get("averaging") is None:
-        return
-    first = f"averaging={p['averaging']!r}"
-    for other, none in (("compress", "none"), ("local_sgd", None), *((n, None) for n in ASYNC_PINS)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} and {other}={p[other]!r} both change how the data-parallel "
-                           "update is made: pin one of them")
-    for other, none in (("zero", 0), ("pipeline", 1), ("branch", 1), ("expert", 1), ("offload", None)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} with {other}={p[other]!r} is not supported: it averages whole "
-                           "replicated parameters over the data axis; drop one of the two pins")
-    if p.get("precision") == "fp16":
-        raise PinError(f"{first} with precision='fp16': ranks skipping different steps under dynamic "
-                       "loss scaling would average unlike models; pin precision='bf16'")
-    if p.get("grad_reduce") == "bf16":
-        raise PinError(f"{first} reduces no gradient over the data axis: drop grad_reduce='bf16'")
+    for scheme in SCHEMES:
+        v = p.get(scheme.pin)
+        if scheme.count_help is not None and v is not None and not _positive_int(v):
+            raise PinError(f"{scheme.pin}={v!r}: give {scheme.count_help}")
 
 
 def _check_workers_values(p: dict) -> None:
@@ -569,48 +490,6 @@ def _check_workers_values(p: dict) -> None:
         raise PinError(f"workers_lr={lr!r}: 'linear' (the default: the learning rate scaled by the "
                        "workers that train over W2) or 'constant', with workers='accordion:W1:W2' "
                        "pinned too")
-
-
-def _check_workers_combinations(p: dict) -> None:
-    """Refuse what ``workers=`` (``autopar.runtime.updates.workers``) cannot combine with: idle data
-    ranks skip forward and backward, so nothing in them may cross the data axis, and the
-    data axis's reduction is its own."""
-    counts = workers_schedule(p.get("workers"))
-    if counts is None:
-        return
-    first = f"workers={p['workers']!r}"
-    data = p.get("data")
-    if data is not None and data < counts[1]:
-        raise PinError(f"{first} trains W2={counts[1]} data-parallel workers outside critical regimes, "
-                       f"more than data={data}: pin data= >= {counts[1]}, or a smaller W2")
-    for other, none in (("compress", "none"), ("local_sgd", None), ("averaging", None),
-                        *((n, None) for n in ASYNC_PINS)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} and {other}={p[other]!r} both change how the data-parallel "
-                           "update is made: pin one of them")
-    why = {"pipeline": "a pipeline's stages exchange activations across ranks",
-           "zero": "ZeRO shards the data axis's reduction (zero=3 gathers weights over it in forward)",
-           "offload": "offload runs on ZeRO's shards",
-           "expert": "the expert axis splits the batch and exchanges tokens across it in forward",
-           "branch": "branch groups exchange activations",
-           "compile": "the compiled programs are not checked for it"}
-    for other, none in (("pipeline", 1), ("zero", 0), ("offload", None), ("expert", 1),
-                        ("branch", 1), ("compile", False)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} with {other}={p[other]!r} is not supported: idle data ranks "
-                           f"skip forward and backward, and {why[other]}; drop one of the two pins")
-    if p.get("grad_reduce") == "bf16":
-        raise PinError(f"{first} reduces the data axis's gradient in the gradients' dtype: drop "
-                       "grad_reduce='bf16'")
-
-
-def refuse_workers_check(options: "Options") -> None:
-    """The ArgumentError of ``check=`` (the first step against one device) under ``workers=``."""
-    if options.workers is not None:
-        raise ArgumentError(f"check= compares the first step's gradients with one device's on the "
-                            f"whole batch; under workers={options.workers!r} the first step (a "
-                            "critical regime) trains on W1 workers' batches only: pass check=False "
-                            "(or unset AUTOPAR_CHECK)")
 
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}

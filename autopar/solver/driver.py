@@ -123,7 +123,7 @@ def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local",
         captured = None        # captured for another layout: capture again, balanced
     with sequence_layout(options.context):
         planned = _solve_spec(spec, captured, capture_s)
-    if any(getattr(options, n) for n in ("staleness", "param_server", "learners", "workers")):
+    if options.update.repriced:     # autopar.update_schemes: priced again under the scheme
         planned = Planned(reprice_updates(planned.plan, cl, spec.budget), *planned[1:])
     return planned
 

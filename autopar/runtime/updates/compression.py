@@ -65,7 +65,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from autopar.errors import ArgumentError
 from autopar.ops.comm import Comm
 from autopar.options import Options
 from autopar.runtime.regime import ACCORDION_ETA, ACCORDION_INTERVAL, RegimeDetector
@@ -82,8 +81,8 @@ NUQ_SEED = 1234
 
 def make_compressed(options: Options, comm: Comm, axis: int | None, params: dict) -> "Reducer | None":
     """``compress=``' rule on the data axis ``axis`` (None with one data rank or none)."""
-    if axis is None or comm.size(axis) == 1:
-        return None
+    if axis is None or comm.size(axis) == 1 or options.compression is None:
+        return None      # compress="auto" the solver left unchosen: the exact all-reduce
     kind, arg = options.compression
     return {"bf16": Bf16, "powersgd": PowerSGD, "topk": TopK, "int8": Int8, "nuq": Nuq,
             "accordion": Accordion}[kind](data_group(comm, axis), axis, arg)
