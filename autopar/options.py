@@ -23,8 +23,9 @@ from typing import Any, Iterator, Literal, Union
 
 from autopar.errors import ArgumentError, PinError
 from autopar.schedule import SCHEDULES, ScheduleKind
-from autopar.update_schemes import (
-    COUNT_PINS, SCHEMES, UpdateScheme, check_update_pins, pinned_schemes, scheme_of,
+from autopar.update_schemes import (  # noqa: F401  (the values' names, read from here too)
+    AVERAGING, COMPRESS_HELP, COUNT_PINS, NUQ_MAX_LEVELS, SCHEMES, WORKERS_HELP, WORKERS_LR,
+    UpdateScheme, check_update_pins, compress_scheme, pinned_schemes, scheme_of, workers_schedule,
 )
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -34,22 +35,10 @@ OFFLOAD_DEFAULT_ZERO = 2
 """``offload="optimizer"`` without a ``zero=`` pin implies ZeRO stage 2, the pairing
 DeepSpeed's ZeRO-Offload uses (Ren et al. 2021)."""
 
-COMPRESS_HELP = ("'powersgd:R' (rank R, e.g. 'powersgd:4'), 'topk:F' (fraction 0 < F <= 1, e.g. "
-                 "'topk:0.01'), 'nuq:S' (NUQSGD, S = 1..127 exponentially spaced levels, e.g. "
-                 "'nuq:4'), 'accordion:powersgd:R1:R2' (rank R1 < R2, R2 in critical regimes, e.g. "
-                 "'accordion:powersgd:1:4') or 'accordion:topk:F1:F2' (F1 < F2, e.g. "
-                 "'accordion:topk:0.01:0.1'), 'bf16', 'int8', 'none', or 'auto' (the solver may "
-                 "choose one)")
-NUQ_MAX_LEVELS = 127
-"""``nuq:S``: a coordinate's code (sign and level index, ``2S + 1`` values) fits one byte."""
-AVERAGING = ("decentralized", "async")
-WORKERS_LR = ("linear", "constant")
 MESH_AXIS_PINS = ("data", "context", "expert", "tensor", "pipeline", "branch")
 """Every option that is the degree of a mesh axis, under the axis's name (``Plan.mesh_axes``
 uses the same names). A new axis is added here, so that what reads every mesh pin
 (``autopar.elastic``'s re-plan for a new world size) sees it."""
-WORKERS_HELP = ("'accordion:W1:W2': W1 data-parallel workers train in critical regimes, W2 (W1 <= "
-                "W2 <= the data degree) otherwise, e.g. workers='accordion:2:8'")
 
 
 @dataclass(frozen=True, eq=False)
@@ -281,72 +270,6 @@ STAGE_SPLITS = ("balanced", "even-layers")
 KNOWN_PINS = frozenset(NAMES)
 
 
-def compress_scheme(value) -> tuple[str, Any] | None:
-    """The data-parallel gradient compression a ``compress=`` value asks for: ``(kind,
-    parameter)`` with kind "powersgd" (parameter: the rank), "topk" (the fraction), "nuq"
-    (the levels), "accordion" (parameter ``(kind, A, B)``: powersgd ranks or topk fractions,
-    A < B, B the less compressed, used in critical regimes), "bf16" or "int8" (parameter
-    0); None for no compression (None, "none") and for "auto" (the
-    solver's choice: ``autopar.solver.compress``). PinError on anything else."""
-    if value is None or value in ("none", "auto"):
-        return None
-    kind, _, arg = value.partition(":") if isinstance(value, str) else ("", "", "")
-    if kind == "accordion":
-        return kind, _accordion(value, arg)
-    try:
-        if kind in ("bf16", "int8") and not arg:
-            return kind, 0
-        if kind == "powersgd" and int(arg) >= 1 and str(int(arg)) == arg:
-            return kind, int(arg)
-        if kind == "topk" and 0 < float(arg) <= 1:
-            return kind, float(arg)
-        if kind == "nuq" and str(int(arg)) == arg and 1 <= int(arg) <= NUQ_MAX_LEVELS:
-            return kind, int(arg)
-    except ValueError:
-        pass
-    raise PinError(f"compress={value!r}: use {COMPRESS_HELP}")
-
-
-def workers_schedule(value) -> tuple[int, int] | None:
-    """``(W1, W2)`` of a ``workers=`` value ``"accordion:W1:W2"`` (1 <= W1 <= W2); None for
-    None. PinError naming the form otherwise."""
-    if value is None:
-        return None
-    parts = value.split(":") if isinstance(value, str) else []
-    if len(parts) == 3 and parts[0] == "accordion" and all(x.isdigit() for x in parts[1:]):
-        lo, hi = int(parts[1]), int(parts[2])
-        if 1 <= lo <= hi:
-            return lo, hi
-        if lo > hi >= 1:
-            raise PinError(f"workers={value!r}: W1 (critical regimes) is the smaller count: give "
-                           f"them in increasing order, workers='accordion:{hi}:{lo}'")
-    raise PinError(f"workers={value!r}: use {WORKERS_HELP}")
-
-
-def _accordion(value: str, arg: str) -> tuple[str, Any, Any]:
-    """``accordion:KIND:A:B``'s ``(KIND, A, B)``; PinError naming the fix."""
-    inner, a, b = (arg.split(":") + ["", "", ""])[:3] if arg.count(":") == 2 else ("", "", "")
-    if inner not in ("powersgd", "topk"):
-        raise PinError(f"compress={value!r}: Accordion switches between two settings of one "
-                       "scheme: use 'accordion:powersgd:R1:R2' (ranks) or 'accordion:topk:F1:F2' "
-                       "(fractions), e.g. 'accordion:powersgd:1:4'")
-    try:
-        lo, hi = (compress_scheme(f"{inner}:{x}")[1] for x in (a, b))    # each checked alone
-    except PinError:
-        raise PinError(f"compress={value!r}: " + ("each rank R a positive integer, e.g. "
-                       "'accordion:powersgd:1:4'" if inner == "powersgd" else "each fraction F "
-                       "0 < F <= 1, e.g. 'accordion:topk:0.01:0.1'")) from None
-    if not lo < hi:
-        raise PinError(f"compress={value!r}: the first {inner} setting is the more compressed one "
-                       "(used outside critical regimes), the second the less compressed: give "
-                       f"them in increasing order, e.g. 'accordion:{inner}:{min(lo, hi)}:{max(lo, hi)}'"
-                       if lo != hi else f"compress={value!r}: Accordion needs two different "
-                       f"settings; for a fixed one pin compress='{inner}:{lo}'")
-    return inner, lo, hi
-
-
-# ---- validation: each value on its own first, then the combinations ----------------------
-
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
@@ -401,25 +324,8 @@ def _check_values(p: dict) -> None:
     if p.get("compile") not in (None, True, False):
         raise PinError(f"compile={p['compile']!r}: use True (torch.compile each rank's programs) "
                        "or False (eager, the default)")
-    compress_scheme(p.get("compress"))
-    h, warm = p.get("local_sgd"), p.get("local_sgd_warmup")
-    if h is not None and not _positive_int(h):
-        raise PinError(f"local_sgd={h!r}: give the period H (a positive integer) of parameter "
-                       "averaging, e.g. local_sgd=8")
-    if warm is not None and (h is None or not isinstance(warm, int) or isinstance(warm, bool)
-                             or warm < 0):
-        raise PinError(f"local_sgd_warmup={warm!r}: the steps of gradient all-reduce before local "
-                       "SGD begins, a non-negative integer, with local_sgd= pinned too")
-    _check_async_values(p)
-    _check_workers_values(p)
-    if p.get("averaging") not in (None, *AVERAGING):
-        raise PinError(f"averaging={p['averaging']!r}: use 'decentralized' (each rank averages its "
-                       "parameters with its ring neighbours) or 'async' (parameters averaged in the "
-                       "background while training goes on)")
-    period = p.get("averaging_period")
-    if period is not None and (not _positive_int(period) or p.get("averaging") is None):
-        raise PinError(f"averaging_period={period!r}: the steps between model averagings, a "
-                       "positive integer, with averaging='decentralized' or 'async' pinned too")
+    for scheme in SCHEMES:       # the update schemes' own values (autopar.update_schemes)
+        scheme.check_values(p)
 
 
 def _check_combinations(p: dict) -> None:
@@ -442,7 +348,7 @@ def _check_combinations(p: dict) -> None:
             raise PinError(f"{off} moves each rank's ZeRO optimizer shard off the device; "
                            "zero=0 keeps no shard: pin zero=1, 2 or 3, or leave zero= out "
                            f"(offload implies zero={OFFLOAD_DEFAULT_ZERO}, as DeepSpeed's ZeRO-Offload)")
-        for other, none in (("pipeline", 1), ("branch", 1), ("compress", "none"), ("local_sgd", None)):
+        for other, none in (("pipeline", 1), ("branch", 1)):     # the update schemes: their own
             if p.get(other) not in (None, none):
                 raise PinError(f"{off} with {other}={p[other]!r} is not supported: "
                                "drop one of the two pins")
@@ -453,8 +359,7 @@ def _check_combinations(p: dict) -> None:
                        "expert_dispatch='tensor' splits each expert instead (with tensor=): pin "
                        "expert_dispatch='all-to-all' or 'all-gather' with expert=, or drop expert=")
     if (p.get("expert") or 1) > 1:
-        for other, none in (("zero", 0), ("branch", 1), ("compress", "none"), ("local_sgd", None),
-                            ("offload", None)):
+        for other, none in (("zero", 0), ("branch", 1), ("offload", None)):   # schemes: their own
             if p.get(other) not in (None, none):
                 raise PinError(f"expert={p['expert']} with {other}={p[other]!r} is not supported "
                                "yet: drop one of the two pins")
@@ -474,22 +379,6 @@ def _check_combinations(p: dict) -> None:
 ASYNC_PINS = COUNT_PINS
 """The update schemes pinned by a count (``staleness``, ``param_server``, ``learners``,
 ``hogwild``: ``autopar.update_schemes``), of issue 31; never chosen by the solver."""
-
-
-def _check_async_values(p: dict) -> None:
-    for scheme in SCHEMES:
-        v = p.get(scheme.pin)
-        if scheme.count_help is not None and v is not None and not _positive_int(v):
-            raise PinError(f"{scheme.pin}={v!r}: give {scheme.count_help}")
-
-
-def _check_workers_values(p: dict) -> None:
-    workers_schedule(p.get("workers"))
-    lr = p.get("workers_lr")
-    if lr is not None and (lr not in WORKERS_LR or p.get("workers") is None):
-        raise PinError(f"workers_lr={lr!r}: 'linear' (the default: the learning rate scaled by the "
-                       "workers that train over W2) or 'constant', with workers='accordion:W1:W2' "
-                       "pinned too")
 
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}

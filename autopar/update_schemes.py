@@ -26,6 +26,91 @@ from typing import Any, Callable, ClassVar
 
 from autopar.errors import PinError
 
+COMPRESS_HELP = ("'powersgd:R' (rank R, e.g. 'powersgd:4'), 'topk:F' (fraction 0 < F <= 1, e.g. "
+                 "'topk:0.01'), 'nuq:S' (NUQSGD, S = 1..127 exponentially spaced levels, e.g. "
+                 "'nuq:4'), 'accordion:powersgd:R1:R2' (rank R1 < R2, R2 in critical regimes, e.g. "
+                 "'accordion:powersgd:1:4') or 'accordion:topk:F1:F2' (F1 < F2, e.g. "
+                 "'accordion:topk:0.01:0.1'), 'bf16', 'int8', 'none', or 'auto' (the solver may "
+                 "choose one)")
+NUQ_MAX_LEVELS = 127
+"""``nuq:S``: a coordinate's code (sign and level index, ``2S + 1`` values) fits one byte."""
+AVERAGING = ("decentralized", "async")
+WORKERS_LR = ("linear", "constant")
+
+WORKERS_HELP = ("'accordion:W1:W2': W1 data-parallel workers train in critical regimes, W2 (W1 <= "
+                "W2 <= the data degree) otherwise, e.g. workers='accordion:2:8'")
+
+
+def compress_scheme(value) -> tuple[str, Any] | None:
+    """The data-parallel gradient compression a ``compress=`` value asks for: ``(kind,
+    parameter)`` with kind "powersgd" (parameter: the rank), "topk" (the fraction), "nuq"
+    (the levels), "accordion" (parameter ``(kind, A, B)``: powersgd ranks or topk fractions,
+    A < B, B the less compressed, used in critical regimes), "bf16" or "int8" (parameter
+    0); None for no compression (None, "none") and for "auto" (the
+    solver's choice: ``autopar.solver.compress``). PinError on anything else."""
+    if value is None or value in ("none", "auto"):
+        return None
+    kind, _, arg = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if kind == "accordion":
+        return kind, _accordion(value, arg)
+    try:
+        if kind in ("bf16", "int8") and not arg:
+            return kind, 0
+        if kind == "powersgd" and int(arg) >= 1 and str(int(arg)) == arg:
+            return kind, int(arg)
+        if kind == "topk" and 0 < float(arg) <= 1:
+            return kind, float(arg)
+        if kind == "nuq" and str(int(arg)) == arg and 1 <= int(arg) <= NUQ_MAX_LEVELS:
+            return kind, int(arg)
+    except ValueError:
+        pass
+    raise PinError(f"compress={value!r}: use {COMPRESS_HELP}")
+
+
+def workers_schedule(value) -> tuple[int, int] | None:
+    """``(W1, W2)`` of a ``workers=`` value ``"accordion:W1:W2"`` (1 <= W1 <= W2); None for
+    None. PinError naming the form otherwise."""
+    if value is None:
+        return None
+    parts = value.split(":") if isinstance(value, str) else []
+    if len(parts) == 3 and parts[0] == "accordion" and all(x.isdigit() for x in parts[1:]):
+        lo, hi = int(parts[1]), int(parts[2])
+        if 1 <= lo <= hi:
+            return lo, hi
+        if lo > hi >= 1:
+            raise PinError(f"workers={value!r}: W1 (critical regimes) is the smaller count: give "
+                           f"them in increasing order, workers='accordion:{hi}:{lo}'")
+    raise PinError(f"workers={value!r}: use {WORKERS_HELP}")
+
+
+def _accordion(value: str, arg: str) -> tuple[str, Any, Any]:
+    """``accordion:KIND:A:B``'s ``(KIND, A, B)``; PinError naming the fix."""
+    inner, a, b = (arg.split(":") + ["", "", ""])[:3] if arg.count(":") == 2 else ("", "", "")
+    if inner not in ("powersgd", "topk"):
+        raise PinError(f"compress={value!r}: Accordion switches between two settings of one "
+                       "scheme: use 'accordion:powersgd:R1:R2' (ranks) or 'accordion:topk:F1:F2' "
+                       "(fractions), e.g. 'accordion:powersgd:1:4'")
+    try:
+        lo, hi = (compress_scheme(f"{inner}:{x}")[1] for x in (a, b))    # each checked alone
+    except PinError:
+        raise PinError(f"compress={value!r}: " + ("each rank R a positive integer, e.g. "
+                       "'accordion:powersgd:1:4'" if inner == "powersgd" else "each fraction F "
+                       "0 < F <= 1, e.g. 'accordion:topk:0.01:0.1'")) from None
+    if not lo < hi:
+        raise PinError(f"compress={value!r}: the first {inner} setting is the more compressed one "
+                       "(used outside critical regimes), the second the less compressed: give "
+                       f"them in increasing order, e.g. 'accordion:{inner}:{min(lo, hi)}:{max(lo, hi)}'"
+                       if lo != hi else f"compress={value!r}: Accordion needs two different "
+                       f"settings; for a fixed one pin compress='{inner}:{lo}'")
+    return inner, lo, hi
+
+
+# ---- validation: each value on its own first, then the combinations ----------------------
+
+
+def positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -83,6 +168,14 @@ class UpdateScheme:
     """Why ``check=`` (the first step against one device) cannot run under it, or None."""
 
     @classmethod
+    def check_values(cls, pins: dict) -> None:
+        """PinError naming the form when ``pins`` give the scheme's pins a value it does not
+        take (a pin of :attr:`takes` without :attr:`pin` included); the default: a count."""
+        v = pins.get(cls.pin)
+        if cls.count_help is not None and v is not None and not positive_int(v):
+            raise PinError(f"{cls.pin}={v!r}: give {cls.count_help}")
+
+    @classmethod
     def parse(cls, pins: dict) -> "UpdateScheme":
         """The scheme's value from ``pins`` (whose values are checked), its pin set."""
         raise NotImplementedError
@@ -109,10 +202,14 @@ class Exact(UpdateScheme):
         return cls()
 
 
-_LOSSY = (Refusal("zero", above(0), "{scheme} works on the replicated data-parallel gradient "
+_LOSSY = (Refusal("offload", lambda v: v in ("optimizer", "disk"), "{pin}={value!r} with {scheme} is "
+                  "not supported: drop one of the two pins"),
+          Refusal("zero", above(0), "{scheme} works on the replicated data-parallel gradient "
                   "all-reduce; ZeRO shards it: drop zero= or the lossy pin"),
           Refusal("pipeline", above(1), "{scheme} is not supported with a pipeline yet: drop "
-                  "pipeline= or the lossy pin"))
+                  "pipeline= or the lossy pin"),
+          Refusal("expert", above(1), "{pin}={value} with {scheme} is not supported yet: drop one of "
+                  "the two pins"))
 
 
 @dataclass(frozen=True)
@@ -125,6 +222,10 @@ class Compressed(UpdateScheme):
     refuses = _LOSSY + (Refusal("grad_reduce", equals("bf16"), "{scheme} and grad_reduce='bf16' both "
                                 "choose how gradients are reduced: pin one of them (compress='bf16' "
                                 "is the bf16 reduction)"),)
+
+    @classmethod
+    def check_values(cls, pins):
+        compress_scheme(pins.get("compress"))
 
     @classmethod
     def parse(cls, pins):
@@ -143,6 +244,17 @@ class LocalSGD(UpdateScheme):
     takes = ("local_sgd_warmup",)
     doing = "has no per-step gradient reduction: parameters are averaged every H steps"
     refuses = _LOSSY
+
+    @classmethod
+    def check_values(cls, pins):
+        h, warm = pins.get("local_sgd"), pins.get("local_sgd_warmup")
+        if h is not None and not positive_int(h):
+            raise PinError(f"local_sgd={h!r}: give the period H (a positive integer) of parameter "
+                           "averaging, e.g. local_sgd=8")
+        if warm is not None and (h is None or not isinstance(warm, int) or isinstance(warm, bool)
+                                 or warm < 0):
+            raise PinError(f"local_sgd_warmup={warm!r}: the steps of gradient all-reduce before local "
+                           "SGD begins, a non-negative integer, with local_sgd= pinned too")
 
     @classmethod
     def parse(cls, pins):
@@ -165,6 +277,17 @@ class Averaging(UpdateScheme):
                 "steps under dynamic loss scaling would average unlike models; pin precision='bf16'"),
         Refusal("grad_reduce", equals("bf16"), "{scheme} reduces no gradient over the data axis: drop "
                 "grad_reduce='bf16'"))
+
+    @classmethod
+    def check_values(cls, pins):
+        if pins.get("averaging") not in (None, *AVERAGING):
+            raise PinError(f"averaging={pins['averaging']!r}: use 'decentralized' (each rank averages "
+                           "its parameters with its ring neighbours) or 'async' (parameters averaged in "
+                           "the background while training goes on)")
+        period = pins.get("averaging_period")
+        if period is not None and (not positive_int(period) or pins.get("averaging") is None):
+            raise PinError(f"averaging_period={period!r}: the steps between model averagings, a "
+                           "positive integer, with averaging='decentralized' or 'async' pinned too")
 
     @classmethod
     def parse(cls, pins):
@@ -274,6 +397,15 @@ class Workers(UpdateScheme):
     repriced = True
 
     @classmethod
+    def check_values(cls, pins):
+        workers_schedule(pins.get("workers"))
+        lr = pins.get("workers_lr")
+        if lr is not None and (lr not in WORKERS_LR or pins.get("workers") is None):
+            raise PinError(f"workers_lr={lr!r}: 'linear' (the default: the learning rate scaled by the "
+                           "workers that train over W2) or 'constant', with workers='accordion:W1:W2' "
+                           "pinned too")
+
+    @classmethod
     def parse(cls, pins):
         return cls(pins["workers"], pins.get("workers_lr"))
 
@@ -282,8 +414,8 @@ class Workers(UpdateScheme):
 
     @property
     def counts(self) -> tuple[int, int]:
-        low, high = self.schedule.split(":")[1:]
-        return int(low), int(high)
+        """(W1, W2)."""
+        return workers_schedule(self.schedule)
 
     def check(self, pins):
         high, data = self.counts[1], pins.get("data")
