@@ -12,10 +12,10 @@ from autopar.errors import ArgumentError, AutoparInputError, PinError
 from autopar.options import Options
 from autopar.plan import Plan, PlanError
 from autopar.runtime.weights import WeightsError, meta_parameters
-from autopar.runtime.hogwild import hogwild
+from autopar.runtime.updates.hogwild import hogwild
 
 __all__ = ["plan", "parallelize", "Options", "Plan", "PlanError", "CaptureError", "capture", "coverage",
            "save_checkpoint", "load_checkpoint", "CheckpointError", "meta_parameters",
            "WeightsError"]
 __all__ += ["AutoparInputError", "ArgumentError", "PinError"]   # autopar.errors
-__all__ += ["hogwild"]     # issue 31: Hogwild on one host (autopar.runtime.hogwild)
+__all__ += ["hogwild"]     # issue 31: Hogwild on one host (autopar.runtime.updates.hogwild)

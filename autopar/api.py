@@ -28,9 +28,9 @@ from autopar.runtime.data import BATCH_MODES
 from autopar.runtime.weights import capture_view, has_meta, weights_kind
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
-from autopar.options import KNOWN_PINS, OPTIMIZER_STATES, Options, refuse_hogwild_plan, refuse_workers_check
-from autopar.runtime.compression import data_group
-from autopar.runtime.crossbow import Crossbow
+from autopar.options import KNOWN_PINS, OPTIMIZER_STATES, Options, refuse_hogwild_plan
+from autopar.runtime.updates.rule import data_group
+from autopar.runtime.updates.crossbow import Crossbow
 
 # names that moved to autopar.solver, still importable from here
 __all__ = ["plan", "parallelize", "KNOWN_PINS", "OPTIMIZER_STATES", "Planned", "Solved",
@@ -143,14 +143,10 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     if weights is None:
         _check_not_meta(model)      # a meta model runs with weights= to load
     timeout = collective_timeout(timeout)
-    updates = [f"{n}={getattr(pins, n)!r}" for n in ("staleness", "param_server", "learners")
-               if getattr(pins, n) is not None]
-    if updates and first_step.wanted(check):
+    scheme = pins.update        # autopar.update_schemes: what check= cannot compare under it
+    if scheme.check_refusal is not None and first_step.wanted(check):
         raise ArgumentError(f"check= compares the first step's gradients with one device's; under "
-                            f"{updates[0]} a rank does not hold them (delayed, on their server, or "
-                            "per learner): pass check=False (or unset AUTOPAR_CHECK)")
-    if first_step.wanted(check):
-        refuse_workers_check(pins)
+                            f"{scheme.written()} {scheme.check_refusal}")
     reference = first_step.reference_copy(model) if first_step.wanted(check) else None
     world = _dist_world(timeout) if comm is None else (
         comm.world.world if hasattr(comm, "world") else int(dist.get_world_size()))

@@ -12,7 +12,7 @@ nothing had happened:
    ``autopar.options.MESH_AXIS_PINS``) leave, and
    gradient accumulation grows so that each rank's micro-batch is no larger than under the
    pins, while the global batch (the example inputs' rows) stays what it was. Under
-   ``workers="accordion:W1:W2"`` (``autopar.runtime.workers``) W1 and W2 are capped at this
+   ``workers="accordion:W1:W2"`` (``autopar.runtime.updates.workers``) W1 and W2 are capped at this
    world's data degree (with a warning), and the schedule's state (regime, last norm,
    steps) travels in the checkpoint :func:`resume` loads.
 2. :class:`GlobalBatchSampler`: the global batch of every step does not depend on the

@@ -4,7 +4,8 @@ leaving the rest to the solver.
 
 :class:`Options` is the one place that says what each option is, which values it takes,
 which combinations are refused (with the words of ``autopar.errors``' catalogue) and what
-one implies (``offload`` implies ``zero=2``). It is built once, from the user's keywords
+one implies (``offload`` implies ``zero=2``). The data-parallel update schemes are values
+(``Options.update``, ``autopar.update_schemes``), each declaring what it refuses. It is built once, from the user's keywords
 (:meth:`Options.from_pins`), never mutates them, and travels as it is: the solver reads
 it, the plan stores the options it runs with (``Plan.options``: the user's, plus what the
 search chose, such as the ZeRO stage), and the runtime reads only that.
@@ -23,6 +24,10 @@ from typing import Any, Iterator, Literal, Union
 from autopar.errors import ArgumentError, PinError
 from autopar.mesh_roles import AXIS_NAMES, STAGE_AXES
 from autopar.schedule import SCHEDULES, ScheduleKind
+from autopar.update_schemes import (  # noqa: F401  (the values' names, read from here too)
+    AVERAGING, COMPRESS_HELP, COUNT_PINS, NUQ_MAX_LEVELS, SCHEMES, WORKERS_HELP, WORKERS_LR,
+    UpdateScheme, check_update_pins, compress_scheme, pinned_schemes, scheme_of, workers_schedule,
+)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Recompute = Union[bool, Literal["full", "none"], tuple[str, ...]]
@@ -31,23 +36,11 @@ OFFLOAD_DEFAULT_ZERO = 2
 """``offload="optimizer"`` without a ``zero=`` pin implies ZeRO stage 2, the pairing
 DeepSpeed's ZeRO-Offload uses (Ren et al. 2021)."""
 
-COMPRESS_HELP = ("'powersgd:R' (rank R, e.g. 'powersgd:4'), 'topk:F' (fraction 0 < F <= 1, e.g. "
-                 "'topk:0.01'), 'nuq:S' (NUQSGD, S = 1..127 exponentially spaced levels, e.g. "
-                 "'nuq:4'), 'accordion:powersgd:R1:R2' (rank R1 < R2, R2 in critical regimes, e.g. "
-                 "'accordion:powersgd:1:4') or 'accordion:topk:F1:F2' (F1 < F2, e.g. "
-                 "'accordion:topk:0.01:0.1'), 'bf16', 'int8', 'none', or 'auto' (the solver may "
-                 "choose one)")
-NUQ_MAX_LEVELS = 127
-"""``nuq:S``: a coordinate's code (sign and level index, ``2S + 1`` values) fits one byte."""
-AVERAGING = ("decentralized", "async")
-WORKERS_LR = ("linear", "constant")
 MESH_AXIS_PINS = AXIS_NAMES
 """Every option that is the degree of a mesh axis, under the axis's name (``Plan.mesh_axes``
 uses the same names): ``autopar.mesh_roles.AXIS_NAMES``. A new axis is a field of
 ``MeshRoles`` (and an option here), so that what reads every mesh pin (``autopar.elastic``'s
 re-plan for a new world size) sees it."""
-WORKERS_HELP = ("'accordion:W1:W2': W1 data-parallel workers train in critical regimes, W2 (W1 <= "
-                "W2 <= the data degree) otherwise, e.g. workers='accordion:2:8'")
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,7 +113,7 @@ class Options(Mapping):
     local_sgd_warmup: int | None = None
     """Steps of exact gradient all-reduce before Local SGD begins (default 100)."""
     averaging: Literal["decentralized", "async"] | None = None
-    """BAGUA's model averaging (Gan et al. 2021; ``autopar.runtime.averaging``), instead of
+    """BAGUA's model averaging (Gan et al. 2021; ``autopar.runtime.updates.averaging``), instead of
     the gradient all-reduce over the data axis: ``"decentralized"`` (each rank steps on its
     own gradient, then averages its parameters with its two ring neighbours, D-PSGD) or
     ``"async"`` (the parameters' average over the data axis is all-reduced in the background
@@ -128,12 +121,12 @@ class Options(Mapping):
     averaging_period: int | None = None
     """Steps between averagings under ``averaging=`` (default 1)."""
     staleness: int | None = None
-    """Stale-synchronous data parallelism (``autopar.runtime.stale``): the gradient of step
+    """Stale-synchronous data parallelism (``autopar.runtime.updates.stale``): the gradient of step
     t - s is applied at step t (s >= 1), so each step's reduction runs behind the next s
     steps; the first s steps apply none (``pm.step(opt)`` skips them). With
     ``param_server=`` the servers apply the pushed gradients that late."""
     param_server: int | None = None
-    """Parameter servers (Li et al. 2014; ``autopar.runtime.param_server``): this many ranks
+    """Parameter servers (Li et al. 2014; ``autopar.runtime.updates.param_server``): this many ranks
     of the data axis each own a shard of the parameters and their optimizer state; workers
     push gradients to the owners (point-to-point), the owners step, workers pull the
     parameters back. Exact without ``staleness=``."""
@@ -142,12 +135,12 @@ class Options(Mapping):
     update one copy of the parameters in shared memory without locks. CPU only, and only
     through ``autopar.hogwild(...)`` (not torchrun ranks)."""
     learners: int | None = None
-    """Crossbow (Koliousis et al. 2019; ``autopar.runtime.crossbow``): this many learners (model
+    """Crossbow (Koliousis et al. 2019; ``autopar.runtime.updates.crossbow``): this many learners (model
     replicas) per rank, each training on its own batch (``train_step`` takes that many
     batches stacked), pulled toward a central average model by synchronous model averaging
     (SMA, with momentum) every step."""
     workers: str | None = None
-    """Accordion's batch-size form (Agarwal et al. 2021; ``autopar.runtime.workers``) as the
+    """Accordion's batch-size form (Agarwal et al. 2021; ``autopar.runtime.updates.workers``) as the
     number of data-parallel workers that train: ``"accordion:W1:W2"``. Every 10 steps the
     norm of the whole model's gradient, accumulated since the last check, is compared with
     the last check's; a relative change of 0.5 or more (and the start) is a critical regime,
@@ -198,9 +191,7 @@ class Options(Mapping):
             given["offload_dir"] = os.fspath(given["offload_dir"])
         if given.get("offload") in ("optimizer", "disk") and given.get("zero") is None:
             given["zero"] = OFFLOAD_DEFAULT_ZERO
-        if given.get("compress") not in (None, "none") or given.get("local_sgd") \
-                or given.get("offload") or any(given.get(n) for n in ASYNC_PINS) \
-                or given.get("averaging") or given.get("workers"):
+        if pinned_schemes(given) or given.get("offload"):
             given.setdefault("pipeline", 1)     # not offered with pipelines (yet)
         if isinstance(given.get("recompute"), list):
             given["recompute"] = tuple(given["recompute"])
@@ -234,6 +225,13 @@ class Options(Mapping):
         """The gradient compression asked for: ``(kind, parameter)``, or None (none, or
         ``"auto"``: the solver's choice)."""
         return compress_scheme(self.compress)
+
+    @property
+    def update(self) -> UpdateScheme:
+        """The data-parallel update scheme these options pin, as one frozen value
+        (``autopar.update_schemes``: ``Compressed("powersgd:4")``, ``Stale(1)``, ...;
+        ``Exact()`` when none); its ``pins()`` are the options that write it."""
+        return scheme_of(dict(self))
 
     @property
     def worker_counts(self) -> tuple[int, int] | None:
@@ -273,72 +271,6 @@ STAGE_SPLITS = ("balanced", "even-layers")
 """Values of the ``stage_split=`` pin."""
 KNOWN_PINS = frozenset(NAMES)
 
-
-def compress_scheme(value) -> tuple[str, Any] | None:
-    """The data-parallel gradient compression a ``compress=`` value asks for: ``(kind,
-    parameter)`` with kind "powersgd" (parameter: the rank), "topk" (the fraction), "nuq"
-    (the levels), "accordion" (parameter ``(kind, A, B)``: powersgd ranks or topk fractions,
-    A < B, B the less compressed, used in critical regimes), "bf16" or "int8" (parameter
-    0); None for no compression (None, "none") and for "auto" (the
-    solver's choice: ``autopar.solver.compress``). PinError on anything else."""
-    if value is None or value in ("none", "auto"):
-        return None
-    kind, _, arg = value.partition(":") if isinstance(value, str) else ("", "", "")
-    if kind == "accordion":
-        return kind, _accordion(value, arg)
-    try:
-        if kind in ("bf16", "int8") and not arg:
-            return kind, 0
-        if kind == "powersgd" and int(arg) >= 1 and str(int(arg)) == arg:
-            return kind, int(arg)
-        if kind == "topk" and 0 < float(arg) <= 1:
-            return kind, float(arg)
-        if kind == "nuq" and str(int(arg)) == arg and 1 <= int(arg) <= NUQ_MAX_LEVELS:
-            return kind, int(arg)
-    except ValueError:
-        pass
-    raise PinError(f"compress={value!r}: use {COMPRESS_HELP}")
-
-
-def workers_schedule(value) -> tuple[int, int] | None:
-    """``(W1, W2)`` of a ``workers=`` value ``"accordion:W1:W2"`` (1 <= W1 <= W2); None for
-    None. PinError naming the form otherwise."""
-    if value is None:
-        return None
-    parts = value.split(":") if isinstance(value, str) else []
-    if len(parts) == 3 and parts[0] == "accordion" and all(x.isdigit() for x in parts[1:]):
-        lo, hi = int(parts[1]), int(parts[2])
-        if 1 <= lo <= hi:
-            return lo, hi
-        if lo > hi >= 1:
-            raise PinError(f"workers={value!r}: W1 (critical regimes) is the smaller count: give "
-                           f"them in increasing order, workers='accordion:{hi}:{lo}'")
-    raise PinError(f"workers={value!r}: use {WORKERS_HELP}")
-
-
-def _accordion(value: str, arg: str) -> tuple[str, Any, Any]:
-    """``accordion:KIND:A:B``'s ``(KIND, A, B)``; PinError naming the fix."""
-    inner, a, b = (arg.split(":") + ["", "", ""])[:3] if arg.count(":") == 2 else ("", "", "")
-    if inner not in ("powersgd", "topk"):
-        raise PinError(f"compress={value!r}: Accordion switches between two settings of one "
-                       "scheme: use 'accordion:powersgd:R1:R2' (ranks) or 'accordion:topk:F1:F2' "
-                       "(fractions), e.g. 'accordion:powersgd:1:4'")
-    try:
-        lo, hi = (compress_scheme(f"{inner}:{x}")[1] for x in (a, b))    # each checked alone
-    except PinError:
-        raise PinError(f"compress={value!r}: " + ("each rank R a positive integer, e.g. "
-                       "'accordion:powersgd:1:4'" if inner == "powersgd" else "each fraction F "
-                       "0 < F <= 1, e.g. 'accordion:topk:0.01:0.1'")) from None
-    if not lo < hi:
-        raise PinError(f"compress={value!r}: the first {inner} setting is the more compressed one "
-                       "(used outside critical regimes), the second the less compressed: give "
-                       f"them in increasing order, e.g. 'accordion:{inner}:{min(lo, hi)}:{max(lo, hi)}'"
-                       if lo != hi else f"compress={value!r}: Accordion needs two different "
-                       f"settings; for a fixed one pin compress='{inner}:{lo}'")
-    return inner, lo, hi
-
-
-# ---- validation: each value on its own first, then the combinations ----------------------
 
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
@@ -394,25 +326,8 @@ def _check_values(p: dict) -> None:
     if p.get("compile") not in (None, True, False):
         raise PinError(f"compile={p['compile']!r}: use True (torch.compile each rank's programs) "
                        "or False (eager, the default)")
-    compress_scheme(p.get("compress"))
-    h, warm = p.get("local_sgd"), p.get("local_sgd_warmup")
-    if h is not None and not _positive_int(h):
-        raise PinError(f"local_sgd={h!r}: give the period H (a positive integer) of parameter "
-                       "averaging, e.g. local_sgd=8")
-    if warm is not None and (h is None or not isinstance(warm, int) or isinstance(warm, bool)
-                             or warm < 0):
-        raise PinError(f"local_sgd_warmup={warm!r}: the steps of gradient all-reduce before local "
-                       "SGD begins, a non-negative integer, with local_sgd= pinned too")
-    _check_async_values(p)
-    _check_workers_values(p)
-    if p.get("averaging") not in (None, *AVERAGING):
-        raise PinError(f"averaging={p['averaging']!r}: use 'decentralized' (each rank averages its "
-                       "parameters with its ring neighbours) or 'async' (parameters averaged in the "
-                       "background while training goes on)")
-    period = p.get("averaging_period")
-    if period is not None and (not _positive_int(period) or p.get("averaging") is None):
-        raise PinError(f"averaging_period={period!r}: the steps between model averagings, a "
-                       "positive integer, with averaging='decentralized' or 'async' pinned too")
+    for scheme in SCHEMES:       # the update schemes' own values (autopar.update_schemes)
+        scheme.check_values(p)
 
 
 def _check_combinations(p: dict) -> None:
@@ -435,34 +350,18 @@ def _check_combinations(p: dict) -> None:
             raise PinError(f"{off} moves each rank's ZeRO optimizer shard off the device; "
                            "zero=0 keeps no shard: pin zero=1, 2 or 3, or leave zero= out "
                            f"(offload implies zero={OFFLOAD_DEFAULT_ZERO}, as DeepSpeed's ZeRO-Offload)")
-        for other, none in (("pipeline", 1), ("branch", 1), ("compress", "none"), ("local_sgd", None)):
+        for other, none in (("pipeline", 1), ("branch", 1)):     # the update schemes: their own
             if p.get(other) not in (None, none):
                 raise PinError(f"{off} with {other}={p[other]!r} is not supported: "
                                "drop one of the two pins")
-    lossy = [f"{n}={p[n]!r}" for n in ("compress", "local_sgd") if p.get(n) not in (None, "none")]
-    if len(lossy) == 2:
-        raise PinError(f"{lossy[0]} and {lossy[1]}: local SGD has no per-step gradient reduction "
-                       "to compress; pin one of them")
-    if lossy:
-        if (p.get("zero") or 0) > 0:
-            raise PinError(f"{lossy[0]} works on the replicated data-parallel gradient all-reduce; "
-                           "ZeRO shards it: drop zero= or the lossy pin")
-        if pipe > 1:
-            raise PinError(f"{lossy[0]} is not supported with a pipeline yet: drop pipeline= or "
-                           "the lossy pin")
-        if p.get("grad_reduce") == "bf16" and p.get("compress") not in (None, "none"):
-            raise PinError(f"{lossy[0]} and grad_reduce='bf16' both choose how gradients are "
-                           "reduced: pin one of them (compress='bf16' is the bf16 reduction)")
-    _check_async_combinations(p)
-    _check_averaging_combinations(p)
-    _check_workers_combinations(p)
+    # the update schemes (autopar.update_schemes): one at most, and what each refuses
+    check_update_pins(p)
     if (p.get("expert") or 1) > 1 and p.get("expert_dispatch") == "tensor":
         raise PinError(f"expert={p['expert']} splits the experts over an axis; "
                        "expert_dispatch='tensor' splits each expert instead (with tensor=): pin "
                        "expert_dispatch='all-to-all' or 'all-gather' with expert=, or drop expert=")
     if (p.get("expert") or 1) > 1:
-        for other, none in (("zero", 0), ("branch", 1), ("compress", "none"), ("local_sgd", None),
-                            ("offload", None)):
+        for other, none in (("zero", 0), ("branch", 1), ("offload", None)):   # schemes: their own
             if p.get(other) not in (None, none):
                 raise PinError(f"expert={p['expert']} with {other}={p[other]!r} is not supported "
                                "yet: drop one of the two pins")
@@ -479,140 +378,9 @@ def _check_combinations(p: dict) -> None:
                                "one of the two pins")
 
 
-ASYNC_PINS = ("staleness", "param_server", "hogwild", "learners")
-"""The relaxed (or, for ``param_server`` alone, exact) update schemes of issue 31 that change
-how a step's update reaches the parameters; never chosen by the solver, only pinned."""
-
-_ASYNC_HELP = {
-    "staleness": "the delay s >= 1 in steps of each gradient (1: a step's reduction overlaps "
-                 "the whole next step), e.g. staleness=1; drop it for synchronous updates",
-    "param_server": "the number of server ranks (>= 1, at most the data-parallel degree) that "
-                    "own the parameter shards, e.g. param_server=1",
-    "hogwild": "the number of processes (>= 1) that share the parameters on this host, "
-               "e.g. autopar.hogwild(model, ..., processes=4)",
-    "learners": "the number of learners (model replicas, >= 1) per rank, e.g. learners=2",
-}
-
-
-def _check_async_values(p: dict) -> None:
-    for name in ASYNC_PINS:
-        v = p.get(name)
-        if v is not None and not _positive_int(v):
-            raise PinError(f"{name}={v!r}: give {_ASYNC_HELP[name]}")
-
-
-def _check_async_combinations(p: dict) -> None:
-    """Refuse what the relaxed update schemes cannot combine with (autopar.runtime.stale,
-    param_server, hogwild, crossbow)."""
-    set_ = [n for n in ASYNC_PINS if p.get(n) is not None]
-    if not set_:
-        return
-    if p.get("hogwild") is not None:
-        others = sorted(n for n, v in p.items() if n != "hogwild" and v is not None
-                        and not (n == "pipeline" and v == 1) and not (n == "offload" and v == "none")
-                        and not (n == "compile" and v is False))
-        if others:
-            raise PinError(f"hogwild={p['hogwild']} runs the whole model in each process of one "
-                           f"host on shared parameters; it takes no other pin ({', '.join(others)}): "
-                           "drop them, or drop hogwild=")
-        return
-    if p.get("learners") is not None:
-        for other in ("staleness", "param_server", "accumulate"):
-            if p.get(other) is not None:
-                raise PinError(f"learners={p['learners']} (Crossbow) with {other}={p[other]!r} is "
-                               "not supported: each learner steps every step on its own share of "
-                               "the batch; drop one of the two pins")
-        for other in ("tensor", "context"):
-            if (p.get(other) or 1) > 1:
-                raise PinError(f"learners={p['learners']} (Crossbow) keeps whole model replicas "
-                               f"per rank; {other}={p[other]} splits them: drop {other}= (or pin "
-                               f"{other}=1)")
-    first = f"{set_[0]}={p[set_[0]]!r}"
-    for other, none in (("compress", "none"), ("local_sgd", None), ("averaging", None)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} and {other}={p[other]!r} both change how the data-parallel "
-                           "update is made: pin one of them")
-    for other, none in (("zero", 0), ("pipeline", 1), ("branch", 1), ("expert", 1), ("offload", None)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} with {other}={p[other]!r} is not supported: it works on the "
-                           "replicated data-parallel update; drop one of the two pins")
-    if p.get("precision") == "fp16":
-        raise PinError(f"{first} with precision='fp16': a delayed or averaged update cannot follow "
-                       "dynamic loss scaling's skipped steps; pin precision='bf16'")
-    if p.get("grad_reduce") == "bf16":
-        raise PinError(f"{first} reduces gradients (or parameters) in fp32: drop grad_reduce='bf16'")
-
-
-def _check_averaging_combinations(p: dict) -> None:
-    """Refuse what ``averaging=`` (``autopar.runtime.averaging``) cannot combine with: it
-    replaces the data axis's gradient all-reduce with parameter averaging."""
-    if p.get("averaging") is None:
-        return
-    first = f"averaging={p['averaging']!r}"
-    for other, none in (("compress", "none"), ("local_sgd", None), *((n, None) for n in ASYNC_PINS)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} and {other}={p[other]!r} both change how the data-parallel "
-                           "update is made: pin one of them")
-    for other, none in (("zero", 0), ("pipeline", 1), ("branch", 1), ("expert", 1), ("offload", None)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} with {other}={p[other]!r} is not supported: it averages whole "
-                           "replicated parameters over the data axis; drop one of the two pins")
-    if p.get("precision") == "fp16":
-        raise PinError(f"{first} with precision='fp16': ranks skipping different steps under dynamic "
-                       "loss scaling would average unlike models; pin precision='bf16'")
-    if p.get("grad_reduce") == "bf16":
-        raise PinError(f"{first} reduces no gradient over the data axis: drop grad_reduce='bf16'")
-
-
-def _check_workers_values(p: dict) -> None:
-    workers_schedule(p.get("workers"))
-    lr = p.get("workers_lr")
-    if lr is not None and (lr not in WORKERS_LR or p.get("workers") is None):
-        raise PinError(f"workers_lr={lr!r}: 'linear' (the default: the learning rate scaled by the "
-                       "workers that train over W2) or 'constant', with workers='accordion:W1:W2' "
-                       "pinned too")
-
-
-def _check_workers_combinations(p: dict) -> None:
-    """Refuse what ``workers=`` (``autopar.runtime.workers``) cannot combine with: idle data
-    ranks skip forward and backward, so nothing in them may cross the data axis, and the
-    data axis's reduction is its own."""
-    counts = workers_schedule(p.get("workers"))
-    if counts is None:
-        return
-    first = f"workers={p['workers']!r}"
-    data = p.get("data")
-    if data is not None and data < counts[1]:
-        raise PinError(f"{first} trains W2={counts[1]} data-parallel workers outside critical regimes, "
-                       f"more than data={data}: pin data= >= {counts[1]}, or a smaller W2")
-    for other, none in (("compress", "none"), ("local_sgd", None), ("averaging", None),
-                        *((n, None) for n in ASYNC_PINS)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} and {other}={p[other]!r} both change how the data-parallel "
-                           "update is made: pin one of them")
-    why = {"pipeline": "a pipeline's stages exchange activations across ranks",
-           "zero": "ZeRO shards the data axis's reduction (zero=3 gathers weights over it in forward)",
-           "offload": "offload runs on ZeRO's shards",
-           "expert": "the expert axis splits the batch and exchanges tokens across it in forward",
-           "branch": "branch groups exchange activations",
-           "compile": "the compiled programs are not checked for it"}
-    for other, none in (("pipeline", 1), ("zero", 0), ("offload", None), ("expert", 1),
-                        ("branch", 1), ("compile", False)):
-        if p.get(other) not in (None, none):
-            raise PinError(f"{first} with {other}={p[other]!r} is not supported: idle data ranks "
-                           f"skip forward and backward, and {why[other]}; drop one of the two pins")
-    if p.get("grad_reduce") == "bf16":
-        raise PinError(f"{first} reduces the data axis's gradient in the gradients' dtype: drop "
-                       "grad_reduce='bf16'")
-
-
-def refuse_workers_check(options: "Options") -> None:
-    """The ArgumentError of ``check=`` (the first step against one device) under ``workers=``."""
-    if options.workers is not None:
-        raise ArgumentError(f"check= compares the first step's gradients with one device's on the "
-                            f"whole batch; under workers={options.workers!r} the first step (a "
-                            "critical regime) trains on W1 workers' batches only: pass check=False "
-                            "(or unset AUTOPAR_CHECK)")
+ASYNC_PINS = COUNT_PINS
+"""The update schemes pinned by a count (``staleness``, ``param_server``, ``learners``,
+``hogwild``: ``autopar.update_schemes``), of issue 31; never chosen by the solver."""
 
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}

@@ -77,8 +77,8 @@ def worker(steps: int, batch: int, lr: float, out: str, only: str | None = None,
     from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
     import autopar
-    from autopar.runtime.averaging import ModelAveraging
-    from autopar.runtime.compression import LocalSGD
+    from autopar.runtime.updates.averaging import ModelAveraging
+    from autopar.runtime.updates.compression import LocalSGD
     from examples.gpt import gpt_factory
     from examples.train_gpt import TEXT, CharWindows, data_steps
 

@@ -134,14 +134,14 @@ _KERNELS = {"bf16": lambda r: 2, "int8": lambda r: 6, "topk": lambda r: 6,
             "powersgd": lambda r: 8 + 8 * r, "nuq": lambda s: 16}
 #: nuq: norm, abs, divide, frexp, clamps, two level lookups, the draw, compare, codes, pack;
 #: unpack, lookup, sign, scale, sum
-INT8_CHUNK = 512     # autopar.runtime.compression.INT8_CHUNK: one fp32 (min, scale) per chunk
-NUQ_CHUNK = 512      # autopar.runtime.compression.NUQ_CHUNK: one fp32 norm per chunk
+INT8_CHUNK = 512     # autopar.runtime.updates.compression.INT8_CHUNK: one fp32 (min, scale) per chunk
+NUQ_CHUNK = 512      # autopar.runtime.updates.compression.NUQ_CHUNK: one fp32 norm per chunk
 
 
 def compressed_reduce_time(kind: str, arg: float, shape, itemsize: float, group_size: int,
                            link: Link, device) -> float:
     """Seconds to sum one parameter's gradient (``shape``, ``itemsize`` bytes a value) over
-    ``group_size`` ranks, compressed by ``kind`` (``autopar.runtime.compression``), as a
+    ``group_size`` ranks, compressed by ``kind`` (``autopar.runtime.updates.compression``), as a
     bucketed gradient: the wire's bandwidth term (the bucket pays the latency) plus the
     compression's compute on ``device`` (memory passes, FLOPs, kernel launches: per
     bucket, of which the parameter pays its share, or per matrix for PowerSGD). Bytes on
@@ -214,7 +214,7 @@ def compressed_reduce_time(kind: str, arg: float, shape, itemsize: float, group_
 
 def averaging_time(kind: str, nbytes: float, group_size: int, link: Link, period: int = 1) -> float:
     """Seconds a step of BAGUA's model averaging (pin ``averaging=``,
-    ``autopar.runtime.averaging``) spends on one parameter of ``nbytes`` over ``group_size``
+    ``autopar.runtime.updates.averaging``) spends on one parameter of ``nbytes`` over ``group_size``
     data ranks, averaged every ``period`` steps, as the bandwidth term of a bucketed
     gradient (the bucket pays the latency): ``"decentralized"`` sends it to each ring
     neighbour (1 with 2 ranks, else 2; point-to-point, both at once on a full-duplex link
@@ -238,7 +238,7 @@ def averaging_time(kind: str, nbytes: float, group_size: int, link: Link, period
 
 def param_server_time(nbytes: float, group_size: int, servers: int, link: Link) -> float:
     """Seconds for one direction of a parameter server's traffic (``param_server=``,
-    ``autopar.runtime.param_server``): ``nbytes`` per rank (a push of gradients, or a pull of
+    ``autopar.runtime.updates.param_server``): ``nbytes`` per rank (a push of gradients, or a pull of
     parameters) to or from ``servers`` servers that each own 1/servers of them; each server's
     link carries the ``group_size - 1`` other ranks' share (its own stays local), so the
     servers' links, each at ``link.bandwidth`` a direction, are the bottleneck, plus one

@@ -45,7 +45,7 @@ reads the data from the step it had reached (``autopar.elastic.GlobalBatchSample
 global batch of a step does not depend on the world).
 
 ``--pin workers=accordion:1:4`` (with or without ``--elastic``): Accordion's batch-size
-form (``autopar.runtime.workers``): 1 data rank trains in critical regimes, 4 otherwise;
+form (``autopar.runtime.updates.workers``): 1 data rank trains in critical regimes, 4 otherwise;
 the others skip the step (their slice of the batch is not used), so the one-device column,
 which trains on the whole batch, no longer matches. Its regime is saved in the checkpoints
 and resumed with them.

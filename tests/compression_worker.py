@@ -1,5 +1,5 @@
 """Run by tests/test_compression.py under torchrun (2 gloo ranks, one launch): the lossy
-data-parallel pins (``compress=``, ``local_sgd=``; ``autopar.runtime.compression``) on a
+data-parallel pins (``compress=``, ``local_sgd=``; ``autopar.runtime.updates.compression``) on a
 tiny MLP, each case checking what can be checked exactly:
 
 - ``bf16``: close to one device within bf16's rounding, not equal to it;
@@ -68,9 +68,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import autopar  # noqa: E402
 from autopar.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from autopar.errors import ArgumentError  # noqa: E402
-from autopar.runtime.averaging import ring_neighbours  # noqa: E402
-from autopar.runtime.workers import ActiveWorkers  # noqa: E402
-from autopar.runtime.compression import (NUQ_SEED, Accordion, Int8, Nuq, dequantize_int8,  # noqa: E402
+from autopar.runtime.updates.averaging import ring_neighbours  # noqa: E402
+from autopar.runtime.updates.workers import ActiveWorkers  # noqa: E402
+from autopar.runtime.updates.compression import (NUQ_SEED, Accordion, Int8, Nuq, dequantize_int8,  # noqa: E402
                                          nuq_dequantize, nuq_levels, nuq_quantize, quantize_int8)
 from autopar.verify import LR, MOMENTUM, Run, compare, parallel_run, reference_run  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
@@ -89,7 +89,7 @@ def build(pins: dict):
     n = dist.get_world_size()
     pm = autopar.parallelize(copy.deepcopy(model), inputs, loss_fn, target=target, **{"data": n, **pins})
     assert pm.plan.mesh_shape in ((n,), (pins.get("data"), pins.get("tensor"))), pm.plan
-    assert pm._grad_sync.reducer is not None, pm.plan
+    assert pm.update_rule.axis is not None, pm.plan      # a scheme on the data axis, not the exact all-reduce
     return model, inputs, target, loss_fn, pm
 
 

@@ -133,7 +133,7 @@ def test_local_sgd_averages_every_h_steps_after_warmup(results):
 
 # ---- NUQSGD ----------------------------------------------------------------------------
 def test_nuq_levels_are_exponentially_spaced():
-    from autopar.runtime.compression import nuq_levels
+    from autopar.runtime.updates.compression import nuq_levels
     assert nuq_levels(4).tolist() == [0.0, 0.125, 0.25, 0.5, 1.0]
     lv = nuq_levels(9)
     assert lv[0] == 0 and lv[-1] == 1 and torch.equal(lv[2:] / lv[1:-1], torch.full((8,), 2.0))
@@ -146,7 +146,7 @@ def test_nuq_is_unbiased_and_on_the_two_nearest_levels(levels):
     variance (hi - u)(u - lo) norm^2 / draws) is within 5 of its standard deviation, and
     each coordinate within 5 standard errors plus 4 draws' worth of a level step (the
     normal bound is loose for rare rounding). Rounding down instead fails the same test."""
-    from autopar.runtime.compression import nuq_dequantize, nuq_levels, nuq_pack, nuq_quantize, nuq_unpack
+    from autopar.runtime.updates.compression import nuq_dequantize, nuq_levels, nuq_pack, nuq_quantize, nuq_unpack
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1000, generator=g) * torch.rand(1000, generator=g) ** 2
     x[:10] = 0.0

@@ -49,11 +49,6 @@ import torch
 from autopar.errors import ArgumentError
 from autopar.options import Options
 
-UPDATE_PINS = ("compress", "local_sgd", "averaging", "staleness", "param_server", "hogwild",
-               "learners", "workers")
-"""The ``Options`` fields of data-parallel update schemes other than the exact sum."""
-
-
 def refusal(options: Options, pipelined: bool, accumulate: int, branches: bool,
             compute_dtype) -> str | None:
     """Why a plan cannot train through ``loss.backward()`` on ``pm(x)``, or None."""
@@ -71,9 +66,9 @@ def refusal(options: Options, pipelined: bool, accumulate: int, branches: bool,
     if compute_dtype == torch.float16:
         return ("precision='fp16' scales the loss dynamically inside pm.train_step and "
                 "pm.step(opt): train with those, or use precision='bf16'")
-    pinned = [n for n in UPDATE_PINS if getattr(options, n, None) not in (None, "none")]
-    if pinned:
-        return (f"{pinned[0]}={getattr(options, pinned[0])!r} changes how a step applies the "
+    scheme = options.update     # autopar.update_schemes
+    if scheme.pin is not None:
+        return (f"{scheme.written()} changes how a step applies the "
                 "gradients: train with loss = pm.train_step(*inputs, target=y), then "
                 "pm.step(opt)")
     return None

@@ -211,7 +211,8 @@ def save_state(pm, optimizer=None, extra=None) -> dict[str, Any]:
         info = {"format": FORMAT, "aliases": {lay.name[a]: list(al) for a, al in pm._shards.aliases.items()},
                 "param_groups": groups, "has_optimizer": optimizer is not None,
                 "loss_scaler": pm.scaler.state_dict() if pm.scaler is not None else None,
-                "update_schedule": _schedule(pm).state_dict() if _schedule(pm) is not None else None}
+                # the update rule's state (workers=: its regime); every rank holds the same
+                "update_schedule": pm.update_rule.state_dict()}
         sd["autopar"] = pickle.dumps(info)
         sd["extra"] = pickle.dumps(extra)
     return sd
@@ -290,18 +291,10 @@ def load_plan(pm, md: dict, optimizer=None):
             _restore_groups(pm, optimizer, info.get("param_groups", []), lay)
         if pm.scaler is not None and info.get("loss_scaler"):    # fp16: resume with the saved scale
             pm.scaler.load_state_dict(info["loss_scaler"])
-        if _schedule(pm) is not None and info.get("update_schedule"):   # workers=: the regime
-            _schedule(pm).load_state_dict(info["update_schedule"])
+        if info.get("update_schedule"):     # the update rule's state (workers=: the regime)
+            pm.update_rule.load_state_dict(info["update_schedule"])
         return pickle.loads(sd["extra"])
     return sd, finish
-
-
-def _schedule(pm):
-    """The state of ``pm``'s update schedule a checkpoint keeps: ``workers=``' reducer
-    (``runtime.workers.ActiveWorkers``: its regime, last norm and steps), else None. Every
-    rank holds the same (the regime is decided alike everywhere): rank 0's is saved."""
-    reducer = getattr(getattr(pm, "_grad_sync", None), "reducer", None)
-    return reducer if hasattr(reducer, "load_state_dict") else None
 
 
 def _restore_groups(pm, optimizer, saved, lay: Layout) -> None:

@@ -16,8 +16,10 @@ in it is final, so the reduction runs while backward goes on:
 The ranks of a data-parallel group run the same program in the same order, so they launch
 the same buckets in the same order. A step is ``begin()`` ... ``finish()``.
 
-Lossy reduction (pins ``compress=``, ``local_sgd=``): a bucket summed over the data axis goes
-to ``reducer`` (``autopar.runtime.compression``) instead of the exact all-reduce.
+An update scheme (pins ``compress=``, ``local_sgd=``, ``staleness=``, ...): a bucket summed
+over the data axis goes to the scheme's rule ``reducer`` (``autopar.runtime.updates``:
+``UpdateRule.start``) instead of the exact all-reduce; the exact all-reduce's rule
+(``ExactAllReduce``, the default) has no data axis of its own, and the sum is made here.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import weakref
 from torch import nn
 
 from autopar.ops.comm import Comm
+from autopar.runtime.updates.rule import ExactAllReduce, UpdateRule
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -35,13 +38,14 @@ class GradSync:
     ``axes_of[attr]`` of ``comm``, once per step."""
 
     def __init__(self, params: dict[str, nn.Parameter], axes_of: dict[str, tuple[int, ...]],
-                 comm: Comm, bucket_bytes: int = BUCKET_BYTES, reduce_dtype=None, reducer=None):
+                 comm: Comm, bucket_bytes: int = BUCKET_BYTES, reduce_dtype=None,
+                 reducer: UpdateRule | None = None):
         self.reduce_dtype = reduce_dtype    # None: sum in the gradients' dtype; else cast (bf16 pin)
-        self.reducer = reducer              # compression.Reducer on its data axis, or None
+        self.reducer = reducer if reducer is not None else ExactAllReduce()    # the update rule
         self.comm = comm
         # a sum over one rank is a no-op: such axes are dropped (the reducer's is kept), and a
         # parameter left with none gets no hook and no bookkeeping (world-1 plans)
-        live = {a: tuple(x for x in axes if comm.size(x) > 1 or (reducer is not None and x == reducer.axis))
+        live = {a: tuple(x for x in axes if comm.size(x) > 1 or x == self.reducer.axis)
                 for a, axes in axes_of.items()}
         self.params = {a: p for a, p in params.items() if live.get(a)}
         self.axes_of = {a: live[a] for a in self.params}
@@ -112,8 +116,7 @@ class GradSync:
             self._launch(axes)
         for entry in self._inflight:
             self._complete(entry)
-        if self.reducer is not None:
-            self.reducer.end_step()
+        self.reducer.end_step()
         self._reset()      # hold no finished work
 
     def _complete(self, entry) -> None:
@@ -157,7 +160,7 @@ class GradSync:
             self._start(bucket, axes, tuple(names))
 
     def _start(self, grads: list, axes: tuple[int, ...], names: tuple[str, ...] = ()) -> None:
-        if self.reducer is not None and self.reducer.axis in axes:
+        if self.reducer.axis is not None and self.reducer.axis in axes:
             more = tuple(a for a in axes if a != self.reducer.axis)
             self._inflight.append((self.reducer.start(names, grads), grads, more, grads))
             return

@@ -30,7 +30,7 @@ from autopar.analysis.stages import assign_stages
 from autopar.capture import Captured
 from autopar.errors import ArgumentError
 from autopar.ops.collectives import all_reduce, regathered_weights
-from autopar.ops.comm import Comm, StepSettings, current_comm, use_comm
+from autopar.ops.comm import Comm, StepSettings, use_comm
 from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.branch_parallel import keep_branches
 from autopar.passes.check_grad_sync import check_grad_sync
@@ -46,13 +46,11 @@ from autopar.runtime.compiled import (
     CompiledProgram, cache_counts, check_compilable, compile_report,
 )
 from autopar.runtime.backward_loop import BackwardLoop, refusal
-from autopar.runtime.compression import LocalSGD, make_reducer
-from autopar.runtime.averaging import ModelAveraging
 from autopar.runtime.branch_stage import BranchRanks
 from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.updates import make_update_reducer
-from autopar.runtime.workers import ActiveWorkers, scaled_lr
+from autopar.runtime.updates import UpdateRule, make_rule
+from autopar.runtime.updates.workers import scaled_lr
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
 from autopar.runtime.plan_check import check_plan_fits
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
@@ -80,8 +78,7 @@ class OneStage:
 
     pp_rank = 0
     device, dtype, loss_scale = None, None, None    # mixed precision (set by ParallelModule)
-    _workers_pin = None          # workers= (set by ParallelModule), for its errors
-    _idle_loss = None            # workers=: the zero loss term of a rank that skips a step
+    idle_loss = None             # workers=: the zero loss term of a rank that skips a step
 
     def __init__(self, cap: Captured, programs: dict[str, GraphModule], loss_fn: Callable | None,
                  shards: Shards, n_microbatches: int = 1, branches: BranchRanks | None = None,
@@ -105,27 +102,11 @@ class OneStage:
         return {attr: [0] for attr in self._shards.placements}
 
     def train(self, inputs: tuple, target, sync: GradSync, params, owners) -> torch.Tensor:
-        workers = sync.reducer if isinstance(sync.reducer, ActiveWorkers) else None
-        if workers is None:
-            return self._train(inputs, target, sync)
-        # workers= (runtime.workers): only the step's data ranks train; the first step runs
-        # every rank (the idle ones' results dropped), watching for collectives on the data
-        # axis inside forward and backward, which a rank that skips could not join
-        if "train" not in self.programs:
-            raise ArgumentError("workers= needs the loss in the graph: pass loss_fn and target= "
-                                "(ranks that skip a step add a zero term to the loss's sum)")
-        if not workers.watched:
-            with use_comm(workers.watch(current_comm())):
-                total = self._train(inputs, target, sync, drop=not workers.trains, every_grad=True)
-            self._idle_loss = torch.zeros_like(total)
-            workers.check_watch(self._workers_pin)
-        elif workers.trains:
-            total = self._train(inputs, target, sync, every_grad=True)
-        else:
-            total = self._idle(sync)
-        return total * workers.loss_scale      # the mean over the batches that trained
+        """The step's forward, backward and gradient sync, as the plan's update rule runs
+        them (``UpdateRule.train``: :meth:`run`, or ``workers=``' skipping of idle ranks)."""
+        return sync.reducer.train(self, inputs, target, sync)
 
-    def _train(self, inputs: tuple, target, sync: GradSync, drop: bool = False,
+    def run(self, inputs: tuple, target, sync: GradSync, drop: bool = False,
                every_grad: bool = False) -> torch.Tensor:
         """Forward and backward of every micro-batch, the step's gradient sync, the loss's
         sum. ``drop``: this rank's loss term and gradients count as zeros; ``every_grad``:
@@ -152,11 +133,11 @@ class OneStage:
                 _every_grad(sync, zero=drop)
             return self._finish(sync, summing, total)
 
-    def _idle(self, sync: GradSync) -> torch.Tensor:
+    def run_idle(self, sync: GradSync) -> torch.Tensor:
         """A data rank outside ``workers=``' set this step: no forward or backward; a zero
         term in the loss's sum and a zero gradient in the data axis's."""
         sync.begin()
-        total = self._idle_loss.clone()
+        total = self.idle_loss.clone()
         summing = sync.comm.all_reduce_coalesced([total], self.loss_sync[0]) if self.loss_sync else None
         with torch.no_grad():
             _every_grad(sync, zero=True)
@@ -316,14 +297,12 @@ class ParallelModule(nn.Module):
             data_axis = splan.mesh_axes.index("data") if "data" in splan.mesh_axes else None
             self._grad_sync = GradSync(working, grad_axes, self._stage_comm,
                                        reduce_dtype=grad_reduce_dtype(plan.options),
-                                       reducer=make_update_reducer(plan.options, self._stage_comm, data_axis, working)
-                                       or make_reducer(plan.options, self._stage_comm, data_axis))
+                                       reducer=make_rule(plan.options, self._stage_comm, data_axis, working))
         self.scaler = self._mixed_precision(plan, pipelined)
         # loss_fn(pm(x), y).backward(): the ordinary loop (autopar.runtime.backward_loop)
         self._loop = BackwardLoop(self._grad_sync, self._zero, lambda: self._offload, refusal(
             plan.options, pipelined, plan.accumulate, bool(plan.branches), compute_dtype(plan.options)))
         if not pipelined:
-            self.runner._workers_pin = plan.options.workers
             self._grad_sync.launch_on_accumulate()
         self._out_spec = cap.model_output_spec
         if weights is not None:
@@ -372,17 +351,17 @@ class ParallelModule(nn.Module):
                 optimizer.step()
                 return True
             return self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
-        reducer = getattr(self._grad_sync, "reducer", None)
-        # workers=: the learning rate scaled with the workers that trained (runtime.workers)
-        with scaled_lr(optimizer, getattr(reducer, "lr_scale", None)):
-            if hasattr(reducer, "optimizer_step"):    # staleness= / param_server= (runtime/stale.py)
-                stepped = reducer.optimizer_step(optimizer_step, self.module.parameters())
-            else:
-                stepped = optimizer_step()
-        if isinstance(getattr(self._grad_sync, "reducer", None), (LocalSGD, ModelAveraging)):
-            self._grad_sync.reducer.average(self.module.parameters())   # local_sgd=, averaging=
+        rule = self.update_rule        # runtime.updates: the plan's scheme
+        with scaled_lr(optimizer, rule.lr_scale):
+            stepped = rule.optimizer_step(optimizer_step, self.module.parameters())
         self._gather_params()
         return stepped
+
+    @property
+    def update_rule(self) -> UpdateRule:
+        """The rule of the plan's data-parallel update scheme (``autopar.runtime.updates``:
+        ``ExactAllReduce`` when none is pinned)."""
+        return self._grad_sync.reducer
 
     def _gather_params(self) -> None:
         """ZeRO-1/2: all-gather the optimizer shards into the working parameters when a
@@ -595,10 +574,9 @@ class ParallelModule(nn.Module):
             p = mine.get(attr)
             return None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))
         grads = {attr: local(attr) for attr in self._shards.params}
-        served = getattr(getattr(self._grad_sync, "reducer", None), "served_grads", None)
-        if served is not None:      # a parameter server holds the global gradient
-            grads = served({a: g for a, g in grads.items() if g is not None}) | \
-                {a: g for a, g in grads.items() if g is None}
+        # a parameter server holds the global gradient (UpdateRule.global_grads)
+        grads = self.update_rule.global_grads({a: g for a, g in grads.items() if g is not None}) | \
+            {a: g for a, g in grads.items() if g is None}
         return self._by_name((attr, self._whole(attr, grads[attr])) for attr in self._shards.params)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,7 @@
 """Accordion's detector of critical learning regimes (Agarwal et al. 2021), shared by its two
-forms here: ``compress="accordion:..."`` (``autopar.runtime.compression``: one regime per
+forms here: ``compress="accordion:..."`` (``autopar.runtime.updates.compression``: one regime per
 gradient bucket, choosing how hard to compress it) and ``workers="accordion:W1:W2"``
-(``autopar.runtime.workers``: one regime for the whole model, choosing how many data
+(``autopar.runtime.updates.workers``: one regime for the whole model, choosing how many data
 ranks train).
 
 Every ``interval`` steps the norm of the gradient accumulated (summed) since the last check

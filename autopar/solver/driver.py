@@ -48,7 +48,7 @@ __all__ = ["AUTO_COMPRESS", "Planned", "SearchSpec", "capture_for_plan", "plan_s
            "search_captured"]
 
 AUTO_COMPRESS = (None, "bf16", "int8", "topk:0.01", "powersgd:4")
-"""What ``compress="auto"`` chooses from (``autopar.runtime.compression``)."""
+"""What ``compress="auto"`` chooses from (``autopar.runtime.updates.compression``)."""
 
 
 def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
@@ -131,7 +131,7 @@ def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local",
         captured = None        # captured for another layout: capture again, balanced
     with sequence_layout(options.context):
         planned = _solve_spec(spec, captured, capture_s)
-    if any(getattr(options, n) for n in ("staleness", "param_server", "learners", "workers")):
+    if options.update.repriced:     # autopar.update_schemes: priced again under the scheme
         planned = Planned(reprice_updates(planned.plan, cl, spec.budget), *planned[1:])
     return planned
 

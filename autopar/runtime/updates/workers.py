@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ArgumentError
-from autopar.ops.comm import Comm
+from autopar.ops.comm import Comm, current_comm, use_comm
 from autopar.options import Options
-from autopar.runtime.compression import Reducer, data_group
+from autopar.runtime.updates.rule import Reducer, data_group
 from autopar.runtime.regime import ACCORDION_ETA, ACCORDION_INTERVAL, RegimeDetector
 
 MODEL = "model"
@@ -61,7 +61,7 @@ COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_a
 """The methods of ``autopar.ops.comm.Comm`` that cross a mesh axis."""
 
 
-def make_workers(options: Options, comm: Comm, axis: int | None) -> "ActiveWorkers | None":
+def make_rule(options: Options, comm: Comm, axis: int | None, params: dict) -> "ActiveWorkers | None":
     """The reducer of ``workers=`` on the data axis ``axis`` (None when W2 is 1: one rank
     trains, the plan has nothing to skip); ArgumentError when the plan's data axis is
     smaller than W2."""
@@ -74,7 +74,7 @@ def make_workers(options: Options, comm: Comm, axis: int | None) -> "ActiveWorke
     if high == 1 and size == 1:
         return None
     return ActiveWorkers(data_group(comm, axis), axis, low, high,
-                         scale_lr=(options.workers_lr or "linear") == "linear")
+                         scale_lr=(options.workers_lr or "linear") == "linear", pin=options.workers)
 
 
 class ActiveWorkers(Reducer):
@@ -83,9 +83,10 @@ class ActiveWorkers(Reducer):
     regime, and the learning rate's factor."""
 
     def __init__(self, group, axis: int, low: int, high: int, scale_lr: bool = True,
-                 interval: int = ACCORDION_INTERVAL, eta: float = ACCORDION_ETA):
+                 interval: int = ACCORDION_INTERVAL, eta: float = ACCORDION_ETA, pin: str | None = None):
         super().__init__(group, axis)
         self.low, self.high, self.scale_lr = low, high, scale_lr
+        self.pin = pin if pin is not None else f"accordion:{low}:{high}"   # for errors
         self.rank = dist.get_rank(group)          # this rank's place on the data axis
         self.detector = RegimeDetector(interval, eta)
         self.last = low                           # the workers that trained the last step
@@ -120,6 +121,26 @@ class ActiveWorkers(Reducer):
     def lr_scale(self) -> float | None:
         """The learning rate's factor for the last step (``workers_lr="linear"``), or None."""
         return self.last / self.high if self.scale_lr else None
+
+    # ---- a step -----------------------------------------------------------------------------
+    def train(self, stage, inputs: tuple, target, sync) -> torch.Tensor:
+        """Only the step's data ranks train (``stage.run``); the others add a zero term
+        (``stage.run_idle``). The first step runs every rank (the idle ones' results
+        dropped), watching for collectives on the data axis inside forward and backward,
+        which a rank that skips could not join."""
+        if "train" not in stage.programs:
+            raise ArgumentError(f"workers={self.pin!r} needs the loss in the graph: pass loss_fn and "
+                                "target= (ranks that skip a step add a zero term to the loss's sum)")
+        if not self.watched:
+            with use_comm(self.watch(current_comm())):
+                total = stage.run(inputs, target, sync, drop=not self.trains, every_grad=True)
+            stage.idle_loss = torch.zeros_like(total)
+            self.check_watch(self.pin)
+        elif self.trains:
+            total = stage.run(inputs, target, sync, every_grad=True)
+        else:
+            total = stage.run_idle(sync)
+        return total * self.loss_scale      # the mean over the batches that trained
 
     # ---- the data axis's sum -------------------------------------------------------------
     def start(self, names: tuple[str, ...], grads: list[torch.Tensor]):

@@ -18,7 +18,7 @@ bucket's reduction for the step that launched it (``torch.distributed.algorithms
 torch's asynchronous SGD examples use ``torch.distributed.rpc`` parameter servers.
 
 The reductions in flight hold s copies of the gradients (the cost model counts them,
-``autopar.pricing.costing``). Used by ``autopar.runtime.param_server`` too, where the
+``autopar.pricing.costing``). Used by ``autopar.runtime.updates.param_server`` too, where the
 servers apply each pushed gradient s steps late.
 """
 from __future__ import annotations
@@ -30,7 +30,23 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ArgumentError
-from autopar.runtime.compression import Reducer, _Result
+from autopar.ops.comm import Comm
+from autopar.options import Options
+from autopar.runtime.updates.rule import Reducer, _Result, data_group
+
+
+def on_data_axis(name: str, axis: int | None) -> None:
+    """An ArgumentError when the scheme pinned as ``name=`` finds no data axis."""
+    if axis is None:
+        raise ArgumentError(f"{name}= works on the data-parallel axis and this plan has none: "
+                            "pin data= (the number of data-parallel ranks) too")
+
+
+def make_rule(options: Options, comm: Comm, axis: int | None, params: dict) -> "Stale":
+    """``staleness=``' rule on the data axis ``axis`` (``param_server=`` takes it as a
+    parameter: ``autopar.runtime.updates.param_server.make_rule``)."""
+    on_data_axis("staleness", axis)
+    return Stale(data_group(comm, axis), axis, options.staleness)
 
 
 class Delayed(Reducer):

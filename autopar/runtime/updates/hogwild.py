@@ -72,6 +72,11 @@ def _train(p: int, model: nn.Module, inputs: tuple, target, loss_fn, processes: 
         losses[p, step] = loss.detach()
 
 
+def make_rule(options: Options, comm, axis: int | None, params: dict):
+    """``hogwild=`` has no rule in a plan: the ArgumentError pointing to ``autopar.hogwild``."""
+    refuse_in_plan(options)
+
+
 def hogwild(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable | None = None, *,
             target: torch.Tensor | None = None, processes: int = 2, steps: int = 100,
             batch_size: int = 32, lr: float = 0.01, momentum: float = 0.0,

@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.compression import Reducer
+from autopar.ops.comm import Comm
+from autopar.options import Options
+from autopar.runtime.updates.rule import Reducer, data_group
 
 
 def _flat(params: list[torch.Tensor]) -> torch.Tensor:
@@ -71,6 +73,13 @@ class ModelAveraging(Reducer):
 
     def reduce(self, index, flat, shapes):
         return flat.mul_(self.size)       # this rank's batch's mean
+
+    def optimizer_step(self, step, params) -> bool:
+        """The optimizer's step, then :meth:`average` (whether or not it stepped)."""
+        params = list(params)
+        stepped = step()
+        self.average(params)
+        return stepped
 
     def average(self, params) -> None:
         self.steps += 1
@@ -137,6 +146,13 @@ class AsyncAveraging(ModelAveraging):
     @property
     def pending(self) -> bool:
         return bool(self._inflight)
+
+
+def make_rule(options: Options, comm: Comm, axis: int | None, params: dict) -> "ModelAveraging | None":
+    """``averaging=``' rule on the data axis ``axis`` (None with one data rank or none)."""
+    if axis is None or comm.size(axis) == 1:
+        return None
+    return make_averaging(options.averaging, options.averaging_period or 1, data_group(comm, axis), axis)
 
 
 def make_averaging(kind: str, period: int, group, axis: int) -> ModelAveraging:

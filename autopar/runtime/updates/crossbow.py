@@ -36,10 +36,20 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import ArgumentError
-from autopar.runtime.compression import Reducer
+from autopar.ops.comm import Comm
+from autopar.options import Options
+from autopar.runtime.updates.rule import Reducer, data_group
 
 SMA_MOMENTUM = 0.9
 """``mu``, the central average model's momentum (a module constant: 0.9, SGD's usual)."""
+
+
+def make_rule(options: Options, comm: Comm, axis: int | None, params: dict) -> "LocalGrads | None":
+    """``learners=``' rule on the data axis ``axis``: :class:`LocalGrads` (None with one data
+    rank or none: the learners' gradients are local anyway)."""
+    if axis is None or comm.size(axis) == 1:
+        return None
+    return LocalGrads(data_group(comm, axis), axis)
 
 
 class LocalGrads(Reducer):

@@ -65,10 +65,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from autopar.errors import ArgumentError
 from autopar.ops.comm import Comm
 from autopar.options import Options
 from autopar.runtime.regime import ACCORDION_ETA, ACCORDION_INTERVAL, RegimeDetector
+from autopar.runtime.updates.rule import Reducer, data_group, resolve
 
 POWERSGD_START = 2
 LOCAL_SGD_WARMUP = 100
@@ -79,31 +79,21 @@ NUQ_CHUNK = 512
 NUQ_SEED = 1234
 
 
-def data_group(comm: Comm, axis: int):
-    """The torch.distributed process group of mesh axis ``axis`` of ``comm``."""
-    base = comm
-    while hasattr(base, "outer"):      # a stage's mesh inside a pipeline (Comm.inner)
-        base, axis = base.outer, axis + 1
-    groups = getattr(base, "groups", None)
-    if groups is None:
-        raise ArgumentError("compress= and local_sgd= need torch.distributed ranks: build the module "
-                            "with autopar.parallelize under torchrun, not on simulated (thread) ranks")
-    return groups[axis]
-
-
-def make_reducer(options: Options, comm: Comm, axis: int | None) -> "Reducer | None":
-    """The reducer of a plan's ``compress=`` / ``local_sgd=`` options on the data axis ``axis``
-    (None when the plan has none, or no data axis, or its data axis has one rank;
-    ``averaging=`` is ``runtime.updates``')."""
-    scheme, h = options.compression, options.local_sgd
-    if axis is None or comm.size(axis) == 1 or (scheme is None and h is None):
-        return None
-    group = data_group(comm, axis)
-    if h is not None:
-        return LocalSGD(h, options.local_sgd_warmup if options.local_sgd_warmup is not None else LOCAL_SGD_WARMUP, group, axis)
-    kind, arg = scheme
+def make_compressed(options: Options, comm: Comm, axis: int | None, params: dict) -> "Reducer | None":
+    """``compress=``' rule on the data axis ``axis`` (None with one data rank or none)."""
+    if axis is None or comm.size(axis) == 1 or options.compression is None:
+        return None      # compress="auto" the solver left unchosen: the exact all-reduce
+    kind, arg = options.compression
     return {"bf16": Bf16, "powersgd": PowerSGD, "topk": TopK, "int8": Int8, "nuq": Nuq,
-            "accordion": Accordion}[kind](group, axis, arg)
+            "accordion": Accordion}[kind](data_group(comm, axis), axis, arg)
+
+
+def make_local_sgd(options: Options, comm: Comm, axis: int | None, params: dict) -> "LocalSGD | None":
+    """``local_sgd=``' rule on the data axis ``axis`` (None with one data rank or none)."""
+    if axis is None or comm.size(axis) == 1:
+        return None
+    warmup = options.local_sgd_warmup if options.local_sgd_warmup is not None else LOCAL_SGD_WARMUP
+    return LocalSGD(options.local_sgd, warmup, data_group(comm, axis), axis)
 
 
 class FlatBucket:
@@ -131,65 +121,6 @@ class FlatBucket:
             out.append(self._flat[off: off + n].view(s if len(s) else (1,)))
             off += n
         return out
-
-
-class _Result:
-    """A reduction in flight: ``wait()`` writes the summed flat bucket into the gradients."""
-
-    def __init__(self, grads: list[torch.Tensor], value):
-        self.grads, self.value = grads, value    # a Future, a function giving the sum, or it
-
-    def wait(self) -> None:
-        flat = resolve(self.value)
-        off = 0
-        for g in self.grads:
-            g.copy_(flat[off: off + g.numel()].view_as(g))
-            off += g.numel()
-
-
-def resolve(value) -> torch.Tensor:
-    """The flat sum a :meth:`Reducer.reduce` returned: a Future of it, a function giving it,
-    or it."""
-    if callable(value):
-        value = value()
-    elif not isinstance(value, torch.Tensor):
-        value = value.wait()          # a torch Future
-    return value[0] if isinstance(value, list) else value
-
-
-class Reducer:
-    """Sums a bucket of gradients over the data axis ``axis`` (process group ``group``)."""
-
-    def __init__(self, group, axis: int):
-        self.group, self.axis = group, axis
-        self.size = dist.get_world_size(group)
-        self._index: dict[tuple[str, ...], int] = {}
-        self.wire_bytes = 0         # bytes this rank sent in the last step
-        self._step_bytes = 0
-
-    def bucket_index(self, names: tuple[str, ...]) -> int:
-        return self._index.setdefault(tuple(names), len(self._index))
-
-    def start(self, names: tuple[str, ...], grads: list[torch.Tensor]) -> _Result:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        return _Result(grads, self.reduce(self.bucket_index(names), flat, [g.shape for g in grads]))
-
-    def reduce(self, index: int, flat: torch.Tensor, shapes):
-        """The sum over the data ranks of ``flat``: a Future of it, a function returning it
-        once the collectives it started are done, or it; may overwrite ``flat``."""
-        raise NotImplementedError
-
-    def end_step(self) -> None:
-        self.wire_bytes, self._step_bytes = self._step_bytes, 0
-
-    def _all_gather(self, t: torch.Tensor):
-        """Start gathering ``t`` of every rank: (their stack, the work)."""
-        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        self._step_bytes += t.numel() * t.element_size()
-        # all_gather_into_tensor, as ops/comm.py: public on every torch autopar supports
-        # (torch 2.11 has no all_gather_single)
-        work = dist.all_gather_into_tensor(out, t.contiguous(), group=self.group, async_op=True)
-        return out.view(self.size, *t.shape), work
 
 
 class Bf16(Reducer):
@@ -447,6 +378,13 @@ class LocalSGD(Reducer):
             return flat.mul_(self.size)
         self._step_bytes += flat.numel() * flat.element_size()
         return dist.all_reduce(flat, group=self.group, async_op=True).get_future()
+
+    def optimizer_step(self, step, params) -> bool:
+        """The optimizer's step, then :meth:`average` (whether or not it stepped)."""
+        params = list(params)
+        stepped = step()
+        self.average(params)
+        return stepped
 
     def average(self, params) -> None:
         """After an optimizer step: average ``params`` over the data axis when it is time."""

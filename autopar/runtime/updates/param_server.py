@@ -16,7 +16,7 @@ whole parameters, greedily by bytes, largest first), which keeps it and its opti
 
 Synchronous (no ``staleness=``) this equals one device (``tests/test_async_updates.py``).
 With ``staleness=s`` a server applies at step t the gradients pushed at step t - s
-(``autopar.runtime.stale.Delayed``), the pushes of a step in flight behind the next s steps;
+(``autopar.runtime.updates.stale.Delayed``), the pushes of a step in flight behind the next s steps;
 the pull stays synchronous.
 
 Built on torch.distributed point-to-point on the data axis's process group: it is what a
@@ -35,7 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import ArgumentError
-from autopar.runtime.stale import Delayed
+from autopar.ops.comm import Comm
+from autopar.options import Options
+from autopar.runtime.updates.rule import data_group
+from autopar.runtime.updates.stale import Delayed, on_data_axis
 
 PUSH, PULL = 1, 2
 """Point-to-point tags: a rank that is both a worker and a server has pushes and pulls in
@@ -52,6 +55,14 @@ def assign_owners(params: dict[str, nn.Parameter], servers: int) -> dict[str, in
         owner[attr] = s
         load[s] += params[attr].numel() * params[attr].element_size()
     return owner
+
+
+def make_rule(options: Options, comm: Comm, axis: int | None, params: dict) -> "ParamServer":
+    """``param_server=``' rule on the data axis ``axis``, its pushed gradients applied
+    ``staleness=`` steps late when that is pinned too."""
+    on_data_axis("param_server", axis)
+    return ParamServer(data_group(comm, axis), axis, options.param_server, params,
+                       staleness=options.staleness or 0)
 
 
 class ParamServer(Delayed):
@@ -125,7 +136,7 @@ class ParamServer(Delayed):
         return stepped
 
     @torch.no_grad()
-    def served_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def global_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``grads`` (this rank's ``.grad`` by attribute) with each parameter's gradient as
         its server holds it, the global batch's (a broadcast from each server; collective
         over the data axis: ``ParallelModule.full_grads``)."""
