@@ -26,6 +26,7 @@ from autopar.analysis.branches import BranchSet, find_branches
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.hardware import axis_link
+from autopar.cost_models.step import step_time
 from autopar.errors import PinError
 from autopar.options import Options, as_options
 from autopar.placement import local_shape
@@ -125,7 +126,7 @@ def branch_plan(cap: Captured, cl, world: int, n: int, inner: Plan, solved: Solv
     worst = max(range(n), key=lambda g: est.memory_total - sum(spare[g].values()))
     memory = {k: v - spare[worst].get(k, 0.0) for k, v in est.memory_bytes.items()}
     comm = {**est.comm, "all_reduce@branch": join_s}
-    estimate = replace(est, step_time_s=est.step_time_s - saved_s + join_s,
+    estimate = replace(est, step_time_s=step_time(est.compute_s + est.comm_s - saved_s + join_s, est.host_s),
                        compute_s=est.compute_s - saved_s, comm_s=est.comm_s + join_s,
                        memory_bytes=memory, comm=comm)
     nodes = {k: NodePlacement(tuple("R" + p for p in v.inputs), tuple("R" + p for p in v.outputs))
