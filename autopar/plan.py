@@ -235,6 +235,7 @@ class Plan:
         estimate), not of the solver's report (its timings) or the file's version: equal
         digests, the same plan."""
         chosen = {k: v for k, v in self.to_dict().items() if k not in ("solver", "version")}
+        chosen["estimate"].pop("host_s", None)   # a figure, not a choice: the step holds it where it binds
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     def _fields(self) -> dict:

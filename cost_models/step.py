@@ -30,8 +30,9 @@ Overlap rules (GPU; where each is applied):
   forward, backward and optimizer, at ``Device.host_op_s``) overlaps the device's work: the
   host queues kernels while the GPU runs them, so the step is ``max(device, host)``
   (:func:`step_time`), the device side being compute + exposed communication. Flat plans
-  and gradient accumulation (``solver/flat._to_plan``, ``solver/accumulate``) apply it;
-  pipelined plans do not (their runtime's per-action cost is ``Device.pipeline_action``).
+  (``solver/flat._to_plan``; gradient accumulation k times, ``solver/accumulate``) and
+  pipelines (``solver/pipeline_price.pipeline_estimate``: a rank dispatches 1/p of the
+  graph's calls per micro-batch, against the simulated step) apply it.
   The estimate shows the host seconds as ``Estimate.host_s``. CPU ranks price their host
   in ``launch_overhead`` / ``view_overhead`` (their host is the device) and keep 0 here.
 
