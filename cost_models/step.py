@@ -30,9 +30,12 @@ Overlap rules (GPU; where each is applied):
   forward, backward and optimizer, at ``Device.host_op_s``) overlaps the device's work: the
   host queues kernels while the GPU runs them, so the step is ``max(device, host)``
   (:func:`step_time`), the device side being compute + exposed communication. Flat plans
-  (``solver/flat._to_plan``; gradient accumulation k times, ``solver/accumulate``) and
-  pipelines (``solver/pipeline_price.pipeline_estimate``: a rank dispatches 1/p of the
-  graph's calls per micro-batch, against the simulated step) apply it.
+  (``solver/flat._to_plan``; gradient accumulation k times, ``solver/accumulate``; branch
+  plans, a group's rank dispatching only its branches, ``solver/branches``) apply it.
+  Pipelined plans do not yet (``Estimate.host_s`` 0): their simulated step is the device's
+  plus the runtime's cost per action (``Device.pipeline_action``, 0 on GPUs), so against a
+  host-bound flat plan of a small model they are favoured until the stage DP prices a
+  rank's ``m / p`` share of the calls.
   The estimate shows the host seconds as ``Estimate.host_s``. CPU ranks price their host
   in ``launch_overhead`` / ``view_overhead`` (their host is the device) and keep 0 here.
 

@@ -17,7 +17,6 @@ import numpy as np
 
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
-from autopar.cost_models.step import step_time
 from autopar.placement import Shard, local_shape, parse_placements
 from autopar.plan import Estimate, Plan
 from autopar.schedule import schedule_actions
@@ -340,12 +339,7 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
             comm["send_recv@pipeline"] = comm.get("send_recv@pipeline", 0.0) + m * sends
     if sync[busiest] > exposed[busiest]:
         comm[OVERLAPPED] = -float(sync[busiest] - exposed[busiest])
-    # the host's dispatches (cost_models/step.py): a rank dispatches its 1/p of the graph's
-    # calls (the intra-stage plan's host term is one micro-batch of the whole graph) for
-    # each of the m micro-batches, overlapped with the device
-    host = m * pr.intra.estimate.host_s / p
-    step = step_time(step, host)
-    return Estimate(step_time_s=step, host_s=float(host), compute_s=float(compute), comm_s=float(sum(comm.values())),
+    return Estimate(step_time_s=step, compute_s=float(compute), comm_s=float(sum(comm.values())),
                     memory_bytes={k: float(b) for k, b in mems[worst].items()},
                     comm={k: float(s) for k, s in comm.items()},
                     bubble_fraction=float(sim.bubble_fraction),
