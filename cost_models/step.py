@@ -32,10 +32,13 @@ Overlap rules (GPU; where each is applied):
   (:func:`step_time`), the device side being compute + exposed communication. Flat plans
   (``solver/flat._to_plan``; gradient accumulation k times, ``solver/accumulate``; branch
   plans, a group's rank dispatching only its branches, ``solver/branches``) apply it.
-  Pipelined plans do not yet (``Estimate.host_s`` 0): their simulated step is the device's
-  plus the runtime's cost per action (``Device.pipeline_action``, 0 on GPUs), so against a
-  host-bound flat plan of a small model they are favoured until the stage DP prices a
-  rank's ``m / p`` share of the calls.
+  Pipelined plans apply it per rank (``solver/stage_dp``'s host rule): a rank dispatches
+  its stages' calls once per micro-batch, forward and backward, and its optimizer's once,
+  so its host seconds are ``(m x its stages' calls + optimizer calls) x host_op_s``; the
+  step is ``max(simulated device step, busiest rank's host seconds)`` (``StagePlan.host_time``
+  in the stage DP and ``_choose``'s ranking, ``solver/pipeline_price.pipeline_estimate``
+  for the plan). Compiled programs (``compile=True``) pay
+  ``cost_models.host.COMPILED_HOST_FRACTION`` (0.99) of the eager calls, flat or pipelined.
   The estimate shows the host seconds as ``Estimate.host_s``. CPU ranks price their host
   in ``launch_overhead`` / ``view_overhead`` (their host is the device) and keep 0 here.
 
