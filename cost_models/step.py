@@ -34,10 +34,10 @@ Overlap rules (GPU; where each is applied):
   plans, a group's rank dispatching only its branches, ``solver/branches``) apply it.
   Pipelined plans apply it per rank (``solver/stage_dp``'s host rule): a rank dispatches
   its stages' calls once per micro-batch, forward and backward, and its optimizer's once,
-  so its host seconds are ``(m x its stages' calls + optimizer calls) x host_op_s``; the
-  step is ``max(simulated device step, busiest rank's host seconds)`` (``StagePlan.host_time``
-  in the stage DP and ``_choose``'s ranking, ``solver/pipeline_price.pipeline_estimate``
-  for the plan). Compiled programs (``compile=True``) pay
+  so a stage's micro-batch takes ``max(device, its calls x host_op_s)`` in the stage DP's
+  cuts and the simulated schedule, and the step is at least the busiest rank's
+  ``(m x its stages' calls + optimizer calls) x host_op_s`` (``StagePlan.host_time``,
+  ``solver/pipeline_price.pipeline_estimate``). Compiled programs (``compile=True``) pay
   ``cost_models.host.COMPILED_HOST_FRACTION`` (0.99) of the eager calls, flat or pipelined.
   The estimate shows the host seconds as ``Estimate.host_s``. CPU ranks price their host
   in ``launch_overhead`` / ``view_overhead`` (their host is the device) and keep 0 here.

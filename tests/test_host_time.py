@@ -43,9 +43,10 @@ def test_host_time_rules():
 
 def test_stage_dp_host_rule_binds_and_decides():
     """The stage DP's host rule on hand-made layers: 4 layers of 1 us device time and 1 ms
-    host time each, 2 ranks, 8 micro-batches of 1F1B: the busiest rank dispatches its 2
-    layers 8 times (16 ms) plus the optimizer's 0.5 ms, far over the device's ~0.02 ms, so
-    that is the predicted step; with fewer micro-batches free, the DP picks the fewest."""
+    host time each, 2 ranks, 8 micro-batches of 1F1B: each stage's micro-batch takes its 2
+    layers' 2 ms of host (not its ~2 us on the device), so the 1F1B step is (m + p - 1) x
+    2 ms = 18 ms with its bubble, over the busiest rank's host total (8 x 2 ms + the
+    optimizer's 0.5 ms); with the micro-batch count free, the DP picks the fewest."""
     from autopar.solver.stage_dp import plan_stages
     from autopar.solver.stage_plan import LayerCosts
     costs = LayerCosts(time=[1e-6] * 4, state_bytes=[1.0] * 4, activation_bytes=[1.0] * 4,
@@ -54,17 +55,18 @@ def test_stage_dp_host_rule_binds_and_decides():
                      n_stages=2, micro_batches=8, schedule="1f1b")
     assert sp.cuts == (2,)
     assert sp.host_time == pytest.approx(8 * 2e-3 + 0.5e-3)
-    assert sp.predicted_step_time == pytest.approx(sp.host_time)
+    assert sp.stage_times == pytest.approx((2e-3, 2e-3))
+    assert sp.predicted_step_time == pytest.approx((8 + 2 - 1) * 2e-3)
     device = LayerCosts(time=[1e-6] * 4, state_bytes=[1.0] * 4, activation_bytes=[1.0] * 4,
                         boundary_bytes=[0.0] * 3)
     bare = plan_stages(device, n_devices=2, global_batch=8, memory_limit=1e9, bandwidth=1e12,
                        n_stages=2, micro_batches=8, schedule="1f1b")
     assert bare.host_time == 0 and bare.predicted_step_time < sp.host_time / 100
-    # m free: each micro-batch costs 2 ms of host a rank, the bubble next to nothing: m = 2
-    # (1F1B needs m >= p), where without the host term the device's bubble prefers many
+    # m free: each micro-batch costs a stage 2 ms of host whatever its size: m = 2 (1F1B
+    # needs m >= p), where without the host term the device's bubble prefers many
     free = plan_stages(costs, n_devices=2, global_batch=8, memory_limit=1e9, bandwidth=1e12,
                        n_stages=2, schedule="1f1b")
-    assert free.micro_batches == 2 and free.predicted_step_time == pytest.approx(2 * 2e-3 + 0.5e-3)
+    assert free.micro_batches == 2 and free.predicted_step_time == pytest.approx((2 + 1) * 2e-3)
     assert plan_stages(device, n_devices=2, global_batch=8, memory_limit=1e9, bandwidth=1e12,
                        n_stages=2, schedule="1f1b").micro_batches > 2
 
@@ -87,9 +89,10 @@ def _plan(ex, cluster, **pins):
 
 def test_pipeline_estimate_host_term_binds_on_a_small_model():
     """A 4-layer GPT of width 64 on two H100s, pipelined over both, 8 and 4 micro-batches
-    (the same even cuts): its device step is tens of microseconds, its host's calls
-    milliseconds, so the step is the busiest rank's host seconds = (m x its stages' calls
-    + AdamW's 10 foreach calls) x GPU_HOST_OP_S. The calls a rank dispatches per
+    (the same even cuts): its device step is a few milliseconds, its host's calls tens,
+    so the busiest rank's host seconds = (m x its stages' calls + AdamW's 10 foreach
+    calls) x GPU_HOST_OP_S, and each stage's micro-batch is its host's dispatch in the
+    simulated 1F1B step. The calls a rank dispatches per
     micro-batch (from the two steps' difference) are between half and all of the
     unpipelined graph's (its flat plan's host term), and a cluster pricing no host time
     (host_op_s 0, as CPU ranks) gives the device step alone, far under it."""
@@ -112,8 +115,13 @@ def test_pipeline_estimate_host_term_binds_on_a_small_model():
     flat = _plan_flat(ex, cl)
     graph_calls = flat.estimate.host_s / op - opt        # the whole graph, one step
     assert 0.5 * graph_calls * 0.95 <= per_mb <= graph_calls * 1.05, (per_mb, graph_calls)
-    # the host term decides the step
-    assert e8.step_time_s == pytest.approx(e8.host_s)
+    # the host decides the step: each stage's micro-batch is its host's dispatch (the busiest
+    # one's = per_mb calls), and 1F1B over 2 stages takes both stages once and the slower
+    # m - 1 more times (the sends are a few microseconds)
+    st = e8.stage_times_s
+    assert max(st) == pytest.approx(per_mb * op)
+    assert e8.step_time_s == pytest.approx(sum(st) + 7 * max(st), rel=0.01)
+    assert e8.step_time_s >= e8.host_s
     no_host = replace(cl, name="2xH100-nohost", device=replace(cl.device, host_op_s=0.0))
     bare = _plan(ex, no_host, micro_batch_size=1)
     assert bare.estimate.host_s == 0 and bare.pipeline.stage_cuts == eight.pipeline.stage_cuts

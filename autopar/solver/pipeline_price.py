@@ -321,7 +321,11 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     times = nc.time
     # every tensor crossing a stage's cuts is a message each way per micro-batch (stage_dp)
     at = cut_latency(np.concatenate([[0.0], nc.cross_tensors, [0.0]]), pr.message)
-    stage_times = np.array([times[j:i].sum() + at[j] + at[i] for j, i in stages])
+    # a stage's micro-batch: its device time or its host's dispatch, whichever is longer
+    # (stage_dp's host rule; zeros on CPU ranks)
+    calls = pr.host_calls()
+    stage_times = np.array([max(times[j:i].sum() + at[j] + at[i], calls[j:i].sum() * pr.host_op_s)
+                            for j, i in stages])
     # each boundary at the link it crosses (NVLink inside a node, the rank's NIC across);
     # the stage DP chose the cuts at the slower, ``pr.bandwidth`` (a bound for every cut)
     p2p = [float(nc.cross[c - 1] / bw + pr.latency)

@@ -68,15 +68,16 @@ the ATen calls of its stages once per micro-batch, forward and backward, while i
 the kernels queued before (the same overlap as an unpipelined step's,
 ``cost_models.step.step_time``), and its optimizer's foreach calls once a step:
 
+    c[k, j, i] = max(device c[k, j, i], sum_{l=j}^{i-1} h_l)       (each micro-batch)
     host_r = m * sum_{k on r} sum_{l in stage k} h_l + h_opt,    step = max(step, max_r host_r)
 
-for ``LayerCosts.host_time`` h (seconds per micro-batch) and ``host_step_time`` h_opt. The
-rule is the step's, not each action's: the DP cuts by device time (a host-bound stage's
-calls grow with its layers as its device time does), the step (``StagePlan.host_time``,
-``predicted_step_time``; ``pipeline_price.pipeline_estimate`` for the plan) takes the
-busiest rank's host total where it is more than the simulated device step. It is a floor
-where the host binds: a host-bound rank also delays its neighbours' receives, which the
-max does not price.
+for ``LayerCosts.host_time`` h (seconds per micro-batch) and ``host_step_time`` h_opt: a
+stage's micro-batch (its F and B actions, in the split above) takes the longer of its
+device time and its host's dispatch, so the DP balances the host where it binds, the
+closed form and the simulated timeline see it in every action (fill and drain too: a
+host-bound rank's late sends delay its neighbours), and the step is at least the busiest
+rank's host total with its optimizer's calls (``StagePlan.host_time``,
+``predicted_step_time``; ``pipeline_price.pipeline_estimate`` for the plan).
 """
 from __future__ import annotations
 
