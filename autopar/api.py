@@ -41,8 +41,13 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
          target: Any = None, cluster="local", memory_budget: float | None = None,
          mesh_shape: Sequence[int] | None = None, world_size: int | None = None,
          optimizer: str = "adamw", time_limit_s: float = 60.0, verbose: bool = False,
-         profiler=None, **pins) -> Plan:
+         profiler=None, cache: bool = True, **pins) -> Plan:
     """Decide how to parallelize ``model`` for ``cluster``; runs nothing distributed.
+
+    ``cache``: read the captured graph from the per-user capture cache when this model was
+    planned before with the same shapes, and store it there otherwise
+    (``autopar.capture.cache``: under ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar``;
+    ``AUTOPAR_CACHE=0`` turns it off); ``plan.solver.capture_cache`` says which.
 
     >>> p = autopar.plan(model, (x,), F.cross_entropy, target=y, cluster="cpu:4", data=4)
     >>> print(p.summary())
@@ -60,7 +65,14 @@ def plan(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = 
     return solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
                  world_size=world_size, pins=pins, memory_budget=memory_budget,
                  mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
-                 verbose=verbose, profiler=profiler).plan
+                 verbose=verbose, profiler=profiler, cache=_check_cache(cache)).plan
+
+
+def _check_cache(cache) -> bool:
+    if not isinstance(cache, bool):
+        raise ArgumentError(f"cache={cache!r}: pass True (read and write the capture cache) "
+                            "or False")
+    return cache
 
 
 def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,

@@ -25,6 +25,7 @@ import click
 
 from autopar import verify as verify_mod, viz as viz_mod
 from autopar.capture import CaptureError, capture
+from autopar.capture.cache import cache_dir, caching
 from autopar.checkpoint import export_checkpoint, import_state_dict
 from autopar.cli_args import (  # noqa: F401 - _CAPTURED, parse_* and USER_ERRORS: importable from here
     _CAPTURED, USER_ERRORS, Example, Failed, UserError, _console, _one_line, _progress,
@@ -37,6 +38,7 @@ from autopar.report import expert_choice, fmt_bytes, fmt_time
 from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.timing import TimingReport
 from autopar.pricing.costing import INF
+from autopar.solver import progress
 from autopar.solver.driver import solve
 from autopar.options import Options
 from autopar.verify import GRAD_RTOL, LOSS_RTOL, STEPS, WEIGHT_RTOL
@@ -80,21 +82,31 @@ class _Group(click.Group):
             raise InternalError(e) from e
 
 
-def _solve(step, ex: Example, cl, world: int, pins: Options, **kw):
+def _solve(step, ex: Example, cl, world: int, pins: Options, cache: bool = True, **kw):
     """``autopar.solver.driver.solve`` (as ``autopar.plan``), its steps shown by ``step``:
-    the full-batch capture (unless a pipeline is pinned: that captures at its micro-batch),
-    then the search."""
+    the full-batch capture (unless a pipeline is pinned: that captures at its micro-batch;
+    from the capture cache when this model was planned before, ``cache``), then the search,
+    its line rewritten with each stage and the best plan so far."""
     cap, capture_s = None, None
-    if not pins.pipelined:
-        with step("capturing the training graph (torch.export)"):
-            t0 = time.perf_counter()
-            cap = capture(ex.model, ex.inputs, ex.loss_fn if ex.target is not None else None,
-                          ex.target)
-            capture_s = time.perf_counter() - t0
-    what = "pipelines, meshes" if pins.pipelined or cl.nodes > 1 else "meshes"
-    with step(f"solving ({what}) for {world} devices of {cl.name}"):
-        return solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cl,
-                     world_size=world, pins=pins, captured=cap, capture_s=capture_s, **kw).plan
+    with caching(cache) as use:
+        if not pins.pipelined:
+            with step("capturing the training graph (torch.export)") as line:
+                t0 = time.perf_counter()
+                cap = capture(ex.model, ex.inputs, ex.loss_fn if ex.target is not None else None,
+                              ex.target)
+                capture_s = time.perf_counter() - t0
+                if use.hits:
+                    line(f"read from the capture cache in {cache_dir()}", final=True)
+        what = "pipelines, meshes" if pins.pipelined or cl.nodes > 1 else "meshes"
+        with step(f"solving ({what}) for {world} devices of {cl.name}") as line:
+            def stage(name: str, seconds, best_s) -> None:
+                best = f", best so far {fmt_time(best_s)}" if best_s is not None else ""
+                line(f"{name} ({seconds:.1f} s){best}" if seconds is not None else
+                     f"{name}{best}")
+            with progress.reporting(stage):
+                return solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cl,
+                             world_size=world, pins=pins, captured=cap, capture_s=capture_s,
+                             **kw).plan
 
 
 # ---- commands --------------------------------------------------------------------------------
@@ -118,9 +130,13 @@ def cli():
 @click.option("--time-limit", default=60.0, show_default=True, help="solver time limit (s)")
 @click.option("-o", "--output", default=None, help="write the plan here (JSON)")
 @click.option("--all-nodes", is_flag=True, help="list every sharded node instead of groups")
+@click.option("--no-cache", is_flag=True,
+              help="capture afresh: neither read nor write the capture cache "
+                   "(~/.cache/autopar, $AUTOPAR_CACHE_DIR; AUTOPAR_CACHE=0 turns it off too)")
+@click.option("-q", "--quiet", is_flag=True, help="no progress on stderr (the summary only)")
 @factory_options
 def plan(factory, cluster, budget, pins, world, mesh, optimizer, time_limit, output, all_nodes,
-         factory_args, meta):
+         no_cache, quiet, factory_args, meta):
     """Plan MODULE:FACTORY, or hf:NAME / hf:PATH/config.json (a transformers model by its
     config, on the meta device: --batch, --seq), for a cluster and print the summary."""
     pins = Options.from_pins(parse_pins(pins))
@@ -129,11 +145,12 @@ def plan(factory, cluster, budget, pins, world, mesh, optimizer, time_limit, out
     budget_b = parse_bytes(budget) if budget else None
     cl = parse_cluster(cluster)
     load_factory(factory)           # a bad spec (an unknown hf: name) fails before the progress
-    with _progress() as step:
+    with _progress(quiet) as step:
         with step(f"building {factory}" + (" on the meta device" if meta else "")):
             ex = build_example(factory, args, meta)
         p = _solve(step, ex, cl, world or cl.world_size, pins, memory_budget=budget_b,
-                   mesh_shape=parse_mesh(mesh), optimizer=optimizer, time_limit_s=time_limit)
+                   mesh_shape=parse_mesh(mesh), optimizer=optimizer, time_limit_s=time_limit,
+                   cache=not no_cache)
     print_summary(p, _console(), all_nodes)
     if output:
         p.save(output)

@@ -62,16 +62,34 @@ def _console(stderr: bool = False):
 
 
 @contextlib.contextmanager
-def _progress():
-    """Steps with spinners and times, on stderr (stdout stays for the result)."""
+def _progress(quiet: bool = False):
+    """Steps with spinners and times, on stderr (stdout stays for the result). ``with
+    step(text) as line:`` shows one step; ``line(more)`` rewrites its line in place as
+    ``short: more`` (``short``: ``text`` up to its first " (", to fit a terminal's line: a
+    long search's stage and best plan so far), ``line(more, final=True)`` the text it ends
+    with, ``short: more``.
+    ``quiet``: nothing is shown."""
+    if quiet:
+        @contextlib.contextmanager
+        def silent(text: str):
+            yield lambda more, final=False: None
+        yield silent
+        return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # rich, as above
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=_console(stderr=True), transient=False) as p:
         @contextlib.contextmanager
         def step(text: str):
             task = p.add_task(text, total=1)
-            yield
-            p.update(task, completed=1, description=text + " [green]done[/]")
+            end = [text + " [green]done[/]"]
+
+            def line(more: str, final: bool = False) -> None:
+                if final:
+                    end[0] = f"{text.split(' (')[0]}: {more} [green]done[/]"
+                else:
+                    p.update(task, description=f"{text.split(' (')[0]}: {more}")
+            yield line
+            p.update(task, completed=1, description=end[0])
         yield step
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterator, Literal, Union
 
 from autopar.errors import ArgumentError, PinError
+from autopar.mesh_roles import AXIS_NAMES, STAGE_AXES
 from autopar.schedule import SCHEDULES, ScheduleKind
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -40,10 +41,11 @@ NUQ_MAX_LEVELS = 127
 """``nuq:S``: a coordinate's code (sign and level index, ``2S + 1`` values) fits one byte."""
 AVERAGING = ("decentralized", "async")
 WORKERS_LR = ("linear", "constant")
-MESH_AXIS_PINS = ("data", "context", "expert", "tensor", "pipeline", "branch")
+MESH_AXIS_PINS = AXIS_NAMES
 """Every option that is the degree of a mesh axis, under the axis's name (``Plan.mesh_axes``
-uses the same names). A new axis is added here, so that what reads every mesh pin
-(``autopar.elastic``'s re-plan for a new world size) sees it."""
+uses the same names): ``autopar.mesh_roles.AXIS_NAMES``. A new axis is a field of
+``MeshRoles`` (and an option here), so that what reads every mesh pin (``autopar.elastic``'s
+re-plan for a new world size) sees it."""
 WORKERS_HELP = ("'accordion:W1:W2': W1 data-parallel workers train in critical regimes, W2 (W1 <= "
                 "W2 <= the data degree) otherwise, e.g. workers='accordion:2:8'")
 
@@ -348,7 +350,7 @@ def _check_values(p: dict) -> None:
     pipe = p.get("pipeline")
     if pipe is not None and not _positive_int(pipe):
         raise PinError(f"pin pipeline={pipe!r} must be a positive integer")
-    for name in ("data", "tensor", "expert", "context", "accumulate", "micro_batch_size"):
+    for name in (*STAGE_AXES, "accumulate", "micro_batch_size"):
         if name in p and not _positive_int(p[name]):
             raise PinError(f"pin {name}={p[name]!r} must be a positive integer")
     if p.get("stage_split") is not None and p["stage_split"] not in STAGE_SPLITS:

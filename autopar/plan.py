@@ -101,6 +101,10 @@ class SolverReport:
     incumbent (``status`` "FEASIBLE", ``gap`` to its bound), and the programs skipped for
     having no solution by then. Such a plan depends on how far the search got, so on the
     machine's load; raise ``time_limit_s`` for the one a finished search gives."""
+    capture_cache: str = ""
+    """Whether the captured graphs came from the capture cache (``autopar.capture.cache``):
+    "hit" (all of them), "miss" (none; stored for the next planning), "k of n from the
+    cache", "off" (``cache=False`` / ``AUTOPAR_CACHE=0``), "" (not recorded)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class Pipeline:
     stages: int
     virtual_stages: int = 1
     n_microbatches: int = 1
-    schedule: str = "1f1b"        # "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
+    schedule: str = "1f1b"        # "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"
     stage_cuts: tuple[str, ...] = ()          # first graph node of stages 1 .. p*v-1
 
     def __post_init__(self):

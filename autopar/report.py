@@ -209,6 +209,7 @@ def plan_summary(plan: Plan) -> str:
     lines.append(f"solver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
                  f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
                  f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s"
+                 + capture_cache_note(s)
                  + (f"; {s.time_limit}" if s.time_limit else ""))
     lines.append("")
     lines.append("parameters (placement per mesh axis):")
@@ -237,3 +238,12 @@ def _table(header, rows) -> list[str]:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+
+
+def capture_cache_note(s) -> str:
+    """" (from the cache)" after the capture seconds when the capture cache gave the graph
+    (``SolverReport.capture_cache``: "hit", or "k of n from the cache")."""
+    got = getattr(s, "capture_cache", "")
+    if got == "hit":
+        return " (from the cache)"
+    return f" ({got})" if got.endswith("from the cache") else ""

@@ -24,12 +24,32 @@ kind                   order per rank                         torch class
                        and W; W of rank ``r`` trails by ``r``
                        micro-batches (ZB-H1 for ``v = 1``,
                        ZB1P for ``v > 1``)
+``dualpipev``          DeepSeek's DualPipeV (DeepSeek-V3      ``ScheduleDualPipeV``
+                       report, arXiv 2412.19437 sec. 3.2.1,
+                       "cut in half"): V placement, exactly
+                       two stages per rank; forward of one
+                       micro-batch paired with the backward
+                       of another in the steady state
 =====================  =====================================  =========================
 
 The interleaved and zero-bubble orders are the ones torch 2.13 computes in
 ``_calculate_single_rank_operations`` (tests compare them action by action), so what the
-simulator times is what torch runs. ``ScheduleZBVZeroBubble`` (V-shaped placement, exactly
-two stages per rank) is not generated here.
+simulator times is what torch runs.
+
+Placement (:func:`stage_ranks`): stage ``k`` of ``p * v`` lives on rank ``k mod p`` (the
+loop placement), except under ``dualpipev``, whose ``2p`` stages sit in a V: stage ``k`` on
+rank ``k`` for ``k < p`` and on rank ``2p - 1 - k`` otherwise (torch's
+``generate_stage_to_rank_mapping(style="v")``), so rank 0 holds the first and the last
+stage and the middle boundary (stage ``p - 1`` to ``p``) stays on rank ``p - 1``.
+
+DualPipeV's steady state lists a pair "forward of one micro-batch on one local stage,
+full backward of another on the other" (torch's ``OVERLAP_F_B`` action). torch 2.13's
+``_PipelineScheduleRuntime`` runs the pair's two sub-actions one after the other (F, then
+B) unless a caller registers its own function for ``OVERLAP_F_B``
+(``register_custom_function``), which autopar does not; so the pair is listed here as
+its F then its B, and timed as such: no overlap of one micro-batch's compute with the
+other's communication is credited. ``ScheduleZBVZeroBubble`` (the same V placement) is
+not generated here.
 
 >>> grid = schedule_actions("1f1b", n_stages=2, n_microbatches=3)
 >>> [str(a) for a in grid[1]]
@@ -43,7 +63,7 @@ from typing import Literal, get_args
 
 from autopar.errors import ArgumentError
 
-ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"]
 SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 
 ActionKind = Literal["F", "B", "I", "W"]
@@ -54,7 +74,11 @@ _TORCH_CLASS = {
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zero-bubble": "ScheduleInterleavedZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
+
+V_SHAPED = frozenset({"dualpipev"})
+"""Schedules whose two stages per rank sit in a V (:func:`stage_ranks`)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -88,6 +112,16 @@ def check_schedule(kind: str, n_stages: int, n_microbatches: int, virtual: int =
     if n_stages < 1 or n_microbatches < 1 or virtual < 1:
         raise ArgumentError(f"n_stages ({n_stages}), n_microbatches ({n_microbatches}) and "
                             f"virtual ({virtual}) must all be >= 1")
+    if kind in V_SHAPED:
+        if virtual != 2:
+            raise ArgumentError(f"schedule {kind!r} runs exactly two stages per rank (V placement), "
+                                f"got virtual={virtual}; use virtual=2 (the model is cut into "
+                                f"2 x {n_stages} stages)")
+        if n_microbatches < 2 * n_stages:
+            raise ArgumentError(f"schedule {kind!r} needs at least as many micro-batches as stages "
+                                f"(2 per rank): got {n_microbatches} micro-batches for {2 * n_stages} "
+                                f"stages on {n_stages} ranks (use m >= {2 * n_stages})")
+        return
     if kind in ("gpipe", "1f1b") and virtual != 1:
         raise ArgumentError(f"schedule {kind!r} runs one stage per rank, got virtual={virtual}; "
                             "use 'interleaved-1f1b' for virtual stages")
@@ -107,10 +141,12 @@ def schedule_actions(kind: str, n_stages: int, n_microbatches: int,
                      virtual: int = 1) -> list[list[Action]]:
     """Compute actions per rank, in execution order, for ``n_stages`` pipeline ranks.
 
-    Stage ``k`` (``0 <= k < n_stages * virtual``) lives on rank ``k % n_stages``.
+    Stage ``k`` (``0 <= k < n_stages * virtual``) lives on rank ``stage_ranks(...)[k]``.
     """
     check_schedule(kind, n_stages, n_microbatches, virtual)
     p, m, v = n_stages, n_microbatches, virtual
+    if kind == "dualpipev":
+        return [_dual_pipe_v(r, p, m) for r in range(p)]
     if kind == "gpipe":
         return [[Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)]
                 for r in range(p)]
@@ -171,6 +207,98 @@ def _interleaved(rank: int, p: int, m: int, v: int, zero_bubble: bool) -> list[A
             forward(warmup + k)
         backward(k)
     ops.extend(pending_w)
+    return ops
+
+
+def stage_ranks(kind: str, n_stages: int, virtual: int = 1) -> list[int]:
+    """The pipeline rank of each of the ``n_stages * virtual`` stages: ``k mod p`` (loop),
+    or the V of :data:`V_SHAPED` schedules (``k`` for ``k < p``, ``2p - 1 - k`` after).
+
+    >>> stage_ranks("dualpipev", 3, 2), stage_ranks("interleaved-1f1b", 3, 2)
+    ([0, 1, 2, 2, 1, 0], [0, 1, 2, 0, 1, 2])
+    """
+    p = n_stages
+    if kind in V_SHAPED:
+        return [k if k < p else 2 * p - 1 - k for k in range(p * virtual)]
+    return [k % p for k in range(p * virtual)]
+
+
+def rank_stages(kind: str, n_stages: int, virtual: int = 1) -> list[list[int]]:
+    """Per rank, its stages in increasing order (inverse of :func:`stage_ranks`)."""
+    out: list[list[int]] = [[] for _ in range(n_stages)]
+    for k, r in enumerate(stage_ranks(kind, n_stages, virtual)):
+        out[r].append(k)
+    return out
+
+
+def _dual_pipe_v(rank: int, p: int, m: int) -> list[Action]:
+    """DualPipeV's order on ``rank`` of ``p`` for ``m >= 2p`` micro-batches, as torch 2.13's
+    ``ScheduleDualPipeV._calculate_single_rank_operations`` builds it (DeepSeek's
+    ``dualpipev.py``), its ``OVERLAP_F_B`` pairs listed as their F then their B (what torch
+    runs, see the module docstring). The rank holds stages ``s0 = rank`` (going down the V)
+    and ``s1 = 2p - 1 - rank`` (coming back up); in eight steps:
+
+    1. ``2 (p - 1 - rank)`` forwards of s0;  2. ``rank + 1`` pairs F(s0) F(s1);
+    3. ``p - 1 - rank`` times I(s1), the oldest pending W, F(s1);
+    4. ``m - 2p + rank + 1`` times [F(s0) B(s1)] [F(s1) B(s0)];
+    5. ``p - 1 - rank`` times B(s1), [F(s1) B(s0)];
+    6. ``rank + 1`` pairs B(s1) B(s0), from the middle pair on split into I (zero bubble;
+       the switch falls after B(s1) on odd ranks, before it on even ones);
+    7. ``p - 1 - rank`` times the oldest pending W, then s0's backward (I once split);
+    8. ``rank + 1`` pending Ws.
+
+    A full backward B of (s, i) counts as both its I and its W; the W queue holds only the
+    Is' weight halves, oldest first.
+    """
+    s0, s1 = rank, 2 * p - 1 - rank
+    ops: list[Action] = []
+    nxt: dict[tuple[int, str], int] = {}        # (stage, F | I) -> next micro-batch
+    weights: list[Action] = []                  # W pending behind an I, oldest first
+
+    def add(stage: int, kind: str) -> None:
+        key = (stage, "F" if kind == "F" else "I")
+        i = nxt.get(key, 0)
+        nxt[key] = i + 1
+        ops.append(Action(stage, kind, i))      # type: ignore[arg-type]
+        if kind == "I":
+            weights.append(Action(stage, "W", i))
+
+    def pending_weight() -> None:
+        if weights:
+            ops.append(weights.pop(0))
+
+    for _ in range(2 * (p - 1 - rank)):                 # 1
+        add(s0, "F")
+    for _ in range(rank + 1):                           # 2
+        add(s0, "F")
+        add(s1, "F")
+    for _ in range(p - 1 - rank):                       # 3
+        add(s1, "I")
+        pending_weight()
+        add(s1, "F")
+    for _ in range(m - 2 * p + rank + 1):               # 4
+        add(s0, "F")
+        add(s1, "B")
+        add(s1, "F")
+        add(s0, "B")
+    for _ in range(p - 1 - rank):                       # 5
+        add(s1, "B")
+        add(s1, "F")
+        add(s0, "B")
+    split = False
+    half = (rank + 1) // 2
+    for k in range(rank + 1):                           # 6
+        if k == half and rank % 2 == 1:
+            split = True
+        add(s1, "I" if split else "B")
+        if k == half and rank % 2 == 0:
+            split = True
+        add(s0, "I" if split else "B")
+    for _ in range(p - 1 - rank):                       # 7
+        pending_weight()
+        add(s0, "I" if split else "B")
+    for _ in range(rank + 1):                           # 8
+        pending_weight()
     return ops
 
 

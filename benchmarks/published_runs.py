@@ -675,9 +675,10 @@ def pins_of(run: Run) -> dict:
             pins["virtual_stages"] = run.virtual
         if run.stage_split:
             pins["stage_split"] = run.stage_split
-    elif run.micro * run.data < run.batch:
-        # gradient accumulation without a pipeline: the published micro-batch per rank
-        pins["micro_batch_size"] = run.micro * run.data
+    elif run.micro * run.data * run.expert < run.batch:
+        # gradient accumulation without a pipeline: the published micro-batch per rank (the
+        # expert ranks split the batch too)
+        pins["micro_batch_size"] = run.micro * run.data * run.expert
     return pins
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from autopar.analysis.layers import recompute_nodes
 from autopar.cost_models.step import HOST_OVERHEAD_S, optimizer_step_time
+from autopar.mesh_roles import MeshRoles
 from autopar.placement import placements_str
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.costing import OVERLAPPED, CostModel
@@ -69,11 +70,11 @@ def _solved(cap, plan, cl, optimizer: str) -> Solved:
     p = plan.pipeline_stages
     k0 = 1 if p > 1 else 0
     shape, axes = tuple(plan.mesh_shape[k0:]), tuple(plan.mesh_axes[k0:])
-    roles = {f"{a}_axis": axes.index(a) for a in ("data", "tensor") if a in axes}
+    roles = MeshRoles(**{a: axes.index(a) for a in ("data", "tensor") if a in axes})
     sub = _sub_cluster(cl, plan.world_size // p) if p > 1 else cl
-    problem = build_problem(cap, shape, zero=plan.pins.get("zero") or 0,
-                            optimizer_states=OPTIMIZER_STATES[optimizer], **roles)
-    cost = CostModel.for_pins(sub, shape, plan.options, data_axis=roles.get("data_axis"),
+    problem = build_problem(cap, shape, roles, zero=plan.pins.get("zero") or 0,
+                            optimizer_states=OPTIMIZER_STATES[optimizer])
+    cost = CostModel.for_pins(sub, shape, plan.options, data_axis=roles.data,
                               recompute=recompute_nodes(cap.gm, plan.recompute),
                               grad_sync_scale=1.0 / (plan.n_microbatches if p > 1 else plan.accumulate),
                               native=cap.native_dtypes)

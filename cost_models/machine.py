@@ -42,10 +42,16 @@ SIGNIFICANT = 2
 """Significant digits kept of every measured figure (rule 3 of the module doc)."""
 
 
+SWITCH_VALUES = ("", "0", "false", "off", "no", "1", "true", "on", "yes")
+"""Values of ``$AUTOPAR_CACHE`` that switch the capture cache (``autopar.capture.cache``)
+on or off rather than name a folder."""
+
+
 def default_cache_dir() -> Path:
-    """``$AUTOPAR_CACHE`` or ``~/.cache/autopar``."""
-    env = os.environ.get("AUTOPAR_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "autopar"
+    """``$AUTOPAR_CACHE`` when it names a folder, else ``~/.cache/autopar`` (``0``, ``off``
+    and the like switch the capture cache; they are not folders)."""
+    env = os.environ.get("AUTOPAR_CACHE", "")
+    return Path(env) if env.strip().lower() not in SWITCH_VALUES else Path.home() / ".cache" / "autopar"
 
 
 def _cpu_model() -> str:

@@ -25,6 +25,15 @@ def pytest_configure(config):
     for d in ("autopar", "passes", "cost_models", "examples", "tests"):
         compileall.compile_dir(os.path.join(root, d), quiet=2)
 
+# planning's capture cache (autopar/capture/cache.py) in a folder of this session, never the
+# user's ~/.cache/autopar; the CLI processes the tests start inherit it
+if not os.environ.get("AUTOPAR_CACHE_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+    os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["AUTOPAR_CACHE_DIR"], True)
+
 from autopar.capture import capture
 from examples.models import EXAMPLES
 

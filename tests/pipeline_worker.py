@@ -2,7 +2,8 @@
 
 Each case pins ``pipeline=`` (and a schedule, micro-batches, data/tensor degrees), builds the
 model with ``autopar.parallelize``, trains 3 SGD-momentum steps and compares loss, every
-gradient and the weights with one device (``tests/equivalence.py``). Models with BatchNorm
+gradient and the weights with one device (``tests/equivalence.py``; a case's ``"optimizer":
+"adamw"`` steps AdamW instead). Models with BatchNorm
 compare with one device running the same micro-batches with gradient accumulation: batch
 statistics are per micro-batch under any pipeline, so that is the single-device model with
 the same semantics. Rank 0 writes one JSON result per case. The cases of one example model
@@ -39,17 +40,18 @@ def _example(name: str):
 _REFERENCES: dict[tuple[str, int], tuple] = {}
 
 
-def _reference(name: str, ex, micro_batches: int):
+def _reference(name: str, ex, micro_batches: int, optimizer: str = "sgd"):
     """One device's run of ``ex`` (``equivalence.reference_run``), once per spawn for every
     case of the same example: kept with the weights, buffers, inputs and target it started
     from, and run again unless they are equal."""
     start = [*ex.model.state_dict().values(), *ex.inputs, ex.target]
-    hit = _REFERENCES.get((name, micro_batches))
+    hit = _REFERENCES.get((name, micro_batches, optimizer))
     if hit is not None and len(hit[0]) == len(start) and all(
             a.shape == b.shape and torch.equal(a, b) for a, b in zip(hit[0], start)):
         return hit[1]
-    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn, micro_batches=micro_batches)
-    _REFERENCES[(name, micro_batches)] = ([t.detach().clone() for t in start], ref)
+    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn, micro_batches=micro_batches,
+                        optimizer=optimizer)
+    _REFERENCES[(name, micro_batches, optimizer)] = ([t.detach().clone() for t in start], ref)
     return ref
 
 
@@ -83,7 +85,10 @@ def _run_case(case: dict) -> dict:
     has_bn = any(isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) for mod in ex.model.modules())
     info = {"mesh": list(pm.plan.mesh_shape), "m": pm.plan.n_microbatches,
             "v": pm.plan.virtual_stages, "schedule": pm.plan.schedule,
-            "cuts": list(pm.plan.stage_cuts)}
+            "cuts": list(pm.plan.stage_cuts), "my_stages": None}
+    ranks_stages = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks_stages, list(pm.runner.my_stages))
+    info["my_stages"] = ranks_stages
     seconds = {"build": time.perf_counter() - t0}
     if case.get("owners"):
         # which pipeline ranks each rank thinks hold these tensors (must agree everywhere)
@@ -98,9 +103,10 @@ def _run_case(case: dict) -> dict:
         assert err < 1e-5, f"forward output differs from one device: rel err {err:.2e}"
         info["forward_err"] = err
     seconds["forward"] = time.perf_counter() - t0 - sum(seconds.values())
-    ref = _reference(case["model"], ex, pm.plan.n_microbatches if has_bn else 1)
+    optimizer = case.get("optimizer", "sgd")
+    ref = _reference(case["model"], ex, pm.plan.n_microbatches if has_bn else 1, optimizer)
     seconds["reference"] = time.perf_counter() - t0 - sum(seconds.values())
-    got = parallel_run(pm, ex.inputs, ex.target)
+    got = parallel_run(pm, ex.inputs, ex.target, optimizer=optimizer)
     seconds["train"] = time.perf_counter() - t0 - sum(seconds.values())
     info["phases"] = {k: round(v, 3) for k, v in seconds.items()}
     info["worst"] = compare(ref, got, f"{case} rank {dist.get_rank()}")

@@ -17,14 +17,15 @@ from autopar.hf_models import HFConfigError  # noqa: E402
 
 # The published parameter counts (the independent fact each config is checked against):
 # Hugging Face model cards / safetensors totals and the papers. Llama 3.1 8B 8.03B, 70B 70.6B,
-# 405B 406B (Meta: 405B); Mixtral 8x7B 46.7B; Qwen3-8B 8.2B; Qwen3-30B-A3B 30.5B;
+# 405B 406B (Meta: 405B); Mixtral 8x7B 46.7B; Mixtral 8x22B 141B (Mistral AI's announcement:
+# "141B parameters", 39B active); Qwen3-8B 8.2B; Qwen3-30B-A3B 30.5B;
 # DeepSeek-V3 671B (the main model; 685B with its MTP module, which transformers does not
 # build); DeepSeek-V2 236B (its paper's abstract); Qwen3-235B-A22B 235B (its model card);
 # GPT-2 124M / 355M / 774M / 1558M; BERT base / large 110M / 340M; ViT-B/16 86M,
 # ViT-L/16 307M (ViT paper, Table 1).
 PUBLISHED = {
     "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 406e9,
-    "mixtral-8x7b": 46.7e9, "qwen3-8b": 8.2e9, "qwen3-30b-a3b": 30.5e9, "deepseek-v3": 671e9,
+    "mixtral-8x7b": 46.7e9, "mixtral-8x22b": 141e9, "qwen3-8b": 8.2e9, "qwen3-30b-a3b": 30.5e9, "deepseek-v3": 671e9,
     "deepseek-v2": 236e9, "qwen3-235b-a22b": 235e9,
     "gpt2": 124e6, "gpt2-medium": 355e6, "gpt2-large": 774e6, "gpt2-xl": 1558e6,
     "bert-base": 110e6, "bert-large": 340e6, "vit-b16": 86e6, "vit-l16": 307e6,

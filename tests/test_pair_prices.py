@@ -17,6 +17,7 @@ import pytest
 
 from autopar.analysis.layers import recompute_nodes, repeated_layers
 from autopar.cost_models.hardware import parse_cluster
+from autopar.mesh_roles import MeshRoles
 from autopar.placement import Partial, Replicate, Shard, local_shape
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.costing import CostModel, grad_partial_flags
@@ -32,7 +33,7 @@ def gpt():
 
 def test_pair_prices_equal_edge_prices(gpt):
     mesh = (2, 2)
-    problem = build_problem(gpt, mesh, data_axis=0, tensor_axis=1)
+    problem = build_problem(gpt, mesh, MeshRoles(data=0, tensor=1))
     layers = sorted(repeated_layers(gpt.gm))
     assert layers, "the premise: a model with repeated layers (edges counted, recomputed)"
     cost = CostModel.for_pins(parse_cluster("1x4xH100"), mesh, {"precision": "bf16"}, data_axis=0,
@@ -61,11 +62,11 @@ def test_problem_rebuilt_from_the_walk_is_equal(gpt):
         return ({n: (v.kind, v.options, v.members, v.kept) for n, v in problem.vars.items()},
                 problem.edges, problem.sink, problem.rep)
 
-    first = build_problem(gpt, (4,), data_axis=0)
+    first = build_problem(gpt, (4,), MeshRoles(data=0))
     want = summary(first)
-    other = build_problem(gpt, (2, 2), data_axis=0, tensor_axis=1)
+    other = build_problem(gpt, (2, 2), MeshRoles(data=0, tensor=1))
     first_vars = {n: v for n, v in first.vars.items()}
-    again = build_problem(gpt, (4,), data_axis=0)
+    again = build_problem(gpt, (4,), MeshRoles(data=0))
     assert summary(again) == want
     assert summary(other) != want
     name = next(iter(first_vars))

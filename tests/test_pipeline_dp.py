@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from autopar.schedule import schedule_actions
 from autopar.pricing.simulate import simulate
-from autopar.solver.stage_dp import LayerCosts, plan_stages, simulate_plan, stage_dp
+from autopar.solver.stage_dp import LayerCosts, _candidates, plan_stages, simulate_plan, stage_dp
 from autopar.solver.stage_tables import cut_latency
 
 GiB = 2**30
@@ -32,7 +32,7 @@ def simulated_in_flight(schedule, p, m, v):
     """Activations (in micro-batches) each stage holds at its peak, from the simulator;
     a rank's peak is shared evenly by its v stages, as the planner's memory check does."""
     sim = simulate(schedule_actions(schedule, p, m, v), forward=1.0, backward=2.0, weight=1.0)
-    if v == 1:
+    if v == 1 or schedule == "dualpipev":         # DualPipeV: each stage its own peak
         return np.array(sim.peak_in_flight, dtype=float)
     return np.array([sim.rank_peak_in_flight[k % p] / v for k in range(p * v)])
 
@@ -88,13 +88,14 @@ layer_values = st.integers(0, 20).map(float)
 
 
 @given(data=st.data(), L=st.integers(2, 10), schedule=st.sampled_from(["gpipe", "1f1b", "zero-bubble",
-                                                                        "interleaved-1f1b"]))
-@settings(max_examples=60, deadline=None)
+                                                                        "interleaved-1f1b", "dualpipev"]))
+@settings(max_examples=70, deadline=None)
 def test_dp_matches_brute_force(data, L, schedule):
-    v = data.draw(st.integers(2, 3)) if schedule == "interleaved-1f1b" else 1
+    v = data.draw(st.integers(2, 3)) if schedule == "interleaved-1f1b" else 2 if schedule == "dualpipev" else 1
     p = data.draw(st.integers(1, max(1, L // v)))
     assume(p * v <= L)
-    m = data.draw(st.sampled_from([p, 2 * p, 3 * p] if schedule != "gpipe" else [1, 2, p, 2 * p]))
+    m = data.draw(st.sampled_from([2 * p, 3 * p] if schedule == "dualpipev" else
+                                  [p, 2 * p, 3 * p] if schedule != "gpipe" else [1, 2, p, 2 * p]))
     d = data.draw(st.sampled_from([1, 2]))
     costs = costs_of(
         time=data.draw(st.lists(layer_values.map(lambda x: x + 1), min_size=L, max_size=L)),
@@ -145,7 +146,9 @@ def test_stage_dp_on_raw_arrays_against_brute_force():
 
 @pytest.mark.parametrize("schedule,p,v,m", [("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 2, 1, 6),
                                             ("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 4, 3, 8),
-                                            ("zero-bubble", 4, 1, 8), ("zero-bubble", 3, 1, 3)])
+                                            ("zero-bubble", 4, 1, 8), ("zero-bubble", 3, 1, 3),
+                                            ("dualpipev", 2, 2, 4), ("dualpipev", 4, 2, 8),
+                                            ("dualpipev", 3, 2, 10)])
 def test_predicted_step_equals_simulation_for_uniform_layers(schedule, p, v, m):
     L = p * v * 2
     costs = costs_of([3.0] * L)
@@ -205,6 +208,53 @@ def test_memory_follows_the_schedule():
     assert one.memory_per_stage == pytest.approx([20 + (p - s) * 2 for s in range(p)])
 
 
+def test_dualpipev_memory_places_the_v():
+    """DualPipeV's rank r holds stages r and 2p - 1 - r, which hold 2p - r and r + 1
+    micro-batches at their peaks: every rank 2p + 1 stage-micro-batches of activations
+    (DeepSeek-V3 report, Table 2: PP + 1 for PP = 2p stages) and the state of its two stages."""
+    L, p, m = 16, 4, 8
+    costs = costs_of([1.0] * L, state=[10.0] * L, act=[1.0] * L)
+    plan = plan_stages(costs, n_devices=p, global_batch=m, memory_limit=1e9, bandwidth=1e9,
+                       n_stages=p, micro_batches=m, schedule="dualpipev")
+    assert plan.virtual_stages == 2 and len(plan.cuts) == 2 * p - 1
+    # 2 layers per stage: state 2 x 20, activations 2 per stage-micro-batch
+    assert plan.memory_per_stage == pytest.approx([40 + (2 * p + 1) * 2] * p)
+    # the middle boundary (stages p - 1 and p, both on rank p - 1) sends nothing
+    sent = plan_stages(costs_of([1.0] * L, state=[10.0] * L, act=[1.0] * L, boundary=[1.0] * (L - 1)),
+                       n_devices=p, global_batch=m, memory_limit=1e9, bandwidth=1.0, n_stages=p,
+                       micro_batches=m, schedule="dualpipev").boundary_times
+    assert [t == 0 for t in sent] == [k == p - 1 for k in range(2 * p - 1)]
+
+
+def test_search_weighs_dualpipev_where_it_can_run():
+    """Unpinned, the search weighs DualPipeV wherever m >= 2p; on a uniform chain with free
+    sends it has the least fill and drain (``test_pipeline_schedule``) and is chosen, its
+    predicted step the simulated one. Below 2p micro-batches it is not a candidate; and it
+    memory decides its cuts: the stage DP gives each of a rank's two stages half the memory
+    (as interleaved 1F1B's v stages 1/v each), and the V's first stages hold the most
+    micro-batches (2p - k), so under a tight limit they get fewer layers."""
+    L, p = 16, 4
+    costs = costs_of([1.0] * L, state=[1.0] * L, act=[1.0] * L)
+    common = dict(n_devices=p, global_batch=8, bandwidth=1e9, n_stages=p)
+    chosen = plan_stages(costs, memory_limit=1e9, micro_batches=8, **common)
+    assert chosen.schedule == "dualpipev"
+    assert chosen.predicted_step_time == pytest.approx(simulate_plan(chosen).makespan)
+    for kind in ("1f1b", "zero-bubble", "interleaved-1f1b"):
+        other = plan_stages(costs, memory_limit=1e9, micro_batches=8, schedule=kind, **common)
+        assert chosen.predicted_step_time < other.predicted_step_time
+    assert "dualpipev" not in {c.schedule for c in _candidates(L, p, 8, p, 4, None, None)}
+    assert plan_stages(costs, memory_limit=1e9, micro_batches=4, **common).schedule != "dualpipev"
+    limit = 30.0
+    tight = plan_stages(costs, memory_limit=limit, micro_batches=8, schedule="dualpipev", **common)
+    layers = [i - j for j, i in tight.stage_layers]
+    for k, n in enumerate(layers):          # state n + (2p - k) micro-batches of n layers
+        assert n + (2 * p - k) * n <= limit / 2
+    assert layers[0] < layers[-1]
+    # one layer on stage 0 needs 1 + 8 = 9 <= limit / 2: below 18 nothing fits
+    with pytest.raises(ValueError, match="no pipeline plan fits"):
+        plan_stages(costs, memory_limit=17.0, micro_batches=8, schedule="dualpipev", **common)
+
+
 def test_search_is_no_worse_than_any_pin():
     rng = np.random.default_rng(1)
     L = 12
@@ -212,7 +262,7 @@ def test_search_is_no_worse_than_any_pin():
                      boundary=list(rng.uniform(0, 1, L - 1)), fixed=[0.05] * L)
     common = dict(n_devices=4, global_batch=8, memory_limit=100.0, bandwidth=10.0)
     best = plan_stages(costs, **common)
-    for p, m, kind in itertools.product([1, 2, 4], [1, 2, 4, 8], ["gpipe", "1f1b", "zero-bubble"]):
+    for p, m, kind in itertools.product([1, 2, 4], [1, 2, 4, 8], ["gpipe", "1f1b", "zero-bubble", "dualpipev"]):
         try:
             pinned = plan_stages(costs, n_stages=p, micro_batches=m, schedule=kind, **common)
         except ValueError:

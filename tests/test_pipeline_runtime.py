@@ -5,7 +5,8 @@ parameter name and the weights with one device (``tests/pipeline_worker.py``); m
 without BatchNorm also compare the forward output. The matrix is every example model
 (GPT, Llama-style, ResNet) x every mesh (pipeline 2; pipeline 4, pipeline 2 x data 2,
 pipeline 2 x tensor 2 on 4 ranks) x every schedule, 4 micro-batches each (micro-batch size
-2 of the batch of 8), interleaved 1F1B with 2 virtual stages per rank. One launch per world size runs all its
+2 of the batch of 8), interleaved 1F1B with 2 virtual stages per rank; DualPipeV (which
+needs 2 micro-batches a rank) is one case of the 2-rank launch, GPT under AdamW. One launch per world size runs all its
 cases (each launch costs seconds); every case is its own test, reading its launch's result.
 """
 from __future__ import annotations
@@ -45,6 +46,19 @@ def _matrix_case(model: str, mesh: str, schedule: str) -> dict:
     return {"id": _case_id(model, mesh, schedule), "model": model, "forward": True, "pins": pins}
 
 
+# DualPipeV: 2 ranks, 4 stages in a V (rank 0: stages 0 and 3, rank 1: 1 and 2), 8
+# micro-batches (its steady state of paired F/B runs 4 - 2p + r + 1 = 5 and 6 times), AdamW
+DUALPIPEV = {"id": "gpt-pp2-dualpipev-adamw", "model": "gpt", "forward": True, "optimizer": "adamw",
+             "pins": {"pipeline": 2, "schedule": "dualpipev", "micro_batch_size": 1}}
+
+
+# DualPipeV beside a data and a tensor axis (4 ranks): the free search may choose it on any
+# pipelined mesh, so each axis it can share a plan with runs here
+DUALPIPEV_4 = [{"id": f"gpt-pp2x{axis[:1]}p2-dualpipev", "model": "gpt", "forward": True,
+                "pins": {"pipeline": 2, axis: 2, "schedule": "dualpipev", "micro_batch_size": mb}}
+               for axis, mb in (("data", 2), ("tensor", 1))]
+
+
 EVEN_LAYERS = {"id": "gpt-pp2-even-layers", "model": "gpt", "forward": True,
                "pins": {"pipeline": 2, "schedule": "1f1b", "micro_batch_size": 2,
                         "stage_split": "even-layers"}}
@@ -59,6 +73,7 @@ def _extra_cases(nproc: int, tmp) -> list[dict]:
             # Megatron-LM's split (tests/test_stage_split.py): one layer a stage, trained as
             # one device trains
             EVEN_LAYERS,
+            DUALPIPEV,
             {"id": "gpt-pp2-saved", "model": "gpt",
              "pins": {"pipeline": 2, "schedule": "1f1b", "recompute": ["h.0"]},
              "plan": "saved", "path": str(tmp / "pp2.json"), "regions": True},
@@ -76,6 +91,7 @@ def _extra_cases(nproc: int, tmp) -> list[dict]:
              "cuts": ["slice_2"]},
         ]
     return [
+        *DUALPIPEV_4,
         # every stage holds parameters (the cuts are fixed: the planner's may leave a stage
         # without any, which then starts no reduction)
         {"id": "gpt-pp2xdp2-interleaved-overlap", "model": "gpt",
@@ -130,6 +146,29 @@ def test_matrix(launch, model, mesh, schedule):
     assert all(r["split_backward"].values()), r["split_backward"]
     print(f"{_case_id(model, mesh, schedule)}: v={r['v']} loss {r['worst']['loss']:.1e} "
           f"grad {r['worst']['grad']:.1e} weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
+
+
+def test_dualpipev_trains_as_one_device(launch):
+    """torch's ScheduleDualPipeV on 2 gloo ranks: the V placement (the last stage on rank 0,
+    the middle pair on rank 1 handing activations and gradients over locally), loss, every
+    gradient and the weights after 3 AdamW steps equal one device's (the worker compares
+    them: ``autopar.verify`` tolerances), and the forward output too."""
+    r = _result(launch, 2, DUALPIPEV["id"])
+    assert r["schedule"] == "dualpipev" and r["v"] == 2 and r["m"] == 8 and len(r["cuts"]) == 3
+    assert r["my_stages"] == [[0, 3], [1, 2]]
+    assert r["forward_err"] < 1e-5
+    assert set(r["worst"]) == {"loss", "grad", "weight"}
+    print(f"dualpipev: loss {r['worst']['loss']:.1e} grad {r['worst']['grad']:.1e} "
+          f"weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
+
+
+@pytest.mark.parametrize("case", DUALPIPEV_4, ids=[c["id"] for c in DUALPIPEV_4])
+def test_dualpipev_beside_data_and_tensor_axes(launch, case):
+    r = _result(launch, 4, case["id"])          # equal to one device (the worker checks)
+    assert r["schedule"] == "dualpipev" and r["v"] == 2 and r["m"] >= 4
+    assert r["mesh"][0] == 2 and r["mesh"][1:] == [2]
+    print(f"{case['id']}: loss {r['worst']['loss']:.1e} grad {r['worst']['grad']:.1e} "
+          f"weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
 
 
 def test_partial_recompute_list_under_a_pipeline(launch):
@@ -229,6 +268,13 @@ def test_micro_batches_must_divide_the_batch():
 def test_schedule_the_stage_count_cannot_run():
     with pytest.raises(ValueError, match="at least as many micro-batches as pipeline stages"):
         _plan(world=4, pipeline=4, schedule="1f1b", micro_batch_size=4)
+    # DualPipeV's 2p stages need 2p micro-batches: the error names the pin that gets there
+    with pytest.raises(ValueError, match=r"'dualpipev' needs at least as many micro-batches as stages "
+                                         r"\(2 per rank\): got 2 micro-batches for 4 stages.*pin "
+                                         r"micro_batch_size to at most 2"):
+        _plan(pipeline=2, schedule="dualpipev", micro_batch_size=4)
+    with pytest.raises(ValueError, match="'dualpipev' runs exactly two stages per rank"):
+        _plan(pipeline=2, schedule="dualpipev", virtual_stages=3)
 
 
 def test_pipeline_pins_need_a_pipeline():

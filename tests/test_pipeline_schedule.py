@@ -9,7 +9,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from autopar.schedule import Action, check_schedule, schedule_actions, torch_schedule_class
+from autopar.schedule import (
+    Action, check_schedule, rank_stages, schedule_actions, stage_ranks, torch_schedule_class,
+)
 from autopar.pricing.simulate import format_grid, simulate
 from autopar.solver.stage_dp import in_flight
 
@@ -17,7 +19,17 @@ torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 
 def compute_only(actions):
-    return [str(a) for a in actions if a is not None and a.computation_type.value in "FBIW"]
+    """torch's compute actions as strings; an ``OVERLAP_F_B`` pair as its sub-actions, in
+    the order ``_PipelineScheduleRuntime`` runs them (one after the other)."""
+    out = []
+    for a in actions:
+        if a is None:
+            continue
+        if a.computation_type == torch_schedules.OVERLAP_F_B:
+            out += [str(x) for x in a.sub_actions]
+        elif a.computation_type.value in "FBIW":
+            out.append(str(a))
+    return out
 
 
 # ---- actions ---------------------------------------------------------------------------------
@@ -73,7 +85,35 @@ def test_multi_stage_orders_are_torchs(kind, cls, p, m, v):
         assert [str(a) for a in ours[r]] == compute_only(theirs), f"rank {r}"
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
+@pytest.mark.parametrize("p,m", [(1, 2), (2, 4), (2, 5), (2, 8), (3, 6), (3, 11), (4, 8), (4, 13), (5, 10)])
+def test_dualpipev_order_is_torchs(p, m):
+    """Every rank's order, action by action, against torch 2.13's
+    ``ScheduleDualPipeV._calculate_single_rank_operations`` (its F/B pairs as F then B)."""
+    fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+    ours = schedule_actions("dualpipev", p, m, 2)
+    saw_pair = False
+    for r in range(p):
+        theirs = torch_schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, r)
+        saw_pair |= any(a is not None and a.computation_type == torch_schedules.OVERLAP_F_B for a in theirs)
+        assert [str(a) for a in ours[r]] == compute_only(theirs), f"rank {r}"
+    assert saw_pair                      # the steady state's pairs were flattened, not missed
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_v_placement_is_torchs(p):
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    assert stage_ranks("dualpipev", p, 2) == [generate_stage_to_rank_mapping(p, 2 * p, style="v")[k]
+                                              for k in range(2 * p)]
+    assert stage_ranks("interleaved-1f1b", p, 2) == [generate_stage_to_rank_mapping(p, 2 * p)[k]
+                                                     for k in range(2 * p)]
+    assert rank_stages("dualpipev", p, 2) == [[r, 2 * p - 1 - r] for r in range(p)]
+    # each rank's actions touch exactly its two stages
+    for r, acts in enumerate(schedule_actions("dualpipev", p, 2 * p, 2)):
+        assert {a.stage for a in acts} == {r, 2 * p - 1 - r}
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"])
 def test_torch_schedule_class(kind):
     cls = torch_schedule_class(kind)
     import torch.distributed.pipelining as pipelining
@@ -81,7 +121,7 @@ def test_torch_schedule_class(kind):
     assert cls is getattr(pipelining, cls.__name__)
     assert issubclass(cls, torch_schedules._PipelineSchedule)
     assert {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-            "zero-bubble": "ScheduleInterleavedZeroBubble"}[kind] == cls.__name__
+            "zero-bubble": "ScheduleInterleavedZeroBubble", "dualpipev": "ScheduleDualPipeV"}[kind] == cls.__name__
 
 
 @pytest.mark.parametrize("kind,p,m,v", [("gpipe", 3, 5, 1), ("1f1b", 4, 6, 1), ("interleaved-1f1b", 4, 8, 3),
@@ -91,6 +131,19 @@ def test_every_stage_and_microbatch_runs_once(kind, p, m, v):
     kinds = "FIW" if kind == "zero-bubble" else "FB"
     expected = sorted(f"{s}{k}{i}" for s in range(p * v) for k in kinds for i in range(m))
     assert sorted(acts) == expected
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 4), (3, 7), (4, 8), (4, 12)])
+def test_dualpipev_runs_every_backward_once(p, m):
+    """Each (stage, micro-batch): one F, and either one full B or one I and one W (torch's
+    DualPipeV splits only the backwards of its tail)."""
+    acts = [a for rank in schedule_actions("dualpipev", p, m, 2) for a in rank]
+    assert len(acts) == len(set(acts))
+    for s in range(2 * p):
+        for i in range(m):
+            kinds = sorted(a.kind for a in acts if (a.stage, a.microbatch) == (s, i))
+            assert kinds in (["B", "F"], ["F", "I", "W"]), (s, i, kinds)
+    assert any(a.kind == "I" for a in acts)
 
 
 # ---- bubbles against closed forms ----------------------------------------------------------------
@@ -142,6 +195,40 @@ def test_zero_bubble_h1_bubble(p, extra, f, i, w):
     assert sim.makespan - m * (f + i + w) == pytest.approx((p - 1) * max(f + i - w, i, f))
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("extra", [0, 1, 5, 16])
+def test_dualpipev_bubble_f_i_w_equal(p, extra):
+    """DualPipeV as torch runs it (each F/B pair one after the other), uniform stages with
+    F = I = W = 1: the step is each rank's 2m (F + B) of work plus (p - 1) F of fill and
+    drain, whatever m >= 2p (the steady state has no bubble). A measurement of the
+    simulator on torch's order, not a published closed form: DeepSeek's Table 2 gives
+    DualPipeV (PP/2 - 1)(F&B + B - 3W) for an overlapped F&B, which torch does not run.
+    The DP's rho (``stage_tables.dualpipev_rho``) reproduces it."""
+    from autopar.solver.stage_tables import bubble_rho
+
+    m = 2 * p + extra
+    sim = simulate(schedule_actions("dualpipev", p, m, 2), forward=1.0, backward=2.0, weight=1.0)
+    rank = 2 * 3.0                          # two stages of F + B a rank, one micro-batch
+    assert sim.makespan - m * rank == pytest.approx(1.0 * (p - 1))
+    assert bubble_rho("dualpipev", 2, (1 / 3, 1 / 3, 1 / 3), p) * (p - 1) * rank == pytest.approx(p - 1)
+
+
+def test_dualpipev_fill_and_drain_against_the_other_schedules():
+    """p = 4, m = 8, the same work a rank (a 1F1B stage of F = 1, B = 2 is two V stages of
+    half that): fill and drain 1F1B (p - 1)(F + B) = 9, interleaved 1F1B (v = 2) half of
+    that, ZB-H1 (p - 1) F = 3 (I = W = 1), DualPipeV (p - 1) x its stage's F = 1.5."""
+    p, m = 4, 8
+    dual = simulate(schedule_actions("dualpipev", p, m, 2), forward=0.5, backward=1.0, weight=0.5)
+    plain = simulate(schedule_actions("1f1b", p, m), forward=1.0, backward=2.0)
+    inter = simulate(schedule_actions("interleaved-1f1b", p, m, 2), forward=0.5, backward=1.0)
+    zb = simulate(schedule_actions("zero-bubble", p, m), forward=1.0, backward=2.0, weight=1.0)
+    ideal = m * 3.0
+    assert plain.makespan - ideal == pytest.approx(9.0)
+    assert inter.makespan - ideal == pytest.approx(4.5)
+    assert zb.makespan - ideal == pytest.approx(3.0)
+    assert dual.makespan - ideal == pytest.approx(1.5)
+
+
 def test_zero_bubble_is_a_third_of_1f1b_when_f_i_w_equal():
     p, m = 4, 8
     zb = simulate(schedule_actions("zero-bubble", p, m), forward=1, backward=2, weight=1)
@@ -162,12 +249,16 @@ def test_gpipe_transfers_add_to_fill_and_drain(p, m, c):
 @pytest.mark.parametrize("kind,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 3, 1),
                                         ("zero-bubble", 4, 8, 1), ("zero-bubble", 3, 3, 1),
                                         ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 4, 6, 3),
-                                        ("interleaved-1f1b", 2, 4, 4)])
+                                        ("interleaved-1f1b", 2, 4, 4), ("dualpipev", 2, 4, 2),
+                                        ("dualpipev", 3, 9, 2), ("dualpipev", 4, 8, 2)])
 def test_in_flight_matches_planner_memory_model(kind, p, m, v):
     sim = simulate(schedule_actions(kind, p, m, v), forward=1.0, backward=2.0, weight=1.0)
     expected = in_flight(kind, p, m, v)                 # per stage; a rank holds v of them
-    rank_expected = expected.reshape(v, p).sum(axis=0)
+    rank_expected = [expected[ks].sum() for ks in rank_stages(kind, p, v)]
     assert list(sim.rank_peak_in_flight) == pytest.approx(list(rank_expected))
+    if kind == "dualpipev":                             # per stage too: 2p - k, 2p + 1 a rank
+        assert list(sim.peak_in_flight) == list(expected) == [2 * p - k for k in range(2 * p)]
+        assert list(sim.rank_peak_in_flight) == [2 * p + 1] * p
     if kind == "1f1b":
         assert list(sim.peak_in_flight) == [min(p - s, m) for s in range(p)]
     if kind == "gpipe":
@@ -177,11 +268,12 @@ def test_in_flight_matches_planner_memory_model(kind, p, m, v):
 # ---- the simulator honours every dependency -------------------------------------------------------
 
 
-@given(kind=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]),
+@given(kind=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"]),
        p=st.integers(1, 4), m=st.integers(1, 8), v=st.integers(1, 3), seed=st.integers(0, 2**16))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=50, deadline=None)
 def test_timeline_respects_dependencies(kind, p, m, v, seed):
-    v = v if kind in ("interleaved-1f1b", "zero-bubble") else 1
+    v = 2 if kind == "dualpipev" else v if kind in ("interleaved-1f1b", "zero-bubble") else 1
+    assume(not (kind == "dualpipev" and m < 2 * p))
     # the schedules torch can run (written out here, so a valid one that raises fails)
     assume(not (kind in ("1f1b", "zero-bubble") and m < p))
     assume(not (kind in ("interleaved-1f1b", "zero-bubble") and m % max(1, m // p)))
@@ -192,18 +284,19 @@ def test_timeline_respects_dependencies(kind, p, m, v, seed):
     w, c = b * rng.uniform(0, 1, n), rng.uniform(0, 1, max(n - 1, 1))
     sim = simulate(acts, forward=f, backward=b, weight=w, p2p=c)
     ev = {e["action"]: e for e in sim.timeline}
-    split = kind == "zero-bubble"
+    rank_of = stage_ranks(kind, p, v)
     for e in sim.timeline:
         s, i, k = e["stage"], e["microbatch"], e["kind"]
         want = {"F": f[s], "B": b[s], "I": b[s] - w[s], "W": w[s]}[k]
         assert e["end"] - e["start"] == pytest.approx(want)
         deps = []
         if k == "F" and s > 0:
-            deps.append((f"{s - 1}F{i}", c[s - 1] if (s - 1) % p != s % p else 0))
+            deps.append((f"{s - 1}F{i}", c[s - 1] if rank_of[s - 1] != rank_of[s] else 0))
         if k in "BI":
             deps.append((f"{s}F{i}", 0))
-            if s < n - 1:
-                deps.append((f"{s + 1}{'I' if split else 'B'}{i}", c[s] if (s + 1) % p != s % p else 0))
+            if s < n - 1:       # the next stage's backward of i: its I when split, else its B
+                nxt = f"{s + 1}I{i}" if f"{s + 1}I{i}" in ev else f"{s + 1}B{i}"
+                deps.append((nxt, c[s] if rank_of[s + 1] != rank_of[s] else 0))
         if k == "W":
             deps.append((f"{s}I{i}", 0))
         for name, lag in deps:
@@ -251,6 +344,9 @@ def test_split_backward_needs_weight_times():
     (("interleaved-1f1b", 4, 9, 2), r"multiple of its rounds max\(1, m // p\) = 2: got m=9 for p=4"),
     (("gpipe", 2, 4, 2), r"'gpipe' runs one stage per rank, got virtual=2"),
     (("pipedream", 2, 4), r"unknown schedule 'pipedream'"),
+    (("dualpipev", 2, 3, 2), r"'dualpipev' needs at least as many micro-batches as stages \(2 per rank\): "
+                             r"got 3 micro-batches for 4 stages on 2 ranks \(use m >= 4\)"),
+    (("dualpipev", 2, 8, 1), r"'dualpipev' runs exactly two stages per rank \(V placement\), got virtual=1"),
 ])
 def test_schedule_errors(args, message):
     with pytest.raises(ValueError, match=message):

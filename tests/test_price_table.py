@@ -156,9 +156,10 @@ def test_a_value_no_parameter_reaches_costs_no_gradient_collective():
     from autopar.cost_models.hardware import parse_cluster
     from autopar.placement import Replicate
     from autopar.pricing.costing import CostModel
+    from autopar.mesh_roles import MeshRoles
     from autopar.pricing.problem import build_problem
     ex, cap = example_and_capture("llama")
-    problem = build_problem(cap, (2,), data_axis=0)
+    problem = build_problem(cap, (2,), MeshRoles(data=0))
     cost = CostModel.for_pins(parse_cluster("1x2xA100"), (2,), {}, data_axis=0)
     table = PriceTable(problem, cost)
     buffers = set(cap.buffers)

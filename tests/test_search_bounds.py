@@ -18,6 +18,7 @@ import torch
 
 from autopar.capture import capture
 from autopar.cost_models.hardware import parse_cluster
+from autopar.mesh_roles import MeshRoles
 from autopar.options import Options
 from autopar.pricing.prices import compute_floor
 from autopar.solver import flat
@@ -53,12 +54,12 @@ def test_compute_floor_is_below_every_solved_objective(cluster, world, precision
     cl = parse_cluster(cluster)
     pins = Options.from_pins({"precision": precision} if precision else {})
     programs = [(shape, roles, 0) for shape, _, roles in mesh_candidates(world, pins, None, cl.devices_per_node)]
-    programs.append(((world,), {"data_axis": 0}, 3))
+    programs.append(((world,), MeshRoles(data=0), 3))
     for shape, roles, zero in programs:
         for rec in flat._recompute_choices(cap, pins):
             zpins = pins.replace(zero=zero) if zero else pins
             problem = flat._problem(cap, shape, roles, zero, 2)
-            cost = flat._cost_model(cap, cl, shape, zpins, roles, rec)
+            cost = flat._cost_model(cap, cl, flat.MeshJob(shape, roles, rec, zpins, 2))
             floor = compute_floor(problem, cost)
             sol = solve_ilp(problem, cost, None, 60.0)
             assert 0 < floor <= sol.objective_s * (1 + 1e-9), (shape, rec, zero, floor, sol.objective_s)

@@ -12,6 +12,8 @@ import torch
 
 from autopar.capture import capture
 from autopar.errors import ArgumentError
+from autopar.mesh_roles import MeshRoles
+from autopar.options import Options
 from autopar.solver import flat, ilp, pipeline_free, speculate
 from autopar.solver.driver import solve
 from examples.hf_llama import hf_llama_meta
@@ -103,16 +105,21 @@ def test_outcomes_are_read_only_for_the_program_that_was_solved(monkeypatch):
     _, cap = six_layers()
     from autopar.cost_models.hardware import parse_cluster
     cl = parse_cluster(CLUSTER)
-    args = dict(cap=cap, shape=(4, 2), roles={"data_axis": 0, "tensor_axis": 1},
-                pins={"data": 4, "tensor": 2}, n_states=2, rec=None, cl=cl,
-                memory_weights={"activations": 0.5}, grad_sync_scale=1.0, budget=1e9,
-                time_limit_s=60.0)
-    key = flat._ilp_key(**args)
-    for change in ({"budget": 2e9}, {"pins": {"data": 4, "tensor": 2, "zero": 3}},
-                   {"rec": ["h.0"]}, {"memory_weights": {"activations": 0.25}},
-                   {"grad_sync_scale": 0.5}, {"shape": (8,)}):
-        assert flat._ilp_key(**{**args, **change}) != key
-    assert flat._ilp_key(**args) == key
+    job = dict(shape=(4, 2), roles=MeshRoles(data=0, tensor=1),
+               pins=Options.from_pins({"data": 4, "tensor": 2}), n_states=2, rec=None,
+               budget=1e9, time_limit_s=60.0)
+    view = dict(memory_weights={"activations": 0.5}, grad_sync_scale=1.0)
+
+    def key(job_change=None, view_change=None):
+        return flat._ilp_key(cap, cl, flat.MeshJob(**{**job, **(job_change or {})}),
+                             **{**view, **(view_change or {})})
+    for change in ({"budget": 2e9}, {"pins": Options.from_pins({"data": 4, "tensor": 2, "zero": 3})},
+                   {"rec": ["h.0"]}, {"shape": (8,)}, {"roles": MeshRoles(data=1, tensor=0)},
+                   {"roles": MeshRoles(data=0, tensor=1, dispatch="all-gather")}):
+        assert key(job_change=change) != key(), change
+    for change in ({"memory_weights": {"activations": 0.25}}, {"grad_sync_scale": 0.5}):
+        assert key(view_change=change) != key(), change
+    assert key() == key()
 
 
 def test_plan_workers_from_the_environment(monkeypatch):

@@ -28,9 +28,8 @@ def program():
     cap = capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
     cl = parse_cluster("8xA100")
     (job,) = flat.mesh_jobs(cap, cl, 8, pins=PINS, mesh_shape=MESH).values()
-    shape, roles, rec, pins, n_states, _, _ = job
-    problem = flat._problem(cap, shape, roles, pins.zero_stage, n_states)
-    cost = flat._cost_model(cap, cl, shape, pins, roles, rec)
+    problem = flat._problem(cap, job.shape, job.roles, job.pins.zero_stage, job.n_states)
+    cost = flat._cost_model(cap, cl, job)
     least = ilp.solve(problem, cost, None, 60.0, minimize_memory=True)
     free = ilp.solve(problem, cost, None, 60.0)
     assert least.status == free.status == "OPTIMAL"

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
+from autopar.ops.attention import is_attention
+
 aten = torch.ops.aten
 
 DIRECT_MAX = 1 << 24
@@ -32,7 +34,7 @@ def causal_masks_to_flags(cap, seq: int) -> int:
     graph = cap.gm.graph
     done, verdict = 0, {}
     for node in list(graph.nodes):
-        if node.target is not aten.scaled_dot_product_attention.default or len(node.args) < 4:
+        if not is_attention(node.target) or len(node.args) < 4:
             continue
         mask = node.args[3]
         if not isinstance(mask, torch.fx.Node) or node.kwargs.get("is_causal") \

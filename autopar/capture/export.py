@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autopar.capture.cache import cached_capture
 from autopar.capture.constants import inline_constants
 from autopar.capture.experts import experts_as_ops
 from autopar.capture.graph import CaptureError, Captured, _strip
@@ -73,10 +74,15 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
     example_inputs = check_arguments(model, example_inputs, loss_fn, target)
     args = example_inputs + ((target,) if loss_fn is not None else ())
     wrapper = _WithLoss(model, loss_fn, len(example_inputs))
-    with experts_as_ops(model):
-        cap = _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper)
     c = current_layout()
-    return balance_sequence(cap, c) if c else cap
+
+    def fresh() -> Captured:
+        with experts_as_ops(model):
+            cap = _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper)
+        return balance_sequence(cap, c) if c else cap
+    with experts_as_ops(model):   # the experts' templates registered, a cached graph's too
+        pass
+    return cached_capture(model, example_inputs, loss_fn, target, stamp, c, fresh)
 
 
 def _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper) -> Captured:

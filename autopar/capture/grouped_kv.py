@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from autopar.ops.attention import is_attention
+
 aten = torch.ops.aten
 
 EXPAND = {aten.expand.default}
@@ -45,7 +47,7 @@ def ungroup_kv(cap) -> int:
     """Rewrite each SDPA reading repeated K/V heads to ``enable_gqa=True`` (in place); how many."""
     graph, done = cap.gm.graph, 0
     for node in list(graph.nodes):
-        if node.target is not aten.scaled_dot_product_attention.default or len(node.args) < 3:
+        if not is_attention(node.target) or len(node.args) < 3:
             continue
         k, v = _source(node.args[1]), _source(node.args[2])
         if k is None or v is None or k.meta["val"].shape[1] != v.meta["val"].shape[1]:

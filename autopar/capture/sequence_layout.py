@@ -42,6 +42,7 @@ import torch
 from autopar.capture.causal_mask import causal_masks_to_flags
 from autopar.capture.grouped_kv import ungroup_kv
 from autopar.errors import PinError
+from autopar.ops.attention import is_attention
 
 aten = torch.ops.aten
 
@@ -110,7 +111,7 @@ def balance_sequence(cap, c: int):
         if node.op != "call_function" or node.name not in stream:
             continue
         _refuse_in_order(node, seq)
-        sdpa = node.target is aten.scaled_dot_product_attention.default
+        sdpa = is_attention(node.target)
         for k, a in enumerate(node.args):
             node.update_arg(k, _map(a, lambda x, rows=(sdpa and k == 3): _reordered(
                 graph, x, seq, perm, made, node, rows) if x.name not in stream and x is not perm

@@ -38,10 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models import compute as compute_model
+from autopar.ops.attention import is_attention
 from autopar.placement import local_shape
 from autopar.sharding.registry import TensorMeta, input_placements, output_placements
 from autopar.sharding.rules.attention import context_axes
@@ -52,7 +51,7 @@ ACC_BYTES = 4             # dK / dV travel and are reduced in float32 (context_a
 
 def context_axis_of(call, combo, mesh_shape) -> int | None:
     """The axis an SDPA option runs context-parallel on, or None."""
-    if call.op is not torch.ops.aten.scaled_dot_product_attention.default:
+    if not is_attention(call.op):
         return None
     axes = [a for a in context_axes(combo, call.inputs[0].ndim) if mesh_shape[a] > 1]
     return axes[0] if axes else None

@@ -30,6 +30,7 @@ from autopar.analysis.layers import recompute_nodes
 from autopar.capture import Captured
 from autopar.cost_models.hardware import parse_cluster
 from autopar.errors import ArgumentError
+from autopar.mesh_roles import MeshRoles
 from autopar.placement import Replicate
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
@@ -367,22 +368,6 @@ def price_table(problem: Problem, cost: CostModel) -> PriceTable:
     return table
 
 
-def roles(plan: Plan) -> dict:
-    axes = list(plan.mesh_axes)
-    out = {}
-    if "data" in axes:
-        out["data_axis"] = axes.index("data")
-    if "tensor" in axes:
-        out["tensor_axis"] = axes.index("tensor")
-    if "expert" in axes:
-        out["expert_axis"] = axes.index("expert")
-    if "context" in axes:
-        out["context_axis"] = axes.index("context")
-    if plan.options.expert_dispatch:
-        out["expert_dispatch"] = plan.options.expert_dispatch
-    return out
-
-
 def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTable:
     """The price table ``plan`` was solved with, rebuilt from what the plan records: its
     mesh, cluster, pins (precision, ZeRO stage) and recomputed layers, through the same
@@ -392,11 +377,11 @@ def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTab
                             f"({plan.pipeline_stages} stages): its per-stage prices are not rebuilt yet")
     if optimizer not in OPTIMIZER_STATES:
         raise ArgumentError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
-    r = roles(plan)
-    problem = build_problem(cap, tuple(plan.mesh_shape), zero=plan.options.zero_stage,
-                            optimizer_states=OPTIMIZER_STATES[optimizer], **r)
+    roles = MeshRoles.of_plan(plan)
+    problem = build_problem(cap, tuple(plan.mesh_shape), roles, zero=plan.options.zero_stage,
+                            optimizer_states=OPTIMIZER_STATES[optimizer])
     cost = CostModel.for_pins(parse_cluster(plan.cluster), tuple(plan.mesh_shape), plan.options,
-                              data_axis=r.get("data_axis"),
+                              data_axis=roles.data,
                               recompute=recompute_nodes(cap.gm, plan.recompute),
                               # gradient accumulation: one micro-batch's prices, its
                               # gradient sync a 1/k share (solver.accumulate)

@@ -24,6 +24,8 @@ from autopar.capture.experts import expert_stacks
 from autopar.ops.experts import EXPERTS_OP
 from autopar.sharding.rules.attention import context_axes
 from autopar.errors import PinError
+from autopar.mesh_roles import NO_ROLES, MeshRoles
+from autopar.ops.attention import is_attention
 from autopar.placement import Replicate, Shard, local_shape
 from autopar.sharding.registry import (
     OpCall, Strategy, TensorMeta, make_call, mesh_strategies,
@@ -108,12 +110,12 @@ def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Com
     return out
 
 
-def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | None = None,
-                  tensor_axis: int | None = None, expert_axis: int | None = None, zero: int = 0,
-                  optimizer_states: int = 2, expert_dispatch: str | None = None,
-                  context_axis: int | None = None) -> Problem:
-    """The problem of ``cap`` on ``mesh_shape``: a decision per node (repeated layers'
-    nodes join their first layer's), an edge per tensor that flows between decisions."""
+def build_problem(cap: Captured, mesh_shape: Sequence[int], roles: MeshRoles = NO_ROLES, *,
+                  zero: int = 0, optimizer_states: int = 2) -> Problem:
+    """The problem of ``cap`` on ``mesh_shape`` whose axes play ``roles`` (each role's axis
+    pins what the options may do there; no roles: the solver chooses per op): a decision per
+    node (repeated layers' nodes join their first layer's), an edge per tensor that flows
+    between decisions."""
     mesh_shape = tuple(mesh_shape)
     index = graph_index(cap)
     walk = index.walk(cap)
@@ -125,13 +127,11 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], *, data_axis: int | 
         name, kind, shape, dtype, node, from_batch = d
         if kind == "op":
             call = index.call(node)
-            opts = _op_choices(cap, index.tensor_args(node), node, call, mesh_shape, data_axis,
-                               tensor_axis, from_batch, expert_axis, expert_dispatch, context_axis)
+            opts = _op_choices(cap, index.tensor_args(node), node, call, mesh_shape, roles, from_batch)
             vars[name] = NodeVar(name, kind, None, call, opts, list(walk.members[name]))
         else:
             meta = TensorMeta(shape, dtype)
-            opts = _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero,
-                                        expert_axis, name in stacks, context_axis)
+            opts = _placeholder_choices(name, kind, meta, mesh_shape, roles, zero, name in stacks)
             vars[name] = NodeVar(name, kind, meta, None, opts, list(walk.members[name]))
     for v in vars.values():
         if not v.options:
@@ -229,11 +229,12 @@ def _walk(cap: Captured, index: GraphIndex) -> Walk:
     return Walk(decisions, members, edge_list, sink)
 
 
-def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, zero,
-                         expert_axis=None, stack=False, context_axis=None) -> list[Combo]:
-    """The options of a parameter, buffer or input under the pins (``stack``: a mixture of
-    experts' weight stack, experts on dim 0)."""
+def _placeholder_choices(name, kind, meta, mesh_shape, roles: MeshRoles, zero: int,
+                         stack: bool = False) -> list[Combo]:
+    """The options of a parameter, buffer or input on axes playing ``roles`` (``stack``: a
+    mixture of experts' weight stack, experts on dim 0)."""
     opts = placeholder_options(meta, mesh_shape)
+    context_axis, expert_axis = roles.context, roles.expert
     if context_axis is not None:
         # the sequence (dim 1 of an input that has one) split on the context axis; buffers
         # and per-sample inputs whole there, and weights too unless ZeRO-3 shards them over
@@ -260,16 +261,17 @@ def _placeholder_choices(name, kind, meta, mesh_shape, data_axis, tensor_axis, z
                 f"{kind} {name!r} of shape {list(meta.shape)}: dim 0 cannot be split over the "
                 f"expert-parallel axis of size {mesh_shape[expert_axis]}; use a global batch (or a "
                 "number of experts) divisible by the expert-parallel degree, or pin a smaller expert=")
-    return _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape)
+    return _apply_pins(name, kind, meta, opts, roles, zero, mesh_shape)
 
 
-def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, data_axis, tensor_axis,
-                from_batch: bool, expert_axis: int | None = None,
-                expert_dispatch: str | None = None, context_axis: int | None = None) -> list[Combo]:
-    """The options of an op node (tensor inputs ``args``) under the pins (``from_batch``:
-    computed from the batch)."""
+def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, roles: MeshRoles,
+                from_batch: bool) -> list[Combo]:
+    """The options of an op node (tensor inputs ``args``) on axes playing ``roles``
+    (``from_batch``: computed from the batch)."""
+    data_axis, tensor_axis = roles.data, roles.tensor
+    expert_axis, context_axis = roles.expert, roles.context
     opts = mesh_strategies(call, mesh_shape)
-    if call.op is aten.scaled_dot_product_attention.default:
+    if is_attention(call.op):
         # the sequence split through attention on one axis at most (context parallelism)
         opts = [o for o in opts if sum(1 for a in context_axes(o, call.inputs[0].ndim)
                                        if mesh_shape[a] > 1) <= 1]
@@ -285,7 +287,7 @@ def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, data_
             opts = _data_parallel(opts, expert_axis, from_batch, param_inputs)
     if context_axis is not None:
         opts = _data_parallel(opts, context_axis, from_batch, param_inputs)
-        if call.op is aten.scaled_dot_product_attention.default:
+        if is_attention(call.op):
             # attention on the context axis is context-parallel: the sequence split through it
             # (the graph's token stream is in the balanced order only that op knows)
             opts = [o for o in opts if context_axis in context_axes(o, call.inputs[0].ndim)]
@@ -296,8 +298,8 @@ def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, data_
                     f"axis of size {mesh_shape[context_axis]}: context parallelism needs "
                     "self-attention (as many keys as queries), no dropout and a boolean mask if "
                     "any, and a sequence the mesh divides; plan without context=")
-    if call.op is EXPERTS_OP and expert_dispatch is not None:
-        opts = [o for o in opts if all(_dispatched(s, expert_dispatch) for s in o)]
+    if call.op is EXPERTS_OP and roles.dispatch is not None:
+        opts = [o for o in opts if all(_dispatched(s, roles.dispatch) for s in o)]
     if tensor_axis is not None:
         weights = [k for k in param_inputs if call.inputs[k].ndim >= 2]
         opts = [o for o in opts if all(not isinstance(o[tensor_axis].inputs[k], Replicate)
@@ -362,7 +364,9 @@ def _data_parallel(opts: list[Combo], axis: int, from_batch: bool, param_inputs:
     return opts
 
 
-def _apply_pins(name, kind, meta, opts, data_axis, tensor_axis, zero, mesh_shape) -> list[Combo]:
+def _apply_pins(name, kind, meta, opts, roles: MeshRoles, zero: int, mesh_shape) -> list[Combo]:
+    data_axis, tensor_axis = roles.data, roles.tensor
+
     def on(axis, o):
         return o[axis].outputs[0]
 

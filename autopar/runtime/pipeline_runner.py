@@ -1,7 +1,8 @@
 """How a pipelined plan runs a step: stage programs run by torch.distributed.pipelining.
 
 The mesh is ``(p, *intra)`` with the leading axis ``"pipeline"``. Pipeline rank ``r`` runs
-stages ``r, r + p, ...`` (``v`` of them under an interleaved schedule) as ``PipelineStage``s
+stages ``r, r + p, ...`` (``v`` of them under an interleaved schedule; under DualPipeV the
+V's ``r`` and ``2p - 1 - r``, ``schedule.stage_ranks``) as ``PipelineStage``s
 on the pipeline-axis process group; inside a stage every collective runs on the intra mesh
 (``comm.inner()``). autopar chooses the cuts, micro-batches and schedule; torch's schedule
 classes run them. ``autopar.runtime.parallel_module.ParallelModule`` owns the shards, the
@@ -54,7 +55,7 @@ from autopar.runtime.compiled import CompiledStage
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.precision import AutocastStage, cast_once_per_step, compute_dtype
 from autopar.runtime.shards import Shards
-from autopar.schedule import torch_schedule_class
+from autopar.schedule import rank_stages, stage_ranks, torch_schedule_class
 
 
 class _Stage(PipelineStage):
@@ -160,6 +161,36 @@ def check_stage_inputs(parts, all_grad: bool | None = None) -> None:
                     "or plan without pipeline= (or pin other stage cuts)")
 
 
+class _VForward(ScheduleLoopedBFS):
+    """Forward only (``eval``) over stages placed in DualPipeV's V (``schedule.stage_ranks``):
+    torch's breadth-first order (every micro-batch through the rank's first stage, then its
+    second) over the V's stages in place of the loop placement ``ScheduleLoopedBFS``
+    assumes. torch reads the stage-to-rank map back from these actions
+    (``_validate_and_set_stage_mapping``, which wants every backward listed too) before
+    adding the sends and receives; the backwards and their transfers are then dropped from
+    the lowered order: ``eval`` skips a backward, except that on the rank holding the V's
+    middle pair (stages p - 1 and p) it still hands the gradient between them, which a
+    forward-only stage refuses ("can't steal_bwd_input")."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from torch.distributed.pipelining.schedules import _ComputationType as T
+
+        forward = {T.FORWARD, T.SEND_F, T.RECV_F}
+        self.pipeline_order_with_comms = {
+            r: [a for a in acts if a.computation_type in forward]
+            for r, acts in self.pipeline_order_with_comms.items()}
+
+    def _calculate_single_rank_operations(self, rank):
+        from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+        mine = rank_stages("dualpipev", self.pp_group_size, 2)[rank]
+        m = self._n_microbatches
+        return ([_Action(k, _ComputationType.FORWARD, i) for k in mine for i in range(m)]
+                + [_Action(k, _ComputationType.FULL_BACKWARD, i)
+                   for k in reversed(mine) for i in reversed(range(m))])
+
+
 class PipelineRunner:
     """This pipeline rank's stages of the ``programs`` (``"train"``, ``"forward"``: per-rank
     GraphModules over ``root``, which holds every shard) and the schedules that run them."""
@@ -182,8 +213,10 @@ class PipelineRunner:
         self._comm = comm       # names a send / recv that failed (axis 0: the pipeline's)
         self.pp_group, self.pp_rank = comm.groups[0], comm.coord[0]
         self._pp_global = dist.get_process_group_ranks(self.pp_group)
-        self.my_stages = [k for k in range(self.n_stages) if k % p == self.pp_rank]
-        self._rank_of_stage = {k: self._pp_global[k % p] for k in range(self.n_stages)}
+        # which pipeline rank runs each stage: k mod p, or DualPipeV's V
+        self._stage_rank = stage_ranks(plan.schedule, p, v)
+        self.my_stages = rank_stages(plan.schedule, p, v)[self.pp_rank]
+        self._rank_of_stage = {k: self._pp_global[r] for k, r in enumerate(self._stage_rank)}
         self._intra = stage_plan(plan)
         self._dtype = compute_dtype(plan.options)     # mixed precision: stages run under autocast
         self.stages: dict[str, list[tuple[StageGraph, _Stage]]] = {}
@@ -273,7 +306,7 @@ class PipelineRunner:
 
     def _schedules(self, plan: Plan):
         m = self.n_microbatches
-        multi = plan.schedule in ("interleaved-1f1b", "zero-bubble")
+        multi = plan.schedule in ("interleaved-1f1b", "zero-bubble", "dualpipev")
         train_stages = [st for _, st in self.stages.get("train", [])]
         schedule = None
         if train_stages:
@@ -281,7 +314,8 @@ class PipelineRunner:
                 train_stages if multi else train_stages[0], n_microbatches=m,
                 loss_fn=self._scaled_loss, scale_grads=False)
         fwd = [st for _, st in self.stages["forward"]]
-        ev = (ScheduleLoopedBFS(fwd, n_microbatches=m, loss_fn=None) if plan.virtual_stages > 1
+        ev = (_VForward(fwd, n_microbatches=m, loss_fn=None) if plan.schedule == "dualpipev"
+              else ScheduleLoopedBFS(fwd, n_microbatches=m, loss_fn=None) if plan.virtual_stages > 1
               else ScheduleGPipe(fwd[0], n_microbatches=m, loss_fn=None))
         return schedule, ev
 
@@ -311,7 +345,7 @@ class PipelineRunner:
         """Which pipeline ranks hold each parameter / buffer: those whose stages read it. The
         same answer on every rank (from all the stage programs, not this rank's): a buffer
         that feeds recomputed constants is read by every stage recomputing them."""
-        return {attr: sorted({k % self.p for k in self._reads.get(attr, ())} or {0})
+        return {attr: sorted({self._stage_rank[k] for k in self._reads.get(attr, ())} or {0})
                 for attr in self._shards.placements}
 
     # ---- running ----------------------------------------------------------------------------
@@ -353,7 +387,7 @@ class PipelineRunner:
             raise
         self._skip_log = list(ctx.received)
         # each micro-batch's loss is its term of the global loss: no / m
-        last = (self.n_stages - 1) % self.p
+        last = self._stage_rank[-1]         # the last stage's rank (rank 0 under DualPipeV)
         loss = torch.zeros((), dtype=self._cap.node(self._cap.loss).meta["val"].dtype, device=self.device)
         if self.pp_rank == last:
             loss = torch.stack(self._mb_losses).sum()
@@ -374,7 +408,7 @@ class PipelineRunner:
                 if is_comm_failure(e):
                     raise self._comm.failure("send/recv", 0, e) from e
                 raise
-        last = (self.n_stages - 1) % self.p
+        last = self._stage_rank[-1]         # the last stage's rank (rank 0 under DualPipeV)
         flat = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else None
         box = [flat if self.pp_rank == last else None]
         dist.broadcast_object_list(box, self._pp_global[last], group=self.pp_group,

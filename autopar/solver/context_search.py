@@ -23,10 +23,9 @@ import torch
 
 from autopar.capture.sequence_layout import balance_sequence
 from autopar.errors import PinError
+from autopar.ops.attention import is_attention
 from autopar.options import Options
 from autopar.solver.errors import InfeasibleError
-
-aten = torch.ops.aten
 
 LONG_SEQUENCE = 16384
 """Positions from which the free search weighs a context axis (module docstring)."""
@@ -40,7 +39,7 @@ def long_attention(cap) -> int | None:
         return None
     seq = int(first.shape[1])
     for n in cap.gm.graph.nodes:
-        if n.target is aten.scaled_dot_product_attention.default:
+        if is_attention(n.target):
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             if q.shape[-2] == k.shape[-2] == seq:
                 return seq

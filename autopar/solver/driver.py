@@ -26,11 +26,13 @@ import contextlib
 import gc
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
 
 from autopar.capture import Captured, capture
+from autopar.capture.cache import caching
 from autopar.capture.export import check_loss_outside
 from autopar.cost_models.hardware import parse_cluster
 from autopar.capture.sequence_layout import sequence_layout
@@ -54,15 +56,19 @@ def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | 
           pins: "Options | dict | None" = None, memory_budget: float | None = None,
           mesh_shape: Sequence[int] | None = None, optimizer: str = "adamw",
           time_limit_s: float = 60.0, verbose: bool = False, profiler=None,
-          captured: Captured | None = None, capture_s: float | None = None) -> Planned:
+          captured: Captured | None = None, capture_s: float | None = None,
+          cache: bool = True) -> Planned:
     """The best plan of ``model`` for ``world_size`` devices (default: all) of ``cluster``.
 
     ``loss_fn`` is captured in the graph when an example ``target`` is given (else the loss
     runs outside it, on the replicated output). ``pins`` fix choices (see
     ``autopar.options.Options``). ``captured``: the full-batch graph when the caller has it
-    already (``capture_s`` the seconds it took), so it is not captured again.
+    already (``capture_s`` the seconds it took), so it is not captured again. ``cache``:
+    read and write the captured graphs in the per-user capture cache
+    (``autopar.capture.cache``; ``AUTOPAR_CACHE=0`` turns it off too); ``plan.solver.
+    capture_cache`` says whether it gave them.
     """
-    with _collector_paused():
+    with _collector_paused(), caching(cache) as use:
         planned = _solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
                          world_size=world_size, pins=pins, memory_budget=memory_budget,
                          mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
@@ -70,7 +76,9 @@ def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                          capture_s=capture_s)
     if loss_fn is not None and target is None:      # the loss runs outside the graph
         check_loss_outside(planned.captured, loss_fn)
-    return planned
+    plan = planned.plan
+    return Planned(replace(plan, solver=replace(plan.solver, capture_cache=use.describe())),
+                   *planned[1:])
 
 
 PLANNING_GC_THRESHOLD = 50_000

@@ -8,11 +8,12 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from autopar.analysis.layers import recompute_nodes, repeated_layers, select_layers
 from autopar.capture import Captured, fingerprint
 from autopar.errors import PinError
+from autopar.mesh_roles import MeshRoles
 from autopar.placement import local_shape, placements_str
 from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
@@ -75,6 +76,22 @@ class _Ask:
                     grad_sync_scale=self.grad_sync_scale)
 
 
+class MeshJob(NamedTuple):
+    """One program of the mesh search: the sharding ILP on mesh ``shape`` whose axes play
+    ``roles``, under ``pins`` (the ZeRO stage among them), with ``n_states`` optimizer
+    tensors per parameter, recomputing ``rec`` (None, ``"full"`` or layer names), within
+    ``budget`` bytes per device and ``time_limit_s`` (which only the ILP reads, not the
+    problem or its cost model). What :func:`mesh_jobs` hands a worker and ``_ilp_key``
+    keys."""
+    shape: tuple
+    roles: MeshRoles
+    rec: Any
+    pins: Options
+    n_states: int
+    budget: float = float("inf")
+    time_limit_s: float = 60.0
+
+
 @dataclass
 class _Best:
     sol: Any
@@ -84,7 +101,7 @@ class _Best:
     recompute: tuple
     cost: Any
     pins: Options
-    roles: dict            # the problem's axes' roles and optimizer states (``_problem``)
+    roles: MeshRoles       # the problem's axes' roles (``_problem``)
     n_states: int
 
 
@@ -168,7 +185,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
             later.explain_later = explained
             raise later
         raise explained()
-    plan = _to_plan(cap, best, cl, world, best.pins, memory_budget, capture_s, phases,
+    plan = _to_plan(cap, best, cl, world, memory_budget, capture_s, phases,
                     time_limit=_time_limit_note(best.sol, ask.timeouts))
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
 
@@ -208,10 +225,10 @@ def _zero_stages(world: int, pins: Options, mesh_shape, cl, binds: bool) -> tupl
         return ()
 
     def has(role):
-        return any(roles.get(role) is not None and shape[roles[role]] > 1 for shape, _, roles in meshes)
-    if has("data_axis"):
+        return any(roles.degree(role, shape) > 1 for shape, _, roles in meshes)
+    if has("data"):
         return ZERO_STAGES if binds else (2,) if wide_grads(pins) else ()
-    return (3,) if binds and has("context_axis") else ()
+    return (3,) if binds and has("context") else ()
 
 
 def wide_grads(pins: Options) -> bool:
@@ -275,7 +292,8 @@ def _search(cap: Captured, ask: _Ask, phases: dict, tag: str = ""):
         errors = []                    # report the last pass's reasons
         for problem, shape, axes, roles in problems:
             t0, key = time.perf_counter(), f"ilp {shape}{tag}"
-            cost = _cost_model(cap, cl, shape, pins, roles, rec, **ask.cost_kw())
+            job = MeshJob(shape, roles, rec, pins, n_states, budget, time_limit_s)
+            cost = _cost_model(cap, cl, job, **ask.cost_kw())
             if best is not None and _cannot_beat(problem, cost, best.sol.objective_s):
                 phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
                 if ask.verbose:
@@ -284,8 +302,7 @@ def _search(cap: Captured, ask: _Ask, phases: dict, tag: str = ""):
                 continue
             try:
                 sol = _solve_program(problem, cost, budget, time_limit_s, lambda: _ilp_key(
-                    cap, shape, roles, pins, n_states, rec, cl, memory_weights, grad_sync_scale,
-                    budget, time_limit_s))
+                    cap, cl, job, memory_weights, grad_sync_scale))
             except TimeLimitError as e:   # no plan on this mesh in the time: the others may have
                 ask.timeouts.append(e)
                 if ask.verbose:
@@ -331,15 +348,15 @@ def mesh_floor(cap: Captured, cl, world: int, pins, optimizer: str = "adamw") ->
     n_states = check_optimizer(optimizer)
     meshes = mesh_candidates(world, pins, None, cl.devices_per_node)
     return min(compute_floor(_problem(cap, shape, roles, pins.zero_stage, n_states),
-                             _cost_model(cap, cl, shape, pins, roles, None))
+                             _cost_model(cap, cl, MeshJob(shape, roles, None, pins, n_states)))
                for shape, _, roles in meshes)
 
 
-def _cost_model(cap: Captured, cl, shape, pins: Options, roles: dict, rec, *, profiler=None,
-                memory_weights=None, grad_sync_scale=1.0) -> CostModel:
-    """The cost model of ``_search``'s program on mesh ``shape`` recomputing ``rec``."""
-    _, rec_nodes, rec_kept = _recompute_of(cap, rec)
-    return CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
+def _cost_model(cap: Captured, cl, job: MeshJob, *, profiler=None, memory_weights=None,
+                grad_sync_scale=1.0) -> CostModel:
+    """The cost model of ``_search``'s program ``job`` (its mesh, pins and recomputation)."""
+    _, rec_nodes, rec_kept = _recompute_of(cap, job.rec)
+    return CostModel.for_pins(cl, job.shape, job.pins, data_axis=job.roles.data,
                               recompute=(rec_nodes, rec_kept), profiler=profiler,
                               memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
                               native=cap.native_dtypes)
@@ -367,20 +384,19 @@ def mesh_jobs(cap: Captured, cl, world: int, *, pins=None, memory_budget=None, m
         meshes = mesh_candidates(world, pins, mesh_shape, cl.devices_per_node)
     except ValueError:
         return {}
-    return {_ilp_key(cap, shape, roles, pins, n_states, rec, cl, None, 1.0, budget, time_limit_s):
-            (shape, roles, rec, pins, n_states, budget, time_limit_s)
-            for rec in choices for shape, _, roles in meshes}
+    jobs = (MeshJob(shape, roles, rec, pins, n_states, budget, time_limit_s)
+            for rec in choices for shape, _, roles in meshes)
+    return {_ilp_key(cap, cl, job): job for job in jobs}
 
 
-def solve_mesh_job(cap: Captured, cl, job: tuple) -> None:
+def solve_mesh_job(cap: Captured, cl, job: MeshJob) -> None:
     """Solve one of :func:`mesh_jobs`' programs as ``_search`` will (in a worker: its
     outcome recorded for the search)."""
-    shape, roles, rec, pins, n_states, budget, time_limit_s = job
-    problem = _problem(cap, shape, roles, pins.zero_stage, n_states)
-    cost = _cost_model(cap, cl, shape, pins, roles, rec)
-    key = _ilp_key(cap, shape, roles, pins, n_states, rec, cl, None, 1.0, budget, time_limit_s)
+    problem = _problem(cap, job.shape, job.roles, job.pins.zero_stage, job.n_states)
+    cost = _cost_model(cap, cl, job)
+    key = _ilp_key(cap, cl, job)
     try:
-        _solve_program(problem, cost, budget, time_limit_s, lambda: key)
+        _solve_program(problem, cost, job.budget, job.time_limit_s, lambda: key)
     except InfeasibleError:
         pass
 
@@ -411,15 +427,16 @@ def _solve_or_read(problem, cost, budget: float, time_limit_s: float, key) -> So
     return sol
 
 
-def _ilp_key(cap, shape, roles, pins, n_states, rec, cl, memory_weights, grad_sync_scale, budget,
-             time_limit_s) -> tuple:
-    """What ``_search``'s program on one mesh is made of: the graph, the mesh and its axes'
-    roles, the pins (ZeRO stage among them), the optimizer's states, the recomputed layers,
-    the cluster and the pipeline's view of memory and gradient sync, the budget."""
-    layers = rec if rec is None or isinstance(rec, str) else tuple(rec)
-    return (id(cap.gm), tuple(shape), tuple(sorted(roles.items())), repr(sorted(pins.items())),
-            n_states, layers, repr(cl), repr(sorted((memory_weights or {}).items())),
-            grad_sync_scale, budget, time_limit_s)
+def _ilp_key(cap, cl, job: MeshJob, memory_weights: dict | None = None,
+             grad_sync_scale: float = 1.0) -> tuple:
+    """What ``_search``'s program on one mesh is made of: the graph, the job (the mesh and
+    its axes' roles, the pins (ZeRO stage among them), the optimizer's states, the
+    recomputed layers, the budget and time limit), the cluster and the pipeline's view of
+    memory and gradient sync."""
+    layers = job.rec if job.rec is None or isinstance(job.rec, str) else tuple(job.rec)
+    return (id(cap.gm), tuple(job.shape), job.roles, repr(sorted(job.pins.items())),
+            job.n_states, layers, repr(cl), repr(sorted((memory_weights or {}).items())),
+            grad_sync_scale, job.budget, job.time_limit_s)
 
 
 DEFERRED_KEPT = 4
@@ -490,9 +507,10 @@ def _fewest_layers(cap: Captured, full: _Best, ask: _Ask) -> _Best:
                                   recompute=(rec_nodes, rec_kept), native=full.cost.native,
                                   **ask.cost_kw())
         try:
+            job = MeshJob(full.shape, full.roles, layers[:k], full.pins, full.n_states, budget,
+                          time_limit_s)
             sol = _solve_or_read(full.problem, cost, budget, time_limit_s, lambda: _ilp_key(
-                cap, full.shape, full.roles, full.pins, full.n_states, layers[:k], cl,
-                memory_weights, grad_sync_scale, budget, time_limit_s))
+                cap, cl, job, memory_weights, grad_sync_scale))
         except InfeasibleError:
             fails, step = k, 0
             k = (fails + fits + 1) // 2
@@ -527,7 +545,7 @@ def _least_memory(cap, ask: _Ask, cl, shape, roles, pins, rec):
     ``pins`` (``rec``: the recomputation choice): (bytes, {term: bytes})."""
     _, rec_nodes, rec_kept = _recompute_of(cap, rec)
     problem = _problem(cap, shape, roles, pins.zero_stage, check_optimizer(ask.optimizer))
-    cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.get("data_axis"),
+    cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.data,
                               recompute=(rec_nodes, rec_kept), native=cap.native_dtypes,
                               **ask.cost_kw())
     sol = solve_ilp(problem, cost, None, ask.time_limit_s, minimize_memory=True)
@@ -548,7 +566,7 @@ def infeasible(cap: Captured, ask: _Ask, errors: list) -> InfeasibleError:
     if zero_free:       # the ZeRO stage that shards the most, on the data axis
         try:
             z3 = pins.replace(zero=3)
-            need, terms = _least_memory(cap, ask, cl, (world,), {"data_axis": 0}, z3, rec)
+            need, terms = _least_memory(cap, ask, cl, (world,), MeshRoles(data=0), z3, rec)
             rows.append(_row("data only", (world,), "zero=3" + (f", recompute={rec!r}" if rec else ""),
                              need, terms))
         except (InfeasibleError, PinError):
@@ -592,15 +610,15 @@ def _zero_notes(cap, ask: _Ask, errors: list, zero_free: bool) -> tuple:
     ZeRO-3 row's mesh (``(world,)``) is asked."""
     n_states = check_optimizer(ask.optimizer)
     asks = [(e.mesh_shape, e.roles, ask.pins.zero_stage) for e in errors
-            if e.roles and e.roles.get("data_axis") is not None]
+            if e.roles is not None and e.roles.data is not None]
     if zero_free:
-        asks.append(((ask.world,), {"data_axis": 0}, 3))
+        asks.append(((ask.world,), MeshRoles(data=0), 3))
     notes: list = []
     for shape, roles, zero in asks:
         if zero < 1:
             continue
         try:
-            note = whole_note(_problem(cap, shape, roles, zero, n_states), roles["data_axis"], zero)
+            note = whole_note(_problem(cap, shape, roles, zero, n_states), roles.data, zero)
         except PinError:
             continue
         if note and note not in notes:
@@ -626,7 +644,7 @@ def _more_devices(cap, ask: _Ask, rec):
         bigger = replace(cl, name=f"{cl.name} ({n} devices)", nodes=n // dpn if n % dpn == 0 else 1,
                          devices_per_node=dpn if n % dpn == 0 else n)
         try:
-            need, _ = _least_memory(cap, ask, bigger, (n,), {"data_axis": 0},
+            need, _ = _least_memory(cap, ask, bigger, (n,), MeshRoles(data=0),
                                     pins.replace(data=n, zero=3), rec)
         except (InfeasibleError, PinError, ValueError):
             return None
@@ -654,10 +672,10 @@ def _accumulation(cap, best: dict, budget: float, pins: Options):
     return None
 
 
-def _to_plan(cap: Captured, best: _Best, cl, world: int, pins: Options, memory_budget,
-             capture_s: float, phases: dict | None = None, time_limit: str = "") -> Plan:
-    """The Plan of the solver's best solution."""
-    sol, problem, axes = best.sol, best.problem, best.axes
+def _to_plan(cap: Captured, best: _Best, cl, world: int, memory_budget, capture_s: float,
+             phases: dict | None = None, time_limit: str = "") -> Plan:
+    """The Plan of the solver's best solution (under its pins, ``best.pins``)."""
+    sol, problem, axes, pins = best.sol, best.problem, best.axes, best.pins
     nodes = node_placements(problem, sol.choice)
     comm = {f"{kind}@{axes[a]}": s for (kind, a), s in sorted(sol.comm_s.items())}
     if sol.overlapped_s > 0:   # gradient sync hidden behind compute (cost_models/step.py)
@@ -757,18 +775,17 @@ PROBLEMS_KEPT = 8
 _PROBLEMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _problem(cap: Captured, shape, roles: dict, zero: int, n_states: int):
-    """``build_problem(cap, shape, zero=zero, optimizer_states=n_states, **roles)``, kept for
+def _problem(cap: Captured, shape, roles: MeshRoles, zero: int, n_states: int):
+    """``build_problem(cap, shape, roles, zero=zero, optimizer_states=n_states)``, kept for
     the graph's next asks (the ZeRO stages of a mesh, a pipeline's retries); a ZeRO stage's
     problem is the stage-0 one's with its parameters' options re-chosen (nothing else
     reads the stage)."""
     memo = _PROBLEMS.setdefault(cap.gm, OrderedDict())
-    roles_key = tuple(sorted(roles.items()))
-    key = (tuple(shape), roles_key, zero, n_states)
+    key = (tuple(shape), roles, zero, n_states)
     got = memo.get(key)
     if got is None:
-        base = memo.get((tuple(shape), roles_key, 0, n_states))
-        got = build_problem(cap, shape, zero=zero, optimizer_states=n_states, **roles) \
+        base = memo.get((tuple(shape), roles, 0, n_states))
+        got = build_problem(cap, shape, roles, zero=zero, optimizer_states=n_states) \
             if base is None or zero == 0 else _with_zero(base, zero, roles)
         memo[key] = got
         while len(memo) > PROBLEMS_KEPT:
@@ -777,14 +794,12 @@ def _problem(cap: Captured, shape, roles: dict, zero: int, n_states: int):
     return got
 
 
-def _with_zero(base, zero: int, roles: dict):
+def _with_zero(base, zero: int, roles: MeshRoles):
     """``base`` (built with ZeRO stage 0) with its parameters' options under ``zero``."""
     vars_ = dict(base.vars)
     for name, v in base.vars.items():
         if v.kind == "param":
-            opts = _placeholder_choices(name, v.kind, v.meta, base.mesh_shape, roles.get("data_axis"),
-                                        roles.get("tensor_axis"), zero, roles.get("expert_axis"),
-                                        context_axis=roles.get("context_axis"))
+            opts = _placeholder_choices(name, v.kind, v.meta, base.mesh_shape, roles, zero)
             if not opts:
                 raise PinError(f"node {v.name} has no placement that satisfies the pins on mesh "
                                f"{base.mesh_shape}: {_describe(v)}")

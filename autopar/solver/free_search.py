@@ -39,6 +39,7 @@ from autopar.capture import Captured
 from autopar.errors import PinError
 from autopar.options import Options
 from autopar.plan import Plan
+from autopar.solver import progress
 from autopar.solver.accumulate import accumulation_may_win, may_accumulate, search_accumulation
 from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.context_search import search_context
@@ -146,6 +147,7 @@ class _FreeSearch:
             self.best = got
 
     def _timed(self, name: str, stage: Callable):
+        self._started(name)
         t0 = time.perf_counter()
         try:
             return stage()
@@ -153,9 +155,24 @@ class _FreeSearch:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
             self._progress(name, time.perf_counter() - t0)
 
+    def _best_s(self) -> float | None:
+        return self.best.plan.estimate.step_time_s if self.best is not None else None
+
+    def _started(self, name: str) -> None:
+        """Tell the open reporter (``solver.progress``), if any, that stage ``name`` begins."""
+        report = progress.reporter()
+        if report is not None:
+            report(name, None, self._best_s())
+
     def _progress(self, name: str, seconds: float) -> None:
-        """One line on stderr per stage that ends once planning has run
-        :data:`PROGRESS_AFTER_S` (a long search says where it is; a quick one stays quiet)."""
+        """Stage ``name`` ended: to the open reporter (``solver.progress``: the CLI's
+        progress line); with none, one line on stderr per stage that ends once planning has
+        run :data:`PROGRESS_AFTER_S` (a long search says where it is; a quick one stays
+        quiet)."""
+        report = progress.reporter()
+        if report is not None:
+            report(name, seconds, self._best_s())
+            return
         if self.capture_s + time.perf_counter() - self.t_start >= PROGRESS_AFTER_S:
             best = (f", best so far {self.best.plan.estimate.step_time_s:.4g} s"
                     if self.best is not None else "")
@@ -201,6 +218,7 @@ class _FreeSearch:
 
     def unpipelined(self, deferred: bool) -> None:
         """Every mesh the options allow, recomputing when memory binds (``flat``)."""
+        self._started("unpipelined")
         t0 = time.perf_counter()
         try:
             self.flat = plan_captured(self.cap, self.spec.cluster, self.spec.world,
@@ -255,6 +273,7 @@ class _FreeSearch:
                 and flat.estimate.step_time_s - recompute_bound_s(flat, cap)
                 < self.best.plan.estimate.step_time_s):
             return
+        self._started("unpipelined, fewest layers")
         t0 = time.perf_counter()
         if ahead is not None:
             ahead.take(PROBES)               # a worker's outcomes, if it took them

@@ -55,6 +55,7 @@ except ImportError:         # pragma: no cover - an OR-Tools without them: the p
 
 from autopar.cost_models.memory import peak_bytes
 from autopar.errors import AutoparInputError
+from autopar.mesh_roles import MeshRoles
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.costing import INF, CostModel, exposed_sync, grad_partial_flags
 from autopar.pricing.prices import PriceTable, price_table
@@ -83,7 +84,7 @@ class InfeasibleError(AutoparInputError):
       ``closest`` (per mesh family) and ``suggestions`` (the smallest changes that fit)."""
 
     def __init__(self, message: str = "", *, mesh_shape: tuple | None = None,
-                 axes: tuple | None = None, roles: dict | None = None, recompute=None,
+                 axes: tuple | None = None, roles: MeshRoles | None = None, recompute=None,
                  need_bytes: float | None = None, terms: dict | None = None,
                  unexplained: tuple | None = None, meshes: list | None = None,
                  closest: list | None = None, suggestions: list | None = None):

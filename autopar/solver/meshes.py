@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 
 from autopar.errors import ArgumentError, PinError
+from autopar.mesh_roles import NO_ROLES, MeshRoles
 from autopar.options import Options, as_options
 
 
 def mesh_candidates(world: int, pins: Options, mesh_shape, devices_per_node: int | None = None
-                    ) -> list[tuple[tuple[int, ...], tuple[str, ...], dict]]:
-    """(mesh shape, axis names, {"data_axis", "tensor_axis"}) to try; ``devices_per_node``
+                    ) -> list[tuple[tuple[int, ...], tuple[str, ...], MeshRoles]]:
+    """(mesh shape, axis names, the axes' :class:`MeshRoles`) to try; ``devices_per_node``
     (None: one node) bounds the inner axis of a 2-D mesh across nodes."""
     if mesh_shape is not None:
         mesh_shape = tuple(int(n) for n in mesh_shape)
@@ -24,32 +25,32 @@ def mesh_candidates(world: int, pins: Options, mesh_shape, devices_per_node: int
                                 f"{world}; use a mesh whose product is {world}")
     pins = as_options(pins)
     out = _meshes(world, pins, mesh_shape, devices_per_node)
-    if pins.expert_dispatch:
-        out = [(shape, axes, {**roles, "expert_dispatch": pins.expert_dispatch})
-               for shape, axes, roles in out]
-    return out
+    return [(shape, roles.axis_names(len(shape)), roles.with_dispatch(pins.expert_dispatch))
+            for shape, roles in out]
 
 
-def _meshes(world, pins: Options, mesh_shape, devices_per_node):
+def _meshes(world, pins: Options, mesh_shape, devices_per_node) -> list[tuple[tuple, MeshRoles]]:
+    """(mesh shape, roles) to try: the pinned mesh, the data axis under a ZeRO pin, or the
+    free meshes (no roles: the solver chooses per op what each axis does)."""
     if pins.data is not None or pins.tensor is not None or (pins.expert or 1) > 1 \
             or (pins.context or 1) > 1:
         return [_pinned_mesh(world, pins, mesh_shape)]
     if pins.zero:
-        return [((world,), ("data",), {"data_axis": 0})]
+        return [((world,), MeshRoles(data=0))]
     if mesh_shape is not None:
-        return [(mesh_shape, tuple(f"axis{i}" for i in range(len(mesh_shape))), {})]
-    out = [((world,), ("axis0",), {})]
+        return [(mesh_shape, NO_ROLES)]
+    out = [((world,), NO_ROLES)]
     within = devices_per_node if devices_per_node and world > devices_per_node else world
     for a in range(2, world):
         if world % a == 0 and world // a >= 2 and within % (world // a) == 0:
-            out.append(((a, world // a), ("axis0", "axis1"), {}))
+            out.append(((a, world // a), NO_ROLES))
     return out
 
 
 def _pinned_mesh(world: int, pins: Options, mesh_shape):
-    """The one mesh the ``data=`` / ``tensor=`` / ``expert=`` / ``context=`` pins give: axes
-    data, context, expert, tensor (outer to inner: tensor parallelism inside a node, context
-    next, as Llama 3's long-context runs were laid out)."""
+    """(shape, roles) of the one mesh the ``data=`` / ``tensor=`` / ``expert=`` /
+    ``context=`` pins give: axes data, context, expert, tensor, outer to inner
+    (``MeshRoles.lay_out``)."""
     data, tensor, expert, context = pins.data, pins.tensor, pins.expert or 1, pins.context or 1
     for name, n in (("expert", expert), ("context", context)):
         if world % n:
@@ -70,19 +71,7 @@ def _pinned_mesh(world: int, pins: Options, mesh_shape):
         raise PinError(f"pins data={pins.data} tensor={pins.tensor}{ex} do not "
                        f"multiply to the world size {world}: pin data and tensor whose product "
                        f"is {rest}, or plan for data x tensor devices (world_size=)")
-    axes, shape, roles = [], [], {}
-    if data > 1 or (tensor == 1 and expert == 1 and context == 1):
-        roles["data_axis"] = len(shape)
-        axes.append("data"), shape.append(data)
-    if context > 1:
-        roles["context_axis"] = len(shape)
-        axes.append("context"), shape.append(context)
-    if expert > 1:
-        roles["expert_axis"] = len(shape)
-        axes.append("expert"), shape.append(expert)
-    if tensor > 1:
-        roles["tensor_axis"] = len(shape)
-        axes.append("tensor"), shape.append(tensor)
-    if mesh_shape is not None and tuple(shape) != mesh_shape:
+    shape, roles = MeshRoles.lay_out(dict(data=data, context=context, expert=expert, tensor=tensor))
+    if mesh_shape is not None and shape != mesh_shape:
         raise PinError(f"mesh_shape {mesh_shape} disagrees with pins data={data} tensor={tensor}")
-    return tuple(shape), tuple(axes), roles
+    return shape, roles

@@ -50,12 +50,14 @@ from autopar.solver.flat import Solved
 from autopar.solver.pipeline_price import pipeline_estimate, price_plan
 from autopar.solver.stage_dp import plan_stages
 from autopar.solver.stage_plan import StagesDoNotFit
+from autopar.schedule import rank_stages as schedule_rank_stages, stage_ranks
 from autopar.solver.stage_tables import in_flight
 
 
-def rank_stages(p: int, v: int) -> list[list[int]]:
-    """The stages of each rank: stage k runs on rank k mod p."""
-    return [list(range(r, p * v, p)) for r in range(p)]
+def rank_stages(p: int, v: int, schedule: str = "1f1b") -> list[list[int]]:
+    """The stages of each rank: stage k runs on rank k mod p, or in DualPipeV's V
+    (``schedule.rank_stages``)."""
+    return schedule_rank_stages(schedule, p, v)
 
 
 def rank_bytes(nc, config, cuts) -> np.ndarray:
@@ -65,7 +67,7 @@ def rank_bytes(nc, config, cuts) -> np.ndarray:
     stages = list(zip(bounds[:-1], bounds[1:]))
     held = in_flight(schedule, p, m, v)
     return np.array([sum(nc.rank_memory([stages[k] for k in ks], held[ks]).values())
-                     for ks in rank_stages(p, v)])
+                     for ks in rank_stages(p, v, schedule)])
 
 
 _LAYER_NODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -93,6 +95,7 @@ def layer_terms(cap, nc, layers, config, cuts) -> list[tuple[str, int, float, fl
     p, v, m, schedule = config
     where = chain_index(cap, nc.units)
     held = in_flight(schedule, p, m, v)
+    stage_rank = stage_ranks(schedule, p, v)
     cut_arr = np.asarray(cuts, dtype=int)
     out = []
     members = layer_nodes(cap)
@@ -112,7 +115,7 @@ def layer_terms(cap, nc, layers, config, cuts) -> list[tuple[str, int, float, fl
                 a = nc.node_activations.get(x, 0.0)
                 saved += held[k] * a
                 rebuilt += a
-        rank = int(np.searchsorted(cut_arr, min(placed)[0], side="right")) % p
+        rank = stage_rank[int(np.searchsorted(cut_arr, min(placed)[0], side="right"))]
         out.append((lay, rank, saved, added, rebuilt))
     return out
 

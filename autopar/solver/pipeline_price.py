@@ -20,7 +20,7 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.host import OPTIMIZER_DISPATCHES, host_time
 from autopar.placement import Shard, local_shape, parse_placements
 from autopar.plan import Estimate, Plan
-from autopar.schedule import schedule_actions
+from autopar.schedule import rank_stages, schedule_actions, stage_ranks
 from autopar.pricing.costing import OVERLAPPED, exposed_sync
 from autopar.options import OPTIMIZER_STATES
 from autopar.solver.pipeline_costs import node_costs
@@ -49,7 +49,7 @@ def memory_weights(schedule: str, p: int, m: int, v: int) -> dict[str, float]:
     for uniform stages: 1/p of the state; the activations of the micro-batches its stages
     hold at their peak (``stage_dp.in_flight``), each stage 1/(p v) of the graph."""
     n = in_flight(schedule, p, m, v)
-    held = max(float(n[r::p].sum()) for r in range(p))
+    held = max(float(n[ks].sum()) for ks in rank_stages(schedule, p, v))
     state = 1.0 / p
     return {"params": state, "grads": state, "optimizer": state, "buffers": state,
             "activations": held / (p * v)}
@@ -81,17 +81,18 @@ class Priced:
             return np.zeros(len(nc.units))
         return nc.host_calls
 
-    def rank_host_s(self, cuts: Sequence[int], p: int, m: int) -> np.ndarray:
-        """Host seconds a step per pipeline rank for chain cuts ``cuts``: its stages' calls
-        once per micro-batch, forward and backward, and its optimizer's once
-        (``stage_dp``'s host rule; zeros on CPU ranks)."""
+    def rank_host_s(self, cuts: Sequence[int], p: int, m: int, schedule: str = "1f1b") -> np.ndarray:
+        """Host seconds a step per pipeline rank for chain cuts ``cuts`` (stages placed as
+        ``schedule`` places them): its stages' calls once per micro-batch, forward and
+        backward, and its optimizer's once (``stage_dp``'s host rule; zeros on CPU ranks)."""
         if not self.host_op_s:
             return np.zeros(p)
         calls = self.host_calls()
         bounds = (0, *cuts, len(calls))
+        rank = stage_ranks(schedule, p, (len(bounds) - 1) // p)
         out = np.zeros(p)
         for k, (j, i) in enumerate(zip(bounds[:-1], bounds[1:])):
-            out[k % p] += m * float(calls[j:i].sum())
+            out[rank[k]] += m * float(calls[j:i].sum())
         return (out + self.optimizer_calls) * self.host_op_s
 
     @property
@@ -104,13 +105,14 @@ class Priced:
         unit = {int(x): k for k, x in enumerate(self.bounds)}
         return lambda S: tuple(unit[c] for c in even_cuts(list(self.starts), S))
 
-    def cut_bandwidths(self, p: int, n_stages: int) -> list[float]:
+    def cut_bandwidths(self, p: int, n_stages: int, schedule: str = "1f1b") -> list[float]:
         """Bytes/s per rank of each of the ``n_stages - 1`` stage boundaries, on the link
         that boundary crosses (:func:`cut_crosses_nodes`): a rank's own NIC share
         (``bandwidth``) where the two stages sit on different nodes, NVLink
         (``near_bandwidth``) where they share one."""
         near = self.near_bandwidth or self.bandwidth
-        return [self.bandwidth if cut_crosses_nodes(k % p, (k + 1) % p, self.ranks_apart,
+        rank = stage_ranks(schedule, p, n_stages // p)
+        return [self.bandwidth if cut_crosses_nodes(rank[k], rank[k + 1], self.ranks_apart,
                                                     self.devices_per_node) else near
                 for k in range(n_stages - 1)]
 
@@ -141,12 +143,14 @@ class Priced:
         inputs = sum(t.get("inputs", 0.0) for _, t, _ in self.nc.placeholders)
         return self.nc.recompute_bytes + inputs
 
-    def rank_sync(self, cuts: Sequence[int], p: int) -> np.ndarray:
-        """Gradient reduction seconds per rank for chain cuts ``cuts``."""
+    def rank_sync(self, cuts: Sequence[int], p: int, schedule: str = "1f1b") -> np.ndarray:
+        """Gradient reduction seconds per rank for chain cuts ``cuts`` (stages placed as
+        ``schedule`` places them: ``schedule.stage_ranks``)."""
         bounds = (0, *cuts, len(self.nc.units))
+        rank = stage_ranks(schedule, p, (len(bounds) - 1) // p)
         sync = np.zeros(p)
         for k, (j, i) in enumerate(zip(bounds[:-1], bounds[1:])):
-            sync[k % p] += self.nc.sync[j:i].sum()
+            sync[rank[k]] += self.nc.sync[j:i].sum()
         return sync
 
 
@@ -305,8 +309,8 @@ def worst_rank_memory(cap, solved, cl, world, config, starts=None) -> float:
     bounds = (0, *cuts, len(pr.nc.units))
     stages = list(zip(bounds[:-1], bounds[1:]))
     held = in_flight(schedule, p, m, v)
-    return max(sum(pr.nc.rank_memory([stages[k] for k in range(r, p * v, p)],
-                                     held[list(range(r, p * v, p))]).values()) for r in range(p))
+    return max(sum(pr.nc.rank_memory([stages[k] for k in ks], held[ks]).values())
+               for ks in rank_stages(schedule, p, v))
 
 
 def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
@@ -328,16 +332,21 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
                             for j, i in stages])
     # each boundary at the link it crosses (NVLink inside a node, the rank's NIC across);
     # the stage DP chose the cuts at the slower, ``pr.bandwidth`` (a bound for every cut)
-    p2p = [float(nc.cross[c - 1] / bw + pr.latency)
-           for c, bw in zip(cuts, pr.cut_bandwidths(p, S))]
+    # a boundary between two stages of one rank (DualPipeV's middle one) sends nothing
+    rank = stage_ranks(schedule, p, v)
+    p2p = [0.0 if rank[k] == rank[k + 1] else float(nc.cross[c - 1] / bw + pr.latency)
+           for k, (c, bw) in enumerate(zip(cuts, pr.cut_bandwidths(p, S, schedule)))]
     # the runtime's cost per action: F and B, or F, I and W (the backward pays two)
     a = pr.action
     split = schedule == "zero-bubble"
+    # DualPipeV splits only its last backwards (``schedule._dual_pipe_v`` steps 3, 6-8):
+    # priced as its full backwards, one action each; its I and W share the backward's time
+    halves = split or schedule == "dualpipev"
     weight = stage_times * (1 - FORWARD) / 2 + a
-    if split and pr.intra.options.compile:
+    if halves and pr.intra.options.compile:
         # compiled stages run their whole backward at I, nothing at W (runtime/pipeline_runner)
         weight = np.full_like(stage_times, a)
-    elif split and len(nc.recomputed):
+    elif halves and len(nc.recomputed):
         # a later stage holding recomputed layers runs its whole backward at I, nothing at W
         # (runtime/pipeline_runner.split_backward_safe: its checkpointed regions hide the
         # weights' path from torch's split)
@@ -352,22 +361,22 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     # a rank's gradient reduction, once per step, overlaps its stages' backward of the last
     # micro-batch only, except the last bucket (cost_models/step.py); ZeRO-3's per-micro-
     # batch gathers are priced in full with the stage's time
-    sync = pr.rank_sync(cuts, p)
+    sync = pr.rank_sync(cuts, p, schedule)
     last = float(pr.solved.cost.last_bucket_s) if pr.solved.cost.zero < 3 else 0.0
-    hide = [float(sum(stage_times[k] for k in range(r, S, p))) * (1 - FORWARD) for r in range(p)]
+    rank_stages_ = rank_stages(schedule, p, v)
+    hide = [float(sum(stage_times[k] for k in ks)) * (1 - FORWARD) for ks in rank_stages_]
     exposed = np.array([exposed_sync(float(sync[r]), hide[r], last) for r in range(p)])
     # the host's dispatches (stage_dp's host rule): the busiest rank's calls, its stages'
     # once per micro-batch and its optimizer's once, against the simulated device step
-    host = float(pr.rank_host_s(cuts, p, m).max())
+    host = float(pr.rank_host_s(cuts, p, m, schedule).max())
     step = max(float((end + exposed).max()), host)
     held = in_flight(schedule, p, m, v)
-    rank_stages = [[k for k in range(r, S, p)] for r in range(p)]
-    mems = [nc.rank_memory([stages[k] for k in ks], held[ks]) for ks in rank_stages]
+    mems = [nc.rank_memory([stages[k] for k in ks], held[ks]) for ks in rank_stages_]
     worst = max(range(p), key=lambda r: sum(mems[r].values()))
     busiest = max(range(p), key=lambda r: sim.busy[r] + exposed[r])
     comm: dict[str, float] = {}
     compute = 0.0
-    for k in rank_stages[busiest]:
+    for k in rank_stages_[busiest]:
         j, i = stages[k]
         compute += m * float(nc.compute[j:i].sum())
         for idx in range(j, i):

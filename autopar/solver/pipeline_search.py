@@ -49,6 +49,7 @@ from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
 from autopar.analysis.stages import chain, parameter_positions
 from autopar.capture import Captured, capture
 from autopar.errors import PinError
+from autopar.mesh_roles import STAGE_AXES
 from autopar.options import Options, as_options
 from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
@@ -60,10 +61,11 @@ from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
 )
 from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan, DEFAULT_VIRTUAL
+from autopar.solver.stage_tables import rank_times
 
 DEFAULT_SCHEDULE = "1f1b"
-INTRA_PINS = ("data", "tensor", "expert", "expert_dispatch", "expert_imbalance", "zero", "precision",
-              "recompute", "grad_reduce", "context", "context_attention")
+INTRA_PINS = (*STAGE_AXES, "expert_dispatch", "expert_imbalance", "zero", "precision", "recompute",
+              "grad_reduce", "context_attention")
 
 
 def micro_batches(batch: int, p: int, v: int, micro_batch_size: int | None) -> int:
@@ -99,14 +101,20 @@ def pipeline_config(example_inputs: Sequence, pins: Options) -> tuple[int, int, 
     pins = as_options(pins)
     p = pins.pipeline
     schedule = pins.schedule or DEFAULT_SCHEDULE
-    v = pins.virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
+    v = pins.virtual_stages or (2 if schedule in ("interleaved-1f1b", "dualpipev") else 1)
     batch = example_inputs[0].shape[0]
     m = micro_batches(batch, p, v, pins.micro_batch_size)
     try:
         check_schedule(schedule, p, m, v)
     except ValueError as e:
+        fix = ""
+        if schedule == "dualpipev" and m < 2 * p:
+            fix = (f"; pin micro_batch_size to at most {batch // (2 * p)} (a divisor of the batch "
+                   f"{batch}) so the batch makes >= {2 * p} micro-batches" if batch >= 2 * p else
+                   f"; the batch of {batch} cannot make {2 * p} micro-batches: use a batch of at "
+                   f"least {2 * p}, fewer pipeline stages, or another schedule")
         raise PinError(f"schedule {schedule!r} cannot run {p} pipeline stages with {m} "
-                       f"micro-batches ({v} virtual stages per rank): {e}") from e
+                       f"micro-batches ({v} virtual stages per rank): {e}{fix}") from e
     return p, v, m, schedule
 
 
@@ -187,8 +195,8 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowe
     # every schedule's (and virtual stage count's) best cut is simulated: the closed form is
     # no lower bound of the simulated step (unequal stages and transfers: 0.8-0.9x of it)
     for sp in sorted(plans, key=lambda sp: sp.predicted_step_time):
-        sync = float(pr.rank_sync([int(pr.bounds[c]) for c in sp.cuts], p).max())
-        busiest = sp.micro_batches * float(np.reshape(sp.stage_times, (sp.virtual_stages, p)).sum(axis=0).max())
+        sync = float(pr.rank_sync([int(pr.bounds[c]) for c in sp.cuts], p, sp.schedule).max())
+        busiest = sp.micro_batches * float(rank_times(sp.schedule, p, sp.virtual_stages, sp.stage_times).max())
         if max(busiest + sync, sp.host_time) >= bound:
             continue                       # its busiest rank alone is too slow
         # the busiest rank's host dispatches where they take longer (stage_dp's host rule)
@@ -221,7 +229,8 @@ def _kinds_and_virtual(pins: Options, p: int) -> list[tuple[str, int | None]]:
     since the closed form that ``plan_stages`` ranks them by does not order their timelines."""
     v = pins.virtual_stages
     return [(kind, u) for kind in _kinds(pins)
-            for u in ([v] if v is not None or kind != "interleaved-1f1b" or p < 2
+            for u in ([2] if kind == "dualpipev" and v is None     # its V: two stages a rank
+                      else [v] if v is not None or kind != "interleaved-1f1b" or p < 2
                       else DEFAULT_VIRTUAL)]
 
 

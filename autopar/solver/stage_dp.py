@@ -28,7 +28,9 @@ per unit of pipeline fill, exact for uniform stages with m >= p against ``simula
 - gpipe, 1f1b: rho = 1, bubble (p - 1) / (m + p - 1) of the step;
 - interleaved-1f1b: rho = 1 / v (Megatron-LM: bubble time / ideal time = (p - 1) / (v m));
 - zero-bubble (ZB-H1, v = 1): rho = max(F + I - W, I, F) / (F + I + W), for forward F,
-  input-gradient I and weight-gradient W times (= 1/3 when F = I = W).
+  input-gradient I and weight-gradient W times (= 1/3 when F = I = W);
+- dualpipev (v = 2, V placement): rho measured on the schedule's own timeline for uniform
+  stages (``stage_tables.dualpipev_rho``; 1/6 when F = I = W, m >= 2p).
 
 Transfers (activation forward, its gradient back) are counted once per boundary each way,
 on the fill and drain; steady-state transfers are taken as overlapped with compute (GPipe
@@ -47,7 +49,9 @@ Memory per device of stage k on layers j .. i-1 with micro-batch size b:
 n_k is the micro-batches whose activations the stage holds at its peak: m (GPipe),
 min(p - r, m) (1F1B), p (zero-bubble, W keeps them until it runs), and for interleaved
 1F1B (min((v - 1) * m_round + 2 (p - 1 - r) + 1, m v)) / v per stage, the rank's
-warm-up depth shared evenly by its v stages (checked per rank by ``simulate``).
+warm-up depth shared evenly by its v stages (checked per rank by ``simulate``); DualPipeV
+(2 stages per rank in a V, stage k on rank min(k, 2p - 1 - k)): 2p - k for stage k, the
+rank's two stages peaking together at 2p + 1.
 
 Time model (replaced by the per-stage intra-operator plan once the core solver provides
 it): a stage's compute divides evenly over its d devices and scales linearly with b, plus
@@ -91,11 +95,11 @@ import numpy as np
 
 from autopar.errors import PinError
 
-from autopar.schedule import SCHEDULES, check_schedule, schedule_actions
+from autopar.schedule import SCHEDULES, check_schedule, schedule_actions, stage_ranks
 from autopar.pricing.simulate import compile_schedule, makespan_compiled, simulate
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
 from autopar.solver.stage_tables import (
-    INF, Candidate, Stack, Tables, Tiebreak, bubble_rho, in_flight, price, ring_factor,
+    INF, Candidate, Stack, Tables, Tiebreak, bubble_rho, in_flight, price, rank_times, ring_factor,
 )
 
 __all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit", "stage_dp", "plan_stages", "simulate_plan",
@@ -324,7 +328,7 @@ def _lower_bound(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batc
     busy = float(layer.sum())
     slowest = max(busy / c.p, float(layer.max()))
     sync = ring_factor(n_devices // c.p) * float(costs.sync_bytes.sum()) / c.p / sync_bw
-    return max(c.m * slowest + bubble_rho(c.schedule, c.v, split) * (busy - slowest) + sync,
+    return max(c.m * slowest + bubble_rho(c.schedule, c.v, split, c.p) * (busy - slowest) + sync,
                costs.host_floor(c.p, c.m))
 
 
@@ -375,7 +379,10 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
     if virtual is not None:
         if virtual < 1:
             raise PinError(f"virtual_stages must be >= 1, got {virtual}")
-        if virtual > 1 and schedule not in (None, "interleaved-1f1b"):
+        if schedule == "dualpipev" and virtual != 2:
+            raise PinError(f"schedule 'dualpipev' runs exactly 2 stages per rank (V placement), "
+                           f"got virtual_stages={virtual}; drop the virtual_stages pin or set it to 2")
+        if virtual > 1 and schedule not in (None, "interleaved-1f1b", "dualpipev"):
             raise PinError(f"virtual_stages={virtual} needs schedule 'interleaved-1f1b'; the "
                            f"planner runs {schedule!r} with one stage per rank")
         if schedule is None and virtual > 1:
@@ -390,6 +397,8 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
     for p, m, kind in itertools.product(ps, ms, kinds):
         if kind == "interleaved-1f1b":
             vs = [virtual] if virtual is not None else list(DEFAULT_VIRTUAL) if p > 1 else []
+        elif kind == "dualpipev":
+            vs = [2]
         else:
             vs = [1]
         for v in vs:
@@ -419,12 +428,14 @@ def _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, syn
     bounds = (0, *cuts, tables.L)
     stages = list(zip(bounds[:-1], bounds[1:]))
     stage_times = np.array([cost[k, j, i] for k, (j, i) in enumerate(stages)])
-    comm_cuts = np.array([comm[i] for i in cuts])
+    # a boundary between two stages of one rank (DualPipeV's middle one) sends nothing
+    ranks = stage_ranks(c.schedule, c.p, c.v)
+    comm_cuts = np.array([0.0 if ranks[k] == ranks[k + 1] else comm[i] for k, i in enumerate(cuts)])
     step, bubble = price(c, stage_times, comm_cuts, split)
     stage_memory = np.array([memory[k, j, i] for k, (j, i) in enumerate(stages)])
-    rank_sync = np.array([tables.sync[j, i] for j, i in stages]).reshape(c.v, c.p).sum(axis=0)
+    rank_sync = rank_times(c.schedule, c.p, c.v, [tables.sync[j, i] for j, i in stages])
     sync = ring_factor(n_devices // c.p) * float(rank_sync.max()) / sync_bw
-    host = rank_host(costs, stages, c.p, c.m)
+    host = rank_host(costs, stages, c)
     return StagePlan(
         cuts=tuple(int(x) for x in cuts), n_stages=c.p, micro_batches=c.m, schedule=c.schedule,
         virtual_stages=c.v, devices_per_stage=n_devices // c.p,
@@ -432,21 +443,20 @@ def _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, syn
         boundary_times=tuple(float(x) for x in comm_cuts),
         predicted_step_time=max(step + sync, host), bubble_fraction=bubble, sync_time=sync,
         host_time=host,
-        memory_per_stage=tuple(float(x) for x in stage_memory.reshape(c.v, c.p).sum(axis=0)),
+        memory_per_stage=tuple(float(x) for x in rank_times(c.schedule, c.p, c.v, stage_memory)),
         forward_fraction=costs.forward_fraction, weight_fraction=costs.weight_fraction,
         n_layers=tables.L)
 
 
-def rank_host(costs: LayerCosts, stages, p: int, m: int) -> float:
+def rank_host(costs: LayerCosts, stages, c: Candidate) -> float:
     """The busiest rank's host seconds a step with the layers ``[j, i)`` of each stage in
-    ``stages`` (stage k on rank k mod p) for ``m`` micro-batches (the module's host rule)."""
+    ``stages``, placed as candidate c's schedule places them (``rank_times``), for its m
+    micro-batches (the module's host rule)."""
     h = costs.host_time
     if not h.any():
         return costs.host_step_time if len(stages) else 0.0
-    per_rank = np.zeros(p)
-    for k, (j, i) in enumerate(stages):
-        per_rank[k % p] += float(h[j:i].sum())
-    return m * float(per_rank.max()) + costs.host_step_time
+    per_rank = rank_times(c.schedule, c.p, c.v, [float(h[j:i].sum()) for j, i in stages])
+    return c.m * float(np.max(per_rank)) + costs.host_step_time
 
 
 def _no_fit_message(candidates, tables, args) -> str:

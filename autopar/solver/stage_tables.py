@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import functools
+
 import numpy as np
 
+from autopar.pricing.simulate import makespan
+from autopar.schedule import schedule_actions, stage_ranks
 from autopar.solver.stage_plan import LayerCosts
 
 INF = float("inf")
@@ -22,6 +26,13 @@ def in_flight(schedule: str, n_stages: int, micro_batches: int, virtual: int) ->
     """Micro-batches of activations each of the S = p * v stages holds at its peak."""
     p, m, v = n_stages, micro_batches, virtual
     ranks = np.arange(p * v) % p
+    if schedule == "dualpipev":
+        # stage k holds 2p - k: stage r's 2 (p - 1 - r) + r + 1 warm-up forwards ((1) and
+        # (2) of ``schedule._dual_pipe_v``) plus the step-4 forward before its first backward,
+        # and its partner 2p - 1 - r holds r + 1; the pair peaks together at 2p + 1 per rank
+        # (both F and release of a stage run on its rank, so the count follows the rank's
+        # order whatever the durations; ``simulate`` checks it)
+        return (2.0 * p - np.arange(2 * p)).astype(float)
     if schedule == "gpipe":
         return np.full(p * v, float(m))
     if schedule == "1f1b":
@@ -33,14 +44,43 @@ def in_flight(schedule: str, n_stages: int, micro_batches: int, virtual: int) ->
     return depth / v
 
 
-def bubble_rho(schedule: str, virtual: int, split: tuple[float, float, float]) -> float:
-    """Fill/drain cost per unit of ``sum R - max R`` (see the module docstring)."""
+def bubble_rho(schedule: str, virtual: int, split: tuple[float, float, float],
+               n_stages: int = 2) -> float:
+    """Fill/drain cost per unit of ``sum R - max R`` (see the module docstring); ``n_stages``
+    (pipeline ranks p) matters to ``dualpipev`` only (:func:`dualpipev_rho`)."""
+    if schedule == "dualpipev":
+        return dualpipev_rho(n_stages, *split)
     if schedule == "interleaved-1f1b":
         return 1.0 / virtual
     if schedule == "zero-bubble":
         f, i, w = split
         return max(f + i - w, i, f) / (f + i + w)
     return 1.0
+
+
+@functools.lru_cache(maxsize=256)
+def dualpipev_rho(p: int, f: float, i: float, w: float) -> float:
+    """DualPipeV's fill/drain per unit of ``sum R - max R`` for uniform stages of forward
+    ``f``, input-gradient ``i`` and weight-gradient ``w``: measured on its own timeline
+    (``simulate`` of ``schedule_actions("dualpipev", p, 2p)``, free transfers), since
+    torch runs each F/B pair one after the other (``autopar.schedule``) and DeepSeek's
+    closed form (arXiv 2412.19437 Table 2, ``(PP/2 - 1)(F&B + B - 3W)``) assumes the pair
+    overlapped. The excess over ``m R`` does not grow with m past 2p (the steady state
+    has no bubble), so one m serves every m; 0 for p = 1 (nothing to fill)."""
+    if p < 2:
+        return 0.0
+    m = 2 * p
+    rank = 2 * (f + i + w)                               # two stages per rank, one micro-batch
+    excess = makespan(schedule_actions("dualpipev", p, m, 2), forward=f, backward=i + w,
+                      weight=w) - m * rank
+    return float(excess / ((p - 1) * rank))
+
+
+def rank_times(schedule: str, n_stages: int, virtual: int, per_stage) -> np.ndarray:
+    """Per pipeline rank, the sum of its stages' entries of ``per_stage`` (placement by
+    ``schedule.stage_ranks``: loop, or DualPipeV's V)."""
+    ranks = stage_ranks(schedule, n_stages, virtual)
+    return np.bincount(ranks, weights=np.asarray(per_stage, dtype=float), minlength=n_stages)
 
 
 @dataclass(frozen=True)
@@ -190,9 +230,9 @@ class Tiebreak(Stack):
 def price(c: Candidate, stage_times: np.ndarray, comm_cuts: np.ndarray,
            split: tuple[float, float, float]) -> tuple[float, float]:
     """(pipeline time, bubble fraction) of stage times under candidate c."""
-    rank_time = stage_times.reshape(c.v, c.p).sum(axis=0)
+    rank_time = rank_times(c.schedule, c.p, c.v, stage_times)
     busy = rank_time.sum()
-    step = c.m * rank_time.max() + bubble_rho(c.schedule, c.v, split) * (busy - rank_time.max()) \
+    step = c.m * rank_time.max() + bubble_rho(c.schedule, c.v, split, c.p) * (busy - rank_time.max()) \
         + 2 * comm_cuts.sum()
     bubble = 1 - c.m * busy / (c.p * step) if step > 0 else 0.0
     return float(step), float(bubble)

@@ -23,6 +23,7 @@ from autopar.placement import Replicate, parse_placements
 from autopar.plan import Plan
 from autopar.sharding.redistribute import Unsupported, plan_steps
 from autopar.pricing.problem import tensor_args
+from autopar.schedule import stage_ranks
 
 
 @dataclass
@@ -87,8 +88,8 @@ def build_graph(cap: Captured, plan: Plan) -> Graph:
     g = Graph(mesh_axes=tuple(plan.mesh_axes))
     stage_of = _stages(cap, plan)
     if stage_of:
-        n = plan.pipeline_stages * plan.virtual_stages
-        g.stage_ranks = tuple(k % plan.pipeline_stages for k in range(n))
+        # k mod p, or DualPipeV's V
+        g.stage_ranks = tuple(stage_ranks(plan.schedule, plan.pipeline_stages, plan.virtual_stages))
     alias, loss = _add_nodes(g, cap, plan, stage_of)
     if loss in g.nodes:
         g.nodes[loss].kind = "loss"

@@ -8,8 +8,9 @@ from rich.table import Table
 from rich.text import Text
 
 from autopar.plan import Plan
-from autopar.report import (_group_layers, accumulation_line, branch_lines, context_lines,
-                            expert_lines, fmt_bytes, fmt_time, memory_phases_note, offload_line)
+from autopar.report import (_group_layers, accumulation_line, branch_lines, capture_cache_note,
+                            context_lines, expert_lines, fmt_bytes, fmt_time, memory_phases_note,
+                            offload_line)
 
 
 def _table(title: str, *cols: str, **kw) -> Table:
@@ -60,6 +61,7 @@ def summary_renderable(plan: Plan, all_nodes: bool = False) -> Group:
     head.append(f"\nsolver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
                 f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
                 f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s"
+                + capture_cache_note(s)
                 + (f"; {s.time_limit}" if s.time_limit else ""))
     parts: list = [head, Text("")]
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from autopar.ops import context_attention as cp
+from autopar.ops.attention import SDPA
 from autopar.sharding.registry import OpCall, Strategy, register_local, register_rule
 from autopar.sharding.rules.pointwise import (
     P, R, is_float, is_tensor, norm_dim, ops, placement_in, Shard,
@@ -40,7 +41,7 @@ def softmax(call: OpCall) -> list[Strategy]:
     return [Strategy((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d != dim]
 
 
-@register_rule(*ops("scaled_dot_product_attention"))
+@register_rule(SDPA)
 def sdpa(call: OpCall) -> list[Strategy]:
     q, k, v = call.inputs[:3]
     out = call.outputs[0]
@@ -81,7 +82,7 @@ def context_axes(combo, q_ndim: int = 4) -> list[int]:
     return [a for a, s in enumerate(combo) if s.inputs[1] == Shard(q_ndim - 2)]
 
 
-@register_local(*ops("scaled_dot_product_attention"))
+@register_local(SDPA)
 def sdpa_local(call: OpCall, combo, mesh_shape):
     axes = [a for a in context_axes(combo, call.inputs[0].ndim) if mesh_shape[a] > 1]
     if not axes:

@@ -1,0 +1,54 @@
+"""benchmarks/frontier.py: every configuration pins a mesh that covers its GPUs with the
+published micro-batch; a case past its budget is killed with its process group and reported
+(not hung); the verdict compares the free plan with the best pinned one. Planning the rows
+takes minutes to hours (the benchmark); this checks what can be checked in seconds."""
+import time
+
+import pytest
+import torch
+
+from autopar.options import Options
+from autopar.solver.accumulate import accumulation_pin
+from autopar.solver.pipeline_search import pipeline_config
+from benchmarks import frontier
+from benchmarks.published_runs import pins_of
+
+CASES = [(name, i) for name, row in frontier.ROWS.items() for i in range(len(row.configs))]
+
+
+@pytest.mark.parametrize("name,index", CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_config_covers_the_gpus_with_the_published_micro_batch(name, index):
+    run = frontier._case_run(frontier.ROWS[name], index)
+    assert run.tensor * run.pipeline * run.data * run.expert * run.context == run.gpus
+    pins = Options.from_pins(pins_of(run))
+    batch = [torch.empty(run.batch, 1)]
+    per_rank = run.batch // (run.data * run.expert)
+    if run.pipeline > 1:
+        p, v, m, _ = pipeline_config(batch, pins)
+        assert (p, m) == (run.pipeline, per_rank // run.micro)
+        assert run.virtual == 1 or v == run.virtual     # 1: the schedule's own default
+    else:
+        assert (accumulation_pin(pins, batch) or 1) == per_rank // run.micro
+
+
+def test_a_case_past_its_budget_is_killed_and_reported():
+    t0 = time.perf_counter()
+    res = frontier.run_case("llama3-70b", -1, budget_s=1.0, time_limit_s=1.0)
+    assert res["status"] == "budget" and res["last_stage"]
+    assert time.perf_counter() - t0 < 30
+
+
+def _planned(step, wall):
+    return {"status": "planned", "step_s": step, "wall_s": wall}
+
+
+def test_verdict_names_what_keeps_a_row_from_its_goals():
+    row = frontier.ROWS["mixtral-8x7b"]
+    pinned = {"0": _planned(2.0, 50), "1": _planned(2.5, 50)}
+    assert frontier.verdict(row, {"free": _planned(1.9, 12), **pinned}) == \
+        "free >= best pinned; planned in 12 s (goal met)"
+    assert frontier.verdict(row, {"free": _planned(3.0, 40), **pinned}) == \
+        "free 1.50x the best pinned; planned in 40 s (goal 30 s)"
+    late = {"status": "budget", "wall_s": 900, "last_stage": "pipeline p=4 300.0s"}
+    assert "pipeline p=4" in frontier.verdict(row, {"free": late, **pinned})
+    assert frontier.verdict(row, pinned) == "incomplete"
