@@ -198,7 +198,7 @@ def _cell(res: dict | None) -> str:
     if res["status"] == "budget":
         return f"not planned in {res['wall_s']:.0f} s (last: {res['last_stage']})"
     if res["status"] == "failed":
-        return f"failed: {res['error']}"
+        return f"failed: {res['error'].split(': ', 1)[-1][:110]}"
     mesh = " x ".join(f"{k} {v}" for k, v in res["mesh"].items() if v > 1) or "1 rank"
     pipe = f", {res['pipeline']}" if res["pipeline"] else ""
     return (f"{res['step_s']:.3g} s, {res['tokens_per_gpu_s']:,.0f} tok/s/GPU, "
