@@ -90,7 +90,7 @@ class CostModel:
     """Pin ``local_sgd=H``: parameters averaged every H steps instead of gradients summed
     every step (priced after the warm-up: the all-reduce's 1/H)."""
     averaging: str | None = None
-    """Pin ``averaging=`` (BAGUA; ``autopar.runtime.averaging``): parameters exchanged with
+    """Pin ``averaging=`` (BAGUA; ``autopar.runtime.updates.averaging``): parameters exchanged with
     the ring neighbours ("decentralized") or all-reduced in the background ("async") every
     ``averaging_period`` steps instead of gradients summed (``comm.averaging_time``); its
     buffers (:data:`AVERAGING_COPIES`) are priced as optimizer state."""
@@ -485,7 +485,7 @@ class CostModel:
                 # gradient reductions GradSync launches as buckets fill during backward,
                 # ZeRO-1/2's reduce-scatter, ZeRO-3's per-block gathers and reduce-scatters
                 # (not decentralized averaging's exchange: the runtime runs it after the
-                # optimizer step, ``runtime.averaging.Decentralized``, where nothing hides it)
+                # optimizer step, ``runtime.updates.averaging.Decentralized``, where nothing hides it)
                 overlap = ((bucketed and backward and step.kind == "grad_all_reduce"
                             and not (self.averaging == "decentralized" and step.axis == self.data_axis))
                            or (per_step and backward)

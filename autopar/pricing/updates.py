@@ -19,7 +19,7 @@ gradient reduction, the optimizer state and the extra copies change:
   hidden); m copies of the parameters, gradients and optimizer state, plus the central
   model and its previous value (``central_model``).
 
-- ``workers="accordion:W1:W2"`` (Accordion's batch-size form, ``autopar.runtime.workers``):
+- ``workers="accordion:W1:W2"`` (Accordion's batch-size form, ``autopar.runtime.updates.workers``):
   priced at W2 workers, an upper bound: a rank that trains computes its whole per-rank
   batch in either regime and the idle ones wait at the collective, so the step time is the
   exact plan's compute (the worker-steps, not the step, shrink in critical regimes); the
