@@ -238,3 +238,20 @@ def test_the_off_switch_is_not_a_folder_for_the_machine_figures(monkeypatch):
         assert default_cache_dir() == Path.home() / ".cache" / "autopar"
     monkeypatch.setenv("AUTOPAR_CACHE", "/tmp/somewhere")
     assert str(default_cache_dir()) == "/tmp/somewhere"
+
+
+def test_key_follows_the_attention_implementation():
+    """transformers keeps ``_attn_implementation`` out of its config JSON; eager, SDPA and
+    flex attention are different graphs (CI caught a Llama built with SDPA planned on the
+    eager one's cached graph, and flex attention's refusal skipped)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    keys = set()
+    for impl in ("eager", "sdpa", "flex_attention"):
+        cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+                          attn_implementation=impl)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        tokens = torch.zeros(2, 4, dtype=torch.long)
+        keys.add(cache.capture_key(model, (tokens,), None, None, True, None))
+    assert None not in keys and len(keys) == 3

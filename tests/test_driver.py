@@ -35,7 +35,8 @@ PIN_SETS = {"unpipelined": {"tensor": 2}, "pipelined": {"pipeline": 2}}
 # (the test, the torchrun ranks) would price the same plan slightly differently
 TWO = "2xA100"
 BIG = {"config": "gpt-1.3b", "batch": 2048}      # activations do not fit 80 GB unpipelined
-TIMING = {"solve_time_s", "capture_time_s", "capture_s", "phases"}
+# how long planning took, and whether the capture cache gave the graph: not the plan
+TIMING = {"solve_time_s", "capture_time_s", "capture_s", "phases", "capture_cache"}
 
 
 def comparable(plan) -> dict:

@@ -31,7 +31,7 @@ SOURCES = {"autopar": ROOT / "autopar", "autopar.cost_models": ROOT / "cost_mode
 LAYERS = [
     ("bottom", ["autopar.placement", "autopar.ops", "autopar.schedule", "autopar.device",
                 "autopar.errors"]),
-    ("data", ["autopar.capture", "autopar.options", "autopar.plan", "autopar.plan_schema", "autopar.report",
+    ("data", ["autopar.capture", "autopar.options", "autopar.mesh_roles", "autopar.update_schemes", "autopar.plan", "autopar.plan_schema", "autopar.report",
               "autopar.cost_models", "autopar.analysis"]),
     ("rules", ["autopar.sharding"]),
     ("pricing", ["autopar.pricing"]),

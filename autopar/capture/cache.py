@@ -49,8 +49,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
+from torch._ops import _higher_order_ops
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.fx.node import map_aggregate
 
 FORMAT = 1
 """The entry format; an entry of another format is a miss (and is replaced)."""
@@ -213,7 +216,11 @@ def _module_lines(model: nn.Module) -> list[str]:
         cfg_text = ""
         if cfg is not None and hasattr(cfg, "to_json_string"):
             if id(cfg) not in configs:
-                configs[id(cfg)] = cfg.to_json_string(use_diff=False)
+                # the JSON leaves out private settings that change the graph, such as
+                # ``_attn_implementation`` (eager, sdpa, flex_attention): their values too
+                private = sorted((k, repr(v)) for k, v in vars(cfg).items()
+                                 if k.startswith("_") and _simple(v))
+                configs[id(cfg)] = cfg.to_json_string(use_diff=False) + repr(private)
             cfg_text = configs[id(cfg)]
         elif cfg is not None:
             cfg_text = repr(cfg) if _simple(cfg) else f"<{type(cfg).__qualname__}>"
@@ -344,7 +351,6 @@ class _Unpickler(pickle.Unpickler):
         if kind == "packet":
             return _packet(pid[1])
         if kind == "hop":
-            from torch._ops import _higher_order_ops
             return _higher_order_ops[pid[1]]
         raise pickle.UnpicklingError(f"unknown reference {kind!r}")
 
@@ -396,7 +402,6 @@ def loads(data: bytes):
     def resolve(x):
         return env[x.name] if isinstance(x, _NodeRef) else x
 
-    from torch.fx.node import map_aggregate
     for name, op, target, args, kwargs, meta, type_expr in state["records"]:
         args = map_aggregate(args, resolve)
         kwargs = map_aggregate(kwargs, resolve)
@@ -506,7 +511,6 @@ def cached_capture(model, example_inputs: tuple, loss_fn, target, stamp: bool, l
 
 
 def _fake_mode_active() -> bool:
-    from torch._guards import detect_fake_mode
     try:
         return detect_fake_mode() is not None
     except Exception:  # noqa: BLE001 - cannot tell: do not cache
