@@ -244,7 +244,8 @@ def test_free_virtual_stages_are_priced_with_cut_points_for_the_most_stages(monk
         return real(cap, intra, solved, cl, world, p, n_stages, *rest)
 
     monkeypatch.setattr(ps, "price_plan", spy)
-    ex = meta_gpt(batch=8, n_layer=8, n_embd=256, block_size=64)
+    # 32 blocks: room for 4 ranks x 8 virtual stages of a block each (``stage_limit``)
+    ex = meta_gpt(batch=8, n_layer=32, n_embd=256, block_size=64)
     got = plan(ex, "4xA100", pipeline=4, micro_batch_size=1, schedule="interleaved-1f1b")
     assert max(seen) == 4 * max(DEFAULT_VIRTUAL)
     pinned = plan(ex, "4xA100", pipeline=4, micro_batch_size=1, schedule="interleaved-1f1b",
@@ -252,6 +253,35 @@ def test_free_virtual_stages_are_priced_with_cut_points_for_the_most_stages(monk
     assert got.estimate.step_time_s == pytest.approx(pinned.estimate.step_time_s, rel=1e-9)
     assert ps.most_stages({"pipeline": 4, "schedule": "1f1b"}, 4) == 4
     assert ps.most_stages({"pipeline": 4, "schedule": "interleaved-1f1b", "virtual_stages": 3}, 4) == 12
+
+
+def test_free_virtual_stages_give_each_stage_a_block(monkeypatch):
+    """Left free, the virtual-stage counts stop at one block a stage (and one more at each
+    end: ``stage_limit``): 8 blocks on 4 ranks try v = 2 only (10 stages at most), and their
+    prices offer cut points for 8 stages, not 32; a pinned count is not limited."""
+    import autopar.solver.pipeline_search as ps
+    seen, tried, limits = [], [], []
+    real_price, real_stages = ps.price_plan, ps.plan_stages
+
+    def spy(cap, intra, solved, cl, world, p, n_stages, *rest):
+        seen.append(n_stages)
+        limits.append(ps.stage_limit(cap))
+        return real_price(cap, intra, solved, cl, world, p, n_stages, *rest)
+
+    def spy_stages(*a, **kw):
+        tried.append(kw["virtual_stages"])
+        return real_stages(*a, **kw)
+
+    monkeypatch.setattr(ps, "price_plan", spy)
+    monkeypatch.setattr(ps, "plan_stages", spy_stages)
+    ex = meta_gpt(batch=8, n_layer=8, n_embd=256, block_size=64)
+    got = plan(ex, "4xA100", pipeline=4, micro_batch_size=1, schedule="interleaved-1f1b")
+    assert set(limits) == {10}
+    assert max(seen) == 8 and set(tried) == {2}
+    assert got.pipeline.virtual_stages == 2
+    pinned = plan(ex, "4xA100", pipeline=4, micro_batch_size=1, schedule="interleaved-1f1b",
+                  virtual_stages=4)
+    assert pinned.pipeline.virtual_stages == 4
 
 
 def test_bytes_crossing_a_layer_boundary_do_not_grow_along_the_layers():

@@ -47,6 +47,17 @@ def repeated_layers(gm: GraphModule) -> dict[str, list[str]]:
     return {layer: list(members) for layer, members in hit[1].items()}
 
 
+def most_blocks(gm: GraphModule) -> int:
+    """The layer count of the container with the most repeated layers (a transformer's
+    blocks: 126 in Llama 3 405B), 0 for a graph without repeated layers. Nested containers
+    (a block's experts) count apart; the outer one holds the graph's depth."""
+    counts: dict[str, int] = {}
+    for layer in repeated_layers(gm):
+        container = layer.rsplit(".", 1)[0]
+        counts[container] = counts.get(container, 0) + 1
+    return max(counts.values(), default=0)
+
+
 def select_layers(gm: GraphModule, spec: "str | Sequence[str] | None") -> tuple[str, ...]:
     """The layers a ``recompute=`` pin names, in graph order: ``"full"`` (or True) for every
     repeated layer, ``None`` / ``"none"`` / ``()`` for none, or layer names (a unique

@@ -27,7 +27,7 @@ from autopar.solver.pipeline_price import (batch_degree, memory_weights, price_p
                                            state_per_param)
 from autopar.solver.pipeline_search import (
     _allowed_micro_batches, _choose, _has_layers, capture_microbatch, most_stages, plan_pipeline,
-    plan_pipelined, solve_intra, step_floor,
+    plan_pipelined, solve_intra, stage_limit, step_floor,
 )
 
 
@@ -329,7 +329,8 @@ class _DegreeSearch:
                 ahead.take(key)     # a worker's outcomes, if it took the mesh
             try:
                 intra, sol = self._solve(p, data, tensor, expert)
-                pr = price_plan(cap, intra, sol, self.cl, self.world, p, most_stages(pins, p))
+                pr = price_plan(cap, intra, sol, self.cl, self.world, p,
+                                most_stages(pins, p, stage_limit(cap)))
                 priced = (intra, sol, pr, _allowed_micro_batches(batch, batch_degree(cap, intra)))
             except ValueError as e:          # InfeasibleError, PinError, ...
                 self.out_of_memory = isinstance(e, InfeasibleError)

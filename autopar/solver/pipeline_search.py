@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from autopar.analysis.layers import repeated_layers, select_layers
+from autopar.analysis.layers import most_blocks, repeated_layers, select_layers
 from autopar.analysis.microbatch_loss import MicrobatchLossError
 from autopar.analysis.microbatch_loss import rewrite as rewrite_microbatch_loss
 from autopar.analysis.stages import chain, parameter_positions
@@ -173,7 +173,7 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowe
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
     plans, error, beaten = [], None, False
-    for kind, v in _kinds_and_virtual(pins, p):
+    for kind, v in _kinds_and_virtual(pins, p, stage_limit(pr.cap)):
         try:
             sp = plan_stages(costs, n_devices=p, global_batch=batch, memory_limit=limit,
                              bandwidth=pr.bandwidth, n_stages=p,
@@ -222,24 +222,41 @@ def _partial_step(pr: Priced, partial, sp, p: int, batch: int, budget: float) ->
     return math.inf if got is None else got[2]
 
 
-def _kinds_and_virtual(pins: Options, p: int) -> list[tuple[str, int | None]]:
+def _kinds_and_virtual(pins: Options, p: int, limit: int | None = None) -> list[tuple[str, int | None]]:
     """(schedule, virtual stages) pairs ``_choose`` plans apart and then simulates: each
     interleaved virtual stage count on its own (``stage_dp.DEFAULT_VIRTUAL``) unless pinned,
-    since the closed form that ``plan_stages`` ranks them by does not order their timelines."""
+    since the closed form that ``plan_stages`` ranks them by does not order their timelines.
+    ``limit`` (:func:`stage_limit`): the most stages p x v the free counts may make."""
     v = pins.virtual_stages
+    free = [u for u in DEFAULT_VIRTUAL if limit is None or p * u <= limit]
     return [(kind, u) for kind in _kinds(pins)
             for u in ([2] if kind == "dualpipev" and v is None     # its V: two stages a rank
                       else [v] if v is not None or kind != "interleaved-1f1b" or p < 2
-                      else DEFAULT_VIRTUAL)]
+                      else free)]
 
 
-def most_stages(pins: Options, p: int) -> int:
+def stage_limit(cap: Captured) -> int | None:
+    """The most stages (ranks x virtual stages) the free search cuts a graph of repeated
+    blocks into: one a block, and one more at each end for the layers around the blocks
+    (embedding, head), None for a graph without repeated blocks. Megatron-LM's interleaved
+    schedule gives each virtual stage at least one layer (``num_layers_per_virtual_pipeline
+    _stage`` >= 1); Llama 3 405B ran its 126 layers as 16 x 8 = 128 stages, the first and
+    last a layer short (Llama 3 paper, section 3.3.2). More stages than that cut blocks
+    apart, and price the chain at 8 points a stage (``pipeline_price.max_units``): Llama 3
+    405B at p = 64, v = 8 asked for 3,691 cut points and a 6.5 GiB table of 64 in-flight
+    counts (``stage_tables.Tables.arrays``), which killed planning on this 24 GiB machine.
+    A ``virtual_stages`` pin is not limited by it."""
+    blocks = most_blocks(cap.gm)
+    return blocks + 2 if blocks else None
+
+
+def most_stages(pins: Options, p: int, limit: int | None = None) -> int:
     """The most stages (ranks x virtual stages) ``_choose`` may cut under ``pins``: what the
     chain's cut points (``pipeline_price.cut_points``) are priced for. Fewer would leave a
     count of one layer or so per virtual stage only the layer boundaries to cut at (Llama 3
     405B on 16 stages: v=8 simulated 16.1 s on 4p's cut points, 14.3 s on 8p's)."""
     pins = as_options(pins)
-    return p * max(v or 1 for _, v in _kinds_and_virtual(pins, p))
+    return p * max(v or 1 for _, v in _kinds_and_virtual(pins, p, limit))
 
 
 def _kinds(pins: Options) -> list[str]:
@@ -470,11 +487,12 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
     batch = int(example_inputs[0].shape[0])
     try:
         starts = stage_starts(cap0, pins)
-        pr = price_plan(cap0, intra, solved[1], cl, world, p, most_stages(pins, p), starts)
+        most = most_stages(pins, p, stage_limit(cap0))
+        pr = price_plan(cap0, intra, solved[1], cl, world, p, most, starts)
         partial = None
         if intra.recompute and pins.recompute is None:
             partial = (price_plan(cap0, intra, without_recompute(solved[1]), cl, world, p,
-                                  most_stages(pins, p), starts), select_layers(cap0.gm, "full"))
+                                  most, starts), select_layers(cap0.gm, "full"))
         ranked = _choose(pr, p, batch, budget, pins,
                          _allowed_micro_batches(batch, batch_degree(cap0, intra)),
                          partial=partial, ranked=True)
