@@ -382,11 +382,47 @@ def resume(root: str) -> None:
     plain(root)
 
 
+def overhead(root: str, steps: int = 40) -> None:
+    """``benchmarks/faults.py``: the per-step cost of the guards (median seconds of a step
+    plain, with ``Preemption.save_if_requested`` when nothing was received, with
+    ``skip_nonfinite=True``) and of the checksums in a save."""
+    import statistics
+    from autopar.runtime.ckpt_files import write_checksums
+    pm, opt = build(root)
+    preempt = autopar.Preemption()
+    times: dict[str, list[float]] = {"plain": [], "preemption_check": [], "skip_nonfinite": []}
+    for k in range(steps):
+        for kind in times:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(pm, opt, 1 + k % STEPS, skip_nonfinite=kind == "skip_nonfinite")
+            if kind == "preemption_check":
+                preempt.save_if_requested(os.path.join(root, "never"), k, pm, opt)
+            times[kind].append(time.perf_counter() - t0)
+    preempt.close()
+    saves, sums = [], []
+    for k in range(5):
+        path = os.path.join(root, f"save{k}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        autopar.save_checkpoint(path, pm, opt)
+        saves.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        write_checksums(path)
+        sums.append(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        log(root, case="overhead", **{k: statistics.median(v) for k, v in times.items()},
+            save=statistics.median(saves), checksums=statistics.median(sums),
+            shard_bytes=sum(os.path.getsize(os.path.join(root, "save0", f))
+                            for f in os.listdir(os.path.join(root, "save0")) if f.endswith(".distcp")))
+
+
 def main() -> None:
     mode, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))     # bounded, whatever fails
     faulthandler.dump_traceback_later(240, exit=True)     # a hang shows every rank's stack
-    {"inproc": inproc, "chain": chain, "resume": resume}[mode](root)
+    {"inproc": inproc, "chain": chain, "resume": resume, "overhead": overhead}[mode](root)
     sys.stdout.flush()
     sys.stderr.flush()
     # leave without tearing the groups down: they hold the stalled step's never-joined ops
@@ -395,3 +431,60 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- the launches (run by the test and benchmarks/faults.py, in the parent process) -------------
+def _torchrun(mode: str, root: str, *extra_args: str) -> list[str]:
+    """``--standalone``: a c10d rendezvous on a free port, which (with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``) gives each restart a fresh store; a static
+    ``--master-port`` store keeps the dead attempt's gloo addresses ("Connection refused")."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            *extra_args, os.path.abspath(__file__), mode, root]
+
+
+def _env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env.pop("AUTOPAR_COLLECTIVE_TIMEOUT", None)
+    return env
+
+
+def _tail(text: str) -> str:
+    return "\n".join(x for x in text.splitlines() if "Warning" not in x and "return func(" not in x)[-6000:]
+
+
+def run_inproc(root: str, timeout: float = 400, mode: str = "inproc") -> tuple[int, str, float]:
+    """The ``inproc`` launch (or another one-launch ``mode``): (return code, its stderr's
+    tail, wall seconds)."""
+    import subprocess
+    t0 = time.monotonic()
+    proc = subprocess.run(_torchrun(mode, root), capture_output=True, text=True,
+                          timeout=timeout, env=_env())
+    return proc.returncode, _tail(proc.stderr), time.monotonic() - t0
+
+
+def run_chain(root: str, timeout: float = 900) -> dict:
+    """The ``chain`` launch (``torchrun --max-restarts 4``), SIGTERM sent to the torchrun agent
+    once attempt 4 has taken a step, then the ``resume`` launch: return codes, logs, the
+    moment of the SIGTERM and the wall seconds."""
+    import subprocess
+    t0 = time.monotonic()
+    out = {}
+    with open(os.path.join(root, "chain.log"), "w") as logf:
+        proc = subprocess.Popen(_torchrun("chain", root, "--max-restarts", "4", "--monitor-interval", "0.5"),
+                                stdout=logf, stderr=subprocess.STDOUT, text=True, env=_env())
+        sent = None
+        while proc.poll() is None and time.monotonic() - t0 < timeout:
+            if sent is None and any(e.get("case") == "step" and e.get("attempt") == 4 for e in events(root)):
+                sent = time.time()
+                proc.send_signal(signal.SIGTERM)          # the scheduler preempts the job
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    out["chain_rc"], out["sigterm_sent"] = proc.returncode, sent
+    out["chain_log"] = _tail(open(os.path.join(root, "chain.log")).read())
+    proc2 = subprocess.run(_torchrun("resume", root), capture_output=True, text=True,
+                           timeout=timeout, env=_env())
+    out["resume_rc"], out["resume_log"] = proc2.returncode, _tail(proc2.stderr)
+    out["seconds"] = time.monotonic() - t0
+    return out
