@@ -41,15 +41,22 @@ __all__ = ["Preemption"]
 
 class Preemption:
     """Records ``signals`` (default SIGTERM) instead of dying at once; use as a context
-    manager or call :meth:`close` to restore the previous handlers.
+    manager or call :meth:`close` to restore the previous handlers. ``every``: the ranks
+    compare notes on every ``every``-th call only (the all-reduce cost ~4 ms a step on the
+    busy 2-core test machine, ``benchmarks/faults.py``; a fraction of that on a real network).
 
     ``received``: the signal this rank got (None: none yet); ``saved``: the checkpoint
     :meth:`save_if_requested` wrote (None: none)."""
 
-    def __init__(self, signals=(signal.SIGTERM,)):
+    def __init__(self, signals=(signal.SIGTERM,), every: int = 1):
         if threading.current_thread() is not threading.main_thread():
             raise ArgumentError("autopar.Preemption() installs a signal handler, which Python "
                                 "allows only in the main thread: create it there")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ArgumentError(f"Preemption(every={every!r}): pass how many steps apart the ranks "
+                                "compare notes (an int >= 1; the grace period must hold that many "
+                                "steps and a save)")
+        self.every, self._calls = every, 0
         self.received: int | None = None
         self.received_at: float | None = None
         self.saved: str | None = None
@@ -64,7 +71,11 @@ class Preemption:
 
     def requested(self) -> bool:
         """Whether any rank has received a signal; the same answer on every rank.
-        Collective over the default process group (one all-reduce of one number)."""
+        Collective over the default process group (one all-reduce of one number) on every
+        ``every``-th call; False on the others, without communicating."""
+        self._calls += 1
+        if self._calls % self.every:
+            return False
         flag = 1.0 if self.received is not None else 0.0
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return flag > 0

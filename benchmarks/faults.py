@@ -91,7 +91,9 @@ def chain_rows(evs, out) -> list[tuple[str, str, str, str]]:
         restart = f"; restarted and resumed in {nxt['time'] - kill['time']:.1f} s" if nxt else ""
         what = (f"survivor: `{surv['raised']}` ({surv['error'].split(' (')[0][:80]}...); torchrun "
                 "restarts every rank" if surv else "torchrun stops the others and restarts")
-        rows.append((f"a rank SIGKILLed in {where if where != 'checkpoint' else 'a checkpoint write'}",
+        label = {"forward": "forward", "backward": "backward", "optimizer": "the optimizer step",
+                 "checkpoint": "a checkpoint write"}[where]
+        rows.append((f"a rank SIGKILLed in {label}",
                      what, to_error + restart,
                      f"the last complete checkpoint (step {nxt['resumed_from']})" if nxt else "n/a"))
     pre = _first(evs, "preempted", rank=0)

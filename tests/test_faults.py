@@ -192,6 +192,13 @@ def test_preemption_records_the_signal_and_restores_the_handler():
         os.kill(os.getpid(), signal.SIGTERM)
         assert p.received == signal.SIGTERM and p.requested()
     assert signal.getsignal(signal.SIGTERM) is before
+    with autopar.Preemption(every=3) as p:       # compares notes on every third call only
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert [p.requested() for _ in range(6)] == [False, False, True, False, False, True]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(autopar.ArgumentError, match="every="):
+            autopar.Preemption(every=bad)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 # ---- the slow chain: SIGKILL in forward, backward, optimizer step, checkpoint; SIGTERM ---------

@@ -28,9 +28,10 @@ def nonfinite_ranks(params, comm) -> list[int]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     grads = [p.grad for p in params if p.grad is not None]
     with torch.no_grad():
-        bad = any(bool((~torch.isfinite(g)).any()) for g in grads)
         flags = torch.zeros(world, dtype=torch.float32, device=comm.device)
-        flags[rank] = float(bad)
+        if grads:      # one reduction on the device, no host sync per gradient
+            bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
+            flags[rank] = bad.to(flags.device, torch.float32)
         flags = found_anywhere(flags, comm)
     return [r for r, f in enumerate(flags.tolist()) if f > 0]
 
