@@ -11,6 +11,7 @@ from autopar.coverage import coverage
 from autopar.errors import ArgumentError, AutoparInputError, PinError
 from autopar.options import Options
 from autopar.plan import Plan, PlanError
+from autopar.preemption import Preemption
 from autopar.runtime.weights import WeightsError, meta_parameters
 from autopar.runtime.updates.hogwild import hogwild
 
@@ -19,3 +20,4 @@ __all__ = ["plan", "parallelize", "Options", "Plan", "PlanError", "CaptureError"
            "WeightsError"]
 __all__ += ["AutoparInputError", "ArgumentError", "PinError"]   # autopar.errors
 __all__ += ["hogwild"]     # issue 31: Hogwild on one host (autopar.runtime.updates.hogwild)
+__all__ += ["Preemption"]    # issue 43: a checkpoint on SIGTERM (autopar.preemption)

@@ -24,7 +24,8 @@ complete, so a rank killed mid-save never leaves a checkpoint half written), wit
 position (epoch, batches read in it) and the RNG state in ``extra``; the two newest are
 kept. ``--resume`` starts from the newest complete one (``latest_checkpoint``), or from
 scratch when there is none, so the same command serves the first launch and every restart
-``torchrun --max-restarts`` makes; the data order goes on where the checkpoint left it, and
+``torchrun --max-restarts`` makes (SIGTERM, a scheduler's preemption, writes one of the
+step in progress and exits: ``autopar.Preemption``); the data order goes on where the checkpoint left it, and
 the one-device model on rank 0 replays the steps before it, so the two columns still
 compare the same training. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each restart a
 fresh store for its process group (with torchrun's shared store a restarted rank may read
@@ -188,6 +189,8 @@ def main() -> None:
             for _, _, batches in itertools.islice(data_steps(ds, args.batch, w), step):
                 reference_step(batches)          # the one-device model catches up
     stream = data_steps(ds, args.batch, w, epoch, position)
+    # SIGTERM (a scheduler's preemption): a checkpoint of the step in progress, then exit
+    preempt = autopar.Preemption() if args.checkpoint_dir else None
     while step < args.steps:
         epoch, position, batches = next(stream)
         x, y = batches[r]
@@ -198,10 +201,15 @@ def main() -> None:
             ref = reference_step(batches)
             print(f"{step:>4}  {loss.item():>12.6f}  {ref.item():>12.6f}", flush=True)
         step += 1
-        if args.checkpoint_dir and (step % args.checkpoint_every == 0 or step == args.steps):
+        stop = preempt is not None and preempt.requested()    # some rank got SIGTERM: all agree
+        if args.checkpoint_dir and (stop or step % args.checkpoint_every == 0 or step == args.steps):
             save_step_checkpoint(args.checkpoint_dir, step, pm, opt, keep=2,
                                  extra={"step": step, "epoch": epoch, "position": position,
                                         "rng": torch.get_rng_state()})
+        if stop:
+            if rank == 0:
+                print(f"preempted: the checkpoint of step {step} is written; exiting", flush=True)
+            break
     dist.barrier()
     dist.destroy_process_group()
 

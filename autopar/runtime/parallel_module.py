@@ -49,6 +49,7 @@ from autopar.runtime.backward_loop import BackwardLoop, refusal
 from autopar.runtime.branch_stage import BranchRanks
 from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.nonfinite import finite_or_skip
 from autopar.runtime.updates import UpdateRule, make_rule
 from autopar.runtime.updates.workers import scaled_lr
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
@@ -335,9 +336,11 @@ class ParallelModule(nn.Module):
         self.runner.loss_scale = LossScaler()     # a pipeline scales each micro-batch's loss
         return self.runner.loss_scale
 
-    def step(self, optimizer) -> bool:
+    def step(self, optimizer, skip_nonfinite: bool = False) -> bool:
         """``optimizer.step()``; under fp16, with dynamic loss scaling (unscale, skip on inf/nan
-        on any rank, adjust the scale). Returns whether the optimizer stepped. Under
+        on any rank, adjust the scale). ``skip_nonfinite``: also without fp16, skip the step on
+        every rank when any rank's gradients hold NaN or Inf (``runtime.nonfinite``: one small
+        all-reduce; ``pm.nonfinite_skips`` lists the skips). Returns whether the optimizer stepped. Under
         ``local_sgd=H``, averages the parameters over the data axis every ``H`` steps; under
         ``staleness=s`` skips the first s steps (no gradient yet); under ``param_server=``
         steps the parameters this rank serves and pulls the rest from their servers; under
@@ -348,6 +351,8 @@ class ParallelModule(nn.Module):
 
         def optimizer_step() -> bool:
             if self.scaler is None:
+                if skip_nonfinite and not finite_or_skip(self, list(self.module.parameters())):
+                    return False
                 optimizer.step()
                 return True
             return self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
