@@ -42,7 +42,7 @@ from examples import zoo
 # ---- the plan space ----------------------------------------------------------------------
 
 SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved-1f1b",
-             "pp-zero-bubble": "zero-bubble"}
+             "pp-zero-bubble": "zero-bubble", "pp-dualpipev": "dualpipev"}
 PLAN_KINDS = ("free", "free-budget", "data", "tensor", "2d", "zero1", "zero2", "zero3",
               "offload", "accumulate", "recompute", *SCHEDULES, "branch", "bf16", "fp16",
               "per-rank", "expert", "context", "param-server")
@@ -52,7 +52,7 @@ WORLDS = {
     "2d": (4,), "zero1": (2, 3, 4), "zero2": (2, 3, 4), "zero3": (2, 3, 4, 4),
     "offload": (2, 4), "accumulate": (1, 2, 4), "recompute": (1, 2, 4),
     "pp-gpipe": (2, 3, 4), "pp-1f1b": (2, 3, 4), "pp-interleaved": (2, 4), "pp-zero-bubble": (2, 4),
-    "branch": (2,), "bf16": (1, 2, 4), "fp16": (1, 2, 4), "per-rank": (2, 3, 4),
+    "pp-dualpipev": (2, 4), "branch": (2,), "bf16": (1, 2, 4), "fp16": (1, 2, 4), "per-rank": (2, 3, 4),
     "expert": (2, 4, 4), "context": (2, 4, 4), "param-server": (2, 3, 4),
 }
 EXPERT_DISPATCH = (None, "all-to-all", "all-gather")
@@ -152,6 +152,14 @@ def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
         pins["accumulate"] = rng.choice([a for a in (2, 3, 4) if batch % (a * d) == 0])
     elif kind == "recompute":
         pins = {"recompute": "full", **base()}
+    elif kind == "pp-dualpipev":
+        # two stages a rank in a V and at least 2p micro-batches (schedule.check_schedule):
+        # 2 ranks, or 2 stages x data 2 over a batch of 8 (micro-batches of 2, one a rank)
+        d = w // 2
+        batch = 4 * d
+        pins = {"pipeline": 2, "schedule": "dualpipev", "micro_batch_size": d}
+        if d > 1:
+            pins["data"] = d
     elif kind in SCHEDULES:
         # the zoo's models have 2 layers: more stages than layers is drawn too, but less often
         p = 2 if w == 4 and rng.random() < 0.6 else w
