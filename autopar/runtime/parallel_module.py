@@ -44,7 +44,7 @@ from autopar.runtime.updates import UpdateRule, make_rule
 from autopar.runtime.updates.workers import scaled_lr
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
 from autopar.runtime.plan_check import check_plan_fits
-from autopar.runtime.program_passes import rank_programs
+from autopar.runtime.program_passes import RankPrograms, rank_programs
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
 from autopar.runtime.shards import Shards, get_tensor, set_tensor, shard_model
 from autopar.runtime.timing import TimingReport, timing_report
@@ -247,26 +247,8 @@ class ParallelModule(nn.Module):
         built = rank_programs(cap, run_splan, pipelined, self._stage_comm.coord, self.device, root,
                               shards.attr_of, assign_stages(cap, plan.stage_cuts, plan.pipeline_stages
                                                             * plan.virtual_stages) if pipelined else None)
-        programs, grad_axes, loss_sync = built.programs, built.grad_sync, built.loss_sync
         self.program_passes = built.passes       # the passes each program went through
-        compiled = bool(plan.options.compile)
-        if compiled:
-            check_compilable(comm)
-        # every rank of each group issues the same collectives in the same order, or the
-        # program is refused before it runs (runtime.collective_order): eager programs now,
-        # compiled ones as Inductor generates them
-        order = order_check(comm, pipelined) if compiled or not pipelined else None
-        if not compiled and not pipelined:
-            check_eager_programs(order, comm, programs)
-        if compiled and not pipelined:   # a pipeline compiles each of its stages
-            programs = {w: CompiledProgram(gm, w, order) for w, gm in programs.items()}
-        if pipelined:
-            self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes,
-                                         order if compiled else None)
-        else:
-            self.runner = OneStage(cap, programs, loss_fn, shards, plan.accumulate,
-                                   BranchRanks(plan, comm, shards.attr_of) if plan.branches else None,
-                                   loss_sync)
+        self.runner = _runner(cap, plan, comm, root, shards, built, loss_fn)
         # this rank keeps what its stages read
         self.owners = self.runner.owners()
         self.module = nn.Module()
@@ -281,11 +263,11 @@ class ParallelModule(nn.Module):
                                          splan.mesh_axes.index("data"), self._stage_comm)
             for attr, p in self._zero.params.items():
                 set_tensor(self.module, attr, p)
-            self._grad_sync = ZeroGradSync(working, grad_axes, self._stage_comm, self._zero,
+            self._grad_sync = ZeroGradSync(working, built.grad_sync, self._stage_comm, self._zero,
                                            reduce_dtype=grad_reduce_dtype(plan.options))
         else:
             data_axis = splan.mesh_axes.index("data") if "data" in splan.mesh_axes else None
-            self._grad_sync = GradSync(working, grad_axes, self._stage_comm,
+            self._grad_sync = GradSync(working, built.grad_sync, self._stage_comm,
                                        reduce_dtype=grad_reduce_dtype(plan.options),
                                        reducer=make_rule(plan.options, self._stage_comm, data_axis, working))
         self.scaler = self._mixed_precision(plan, pipelined)
@@ -573,6 +555,27 @@ class ParallelModule(nn.Module):
         (``autopar.runtime.timing``). Collective: rank 0 gets the report (print it), the
         others None. Parameters and gradients are left as they were."""
         return timing_report(self, tuple(inputs), target, steps, warmup, optimizer)
+
+
+def _runner(cap: Captured, plan: Plan, comm: Comm, root: nn.Module, shards: Shards,
+            built: RankPrograms, loss_fn: Callable | None) -> "OneStage | PipelineRunner":
+    """What runs this rank's programs (``built``): one stage, or a pipeline's stages. Every
+    rank of each group issues the same collectives in the same order, or the program is
+    refused before it runs (``runtime.collective_order``): eager programs now, compiled ones
+    as Inductor generates them."""
+    programs, pipelined, compiled = built.programs, plan.pipeline_stages > 1, bool(plan.options.compile)
+    if compiled:
+        check_compilable(comm)
+    order = order_check(comm, pipelined) if compiled or not pipelined else None
+    if not compiled and not pipelined:
+        check_eager_programs(order, comm, programs)
+    if compiled and not pipelined:   # a pipeline compiles each of its stages
+        programs = {w: CompiledProgram(gm, w, order) for w, gm in programs.items()}
+    if pipelined:
+        return PipelineRunner(cap, plan, comm, root, shards, programs, built.grad_sync,
+                              order if compiled else None)
+    return OneStage(cap, programs, loss_fn, shards, plan.accumulate,
+                    BranchRanks(plan, comm, shards.attr_of) if plan.branches else None, built.loss_sync)
 
 
 def _every_grad(sync: GradSync, zero: bool) -> None:
