@@ -4,6 +4,7 @@ Both plan with ``autopar.solver.driver.solve``, the one search (as the CLI does)
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import numbers
@@ -29,8 +30,6 @@ from autopar.runtime.weights import capture_view, has_meta, weights_kind
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
 from autopar.options import KNOWN_PINS, OPTIMIZER_STATES, Options, refuse_hogwild_plan
-from autopar.runtime.updates.rule import data_group
-from autopar.runtime.updates.crossbow import Crossbow
 
 # names that moved to autopar.solver, still importable from here
 __all__ = ["plan", "parallelize", "KNOWN_PINS", "OPTIMIZER_STATES", "Planned", "Solved",
@@ -173,28 +172,18 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
         _same_plan_on_every_rank(the_plan)
     # loss_fn without a target runs outside the graph, on the replicated output; comm None:
     # this job's torch.distributed ranks, on a mesh on the rank's device
-    pm = build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch,
-               timeout=timeout, weights=weights)
-    if the_plan.options.learners:    # Crossbow: the learners over the plan's module
-        pm = _crossbow(pm, the_plan)
-    if reference is not None:      # the first train_step, checked against one device
-        pm.train_step = first_step.FirstStepCheck(pm, reference, loss_fn,
-                                                  the_plan.options.precision)
-    if elastic:
-        pm.elastic = _elastic.ElasticInfo(info.world, info.data, the_plan.accumulate,
-                                          info.global_batch, time.perf_counter() - started)
-    return pm
+    return build(cap, the_plan, model, loss_fn if target is None else None, comm, batch=batch,
+                 timeout=timeout, weights=weights,
+                 check=None if reference is None else functools.partial(  # the first step, checked
+                     first_step.FirstStepCheck, reference=reference, loss_fn=loss_fn,
+                     precision=the_plan.options.precision),
+                 elastic=None if not elastic else _elastic.ElasticInfo(
+                     info.world, info.data, the_plan.accumulate, info.global_batch,
+                     time.perf_counter() - started))
 
 
 def _refuse_hogwild(pins: Options) -> None:
     refuse_hogwild_plan(pins)
-
-
-def _crossbow(pm, the_plan: Plan):
-    group = None
-    if "data" in the_plan.mesh_axes and the_plan.mesh_shape[the_plan.mesh_axes.index("data")] > 1:
-        group = data_group(pm.comm, the_plan.mesh_axes.index("data"))
-    return Crossbow(pm, the_plan.options.learners, group)
 
 
 def _check_budget(memory_budget) -> None:

@@ -55,21 +55,21 @@ def reference_copy(model: nn.Module) -> nn.Module:
 
 
 class FirstStepCheck:
-    """Stands in for ``pm.train_step`` until the first step has been checked."""
+    """The check of ``pm``'s first ``train_step`` against ``reference`` on one device:
+    ``ParallelModule.train_step`` calls it once, after that step (``autopar.runtime.build``
+    arms it as ``pm.first_step_check``)."""
 
     def __init__(self, pm, reference: nn.Module, loss_fn, precision: str | None):
         self.pm, self.loss_fn, self.precision = pm, loss_fn, precision
         self.reference = reference.to(pm.device)
-        self.train_step = pm.train_step           # the bound method
 
-    def __call__(self, *inputs, target=None) -> torch.Tensor:
-        loss = self.train_step(*inputs, target=target)
+    def __call__(self, inputs: tuple, target, loss: torch.Tensor) -> None:
+        """Compare the step that took ``inputs`` and ``target`` (as given to ``train_step``)
+        and returned ``loss``; FirstStepMismatch when they differ."""
         try:
             self._check(inputs, target, loss)
         finally:
-            del self.pm.train_step                # later steps: the method itself
             self.reference = None
-        return loss
 
     def _check(self, inputs, target, loss) -> None:
         pm = self.pm

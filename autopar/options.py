@@ -5,7 +5,8 @@ leaving the rest to the solver.
 :class:`Options` is the one place that says what each option is, which values it takes,
 which combinations are refused (with the words of ``autopar.errors``' catalogue) and what
 one implies (``offload`` implies ``zero=2``). The data-parallel update schemes are values
-(``Options.update``, ``autopar.update_schemes``), each declaring what it refuses. It is built once, from the user's keywords
+(``Options.update``, one field holding an ``autopar.update_schemes`` value, written with the
+schemes' pins), each declaring what it refuses. It is built once, from the user's keywords
 (:meth:`Options.from_pins`), never mutates them, and travels as it is: the solver reads
 it, the plan stores the options it runs with (``Plan.options``: the user's, plus what the
 search chose, such as the ZeRO stage), and the runtime reads only that.
@@ -26,7 +27,8 @@ from autopar.mesh_roles import AXIS_NAMES, STAGE_AXES
 from autopar.schedule import SCHEDULES, ScheduleKind
 from autopar.update_schemes import (  # noqa: F401  (the values' names, read from here too)
     AVERAGING, COMPRESS_HELP, COUNT_PINS, NUQ_MAX_LEVELS, SCHEMES, WORKERS_HELP, WORKERS_LR,
-    UpdateScheme, check_update_pins, compress_scheme, pinned_schemes, scheme_of, workers_schedule,
+    Exact, UpdateScheme, check_update_pins, compress_scheme, pinned_schemes, scheme_of,
+    workers_schedule,
 )
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -104,54 +106,14 @@ class Options(Mapping):
     fp32 by default; bf16 halves those bytes (needs ``precision``)."""
     accumulate: int | None = None
     """Gradient accumulation without a pipeline: micro-batches per step."""
-    compress: str | None = None
-    """Lossy data-parallel gradient reduction: see COMPRESS_HELP; ``"auto"`` lets the
-    solver choose one (``autopar.solver.compress``)."""
-    local_sgd: int | None = None
-    """Local SGD: average parameters over the data axis every H steps instead of reducing
-    gradients each step (after ``local_sgd_warmup`` exact steps)."""
-    local_sgd_warmup: int | None = None
-    """Steps of exact gradient all-reduce before Local SGD begins (default 100)."""
-    averaging: Literal["decentralized", "async"] | None = None
-    """BAGUA's model averaging (Gan et al. 2021; ``autopar.runtime.updates.averaging``), instead of
-    the gradient all-reduce over the data axis: ``"decentralized"`` (each rank steps on its
-    own gradient, then averages its parameters with its two ring neighbours, D-PSGD) or
-    ``"async"`` (the parameters' average over the data axis is all-reduced in the background
-    while training goes on and folded in ``averaging_period`` steps later)."""
-    averaging_period: int | None = None
-    """Steps between averagings under ``averaging=`` (default 1)."""
-    staleness: int | None = None
-    """Stale-synchronous data parallelism (``autopar.runtime.updates.stale``): the gradient of step
-    t - s is applied at step t (s >= 1), so each step's reduction runs behind the next s
-    steps; the first s steps apply none (``pm.step(opt)`` skips them). With
-    ``param_server=`` the servers apply the pushed gradients that late."""
-    param_server: int | None = None
-    """Parameter servers (Li et al. 2014; ``autopar.runtime.updates.param_server``): this many ranks
-    of the data axis each own a shard of the parameters and their optimizer state; workers
-    push gradients to the owners (point-to-point), the owners step, workers pull the
-    parameters back. Exact without ``staleness=``."""
-    hogwild: int | None = None
-    """Hogwild (Recht et al. 2011; ``autopar.hogwild``): this many processes of one host
-    update one copy of the parameters in shared memory without locks. CPU only, and only
-    through ``autopar.hogwild(...)`` (not torchrun ranks)."""
-    learners: int | None = None
-    """Crossbow (Koliousis et al. 2019; ``autopar.runtime.updates.crossbow``): this many learners (model
-    replicas) per rank, each training on its own batch (``train_step`` takes that many
-    batches stacked), pulled toward a central average model by synchronous model averaging
-    (SMA, with momentum) every step."""
-    workers: str | None = None
-    """Accordion's batch-size form (Agarwal et al. 2021; ``autopar.runtime.updates.workers``) as the
-    number of data-parallel workers that train: ``"accordion:W1:W2"``. Every 10 steps the
-    norm of the whole model's gradient, accumulated since the last check, is compared with
-    the last check's; a relative change of 0.5 or more (and the start) is a critical regime,
-    where data ranks ``0 .. W1-1`` train, else ``0 .. W2-1``. The other data ranks skip
-    forward and backward (their batch is not used), contribute a zero gradient, and the
-    gradient is averaged over the ranks that trained. Relaxed: it changes the optimisation;
-    never chosen by the solver."""
-    workers_lr: Literal["linear", "constant"] | None = None
-    """Under ``workers=``: ``"linear"`` (the default, Accordion's linear scaling rule) steps
-    with the learning rate times (workers training) / W2 in ``pm.step(opt)``; ``"constant"``
-    keeps the optimizer's learning rate."""
+    update: UpdateScheme = Exact()
+    """How the step's data-parallel update is made: one frozen scheme value
+    (``autopar.update_schemes``: ``Compressed("powersgd:4")``, ``LocalSGD(8)``,
+    ``Stale(1)``, ...; ``Exact()``, the exact all-reduce, when none is pinned). Users write it
+    with the schemes' own pins (:data:`UPDATE_PIN_HELP`: ``compress=``, ``local_sgd=``,
+    ``averaging=``, ``staleness=``, ``param_server=``, ``hogwild=``, ``learners=``,
+    ``workers=`` and their parameters), which :meth:`from_pins` parses into it and which read
+    back as attributes (``opts.staleness``) and in the mapping, or pass ``update=`` a scheme."""
     branch: int | None = None
     """Branch parallelism: independent branches spread over this many groups of ranks."""
     offload: Literal["optimizer", "disk"] | None = None
@@ -175,6 +137,13 @@ class Options(Mapping):
         implications applied; ``pins`` is not changed. An unknown name is an
         ``ArgumentError``, a value or combination the solver cannot honour a ``PinError``."""
         given = {**dict(pins or {}), **more}
+        if given.get("update") is not None:       # a scheme value: written as its pins
+            scheme = given.pop("update")
+            if not isinstance(scheme, UpdateScheme):
+                raise ArgumentError(f"update={scheme!r}: pass a scheme of autopar.update_schemes "
+                                    "(e.g. LocalSGD(8)), or its pins (local_sgd=8)")
+            given = {**scheme.pins(), **given}
+        given.pop("update", None)
         unknown = set(given) - set(NAMES)
         if unknown:
             raise ArgumentError(f"unknown pin(s) {sorted(unknown)}; pins are {sorted(NAMES)}")
@@ -195,19 +164,24 @@ class Options(Mapping):
             given.setdefault("pipeline", 1)     # not offered with pipelines (yet)
         if isinstance(given.get("recompute"), list):
             given["recompute"] = tuple(given["recompute"])
-        return cls(**given)
+        scheme = scheme_of(given)       # the update's pins, as one value (compress="none": Exact)
+        return cls(**{k: v for k, v in given.items() if k not in UPDATE_PIN_HELP}, update=scheme)
 
     def replace(self, **changes) -> "Options":
-        """These options with ``changes`` (None unsets one), checked again."""
-        return Options.from_pins({**self.pinned(), **changes})
+        """These options with ``changes`` (None unsets one; ``update=`` replaces the scheme),
+        checked again."""
+        mine = self.pinned()
+        if "update" in changes:
+            mine = {k: v for k, v in mine.items() if k not in UPDATE_PIN_HELP}
+        return Options.from_pins({**mine, **changes})
 
     def pinned(self) -> dict[str, Any]:
         """The options that are set, by name (the JSON form; tuples as lists)."""
         out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
+        for name in NAMES:
+            v = getattr(self, name)
             if v is not None:
-                out[f.name] = list(v) if isinstance(v, tuple) else v
+                out[name] = list(v) if isinstance(v, tuple) else v
         return out
 
     # ---- what they mean -----------------------------------------------------------------
@@ -225,13 +199,6 @@ class Options(Mapping):
         """The gradient compression asked for: ``(kind, parameter)``, or None (none, or
         ``"auto"``: the solver's choice)."""
         return compress_scheme(self.compress)
-
-    @property
-    def update(self) -> UpdateScheme:
-        """The data-parallel update scheme these options pin, as one frozen value
-        (``autopar.update_schemes``: ``Compressed("powersgd:4")``, ``Stale(1)``, ...;
-        ``Exact()`` when none); its ``pins()`` are the options that write it."""
-        return scheme_of(dict(self))
 
     @property
     def worker_counts(self) -> tuple[int, int] | None:
@@ -266,7 +233,59 @@ class Options(Mapping):
         return hash(tuple(self.items()))
 
 
-NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
+UPDATE_PIN_HELP: dict[str, str] = {
+    'compress': """Lossy data-parallel gradient reduction: see COMPRESS_HELP; ``"auto"`` lets the
+    solver choose one (``autopar.solver.compress``).""",
+    'local_sgd': """Local SGD: average parameters over the data axis every H steps instead of reducing
+    gradients each step (after ``local_sgd_warmup`` exact steps).""",
+    'local_sgd_warmup': """Steps of exact gradient all-reduce before Local SGD begins (default 100).""",
+    'averaging': """BAGUA's model averaging (Gan et al. 2021; ``autopar.runtime.updates.averaging``), instead of
+    the gradient all-reduce over the data axis: ``"decentralized"`` (each rank steps on its
+    own gradient, then averages its parameters with its two ring neighbours, D-PSGD) or
+    ``"async"`` (the parameters' average over the data axis is all-reduced in the background
+    while training goes on and folded in ``averaging_period`` steps later).""",
+    'averaging_period': """Steps between averagings under ``averaging=`` (default 1).""",
+    'staleness': """Stale-synchronous data parallelism (``autopar.runtime.updates.stale``): the gradient of step
+    t - s is applied at step t (s >= 1), so each step's reduction runs behind the next s
+    steps; the first s steps apply none (``pm.step(opt)`` skips them). With
+    ``param_server=`` the servers apply the pushed gradients that late.""",
+    'param_server': """Parameter servers (Li et al. 2014; ``autopar.runtime.updates.param_server``): this many ranks
+    of the data axis each own a shard of the parameters and their optimizer state; workers
+    push gradients to the owners (point-to-point), the owners step, workers pull the
+    parameters back. Exact without ``staleness=``.""",
+    'hogwild': """Hogwild (Recht et al. 2011; ``autopar.hogwild``): this many processes of one host
+    update one copy of the parameters in shared memory without locks. CPU only, and only
+    through ``autopar.hogwild(...)`` (not torchrun ranks).""",
+    'learners': """Crossbow (Koliousis et al. 2019; ``autopar.runtime.updates.crossbow``): this many learners (model
+    replicas) per rank, each training on its own batch (``train_step`` takes that many
+    batches stacked), pulled toward a central average model by synchronous model averaging
+    (SMA, with momentum) every step.""",
+    'workers': """Accordion's batch-size form (Agarwal et al. 2021; ``autopar.runtime.updates.workers``) as the
+    number of data-parallel workers that train: ``"accordion:W1:W2"``. Every 10 steps the
+    norm of the whole model's gradient, accumulated since the last check, is compared with
+    the last check's; a relative change of 0.5 or more (and the start) is a critical regime,
+    where data ranks ``0 .. W1-1`` train, else ``0 .. W2-1``. The other data ranks skip
+    forward and backward (their batch is not used), contribute a zero gradient, and the
+    gradient is averaged over the ranks that trained. Relaxed: it changes the optimisation;
+    never chosen by the solver.""",
+    'workers_lr': """Under ``workers=``: ``"linear"`` (the default, Accordion's linear scaling rule) steps
+    with the learning rate times (workers training) / W2 in ``pm.step(opt)``; ``"constant"``
+    keeps the optimizer's learning rate.""",
+}
+"""The pins that write ``Options.update`` (each scheme's pin and its parameters), and what
+each is; they read back as attributes of Options (``opts.compress``) and in its mapping."""
+
+
+def _update_pin(name: str) -> property:
+    return property(lambda self: self.update.pins().get(name), doc=UPDATE_PIN_HELP[name])
+
+
+for _name in UPDATE_PIN_HELP:
+    setattr(Options, _name, _update_pin(_name))
+
+NAMES: tuple[str, ...] = tuple(n for f in fields(Options)
+                               for n in (UPDATE_PIN_HELP if f.name == "update" else (f.name,)))
+"""Every pin, in the order plans list them: the fields, ``update`` written as its pins."""
 STAGE_SPLITS = ("balanced", "even-layers")
 """Values of the ``stage_split=`` pin."""
 KNOWN_PINS = frozenset(NAMES)
@@ -410,4 +429,4 @@ def as_options(pins: "Options | Mapping[str, Any] | None") -> Options:
 
 
 __all__ = ["ASYNC_PINS", "AVERAGING", "WORKERS_HELP", "WORKERS_LR", "workers_schedule", "COMPRESS_HELP", "NUQ_MAX_LEVELS", "KNOWN_PINS", "NAMES", "OFFLOAD_DEFAULT_ZERO", "OPTIMIZER_STATES", "STAGE_SPLITS",
-           "Options", "as_options", "check_optimizer", "compress_scheme"]
+           "UPDATE_PIN_HELP", "Options", "as_options", "check_optimizer", "compress_scheme"]

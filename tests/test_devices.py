@@ -270,8 +270,9 @@ def test_moves_to_the_capture_device_follow_the_rank_device():
 
 
 def test_parallel_module_places_its_programs(monkeypatch):
-    """ParallelModule calls place_on on every program with its device."""
-    import autopar.runtime.parallel_module as pmod
+    """ParallelModule calls place_on on every program with its device (a pass of
+    ``autopar.runtime.program_passes``)."""
+    import autopar.runtime.program_passes as pmod
     from autopar.ops.comm import ThreadWorld
     from examples.models import EXAMPLES
 

@@ -10,7 +10,7 @@ import torch
 from torch.fx.node import _get_qualified_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import autopar.runtime.parallel_module as parallel_module
+import autopar.runtime.program_passes as program_passes
 from autopar.api import plan_captured
 from autopar.cost_models.hardware import parse_cluster
 from autopar.passes.fast_bindings import BINDINGS, full_arguments
@@ -178,7 +178,7 @@ def test_gpt_program_with_bindings_equals_overloads(captured, monkeypatch, preci
     swapped = sum(t in set(BINDINGS.values()) for t in targets)
     left = sorted({str(t) for t in targets if t in BINDINGS})
     assert swapped > 40 and not left, (swapped, left)
-    monkeypatch.setattr(parallel_module, "fast_bindings", lambda gm: 0)
+    monkeypatch.setattr(program_passes, "fast_bindings", lambda gm: 0)
     [(loss0, grads0, targets0)] = simulate(cap, plan, ex.model, step)
     assert not set(targets0) & set(BINDINGS.values())
     assert loss.dtype == loss0.dtype and torch.equal(loss, loss0), (loss, loss0)

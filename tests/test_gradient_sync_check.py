@@ -29,7 +29,7 @@ from autopar.ops.comm import ThreadWorld
 from autopar.passes import insert_collectives as ic
 from autopar.passes.check_grad_sync import GradSyncMismatch, check_grad_sync
 from autopar.placement import Replicate
-from autopar.runtime import parallel_module
+from autopar.runtime import program_passes
 from autopar.runtime.thread_ranks import simulate
 from autopar.verify import compare, parallel_run, reference_run
 
@@ -153,15 +153,16 @@ def _run_checked(model, x, y, world=2, **kw):
     def body(comm):
         pm = autopar.parallelize(copies[comm.rank], (x,), lm_loss, target=y, comm=comm,
                                  check=True, **kw)
+        armed = pm.first_step_check is not None
         losses = [float(pm.train_step(x, target=y)) for _ in range(2)]
-        return losses, type(pm.train_step).__name__
+        return losses, (armed, pm.first_step_check)
     return ThreadWorld((world,)).run(body)
 
 
 def test_check_true_passes_a_right_plan():
     model, (x, y) = MODELS["transformer-encoder"](), batch()
     for losses, step in _run_checked(model, x, y, data=2):
-        assert step == "method"           # later steps run unchecked, the method itself
+        assert step == (True, None)      # armed by parallelize; later steps run unchecked
         assert len(losses) == 2
 
 
@@ -170,7 +171,7 @@ def test_check_true_catches_doubled_gradients(monkeypatch):
     parameter, its error and the plan."""
     model, (x, y) = MODELS["llama"](), batch()
     monkeypatch.setattr(ic, "_uses_partial", _old_uses_partial)
-    monkeypatch.setattr(parallel_module, "check_grad_sync", lambda *a, **k: None)
+    monkeypatch.setattr(program_passes, "check_grad_sync", lambda *a, **k: None)
     with pytest.raises(RuntimeError, match=r"(?s)differs from one device \(autopar plan: mesh "
                                            r"\(2,\).*worst gradient: '.*', relative error 1\.0") as e:
         _run_checked(model, x, y)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import ast
 import inspect
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from autopar import options as options_mod
 from autopar.errors import ArgumentError, PinError
-from autopar.options import NAMES, Options
+from autopar.options import NAMES, UPDATE_PIN_HELP, Options
+from autopar.update_schemes import Exact, LocalSGD, ParamServer
 
 
 def test_every_option_is_typed_and_documented():
@@ -22,7 +24,27 @@ def test_every_option_is_typed_and_documented():
     documented = {s.target.id for s, nxt in zip(body, body[1:])
                   if isinstance(s, ast.AnnAssign) and isinstance(nxt, ast.Expr)
                   and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
-    assert set(NAMES) == documented, set(NAMES) ^ documented
+    # the update scheme is one field (``update``), written with its pins, each documented
+    assert "update" in documented and all(UPDATE_PIN_HELP.values())
+    pins = (documented - {"update"}) | set(UPDATE_PIN_HELP)
+    assert set(NAMES) == pins, set(NAMES) ^ pins
+
+
+def test_the_update_scheme_is_one_stored_field():
+    """``Options.update`` holds the scheme; its pins are parsed into it and read back."""
+    stored = [f.name for f in fields(Options)]
+    assert "update" in stored and not set(UPDATE_PIN_HELP) & set(stored)
+    opts = Options.from_pins(data=2, param_server=1, staleness=2)
+    assert opts.update == ParamServer(1, 2) and (opts.param_server, opts.staleness) == (1, 2)
+    assert opts.pinned() == {"data": 2, "pipeline": 1, "staleness": 2, "param_server": 1}
+    assert Options.from_pins(update=LocalSGD(8, 3), data=2) == Options.from_pins(
+        local_sgd=8, local_sgd_warmup=3, data=2)
+    assert opts.replace(update=LocalSGD(4)).update == LocalSGD(4)
+    assert opts.replace(param_server=None, staleness=None).update == Exact()
+    none = Options.from_pins(compress="none")      # the exact all-reduce, written out
+    assert none.update == Exact() and none.compress is None and none == {}
+    with pytest.raises(ArgumentError, match="update='local_sgd': pass a scheme"):
+        Options.from_pins(update="local_sgd")
 
 
 def test_built_once_without_touching_the_pins():

@@ -24,21 +24,12 @@ from torch.distributed.pipelining.microbatch import merge_chunks
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from autopar.analysis.layers import layer_members
 from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.analysis.stages import assign_stages
 from autopar.capture import Captured
 from autopar.errors import ArgumentError
 from autopar.ops.collectives import all_reduce, regathered_weights
 from autopar.ops.comm import Comm, StepSettings, use_comm
-from autopar.passes.autocast import low_precision_gathers
-from autopar.passes.branch_parallel import keep_branches
-from autopar.passes.check_grad_sync import check_grad_sync
-from autopar.passes.fast_bindings import fast_bindings
-from autopar.passes.insert_collectives import insert_collectives
-from autopar.passes.place_on_device import place_on
-from autopar.passes.prefetch import prefetch_gathers
-from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
 from autopar.runtime.collective_order import check_eager_programs, order_check
@@ -54,6 +45,7 @@ from autopar.runtime.updates import UpdateRule, make_rule
 from autopar.runtime.updates.workers import scaled_lr
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
 from autopar.runtime.plan_check import check_plan_fits
+from autopar.runtime.program_passes import RankPrograms, rank_programs
 from autopar.runtime.precision import LossScaler, autocast, compute_dtype, grad_reduce_dtype
 from autopar.runtime.shards import Shards, get_tensor, set_tensor, shard_model
 from autopar.runtime.timing import TimingReport, timing_report
@@ -222,6 +214,11 @@ class ParallelModule(nn.Module):
     (``autopar.runtime.weights``) the local shards are read from; ``model`` may then be on
     the meta device."""
 
+    first_step_check = None
+    """Under ``check=``: ``autopar.first_step.FirstStepCheck``, run after the first ``train_step``."""
+    elastic = None
+    """Under ``elastic=True``: what the re-plan chose (``autopar.elastic.ElasticInfo``)."""
+
     def __init__(self, cap: Captured, plan: Plan, comm: Comm, model: nn.Module,
                  loss_fn: Callable | None = None, batch: str = "global", weights=None):
         super().__init__()
@@ -247,37 +244,12 @@ class ParallelModule(nn.Module):
                                    meta_ok=weights is not None)
         shards = stored_shards(shards, splan)
         self._shards, self._stage_mesh = shards, tuple(splan.mesh_shape)
-        # the loss's sum over data ranks is deferred (OneStage), unless pipelined or branched
-        programs, grad_axes, loss_sync = self._programs(
-            cap, run_splan, root, shards, pipelined, defer_loss=not pipelined and not plan.branches,
-            # a conversion is shared by readers of one stage only (passes.insert_collectives)
-            stage_of=assign_stages(cap, plan.stage_cuts, plan.pipeline_stages * plan.virtual_stages)
-            if pipelined else None)
-        if plan.branches:        # branch parallelism: this rank's branches only
-            programs = {w: keep_branches(gm, cap, plan, comm.coord, shards.attr_of)
-                        for w, gm in programs.items()}
-        compiled = bool(plan.options.compile)
-        if compiled:
-            check_compilable(comm)
-        for gm in programs.values():     # tensors the model creates: on this rank's device
-            place_on(gm, self.device)
-            if not compiled:
-                fast_bindings(gm)      # last: ops through torch's Python bindings
-        # every rank of each group issues the same collectives in the same order, or the
-        # program is refused before it runs (runtime.collective_order): eager programs now,
-        # compiled ones as Inductor generates them
-        order = order_check(comm, pipelined) if compiled or not pipelined else None
-        if not compiled and not pipelined:
-            check_eager_programs(order, comm, programs)
-        if compiled and not pipelined:   # a pipeline compiles each of its stages
-            programs = {w: CompiledProgram(gm, w, order) for w, gm in programs.items()}
-        if pipelined:
-            self.runner = PipelineRunner(cap, plan, comm, root, shards, programs, grad_axes,
-                                         order if compiled else None)
-        else:
-            self.runner = OneStage(cap, programs, loss_fn, shards, plan.accumulate,
-                                   BranchRanks(plan, comm, shards.attr_of) if plan.branches else None,
-                                   loss_sync)
+        # the rewrite of this rank's programs: the declared passes (runtime.program_passes)
+        built = rank_programs(cap, run_splan, pipelined, self._stage_comm.coord, self.device, root,
+                              shards.attr_of, assign_stages(cap, plan.stage_cuts, plan.pipeline_stages
+                                                            * plan.virtual_stages) if pipelined else None)
+        self.program_passes = built.passes       # the passes each program went through
+        self.runner = _runner(cap, plan, comm, root, shards, built, loss_fn)
         # this rank keeps what its stages read
         self.owners = self.runner.owners()
         self.module = nn.Module()
@@ -292,11 +264,11 @@ class ParallelModule(nn.Module):
                                          splan.mesh_axes.index("data"), self._stage_comm)
             for attr, p in self._zero.params.items():
                 set_tensor(self.module, attr, p)
-            self._grad_sync = ZeroGradSync(working, grad_axes, self._stage_comm, self._zero,
+            self._grad_sync = ZeroGradSync(working, built.grad_sync, self._stage_comm, self._zero,
                                            reduce_dtype=grad_reduce_dtype(plan.options))
         else:
             data_axis = splan.mesh_axes.index("data") if "data" in splan.mesh_axes else None
-            self._grad_sync = GradSync(working, grad_axes, self._stage_comm,
+            self._grad_sync = GradSync(working, built.grad_sync, self._stage_comm,
                                        reduce_dtype=grad_reduce_dtype(plan.options),
                                        reducer=make_rule(plan.options, self._stage_comm, data_axis, working))
         self.scaler = self._mixed_precision(plan, pipelined)
@@ -382,32 +354,6 @@ class ParallelModule(nn.Module):
         if self._zero is not None and self._zero.dirty():
             self._zero.gather()
 
-    @staticmethod
-    def _programs(cap: Captured, splan: Plan, root: nn.Module, shards: Shards, pipelined: bool,
-                  defer_loss: bool = False, stage_of: dict[str, int] | None = None):
-        """The per-rank programs, the axes each data-parallel gradient is summed over and
-        (``defer_loss``) those the train program's loss is still to be summed over."""
-        rewritten = {}
-        if cap.has_loss:
-            rewritten["train"] = insert_collectives(cap, splan, root, shards.attr_of, "loss",
-                                                    defer_loss=defer_loss, stage_of=stage_of)
-        rewritten["forward"] = insert_collectives(cap, splan, root, shards.attr_of, "model",
-                                                  stage_of=stage_of)
-        programs = {which: r.gm for which, r in rewritten.items()}
-        for gm in programs.values():     # mixed precision: ZeRO-3 gathers 16-bit weights
-            low_precision_gathers(gm, compute_dtype(splan.options))
-            if splan.options.zero_stage >= 3 and not pipelined and not splan.recompute \
-                    and not splan.options.compile:     # compiled: Inductor places the gathers
-                prefetch_gathers(gm)     # each ZeRO-3 gather starts one consumer early
-        if splan.recompute and "train" in programs and not pipelined:
-            programs["train"] = checkpoint_layers(programs["train"], layer_members(cap.gm, splan.recompute))
-        stepped = rewritten.get("train", rewritten["forward"])
-        grad_axes = dict(stepped.grad_sync)
-        # every parameter's gradient summed exactly where it is partial, or an internal error
-        check_grad_sync(stepped.gm, grad_axes, cap, splan, shards.attr_of)
-        loss_sync = rewritten["train"].loss_sync if "train" in rewritten else ()
-        return programs, grad_axes, loss_sync
-
     @property
     def data_rank(self) -> int:
         """This rank's index among the data ranks (``DistributedSampler(rank=...)``); 0
@@ -471,6 +417,7 @@ class ParallelModule(nn.Module):
         """Forward and backward on the global batch; returns the global mean loss. Gradients
         are added to the local shards' ``.grad`` (call the optimizer's ``zero_grad`` between
         steps as usual)."""
+        given = (inputs, target)
         inputs = self._check_inputs(inputs, target, "train_step")
         if target is None and self._cap.has_loss and self._cap.takes_target:
             raise ArgumentError("train_step needs target=: the loss is part of the plan's graph")
@@ -489,6 +436,9 @@ class ParallelModule(nn.Module):
                 self._offload.grads_down()      # the synced gradient shards to the host masters
         if first_compiled:
             self._report_compiled(time.perf_counter() - t0, cached)
+        check, self.first_step_check = self.first_step_check, None
+        if check is not None:       # check=: this first step against one device's, once
+            check(*given, loss)
         return loss
 
     def compile_report(self) -> dict | None:
@@ -610,6 +560,27 @@ class ParallelModule(nn.Module):
         (``autopar.runtime.timing``). Collective: rank 0 gets the report (print it), the
         others None. Parameters and gradients are left as they were."""
         return timing_report(self, tuple(inputs), target, steps, warmup, optimizer)
+
+
+def _runner(cap: Captured, plan: Plan, comm: Comm, root: nn.Module, shards: Shards,
+            built: RankPrograms, loss_fn: Callable | None) -> "OneStage | PipelineRunner":
+    """What runs this rank's programs (``built``): one stage, or a pipeline's stages. Every
+    rank of each group issues the same collectives in the same order, or the program is
+    refused before it runs (``runtime.collective_order``): eager programs now, compiled ones
+    as Inductor generates them."""
+    programs, pipelined, compiled = built.programs, plan.pipeline_stages > 1, bool(plan.options.compile)
+    if compiled:
+        check_compilable(comm)
+    order = order_check(comm, pipelined) if compiled or not pipelined else None
+    if not compiled and not pipelined:
+        check_eager_programs(order, comm, programs)
+    if compiled and not pipelined:   # a pipeline compiles each of its stages
+        programs = {w: CompiledProgram(gm, w, order) for w, gm in programs.items()}
+    if pipelined:
+        return PipelineRunner(cap, plan, comm, root, shards, programs, built.grad_sync,
+                              order if compiled else None)
+    return OneStage(cap, programs, loss_fn, shards, plan.accumulate,
+                    BranchRanks(plan, comm, shards.attr_of) if plan.branches else None, built.loss_sync)
 
 
 def _every_grad(sync: GradSync, zero: bool) -> None:

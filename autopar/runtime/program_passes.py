@@ -1,0 +1,189 @@
+"""The rewrite of a rank's programs, as one declared list: :data:`PASSES`.
+
+Each entry is a :class:`ProgramPass`: its name, the condition under which it runs (a
+predicate over :class:`RankProgram`, the plan and program being rewritten, stated once
+here) and its function. A rank's program is the fold of the list over the captured graph
+(:func:`rank_programs`): the first pass, ``insert_collectives``, builds the per-rank
+program and the data the step needs beside it (``passes.insert_collectives.Rewritten``:
+the program, the axes each data-parallel gradient is summed over, and those the loss is
+still to be summed over); every later pass maps that program to a new one and keeps the
+data. No pass changes its input: the passes that edit a graph in place run on a copy
+(``passes.copy_program``: new graphs and code, the same parameter tensors).
+
+The order, and why:
+
+1. ``insert_collectives``: the captured global graph and the plan -> the per-rank program
+   (``train`` returns this rank's term of the loss, deferred beside backward when neither
+   pipelined nor branched; ``forward`` returns the model's outputs, replicated).
+2. ``check_grad_sync``: the program whose gradients the step syncs (``train``, or
+   ``forward`` without a loss) sums every parameter's gradient exactly where it is partial
+   (``passes.check_grad_sync``), or an internal error before anything runs.
+3. ``low_precision_gathers``: under ZeRO-3 and 16-bit precision, weights that only feed
+   16-bit ops are gathered in 16 bits (``passes.autocast``).
+4. ``prefetch_gathers``: ZeRO-3's gathers bucketed by block and started one block early
+   (``passes.prefetch``); not under a pipeline (its stages are cut later), recomputation
+   (a recomputed layer gathers its own again) or ``compile`` (Inductor places them).
+5. ``checkpoint_layers``: the plan's recomputed layers run under ``torch.utils.checkpoint``
+   (``passes.recompute``), in the ``train`` program of an unpipelined plan (a pipeline
+   checkpoints each stage's share after cutting it, ``runtime.pipeline_runner``).
+6. ``keep_branches``: branch parallelism keeps this rank's branches (``passes.branch_parallel``).
+7. ``place_on``: tensors the program creates go on the rank's device (``passes.place_on_device``).
+8. ``fast_bindings``: last, ops called through torch's Python bindings (``passes.fast_bindings``);
+   not under ``compile`` (Inductor traces the overloads).
+
+A new pass is a row here (its condition included) and a file in ``passes/``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from autopar.analysis.layers import layer_members
+from autopar.capture import Captured
+from autopar.passes.autocast import low_precision_gathers
+from autopar.passes.branch_parallel import keep_branches
+from autopar.passes.check_grad_sync import check_grad_sync
+from autopar.passes.copy_program import copy_program
+from autopar.passes.fast_bindings import fast_bindings
+from autopar.passes.insert_collectives import Rewritten, insert_collectives
+from autopar.passes.place_on_device import place_on
+from autopar.passes.prefetch import prefetch_gathers
+from autopar.passes.recompute import checkpoint_layers
+from autopar.plan import Plan
+from autopar.runtime.precision import compute_dtype
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What a pass reads about the program it rewrites: which program (``"train"``, the
+    loss's, or ``"forward"``, the model's outputs), the capture, the plan the program runs
+    (a stage's, ``stage_plan``, under a pipeline; ZeRO-1/2's working plan), whether the plan
+    is pipelined, this rank's coordinate on that plan's mesh, its device, the module
+    holding its shards (``root``) and each parameter placeholder's attribute path on it;
+    under a pipeline, the stage of every captured node (``stage_of``)."""
+    which: str
+    cap: Captured
+    plan: Plan
+    pipelined: bool
+    coord: tuple[int, ...]
+    device: torch.device
+    root: nn.Module = field(repr=False)
+    attr_of: dict[str, str] = field(repr=False)
+    stage_of: dict[str, int] | None = field(default=None, repr=False)
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the step syncs this program's gradients: ``train``, or ``forward`` when
+        the capture has no loss."""
+        return self.which == ("train" if self.cap.has_loss else "forward")
+
+    @property
+    def options(self):
+        return self.plan.options
+
+
+@dataclass(frozen=True)
+class ProgramPass:
+    """One rewrite of a rank's program: it runs when ``applies(program)``; ``run`` maps the
+    rewrite so far (None before the first pass) to a new one, leaving its input as it was."""
+    name: str
+    applies: Callable[[RankProgram], bool]
+    run: Callable[["Rewritten | None", RankProgram], Rewritten]
+
+
+def on_graph(rewrite: Callable[[GraphModule, RankProgram], GraphModule]):
+    """A pass over the program alone (GraphModule -> GraphModule), the step's data kept."""
+    return lambda rw, p: replace(rw, gm=rewrite(rw.gm, p))
+
+
+def on_a_copy(edit: Callable[[GraphModule, RankProgram], object]):
+    """A pass from a rewrite that edits a graph in place (returning a count): it edits a
+    copy (``passes.copy_program``), so its input is left as it was."""
+    def rewrite(gm: GraphModule, p: RankProgram) -> GraphModule:
+        out = copy_program(gm)
+        edit(out, p)
+        return out
+    return on_graph(rewrite)
+
+
+def _insert_collectives(rw: None, p: RankProgram) -> Rewritten:
+    defer_loss = p.which == "train" and not p.pipelined and not p.plan.branches
+    return insert_collectives(p.cap, p.plan, p.root, p.attr_of, "loss" if p.which == "train" else "model",
+                              defer_loss=defer_loss, stage_of=p.stage_of)
+
+
+def _check_grad_sync(rw: Rewritten, p: RankProgram) -> Rewritten:
+    check_grad_sync(rw.gm, rw.grad_sync, p.cap, p.plan, p.attr_of)
+    return rw
+
+
+def _always(p: RankProgram) -> bool:
+    return True
+
+
+def _zero3(p: RankProgram) -> bool:
+    return p.options.zero_stage >= 3
+
+
+PASSES: tuple[ProgramPass, ...] = (
+    ProgramPass("insert_collectives", _always, _insert_collectives),
+    ProgramPass("check_grad_sync", lambda p: p.stepped, _check_grad_sync),
+    ProgramPass("low_precision_gathers", lambda p: _zero3(p) and compute_dtype(p.options) is not None,
+                on_a_copy(lambda gm, p: low_precision_gathers(gm, compute_dtype(p.options)))),
+    ProgramPass("prefetch_gathers", lambda p: _zero3(p) and not p.pipelined and not p.plan.recompute
+                and not p.options.compile, on_a_copy(lambda gm, p: prefetch_gathers(gm))),
+    ProgramPass("checkpoint_layers", lambda p: p.which == "train" and bool(p.plan.recompute)
+                and not p.pipelined,      # builds a new GraphModule; the input's shards shared
+                on_graph(lambda gm, p: checkpoint_layers(gm, layer_members(p.cap.gm, p.plan.recompute)))),
+    ProgramPass("keep_branches", lambda p: bool(p.plan.branches),
+                on_a_copy(lambda gm, p: keep_branches(gm, p.cap, p.plan, p.coord, p.attr_of))),
+    ProgramPass("place_on", _always, on_a_copy(lambda gm, p: place_on(gm, p.device))),
+    ProgramPass("fast_bindings", lambda p: not p.options.compile,
+                on_a_copy(lambda gm, p: fast_bindings(gm))),
+)
+"""The passes, in the order they run (module docstring)."""
+
+
+def applied(program: RankProgram, passes: tuple[ProgramPass, ...] = PASSES) -> tuple[str, ...]:
+    """The names of the passes that rewrite ``program``, in order."""
+    return tuple(ps.name for ps in passes if ps.applies(program))
+
+
+def rewrite(program: RankProgram, passes: tuple[ProgramPass, ...] = PASSES) -> Rewritten:
+    """``program`` rewritten: the fold of ``passes`` (those that apply) from the capture."""
+    rw = None
+    for ps in passes:
+        if ps.applies(program):
+            rw = ps.run(rw, program)
+    return rw
+
+
+@dataclass(frozen=True)
+class RankPrograms:
+    """A rank's programs by name (``"train"`` when the capture has the loss, ``"forward"``),
+    the mesh axes each data-parallel gradient is summed over once per step (``grad_sync``),
+    those the train program's loss is still to be summed over (``loss_sync``), and the
+    passes each program went through (``passes``)."""
+    programs: dict[str, GraphModule]
+    grad_sync: dict[str, tuple[int, ...]]
+    loss_sync: tuple[int, ...]
+    passes: dict[str, tuple[str, ...]]
+
+
+def rank_programs(cap: Captured, plan: Plan, pipelined: bool, coord: tuple[int, ...],
+                  device: torch.device, root: nn.Module, attr_of: dict[str, str],
+                  stage_of: dict[str, int] | None = None) -> RankPrograms:
+    """This rank's programs under ``plan`` (the plan they run: :class:`RankProgram`)."""
+    made = {}
+    for which in (("train",) if cap.has_loss else ()) + ("forward",):
+        made[which] = RankProgram(which, cap, plan, pipelined, tuple(coord), device, root,
+                                  attr_of, stage_of)
+    done = {which: rewrite(p) for which, p in made.items()}
+    stepped = next(which for which, p in made.items() if p.stepped)
+    return RankPrograms({which: rw.gm for which, rw in done.items()}, dict(done[stepped].grad_sync),
+                        done["train"].loss_sync if "train" in done else (),
+                        {which: applied(p) for which, p in made.items()})
