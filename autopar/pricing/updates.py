@@ -85,8 +85,10 @@ def reprice_updates(plan, cluster, budget: float):
         if s:
             mem["stale_grads"] = s * grads
     comm_s = sum(comm.values())
-    est = replace(e, step_time_s=step_time(compute + comm_s, e.host_s), compute_s=compute, comm_s=comm_s,
-                  memory_bytes=mem, comm=comm)
+    # m learners: each replica's forward and backward dispatched by the host too
+    host_s = e.host_s * m if m else e.host_s
+    est = replace(e, step_time_s=step_time(compute + comm_s, host_s), compute_s=compute, comm_s=comm_s,
+                  memory_bytes=mem, comm=comm, host_s=host_s)
     if est.memory_total > budget:
         what = (f"learners={m} keeps {m} replicas" if m else
                 f"staleness={s} keeps {s} gradient copies" if s and not k else
