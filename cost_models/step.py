@@ -37,7 +37,9 @@ Overlap rules (GPU; where each is applied):
   so a stage's micro-batch takes ``max(device, its calls x host_op_s)`` in the stage DP's
   cuts and the simulated schedule, and the step is at least the busiest rank's
   ``(m x its stages' calls + optimizer calls) x host_op_s`` (``StagePlan.host_time``,
-  ``solver/pipeline_price.pipeline_estimate``). Compiled programs (``compile=True``) pay
+  ``solver/pipeline_price.pipeline_estimate``); the optimizer's calls are dispatched after
+  the rank's last backward, beside its exposed gradient reduction (the step ends
+  ``max(exposed reduction, optimizer calls x host_op_s)`` after the pipeline). Compiled programs (``compile=True``) pay
   ``cost_models.host.COMPILED_HOST_FRACTION`` (0.99) of the eager calls, flat or pipelined.
   The estimate shows the host seconds as ``Estimate.host_s``. CPU ranks price their host
   in ``launch_overhead`` / ``view_overhead`` (their host is the device) and keep 0 here.

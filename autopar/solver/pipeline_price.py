@@ -81,6 +81,12 @@ class Priced:
             return np.zeros(len(nc.units))
         return nc.host_calls
 
+    @property
+    def optimizer_host_s(self) -> float:
+        """Host seconds of a rank's optimizer step (its foreach calls), dispatched after
+        its last backward (``stage_dp``'s host rule; 0 on CPU ranks)."""
+        return self.optimizer_calls * self.host_op_s
+
     def rank_host_s(self, cuts: Sequence[int], p: int, m: int, schedule: str = "1f1b") -> np.ndarray:
         """Host seconds a step per pipeline rank for chain cuts ``cuts`` (stages placed as
         ``schedule`` places them): its stages' calls once per micro-batch, forward and
@@ -367,9 +373,10 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     hide = [float(sum(stage_times[k] for k in ks)) * (1 - FORWARD) for ks in rank_stages_]
     exposed = np.array([exposed_sync(float(sync[r]), hide[r], last) for r in range(p)])
     # the host's dispatches (stage_dp's host rule): the busiest rank's calls, its stages'
-    # once per micro-batch and its optimizer's once, against the simulated device step
+    # once per micro-batch and its optimizer's once, against the simulated device step; the
+    # optimizer's calls come after the rank's last backward, beside its exposed reduction
     host = float(pr.rank_host_s(cuts, p, m, schedule).max())
-    step = max(float((end + exposed).max()), host)
+    step = max(float((end + np.maximum(exposed, pr.optimizer_host_s)).max()), host)
     held = in_flight(schedule, p, m, v)
     mems = [nc.rank_memory([stages[k] for k in ks], held[ks]) for ks in rank_stages_]
     worst = max(range(p), key=lambda r: sum(mems[r].values()))

@@ -199,8 +199,9 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowe
         busiest = sp.micro_batches * float(rank_times(sp.schedule, p, sp.virtual_stages, sp.stage_times).max())
         if max(busiest + sync, sp.host_time) >= bound:
             continue                       # its busiest rank alone is too slow
-        # the busiest rank's host dispatches where they take longer (stage_dp's host rule)
-        step = max(simulate_plan(sp, timeline=False) + sync, sp.host_time)
+        # the busiest rank's host dispatches where they take longer, and its optimizer's
+        # after its last backward, beside the reduction (stage_dp's host rule)
+        step = max(simulate_plan(sp, timeline=False) + max(sync, pr.optimizer_host_s), sp.host_time)
         if partial is not None:
             step = min(step, _partial_step(pr, partial, sp, p, batch, budget))
         simulated.append((sp, step))

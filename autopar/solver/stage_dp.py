@@ -74,6 +74,7 @@ the kernels queued before (the same overlap as an unpipelined step's,
 
     c[k, j, i] = max(device c[k, j, i], sum_{l=j}^{i-1} h_l)       (each micro-batch)
     host_r = m * sum_{k on r} sum_{l in stage k} h_l + h_opt,    step = max(step, max_r host_r)
+    step = pipeline end + max(sync, h_opt)        (the optimizer's calls after the last backward)
 
 for ``LayerCosts.host_time`` h (seconds per micro-batch) and ``host_step_time`` h_opt: a
 stage's micro-batch (its F and B actions, in the split above) takes the longer of its
@@ -81,7 +82,12 @@ device time and its host's dispatch, so the DP balances the host where it binds,
 closed form and the simulated timeline see it in every action (fill and drain too: a
 host-bound rank's late sends delay its neighbours), and the step is at least the busiest
 rank's host total with its optimizer's calls (``StagePlan.host_time``,
-``predicted_step_time``; ``pipeline_price.pipeline_estimate`` for the plan).
+``predicted_step_time``; ``pipeline_price.pipeline_estimate`` for the plan). The optimizer's
+calls are dispatched where they happen, after the rank's last backward: its host queues
+them while its device runs the exposed gradient reduction, so the step ends
+``max(sync, h_opt)`` after the pipeline (an unpipelined step pays them in its host total
+the same way; without this a one-micro-batch pipeline, whose stages run one after the
+other, would be priced the optimizer's calls faster than the same graph unpipelined).
 """
 from __future__ import annotations
 
@@ -441,7 +447,8 @@ def _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, syn
         virtual_stages=c.v, devices_per_stage=n_devices // c.p,
         stage_times=tuple(float(x) for x in stage_times),
         boundary_times=tuple(float(x) for x in comm_cuts),
-        predicted_step_time=max(step + sync, host), bubble_fraction=bubble, sync_time=sync,
+        predicted_step_time=max(step + max(sync, costs.host_step_time), host),
+        bubble_fraction=bubble, sync_time=sync,
         host_time=host,
         memory_per_stage=tuple(float(x) for x in rank_times(c.schedule, c.p, c.v, stage_memory)),
         forward_fraction=costs.forward_fraction, weight_fraction=costs.weight_fraction,

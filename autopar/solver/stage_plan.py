@@ -144,17 +144,18 @@ class StagePlan:
     boundary_times: tuple[float, ...]
     """One-way transfer seconds across each of the S - 1 cuts for one micro-batch."""
     predicted_step_time: float
-    """Pipeline time (what ``simulate_plan`` times) + ``sync_time``, or ``host_time`` where
+    """Pipeline time (what ``simulate_plan`` times) + ``sync_time`` (or the optimizer's host
+    calls, ``LayerCosts.host_step_time``, where they take longer), or ``host_time`` where
     that is more (``stage_dp``'s host rule)."""
     bubble_fraction: float
     """1 - busy area / (ranks x pipeline time), idle from fill, drain and imbalance."""
     memory_per_stage: tuple[float, ...]
     """Peak bytes per device of each pipeline rank (its v stages together)."""
     sync_time: float = 0.0
+    """Once-per-step all-reduce of the slowest rank's ``sync_bytes`` over its sub-mesh."""
     host_time: float = 0.0
     """The busiest rank's host seconds a step (``stage_dp``'s host rule); the
     ``predicted_step_time`` is at least this."""
-    """Once-per-step all-reduce of the slowest rank's ``sync_bytes`` over its sub-mesh."""
     forward_fraction: float = 1 / 3
     weight_fraction: float = 0.5
     n_layers: int = field(default=0)
