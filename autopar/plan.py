@@ -64,6 +64,10 @@ class Estimate:
     """Groups of ``memory_bytes`` terms never live at once (an unpipelined step: the end of
     forward's activations, the end of backward's gradients; ``cost_models.memory.step_phases``).
     Empty: every term at once (pipelines, gradient accumulation, plan files from before)."""
+    host_s: float = 0.0
+    """Host seconds of the step's eager dispatches (``cost_models.host``), overlapped with
+    the device side: ``step_time_s = max(compute + comm, host_s)``
+    (``cost_models.step.step_time``). 0: not priced (CPU ranks, pipelines, older files)."""
 
     def __post_init__(self):
         object.__setattr__(self, "stage_times_s", tuple(float(t) for t in self.stage_times_s))
@@ -235,10 +239,13 @@ class Plan:
         estimate), not of the solver's report (its timings) or the file's version: equal
         digests, the same plan."""
         chosen = {k: v for k, v in self.to_dict().items() if k not in ("solver", "version")}
+        chosen["estimate"].pop("host_s", None)   # a figure, not a choice: the step holds it where it binds
         return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     def _fields(self) -> dict:
         d = asdict(self)
+        if not d["estimate"].get("host_s"):     # unpriced: the file (and digest) as before it
+            d["estimate"].pop("host_s", None)
         d["options"] = self.options.pinned()
         return d
 

@@ -48,7 +48,7 @@ SCHEMA: dict[str, Any] = {
                      "properties": {"step_time_s": _NUM, "compute_s": _NUM, "comm_s": _NUM,
                                     "memory_bytes": {"type": "object", "additionalProperties": _NUM},
                                     "comm": {"type": "object", "additionalProperties": _NUM},
-                                    "bubble_fraction": _NUM,
+                                    "bubble_fraction": _NUM, "host_s": _NUM,
                                     "stage_times_s": {"type": "array", "items": _NUM},
                                     "memory_phases": {"type": "array",
                                                       "items": {"type": "array", "items": _STR}}}},

@@ -191,7 +191,9 @@ def plan_summary(plan: Plan) -> str:
         f"autopar plan: mesh {tuple(plan.mesh_shape)} axes {tuple(plan.mesh_axes)} on "
         f"{plan.cluster}, world {plan.world_size}" + (f", pins {plan.pins}" if plan.pins else ""),
         f"estimate: step {fmt_time(e.step_time_s)} (compute {fmt_time(e.compute_s)}, "
-        f"communication {fmt_time(e.comm_s)}), bubble {e.bubble_fraction:.1%}",
+        f"communication {fmt_time(e.comm_s)}"
+        + (f", host {fmt_time(e.host_s)}: step = max(device, host)" if e.host_s else "")
+        + f"), bubble {e.bubble_fraction:.1%}",
     ] + ([accumulation_line(plan)] if plan.accumulate > 1 else []) + branch_lines(plan) + (
         [offload_line(plan)] if plan.offload else []) + [
         f"memory per device: {fmt_bytes(e.memory_total)} " + ("at the peak; " if e.memory_phases else "= ")

@@ -296,6 +296,7 @@ def plan_digest(plan) -> str:
     digests, the same plan. (Before plan schema 3 the options were "pins", and the version
     was hashed: digests from then differ for the same plan.)"""
     chosen = {k: v for k, v in plan.to_dict().items() if k not in ("solver", "version")}
+    chosen["estimate"].pop("host_s", None)   # a figure, not a choice: the step holds it where it binds
     return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -58,6 +58,11 @@ class Device:
     """Seconds per view op (a reshape, transpose, ...: framework dispatch and autograd
     bookkeeping, no kernel), forward and backward alike. Zero for GPUs, whose host runs
     ahead of the kernels; the CPU's host IS the device, so every view is on its clock."""
+    host_op_s: float = 0.0
+    """Host seconds per ATen call of an eager step (Python, dispatcher, autograd engine,
+    launch), run ahead of the device: the step is ``max(device, host)``
+    (``cost_models.host``, ``cost_models.step.step_time``). GPUs: ``host.GPU_HOST_OP_S``;
+    0 for CPU ranks, whose host is the device (``launch_overhead`` / ``view_overhead``)."""
 
     def __hash__(self) -> int:  # peak_flops is a dict; hash by name and sizes
         return hash((self.name, self.memory_bytes, self.mem_bandwidth))

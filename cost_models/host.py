@@ -11,8 +11,9 @@ backward (:data:`DISPATCHES`), and the optimizer adds its foreach calls
 Every count is measured, every constant cited; none is fitted to an end-to-end row.
 
 Checked against the GPU check's committed reports (``benchmarks/host_time.py``,
-``tests/test_host_time.py``); not yet part of the search's estimate (``step.step_time``
-says why).
+``tests/test_host_time.py``). The search prices it on GPU devices (``Device.host_op_s``)
+in every estimate: flat, accumulated, branch, update-scheme and pipelined plans
+(``cost_models.step``'s overlap rules say how); CPU devices price none (0).
 """
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ FREE_TARGETS = ("getitem",)
 # decay mul_, lerp_, mul_, addcmul_, sqrt, div_, add_, bias corrections, addcdiv_).
 OPTIMIZER_DISPATCHES = {0: 1, 1: 3, 2: 10}
 
-# Host seconds per ATen call of an eager step on a GPU (GPU_HOST_OP_S), derived from ONE
+# Host seconds per ATen call of an eager step on a GPU (GPU_HOST_OP_S, every GPU preset's
+# ``Device.host_op_s``), derived from ONE
 # measurement: the Llama of benchmarks/gpu_check.py on the H100 report
 # (benchmarks/results/gpu_check_nvidia-h100-80gb-hbm3.json, op_timing, the plain step's
 # median): 20.278 ms a step, whose device side the cost model puts at 4.33 ms and the

@@ -25,6 +25,7 @@ import torch
 
 from autopar.errors import ArgumentError
 
+from .host import GPU_HOST_OP_S
 from .devices import Cluster, Device, Link
 from .gpus import DEVICES, NODE_OF_DEVICE, NODES
 
@@ -111,4 +112,5 @@ def measured_device(device: torch.device, name: str, n: int = 2048) -> Device:
     # measured rates are achieved ones: efficiency 1 against them
     return Device(name=re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "gpu",
                   memory_bytes=memory, peak_flops=flops, mem_bandwidth=bandwidth,
-                  max_efficiency=1.0, mem_efficiency=1.0, fill_time=3e-6, launch_overhead=5e-6)
+                  max_efficiency=1.0, mem_efficiency=1.0, fill_time=3e-6, launch_overhead=5e-6,
+                  host_op_s=GPU_HOST_OP_S if device.type == "cuda" else 0.0)

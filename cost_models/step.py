@@ -25,7 +25,24 @@ Overlap rules (GPU; where each is applied):
 - recomputation costs its forward again (``compute.node_time``'s caller adds the forward
   once more for every recomputed node);
 - the optimizer step (:func:`optimizer_step_time`) and the host's per-step work
-  (:data:`HOST_OVERHEAD_S`) are not overlapped with anything.
+  (:data:`HOST_OVERHEAD_S`) are not overlapped with anything;
+- host time of an eager program on a GPU (``cost_models.host``: every ATen call of the step,
+  forward, backward and optimizer, at ``Device.host_op_s``) overlaps the device's work: the
+  host queues kernels while the GPU runs them, so the step is ``max(device, host)``
+  (:func:`step_time`), the device side being compute + exposed communication. Flat plans
+  (``solver/flat._to_plan``; gradient accumulation k times, ``solver/accumulate``; branch
+  plans, a group's rank dispatching only its branches, ``solver/branches``) apply it.
+  Pipelined plans apply it per rank (``solver/stage_dp``'s host rule): a rank dispatches
+  its stages' calls once per micro-batch, forward and backward, and its optimizer's once,
+  so a stage's micro-batch takes ``max(device, its calls x host_op_s)`` in the stage DP's
+  cuts and the simulated schedule, and the step is at least the busiest rank's
+  ``(m x its stages' calls + optimizer calls) x host_op_s`` (``StagePlan.host_time``,
+  ``solver/pipeline_price.pipeline_estimate``); the optimizer's calls are dispatched after
+  the rank's last backward, beside its exposed gradient reduction (the step ends
+  ``max(exposed reduction, optimizer calls x host_op_s)`` after the pipeline). Compiled programs (``compile=True``) pay
+  ``cost_models.host.COMPILED_HOST_FRACTION`` (0.99) of the eager calls, flat or pipelined.
+  The estimate shows the host seconds as ``Estimate.host_s``. CPU ranks price their host
+  in ``launch_overhead`` / ``view_overhead`` (their host is the device) and keep 0 here.
 
 Every constant cites its source.
 """
@@ -85,11 +102,7 @@ def optimizer_step_time(params_on_device: float, device: Device, *, optimizer: s
 
 def step_time(device_s: float, host_s: float) -> float:
     """A step whose device side takes ``device_s`` and whose host dispatches take
-    ``host_s`` (``cost_models.host``: eager GPU programs), overlapped, the GPU running
-    asynchronously behind the host: ``max(device_s, host_s)``. Checked against the GPU
-    check's committed reports (``benchmarks/host_time.py``); not yet in the search's
-    estimate: a pipeline rank's host calls are not priced by the stage DP, and a host term
-    on flat plans alone would favour pipelines for small models."""
+    ``host_s``, overlapped (module docstring): ``max(device_s, host_s)``."""
     return max(device_s, host_s)
 
 

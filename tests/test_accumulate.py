@@ -134,7 +134,12 @@ def test_cost_model_one_micro_batch_of_activations_one_gradient_sync():
     assert one.estimate.compute_s < four.estimate.compute_s < 1.2 * one.estimate.compute_s
     sync1, sync4 = one.estimate.comm["all_reduce@data"], four.estimate.comm["all_reduce@data"]
     assert sync4 < 2 * sync1, (sync1, sync4)
-    assert four.estimate.step_time_s == pytest.approx(four.estimate.compute_s + four.estimate.comm_s)
+    # the host dispatches every micro-batch's calls (cost_models/host.py); the step is the
+    # larger of the device side and the host's (cost_models/step.step_time)
+    # (the micro-batch graph's loss, rewritten into its term of the batch's, has a few more nodes)
+    assert four.estimate.host_s == pytest.approx(4 * one.estimate.host_s, rel=0.05) and one.estimate.host_s > 0
+    assert four.estimate.step_time_s == pytest.approx(
+        max(four.estimate.compute_s + four.estimate.comm_s, four.estimate.host_s))
 
 
 # ---- the free search -----------------------------------------------------------------------

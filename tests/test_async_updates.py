@@ -18,6 +18,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autopar  # noqa: E402
+from autopar.cost_models.step import step_time  # noqa: E402
 from autopar.errors import ArgumentError, PinError  # noqa: E402
 from autopar.verify import GRAD_RTOL, LOSS_RTOL, WEIGHT_RTOL  # noqa: E402
 from launch import case_result, torchrun_cases  # noqa: E402
@@ -159,9 +160,15 @@ def test_bad_pins_say_the_fix(pins, words):
 
 # ---- prices ----------------------------------------------------------------------------
 def _mlp():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024))
-    return model, (torch.randn(32, 1024),), torch.randint(0, 1024, (32,))
+    """Wide enough, and enough rows (256 a rank over data=16), that the device's step
+    (about 5 ms of matmuls on an A100) binds, not the host's dispatch of its ~60 ATen calls
+    (16.7 us each, about 1 ms: ``cost_models.host``): at 1024 x 1024 and 32 rows the host
+    alone set every scheme's step, and what the schemes hide would not show. Built on the
+    meta device: only shapes are priced."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4096, 4096), nn.Tanh(), nn.Linear(4096, 4096))
+    return (model, (torch.empty(4096, 4096, device="meta"),),
+            torch.empty(4096, dtype=torch.long, device="meta"))
 
 
 def _plan(cluster, **pins):
@@ -183,10 +190,13 @@ def test_prices():
         assert p.mesh_shape == (16,), p.summary()
     assert not any(k in exact.pins for k in ("staleness", "param_server", "learners", "hogwild"))
     e, st, p1, p8, c = (x.estimate for x in (exact, stale, ps1, ps8, cb))
+    # every scheme dispatches the same calls (the host's term), and the device binds
+    assert e.host_s > 0 and st.host_s == e.host_s and e.host_s < 0.5 * e.compute_s
     # staleness: the same all-reduce, hidden behind the next step's compute
     assert st.comm["all_reduce@data"] == pytest.approx(e.comm["all_reduce@data"])
-    assert st.step_time_s == pytest.approx(
-        e.compute_s + e.comm["all_reduce@data"] - min(e.comm["all_reduce@data"], e.compute_s))
+    assert st.step_time_s == pytest.approx(step_time(
+        e.compute_s + e.comm["all_reduce@data"] - min(e.comm["all_reduce@data"], e.compute_s),
+        e.host_s))
     assert st.step_time_s < e.step_time_s
     assert st.memory_bytes["stale_grads"] == e.memory_bytes["grads"]
     # parameter servers: push and pull on the servers' links; 8 servers share the load
@@ -196,7 +206,7 @@ def test_prices():
     assert p8.memory_bytes["optimizer"] == pytest.approx(e.memory_bytes["optimizer"] / 8)
     # Crossbow: 4 replicas' parameters, gradients and optimizer state plus the central model
     assert c.memory_total > 3 * e.memory_total
-    assert c.compute_s == pytest.approx(4 * e.compute_s)
+    assert c.compute_s == pytest.approx(4 * e.compute_s) and c.host_s == pytest.approx(4 * e.host_s)
     assert "all_reduce@data" not in c.comm and c.comm["sma_all_reduce@data"] > 0
 
 
@@ -222,4 +232,4 @@ def test_first_step_check_is_refused(pin):
 
 def test_learners_over_the_budget_is_refused():
     with pytest.raises(PinError, match="learners=64 keeps 64 replicas.*pin fewer"):
-        _plan("2x8xA100", data=16, learners=64, memory_budget=64 * 2**20)
+        _plan("2x8xA100", data=16, learners=64, memory_budget=2**30)   # the exact plan: 0.6 GiB

@@ -351,9 +351,14 @@ def test_bad_pins_say_the_fix(pins, words):
 
 # ---- the cost model's choice -----------------------------------------------------------
 def _mlp():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2048, 2048), nn.Tanh(), nn.Linear(2048, 2048))
-    return model, (torch.randn(32, 2048),), torch.randint(0, 2048, (32,))
+    """Wide enough (8192: 8.4M parameters a rank under tensor=8) that the device's step, the
+    data axis's gradient reduction above all, binds on two nodes, not the host's dispatch of
+    its ~60 ATen calls (16.7 us each, about 1 ms: ``cost_models.host``); at 2048 the host
+    alone set both plans' steps. Built on the meta device: only shapes are priced."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8192, 8192), nn.Tanh(), nn.Linear(8192, 8192))
+    return (model, (torch.empty(256, 8192, device="meta"),),
+            torch.empty(256, dtype=torch.long, device="meta"))
 
 
 @pytest.mark.parametrize("cluster,pays", [("2x8xA100", True), ("16xA100", False)])
@@ -368,6 +373,7 @@ def test_auto_compresses_on_a_slow_inter_node_link_only(cluster, pays):
     assert "compress" not in exact.pins          # lossy only when allowed
     if pays:
         assert auto.pins.get("compress") is not None, auto.pins
+        assert auto.estimate.host_s < auto.estimate.step_time_s     # the device binds
         assert auto.estimate.step_time_s < exact.estimate.step_time_s
         assert auto.estimate.comm["all_reduce@data"] < 0.9 * exact.estimate.comm["all_reduce@data"]
     else:

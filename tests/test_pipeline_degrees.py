@@ -13,6 +13,7 @@ import torch
 from autopar.capture import capture
 from autopar.cost_models.hardware import parse_cluster
 from autopar.solver.driver import solve
+from autopar.solver.ilp import InfeasibleError
 from autopar.solver.pipeline_free import pipeline_degrees, stage_meshes
 from examples.models import gpt_factory
 
@@ -22,9 +23,13 @@ from step_terms import step_terms  # noqa: E402  (benchmarks/plan_quality.py's g
 
 @functools.cache
 def nine_layers():
-    """A 9-layer GPT small enough to capture in a second, and its graph."""
+    """A 9-layer GPT captured in a second (on the meta device), and its graph. Wide enough
+    (1024, 48 sequences of 512 tokens) that an A100's device time binds, not the host's
+    dispatch of its ATen calls (``cost_models.host``: ~130 a layer per micro-batch at
+    16.7 us): at width 64 and 128 tokens each stage's micro-batch was its host's, and the
+    1F1B fill and drain of host-bound stages, not the device's schedule, made the step."""
     with torch.device("meta"):
-        ex = gpt_factory(batch=48, n_layer=9, n_embd=64, n_head=4, block_size=128, vocab_size=256)
+        ex = gpt_factory(batch=48, n_layer=9, n_embd=1024, n_head=8, block_size=512, vocab_size=256)
     return ex, capture(ex.model, ex.inputs, ex.loss_fn, ex.target)
 
 
@@ -48,11 +53,15 @@ def test_three_devices_pipeline_three_stages():
     reaches, and the plan fits. Its step broken into terms (benchmarks/step_terms.py, priced
     again from the plan's placements) gives the estimate's compute and communication."""
     ex, cap = nine_layers()
-    budget = 16 * 2**20
+    budget = 2**30       # no unpipelined plan fits (below); the 3-stage pipeline holds 0.86 GiB
     plan, mcap = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x3xA100",
                        pins={"accumulate": 1}, memory_budget=budget, captured=cap)
     assert plan.pipeline_stages == 3 and plan.mesh_shape == (3, 1)
     assert plan.estimate.memory_total <= budget
+    assert 0 < plan.estimate.host_s < 0.75 * plan.estimate.step_time_s    # the device binds
+    with pytest.raises(InfeasibleError):
+        solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x3xA100",
+              pins={"accumulate": 1, "pipeline": 1}, memory_budget=budget, captured=cap)
     terms = step_terms(mcap, plan, parse_cluster("1x3xA100"))
     assert terms["compute"] > 0 and terms["pipeline p2p"] > 0 and terms["pipeline bubble"] > 0
     assert terms["compute"] + terms["recompute"] == pytest.approx(plan.estimate.compute_s, rel=1e-9)

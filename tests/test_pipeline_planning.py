@@ -175,11 +175,18 @@ def slow_two_nodes(bandwidth=0.25e9):
     return replace(cl, name="2x2xA100-slow", inter=Link(bandwidth=bandwidth, latency=cl.inter.latency))
 
 
+# DEEP at twice the batch and tokens: at DEEP's own size the pipeline's 16 micro-batches
+# would dispatch ~134 ms of ATen calls a rank (cost_models/host.py: half the graph's ~1,000
+# calls x 16 x 16.7 us), over the unpipelined plan's 124 ms step, so host time, not the
+# link, would decide
+SLOW_LINK = {**DEEP, "batch": 64, "block_size": 256}
+
+
 def test_two_nodes_on_a_slow_link_pipeline():
     """Two nodes of two A100s joined by 0.25 GB/s: whatever crosses the link every step
     (gradients, activations of tensor parallelism) is slow; a pipeline with one stage per
     node sends only the activations at the cut, and is predicted faster."""
-    ex = meta_gpt(**DEEP)
+    ex = meta_gpt(**SLOW_LINK)
     cl = slow_two_nodes()
     free = plan(ex, cl)
     flat = plan(ex, cl, pipeline=1)

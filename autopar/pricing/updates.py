@@ -36,6 +36,7 @@ from dataclasses import replace
 
 from autopar.cost_models import comm as comm_model
 from autopar.cost_models.hardware import axis_link
+from autopar.cost_models.step import step_time
 from autopar.errors import PinError
 from autopar.pricing.costing import OVERLAPPED
 
@@ -84,8 +85,10 @@ def reprice_updates(plan, cluster, budget: float):
         if s:
             mem["stale_grads"] = s * grads
     comm_s = sum(comm.values())
-    est = replace(e, step_time_s=compute + comm_s, compute_s=compute, comm_s=comm_s,
-                  memory_bytes=mem, comm=comm)
+    # m learners: each replica's forward and backward dispatched by the host too
+    host_s = e.host_s * m if m else e.host_s
+    est = replace(e, step_time_s=step_time(compute + comm_s, host_s), compute_s=compute, comm_s=comm_s,
+                  memory_bytes=mem, comm=comm, host_s=host_s)
     if est.memory_total > budget:
         what = (f"learners={m} keeps {m} replicas" if m else
                 f"staleness={s} keeps {s} gradient copies" if s and not k else
@@ -105,7 +108,7 @@ def _reprice_workers(plan, budget: float):
         comm.pop(OVERLAPPED, None)        # after backward, not beside it
     mem["workers_buffers"] = 2 * mem.get("grads", 0.0)
     comm_s = sum(comm.values())
-    est = replace(e, step_time_s=e.compute_s + comm_s, comm_s=comm_s, memory_bytes=mem, comm=comm)
+    est = replace(e, step_time_s=step_time(e.compute_s + comm_s, e.host_s), comm_s=comm_s, memory_bytes=mem, comm=comm)
     if est.memory_total > budget:
         raise PinError(f"workers={plan.options.workers!r} keeps two more gradient-sized buffers: "
                        f"{est.memory_total / 2**30:.2f} GiB a device, over the budget of "

@@ -17,7 +17,9 @@ Measured, per rank, on the steps after ``warmup``:
   for it. Pipeline send / recv run inside ``torch.distributed.pipelining`` and are not
   measured;
 - **other**: the rest of the step (Python, the autograd engine, hooks): step - compute -
-  communication. The cost model has no such term (predicted ``-``);
+  communication. Predicted: the estimate's host term (``Estimate.host_s``: every ATen call's
+  dispatch on a GPU, ``cost_models.host``; ``-`` where it prices none). Under the op timer
+  the measured figure also holds the timer's own per-op cost;
 - **peak memory**: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the high-water mark
   of live tensor storage bytes seen by torch's ``MemTracker``
   (``torch.distributed._tools.mem_tracker``: parameters, gradients, optimizer state,
@@ -326,7 +328,9 @@ def report(plan: Plan, cap, measured: list[RankTiming], steps: int, warmup: int)
                    | {k for m in measured for k in m.comm_s})
     rows += [Row(c, "comm", est.comm.get(c, 0.0), [m.comm_s.get(c, 0.0) for m in measured])
              for c in colls]
-    rows.append(Row(OTHER, "other", None, [m.other_s for m in measured]))
+    # the estimate's host term (eager dispatch, overlapped with the device: the step is
+    # max(device, host)) against the measured time outside every op
+    rows.append(Row(OTHER, "other", est.host_s or None, [m.other_s for m in measured]))
     rows.append(Row("peak memory", "memory", est.memory_total, [m.peak_bytes for m in measured]))
     mesh = f"mesh {tuple(plan.mesh_shape)} {tuple(plan.mesh_axes)}, cluster {plan.cluster}"
     return TimingReport(rows, len(measured), steps, warmup,

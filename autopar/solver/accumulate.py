@@ -28,6 +28,7 @@ import torch
 from autopar.analysis.batch_statistics import batch_statistics_nodes
 from autopar.capture import Captured
 from autopar.cost_models.memory import training_state_bytes
+from autopar.cost_models.step import step_time
 from autopar.errors import PinError
 from autopar.options import Options, as_options
 from autopar.plan import Plan
@@ -99,8 +100,11 @@ def accumulated_plan(plan: Plan, k: int) -> Plan:
     """``plan``, solved for one micro-batch, as a step of ``k`` micro-batches: every time
     ``k`` times (the gradient reductions were weighted ``1 / k``), memory as it is."""
     e = plan.estimate
-    est = replace(e, step_time_s=e.step_time_s * k, compute_s=e.compute_s * k,
-                  comm_s=e.comm_s * k, comm={n: t * k for n, t in e.comm.items()})
+    # the host's dispatches too run k times (the optimizer's few foreach calls once: within
+    # a fraction of a percent, ``cost_models.host.OPTIMIZER_DISPATCHES``)
+    est = replace(e, step_time_s=step_time((e.compute_s + e.comm_s) * k, e.host_s * k),
+                  compute_s=e.compute_s * k, comm_s=e.comm_s * k,
+                  comm={n: t * k for n, t in e.comm.items()}, host_s=e.host_s * k)
     return replace(plan, estimate=est, accumulate=k)
 
 

@@ -26,6 +26,8 @@ from autopar.analysis.branches import BranchSet, find_branches
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.hardware import axis_link
+from autopar.cost_models.host import node_dispatches
+from autopar.cost_models.step import step_time
 from autopar.errors import PinError
 from autopar.options import Options, as_options
 from autopar.placement import local_shape
@@ -105,11 +107,18 @@ def branch_plan(cap: Captured, cl, world: int, n: int, inner: Plan, solved: Solv
     mesh = (n, *inner.mesh_shape)
     link = axis_link(cl, mesh, 0)
     saved_s, join_s = 0.0, 0.0
+    calls = {x.name: sum(node_dispatches(str(x.target))) for x in cap.gm.graph.nodes
+             if x.op == "call_function"}
+    skipped_calls = 0.0
     groups_of, spare = [], [dict() for _ in range(n)]    # memory the group does not hold
     for s in sets:
         costs = [sum(node_s.get(x, 0.0) for x in s.branches[k]) for k in range(len(s.branches))]
         groups = assign(costs, n)
         saved_s += sum(costs) - max(sum(costs[k] for k in g) for g in groups)
+        # the host too dispatches only its group's branches (cost_models/host.py): the rank
+        # that skips the fewest calls sets the host term
+        skipped_calls += min(sum(calls.get(x, 0.0) for k in range(len(s.branches)) if k not in g
+                                 for x in s.branches[k]) for g in groups)
         groups_of.append(BranchGroups(s.fork, s.join, [sum((s.owned(k) for k in g), ()) for g in groups]))
         for gi, g in enumerate(groups):
             for k in range(len(s.branches)):
@@ -125,7 +134,9 @@ def branch_plan(cap: Captured, cl, world: int, n: int, inner: Plan, solved: Solv
     worst = max(range(n), key=lambda g: est.memory_total - sum(spare[g].values()))
     memory = {k: v - spare[worst].get(k, 0.0) for k, v in est.memory_bytes.items()}
     comm = {**est.comm, "all_reduce@branch": join_s}
-    estimate = replace(est, step_time_s=est.step_time_s - saved_s + join_s,
+    host_s = est.host_s * max(0.0, 1 - skipped_calls / max(sum(calls.values()), 1.0))
+    estimate = replace(est, step_time_s=step_time(est.compute_s + est.comm_s - saved_s + join_s, host_s),
+                       host_s=host_s,
                        compute_s=est.compute_s - saved_s, comm_s=est.comm_s + join_s,
                        memory_bytes=memory, comm=comm)
     nodes = {k: NodePlacement(tuple("R" + p for p in v.inputs), tuple("R" + p for p in v.outputs))

@@ -26,6 +26,8 @@ from autopar.solver.ilp import (InfeasibleError, Solution, TimeLimitError, _gib,
 from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
 from autopar.pricing.context import best_form, context_axis_of
+from autopar.cost_models.host import host_time, step_dispatches
+from autopar.cost_models.step import step_time
 from autopar.options import Options, as_options, check_optimizer
 from autopar.pricing.prices import compute_floor, memory_floor
 from autopar.pricing.problem import _describe, _placeholder_choices, build_problem
@@ -679,9 +681,11 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, memory_budget, capture_
     if sol.overlapped_s > 0:   # gradient sync hidden behind compute (cost_models/step.py)
         comm[OVERLAPPED] = -sol.overlapped_s
     comm_total = sum(comm.values())
-    est = Estimate(step_time_s=sol.compute_s + comm_total, compute_s=sol.compute_s,
+    host_s = plan_host_s(cap, cl.device, _recompute_of(cap, best.recompute or None)[1]
+                         if best.recompute else (), best.n_states, pins)
+    est = Estimate(step_time_s=step_time(sol.compute_s + comm_total, host_s), compute_s=sol.compute_s,
                    comm_s=comm_total, memory_bytes=dict(sol.memory), comm=comm,
-                   memory_phases=sol.memory_phases)
+                   memory_phases=sol.memory_phases, host_s=host_s)
     n_graph = sum(1 for n in cap.gm.graph.nodes if n.op in ("placeholder", "call_function"))
     report = SolverReport(sol.status, sol.objective_s, sol.bound_s, sol.gap, sol.solve_time_s,
                           capture_s, sol.n_variables, sol.n_constraints, n_graph, len(problem.vars),
@@ -701,6 +705,17 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, memory_budget, capture_
                 inputs=tuple(cap.inputs), recompute=best.recompute,
                 offload=pins.offload, host_memory_bytes=_host_bytes(best),
                 disk_bytes=_disk_bytes(best))
+
+
+def plan_host_s(cap: Captured, device, recomputed, optimizer_states: int, pins: Options) -> float:
+    """Host seconds of one step of a flat plan's eager program on ``device``
+    (``cost_models.host``; 0 where the device prices none: CPU ranks)."""
+    if not device.host_op_s:
+        return 0.0
+    targets = [str(n.target) for n in cap.gm.graph.nodes if n.op == "call_function"]
+    again = [str(cap.node(n).target) for n in recomputed if cap.node(n).op == "call_function"]
+    calls = step_dispatches(targets, again, optimizer_states=optimizer_states)
+    return host_time(calls, device.host_op_s, compiled=bool(pins.compile))
 
 
 def _host_bytes(best: _Best) -> dict[str, float]:

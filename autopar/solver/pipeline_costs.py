@@ -37,6 +37,7 @@ from autopar.analysis.layers import recompute_nodes
 from autopar.analysis.stages import chain, chain_index, crossing_bytes, parameter_positions
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
+from autopar.cost_models.host import node_dispatches
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.costing import COPY_OUT, INF, grad_partial_flags
 from autopar.pricing.prices import PriceTable, price_table
@@ -84,6 +85,11 @@ class NodeCosts:
     """Per chain node: 1 where it reads a parameter, else 0 (``parameter_positions``): a
     stage none of whose nodes reads one holds no parameter. Empty: not known (every node
     counts as reading one)."""
+    host_calls: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per chain node: the ATen calls an eager program dispatches for one micro-batch of
+    it, forward and backward, and the forward again where it is recomputed
+    (``cost_models.host.node_dispatches`` of every captured node ``chain_index`` puts
+    there). Empty: not counted."""
 
     def with_recompute(self, cap: Captured, layers) -> NodeCosts:
         """These prices with ``layers`` recomputed (priced from a plan without): their nodes
@@ -93,11 +99,14 @@ class NodeCosts:
         where = chain_index(cap, self.units)
         compute, act, flag = self.compute.copy(), self.activations.copy(), self.recomputed.copy()
         comm = self.comm.copy()
+        calls = self.host_calls.copy() if len(self.host_calls) else self.host_calls
         rebuilt = 0.0
         for name, i in where.items():      # graph order: sums that do not move with the hash seed
             if name not in rec:
                 continue
             compute[i] += self.node_forward.get(name, 0.0)
+            if len(calls):                 # its forward's calls again
+                calls[i] += node_dispatches(str(cap.node(name).target))[0]
             comm[i] += self.node_forward_comm.get(name, 0.0)
             if name not in kept:
                 a = self.node_activations.get(name, 0.0)
@@ -105,6 +114,7 @@ class NodeCosts:
                 rebuilt += a
                 flag[i] = True
         return replace(self, compute=compute, comm=comm, activations=np.maximum(act, 0.0), recomputed=flag,
+                       host_calls=calls,
                        recompute_bytes=max(self.recompute_bytes, rebuilt / max(len(layers), 1)))
 
     @property
@@ -248,7 +258,18 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
                      recomputed=acc.recomputed, comm_latency=acc.alpha,
                      launch=float(dev.launch_overhead + dev.fill_time), node_forward=acc.node_forward,
                      node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm,
-                     params=params)
+                     params=params, host_calls=host_calls(cap, units, solved.cost.recompute))
+
+
+def host_calls(cap: Captured, units: list[str], recomputed=frozenset()) -> np.ndarray:
+    """ATen calls of one micro-batch per chain node (``NodeCosts.host_calls``): each
+    captured node's forward and backward calls (``cost_models.host``) on the chain node
+    whose stage runs it (``chain_index``), its forward's again if it is in ``recomputed``."""
+    out = np.zeros(len(units))
+    for name, i in chain_index(cap, units).items():
+        f, b = node_dispatches(str(cap.node(name).target))
+        out[i] += f + b + (f if name in recomputed else 0.0)
+    return out
 
 
 _CROSSINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -17,6 +17,7 @@ import numpy as np
 
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
+from autopar.cost_models.host import OPTIMIZER_DISPATCHES, host_time
 from autopar.placement import Shard, local_shape, parse_placements
 from autopar.plan import Estimate, Plan
 from autopar.schedule import rank_stages, schedule_actions, stage_ranks
@@ -69,6 +70,36 @@ class Priced:
     ranks_apart: int = 0         # ranks between neighbouring stages (world // p)
     devices_per_node: int = 0    # 0: one node (every cut inside it)
     starts: tuple | None = None  # stage_split="even-layers": each repeated layer's chain start
+    host_op_s: float = 0.0       # host seconds per ATen call (``Device.host_op_s``; 0: CPU ranks)
+    optimizer_calls: float = 0.0  # a rank's optimizer foreach calls a step (cost_models.host)
+
+    def host_calls(self) -> np.ndarray:
+        """ATen calls per chain node of one micro-batch (``NodeCosts.host_calls``; zeros
+        where the device prices no host time)."""
+        nc = self.nc
+        if not self.host_op_s or len(nc.host_calls) != len(nc.units):
+            return np.zeros(len(nc.units))
+        return nc.host_calls
+
+    @property
+    def optimizer_host_s(self) -> float:
+        """Host seconds of a rank's optimizer step (its foreach calls), dispatched after
+        its last backward (``stage_dp``'s host rule; 0 on CPU ranks)."""
+        return self.optimizer_calls * self.host_op_s
+
+    def rank_host_s(self, cuts: Sequence[int], p: int, m: int, schedule: str = "1f1b") -> np.ndarray:
+        """Host seconds a step per pipeline rank for chain cuts ``cuts`` (stages placed as
+        ``schedule`` places them): its stages' calls once per micro-batch, forward and
+        backward, and its optimizer's once (``stage_dp``'s host rule; zeros on CPU ranks)."""
+        if not self.host_op_s:
+            return np.zeros(p)
+        calls = self.host_calls()
+        bounds = (0, *cuts, len(calls))
+        rank = stage_ranks(schedule, p, (len(bounds) - 1) // p)
+        out = np.zeros(p)
+        for k, (j, i) in enumerate(zip(bounds[:-1], bounds[1:])):
+            out[rank[k]] += m * float(calls[j:i].sum())
+        return (out + self.optimizer_calls) * self.host_op_s
 
     @property
     def fixed_cuts(self):
@@ -108,7 +139,9 @@ class Priced:
                           boundary_bytes=nc.cross[self.positions - 1] / b, fixed_time=seg(fixed),
                           action_time=self.action, boundary_tensors=nc.cross_tensors[self.positions - 1],
                           message_time=self.message,
-                          parameters=seg(nc.params) if len(nc.params) else None)
+                          parameters=seg(nc.params) if len(nc.params) else None,
+                          host_time=seg(self.host_calls()) * self.host_op_s,
+                          host_step_time=self.optimizer_calls * self.host_op_s)
 
     def extra_memory(self) -> float:
         """Bytes every rank may hold besides state and activations: the recompute transient
@@ -139,11 +172,18 @@ def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_sta
         positions = sorted(set(positions) | {int(i) for i in starts if i > 0})
     bw, lat = pipeline_link(cl, world // p, world)
     near, _ = pipeline_link(cl, world // p, 1)
+    # host time of the ranks' eager programs (GPU devices only: ``Device.host_op_s``); a
+    # compiled intra plan pays ``COMPILED_HOST_FRACTION`` of it, as a flat plan does
+    host_op_s = float(getattr(cl.device, "host_op_s", 0.0) or 0.0)
+    if host_op_s and intra.options.compile:
+        host_op_s = host_time(1.0, host_op_s, compiled=True)
+    opt_calls = OPTIMIZER_DISPATCHES.get(getattr(solved.problem, "optimizer_states", 2), 10)
     return Priced(cap, intra, solved, nc, np.array([0, *positions, len(nc.units)], dtype=int), bw, lat,
                   float(getattr(cl.device, "pipeline_action", 0.0)), message_latency(cl, world),
                   near_bandwidth=near, ranks_apart=world // p,
                   devices_per_node=cl.devices_per_node if cl.nodes > 1 else 0,
-                  starts=None if starts is None else tuple(int(i) for i in starts))
+                  starts=None if starts is None else tuple(int(i) for i in starts),
+                  host_op_s=host_op_s, optimizer_calls=float(opt_calls) if host_op_s else 0.0)
 
 
 PRICED_KEPT = 4
@@ -280,7 +320,8 @@ def worst_rank_memory(cap, solved, cl, world, config, starts=None) -> float:
 
 
 def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
-    """Step time (simulated schedule + once-per-step gradient reduction), per-device compute
+    """Step time (simulated schedule + once-per-step gradient reduction, or the busiest
+    rank's host seconds where that is more: ``stage_dp``'s host rule), per-device compute
     and communication of the busiest rank, memory of the fullest rank."""
     p, v, m, schedule = config
     nc = pr.nc
@@ -290,7 +331,11 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     times = nc.time
     # every tensor crossing a stage's cuts is a message each way per micro-batch (stage_dp)
     at = cut_latency(np.concatenate([[0.0], nc.cross_tensors, [0.0]]), pr.message)
-    stage_times = np.array([times[j:i].sum() + at[j] + at[i] for j, i in stages])
+    # a stage's micro-batch: its device time or its host's dispatch, whichever is longer
+    # (stage_dp's host rule; zeros on CPU ranks)
+    calls = pr.host_calls()
+    stage_times = np.array([max(times[j:i].sum() + at[j] + at[i], calls[j:i].sum() * pr.host_op_s)
+                            for j, i in stages])
     # each boundary at the link it crosses (NVLink inside a node, the rank's NIC across);
     # the stage DP chose the cuts at the slower, ``pr.bandwidth`` (a bound for every cut)
     # a boundary between two stages of one rank (DualPipeV's middle one) sends nothing
@@ -327,7 +372,11 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     rank_stages_ = rank_stages(schedule, p, v)
     hide = [float(sum(stage_times[k] for k in ks)) * (1 - FORWARD) for ks in rank_stages_]
     exposed = np.array([exposed_sync(float(sync[r]), hide[r], last) for r in range(p)])
-    step = float((end + exposed).max())
+    # the host's dispatches (stage_dp's host rule): the busiest rank's calls, its stages'
+    # once per micro-batch and its optimizer's once, against the simulated device step; the
+    # optimizer's calls come after the rank's last backward, beside its exposed reduction
+    host = float(pr.rank_host_s(cuts, p, m, schedule).max())
+    step = max(float((end + np.maximum(exposed, pr.optimizer_host_s)).max()), host)
     held = in_flight(schedule, p, m, v)
     mems = [nc.rank_memory([stages[k] for k in ks], held[ks]) for ks in rank_stages_]
     worst = max(range(p), key=lambda r: sum(mems[r].values()))
@@ -347,7 +396,8 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
             comm["send_recv@pipeline"] = comm.get("send_recv@pipeline", 0.0) + m * sends
     if sync[busiest] > exposed[busiest]:
         comm[OVERLAPPED] = -float(sync[busiest] - exposed[busiest])
-    return Estimate(step_time_s=step, compute_s=float(compute), comm_s=float(sum(comm.values())),
+    return Estimate(step_time_s=step, host_s=host, compute_s=float(compute),
+                    comm_s=float(sum(comm.values())),
                     memory_bytes={k: float(b) for k, b in mems[worst].items()},
                     comm={k: float(s) for k, s in comm.items()},
                     bubble_fraction=float(sim.bubble_fraction),

@@ -197,9 +197,11 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowe
     for sp in sorted(plans, key=lambda sp: sp.predicted_step_time):
         sync = float(pr.rank_sync([int(pr.bounds[c]) for c in sp.cuts], p, sp.schedule).max())
         busiest = sp.micro_batches * float(rank_times(sp.schedule, p, sp.virtual_stages, sp.stage_times).max())
-        if busiest + sync >= bound:
+        if max(busiest + sync, sp.host_time) >= bound:
             continue                       # its busiest rank alone is too slow
-        step = simulate_plan(sp, timeline=False) + sync
+        # the busiest rank's host dispatches where they take longer, and its optimizer's
+        # after its last backward, beside the reduction (stage_dp's host rule)
+        step = max(simulate_plan(sp, timeline=False) + max(sync, pr.optimizer_host_s), sp.host_time)
         if partial is not None:
             step = min(step, _partial_step(pr, partial, sp, p, batch, budget))
         simulated.append((sp, step))
@@ -271,7 +273,8 @@ def step_floor(pr: Priced, p: int, batch: int, pins: Options, allowed_m=None) ->
     through its stages, at least 1/p of every layer's time and at least the longest layer
     (per micro-batch: its share of the batch, plus its fixed time), and the simulated
     timeline cannot be shorter than that; the gradient sync only adds. The least over the
-    micro-batch counts the pins and ``allowed_m`` leave; -inf when they leave none."""
+    micro-batch counts the pins and ``allowed_m`` leave; -inf when they leave none. The
+    busiest rank's host dispatches (``LayerCosts.host_floor``) are such a floor too."""
     costs = pr.layer_costs()
     mbs = pins.micro_batch_size
     floor = math.inf
@@ -284,7 +287,8 @@ def step_floor(pr: Priced, p: int, batch: int, pins: Options, allowed_m=None) ->
             return -math.inf      # let ``_choose`` raise what the pins cannot run
         for c in candidates:
             layer = costs.time * (batch / c.m) + costs.fixed_time
-            floor = min(floor, c.m * max(float(layer.sum()) / c.p, float(layer.max())))
+            floor = min(floor, max(c.m * max(float(layer.sum()) / c.p, float(layer.max())),
+                                   costs.host_floor(c.p, c.m)))
     return floor
 
 

@@ -66,6 +66,28 @@ tensors crossing the cut before layer j (``boundary_tensors``; n_0 = n_L = 0: no
 alpha = ``message_time``; once per step each rank all-reduces its layers' ``sync_bytes``
 over its sub-mesh (ring, not overlapped), which is what makes a data-parallel sub-mesh cost
 something against a deeper pipeline.
+
+Host time (eager programs on GPUs, ``cost_models.host``): a pipeline rank's CPU dispatches
+the ATen calls of its stages once per micro-batch, forward and backward, while its GPU runs
+the kernels queued before (the same overlap as an unpipelined step's,
+``cost_models.step.step_time``), and its optimizer's foreach calls once a step:
+
+    c[k, j, i] = max(device c[k, j, i], sum_{l=j}^{i-1} h_l)       (each micro-batch)
+    host_r = m * sum_{k on r} sum_{l in stage k} h_l + h_opt,    step = max(step, max_r host_r)
+    step = pipeline end + max(sync, h_opt)        (the optimizer's calls after the last backward)
+
+for ``LayerCosts.host_time`` h (seconds per micro-batch) and ``host_step_time`` h_opt: a
+stage's micro-batch (its F and B actions, in the split above) takes the longer of its
+device time and its host's dispatch, so the DP balances the host where it binds, the
+closed form and the simulated timeline see it in every action (fill and drain too: a
+host-bound rank's late sends delay its neighbours), and the step is at least the busiest
+rank's host total with its optimizer's calls (``StagePlan.host_time``,
+``predicted_step_time``; ``pipeline_price.pipeline_estimate`` for the plan). The optimizer's
+calls are dispatched where they happen, after the rank's last backward: its host queues
+them while its device runs the exposed gradient reduction, so the step ends
+``max(sync, h_opt)`` after the pipeline (an unpipelined step pays them in its host total
+the same way; without this a one-micro-batch pipeline, whose stages run one after the
+other, would be priced the optimizer's calls faster than the same graph unpipelined).
 """
 from __future__ import annotations
 
@@ -298,8 +320,9 @@ def _fingerprint(costs: LayerCosts) -> bytes:
         arr = np.asarray(getattr(costs, name), dtype=float)
         h.update(len(arr).to_bytes(8, "little"))
         h.update(arr.tobytes())
+    h.update(np.asarray(costs.host_time, dtype=float).tobytes())
     h.update(np.array([costs.action_time, costs.message_time, costs.forward_fraction,
-                       costs.weight_fraction], dtype=float).tobytes())
+                       costs.weight_fraction, costs.host_step_time], dtype=float).tobytes())
     return h.digest()
 
 
@@ -311,7 +334,8 @@ def _lower_bound(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batc
     busy = float(layer.sum())
     slowest = max(busy / c.p, float(layer.max()))
     sync = ring_factor(n_devices // c.p) * float(costs.sync_bytes.sum()) / c.p / sync_bw
-    return c.m * slowest + bubble_rho(c.schedule, c.v, split, c.p) * (busy - slowest) + sync
+    return max(c.m * slowest + bubble_rho(c.schedule, c.v, split, c.p) * (busy - slowest) + sync,
+               costs.host_floor(c.p, c.m))
 
 
 def _busiest_floor(c: Candidate, costs: LayerCosts, n_devices: int, global_batch: int) -> float:
@@ -320,7 +344,7 @@ def _busiest_floor(c: Candidate, costs: LayerCosts, n_devices: int, global_batch
     of the layers' time and at least the longest layer (a stage's time is at least its
     layers'; transfers, latency and the bubble only add)."""
     layer = costs.time * (global_batch / c.m / (n_devices // c.p)) + costs.fixed_time
-    return c.m * max(float(layer.sum()) / c.p, float(layer.max()))
+    return max(c.m * max(float(layer.sum()) / c.p, float(layer.max())), costs.host_floor(c.p, c.m))
 
 
 def _cannot_fit(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batch: int,
@@ -417,15 +441,29 @@ def _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, syn
     stage_memory = np.array([memory[k, j, i] for k, (j, i) in enumerate(stages)])
     rank_sync = rank_times(c.schedule, c.p, c.v, [tables.sync[j, i] for j, i in stages])
     sync = ring_factor(n_devices // c.p) * float(rank_sync.max()) / sync_bw
+    host = rank_host(costs, stages, c)
     return StagePlan(
         cuts=tuple(int(x) for x in cuts), n_stages=c.p, micro_batches=c.m, schedule=c.schedule,
         virtual_stages=c.v, devices_per_stage=n_devices // c.p,
         stage_times=tuple(float(x) for x in stage_times),
         boundary_times=tuple(float(x) for x in comm_cuts),
-        predicted_step_time=step + sync, bubble_fraction=bubble, sync_time=sync,
+        predicted_step_time=max(step + max(sync, costs.host_step_time), host),
+        bubble_fraction=bubble, sync_time=sync,
+        host_time=host,
         memory_per_stage=tuple(float(x) for x in rank_times(c.schedule, c.p, c.v, stage_memory)),
         forward_fraction=costs.forward_fraction, weight_fraction=costs.weight_fraction,
         n_layers=tables.L)
+
+
+def rank_host(costs: LayerCosts, stages, c: Candidate) -> float:
+    """The busiest rank's host seconds a step with the layers ``[j, i)`` of each stage in
+    ``stages``, placed as candidate c's schedule places them (``rank_times``), for its m
+    micro-batches (the module's host rule)."""
+    h = costs.host_time
+    if not h.any():
+        return costs.host_step_time if len(stages) else 0.0
+    per_rank = rank_times(c.schedule, c.p, c.v, [float(h[j:i].sum()) for j, i in stages])
+    return c.m * float(np.max(per_rank)) + costs.host_step_time
 
 
 def _no_fit_message(candidates, tables, args) -> str:

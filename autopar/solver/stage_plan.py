@@ -54,9 +54,16 @@ class LayerCosts:
     """Parameters layer i reads (> 0: it reads one). A stage holds the parameters of its
     layers; a stage of layers reading none trains nothing (its rank's optimizer has an
     empty parameter list) and is never planned. None = every layer reads one."""
+    host_time: Sequence[float] | None = None
+    """Host seconds of layer i per micro-batch: its eager program's ATen calls, forward and
+    backward, dispatched on the rank's CPU (``cost_models.host``; GPU ranks only). None =
+    zeros (CPU ranks, whose host is the device: their dispatch is in ``fixed_time``)."""
+    host_step_time: float = 0.0
+    """Host seconds a rank spends once per step whatever its layers: the optimizer's
+    foreach calls (``cost_models.host.OPTIMIZER_DISPATCHES``)."""
 
     def __post_init__(self):
-        for name in ("fixed_time", "sync_bytes"):
+        for name in ("fixed_time", "sync_bytes", "host_time"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.time)))
         if self.parameters is None:
@@ -65,9 +72,11 @@ class LayerCosts:
             object.__setattr__(self, "boundary_tensors", np.zeros(max(len(self.time) - 1, 0)))
         if not (math.isfinite(self.message_time) and self.message_time >= 0):
             raise ValueError(f"LayerCosts.message_time must be finite and >= 0, got {self.message_time}")
+        if not (math.isfinite(self.host_step_time) and self.host_step_time >= 0):
+            raise ValueError(f"LayerCosts.host_step_time must be finite and >= 0, got {self.host_step_time}")
         arrays = {}
         for name in ("time", "state_bytes", "activation_bytes", "boundary_bytes", "fixed_time",
-                     "sync_bytes", "boundary_tensors", "parameters"):
+                     "sync_bytes", "boundary_tensors", "parameters", "host_time"):
             arr = np.asarray(getattr(self, name), dtype=float)
             if arr.ndim != 1:
                 raise ValueError(f"LayerCosts.{name} must be one-dimensional, got shape {arr.shape}")
@@ -77,7 +86,8 @@ class LayerCosts:
         n = arrays["time"].shape[0]
         if n == 0:
             raise ValueError("LayerCosts needs at least one layer")
-        for name in ("state_bytes", "activation_bytes", "fixed_time", "sync_bytes", "parameters"):
+        for name in ("state_bytes", "activation_bytes", "fixed_time", "sync_bytes", "parameters",
+                     "host_time"):
             if arrays[name].shape[0] != n:
                 raise ValueError(f"LayerCosts.{name} has {arrays[name].shape[0]} entries for {n} layers")
         for name in ("boundary_bytes", "boundary_tensors"):
@@ -98,6 +108,15 @@ class LayerCosts:
     def n_learned(self) -> int:
         """Layers that read a parameter: the most stages that can each hold one."""
         return int((self.parameters > 0).sum())
+
+    def host_floor(self, p: int, m: int) -> float:
+        """A floor of the busiest of ``p`` ranks' host seconds a step for ``m`` micro-batches:
+        at least 1/p of every layer's calls, and the longest layer's, m times, plus the
+        optimizer's (``stage_dp``'s host rule)."""
+        if not self.host_time.any():
+            return self.host_step_time
+        h = self.host_time
+        return m * max(float(h.sum()) / p, float(h.max())) + self.host_step_time
 
     def split(self) -> tuple[float, float, float]:
         """Fractions (F, I, W) of a stage's forward + backward time."""
@@ -125,13 +144,18 @@ class StagePlan:
     boundary_times: tuple[float, ...]
     """One-way transfer seconds across each of the S - 1 cuts for one micro-batch."""
     predicted_step_time: float
-    """Pipeline time (what ``simulate_plan`` times) + ``sync_time``."""
+    """Pipeline time (what ``simulate_plan`` times) + ``sync_time`` (or the optimizer's host
+    calls, ``LayerCosts.host_step_time``, where they take longer), or ``host_time`` where
+    that is more (``stage_dp``'s host rule)."""
     bubble_fraction: float
     """1 - busy area / (ranks x pipeline time), idle from fill, drain and imbalance."""
     memory_per_stage: tuple[float, ...]
     """Peak bytes per device of each pipeline rank (its v stages together)."""
     sync_time: float = 0.0
     """Once-per-step all-reduce of the slowest rank's ``sync_bytes`` over its sub-mesh."""
+    host_time: float = 0.0
+    """The busiest rank's host seconds a step (``stage_dp``'s host rule); the
+    ``predicted_step_time`` is at least this."""
     forward_fraction: float = 1 / 3
     weight_fraction: float = 0.5
     n_layers: int = field(default=0)

@@ -103,6 +103,7 @@ class Tables:
         self.state = _interval(np.concatenate([zero, np.cumsum(costs.state_bytes)]))
         self.act = _interval(np.concatenate([zero, np.cumsum(costs.activation_bytes)]))
         self.sync = _interval(np.concatenate([zero, np.cumsum(costs.sync_bytes)]))
+        self.host = _interval(np.concatenate([zero, np.cumsum(costs.host_time)]))
         j, i = np.indices((self.L + 1, self.L + 1))
         # a stage holds layers j .. i-1 (j < i), one of which reads a parameter: a stage with
         # none trains nothing (``LayerCosts.parameters``)
@@ -123,8 +124,10 @@ class Tables:
         # table per distinct count (one for GPipe and zero bubble), shared by its stages
         counts, which = np.unique(in_flight(c.schedule, c.p, c.m, c.v), return_inverse=True)
         actions = 3 if c.schedule == "zero-bubble" else 2
-        time = np.where(self.valid, self.time * b / d + self.fixed + self.latency
-                        + actions * self.costs.action_time, INF)
+        # a stage's micro-batch takes its device time or its host's dispatch of its calls,
+        # whichever is longer (``stage_dp``'s host rule; 0 host on CPU ranks)
+        time = np.where(self.valid, np.maximum(self.time * b / d + self.fixed + self.latency
+                                               + actions * self.costs.action_time, self.host), INF)
         memory = Memory(self.state / (d if shard_state else 1), self.act * b / d, counts, which)
         share = memory_limit / c.v
         # float sums at the limit fit; table u holds where the u-th least count fits

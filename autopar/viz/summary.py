@@ -47,7 +47,9 @@ def summary_renderable(plan: Plan, all_nodes: bool = False) -> Group:
     if plan.pins:
         head.append(f", pins {plan.pins}")
     head.append(f"\nestimate: step {fmt_time(e.step_time_s)} (compute {fmt_time(e.compute_s)}, "
-                f"communication {fmt_time(e.comm_s)}), bubble {e.bubble_fraction:.1%}")
+                f"communication {fmt_time(e.comm_s)}"
+        + (f", host {fmt_time(e.host_s)}: step = max(device, host)" if e.host_s else "")
+        + f"), bubble {e.bubble_fraction:.1%}")
     head.append("\nstages: none (one SPMD program on every rank; no pipeline in this plan)"
                 if e.bubble_fraction == 0 else "")
     if plan.accumulate > 1:
