@@ -1,21 +1,21 @@
 """What the rewrite passes' copies cost (``passes/copy_program``, ``runtime/program_passes``):
 for each example on one simulated rank, the nodes of its train program, one
 ``copy_program`` of it, and the seconds of building the rank's programs
-(``program_passes.rank_programs``) with the copies and with them skipped (every in-place
-pass editing the program the fold holds, as before the passes were declared).
+(``program_passes.rewrite``) with every in-place pass on a copy and as the fold runs them
+(editing the program an earlier pass of the fold made: no copy).
 
     python benchmarks/pass_copy_cost.py gpt llama resnet
 
-Measured 2026-11-29 (2 cores shared, load 13: seconds ~3-5x a quiet machine's), plain plan /
-zero=3 + bf16: gpt (84 nodes) copy 54-70 ms, programs 470 vs 426 ms / 788 vs 353 ms; llama
-(157 nodes) 96-126 ms, 1,422 vs 875 ms / 1,848 vs 711 ms; resnet (70 nodes) 58-82 ms,
-412 vs 210 ms / 806 vs 254 ms. About 60 % of a copy is the GraphModule's code generated
-again (``recompile``), which the pass then regenerates after its edit.
+Measured 2026-11-29 (2 cores shared, load ~10), plain plan / zero=3 + bf16, every in-place
+pass on a copy against the fold: gpt (84 nodes, one copy 17 ms) 136 vs 79 ms / 216 vs
+73 ms; llama (157 nodes, 23-26 ms) 235 vs 163 ms / 364 vs 157 ms. So the fold edits what
+it made (``program_passes.rewrite``) and copies only what it did not.
 """
 from __future__ import annotations
 
 import os
 import statistics
+from dataclasses import replace
 import sys
 import time
 
@@ -51,15 +51,15 @@ def row(name: str, pins: dict) -> None:
     cap, plan = pm._cap, pm.plan
     root, shards = shard_model(cap, plan, (0,), ex.model, torch.device("cpu"))
 
-    def build():
-        pp.rank_programs(cap, plan, False, (0,), torch.device("cpu"), root, shards.attr_of)
-    with_copies = _seconds(build, 3)
-    real = pp.copy_program
-    pp.copy_program = lambda g: g         # the in-place passes edit the fold's own program
-    try:
-        in_place = _seconds(build, 3)
-    finally:
-        pp.copy_program = real
+    whiches = ("train", "forward") if cap.has_loss else ("forward",)
+    copying = tuple(replace(ps, edit=None) for ps in pp.PASSES)   # every in-place pass copies
+
+    def build(passes):
+        for which in whiches:
+            pp.rewrite(pp.RankProgram(which, cap, plan, False, (0,), torch.device("cpu"), root,
+                                      shards.attr_of), passes)
+    with_copies = _seconds(lambda: build(copying), 3)
+    in_place = _seconds(lambda: build(pp.PASSES), 3)
     print(f"{name:<10} {str(pins):<45} nodes {len(gm.graph.nodes):>5}  copy {copy_s * 1e3:7.1f} ms  "
           f"programs {with_copies * 1e3:7.1f} ms with copies, {in_place * 1e3:7.1f} ms in place", flush=True)
 
