@@ -28,6 +28,7 @@ COPY_OUT = "copy_out"
 """The kind of a ZeRO-3 gather's copy-out (:meth:`CostModel._edge_steps`): device memory
 traffic on the compute stream, listed with the gather it follows, not a collective."""
 
+
 @dataclass(frozen=True)
 class Collective:
     """One collective of a redistribution, priced once (seconds for one run)."""
@@ -172,7 +173,6 @@ class CommCosts:
                                           False, True, False))
         return tuple(out)
 
-
     def _lossy_grad_sync(self, t: float, local: TensorMeta, scale: float, n: int, link) -> float:
         """A parameter's gradient all-reduce over the data axis (``t`` seconds exact) under
         ``local_sgd``, ``averaging`` or ``compress``."""
@@ -186,7 +186,6 @@ class CommCosts:
         kind, arg = self.compress
         return comm_model.compressed_reduce_time(kind, arg, local.shape, local.dtype.itemsize * scale,
                                                  n, link, self.cluster.device)
-
 
     def _lossy_copies(self) -> int:
         """Parameter-sized buffers a parameter keeps under ``averaging`` (decentralized: its
