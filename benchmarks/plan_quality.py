@@ -225,8 +225,8 @@ def row_planner(ex, cap, cl, world, pins):
     micro-batch, the free row searches pipelines too (on more than one node), the rest plan
     the captured batch."""
     if (pins.get("pipeline") or 1) > 1:
-        return lambda t: plan_pipelined(ex.model, ex.inputs, ex.loss_fn, ex.target, cl, world,
-                                        pins, time_limit_s=t)
+        return lambda t: plan_pipelined(SearchSpec(ex.model, ex.inputs, ex.loss_fn, ex.target, cl,
+                                                   world, Options.from_pins(pins), time_limit_s=t))
     if not pins.get("data") and not pins.get("tensor"):
         return lambda t: tuple(search_captured(SearchSpec(
             ex.model, ex.inputs, ex.loss_fn, ex.target, cl, world, Options.from_pins(pins),

@@ -37,7 +37,7 @@ from autopar.cost_models.step import HOST_OVERHEAD_S, optimizer_step_time
 from autopar.mesh_roles import MeshRoles
 from autopar.placement import placements_str
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.pricing.costing import OVERLAPPED, CostModel
+from autopar.pricing.costing import OVERLAPPED, CostModel, StepView
 from autopar.solver.flat import Solved
 from autopar.options import OPTIMIZER_STATES
 from autopar.solver.pipeline_costs import chain_index, node_costs
@@ -76,7 +76,8 @@ def _solved(cap, plan, cl, optimizer: str) -> Solved:
                             optimizer_states=OPTIMIZER_STATES[optimizer])
     cost = CostModel.for_pins(sub, shape, plan.options, data_axis=roles.data,
                               recompute=recompute_nodes(cap.gm, plan.recompute),
-                              grad_sync_scale=1.0 / (plan.n_microbatches if p > 1 else plan.accumulate),
+                              view=StepView(grad_sync_scale=1.0 / (plan.n_microbatches if p > 1
+                                                                   else plan.accumulate)),
                               native=cap.native_dtypes)
     choice = {}
     for name, v in problem.vars.items():

@@ -152,19 +152,23 @@ def _sdpa_var(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 128, caus
 
 
 def test_context_attention_prices_its_imbalance_and_its_forms():
+    import dataclasses
     from autopar.cost_models.hardware import parse_cluster
     from autopar.placement import Replicate, Shard
     from autopar.pricing.context import context_attention_time
     from autopar.sharding.registry import Strategy
     from autopar.pricing.costing import CostModel
     cl = parse_cluster("1xdgx-h100")
-    cost = CostModel.for_pins(cl, (2, 4), autopar.Options.from_pins(precision="bf16"))
-    links = cost.links[1:]     # the inner axis of 4: NVLink
+    # a context axis of 4 inside the node (NVLink), as the inner axis of a (2, 4) mesh
+    cost = CostModel.for_pins(dataclasses.replace(cl, devices_per_node=4), (4,),
+                              autopar.Options.from_pins(precision="bf16"))
+    links = cost.links
+    assert links[0] == CostModel.for_pins(cl, (2, 4), cost.options).links[1]
     ctx = (Strategy((Shard(2),) * 3, (Shard(2),)),)
     whole = (Strategy((Replicate(),) * 3, (Replicate(),)),)
 
     def t(call, form, combo=ctx):
-        return sum(context_attention_time(call, combo, (4,), 0, cl.device, "bf16", links, form))
+        return sum(context_attention_time(call, combo, 0, cost, form))
 
     long, short = _sdpa_var(131072), _sdpa_var(2048)
     # compute-bound at 128k: the ring hides each block's transfer, the gathers do not hide
@@ -174,7 +178,6 @@ def test_context_attention_prices_its_imbalance_and_its_forms():
     from autopar.sharding.registry import TensorMeta
     q4 = TensorMeta((1, 32, 131072 // 4, 128), long.inputs[0].dtype)   # a rank's query rows
     # at the efficiency measured for the pairs and their merges (below SDPA's own)
-    import dataclasses
     assert cl.device.context_attention_efficiency[0] < cl.device.attention_efficiency[0]
     flash = dataclasses.replace(cl.device, attention_efficiency=cl.device.context_attention_efficiency)
     local = sum(compute_model.node_time(long.op, [q4, *long.inputs[1:]], [q4], long.args,

@@ -10,6 +10,7 @@ from autopar.cost_models.comm import collective_time, grad_sync_time
 from autopar.cost_models.compute import bytes_moved, flops, node_time
 from autopar.cost_models.hardware import A100_80GB, Link, axis_link, parse_cluster
 from autopar.cost_models.memory import training_state_bytes
+from autopar.options import Options
 from autopar.sharding.registry import TensorMeta
 
 aten = torch.ops.aten
@@ -340,7 +341,7 @@ def test_zero3_and_recompute_pay_their_forward_collectives_again():
     scatter = collective_time("reduce_scatter", nbytes, 8, link)
 
     def cost(zero, rerun=0.0):
-        model = CostModel(cl, (8,), zero=zero, data_axis=0)
+        model = CostModel(cl, (8,), Options(zero=zero), data_axis=0)
         t, by = model.edge_time(meta, sharded, whole, (True,), bucketed=True, rerun=rerun)
         return t, by
 
@@ -374,7 +375,7 @@ def test_wait_for_peers_once_per_collective_shared_by_a_consumers_parameters():
     from autopar.pricing.costing import CostModel
 
     cl = parse_cluster("cpu:2")
-    model = CostModel(cl, (2,), zero=0, data_axis=0)
+    model = CostModel(cl, (2,), Options(zero=0), data_axis=0)
     link = model.links[0]
     assert link.skew > 0
     meta = TensorMeta((256, 256), torch.float32)

@@ -8,9 +8,11 @@ import pytest
 
 from autopar.capture import capture
 from autopar.cost_models.hardware import parse_cluster
+from autopar.options import Options
 from autopar.solver.accumulate import plan_accumulated
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.flat import plan_captured
+from autopar.solver.spec import SearchSpec
 from examples.models import EXAMPLES
 
 CLUSTER, WORLD = "cpu:4", 4
@@ -60,8 +62,9 @@ def test_one_screen_names_families_binding_term_and_fixes_that_fit(batch, hidden
         elif "accumulate" in s["pins"]:
             got.add("accumulate")
             k = s["pins"]["accumulate"]
-            plan, _ = plan_accumulated(ex.model, ex.inputs, ex.loss_fn, ex.target, parse_cluster(CLUSTER),
-                                       WORLD, k, dict(s["pins"]), memory_budget=budget)
+            spec = SearchSpec(ex.model, ex.inputs, ex.loss_fn, ex.target, parse_cluster(CLUSTER), WORLD,
+                              Options.from_pins(dict(s["pins"])), memory_budget=budget)
+            plan, _ = plan_accumulated(spec, k)
             _fits(plan, budget)
             assert plan.accumulate == k
         else:

@@ -11,6 +11,7 @@ import pytest
 
 from autopar.cost_models.hardware import parse_cluster
 from autopar.cost_models.memory import peak_bytes, step_phases
+from autopar.options import Options
 from autopar.pricing.costing import CostModel
 from autopar.solver.flat import plan_captured
 from autopar.solver.ilp import InfeasibleError
@@ -56,6 +57,6 @@ def test_micro_batches_keep_every_term(gpt_dp2):
     _, cl, _ = gpt_dp2
     assert CostModel(cl, (2,), memory_weights={"params": 0.5}).memory_phases == ()
     assert CostModel(cl, (2,), grad_sync_scale=0.25).memory_phases == ()
-    assert CostModel(cl, (2,), dtype_key="bf16").memory_phases == step_phases(True)
+    assert CostModel(cl, (2,), Options(precision="bf16")).memory_phases == step_phases(True)
     assert "params" in step_phases(True)[0]       # 16-bit weight copies freed with the activations
     assert peak_bytes({"params": 1.0, "activations": 5.0, "grads": 3.0}) == 9.0

@@ -20,7 +20,7 @@ from autopar.cost_models.hardware import parse_cluster
 from autopar.mesh_roles import MeshRoles
 from autopar.placement import Partial, Replicate, Shard, local_shape
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.pricing.costing import CostModel, grad_partial_flags
+from autopar.pricing.costing import CostModel, StepView, grad_partial_flags
 from autopar.pricing.prices import PriceTable
 from autopar.pricing.problem import build_problem
 from conftest import example_and_capture
@@ -37,7 +37,8 @@ def test_pair_prices_equal_edge_prices(gpt):
     layers = sorted(repeated_layers(gpt.gm))
     assert layers, "the premise: a model with repeated layers (edges counted, recomputed)"
     cost = CostModel.for_pins(parse_cluster("1x4xH100"), mesh, {"precision": "bf16"}, data_axis=0,
-                              recompute=recompute_nodes(gpt.gm, layers[:1]), grad_sync_scale=0.5)
+                              recompute=recompute_nodes(gpt.gm, layers[:1]),
+                              view=StepView(grad_sync_scale=0.5))
     pt = PriceTable(problem, cost)
     pairs = checked = 0
     kinds = set()

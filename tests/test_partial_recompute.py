@@ -95,13 +95,14 @@ def test_pipeline_prices_each_recomputed_layer_apart():
 
     from autopar.solver.flat import Solved
     from autopar.solver.pipeline_price import price_plan
+    from autopar.solver.flat import MeshAsk
     from autopar.solver.pipeline_search import solve_intra
     small = gpt_factory(batch=8, n_layer=2, n_embd=32)
     cl = parse_cluster("cpu:4")
     with same_model("gpt-2-layers"):
         cap = capture_microbatch(small.model, small.inputs, small.loss_fn, small.target, 2)
-    plain, solved_plain = solve_intra(cap, cl, 4, 2, {"tensor": 2, "recompute": "none"})
-    rec, solved_rec = solve_intra(cap, cl, 4, 2, {"tensor": 2, "recompute": ["h.0"]})
+    plain, solved_plain = solve_intra(cap, MeshAsk(cl, 4, {"tensor": 2, "recompute": "none"}), 2)
+    rec, solved_rec = solve_intra(cap, MeshAsk(cl, 4, {"tensor": 2, "recompute": ["h.0"]}), 2)
     assert rec.recompute == ("transformer.h.0",)
     same = Solved(solved_rec.problem, solved_rec.cost, dict(solved_plain.choice))
     bare = price_plan(cap, plain, solved_plain, cl, 4, 2, 2).nc

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from autopar.schedule import schedule_actions
 from autopar.pricing.simulate import simulate
-from autopar.solver.stage_dp import LayerCosts, _candidates, plan_stages, simulate_plan, stage_dp
+from autopar.solver.stage_dp import LayerCosts, StagePins, _candidates, plan_stages, simulate_plan, stage_dp
 from autopar.solver.stage_tables import cut_latency
 
 GiB = 2**30
@@ -242,7 +242,7 @@ def test_search_weighs_dualpipev_where_it_can_run():
     for kind in ("1f1b", "zero-bubble", "interleaved-1f1b"):
         other = plan_stages(costs, memory_limit=1e9, micro_batches=8, schedule=kind, **common)
         assert chosen.predicted_step_time < other.predicted_step_time
-    assert "dualpipev" not in {c.schedule for c in _candidates(L, p, 8, p, 4, None, None)}
+    assert "dualpipev" not in {c.schedule for c in _candidates(L, p, 8, StagePins(p, 4))}
     assert plan_stages(costs, memory_limit=1e9, micro_batches=4, **common).schedule != "dualpipev"
     limit = 30.0
     tight = plan_stages(costs, memory_limit=limit, micro_batches=8, schedule="dualpipev", **common)

@@ -7,7 +7,9 @@ from types import SimpleNamespace as NS
 
 import torch
 
+from autopar.options import Options
 from autopar.solver import pipeline_free
+from autopar.solver.spec import SearchSpec
 
 # p -> (predicted step, real step of its plan)
 STEPS = {3: (80.0, 166.0), 12: (84.0, 88.0), 24: (89.0, 90.0)}
@@ -24,7 +26,7 @@ class _Search:
         return {}
 
 
-def _plan(mcap, cl, world, pins, config, **kw):
+def _plan(mcap, ask, config, **kw):
     planned.append(config[0])
     return NS(estimate=NS(step_time_s=STEPS[config[0]][1]), p=config[0], recompute=())
 
@@ -38,7 +40,8 @@ def test_a_plan_short_of_its_prediction_does_not_end_the_search(monkeypatch):
     monkeypatch.setattr(pipeline_free, "capture_microbatch", lambda *a: "mcap")
     monkeypatch.setattr(pipeline_free, "plan_pipeline", _plan)
     planned.clear()
-    plan, _ = pipeline_free.search_pipelines(None, None, (torch.zeros(8, 2),), None, None,
-                                             NS(device=NS(memory_bytes=1.0)), 8, {})
+    spec = SearchSpec(None, (torch.zeros(8, 2),), None, None, NS(device=NS(memory_bytes=1.0)), 8,
+                      Options())
+    plan, _ = pipeline_free.search_pipelines(spec, None)
     assert plan.p == 12 and plan.estimate.step_time_s == 88.0
     assert planned == [3, 12]       # 24 predicted at 89 s cannot beat 12 planned at 88 s

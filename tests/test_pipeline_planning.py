@@ -101,11 +101,12 @@ def test_node_prices_add_up_to_the_solver_total(pins):
     resharding and gradient reduction add up to its estimate of the whole graph (with
     recomputation and ZeRO-3 regathers too)."""
     from autopar.solver.pipeline_price import price_plan as _price
+    from autopar.solver.flat import MeshAsk
     from autopar.solver.pipeline_search import capture_microbatch, solve_intra
     ex = EXAMPLES["gpt"]()
     cl = parse_cluster("cpu:4")
     cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, 2)
-    intra, solved = solve_intra(cap, cl, 4, 2, pins)
+    intra, solved = solve_intra(cap, MeshAsk(cl, 4, pins), 2)
     nc = _price(cap, intra, solved, cl, 4, 2, 2).nc
     assert nc.comm.sum() > 0
     total = nc.compute.sum() + nc.comm.sum() + nc.sync.sum()
@@ -123,12 +124,13 @@ def test_recomputation_priced_from_a_plan_without_it():
 
     from autopar.solver.flat import Solved
     from autopar.solver.pipeline_price import price_plan as _price
+    from autopar.solver.flat import MeshAsk
     from autopar.solver.pipeline_search import capture_microbatch, solve_intra
     ex = EXAMPLES["gpt"]()
     cl = parse_cluster("cpu:4")
     cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, 2)
-    plain, solved_plain = solve_intra(cap, cl, 4, 2, {"data": 2})
-    rec, solved_rec = solve_intra(cap, cl, 4, 2, {"data": 2, "recompute": "full"})
+    plain, solved_plain = solve_intra(cap, MeshAsk(cl, 4, {"data": 2}), 2)
+    rec, solved_rec = solve_intra(cap, MeshAsk(cl, 4, {"data": 2, "recompute": "full"}), 2)
     assert rec.recompute and set(solved_rec.choice) == set(solved_plain.choice)
     # the same placements under both (the two ILPs may break a tie of equal prices apart):
     # the recomputing solver's problem and cost model, the plain plan's choices
@@ -147,13 +149,15 @@ def test_gradient_reduction_is_once_per_step():
     over micro-batches): the reduction priced per node is the same whatever the
     micro-batch, the solver weighs it 1/m per micro-batch, and the estimate counts it once."""
     from autopar.solver.pipeline_price import price_plan as _price
+    from autopar.pricing.costing import StepView
+    from autopar.solver.flat import MeshAsk
     from autopar.solver.pipeline_search import capture_microbatch, solve_intra
     ex = EXAMPLES["gpt"]()
     cl = parse_cluster("cpu:4")
     syncs, per_mb = [], []
     for m in (1, 2, 4):
         cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, m)
-        intra, solved = solve_intra(cap, cl, 4, 2, {"data": 2}, grad_sync_scale=1 / m)
+        intra, solved = solve_intra(cap, MeshAsk(cl, 4, {"data": 2}, view=StepView(grad_sync_scale=1 / m)), 2)
         nc = _price(cap, intra, solved, cl, 4, 2, 2).nc
         syncs.append(nc.sync.sum())
         per_mb.append(nc.comm.sum())

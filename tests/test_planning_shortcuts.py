@@ -23,7 +23,8 @@ import autopar.solver.driver as driver
 from autopar.capture import CaptureError, capture
 from autopar.capture import export as export_mod
 from autopar.schedule import SCHEDULES
-from autopar.solver.stage_dp import LayerCosts, _busiest_floor, _candidates, plan_stages, simulate_plan
+from autopar.solver.stage_dp import (LayerCosts, StagePins, _busiest_floor, _candidates, plan_stages,
+                                     simulate_plan)
 from autopar.solver.stage_tables import Candidate
 from examples.models import gpt_factory
 
@@ -104,7 +105,7 @@ def _costs(rng, n=10) -> LayerCosts:
 def test_busiest_floor_is_a_floor_of_the_simulated_step(seed):
     rng = np.random.default_rng(seed)
     costs = _costs(rng)
-    for c in _candidates(costs.n_layers, 4, 8, 4, None, None, None):
+    for c in _candidates(costs.n_layers, 4, 8, StagePins(n_stages=4)):
         try:
             sp = plan_stages(costs, n_devices=4, global_batch=8, memory_limit=1e9, bandwidth=5.0,
                              n_stages=c.p, micro_batches=c.m, schedule=c.schedule,
@@ -127,7 +128,7 @@ def test_bound_skips_only_what_cannot_beat_it(seed):
         except ValueError:
             full = None
         floors = sorted(_busiest_floor(c, costs, 4, 16)
-                        for c in _candidates(costs.n_layers, 4, 16, 4, None, kind, None))
+                        for c in _candidates(costs.n_layers, 4, 16, StagePins(4, schedule=kind)))
         for above in (floors[0] * 0.5, *floors, floors[-1] * 2):
             try:
                 got = plan_stages(costs, memory_limit=limit, schedule=kind, above=above, **kw)

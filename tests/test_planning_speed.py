@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from autopar.options import Options
 from autopar.schedule import schedule_actions
 from autopar.pricing.simulate import makespan, simulate
+from autopar.solver.spec import SearchSpec
 from autopar.solver.stage_dp import LayerCosts, stage_dp
 from autopar.solver.stage_tables import INF, Candidate, Tables, in_flight
 
@@ -158,11 +160,11 @@ def test_meshes_the_bound_skipped_are_priced_from_their_kept_solution(monkeypatc
     solved = []
     real = pipeline_free.solve_intra
     monkeypatch.setattr(pipeline_free, "solve_intra",
-                        lambda *a, **k: solved.append(a[4]) or real(*a, **k))
+                        lambda *a, **k: solved.append(a[1].pins) or real(*a, **k))
 
     def search():
-        return pipeline_free._DegreeSearch(cap, cl, world, {}, 16, cl.device.memory_bytes, "adamw",
-                                           60.0, False)
+        return pipeline_free._DegreeSearch(SearchSpec(ex.model, ex.inputs, ex.loss_fn, ex.target,
+                                                      cl, world, Options()), cap)
     want = search().best(2)
     n_meshes = len(solved)
     assert want is not None and n_meshes > 1
@@ -199,11 +201,12 @@ def test_configurations_of_one_micro_batch_count_share_its_capture(monkeypatch):
     monkeypatch.setattr(pipeline_free, "_DegreeSearch", Search)
     monkeypatch.setattr(pipeline_free, "capture_microbatch",
                         lambda *a: captures.append(a[-1]) or f"graph at m={a[-1]}")
-    monkeypatch.setattr(pipeline_free, "plan_pipeline", lambda mcap, cl, world, pins, config, **kw:
+    monkeypatch.setattr(pipeline_free, "plan_pipeline", lambda mcap, ask, config, **kw:
                         planned.append((config[0], mcap)) or
                         NS(estimate=NS(step_time_s=steps[config[0]][1]), p=config[0], recompute=()))
-    plan, mcap = pipeline_free.search_pipelines(None, None, (torch.zeros(8, 2),), None, None,
-                                                NS(device=NS(memory_bytes=1.0)), 8, {})
+    spec = SearchSpec(None, (torch.zeros(8, 2),), None, None, NS(device=NS(memory_bytes=1.0)), 8,
+                      Options())
+    plan, mcap = pipeline_free.search_pipelines(spec, None)
     assert planned == [(3, "graph at m=4"), (12, "graph at m=4"), (24, "graph at m=8"),
                        (48, "graph at m=4")]
     assert captures == [4, 8]

@@ -14,6 +14,7 @@ from autopar.capture import capture
 from autopar.errors import ArgumentError
 from autopar.mesh_roles import MeshRoles
 from autopar.options import Options
+from autopar.pricing.costing import StepView
 from autopar.solver import flat, ilp, pipeline_free, speculate
 from autopar.solver.driver import solve
 from examples.hf_llama import hf_llama_meta
@@ -112,7 +113,7 @@ def test_outcomes_are_read_only_for_the_program_that_was_solved(monkeypatch):
 
     def key(job_change=None, view_change=None):
         return flat._ilp_key(cap, cl, flat.MeshJob(**{**job, **(job_change or {})}),
-                             **{**view, **(view_change or {})})
+                             StepView(**{**view, **(view_change or {})}))
     for change in ({"budget": 2e9}, {"pins": Options.from_pins({"data": 4, "tensor": 2, "zero": 3})},
                    {"rec": ["h.0"]}, {"shape": (8,)}, {"roles": MeshRoles(data=1, tensor=0)},
                    {"roles": MeshRoles(data=0, tensor=1, dispatch="all-gather")}):

@@ -25,6 +25,7 @@ import torch
 
 from autopar.cost_models.hardware import parse_cluster
 from autopar.runtime.thread_ranks import simulate
+from autopar.options import Options
 from autopar.solver.flat import plan_captured
 from launch import case_result, register_cases, shared_cases
 
@@ -151,7 +152,7 @@ def test_stage_1_and_2_parameter_collectives_run_once_per_step():
     meta = TensorMeta((4096, 4096), torch.float32)
 
     def by(zero, rerun=0.0, scale=1.0):
-        model = CostModel(cl, (8,), zero=zero, data_axis=0, grad_sync_scale=scale)
+        model = CostModel(cl, (8,), Options(zero=zero), data_axis=0, grad_sync_scale=scale)
         return model.edge_time(meta, (Shard(0),), (Replicate(),), (True,), bucketed=True, rerun=rerun)[1]
     one, two, three = by(1), by(2), by(3)
     assert set(one) == {("all_gather", 0), ("all_reduce", 0)}

@@ -57,14 +57,15 @@ def context_axis_of(call, combo, mesh_shape) -> int | None:
     return axes[0] if axes else None
 
 
-def context_attention_time(call, combo, mesh_shape, axis: int, device, dtype_key, links,
-                           form: str | None, native: bool = False,
-                           balanced: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of one context-parallel SDPA option on ``axis``; ``form``
-    None: the faster of the two; ``balanced``: the sequence in the balanced order."""
+def context_attention_time(call, combo, axis: int, cost, form: str | None) -> tuple[float, float]:
+    """(forward, backward) seconds of one context-parallel SDPA option on ``axis`` of
+    ``cost``'s mesh (a ``costing.CostModel``: its mesh, links, device, precision, whether
+    the capture is ``native`` and the sequence in the balanced order); ``form`` None: the
+    faster of the two."""
     if form is None:
-        return min((context_attention_time(call, combo, mesh_shape, axis, device, dtype_key,
-                                           links, f, native, balanced) for f in FORMS), key=sum)
+        return min((context_attention_time(call, combo, axis, cost, f) for f in FORMS), key=sum)
+    mesh_shape, device, dtype_key, links = cost.mesh_shape, cost.cluster.device, cost.dtype_key, cost.links
+    native, balanced = cost.native, cost.context_balanced
     c = mesh_shape[axis]
     ins = [TensorMeta(local_shape(m.shape, input_placements(combo, k), mesh_shape), m.dtype)
            for k, m in enumerate(call.inputs)]
@@ -110,8 +111,6 @@ def best_form(problem, choice: dict, cost) -> str:
         if axis is None:
             continue
         for f in FORMS:
-            t = context_attention_time(v.call, combo, cost.mesh_shape, axis, cost.cluster.device,
-                                       cost.dtype_key, cost.links, f, cost.native,
-                                       cost.context_balanced)
+            t = context_attention_time(v.call, combo, axis, cost, f)
             totals[f] += sum(t) * len(v.members)
     return min(FORMS, key=lambda f: totals[f])

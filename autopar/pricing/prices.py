@@ -34,8 +34,8 @@ from autopar.mesh_roles import MeshRoles
 from autopar.placement import Replicate
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.pricing.costing import (INF, Collective, CostModel, grad_partial_flags, hidden_steps_s,
-                                     params_read, price_steps)
+from autopar.pricing.costing import (INF, Collective, CostModel, StepView, grad_partial_flags,
+                                     hidden_steps_s, params_read, price_steps)
 from autopar.cost_models.compute import FUSABLE
 from autopar.cost_models.families import VIEW, family
 from autopar.options import OPTIMIZER_STATES
@@ -385,5 +385,6 @@ def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTab
                               recompute=recompute_nodes(cap.gm, plan.recompute),
                               # gradient accumulation: one micro-batch's prices, its
                               # gradient sync a 1/k share (solver.accumulate)
-                              grad_sync_scale=1.0 / plan.accumulate, native=cap.native_dtypes)
+                              view=StepView(grad_sync_scale=1.0 / plan.accumulate),
+                              native=cap.native_dtypes)
     return price_table(problem, cost)

@@ -33,8 +33,10 @@ from autopar.errors import PinError
 from autopar.options import Options, as_options
 from autopar.plan import Plan
 from autopar.solver.errors import InfeasibleError
-from autopar.solver.flat import recompute_bound_s, solve_captured
+from autopar.pricing.costing import StepView
+from autopar.solver.flat import MeshAsk, recompute_bound_s, solve_ask
 from autopar.solver.pipeline_search import capture_microbatch
+from autopar.solver.spec import SearchSpec
 
 MAX_TRIES = 4
 """Micro-batch counts the free search plans (the least first) before it stops."""
@@ -108,21 +110,18 @@ def accumulated_plan(plan: Plan, k: int) -> Plan:
     return replace(plan, estimate=est, accumulate=k)
 
 
-def plan_accumulated(model, example_inputs, loss_fn, target, cl, world: int, k: int, pins: Options, *,
-                     memory_budget=None, mesh_shape=None, optimizer="adamw", time_limit_s=60.0,
-                     verbose=False, profiler=None, explain=True) -> tuple[Plan, Captured]:
-    """The one-stage plan of ``k`` micro-batches a step, and the graph it runs on.
-    ``explain=False``: where nothing fits, without working out how far (the free search's
-    tries, which only note that ``k`` does not fit)."""
+def plan_accumulated(spec: SearchSpec, k: int, explain=True) -> tuple[Plan, Captured]:
+    """The one-stage plan of ``spec`` at ``k`` micro-batches a step, and the graph it runs
+    on. ``explain=False``: where nothing fits, without working out how far (the free
+    search's tries, which only note that ``k`` does not fit)."""
     t0 = time.perf_counter()
-    cap = capture_accumulated(model, example_inputs, loss_fn, target, k)
+    cap = capture_accumulated(spec.model, spec.example_inputs, spec.loss_fn, spec.target, k)
     capture_s = time.perf_counter() - t0
-    plan, _ = solve_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
-                             optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
-                             verbose=verbose, pins=pins, profiler=profiler,
-                             grad_sync_scale=1.0 / k, explain=explain)
+    ask = MeshAsk(spec.cluster, spec.world, spec.options, spec.settings,
+                  view=StepView(grad_sync_scale=1.0 / k), explain=explain)
+    plan, _ = solve_ask(cap, ask, capture_s)
     plan = accumulated_plan(plan, k)
-    if verbose:
+    if spec.verbose:
         print(f"accumulate {k} micro-batches: step {plan.estimate.step_time_s * 1e3:.3f} ms, "
               f"{plan.estimate.memory_total / 2**30:.2f} GiB/device")
     return plan, cap
@@ -164,8 +163,7 @@ def accumulation_may_win(flat: Plan, best: Plan, cap: Captured) -> bool:
     return flat.estimate.step_time_s - recompute_bound_s(flat, cap) < best.estimate.step_time_s
 
 
-def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, pins: Options,
-                        **kw) -> tuple[Plan, Captured] | None:
+def search_accumulation(spec: SearchSpec) -> tuple[Plan, Captured] | None:
     """The fastest plan over micro-batch counts ``k`` (divisors of the batch, the least
     first, at most :data:`MAX_TRIES`), or None when none fits. It stops at the first ``k``
     that fits without recomputation (more micro-batches only add per-micro-batch costs);
@@ -173,18 +171,17 @@ def search_accumulation(model, example_inputs, loss_fn, target, cl, world: int, 
     With ``data=`` pinned, only counts whose micro-batch that degree splits (a micro-batch
     of fewer rows than data ranks has no plan: ``build_problem`` refuses it with a
     ``PinError`` about the input, which would hide why the full batch did not fit)."""
-    batch = _batch(example_inputs)
+    batch, pins = _batch(spec.example_inputs), spec.options
     counts = [d for d in _divisors(batch) if d > 1 and _splits(pins, batch // d)]
     planned: dict[int, tuple[Plan, Captured] | None] = {}
 
     def attempt(k: int):
         if k not in planned:
             try:
-                planned[k] = plan_accumulated(model, example_inputs, loss_fn, target, cl, world,
-                                              k, pins, explain=False, **kw)
+                planned[k] = plan_accumulated(spec, k, explain=False)
             except InfeasibleError as e:
                 planned[k] = None
-                if kw.get("verbose"):
+                if spec.verbose:
                     print(f"accumulate {k}: nothing fits ({str(e).splitlines()[0]})")
         return planned[k]
 

@@ -74,8 +74,10 @@ def balanced_copy(cap, c: int):
     return balance_sequence(twin, c)
 
 
-def search_context(spec, cap, plan_captured, flat_kw: dict):
-    """The context plans of :func:`context_candidates`: [(Plan, its graph)] that fit."""
+def search_context(spec, cap, plan_with):
+    """The context plans of :func:`context_candidates`: [(Plan, its graph)] that fit.
+    ``plan_with(graph, pins)``: the unpipelined plan of a graph under pins (the free
+    search's, ``flat.solve_ask`` of its ask)."""
     seq = long_attention(cap)
     if seq is None or spec.mesh_shape is not None:
         return []
@@ -86,7 +88,7 @@ def search_context(spec, cap, plan_captured, flat_kw: dict):
         pins = spec.options.replace(context=c, tensor=t if t > 1 else None)
         try:
             bal = balanced_copy(cap, c)
-            got = plan_captured(bal, spec.cluster, spec.world, **{**flat_kw, "pins": pins})
+            got = plan_with(bal, pins)
         except (InfeasibleError, PinError):
             continue
         out.append((got, bal))

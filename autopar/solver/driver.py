@@ -37,43 +37,46 @@ from autopar.capture.export import check_loss_outside
 from autopar.cost_models.hardware import parse_cluster
 from autopar.capture.sequence_layout import sequence_layout
 from autopar.pricing.updates import reprice_updates
-from autopar.options import Options, as_options, check_optimizer, refuse_hogwild_plan
+from autopar.options import Options, check_optimizer, refuse_hogwild_plan
 from autopar.plan import Plan
 from autopar.solver.accumulate import accumulation_pin, capture_accumulated, plan_accumulated
 from autopar.solver.free_search import search_captured
 from autopar.solver.pipeline_search import capture_pipelined, plan_pipelined
-from autopar.solver.spec import Planned, SearchSpec
+from autopar.solver.spec import Planned, SearchSpec, Settings
 
-__all__ = ["AUTO_COMPRESS", "Planned", "SearchSpec", "capture_for_plan", "plan_search", "solve",
+__all__ = ["AUTO_COMPRESS", "Planned", "SearchSpec", "Settings", "capture_for_plan", "plan_search", "solve",
            "search_captured"]
 
 AUTO_COMPRESS = (None, "bf16", "int8", "topk:0.01", "powersgd:4")
 """What ``compress="auto"`` chooses from (``autopar.runtime.updates.compression``)."""
 
 
+REUSE = {"captured": None, "capture_s": None, "cache": True}
+"""``solve``'s keywords beside :class:`Settings`' fields, with their defaults: the full-batch
+graph when the caller has it already (``captured``, ``capture_s`` the seconds it took), and
+whether to use the capture cache (``cache``)."""
+
+
 def solve(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None, *,
           target: Any = None, cluster="local", world_size: int | None = None,
-          pins: "Options | dict | None" = None, memory_budget: float | None = None,
-          mesh_shape: Sequence[int] | None = None, optimizer: str = "adamw",
-          time_limit_s: float = 60.0, verbose: bool = False, profiler=None,
-          captured: Captured | None = None, capture_s: float | None = None,
-          cache: bool = True) -> Planned:
+          pins: "Options | dict | None" = None, **settings) -> Planned:
     """The best plan of ``model`` for ``world_size`` devices (default: all) of ``cluster``.
 
     ``loss_fn`` is captured in the graph when an example ``target`` is given (else the loss
     runs outside it, on the replicated output). ``pins`` fix choices (see
-    ``autopar.options.Options``). ``captured``: the full-batch graph when the caller has it
-    already (``capture_s`` the seconds it took), so it is not captured again. ``cache``:
-    read and write the captured graphs in the per-user capture cache
+    ``autopar.options.Options``). ``settings``: :class:`Settings`' fields
+    (``memory_budget``, ``mesh_shape``, ``optimizer``, ``time_limit_s``, ``verbose``,
+    ``profiler``) and :data:`REUSE`'s: ``captured``, the full-batch graph when the caller
+    has it already (``capture_s`` the seconds it took), so it is not captured again;
+    ``cache``: read and write the captured graphs in the per-user capture cache
     (``autopar.capture.cache``; ``AUTOPAR_CACHE=0`` turns it off too); ``plan.solver.
-    capture_cache`` says whether it gave them.
+    capture_cache`` says whether it gave them. An unknown keyword is a TypeError.
     """
+    captured, capture_s, cache = (settings.pop(k, d) for k, d in REUSE.items())
+    spec = _spec(model, example_inputs, loss_fn, target, cluster, world_size, pins,
+                 Settings.of("solve", settings))
     with _collector_paused(), caching(cache) as use:
-        planned = _solve(model, example_inputs, loss_fn, target=target, cluster=cluster,
-                         world_size=world_size, pins=pins, memory_budget=memory_budget,
-                         mesh_shape=mesh_shape, optimizer=optimizer, time_limit_s=time_limit_s,
-                         verbose=verbose, profiler=profiler, captured=captured,
-                         capture_s=capture_s)
+        planned = _solve(spec, captured, capture_s)
     if loss_fn is not None and target is None:      # the loss runs outside the graph
         check_loss_outside(planned.captured, loss_fn)
     plan = planned.plan
@@ -114,18 +117,23 @@ def _collector_paused():
                 gc.set_threshold(*_COLLECTOR["before"])
 
 
-def _solve(model, example_inputs, loss_fn=None, *, target=None, cluster="local", world_size=None,
-           pins=None, memory_budget=None, mesh_shape=None, optimizer="adamw", time_limit_s=60.0,
-           verbose=False, profiler=None, captured=None, capture_s=None) -> Planned:
+def _spec(model, example_inputs, loss_fn, target, cluster, world_size, pins,
+          settings: Settings) -> SearchSpec:
+    """``solve``'s arguments as one :class:`SearchSpec`, checked (the options, the
+    optimizer, the cluster); the loss is in the graph only with an example ``target``."""
     options = Options.from_pins(pins)
     if options.hogwild is not None:     # an entry point of its own (autopar.hogwild), no plan
         refuse_hogwild_plan(options)
-    check_optimizer(optimizer)
+    check_optimizer(settings.optimizer)
     cl = parse_cluster(cluster)
-    spec = SearchSpec(model, example_inputs, loss_fn if target is not None else None, target, cl,
-                      world_size or cl.world_size, options, memory_budget,
-                      tuple(mesh_shape) if mesh_shape is not None else None, optimizer,
-                      time_limit_s, verbose, profiler)
+    return SearchSpec(model, example_inputs, loss_fn if target is not None else None, target, cl,
+                      world_size or cl.world_size, options, settings.memory_budget,
+                      settings.mesh_shape, settings.optimizer, settings.time_limit_s,
+                      settings.verbose, settings.profiler)
+
+
+def _solve(spec: SearchSpec, captured: Captured | None, capture_s: float | None) -> Planned:
+    options, cl = spec.options, spec.cluster
     if (options.context or 1) > 1 and captured is not None and \
             getattr(captured, "sequence_balanced", None) != options.context:
         captured = None        # captured for another layout: capture again, balanced
@@ -142,14 +150,11 @@ def _solve_spec(spec: SearchSpec, captured: Captured | None, capture_s: float | 
     o = spec.options
     if o.compress == "auto":
         return _auto_compress(spec, captured, capture_s)
-    args = (spec.model, spec.example_inputs, spec.loss_fn, spec.target, spec.cluster, spec.world)
     if o.pipelined:
-        return Planned(*plan_pipelined(*args, o, memory_budget=spec.memory_budget,
-                                       optimizer=spec.optimizer, time_limit_s=spec.time_limit_s,
-                                       verbose=spec.verbose, profiler=spec.profiler))
+        return Planned(*plan_pipelined(spec))
     k = accumulation_pin(o, spec.example_inputs)
     if k is not None and k > 1:
-        return Planned(*plan_accumulated(*args, k, o, **spec.solve_kw()))
+        return Planned(*plan_accumulated(spec, k))
     if captured is None:
         t0 = time.perf_counter()
         captured = capture(spec.model, spec.example_inputs, spec.loss_fn, spec.target)
@@ -169,13 +174,8 @@ def _auto_compress(spec: SearchSpec, captured, capture_s) -> Planned:
     return best
 
 
-def plan_search(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int, *,
-                pins: "Options | dict", memory_budget=None, mesh_shape=None, optimizer="adamw",
-                time_limit_s=60.0, capture_s=0.0, verbose=False, profiler=None) -> Plan:
+def plan_search(spec: SearchSpec, cap: Captured, capture_s: float = 0.0) -> Plan:
     """``search_captured``'s plan (for callers that hold the full-batch graph)."""
-    spec = SearchSpec(model, example_inputs, loss_fn, target, parse_cluster(cl), world,
-                      as_options(pins), memory_budget, mesh_shape, optimizer, time_limit_s,
-                      verbose, profiler)
     return search_captured(spec, cap, capture_s).plan
 
 

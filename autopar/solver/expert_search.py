@@ -33,7 +33,7 @@ from autopar.errors import PinError
 from autopar.ops.experts import EXPERTS_OP
 from autopar.options import Options
 from autopar.solver.errors import InfeasibleError
-from autopar.solver.flat import mesh_floor, plan_captured
+from autopar.solver.flat import mesh_floor
 from autopar.solver.pipeline_price import state_per_param
 
 
@@ -104,10 +104,11 @@ def flat_candidates(pins: Options, world: int, batch: int, devices_per_node: int
     return out
 
 
-def search_experts(spec, cap, flat_kw: dict, best_s: float | None):
+def search_experts(spec, cap, plan_with, best_s: float | None):
     """The unpipelined expert plans of :func:`flat_candidates` that fit: [Plan], each
     mesh pruned first by the memory bound, then by its compute floor against the best step
-    found (``best_s``, or the best of these so far)."""
+    found (``best_s``, or the best of these so far). ``plan_with(graph, pins)``: the
+    unpipelined plan of a graph under pins (the free search's, ``flat.solve_ask``)."""
     n = moe_experts(cap)
     if n is None or spec.mesh_shape is not None:
         return []
@@ -129,7 +130,7 @@ def search_experts(spec, cap, flat_kw: dict, best_s: float | None):
                 if spec.verbose:
                     print(f"experts e={e} tensor={t}: cannot beat {best_s:.4g} s (compute floor)")
                 continue
-            got = plan_captured(cap, spec.cluster, spec.world, **{**flat_kw, "pins": pins})
+            got = plan_with(cap, pins)
         except (InfeasibleError, PinError):
             continue
         out.append(got)

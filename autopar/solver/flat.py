@@ -17,7 +17,7 @@ from autopar.mesh_roles import MeshRoles
 from autopar.placement import local_shape, placements_str
 from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.pricing.costing import OVERLAPPED, CostModel
+from autopar.pricing.costing import OVERLAPPED, WHOLE_STEP, CostModel, StepView
 from autopar.solver.errors import gib, one_screen
 from autopar.solver.zero_whole import whole_note
 from autopar.solver import speculate
@@ -25,6 +25,7 @@ from autopar.solver.ilp import (InfeasibleError, Solution, TimeLimitError, _gib,
                                 time_limit_fix)
 from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
+from autopar.solver.spec import Settings
 from autopar.pricing.context import best_form, context_axis_of
 from autopar.cost_models.host import host_time, step_dispatches
 from autopar.cost_models.step import step_time
@@ -50,30 +51,62 @@ class Solved:
 
 
 @dataclass(frozen=True)
-class _Ask:
-    """What one call of :func:`solve_captured` asks of the mesh search (its arguments, as
-    one value the search's parts read)."""
+class MeshAsk:
+    """What one unpipelined search asks (:func:`solve_ask`): ``world`` devices of ``cl``,
+    the options ``pins``, the search's :class:`Settings`, the share of a step the graph is
+    (:class:`StepView`: a pipeline stage's or one micro-batch's view), whether to explain a
+    search where nothing fits (``explain``: True, False or ``"later"``, see
+    :func:`solve_captured`) and whether to probe the fewest recomputed layers that fit
+    (``fewest_layers``)."""
     cl: Any
     world: int
     pins: Options
-    budget: float
-    mesh_shape: tuple | None
-    optimizer: str
-    time_limit_s: float
-    verbose: bool
-    profiler: Any
-    memory_weights: dict | None
-    grad_sync_scale: float
-    explain: bool
-    fewest_layers: bool
+    settings: Settings = Settings()
+    view: StepView = WHOLE_STEP
+    explain: bool | str = True
+    fewest_layers: bool = True
     timeouts: list = field(default_factory=list)
     """The programs this call's search skipped because they reached the time limit with no
     solution (their :class:`TimeLimitError` s), shared by the ``replace`` d asks of its ZeRO
     stages."""
 
+    def __post_init__(self):
+        object.__setattr__(self, "pins", as_options(self.pins))
+
+    @property
+    def budget(self) -> float:
+        return self.settings.budget(self.cl)
+
+    @property
+    def mesh_shape(self):
+        return self.settings.mesh_shape
+
+    @property
+    def optimizer(self) -> str:
+        return self.settings.optimizer
+
+    @property
+    def time_limit_s(self) -> float:
+        return self.settings.time_limit_s
+
+    @property
+    def verbose(self) -> bool:
+        return self.settings.verbose
+
+    @property
+    def profiler(self):
+        return self.settings.profiler
+
+    @property
+    def memory_weights(self) -> dict | None:
+        return self.view.memory_weights
+
+    @property
+    def grad_sync_scale(self) -> float:
+        return self.view.grad_sync_scale
+
     def cost_kw(self) -> dict:
-        return dict(profiler=self.profiler, memory_weights=self.memory_weights,
-                    grad_sync_scale=self.grad_sync_scale)
+        return dict(profiler=self.profiler, view=self.view)
 
 
 class MeshJob(NamedTuple):
@@ -119,34 +152,39 @@ def node_placements(problem, choice: dict[str, int]) -> dict[str, NodePlacement]
     return nodes
 
 
-def plan_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
-                  optimizer="adamw", time_limit_s=60.0, capture_s=0.0, verbose=False,
-                  pins=None, profiler=None, fewest_layers=True, explain=True) -> Plan:
+def plan_captured(cap: Captured, cl, world: int, *, pins=None, capture_s=0.0, fewest_layers=True,
+                  explain=True, **settings) -> Plan:
     """The best plan for the captured graph on ``world`` devices of ``cl`` (no pipeline).
+    ``settings``: :class:`Settings`' fields (``memory_budget``, ``mesh_shape``,
+    ``optimizer``, ``time_limit_s``, ``verbose``, ``profiler``).
     ``fewest_layers=False``: where memory binds, every repeated layer recomputed, without
     the probes for the fewest that fit (``_fewest_layers``; the free search defers them
     until the plan could win). ``explain``: as :func:`solve_captured`'s."""
-    return solve_captured(cap, cl, world, memory_budget=memory_budget, mesh_shape=mesh_shape,
-                          optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
-                          verbose=verbose, pins=pins, profiler=profiler,
-                          fewest_layers=fewest_layers, explain=explain)[0]
+    return solve_captured(cap, cl, world, pins=pins, capture_s=capture_s,
+                          fewest_layers=fewest_layers, explain=explain, **settings)[0]
 
 
-def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_shape=None,
-                   optimizer="adamw", time_limit_s=60.0, capture_s=0.0, verbose=False,
-                   pins=None, profiler=None, memory_weights=None,
-                   grad_sync_scale=1.0, explain=True, fewest_layers=True) -> tuple[Plan, Solved]:
-    """``plan_captured``, and the solver's :class:`Solved`. ``memory_weights`` and
-    ``grad_sync_scale`` go to the :class:`CostModel` (the pipeline's per-stage view);
-    ``explain=False`` skips working out how far from fitting an infeasible mesh is;
-    ``explain="later"`` raises, when nothing fits, an :class:`InfeasibleError` whose
-    ``explain_later()`` returns the error ``explain=True`` raises (the least-memory ILPs of
-    ``infeasible``, one or more per mesh, solved only when called: the free search needs
-    them only if no other stage finds a plan either)."""
-    pins = as_options(pins)
-    budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    ask = _Ask(cl, world, pins, budget, mesh_shape, optimizer, time_limit_s, verbose, profiler,
-               memory_weights, grad_sync_scale, explain, fewest_layers)
+def solve_captured(cap: Captured, cl, world: int, *, pins=None, capture_s=0.0, explain=True,
+                   fewest_layers=True, **settings) -> tuple[Plan, Solved]:
+    """``plan_captured``, and the solver's :class:`Solved` (:func:`solve_ask` of the
+    keywords as one :class:`MeshAsk`). ``explain=False`` skips working out how far from
+    fitting an infeasible mesh is; ``explain="later"`` raises, when nothing fits, an
+    :class:`InfeasibleError` whose ``explain_later()`` returns the error ``explain=True``
+    raises (the least-memory ILPs of ``infeasible``, one or more per mesh, solved only when
+    called: the free search needs them only if no other stage finds a plan either)."""
+    ask = MeshAsk(cl, world, pins, Settings.of("solve_captured", settings), explain=explain,
+                  fewest_layers=fewest_layers)
+    return solve_ask(cap, ask, capture_s)
+
+
+def solve_ask(cap: Captured, ask: MeshAsk, capture_s: float = 0.0) -> tuple[Plan, Solved]:
+    """(Plan, :class:`Solved`) of the best unpipelined plan ``ask`` allows: the sharding ILP
+    on every mesh its pins allow, with recomputation and the ZeRO stages where memory
+    binds. ``ask.view`` goes to the :class:`CostModel` (a pipeline's per-stage view, one of
+    several micro-batches)."""
+    ask = replace(ask, timeouts=[])       # this call's own (its ZeRO stages' asks share it)
+    cl, world, pins, budget, mesh_shape = ask.cl, ask.world, ask.pins, ask.budget, ask.mesh_shape
+    verbose, explain, memory_budget = ask.verbose, ask.explain, ask.settings.memory_budget
     phases: dict = {}
     best, errors = _search(cap, ask, phases)
     binds = best is None or best.sol.memory_total > RECOMPUTE_WHEN * budget
@@ -190,7 +228,7 @@ def solve_captured(cap: Captured, cl, world: int, *, memory_budget=None, mesh_sh
     return plan, Solved(best.problem, best.cost, dict(best.sol.choice))
 
 
-def _timed_out(ask: _Ask, errors: list) -> TimeLimitError:
+def _timed_out(ask: MeshAsk, errors: list) -> TimeLimitError:
     """The error of a search that found no plan and skipped programs at the time limit: a
     longer limit might find one (the meshes that do not fit memory are only counted)."""
     meshes = sorted({str(e.mesh_shape) for e in ask.timeouts})
@@ -246,7 +284,7 @@ def _explained(e: InfeasibleError) -> InfeasibleError:
     return got
 
 
-def _search(cap: Captured, ask: _Ask, phases: dict, tag: str = ""):
+def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
     """(the best :class:`_Best` under ``ask.pins`` over the meshes they allow, or None; the
     reasons of the meshes that did not fit).
 
@@ -302,7 +340,7 @@ def _search(cap: Captured, ask: _Ask, phases: dict, tag: str = ""):
                 continue
             try:
                 sol = _solve_program(problem, cost, budget, time_limit_s, lambda: _ilp_key(
-                    cap, cl, job, memory_weights, grad_sync_scale))
+                    cap, cl, job, ask.view))
             except TimeLimitError as e:   # no plan on this mesh in the time: the others may have
                 ask.timeouts.append(e)
                 if ask.verbose:
@@ -352,13 +390,12 @@ def mesh_floor(cap: Captured, cl, world: int, pins, optimizer: str = "adamw") ->
                for shape, _, roles in meshes)
 
 
-def _cost_model(cap: Captured, cl, job: MeshJob, *, profiler=None, memory_weights=None,
-                grad_sync_scale=1.0) -> CostModel:
+def _cost_model(cap: Captured, cl, job: MeshJob, *, profiler=None,
+                view: StepView = WHOLE_STEP) -> CostModel:
     """The cost model of ``_search``'s program ``job`` (its mesh, pins and recomputation)."""
     _, rec_nodes, rec_kept = _recompute_of(cap, job.rec)
     return CostModel.for_pins(cl, job.shape, job.pins, data_axis=job.roles.data,
-                              recompute=(rec_nodes, rec_kept), profiler=profiler,
-                              memory_weights=memory_weights, grad_sync_scale=grad_sync_scale,
+                              recompute=(rec_nodes, rec_kept), profiler=profiler, view=view,
                               native=cap.native_dtypes)
 
 
@@ -427,16 +464,15 @@ def _solve_or_read(problem, cost, budget: float, time_limit_s: float, key) -> So
     return sol
 
 
-def _ilp_key(cap, cl, job: MeshJob, memory_weights: dict | None = None,
-             grad_sync_scale: float = 1.0) -> tuple:
+def _ilp_key(cap, cl, job: MeshJob, view: StepView = WHOLE_STEP) -> tuple:
     """What ``_search``'s program on one mesh is made of: the graph, the job (the mesh and
     its axes' roles, the pins (ZeRO stage among them), the optimizer's states, the
     recomputed layers, the budget and time limit), the cluster and the pipeline's view of
     memory and gradient sync."""
     layers = job.rec if job.rec is None or isinstance(job.rec, str) else tuple(job.rec)
     return (id(cap.gm), tuple(job.shape), job.roles, repr(sorted(job.pins.items())),
-            job.n_states, layers, repr(cl), repr(sorted((memory_weights or {}).items())),
-            grad_sync_scale, job.budget, job.time_limit_s)
+            job.n_states, layers, repr(cl), repr(sorted((view.memory_weights or {}).items())),
+            view.grad_sync_scale, job.budget, job.time_limit_s)
 
 
 DEFERRED_KEPT = 4
@@ -451,7 +487,7 @@ def drop_deferred(cap: Captured) -> None:
     _DEFERRED.pop(cap.gm, None)
 
 
-def _with_fewest_layers(cap: Captured, best, ask: _Ask):
+def _with_fewest_layers(cap: Captured, best, ask: MeshAsk):
     """``best``, or where it recomputes every layer of a free choice, ``_fewest_layers``'
     plan (a pipeline's stage view, ``memory_weights``, leaves which layers to the per-rank
     choice after the cuts: ``partial_recompute``)."""
@@ -479,7 +515,7 @@ PARTIAL_PROBES = 4
 """ILPs ``_fewest_layers`` solves at most."""
 
 
-def _fewest_layers(cap: Captured, full: _Best, ask: _Ask) -> _Best:
+def _fewest_layers(cap: Captured, full: _Best, ask: MeshAsk) -> _Best:
     """``full`` (every one of the L repeated layers recomputed) or, if predicted faster, the
     plan on its mesh recomputing only the first k layers, k the fewest that fit ``budget``
     (Megatron-LM's ``--recompute-num-layers``). Layers alike, recomputing one saves at most
@@ -492,7 +528,6 @@ def _fewest_layers(cap: Captured, full: _Best, ask: _Ask) -> _Best:
     k that fits is bisected; within ``PARTIAL_PROBES`` solves. The least objective of them
     and ``full`` wins."""
     cl, budget, time_limit_s = ask.cl, ask.budget, ask.time_limit_s
-    memory_weights, grad_sync_scale = ask.memory_weights, ask.grad_sync_scale
     layers, per = full.recompute, full.sol.memory.get("recompute", 0.0)
     n = len(layers)
     if n < 2 or per <= 0 or budget == float("inf"):
@@ -510,7 +545,7 @@ def _fewest_layers(cap: Captured, full: _Best, ask: _Ask) -> _Best:
             job = MeshJob(full.shape, full.roles, layers[:k], full.pins, full.n_states, budget,
                           time_limit_s)
             sol = _solve_or_read(full.problem, cost, budget, time_limit_s, lambda: _ilp_key(
-                cap, cl, job, memory_weights, grad_sync_scale))
+                cap, cl, job, ask.view))
         except InfeasibleError:
             fails, step = k, 0
             k = (fails + fits + 1) // 2
@@ -540,7 +575,7 @@ def _row(family, shape, variant, need, terms) -> dict:
                 terms=dict(terms), binding=binding)
 
 
-def _least_memory(cap, ask: _Ask, cl, shape, roles, pins, rec):
+def _least_memory(cap, ask: MeshAsk, cl, shape, roles, pins, rec):
     """The least memory per device of any plan of ``cap`` on ``shape`` of ``cl`` under
     ``pins`` (``rec``: the recomputation choice): (bytes, {term: bytes})."""
     _, rec_nodes, rec_kept = _recompute_of(cap, rec)
@@ -552,7 +587,7 @@ def _least_memory(cap, ask: _Ask, cl, shape, roles, pins, rec):
     return sol.memory_total, dict(sol.memory)
 
 
-def infeasible(cap: Captured, ask: _Ask, errors: list) -> InfeasibleError:
+def infeasible(cap: Captured, ask: MeshAsk, errors: list) -> InfeasibleError:
     """One screen for a search where nothing fits: the closest plan per mesh family, what
     binds, and the smallest changes that fit (a budget, a ZeRO stage, more devices,
     gradient accumulation), each worked out from the least-memory plans. The error carries
@@ -604,7 +639,7 @@ def infeasible(cap: Captured, ask: _Ask, errors: list) -> InfeasibleError:
                            meshes=rows, closest=list(closest.values()), suggestions=sugg)
 
 
-def _zero_notes(cap, ask: _Ask, errors: list, zero_free: bool) -> tuple:
+def _zero_notes(cap, ask: MeshAsk, errors: list, zero_free: bool) -> tuple:
     """The lines (one per distinct note) naming the parameters a ZeRO stage leaves whole on
     the data axis of the meshes tried (``solver.zero_whole``); with no ``zero=`` pin, the
     ZeRO-3 row's mesh (``(world,)``) is asked."""
@@ -635,7 +670,7 @@ def _pin_text(pins: dict) -> str:
     return "".join(f", {k}={v!r}" for k, v in pins.items())
 
 
-def _more_devices(cap, ask: _Ask, rec):
+def _more_devices(cap, ask: MeshAsk, rec):
     """The fewest devices (a multiple of ``world``, batch permitting) on which ZeRO-3 over
     the data axis fits: (devices, bytes per device), or None within 64x."""
     cl, world, pins = ask.cl, ask.world, ask.pins

@@ -45,10 +45,10 @@ from autopar.solver.branches import plan_branched, search_branches
 from autopar.solver.context_search import search_context
 from autopar.solver.expert_search import search_experts
 from autopar.solver.errors import InfeasibleError
-from autopar.solver.flat import (drop_deferred, mesh_jobs, plan_captured, recompute_bound_s,
-                                 solve_captured, solve_mesh_job)
+from autopar.solver.flat import (MeshAsk, drop_deferred, mesh_jobs, recompute_bound_s, solve_ask,
+                                 solve_mesh_job)
 from autopar.solver.pipeline_free import degree_search, search_pipelines
-from autopar.solver.spec import Planned, SearchSpec
+from autopar.solver.spec import Planned, SearchSpec, Settings
 from autopar.solver.speculate import Speculation, best_found_s, workers_for
 
 PROGRESS_AFTER_S = 10.0
@@ -88,16 +88,17 @@ def search_captured(spec: SearchSpec, cap: Captured, capture_s: float = 0.0) -> 
         return run.search()
     # the pipeline search's programs, then the unpipelined plan's, then its probes (which
     # the search may not need), solved ahead on the other cores (speculate.py)
-    search = degree_search(cap, spec.example_inputs, spec.cluster, spec.world, o,
-                           memory_budget=spec.memory_budget, optimizer=spec.optimizer,
-                           time_limit_s=spec.time_limit_s, verbose=spec.verbose)
+    search = degree_search(spec, cap)
     workers = workers_for(len(cap.gm.graph.nodes), spec.profiler)
-    flat_args = dict(pins=o, memory_budget=spec.memory_budget, mesh_shape=spec.mesh_shape,
-                     optimizer=spec.optimizer, time_limit_s=spec.time_limit_s)
+    # (a worker's asks: the spec's settings, quiet and without the profiler, which
+    # ``may_pipeline`` rules out here)
+    quiet = Settings(spec.memory_budget, spec.mesh_shape, spec.optimizer, spec.time_limit_s)
     # the unpipelined plan's programs, a job each: without recomputation first (the workers
     # take from the end), then every layer recomputed, which the search solves only if
     # memory binds
-    flat_jobs = mesh_jobs(cap, spec.cluster, spec.world, **flat_args)
+    flat_jobs = mesh_jobs(cap, spec.cluster, spec.world, pins=o, memory_budget=quiet.memory_budget,
+                          mesh_shape=quiet.mesh_shape, optimizer=quiet.optimizer,
+                          time_limit_s=quiet.time_limit_s)
     first = [k for k, job in flat_jobs.items() if job[2] is None]
     recomputed = [k for k, job in flat_jobs.items() if job[2] is not None]
 
@@ -108,12 +109,12 @@ def search_captured(spec: SearchSpec, cap: Captured, capture_s: float = 0.0) -> 
             # as the search will, only where the unpipelined plan could beat the best pipeline
             # (predicted so far, with a margin for the planned step: PROBES_MARGIN); its
             # programs are read where written, the probes resume its search
-            flat = plan_captured(cap, spec.cluster, spec.world, **flat_args, fewest_layers=False,
-                                 explain="later")
+            ask = MeshAsk(spec.cluster, spec.world, o, quiet, explain="later")
+            flat = solve_ask(cap, replace(ask, fewest_layers=False))[0]
             if flat.recompute and o.recompute is None and \
                     flat.estimate.step_time_s - recompute_bound_s(flat, cap) < \
                     PROBES_MARGIN * best_found_s():
-                plan_captured(cap, spec.cluster, spec.world, **flat_args, explain="later")
+                solve_ask(cap, ask)
         else:
             search.solve_ahead(job)
     ahead = Speculation([PROBES, *recomputed, *first, *search.meshes], solve_ahead, workers) \
@@ -178,12 +179,16 @@ class _FreeSearch:
                     if self.best is not None else "")
             print(f"autopar: {name} {seconds:.1f}s{best}", file=sys.stderr, flush=True)
 
-    def _flat_kw(self, **more) -> dict:
+    def _ask(self) -> MeshAsk:
         # where nothing fits unpipelined, how far from fitting each mesh is (least-memory
         # ILPs, 130 of 180 s on DeepSeek-V3's first 4 layers) is worked out only if no other
         # stage finds a plan either (``result``)
-        return self.spec.solve_kw(capture_s=self.capture_s, pins=self.spec.options,
-                                  explain="later", **more)
+        return MeshAsk(self.spec.cluster, self.spec.world, self.spec.options, self.spec.settings,
+                       explain="later")
+
+    def _plan_with(self, cap: Captured, pins: Options) -> Plan:
+        """The unpipelined plan of ``cap`` under ``pins`` (the context and expert stages')."""
+        return solve_ask(cap, replace(self._ask(), pins=pins), self.capture_s)[0]
 
     # ---- the stages ----------------------------------------------------------------------
     def search(self, deferred: bool = False, pipelines=None, ahead=None) -> Planned:
@@ -221,8 +226,8 @@ class _FreeSearch:
         self._started("unpipelined")
         t0 = time.perf_counter()
         try:
-            self.flat = plan_captured(self.cap, self.spec.cluster, self.spec.world,
-                                      **self._flat_kw(), fewest_layers=not deferred)
+            self.flat = solve_ask(self.cap, replace(self._ask(), fewest_layers=not deferred),
+                                  self.capture_s)[0]
         except InfeasibleError as e:
             self.error = e
         self.phases.update(self.flat.solver.phases if self.flat is not None else {})
@@ -233,7 +238,7 @@ class _FreeSearch:
 
     def context(self) -> None:
         """Context parallelism over long sequences (``context_search``)."""
-        for plan, cap in search_context(self.spec, self.cap, plan_captured, self._flat_kw()):
+        for plan, cap in search_context(self.spec, self.cap, self._plan_with):
             self.offer(Planned(plan, cap))
 
     def experts(self) -> None:
@@ -242,7 +247,7 @@ class _FreeSearch:
         best = self.best.plan.estimate.step_time_s if self.best is not None else None
         if self.spec.profiler is not None:
             best = None          # the floor is priced without the profiler's times
-        for plan in search_experts(self.spec, self.cap, self._flat_kw(), best):
+        for plan in search_experts(self.spec, self.cap, self._plan_with, best):
             self.offer(Planned(plan, self.cap))
 
     def branches(self) -> None:
@@ -258,10 +263,7 @@ class _FreeSearch:
         spec = self.spec
         if spec.verbose:
             print(f"searching pipelines ({against})")
-        got = self._timed("pipeline search", lambda: search_pipelines(
-            self.cap, spec.model, spec.example_inputs, spec.loss_fn, spec.target, spec.cluster,
-            spec.world, spec.options, memory_budget=spec.memory_budget, optimizer=spec.optimizer,
-            time_limit_s=spec.time_limit_s, verbose=spec.verbose, search=search))
+        got = self._timed("pipeline search", lambda: search_pipelines(spec, self.cap, search))
         self.searched = True
         self.offer(Planned(*got) if got is not None else None)
 
@@ -277,7 +279,7 @@ class _FreeSearch:
         t0 = time.perf_counter()
         if ahead is not None:
             ahead.take(PROBES)               # a worker's outcomes, if it took them
-        fewer = plan_captured(cap, self.spec.cluster, self.spec.world, **self._flat_kw())
+        fewer = solve_ask(cap, self._ask(), self.capture_s)[0]
         self.phases["unpipelined, fewest layers"] = time.perf_counter() - t0
         self.offer(Planned(fewer, cap))
         self._progress("unpipelined, fewest layers", self.phases["unpipelined, fewest layers"])
@@ -297,9 +299,7 @@ class _FreeSearch:
             print("trying gradient accumulation (" + ("the full batch fits only recomputed"
                                                       if flat is not None else
                                                       "nothing fits the full batch") + ")")
-        got = self._timed("accumulation", lambda: search_accumulation(
-            spec.model, spec.example_inputs, spec.loss_fn, spec.target, spec.cluster, spec.world,
-            spec.options, **spec.solve_kw()))
+        got = self._timed("accumulation", lambda: search_accumulation(spec))
         self.offer(Planned(*got) if got is not None else None)
 
     def result(self) -> Planned:
@@ -350,12 +350,9 @@ def _offloaded(spec: SearchSpec, cap: Captured, capture_s: float) -> Planned | N
         if spec.verbose:
             print(f"trying offload='optimizer', zero={stage} (nothing else fits device memory)")
         try:
-            plan, _ = solve_captured(cap, spec.cluster, spec.world,
-                                     pins=pins.replace(zero=stage, offload="optimizer"),
-                                     verbose=spec.verbose, explain=False,
-                                     memory_budget=spec.memory_budget, optimizer=spec.optimizer,
-                                     time_limit_s=spec.time_limit_s, capture_s=capture_s,
-                                     profiler=spec.profiler)
+            plan, _ = solve_ask(cap, MeshAsk(spec.cluster, spec.world,
+                                             pins.replace(zero=stage, offload="optimizer"),
+                                             spec.settings, explain=False), capture_s)
         except (InfeasibleError, PinError):
             continue
         return Planned(plan, cap)

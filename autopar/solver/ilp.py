@@ -83,16 +83,27 @@ class InfeasibleError(AutoparInputError):
     - the whole search (``flat.infeasible``): ``meshes`` (every mesh's figures),
       ``closest`` (per mesh family) and ``suggestions`` (the smallest changes that fit)."""
 
-    def __init__(self, message: str = "", *, mesh_shape: tuple | None = None,
-                 axes: tuple | None = None, roles: MeshRoles | None = None, recompute=None,
-                 need_bytes: float | None = None, terms: dict | None = None,
-                 unexplained: tuple | None = None, meshes: list | None = None,
-                 closest: list | None = None, suggestions: list | None = None):
+    mesh_shape: tuple | None = None
+    axes: tuple | None = None
+    roles: MeshRoles | None = None
+    recompute = None
+    need_bytes: float | None = None
+    terms: dict | None = None
+    unexplained: tuple | None = None
+
+    def __init__(self, message: str = "", **fields):
+        """``fields``: any of the fields above by name (``mesh_shape``, ``axes``, ``roles``,
+        ``recompute``, ``need_bytes``, ``terms``, ``unexplained``, ``meshes``, ``closest``,
+        ``suggestions``); another name is a TypeError."""
         super().__init__(message)
-        self.mesh_shape, self.axes, self.roles, self.recompute = mesh_shape, axes, roles, recompute
-        self.need_bytes, self.terms, self.unexplained = need_bytes, terms, unexplained
-        self.meshes, self.closest = meshes or [], closest or []
-        self.suggestions = suggestions or []
+        unknown = sorted(set(fields) - set(INFEASIBLE_FIELDS))
+        if unknown:
+            raise TypeError(f"InfeasibleError() got unknown field(s) {unknown}; its fields are "
+                            f"{list(INFEASIBLE_FIELDS)}")
+        for name in INFEASIBLE_FIELDS:
+            setattr(self, name, fields.get(name))
+        self.meshes, self.closest = self.meshes or [], self.closest or []
+        self.suggestions = self.suggestions or []
 
     explain_later = None
     """Where the search deferred the explanation (``flat.solve_captured(explain="later")``):
@@ -102,6 +113,11 @@ class InfeasibleError(AutoparInputError):
     def explained(self) -> bool:
         """Whether the least-memory plan's figures (``need_bytes``, ``terms``) are known."""
         return self.need_bytes is not None
+
+
+INFEASIBLE_FIELDS = ("mesh_shape", "axes", "roles", "recompute", "need_bytes", "terms",
+                     "unexplained", "meshes", "closest", "suggestions")
+"""What an :class:`InfeasibleError` may say about why nothing fits (None or empty: not known)."""
 
 
 class TimeLimitError(InfeasibleError):

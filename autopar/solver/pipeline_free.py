@@ -22,7 +22,9 @@ from autopar.solver import speculate
 from autopar.solver.errors import InfeasibleError
 from autopar.solver.expert_search import (expert_degrees, expert_free, least_state_bytes,
                                           moe_experts, split_state_bytes)
-from autopar.solver.flat import wide_grads
+from autopar.pricing.costing import StepView
+from autopar.solver.flat import MeshAsk, wide_grads
+from autopar.solver.spec import SearchSpec, Settings
 from autopar.solver.pipeline_price import (batch_degree, memory_weights, price_plan, state_bytes,
                                            state_per_param)
 from autopar.solver.pipeline_search import (
@@ -74,29 +76,26 @@ def pipeline_degrees(cap: Captured, cl, world: int) -> list[int]:
     return [p for p in range(2, min(span, limit) + 1) if span % p == 0 and world % p == 0]
 
 
-def degree_search(cap: Captured, example_inputs, cl, world: int, pins: Options, *, memory_budget=None,
-                  optimizer="adamw", time_limit_s=60.0, verbose=False) -> "_DegreeSearch":
+def degree_search(spec: SearchSpec, cap: Captured) -> "_DegreeSearch":
     """The search ``search_pipelines`` runs over ``pipeline_degrees``, made before it runs
     (the driver starts workers on its meshes' programs: ``_DegreeSearch.solve_ahead``)."""
-    return _DegreeSearch(cap, cl, world, pins, int(example_inputs[0].shape[0]),
-                         memory_budget if memory_budget is not None else cl.device.memory_bytes,
-                         optimizer, time_limit_s, verbose, pipeline_degrees(cap, cl, world))
+    return _DegreeSearch(spec, cap, pipeline_degrees(cap, spec.cluster, spec.world))
 
 
-def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, world: int,
-                     pins: Options, *, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
-                     verbose=False, search: "_DegreeSearch | None" = None
+def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | None" = None
                      ) -> tuple[Plan, Captured] | None:
-    """The best pipeline plan over ``pipeline_degrees`` and the graph captured at its
-    micro-batch (None when none fits). ``cap`` is the full-batch graph: each degree's
+    """The best pipeline plan of ``spec`` over ``pipeline_degrees`` and the graph captured at
+    its micro-batch (None when none fits). ``cap`` is the full-batch graph: each degree's
     intra-stage plans are made on it (data x tensor meshes, memory left to the pipeline
     model), priced per sample, with and without every layer recomputed; only the winner is
     captured at its micro-batch and planned for real. ``search``: ``degree_search``'s, made
-    ahead."""
-    pins = as_options(pins)
-    search = search or degree_search(cap, example_inputs, cl, world, pins,
-                                     memory_budget=memory_budget, optimizer=optimizer,
-                                     time_limit_s=time_limit_s, verbose=verbose)
+    ahead. (The free search runs it without a ``mesh_shape`` or a profiler:
+    ``free_search.may_pipeline``; neither is read here.)"""
+    model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
+    cl, world, pins, verbose = spec.cluster, spec.world, as_options(spec.options), spec.verbose
+    spec = replace(spec, options=pins, mesh_shape=None, profiler=None)
+    ask = MeshAsk(cl, world, pins, spec.settings)
+    search = search or degree_search(spec, cap)
     found = []
     for p in pipeline_degrees(cap, cl, world):
         t0 = time.perf_counter()
@@ -123,15 +122,10 @@ def search_pipelines(cap: Captured, model, example_inputs, loss_fn, target, cl, 
             if mcap is None:
                 mcap = captured[config[2]] = capture_microbatch(model, example_inputs, loss_fn,
                                                                 target, config[2])
-            real = plan_pipeline(mcap, cl, world, pins, config, extra_pins=extra,
-                                 memory_budget=memory_budget, optimizer=optimizer,
-                                 time_limit_s=time_limit_s, capture_s=time.perf_counter() - t0,
-                                 verbose=verbose)
+            real = plan_pipeline(mcap, ask, config, extra_pins=extra,
+                                 capture_s=time.perf_counter() - t0)
             if real.recompute and _may_choose_again(pins):
-                real = _replan_recomputing(real, mcap, model, example_inputs, loss_fn, target,
-                                           cl, world, pins, config, extra,
-                                           memory_budget=memory_budget, optimizer=optimizer,
-                                           time_limit_s=time_limit_s, verbose=verbose)
+                real = _replan_recomputing(real, mcap, spec, config, extra)
             if planned is None or real.estimate.step_time_s < planned[0].estimate.step_time_s:
                 planned = (real, mcap)
             if real.estimate.step_time_s <= predicted * (1 + 1e-6):
@@ -158,8 +152,7 @@ def _may_choose_again(pins: Options) -> bool:
     return pins.recompute is None and not fixed
 
 
-def _replan_recomputing(real: Plan, mcap, model, example_inputs, loss_fn, target, cl, world,
-                        pins, config, extra, **kw) -> Plan:
+def _replan_recomputing(real: Plan, mcap, spec: SearchSpec, config, extra) -> Plan:
     """``real``, a plan that recomputes layers, or, if predicted faster, the plan of the same
     pipeline degree p, micro-batch count m and stage mesh with schedule and virtual stages
     chosen again on the micro-batch's own prices (``pipeline_search.plan_pipelined``, which
@@ -171,7 +164,8 @@ def _replan_recomputing(real: Plan, mcap, model, example_inputs, loss_fn, target
     it out (it fitted by recomputing every layer; sharding gradients and optimizer state
     leaves room to recompute fewer). Its pins stay the user's."""
     p, _, m, _ = config
-    batch = int(example_inputs[0].shape[0])
+    pins = spec.options
+    batch = int(spec.example_inputs[0].shape[0])
     mesh = {k: v for k, v in extra.items() if k != "recompute"}
     tries = [mesh]
     if pins.zero is None and not mesh.get("zero") and mesh.get("data", 1) > 1 \
@@ -182,8 +176,7 @@ def _replan_recomputing(real: Plan, mcap, model, example_inputs, loss_fn, target
     best = real
     for extra_pins in tries:
         try:
-            again, _ = plan_pipelined(model, example_inputs, loss_fn, target, cl, world, at,
-                                      cap0=mcap, extra_pins=extra_pins, **kw)
+            again, _ = plan_pipelined(replace(spec, options=at), cap0=mcap, extra_pins=extra_pins)
         except ValueError:
             continue
         if again.estimate.step_time_s < best.estimate.step_time_s:
@@ -196,11 +189,13 @@ class _DegreeSearch:
     """The free search's best configuration for one pipeline degree, priced on the
     full-batch graph."""
 
-    def __init__(self, cap, cl, world, pins, batch, budget, optimizer, time_limit_s, verbose,
-                 degrees=()):
-        pins = as_options(pins)
-        self.cap, self.cl, self.world, self.pins, self.batch = cap, cl, world, pins, batch
-        self.budget, self.optimizer, self.time_limit_s, self.verbose = budget, optimizer, time_limit_s, verbose
+    def __init__(self, spec: SearchSpec, cap, degrees=()):
+        pins = as_options(spec.options)
+        self.cap, self.cl, self.world, self.pins = cap, spec.cluster, spec.world, pins
+        self.batch = int(spec.example_inputs[0].shape[0])
+        self.budget, self.optimizer, self.verbose = spec.budget, spec.optimizer, spec.verbose
+        self.time_limit_s = spec.time_limit_s
+        optimizer = spec.optimizer
         self.degrees = degrees
         self.n_experts = moe_experts(cap)
         # every (p, data, tensor, expert) ``best`` may solve, in its order: what workers
@@ -289,8 +284,10 @@ class _DegreeSearch:
         weights["activations"] *= expert
         weights["inputs"] = weights["recompute"] = data * expert / self.batch
         mesh = self._mesh(data, tensor, expert)
-        kw = dict(weights=weights, memory_budget=self.budget, optimizer=self.optimizer,
-                  time_limit_s=self.time_limit_s, explain=False)
+        # (the stage plans are solved quietly, without a mesh shape or a profiler)
+        ask = MeshAsk(self.cl, self.world, self.pins,
+                      Settings(self.budget, optimizer=self.optimizer, time_limit_s=self.time_limit_s),
+                      view=StepView(weights), explain=False)
         if self.pins.zero is None and data > 1 and wide_grads(self.pins) and \
                 (self.pins.expert or expert) == 1:
             # gradients reduced in fp32 once a step: ZeRO-2's reduce-scatter and 16-bit
@@ -299,11 +296,10 @@ class _DegreeSearch:
             # hidden behind the whole backward, where a pipeline hides it behind the last
             # micro-batch's only); the free stage when ZeRO-2 does not fit
             try:
-                return solve_intra(self.cap, self.cl, self.world, p,
-                                   self.pins.replace(**mesh, zero=2), **kw)
+                return solve_intra(self.cap, replace(ask, pins=self.pins.replace(**mesh, zero=2)), p)
             except InfeasibleError:
                 pass
-        return solve_intra(self.cap, self.cl, self.world, p, self.pins.replace(**mesh), **kw)
+        return solve_intra(self.cap, replace(ask, pins=self.pins.replace(**mesh)), p)
 
     def solve_ahead(self, mesh: tuple[int, int, int]) -> None:
         """A worker's part (``speculate.Speculation``): solve ``mesh`` = (p, data, tensor,

@@ -55,12 +55,14 @@ from autopar.plan import NodePlacement, Pipeline, Plan
 from autopar.schedule import SCHEDULES, check_schedule
 from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
 from autopar.solver.even_split import block_starts, even_cuts
-from autopar.solver.flat import Solved, solve_captured
+from autopar.pricing.costing import StepView
+from autopar.solver.flat import MeshAsk, Solved, solve_ask
+from autopar.solver.spec import SearchSpec
 from autopar.solver.partial_recompute import fewest_step, partial_pipeline, without_recompute
 from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
 )
-from autopar.solver.stage_dp import _candidates, plan_stages, simulate_plan, DEFAULT_VIRTUAL
+from autopar.solver.stage_dp import StagePins, _candidates, plan_stages, simulate_plan, DEFAULT_VIRTUAL
 from autopar.solver.stage_tables import rank_times
 
 DEFAULT_SCHEDULE = "1f1b"
@@ -149,8 +151,16 @@ def capture_microbatch(model, example_inputs, loss_fn, target, m: int) -> Captur
 
 
 def _choose(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowed_m=None,
-            bound: float = math.inf, partial=None, ranked: bool = False):
-    """(StagePlan, predicted step) of least predicted step for pipeline degree p, over what
+            bound: float = math.inf):
+    """(StagePlan, predicted step) of least predicted step (:func:`_ranked`'s first), or
+    None."""
+    got = _ranked(pr, p, batch, budget, pins, allowed_m, bound)
+    return got if got is None else got[0] if got else None
+
+
+def _ranked(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowed_m=None,
+            bound: float = math.inf, partial=None):
+    """Every simulated (StagePlan, predicted step), least step first, for pipeline degree p, over what
     the pins leave free (m among ``allowed_m``). ``plan_stages`` picks cuts and m per
     schedule by its closed form; the schedules are then ranked by simulating their
     timelines (the closed form takes transfers as overlapped, which 1F1B-like schedules
@@ -167,8 +177,7 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowe
     its step with per rank only the fewest layers recomputed that fit under its cuts
     (``partial_recompute.fewest_layers``, as ``_Cutter.fitting`` will plan it), when that
     is faster: ranked with every layer recomputed, a schedule holding fewer micro-batches in
-    flight, which needs fewer recomputed, lost to one that gains nothing from it.
-    ``ranked``: every simulated (StagePlan, step), least step first, instead of the best."""
+    flight, which needs fewer recomputed, lost to one that gains nothing from it."""
     mbs = pins.micro_batch_size
     costs = pr.layer_costs()
     limit = max(budget - pr.extra_memory(), 1.0)
@@ -206,9 +215,7 @@ def _choose(pr: Priced, p: int, batch: int, budget: float, pins: Options, allowe
             step = min(step, _partial_step(pr, partial, sp, p, batch, budget))
         simulated.append((sp, step))
     simulated.sort(key=lambda x: x[1])
-    if ranked:
-        return simulated
-    return simulated[0] if simulated else None
+    return simulated
 
 
 def _partial_step(pr: Priced, partial, sp, p: int, batch: int, budget: float) -> float:
@@ -280,9 +287,9 @@ def step_floor(pr: Priced, p: int, batch: int, pins: Options, allowed_m=None) ->
     floor = math.inf
     for kind in _kinds(pins):
         try:
-            candidates = _candidates(costs.n_layers, p, batch, p, batch // mbs if mbs else None,
-                                     kind, pins.virtual_stages, allowed_m,
-                                     learned=costs.n_learned)
+            candidates = _candidates(costs.n_layers, p, batch, StagePins(
+                p, batch // mbs if mbs else None, kind, pins.virtual_stages, allowed_m),
+                learned=costs.n_learned)
         except ValueError:
             return -math.inf      # let ``_choose`` raise what the pins cannot run
         for c in candidates:
@@ -308,36 +315,35 @@ def _too_few_parameters(p: int, v: int, learned: int, world: int) -> str:
             f"so at most {learned} stages can each hold one: use {fix}")
 
 
-def solve_intra(cap: Captured, cl, world: int, p: int, pins: Options, *, weights=None,
-                grad_sync_scale=1.0, memory_budget=None, optimizer="adamw", time_limit_s=60.0,
-                capture_s=0.0, verbose=False, mesh_shape=None, explain=True, profiler=None):
-    """(Plan, Solved) of the whole graph on one stage's ``world // p`` devices."""
-    d = world // p
-    intra_pins = Options.from_pins({k: v for k, v in as_options(pins).items() if k in INTRA_PINS})
+def solve_intra(cap: Captured, ask: MeshAsk, p: int, capture_s: float = 0.0):
+    """(Plan, Solved) of the whole graph on one stage's ``ask.world // p`` devices of
+    ``ask.cl``, under ``ask``'s pins that concern one stage (``INTRA_PINS``), its settings
+    and its view (a pipeline rank's: ``memory_weights``, ``1 / m`` of the gradient sync)."""
+    d = ask.world // p
+    intra_pins = Options.from_pins({k: v for k, v in ask.pins.items() if k in INTRA_PINS})
+    settings = ask.settings
     if intra_pins.data or intra_pins.tensor or intra_pins.zero or intra_pins.expert \
             or intra_pins.context:
-        mesh_shape = None                       # the pins say which mesh
-    return solve_captured(cap, _sub_cluster(cl, d), d, memory_budget=memory_budget,
-                          mesh_shape=mesh_shape, optimizer=optimizer,
-                          time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
-                          pins=intra_pins, memory_weights=weights, grad_sync_scale=grad_sync_scale,
-                          explain=explain, profiler=profiler)
+        settings = settings.replace(mesh_shape=None)        # the pins say which mesh
+    return solve_ask(cap, replace(ask, cl=_sub_cluster(ask.cl, d), world=d, pins=intra_pins,
+                                  settings=settings), capture_s)
 
 
 # ---- the plan for one configuration ---------------------------------------------------------
 
 
-def plan_pipeline(cap: Captured, cl, world: int, pins: Options, config: tuple[int, int, int, str], *,
-                  memory_budget=None, optimizer="adamw", time_limit_s=60.0, capture_s=0.0,
-                  verbose=False, mesh_shape=None, extra_pins=None, solved=None,
-                  profiler=None) -> Plan:
-    """The Plan for ``cap`` (captured with micro-batch inputs) on ``world`` devices, for
-    ``config`` = (p, v, m, schedule). ``solved`` = (intra Plan, Solved) reuses an intra
-    solution of this graph; ``mesh_shape`` fixes the intra-stage mesh, ``extra_pins``
-    (data, tensor, recompute) pin the intra plan without being the user's pins.
+def plan_pipeline(cap: Captured, ask: MeshAsk, config: tuple[int, int, int, str], *,
+                  capture_s=0.0, extra_pins=None, solved=None) -> Plan:
+    """The Plan for ``cap`` (captured with micro-batch inputs) on ``ask.world`` devices of
+    ``ask.cl`` under ``ask.pins``, for ``config`` = (p, v, m, schedule). ``solved`` = (intra
+    Plan, Solved) reuses an intra solution of this graph; ``ask.settings.mesh_shape`` fixes
+    the intra-stage mesh, ``extra_pins`` (data, tensor, recompute) pin the intra plan
+    without being the user's pins.
 
     Raises :class:`PipelineInfeasibleError` when no cut fits the memory budget and
     :class:`StageCutError` when the graph cannot be cut into the stages at all."""
+    cl, world, pins, verbose = ask.cl, ask.world, ask.pins, ask.verbose
+    memory_budget = ask.settings.memory_budget
     p, v, m, schedule = config
     if world % p:
         raise PinError(f"pipeline={p} does not divide the world of {world} devices; every stage "
@@ -350,14 +356,11 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: Options, config: tuple[in
     learned = len(parameter_positions(cap))
     if p * v > learned:
         raise PinError(_too_few_parameters(p, v, learned, world))
-    pins = as_options(pins)
     if pins.stage_split == "even-layers":
         even_cuts(block_starts(cap), p, v)          # a PinError naming the counts
-    cutter = _Cutter(cap, cl, world, config, pins.replace(**(extra_pins or {})),
-                     memory_budget if memory_budget is not None else cl.device.memory_bytes,
-                     dict(optimizer=optimizer, time_limit_s=time_limit_s, capture_s=capture_s,
-                          verbose=verbose, mesh_shape=mesh_shape, profiler=profiler),
-                     free_recompute=pins.recompute is None)
+    cutter = _Cutter(cap, replace(ask, pins=pins.replace(**(extra_pins or {})),
+                                  settings=ask.settings.replace(memory_budget=ask.budget)),
+                     config, capture_s, free_recompute=pins.recompute is None)
     t0 = time.perf_counter()
     try:
         solved, pr, sp = cutter.fitting(solved or cutter.solve(cutter.pins))
@@ -389,16 +392,19 @@ def plan_pipeline(cap: Captured, cl, world: int, pins: Options, config: tuple[in
 class _Cutter:
     """Intra-stage solutions of one graph for one pipeline configuration, and their cuts."""
 
-    def __init__(self, cap, cl, world, config, pins, budget, solve_kw, free_recompute=False):
-        self.cap, self.cl, self.world, self.config = cap, cl, world, config
-        self.pins, self.budget, self.solve_kw = pins, budget, solve_kw
+    def __init__(self, cap, ask: MeshAsk, config, capture_s: float, free_recompute=False):
+        """``ask``: the pipeline's devices, the intra-stage pins and the settings, its
+        memory budget resolved."""
+        self.cap, self.ask, self.config, self.capture_s = cap, ask, config, capture_s
+        self.cl, self.world, self.pins, self.budget = ask.cl, ask.world, ask.pins, ask.budget
         self.free_recompute = free_recompute    # the user left recompute= to the solver
 
     def solve(self, pins: Options, limit: float | None = None) -> tuple[Plan, Solved]:
         p, v, m, schedule = self.config
-        return solve_intra(self.cap, self.cl, self.world, p, pins,
-                           weights=memory_weights(schedule, p, m, v), grad_sync_scale=1.0 / m,
-                           memory_budget=self.budget if limit is None else limit, **self.solve_kw)
+        settings = self.ask.settings.replace(memory_budget=self.budget if limit is None else limit)
+        return solve_intra(self.cap, replace(self.ask, pins=pins, settings=settings,
+                                             view=StepView(memory_weights(schedule, p, m, v), 1.0 / m)),
+                           p, self.capture_s)
 
     def cut(self, solved, limit: float | None = None, explain: bool = True):
         """(Priced, StagePlan) of ``solved``; raises StagesDoNotFit when no cut fits."""
@@ -453,38 +459,37 @@ class _Cutter:
 # ---- choosing what the pins leave free ------------------------------------------------------
 
 
-def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins: Options, *,
-                   memory_budget=None, optimizer="adamw", time_limit_s=60.0, verbose=False,
-                   profiler=None, cap0: Captured | None = None,
+def plan_pipelined(spec: SearchSpec, *, cap0: Captured | None = None,
                    extra_pins: dict | None = None) -> tuple[Plan, Captured]:
-    """The pipeline plan for ``pipeline=p`` pinned (m, schedule and virtual stages chosen
-    where not pinned), and the graph captured at its micro-batch. ``profiler``: measured
-    op times where it has them (as for ``autopar.plan``). ``cap0``: the graph already
-    captured at the pins' micro-batch; ``extra_pins``: the intra-stage mesh a search chose
-    (data, tensor, zero), applied as pins but not the user's (``plan_pipeline``)."""
+    """The pipeline plan of ``spec`` for ``pipeline=p`` pinned (m, schedule and virtual
+    stages chosen where not pinned), and the graph captured at its micro-batch (the
+    spec's ``mesh_shape`` is not read: the stage mesh is the pins' or chosen). ``cap0``:
+    the graph already captured at the pins' micro-batch; ``extra_pins``: the intra-stage
+    mesh a search chose (data, tensor, zero), applied as pins but not the user's
+    (``plan_pipeline``)."""
     t0 = time.perf_counter()
-    pins = as_options(pins)
+    model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
+    cl, world, pins, verbose = spec.cluster, spec.world, spec.options, spec.verbose
+    ask = MeshAsk(cl, world, pins, spec.settings.replace(mesh_shape=None))
     config0 = pipeline_config(example_inputs, pins)
     p, v0, m0, schedule0 = config0
     if cap0 is None:
         cap0 = capture_pipelined(model, example_inputs, loss_fn, target, m0)
     capture_s = time.perf_counter() - t0
-    kw = {"memory_budget": memory_budget, "optimizer": optimizer, "time_limit_s": time_limit_s,
-          "verbose": verbose, "profiler": profiler, "extra_pins": extra_pins}
+    kw = {"extra_pins": extra_pins}
     if pins.micro_batch_size is not None and pins.schedule is not None \
             and (pins.schedule != "interleaved-1f1b" or pins.virtual_stages is not None):
-        return plan_pipeline(cap0, cl, world, pins, config0, capture_s=capture_s, **kw), cap0
+        return plan_pipeline(cap0, ask, config0, capture_s=capture_s, **kw), cap0
     if world % p:
-        plan_pipeline(cap0, cl, world, pins, config0, **kw)          # raises the error
-    budget = memory_budget if memory_budget is not None else cl.device.memory_bytes
-    solved = solve_intra(cap0, cl, world, p, pins.replace(**(extra_pins or {})),
-                         weights=memory_weights(schedule0, p, m0, v0),
-                         grad_sync_scale=1.0 / m0, memory_budget=budget, optimizer=optimizer,
-                         time_limit_s=time_limit_s, capture_s=capture_s, verbose=verbose,
-                         profiler=profiler)
+        plan_pipeline(cap0, ask, config0, **kw)          # raises the error
+    budget = ask.budget
+    solved = solve_intra(cap0, replace(ask, pins=pins.replace(**(extra_pins or {})),
+                                       settings=ask.settings.replace(memory_budget=budget),
+                                       view=StepView(memory_weights(schedule0, p, m0, v0), 1.0 / m0)),
+                         p, capture_s)
     # the reference configuration's plan; a chosen one replaces it when predicted faster
     try:
-        base, base_error = plan_pipeline(cap0, cl, world, pins, config0, solved=solved, **kw), None
+        base, base_error = plan_pipeline(cap0, ask, config0, solved=solved, **kw), None
     except ValueError as e:
         base, base_error = None, e
     intra = solved[0]
@@ -497,9 +502,9 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
         if intra.recompute and pins.recompute is None:
             partial = (price_plan(cap0, intra, without_recompute(solved[1]), cl, world, p,
                                   most, starts), select_layers(cap0.gm, "full"))
-        ranked = _choose(pr, p, batch, budget, pins,
+        ranked = _ranked(pr, p, batch, budget, pins,
                          _allowed_micro_batches(batch, batch_degree(cap0, intra)),
-                         partial=partial, ranked=True)
+                         partial=partial)
         if not ranked:
             raise ValueError("no configuration could be simulated")
     except ValueError as e:
@@ -520,10 +525,11 @@ def plan_pipelined(model, example_inputs, loss_fn, target, cl, world: int, pins:
             continue
         try:
             if config[2] == m0:
-                got, at = plan_pipeline(cap0, cl, world, pins, config, solved=solved, **kw), cap0
+                got, at = plan_pipeline(cap0, ask, config, solved=solved, **kw), cap0
             else:
                 at = capture_microbatch(model, example_inputs, loss_fn, target, config[2])
-                got = plan_pipeline(at, cl, world, pins, config, mesh_shape=intra.mesh_shape, **kw)
+                got = plan_pipeline(at, replace(ask, settings=ask.settings.replace(
+                    mesh_shape=intra.mesh_shape)), config, **kw)
         except ValueError as e:      # e.g. infeasible at the new micro-batch
             if verbose:
                 print(f"pipeline p={p} m={config[2]} {config[3]}: {e}")

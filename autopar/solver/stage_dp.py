@@ -95,6 +95,7 @@ import functools
 import hashlib
 import itertools
 import math
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import numpy as np
@@ -192,14 +193,51 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_limit: float,
-                bandwidth: float, sync_bandwidth: float | None = None, n_stages: int | None = None, micro_batches: int | None = None,
-                schedule: str | None = None, virtual_stages: int | None = None,
-                shard_state: bool = False, micro_batch_options: Sequence[int] | None = None,
-                schedule_options: Sequence[str] | None = None, explain: bool = True,
-                above: float = INF, fixed_cuts=None) -> StagePlan | None:
+@dataclass(frozen=True)
+class StageMachine:
+    """What the stage search plans on: ``n_devices`` for a ``global_batch``, ``memory_limit``
+    bytes per device, ``bandwidth`` (bytes/s) between neighbouring stages,
+    ``sync_bandwidth`` (default ``bandwidth``) within a stage's sub-mesh, and whether a
+    stage's state is divided over its sub-mesh (``shard_state``)."""
+    n_devices: int
+    global_batch: int
+    memory_limit: float
+    bandwidth: float
+    sync_bandwidth: float | None = None
+    shard_state: bool = False
+
+
+@dataclass(frozen=True)
+class StagePins:
+    """What a caller fixes (``n_stages``, ``micro_batches``, ``schedule``,
+    ``virtual_stages``) or narrows (``micro_batch_options``, ``schedule_options``) of the
+    stage search's configurations."""
+    n_stages: int | None = None
+    micro_batches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    micro_batch_options: Sequence[int] | None = None
+    schedule_options: Sequence[str] | None = None
+
+
+def _stage_ask(keywords: dict) -> tuple[StageMachine, StagePins]:
+    """``plan_stages``' keywords as its two values; an unknown name is a TypeError."""
+    machine_names = {f.name for f in fields(StageMachine)}
+    pin_names = {f.name for f in fields(StagePins)}
+    unknown = sorted(set(keywords) - machine_names - pin_names)
+    if unknown:
+        raise TypeError(f"plan_stages() got unexpected keyword argument(s) {unknown}; it takes "
+                        f"{sorted(machine_names)} and {sorted(pin_names)}")
+    return (StageMachine(**{k: v for k, v in keywords.items() if k in machine_names}),
+            StagePins(**{k: v for k, v in keywords.items() if k in pin_names}))
+
+
+def plan_stages(costs: LayerCosts, *, explain: bool = True, above: float = INF, fixed_cuts=None,
+                **keywords) -> StagePlan | None:
     """Choose pipeline degree, cuts, micro-batch count and schedule of least predicted step.
 
+    ``keywords``: :class:`StageMachine`'s fields (``n_devices``, ``global_batch``,
+    ``memory_limit``, ``bandwidth`` required) and :class:`StagePins`'.
     ``memory_limit`` is bytes per device; ``bandwidth`` bytes/s of the link between
     neighbouring stages; ``sync_bandwidth`` (default ``bandwidth``) bytes/s of a stage's
     sub-mesh, for the once-per-step all-reduce of ``sync_bytes``. Pins (``n_stages``, ``micro_batches``, ``schedule``,
@@ -225,14 +263,15 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
     >>> plan.cuts, plan.stage_times
     ((2, 4, 6), (2.0, 2.0, 2.0, 2.0))
     """
+    machine, pins = _stage_ask(keywords)
+    n_devices, global_batch, memory_limit = machine.n_devices, machine.global_batch, machine.memory_limit
+    bandwidth, sync_bandwidth, shard_state = machine.bandwidth, machine.sync_bandwidth, machine.shard_state
     L = costs.n_layers
     if n_devices < 1 or global_batch < 1:
         raise ValueError(f"n_devices ({n_devices}) and global_batch ({global_batch}) must be >= 1")
     if memory_limit <= 0 or bandwidth <= 0:
         raise ValueError(f"memory_limit ({memory_limit}) and bandwidth ({bandwidth}) must be > 0")
-    candidates = _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule,
-                             virtual_stages, micro_batch_options, schedule_options,
-                             learned=costs.n_learned)
+    candidates = _candidates(L, n_devices, global_batch, pins, learned=costs.n_learned)
     tables = Tables(costs)
     split = costs.split()
     sync_bw = bandwidth if sync_bandwidth is None else sync_bandwidth
@@ -268,7 +307,7 @@ def plan_stages(costs: LayerCosts, *, n_devices: int, global_batch: int, memory_
             cost, tiebreak, memory, share, comm = tables.arrays(c, *args)
             bottleneck, cuts = stage_dp(cost, tiebreak) if fixed is None else \
                 (_fixed_bottleneck(cost, fixed, L), fixed)
-            plan = _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, sync_bw) \
+            plan = _make_plan(c, cuts, tables, (cost, memory, comm), split, n_devices, sync_bw) \
                 if math.isfinite(bottleneck) else None
         _PLANNED[key] = plan                          # most recent last
         if len(_PLANNED) > PLANNED_SIZE:
@@ -361,11 +400,13 @@ def _cannot_fit(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batch
     return spread > share * (1 + 1e-9) or float(layer.max()) > share * (1 + 1e-9)
 
 
-def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, virtual,
-                micro_batch_options=None, schedule_options=None, learned=None):
+def _candidates(L, n_devices, global_batch, pins: StagePins, learned=None):
     """The configurations (p, m, schedule, v) the pins leave; ``learned``: the layers that
     read a parameter (default all L), the most stages that can each hold one."""
     learned = L if learned is None else learned
+    n_stages, micro_batches, schedule, virtual = (pins.n_stages, pins.micro_batches, pins.schedule,
+                                                  pins.virtual_stages)
+    micro_batch_options, schedule_options = pins.micro_batch_options, pins.schedule_options
     if n_stages is not None:
         if n_stages < 1 or n_devices % n_stages:
             raise PinError(f"n_stages={n_stages} must divide n_devices={n_devices} so every stage "
@@ -430,7 +471,11 @@ def _candidates(L, n_devices, global_batch, n_stages, micro_batches, schedule, v
     return out
 
 
-def _make_plan(c, cuts, tables, cost, memory, comm, split, n_devices, costs, sync_bw) -> StagePlan:
+def _make_plan(c, cuts, tables, arrays, split, n_devices, sync_bw) -> StagePlan:
+    """The StagePlan of candidate c cut at ``cuts``; ``arrays``: its (time, memory, boundary
+    transfer) tables (``Tables.arrays``)."""
+    cost, memory, comm = arrays
+    costs = tables.costs
     bounds = (0, *cuts, tables.L)
     stages = list(zip(bounds[:-1], bounds[1:]))
     stage_times = np.array([cost[k, j, i] for k, (j, i) in enumerate(stages)])

@@ -1,0 +1,113 @@
+"""The memory half of :class:`autopar.pricing.costing.CostModel`: bytes per device of
+one option of a node, by term (a parameter's shard with its gradient and optimizer state,
+under the ZeRO stage, precision and offload the options pin; the activations autograd
+saves, ``autopar.analysis.saved``; recomputation's split; the pipeline planner's
+``memory_weights``), and the phases whose terms are never live at once
+(``cost_models.memory.step_phases``).
+
+:class:`MemoryCosts` is a mixin: it reads the cost model's mesh, options-derived settings
+and its ``_act``, ``_recomputed`` and ``_keeps``.
+"""
+from __future__ import annotations
+
+from autopar.analysis.saved import Kept
+from autopar.cost_models import memory as memory_model
+from autopar.ops.experts import EXPERTS_OP
+from autopar.placement import Replicate
+from autopar.pricing.comm_costs import _local
+from autopar.pricing.experts import experts_saved_bytes
+from autopar.pricing.problem import VIEW_OPS, NodeVar
+from autopar.sharding.registry import input_placements, output_placements
+
+
+class MemoryCosts:
+    """Bytes per device of a :class:`CostModel`'s options (see the module)."""
+
+    @property
+    def memory_phases(self) -> tuple[tuple[str, ...], ...]:
+        """Groups of memory terms never live at once (``cost_models.memory.step_phases``) when
+        this prices a whole step of one micro-batch; none (every term at once) for a
+        pipeline's per-stage view or one of several micro-batches (``memory_weights``,
+        ``grad_sync_scale`` < 1): earlier micro-batches' gradients live beside later ones'
+        activations."""
+        if self.memory_weights or self.grad_sync_scale != 1.0:
+            return ()
+        return memory_model.step_phases(self.mixed)
+
+    # ---- memory --------------------------------------------------------------------------
+    def node_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
+        """Bytes per device of one option, by term (recomputation split, times ``memory_weights``)."""
+        return self.weigh(self.split_recompute(v, self.base_memory(v, combo, optimizer_states)))
+
+    def weigh(self, terms: dict[str, float]) -> dict[str, float]:
+        """``terms`` times ``memory_weights`` (the pipeline planner's per-stage view)."""
+        if not self.memory_weights:
+            return terms
+        return {k: b * self.memory_weights.get(k, 1.0) for k, b in terms.items()}
+
+    def split_recompute(self, v: NodeVar, terms: dict[str, float]) -> dict[str, float]:
+        """``terms`` (:meth:`base_memory`) with ``v``'s recomputed members keeping nothing:
+        backward rebuilds one layer's activations at a time (the "recompute" term)."""
+        rec = self._recomputed(v) if v.kind == "op" and "activations" in terms else 0
+        if not rec or self._keeps(v):
+            return terms
+        b, n = terms["activations"], len(v.members)
+        return {"activations": b * (n - rec) / n, "recompute": b / n}
+
+    def base_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
+        """Bytes per device of one option, by term, without recomputation or weights."""
+        if v.kind == "param":
+            placements = output_placements(combo, 0)
+            b = _local(v.meta, placements, self.mesh_shape).nbytes
+            held = grads = b
+            if self.zero in (1, 2) and self.data_axis is not None:
+                # ZeRO-1/2: the working weight, whole over the data axis, lives through the
+                # step; stage 1 keeps its whole gradient too (all-reduced), stage 2 its block
+                whole = list(placements)
+                whole[self.data_axis] = Replicate()
+                held = _local(v.meta, whole, self.mesh_shape).nbytes
+                grads = held if self.zero == 1 else b
+            if self.offload:     # master copy and moments on the host (ZeRO-Offload)
+                return {"params": held / 2 if self.mixed else held, "grads": grads}
+            if self.mixed:   # 16-bit weight copies; fp32 grads (of the masters), master copy + moments
+                out = {"params": held / 2, "grads": grads, "optimizer": b * (1 + optimizer_states)}
+            else:
+                out = {"params": held, "grads": grads, "optimizer": b * optimizer_states}
+            if self.averaging or (self.compress and self.compress[0] == "accordion"):
+                out["optimizer"] += b * self._lossy_copies()
+            if self.memory_phases and self.zero in (0, 1) and any(
+                    n > 1 and (isinstance(p, Replicate) or (self.zero == 1 and a == self.data_axis))
+                    for a, (p, n) in enumerate(zip(placements, self.mesh_shape))):
+                # summed over the ranks it is read whole on once per step, in flat buckets
+                # that live until the step's end (runtime.grad_sync): beside all gradients
+                out["grad_buffers"] = grads
+            return out
+        if v.kind in ("input", "buffer"):
+            b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
+            return {"inputs" if v.kind == "input" else "buffers": b}
+        return {"activations": self.saved_bytes(v, combo)}
+
+    def saved_bytes(self, v: NodeVar, combo) -> float:
+        """Bytes per device an op node keeps for backward (``v.kept``, from
+        ``autopar.analysis.saved``: the outputs autograd saves, its own or a consumer's, and
+        the tensors the op saves inside, each the local share of what it follows; the loss
+        node adds the gradients its backward makes beside them, ``Kept.transient``). A layer
+        output that recomputation keeps (``recompute_kept``) is kept whole."""
+        kept, view = v.kept, v.call.op in VIEW_OPS
+        if kept is None and view:
+            return 0.0
+        if kept is None or (not view and self.recompute_kept and self._keeps(v)):
+            kept = Kept((1.0,) * len(v.call.outputs))
+        local = lambda m, ps: _local(m, ps, self.mesh_shape).nbytes  # noqa: E731
+        total = sum(self._act(share * local(m, output_placements(combo, k)), m.dtype)
+                    for k, (share, m) in enumerate(zip(kept.outputs, v.call.outputs)) if share)
+        for e in kept.extras + kept.transient:
+            side, k = e.ref
+            m = (v.call.inputs if side == "in" else v.call.outputs)[k]
+            ps = input_placements(combo, k) if side == "in" else output_placements(combo, k)
+            b = e.nbytes * local(m, ps) / max(m.nbytes, 1)
+            total += b if e.fp32 else self._act(b, m.dtype)
+        if v.call.op is EXPERTS_OP:
+            total += self._act(experts_saved_bytes(v.call, combo, self.mesh_shape, self.expert_imbalance),
+                               v.call.inputs[0].dtype)
+        return total
