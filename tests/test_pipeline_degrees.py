@@ -76,11 +76,15 @@ def test_stage_meshes_shard_gradients_when_they_are_reduced_in_fp32():
     default): ZeRO-2's reduce-scatter and 16-bit gather move less than an fp32 all-reduce,
     so the degree search plans its stage meshes with ZeRO-2; reduced in 16 bits, memory to
     spare, it keeps them unsharded."""
+    from autopar.options import as_options
     from autopar.solver.pipeline_free import _DegreeSearch
+    from autopar.solver.spec import SearchSpec
 
     ex, cap = nine_layers()
     cl = parse_cluster("2x4xA100")
     for pins, zero in (({"precision": "bf16"}, 2), ({"precision": "bf16", "grad_reduce": "bf16"}, None)):
-        search = _DegreeSearch(cap, cl, 8, pins, 48, cl.device.memory_bytes, "adamw", 30.0, False)
+        search = _DegreeSearch(SearchSpec(ex.model, ex.inputs, ex.loss_fn, ex.target, cl, 8,
+                                          as_options(pins), time_limit_s=30.0), cap)
+        assert search.batch == 48
         intra, _ = search._solve(2, 4, 1)
         assert intra.pins.get("zero") == zero, pins
