@@ -309,15 +309,12 @@ class ParallelModule(nn.Module):
         return self.runner.loss_scale
 
     def step(self, optimizer, skip_nonfinite: bool = False) -> bool:
-        """``optimizer.step()``; under fp16, with dynamic loss scaling (unscale, skip on inf/nan
-        on any rank, adjust the scale). ``skip_nonfinite``: also without fp16, skip the step on
-        every rank when any rank's gradients hold NaN or Inf (``runtime.nonfinite``: one small
-        all-reduce; ``pm.nonfinite_skips`` lists the skips). Returns whether the optimizer stepped. Under
-        ``local_sgd=H``, averages the parameters over the data axis every ``H`` steps; under
-        ``staleness=s`` skips the first s steps (no gradient yet); under ``param_server=``
-        steps the parameters this rank serves and pulls the rest from their servers; under
-        ``workers=`` (``workers_lr="linear"``) steps with the learning rate times the workers
-        that trained over W2."""
+        """``optimizer.step()`` as the plan's update scheme makes it (``runtime.updates``:
+        local SGD's averaging, staleness's skipped first steps, a parameter server's pulls,
+        workers' learning rate); under fp16 with dynamic loss scaling. ``skip_nonfinite``:
+        also without fp16, skip the step on every rank when any rank's gradients hold NaN or
+        Inf (``runtime.nonfinite``: one small all-reduce; ``pm.nonfinite_skips`` lists them).
+        Returns whether the optimizer stepped."""
         if self._offload is not None:      # offload="disk": steps by buckets, streamed from disk
             optimizer = self._offload.stepping(optimizer)
 
