@@ -20,9 +20,7 @@ MAX_CLASS_LINES = 350
 PARAMETER_DIRS = ("autopar/solver", "autopar/pricing")
 CLASS_DIRS = ("autopar", "cost_models", "passes")
 
-STILL_OVER = {
-    "autopar/capture/stamp.py:_Stamper": 353,
-}
+STILL_OVER: dict[str, int] = {}
 """Classes over :data:`MAX_CLASS_LINES` when the rule came in, with their lines then."""
 
 

@@ -342,12 +342,11 @@ def _join(base: str, num: int) -> str:
 class _Stamper:
     def __init__(self, ep, path: str, n_full: int, params: list[str], buffers: list[str]):
         self.ep, self.n, self.k = ep, n_full, SHALLOW
-        self.gm = ep.graph_module
+        self.gm, self.sig = ep.graph_module, ep.graph_signature
         self.g = self.gm.graph
         self.prefix = path + "."                     # "model.transformer.h."
         self.ph_prefix = re.sub(r"[^a-zA-Z0-9]", "_", self.prefix).lower()
         self.shallow_params, self.shallow_buffers = params, buffers
-        self.sig = ep.graph_signature
 
     # -- where things are
     def block_of_path(self, p: str) -> tuple[int, str] | None:
@@ -357,11 +356,8 @@ class _Stamper:
         return (int(idx), rest) if idx.isdigit() else None
 
     def block_of(self, node) -> int | None:
-        found = set()
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            got = self.block_of_path(path)
-            if got is not None:
-                found.add(got[0])
+        found = {got[0] for path, _ in (node.meta.get("nn_module_stack") or {}).values()
+                 if (got := self.block_of_path(path)) is not None}
         if len(found) > 1:
             raise _Refuse(f"node {node.name} is in two blocks")
         return found.pop() if found else None
