@@ -6,7 +6,8 @@ on one device (:func:`train` with ``trainer_cls=None``) and compares.
 
 A case: ``pins`` for ``autopar.parallelize``; ``out``: the folder of its checkpoints and
 saved model; ``resume``: train again from ``<out>/checkpoint-10`` of the case named, to
-step 20, saving under ``out``; ``refused``: building the trainer must raise an
+step 20, saving under ``out``; ``accumulate``: gradient_accumulation_steps (the step's rows in that many
+micro-batches, all but the last backward under ``pm.no_sync()``); ``refused``: building the trainer must raise an
 ``autopar.ArgumentError`` holding that text.
 """
 from __future__ import annotations
@@ -51,12 +52,14 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def train(out: str, world: int, trainer_cls=None, pins: dict | None = None,
-          resume: str | None = None):
-    """The script: returns the trainer after ``train()`` and ``save_model(<out>/final)``."""
+          resume: str | None = None, accumulate: int = 1):
+    """The script: returns the trainer after ``train()`` and ``save_model(<out>/final)``.
+    ``accumulate``: each step's ROWS in that many micro-batches."""
     from transformers import Trainer, TrainingArguments
     if trainer_cls is not None:      # the one added line: from ... import AutoparTrainer as Trainer
         Trainer = trainer_cls        # noqa: N806
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=ROWS // world,
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=ROWS // world // accumulate,
+                             gradient_accumulation_steps=accumulate,
                              max_steps=STEPS, learning_rate=1e-2, weight_decay=0.1,
                              lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
                              save_strategy="steps", save_steps=SAVE_AT, report_to="none",
@@ -91,7 +94,8 @@ def run_case(case: dict) -> dict:
     resume = None
     if case.get("resume"):
         resume = os.path.join(case["resume"], f"checkpoint-{SAVE_AT}")
-    trainer = train(case["out"], world, AutoparTrainer, case.get("pins"), resume)
+    trainer = train(case["out"], world, AutoparTrainer, case.get("pins"), resume,
+                    case.get("accumulate", 1))
     pm = trainer.pm
     return {**history(trainer, SAVE_AT if resume else 0), "mesh": list(pm.plan.mesh_shape), "axes": list(pm.plan.mesh_axes),
             "local_param_numel": sum(p.numel() for p in pm.parameters()),

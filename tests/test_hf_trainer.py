@@ -2,7 +2,7 @@
 ``autopar.integrations.transformers``) trains a transformers Llama on 2 gloo ranks to the
 same per-step losses and gradient norms as the plain ``Trainer`` on one device (20 AdamW
 steps, clipping at max_grad_norm=0.5, a linear schedule with warmup, weight decay), under
-``data=2`` and ``zero=3``. The checkpoint the Trainer writes at step 10 and the model
+``data=2`` and ``zero=3``, and with gradient_accumulation_steps=2 (``pm.no_sync()``). The checkpoint the Trainer writes at step 10 and the model
 ``save_model`` writes at the end load with ``from_pretrained`` equal to one device's;
 ``train(resume_from_checkpoint=...)`` from the ZeRO-3 step-10 checkpoint (each rank's
 optimizer shards, ``autopar/`` in it) trains steps 11-20 to the same losses and weights. A
@@ -39,6 +39,8 @@ def cases(root) -> list[dict]:
         {"id": "zero3", "pins": {"data": 2, "zero": 3}, "out": str(root / "zero3")},
         {"id": "zero3-resumed", "pins": {"data": 2, "zero": 3}, "out": str(root / "resumed"),
          "resume": str(root / "zero3")},
+        {"id": "data2-accumulate2", "pins": {"data": 2}, "out": str(root / "accumulate"),
+         "accumulate": 2},
         {"id": "pipeline2", "pins": {"pipeline": 2, "micro_batch_size": 2}, "out": str(root / "pipeline2"),
          "refused": "train_step"},
     ]
@@ -53,12 +55,19 @@ def launched(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The same script with the plain Trainer on one device (in this process)."""
-    out = tmp_path_factory.mktemp("hf_trainer_ref")
-    init = {k: v.clone() for k, v in script.tiny_llama().state_dict().items()}
-    trainer = script.train(str(out), world=1)
-    return {"history": script.history(trainer), "out": str(out), "init": init}
+def references(tmp_path_factory):
+    """The same script with the plain Trainer on one device (in this process), by
+    gradient_accumulation_steps."""
+    done = {}
+
+    def get(accumulate: int = 1) -> dict:
+        if accumulate not in done:
+            out = tmp_path_factory.mktemp(f"hf_trainer_ref{accumulate}")
+            init = {k: v.clone() for k, v in script.tiny_llama().state_dict().items()}
+            trainer = script.train(str(out), world=1, accumulate=accumulate)
+            done[accumulate] = {"history": script.history(trainer), "out": str(out), "init": init}
+        return done[accumulate]
+    return get
 
 
 def result(launched, case_id: str) -> dict:
@@ -88,10 +97,10 @@ def rel(a: list, b: list) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case_id", ["data2", "zero3", "zero3-resumed"])
-def test_same_steps_as_one_device(launched, reference, case_id):
+@pytest.mark.parametrize("case_id", ["data2", "zero3", "zero3-resumed", "data2-accumulate2"])
+def test_same_steps_as_one_device(launched, references, case_id):
     r = result(launched, case_id)
-    ref = reference["history"]
+    ref = references(r["case"].get("accumulate", 1))["history"]
     first = script.SAVE_AT if case_id.endswith("resumed") else 0
     assert r["step"] == ref["step"][first:], (r["step"], ref["step"])
     assert r["mesh"][r["axes"].index("data")] == 2, r
@@ -109,11 +118,13 @@ def test_same_steps_as_one_device(launched, reference, case_id):
 @pytest.mark.parametrize("case_id,folder", [("data2", "final"), ("zero3", "final"),
                                             ("zero3", f"checkpoint-{script.STEPS}"),
                                             ("zero3", f"checkpoint-{script.SAVE_AT}"),
-                                            ("zero3-resumed", "final")])
-def test_saved_model_loads_as_one_device(launched, reference, case_id, folder):
+                                            ("zero3-resumed", "final"),
+                                            ("data2-accumulate2", "final")])
+def test_saved_model_loads_as_one_device(launched, references, case_id, folder):
     """``save_model`` and the Trainer's checkpoints write a plain Hugging Face model equal
     to the one the plain Trainer writes on one device."""
     r = result(launched, case_id)
+    reference = references(r["case"].get("accumulate", 1))
     got = weights(os.path.join(r["case"]["out"], folder))
     ref = weights(os.path.join(reference["out"], folder))
     err, worst = weight_error(got, ref, reference["init"])
@@ -150,3 +161,33 @@ def test_refusals(tmp_path):
         _trainer(tmp_path, train_dataset=no_labels)
     with pytest.raises(autopar.ArgumentError, match="train_dataset"):
         _trainer(tmp_path)
+
+
+def test_example_script(tmp_path):
+    """``torchrun --nproc-per-node 2 examples/hf_trainer.py`` runs as the README says, and its
+    saved model equals the plain Trainer's of the same script on one device (the global
+    batch: ``--batch`` x 2 rows)."""
+    import subprocess
+    import sys
+    from launch import free_port
+    from transformers import Trainer
+    from examples import hf_trainer as ex
+    steps, batch = 4, 2
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(repo, "examples", "hf_trainer.py"), "--steps", str(steps),
+           "--batch", str(batch), "--out", str(tmp_path / "ranks")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "losses [" in proc.stdout, proc.stdout[-2000:]
+    init = {k: v.clone() for k, v in ex.model().state_dict().items()}
+    one = Trainer(model=ex.model(), args=ex.training_args(str(tmp_path / "one"), steps, 2 * batch),
+                  train_dataset=ex.Counting())
+    one.train()
+    one.save_model(str(tmp_path / "one" / "final"))
+    err, worst = weight_error(weights(str(tmp_path / "ranks" / "final")),
+                              weights(str(tmp_path / "one" / "final")), init)
+    print(f"examples/hf_trainer.py, {steps} steps on 2 ranks: weight err {err:.1e} of the change ({worst})")
+    assert err < WEIGHT_RTOL, f"{worst} differs from one device by {err:.2e} of its change"

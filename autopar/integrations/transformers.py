@@ -60,6 +60,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -255,6 +256,11 @@ class AutoparTrainer(Trainer):
                 "schedule runs forward and backward together, which the Trainer's "
                 "loss.backward() cannot drive: pin pipeline=1 here, or train it with "
                 "loss = pm.train_step(...) in your own loop")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"autopar: AutoparTrainer runs the plan mesh {tuple(pm.plan.mesh_shape)} "
+                  f"{tuple(pm.plan.mesh_axes)} on a global batch of {rows} rows "
+                  f"({self._train_batch_size} per rank x {max(1, self.args.world_size)} ranks)",
+                  file=sys.stderr, flush=True)
         return TrainerModule(pm, names, {n: tuple(t.shape) for n, t in batch.items()})
 
     @property
