@@ -1,6 +1,6 @@
 """Run by tests/test_hf_trainer.py under torchrun: an ordinary Hugging Face ``Trainer``
 script (a tiny Llama built from a config, token data made here, AdamW, 20 steps, clipping
-at the default max_grad_norm=1.0, a checkpoint at step 10) with the one added line,
+at max_grad_norm=0.5, an evaluation and a checkpoint every 10 steps) with the one added line,
 ``AutoparTrainer`` for ``Trainer``. The test runs the same script with the plain ``Trainer``
 on one device (:func:`train` with ``trainer_cls=None``) and compares.
 
@@ -40,9 +40,9 @@ def tiny_llama():
 class Tokens(torch.utils.data.Dataset):
     """``STEPS x ROWS`` samples of random token ids; the labels are the ids (causal LM)."""
 
-    def __init__(self):
-        g = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(0, VOCAB, (STEPS * ROWS, SEQ), generator=g)
+    def __init__(self, n: int = STEPS * ROWS, seed: int = 1):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
 
     def __len__(self):
         return len(self.ids)
@@ -60,12 +60,15 @@ def train(out: str, world: int, trainer_cls=None, pins: dict | None = None,
         Trainer = trainer_cls        # noqa: N806
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=ROWS // world // accumulate,
                              gradient_accumulation_steps=accumulate,
+                             per_device_eval_batch_size=ROWS // world // accumulate,
+                             eval_strategy="steps", eval_steps=SAVE_AT,
                              max_steps=STEPS, learning_rate=1e-2, weight_decay=0.1,
                              lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
                              save_strategy="steps", save_steps=SAVE_AT, report_to="none",
                              seed=0, use_cpu=True, disable_tqdm=True, max_grad_norm=0.5)
     extra = {} if trainer_cls is None else {"autopar": pins or {}}
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(), **extra)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(),
+                      eval_dataset=Tokens(4 * ROWS, seed=2), **extra)
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(os.path.join(out, "final"))
     return trainer
@@ -75,8 +78,10 @@ def history(trainer, after: int = 0) -> dict:
     """Per step after ``after`` (a resumed run's state holds the checkpoint's log too): the
     logged loss and gradient norm."""
     logs = [h for h in trainer.state.log_history if "loss" in h and h["step"] > after]
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] > after]
     return {"step": [h["step"] for h in logs], "loss": [h["loss"] for h in logs],
-            "grad_norm": [h["grad_norm"] for h in logs]}
+            "grad_norm": [h["grad_norm"] for h in logs],
+            "eval_step": [h["step"] for h in evals], "eval_loss": [h["eval_loss"] for h in evals]}
 
 
 def run_case(case: dict) -> dict:

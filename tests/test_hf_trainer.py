@@ -1,7 +1,8 @@
 """The Hugging Face ``Trainer`` with one added line (``AutoparTrainer`` for ``Trainer``,
 ``autopar.integrations.transformers``) trains a transformers Llama on 2 gloo ranks to the
 same per-step losses and gradient norms as the plain ``Trainer`` on one device (20 AdamW
-steps, clipping at max_grad_norm=0.5, a linear schedule with warmup, weight decay), under
+steps, clipping at max_grad_norm=0.5, a linear schedule with warmup, weight decay, an
+``evaluate`` every 10 steps), under
 ``data=2``, ``zero=3``, ``tensor=2``, and with gradient_accumulation_steps=2
 (``pm.no_sync()``); on 4 ranks (marked slow: a second launch) under ``data=2, tensor=2``
 and the free plan. The checkpoint the Trainer writes at step 10 and the model
@@ -142,6 +143,10 @@ def test_same_steps_as_one_device(launches, references, nproc, case_id):
     assert loss_err < LOSS_RTOL, (case_id, r["loss"], ref["loss"][first:])
     assert norm_err < NORM_RTOL, (case_id, r["grad_norm"], ref["grad_norm"][first:])
     assert max(ref["grad_norm"]) > 0.5, "max_grad_norm=0.5 never clipped: the test misses the clip"
+    # evaluate() every 10 steps: pm without gradients on the gathered eval batch
+    ref_evals = [(s, l) for s, l in zip(ref["eval_step"], ref["eval_loss"]) if s > first]
+    assert r["eval_step"] == [s for s, _ in ref_evals], (r["eval_step"], ref_evals)
+    assert rel(r["eval_loss"], [l for _, l in ref_evals]) < LOSS_RTOL, (r["eval_loss"], ref_evals)
 
 
 @pytest.mark.parametrize("nproc,case_id,folder", [

@@ -43,6 +43,10 @@ What the Trainer's extension points are given, and why:
 - **Gradient clipping** (``max_grad_norm``, 1.0 by default) clips by the norm of the whole
   gradient across shards: each rank's squared local norms, each divided by the number of
   ranks holding that block (its replicas), summed over the ranks (:func:`global_grad_norm`).
+- **Evaluation** (``evaluate``, ``eval_strategy``) runs ``pm`` without gradients on the
+  gathered batch and reports the model's own loss; the plan's batch shape holds there too
+  (``per_device_eval_batch_size = per_device_train_batch_size``). Only the loss comes back
+  (no logits: ``compute_metrics`` gets none).
 - **Checkpoints.** ``save_model`` writes the whole model with ``save_pretrained`` (rank 0,
   after the collective gather). A ``checkpoint-N`` also holds ``autopar/``: each rank's
   shards of the model and of the optimizer state (``autopar.save_checkpoint``, DCP: it
@@ -120,8 +124,8 @@ class TrainerModule(nn.Module):
                 raise ArgumentError(
                     f"AutoparTrainer: {n!r} has the global shape {list(t.shape)} (every rank's "
                     f"rows together), the plan was made for {list(self.shapes[n])}: pad every "
-                    "batch to one length (padding='max_length') and set dataloader_drop_last=True, "
-                    "or use the per_device batch size the trainer was built with")
+                    "batch to one length (padding='max_length'), set dataloader_drop_last=True, "
+                    "and per_device_eval_batch_size to per_device_train_batch_size")
         return {"loss": self.pm(*tensors)}
 
     def no_sync(self):
@@ -342,6 +346,12 @@ class AutoparTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._model_to_pm()
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the Trainer loads the best checkpoint's weights into
+        ``trainer.model``; ``pm`` takes them too (the final save writes them)."""
+        super()._load_best_model()
         self._model_to_pm()
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
