@@ -253,6 +253,7 @@ class AutoparTrainer(Trainer):
                                 "model's own loss is what autopar trains (a collator that adds "
                                 "labels, e.g. DataCollatorForLanguageModeling(mlm=False))")
         example = tuple(batch[n] for n in names)
+        _one_rank_group()
         pm = autopar.parallelize(KeywordInputs(self.model, names), example, None, **options)
         if pm.plan.pipeline_stages > 1:
             raise ArgumentError(
@@ -366,6 +367,15 @@ class AutoparTrainer(Trainer):
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(sched) and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+def _one_rank_group() -> None:
+    """``python script.py`` (no torchrun): a process group of this one rank, so the script
+    runs as it does on one device (``autopar.parallelize`` needs a group)."""
+    if dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return
+    from autopar.device import backend_for, rank_device
+    dist.init_process_group(backend_for(rank_device()), store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _inner(optimizer):
