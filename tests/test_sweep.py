@@ -103,6 +103,9 @@ CASES: list[tuple[sc.Case, str | None]] = [
                                                     "virtual_stages": 2, "micro_batch_size": 1}), None),
     (C("ex-gpt", "pp-zero-bubble", 2, "smoothing", {"pipeline": 2, "schedule": "zero-bubble",
                                                      "micro_batch_size": 2}), None),
+    # DualPipeV: two stages a rank in a V, m = 4 = 2p micro-batches
+    (C("ex-gpt", "pp-dualpipev", 2, "weighted", {"pipeline": 2, "schedule": "dualpipev",
+                                                  "micro_batch_size": 1}), None),
     # a model that returns its own loss through a pipeline (was refused: "needs the loss in
     # the graph"), on a data axis: its labels, read in the first stage (shifted right) and
     # the last (the loss), are scattered to each rank's share in every stage that reads them
