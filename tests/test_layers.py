@@ -43,8 +43,9 @@ LAYERS = [
 ENTRY_POINTS = ("autopar.api", "autopar.cli")
 # optional heavy dependencies may be imported where they are used (each says so in a comment)
 # torch._inductor: 3 s to import, needed only under compile=True (runtime.collective_order)
+# datasets: optional beside transformers (integrations.transformers reads a Dataset's columns)
 LAZY_OK = ("matplotlib", "pydot", "rich", "transformers", "torch.distributed.pipelining",
-           "torchvision", "safetensors", "IPython", "graphviz", "torch._inductor")
+           "torchvision", "safetensors", "IPython", "graphviz", "torch._inductor", "datasets")
 
 
 def _modules() -> dict[str, Path]:

@@ -79,6 +79,7 @@ except ImportError as e:        # pragma: no cover - the integration needs its f
                       "pip install transformers accelerate") from e
 
 import autopar
+from autopar.device import backend_for, rank_device
 from autopar.errors import ArgumentError
 from autopar.placement import Shard
 
@@ -219,7 +220,7 @@ class AutoparTrainer(Trainer):
                                 "is made for the shape of its batches")
         collator = self.data_collator
         try:
-            import datasets
+            import datasets      # optional: transformers' datasets library, where installed
             is_hf = isinstance(ds, datasets.Dataset)
         except ImportError:
             is_hf = False
@@ -374,7 +375,6 @@ def _one_rank_group() -> None:
     runs as it does on one device (``autopar.parallelize`` needs a group)."""
     if dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return
-    from autopar.device import backend_for, rank_device
     dist.init_process_group(backend_for(rank_device()), store=dist.HashStore(), rank=0, world_size=1)
 
 
