@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(DEMO_CMD)
 
 test: $(STAMP) sysdeps
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) -n $(TEST_WORKERS) --dist loadfile -m "$(TEST_MARKS)" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "$(TEST_MARKS)" $(PYTEST_ARGS)
 
 venv: $(STAMP)
 

@@ -25,6 +25,30 @@ def pytest_configure(config):
     for d in ("autopar", "passes", "cost_models", "examples", "tests"):
         compileall.compile_dir(os.path.join(root, d), quiet=2)
 
+# The files whose tests take longest, longest first (seconds summed from `make test
+# PYTEST_ARGS=--durations=40` on a fresh clone, session 24: a module's shared torchrun launch
+# or compile counts once). Under `-n 2 --dist loadfile` a file runs whole on one worker, so
+# the suite ends when the last file does: started last, test_titan's 4-minute launch left
+# one worker idle while the other finished it (xdist's default order is by number of tests).
+# Started first, the long files overlap the many short ones (longest-processing-time-first).
+LONGEST_FIRST = (
+    "test_titan.py", "test_experts.py", "test_losses.py", "test_sweep.py",
+    "test_pipeline_runtime.py", "test_capture_cache.py", "test_compile.py",
+    "test_checkpoint.py", "test_context_parallel.py", "test_backward_loop.py",
+    "test_search_bounds.py", "test_gpu_check.py", "test_elastic.py", "test_api.py",
+    "test_cli.py", "test_hf_trainer.py", "test_branches.py", "test_offload.py",
+    "test_expert_search.py", "test_gloo.py", "test_same_plan.py", "test_precision.py",
+    "test_compression.py", "test_collective_order.py", "test_restart.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the files of ``LONGEST_FIRST`` first, in its order; the rest keep theirs (the
+    Makefile passes ``--no-loadscope-reorder`` so that xdist keeps this order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
+
+
 # planning's capture cache (autopar/capture/cache.py) in a folder of this session, never the
 # user's ~/.cache/autopar; the CLI processes the tests start inherit it
 if not os.environ.get("AUTOPAR_CACHE_DIR"):
