@@ -70,9 +70,18 @@ def _plan(case):
     return got[0] if isinstance(got, tuple) else got
 
 
+def _plan_and_run(case, monkeypatch):
+    """The case's plan, and its thread ranks' verdict under that same plan (planned once:
+    ``run_threads`` would plan it again, 20-50 s of CBC for a 2-D mesh on this machine)."""
+    b = zoo.cached(case.arch, case.batch, case.loss)     # the model run_threads trains
+    planned = sc.plan_case(case, b)
+    monkeypatch.setattr(sc, "plan_case", lambda c, built, captured=None: planned)
+    return planned[0], sc.run_threads(case)
+
+
 @pytest.mark.parametrize("case,dispatch", CASES, ids=[c.id for c, _ in CASES])
-def test_expert_parallel_plan_equals_one_device(case, dispatch):
-    plan = _plan(case)
+def test_expert_parallel_plan_equals_one_device(case, dispatch, monkeypatch):
+    plan, r = _plan_and_run(case, monkeypatch)
     a = plan.mesh_axes.index("expert")
     experts = [n for n, op in plan.node_ops.items() if op == "autopar.moe_experts.default"]
     assert experts, "no experts op in the plan"
@@ -81,19 +90,17 @@ def test_expert_parallel_plan_equals_one_device(case, dispatch):
         assert node.input(3)[a] == Shard(0), (n, str(node))       # experts split
         if dispatch is not None:
             assert dispatch in expert_choice(plan, n), expert_choice(plan, n)
-    r = sc.run_threads(case)
     assert r.status == "pass", f"{case.id}: {r.message}\n{r.detail}\nrepro: {case.repro}"
 
 
 @pytest.mark.parametrize("case", TENSOR_CASES, ids=[c.id for c in TENSOR_CASES])
-def test_tensor_sharded_experts_equal_one_device(case):
-    plan = _plan(case)
+def test_tensor_sharded_experts_equal_one_device(case, monkeypatch):
+    plan, r = _plan_and_run(case, monkeypatch)
     a = plan.mesh_axes.index("tensor")
     for n, op in plan.node_ops.items():
         if op == "autopar.moe_experts.default":
             node = plan.nodes[n]
             assert (node.input(3)[a], node.input(4)[a]) == (Shard(1, 2), Shard(2)), str(node)
-    r = sc.run_threads(case)
     assert r.status == "pass", f"{case.id}: {r.message}\n{r.detail}\nrepro: {case.repro}"
 
 
