@@ -61,6 +61,45 @@ def _env() -> dict:
 
 # ---- thread-rank cases in worker processes ---------------------------------------------------
 
+POLL_S = 5.0           # how often a running case's worker is looked at
+STALL_S = 30.0         # a worker that used < STALL_CPU_S of CPU in this long is waiting
+STALL_CPU_S = 0.2
+WALL_FACTOR = 6        # and a backstop on the wall clock, in timeouts
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """The user + system CPU seconds process ``pid`` has used (Linux ``/proc``; None
+    elsewhere, where the wall clock decides)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _overdue(wall: float, cpu: list, timeout: float) -> str:
+    """Why a thread-rank case that has run ``wall`` seconds, its worker's CPU sampled every
+    ``POLL_S`` seconds in ``cpu``, is to be ended ("" to let it run). Thread ranks that wait
+    for each other for ever use no CPU; a case slowed by a busy machine uses CPU, slowly:
+    so past ``timeout`` of wall clock it ends only when it has stalled (less than
+    ``STALL_CPU_S`` in the last ``STALL_S``), or used ``timeout`` CPU seconds, or run
+    ``WALL_FACTOR`` timeouts (a sweep of 100 cases at load 13 failed one case at 180 s of
+    wall clock that passed in 26 s at load 5)."""
+    if cpu[0] is None or cpu[-1] is None:
+        return f"timed out after {timeout:.0f} s (a hang?)" if wall > timeout else ""
+    used = cpu[-1] - cpu[0]
+    if used > timeout:
+        return f"timed out after {used:.0f} CPU seconds ({wall:.0f} s)"
+    if wall > WALL_FACTOR * timeout:
+        return f"timed out after {wall:.0f} s ({used:.0f} CPU seconds)"
+    recent = int(STALL_S / POLL_S)
+    if wall > timeout and len(cpu) > recent and cpu[-1] - cpu[-1 - recent] < STALL_CPU_S:
+        return (f"no progress for {STALL_S:.0f} s after {wall:.0f} s ({used:.0f} CPU seconds): "
+                "a hang")
+    return ""
+
+
 class _Worker:
     """A ``sweep.py --serve`` process: reads case JSON lines, answers result lines."""
 
@@ -89,17 +128,26 @@ class _Worker:
             return ""
 
     def run(self, case: Case, timeout: float) -> tuple[dict, bool]:
-        """(result, whether this worker is still usable)."""
+        """(result, whether this worker is still usable). The case is ended by
+        :func:`_overdue`: by the CPU seconds it used, not the wall clock, so that a busy
+        machine slows a case without failing it."""
         t0 = time.perf_counter()
         self.phase = "start"
+        cpu = [_cpu_seconds(self.proc.pid)]          # samples, one per POLL_S
         try:
             self.proc.stdin.write(json.dumps(case.to_json()) + "\n")
             self.proc.stdin.flush()
-            r = self.answers.get(timeout=timeout)
-        except queue.Empty:
-            self.kill()
-            return sc.Result(case.id, "fail", f"timed out after {timeout:.0f} s in {self.phase} (a hang?)",
-                             self._stderr_tail(), seconds=time.perf_counter() - t0).to_json(), False
+            while True:
+                try:
+                    r = self.answers.get(timeout=POLL_S)
+                    break
+                except queue.Empty:
+                    cpu.append(_cpu_seconds(self.proc.pid))
+                    why = _overdue(time.perf_counter() - t0, cpu, timeout)
+                    if why:
+                        self.kill()
+                        return sc.Result(case.id, "fail", f"{why} in {self.phase}", self._stderr_tail(),
+                                         seconds=time.perf_counter() - t0).to_json(), False
         except (BrokenPipeError, OSError):
             r = None
         if r is None:

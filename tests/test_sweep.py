@@ -238,3 +238,19 @@ def test_float64_recheck_tells_rounding_from_a_wrong_number(monkeypatch):
     monkeypatch.setattr(sc, "train", planted)
     r = sc.run_threads(C("ex-mlp", "data", 2, "mean", {"data": 2}))
     assert r.status == "fail" and "float64 recheck" in r.detail, r
+
+
+def test_a_busy_machine_slows_a_case_but_only_a_stall_or_its_cpu_ends_it():
+    """The thread-rank watchdog (``sweep._overdue``): CPU sampled every POLL_S seconds."""
+    over, t, poll = sweep_runner._overdue, 180.0, sweep_runner.POLL_S
+    busy = [i * poll * 0.15 for i in range(60)]            # 15% of a core: load ~13 on 2 cores
+    assert over(len(busy) * poll, busy, t) == ""           # 300 s of wall clock, 45 CPU s
+    stalled = busy[:40] + [busy[39]] * 20                  # then no CPU for 100 s
+    assert "a hang" in over(len(stalled) * poll, stalled, t)
+    assert "a hang" not in over(100.0, stalled, t)         # within the timeout: let it run
+    hungry = [i * poll for i in range(40)]                 # a whole core: 195 CPU s
+    assert "CPU seconds" in over(len(hungry) * poll, hungry, t)
+    assert "timed out" in over(7 * t, busy, t)             # the wall-clock backstop
+    assert over(t + 1, [None, None], t) and not over(t - 1, [None, None], t)   # no /proc
+    import os as _os
+    assert sweep_runner._cpu_seconds(_os.getpid()) > 0
