@@ -79,6 +79,9 @@ def check_grad_sync(gm: GraphModule, grad_sync: dict[str, tuple[int, ...]], cap:
     ``grad_sync`` does not sum it over, or whole on one it does. ``attr_of``: each
     parameter placeholder's attribute path."""
     params = {attr_of[p] for p in cap.params}
+    # ``meta["inputs"]`` names the nodes insert_collectives made; a pass that copies the
+    # program (passes.copy_program, passes.recompute) keeps their names, not the nodes
+    by_name = {n.name: n for n in gm.graph.nodes}
     mesh = tuple(plan.mesh_shape)
     n = len(mesh)
     grads: dict[Node, dict[int, list[tuple]]] = {}     # node -> output index -> readers' states
@@ -125,7 +128,8 @@ def check_grad_sync(gm: GraphModule, grad_sync: dict[str, tuple[int, ...]], cap:
             for leaf in _tensor_inputs(node):
                 add(leaf, 0, st)
             continue
-        _through_op(node, cap.node(source), plan, states, add, n)
+        _through_op(node, cap.node(source), plan, states,
+                    lambda local, k, st: add(by_name.get(local.name, local), k, st), n)
 
 
 def _through_collective(node: Node, st: tuple) -> tuple:
