@@ -59,7 +59,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import StaticCheckError
 from autopar.ops import collectives as C
-from autopar.passes.check_grad_sync import GradSyncMismatch, check_grad_sync
+from autopar.passes.check_grad_sync import GradSyncMismatch, check_grad_sync, read_inputs
 from autopar.placement import Partial, Replicate, Shard, local_shape, normalize
 from autopar.sharding.registry import make_call
 
@@ -266,12 +266,12 @@ class _Checker:
         cnode = self.cap.node(src)
         call = make_call(cnode)
         np = self.plan.nodes[src]
-        read = node.meta.get("inputs", ())
-        for k, inp in enumerate(read):
-            x = self.env.get(self.by_name.get(inp.name, inp))
+        for k, inp in enumerate(read_inputs(node, self.by_name)):
+            x = self.env.get(inp)
             want = np.input(k)
             if not isinstance(x, Typed):
-                continue
+                self.fail(node, f"its input {k} ({inp.name!r}) is not a tensor value of the "
+                          "program (a node no longer in it)")
             meta = call.inputs[k]
             for a, n in enumerate(self.mesh):
                 if n > 1 and normalize(x.types[a], meta.ndim) != normalize(want[a], meta.ndim):
@@ -367,15 +367,19 @@ def _fetch(gm: GraphModule, target: str):
     return obj
 
 
-def check_program(gm: GraphModule, ctx: Context) -> None:
+def check_program(gm: GraphModule, ctx: Context) -> dict[str, int]:
     """Type-check one rank's program ``gm`` (module docstring); raise
     :class:`StaticCheckError` at the first value that does not check. With
     ``ctx.grad_sync`` (the program whose gradients the step syncs), also the gradients'
-    reduction (``passes.check_grad_sync``)."""
+    reduction (``passes.check_grad_sync``). Returns each tensor node's local number of
+    elements, by name, where its shape is known."""
     flat = flat_program(gm)
-    _Checker(flat, ctx).run()
+    checker = _Checker(flat, ctx)
+    checker.run()
     if ctx.grad_sync is not None:
         try:
             check_grad_sync(flat, ctx.grad_sync, ctx.cap, ctx.plan, ctx.attr_of)
         except GradSyncMismatch as e:
             raise StaticCheckError(f"the {ctx.which} program: {e}; {FIX}") from e
+    return {n.name: x.val.numel() for n, x in checker.env.items()
+            if isinstance(x, Typed) and x.val is not None}
