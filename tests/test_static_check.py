@@ -202,3 +202,41 @@ def test_static_check_errors_are_not_input_errors():
     from autopar.errors import AutoparInputError
     assert not issubclass(StaticCheckError, AutoparInputError)
     assert operator.truth(StaticCheckError.__doc__)
+
+
+# --- the command ----------------------------------------------------------------------------
+
+def _cli(*args):
+    from click.testing import CliRunner
+    from autopar.cli import cli
+    return CliRunner().invoke(cli, ["verify", "--static", *args], catch_exceptions=False)
+
+
+def test_verify_static_prints_one_line_per_rank_and_program():
+    res = _cli("examples.models:gpt_factory", "--nproc", "2", "--pin", "tensor=2", "--meta")
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("rank ")]
+    assert len(lines) == 4 and all(ln.endswith(": ok") for ln in lines), res.output
+    assert "all 2 ranks' programs check" in res.output
+
+
+def test_verify_static_exits_1_on_a_failed_check(monkeypatch):
+    """A program that does not check (the check made to fail on rank 1's train program):
+    that line says FAIL with the reason, the command exits 1."""
+    real = sv.check_program
+
+    def failing(gm, ctx):
+        if ctx.which == "train" and failing.calls == 1:
+            raise StaticCheckError("planted: node 'x' (all_reduce): takes a P value")
+        failing.calls += ctx.which == "train"
+        return real(gm, ctx)
+    failing.calls = 0
+    monkeypatch.setattr(sv, "check_program", failing)
+    res = _cli("examples.models:gpt_factory", "--nproc", "2", "--pin", "tensor=2", "--meta")
+    assert res.exit_code == 1, res.output
+    assert "rank 1 (1,) train" in res.output and "FAIL planted" in res.output, res.output
+
+
+def test_verify_static_refuses_timing():
+    res = _cli("examples.models:gpt_factory", "--nproc", "2", "--timing")
+    assert res.exit_code == 2 and "--timing runs the model" in res.output, res.output
