@@ -240,3 +240,15 @@ def test_verify_static_exits_1_on_a_failed_check(monkeypatch):
 def test_verify_static_refuses_timing():
     res = _cli("examples.models:gpt_factory", "--nproc", "2", "--timing")
     assert res.exit_code == 2 and "--timing runs the model" in res.output, res.output
+
+
+def test_the_sweep_checks_every_case_statically(monkeypatch):
+    """``benchmarks/sweep_cases.run_threads`` runs the static check on the case's plan
+    before training it: a check that fails fails the case, saying so."""
+    import benchmarks.sweep_cases as sc
+
+    def failing(gm, ctx):
+        raise StaticCheckError(f"the {ctx.which} program: planted")
+    monkeypatch.setattr(sv, "check_program", failing)
+    r = sc.run_threads(sc.make_case("ex-gpt", "data", 2, "mean", {"data": 2}))
+    assert r.status == "fail" and r.message.startswith("static check: rank 0 train: "), r
