@@ -128,6 +128,27 @@ def test_a_shape_constant_left_global_is_caught():
     caught(gm, ctx, repr(node.name), "shape constant")
 
 
+def test_a_strategy_its_rule_does_not_offer_is_caught():
+    """The plan read by the check runs a GELU as P -> P on the tensor axis (a partial sum
+    through a nonlinear op: no rule offers it)."""
+    from dataclasses import replace
+    from autopar.placement import P, parse_placements, placements_str
+    from autopar.plan import NodePlacement
+    gm, ctx = rank0_train()
+    gelu = next(n for n in gm.graph.nodes if n.meta.get("source", "").startswith("gelu"))
+    src = gelu.meta["source"]
+    old = ctx.plan.nodes[src]
+
+    def partial_on_tensor(text):
+        p = list(parse_placements(text))
+        p[1] = P
+        return placements_str(p)
+    nodes = {**ctx.plan.nodes, src: NodePlacement(tuple(map(partial_on_tensor, old.inputs)),
+                                                  tuple(map(partial_on_tensor, old.outputs)))}
+    caught(gm, replace(ctx, plan=replace(ctx.plan, nodes=nodes)), repr(gelu.name),
+           "P->P on mesh axis 1 (tensor", "its sharding rule does not offer")
+
+
 # --- real plans pass on every simulated rank ------------------------------------------------
 
 REAL = {

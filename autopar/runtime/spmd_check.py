@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -61,7 +61,7 @@ from autopar.errors import StaticCheckError
 from autopar.ops import collectives as C
 from autopar.passes.check_grad_sync import GradSyncMismatch, check_grad_sync, read_inputs
 from autopar.placement import Partial, Replicate, Shard, local_shape, normalize
-from autopar.sharding.registry import make_call
+from autopar.sharding.registry import Strategy, axis_strategies, make_call
 
 R, P = Replicate(), Partial()
 FIX = "this is an autopar bug: report it with the plan file (`autopar plan ... -o plan.json`)"
@@ -96,13 +96,16 @@ class Context:
     """What the check reads beside the program: its name (``"train"`` / ``"forward"``), the
     capture, the plan it runs (a stage's under a pipeline), each parameter placeholder's
     attribute path, the axes the returned loss is still summed over, the axes each
-    parameter's gradient is summed over by the step."""
+    parameter's gradient is summed over by the step; ``rules``: each captured op's
+    strategies on one axis (``registry.axis_strategies``), filled as the check reads them
+    (one dict for every rank of a plan: the rules do not depend on the rank)."""
     which: str
     cap: object
     plan: object
     attr_of: dict
     loss_sync: tuple = ()
     grad_sync: dict | None = None
+    rules: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 COLLECTIVES: dict[Callable, Callable] = {
@@ -266,6 +269,7 @@ class _Checker:
         cnode = self.cap.node(src)
         call = make_call(cnode)
         np = self.plan.nodes[src]
+        self.rule(node, src, call, np)
         for k, inp in enumerate(read_inputs(node, self.by_name)):
             x = self.env.get(inp)
             want = np.input(k)
@@ -300,6 +304,22 @@ class _Checker:
         typed = [Typed(tuple(o), v) for o, v in zip(outs, vals)]
         multi = isinstance(cnode.meta.get("val"), (list, tuple))
         return typed if multi else typed[0]
+
+    def rule(self, node: Node, src: str, call, np) -> None:
+        """The plan's strategy for ``src`` on each axis of more than one rank is one its
+        sharding rule offers (``autopar.sharding.registry``)."""
+        offered = self.ctx.rules.get(src)
+        if offered is None:
+            offered = self.ctx.rules[src] = set(axis_strategies(call))
+        for a, n in enumerate(self.mesh):
+            if n == 1:
+                continue
+            chosen = Strategy(tuple(np.input(k)[a] for k in range(len(call.inputs))),
+                              tuple(np.output(k)[a] for k in range(len(call.outputs))))
+            if chosen not in offered:
+                self.fail(node, f"the plan runs {call.op} as {chosen} on {self.axis(a)}, which "
+                          f"its sharding rule does not offer ({len(offered)} strategies: "
+                          f"{', '.join(map(str, list(offered)[:6]))}...)")
 
     def unplanned(self, node: Node) -> Typed | None:
         ins = [self.env.get(a) for a in _node_args(node)]

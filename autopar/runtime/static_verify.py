@@ -104,6 +104,7 @@ class Builder:
                          if self.pipelined else None)
         self.shapes = _Shapes(model)
         self.inner = 1 if self.pipelined else 0
+        self.rules: dict = {}         # the sharding rules' strategies, shared by every rank
 
     def build(self, coord: tuple[int, ...]):
         """(programs by name, the context of each program's check)."""
@@ -114,7 +115,7 @@ class Builder:
                               root, shards.attr_of, self.stage_of)
         stepped = "train" if self.cap.has_loss else "forward"
         ctx = {which: Context(which, self.cap, self.run_splan, shards.attr_of, built.loss_sync,
-                              built.grad_sync if which == stepped else None)
+                              built.grad_sync if which == stepped else None, self.rules)
                for which in built.programs}
         return built.programs, ctx
 
