@@ -241,6 +241,18 @@ def test_verify_static_prints_one_line_per_rank_and_program():
     assert "all 2 ranks' programs check" in res.output
 
 
+def test_verify_static_reads_a_plan_file(tmp_path):
+    """--plan: the file's plan, checked on the ranks it was made for (a wrong --nproc is a
+    usage error)."""
+    ex, plan, _ = planned("gpt", 2, (("tensor", 2),))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    res = _cli("examples.models:gpt_factory", "--nproc", "2", "--plan", str(path))
+    assert res.exit_code == 0 and "all 2 ranks' programs check" in res.output, res.output
+    res = _cli("examples.models:gpt_factory", "--nproc", "4", "--plan", str(path))
+    assert res.exit_code == 2 and "use --nproc 2" in res.output, res.output
+
+
 def test_verify_static_exits_1_on_a_failed_check(monkeypatch):
     """A program that does not check (the check made to fail on rank 1's train program):
     that line says FAIL with the reason, the command exits 1."""
