@@ -12,7 +12,9 @@ torchrun job (:func:`run_dist`, ``tests/sweep_worker.py``):
 
 1. plan it: ``autopar.solver.driver.solve`` as ``autopar.parallelize`` does (threads), or
    ``autopar.parallelize`` itself (gloo); an ``autopar.AutoparInputError`` there is a
-   REFUSAL (its message's first line is reported), anything else a FAILURE;
+   REFUSAL (its message's first line is reported), anything else a FAILURE; then every
+   rank's programs are checked statically (:func:`static_problem`, ``autopar verify
+   --static``): a program that does not type-check is a FAILURE before anything trains;
 2. train 3 steps of SGD with momentum under the plan and on one device (a copy of the same
    model, same batch): the loss of every step, every gradient by name, the weights after
    the steps (``autopar.verify.compare``: weights relative to how far each moved);
