@@ -17,8 +17,8 @@ memory, no data):
   ``to_partial`` R -> P, ``shard_to_partial(dim)`` S(dim) -> P), with the shape it implies;
 - an op of the plan (``node.meta['source']``, a captured node) must receive, as its k-th
   tensor input (``node.meta['inputs']``), the placements the plan chose for that input on
-  every axis of more than one rank (the strategy the solver picked from the rule of
-  ``autopar.sharding.registry``), and gives the plan's output placements. It is run on
+  every axis of more than one rank (the strategy the solver picked, which must be one the
+  op's rule in ``autopar.sharding.registry`` offers), and gives the plan's output placements. It is run on
   FakeTensors of its local inputs (ops of ``autopar.ops``, which talk to the communicator,
   are not run: their outputs take the plan's local shapes), and each output's local shape
   must be the global one divided by the shard counts: a shape constant left global after
@@ -35,7 +35,7 @@ checkpointed layers inlined, :func:`flat_program`), against the step's gradient 
 A failure is a :class:`autopar.errors.StaticCheckError` naming the program, the node, its
 op, the mesh axis, what was expected and what it got.
 
-Why not ``spmd-types`` (PyPI, v0.3.1, torchtitan's checker). Looked at for this: it checks a
+Why not ``spmd-types`` (PyPI, v0.3.1, torchtitan's checker)? Read for this: it checks a
 program as it runs, under a ``TorchFunctionMode`` over a ``torch.distributed`` process group
 (one rank per process, the ``fake`` backend), with its own collectives
 (``spmd_types.all_reduce(x, group, src=P, dst=R)``). Its local types (R, I, V, P) carry no
@@ -43,8 +43,8 @@ shard dim, so an all-gather on the wrong dim or a shape constant left global is 
 error there; its global types propagate through DTensor's sharding rules, not the strategy
 autopar's solver chose per node. autopar's programs call their own autograd functions
 (``autopar.ops.collectives``) through a communicator, and every rank of a plan is checked in
-one process without running anything. So the inference is written here (about the size of
-the registrations spmd-types would need), on autopar's own placements and plan.
+one process without running anything. So the inference is written here, on autopar's own
+placements and plan.
 """
 from __future__ import annotations
 
