@@ -357,11 +357,22 @@ def viz(plan_file, output, factory, unfold, schedule, stages, microbatches, virt
               "measured per rank (step, compute by op family, comm by collective, peak memory)")
 @click.option("--timing-steps", type=click.IntRange(min=1), default=5, show_default=True,
               help="steps --timing measures (after one warm-up)")
+@click.option("--static", "static", is_flag=True, help="start no process: build every rank's "
+              "programs here, type-check each (replicated / sharded / partial per mesh axis, "
+              "collectives, local shapes, gradients reduced once) and compare the ranks' "
+              "collective orders")
 @factory_options
-def verify(factory, plan_file, nproc, pins, timeout, timing, timing_steps, factory_args, meta):
-    """Run MODULE:FACTORY on NPROC ranks under torchrun and compare with one device."""
+def verify(factory, plan_file, nproc, pins, timeout, timing, timing_steps, static, factory_args, meta):
+    """Run MODULE:FACTORY on NPROC ranks under torchrun and compare with one device; with
+    --static, check every rank's programs without running them."""
+    if static:
+        if timing:
+            raise UserError("--timing runs the model: drop it, or drop --static")
+        _verify_static(factory, parse_pairs(factory_args, "--factory-args"), nproc, plan_file,
+                       parse_pins(pins), meta)
+        return
     if meta:
-        raise UserError("verify trains the model: drop --meta")
+        raise UserError("verify trains the model: drop --meta (or check it with --static)")
     _verify(factory, parse_pairs(factory_args, "--factory-args"), nproc, plan_file,
             parse_pins(pins), timeout, timing=timing_steps if timing else 0)
 
@@ -411,6 +422,46 @@ def _verify(factory, args, nproc, plan_file, pins, timeout, timing: int = 0):
             raise Failed("verify --timing: rank 0 wrote no timing report")
         con.print()
         click.echo(str(TimingReport.from_dict(report)))
+
+
+def _verify_static(factory, args, nproc, plan_file, pins, meta: bool):
+    """``verify --static``: the plan (the file's, or solved for ``nproc`` ranks of this
+    machine as ``autopar.parallelize`` would) and ``runtime.static_verify`` on every rank; one
+    line per rank and program; exit 1 on any failure."""
+    from autopar.runtime.static_verify import first_error, static_verify
+    from cost_models.local_devices import local_cluster
+    load_factory(factory)
+    if plan_file and pins:
+        raise UserError("pass --plan or --pin, not both (the pins are in the plan)")
+    with _progress() as step:
+        if plan_file:
+            p = load_plan(plan_file)
+            if p.world_size != nproc:
+                raise UserError(f"{plan_file} is for {p.world_size} ranks: use --nproc {p.world_size}")
+            with step("capturing the training graph (torch.export)"):
+                ex, cap = capture_for(p, factory, args, meta)
+        else:
+            with step(f"building {factory}" + (" on the meta device" if meta else "")):
+                ex = build_example(factory, args, meta)
+            with step(f"solving for {nproc} ranks"):
+                got = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                            cluster=local_cluster(nproc), world_size=nproc,
+                            pins=Options.from_pins(pins))
+                p, cap = got.plan, got.captured
+        with step(f"building and checking every rank's programs ({p.world_size} ranks, no process)"):
+            t0 = time.perf_counter()
+            results = static_verify(cap, p, ex.model)
+            seconds = time.perf_counter() - t0
+    click.echo(f"verify --static {factory}: mesh {tuple(p.mesh_shape)} {tuple(p.mesh_axes)}"
+               + (f", {p.pipeline_stages} pipeline stages" if p.pipeline_stages > 1 else ""))
+    for r in results:
+        status = "ok" if r.ok else f"FAIL {r.error}"
+        click.echo(f"rank {r.rank} {r.coord} {r.which}: {r.collectives} collectives, "
+                   f"{r.seconds:.2f} s: {status}")
+    problem = first_error(results)
+    if problem is not None:
+        raise Failed(f"verify --static failed: {problem}")
+    click.echo(f"all {p.world_size} ranks' programs check ({seconds:.1f} s)")
 
 
 DEMO_FACTORY = "autopar.nanogpt:demo_factory"

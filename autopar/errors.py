@@ -14,7 +14,7 @@ all of them can derive from it.
 """
 from __future__ import annotations
 
-__all__ = ["AutoparInputError", "ArgumentError", "CheckpointError", "PinError"]
+__all__ = ["AutoparInputError", "ArgumentError", "CheckpointError", "PinError", "StaticCheckError"]
 
 
 class AutoparInputError(ValueError):
@@ -36,3 +36,13 @@ class PinError(AutoparInputError):
     """A pin (``data=``, ``tensor=``, ``pipeline=``, ... of ``autopar.plan`` /
     ``autopar.parallelize``, ``--pin`` of the command) that is malformed or cannot be honoured
     for this model and mesh."""
+
+
+class StaticCheckError(RuntimeError):
+    """A bug in autopar, found before anything runs: a rewritten per-rank program that does not
+    type-check (``autopar.runtime.spmd_check``: a collective given a value of another placement,
+    an op given inputs its sharding rule does not take, a local shape that is not the global
+    one divided by the shard counts, a gradient reduced other than once) or whose ranks would
+    issue different collectives (``autopar.runtime.static_verify``). Not an
+    :class:`AutoparInputError`: the user's input is fine; the message says to report it with
+    the plan file."""

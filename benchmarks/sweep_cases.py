@@ -12,7 +12,9 @@ torchrun job (:func:`run_dist`, ``tests/sweep_worker.py``):
 
 1. plan it: ``autopar.solver.driver.solve`` as ``autopar.parallelize`` does (threads), or
    ``autopar.parallelize`` itself (gloo); an ``autopar.AutoparInputError`` there is a
-   REFUSAL (its message's first line is reported), anything else a FAILURE;
+   REFUSAL (its message's first line is reported), anything else a FAILURE; then every
+   rank's programs are checked statically (:func:`static_problem`, ``autopar verify
+   --static``): a program that does not type-check is a FAILURE before anything trains;
 2. train 3 steps of SGD with momentum under the plan and on one device (a copy of the same
    model, same batch): the loss of every step, every gradient by name, the weights after
    the steps (``autopar.verify.compare``: weights relative to how far each moved);
@@ -738,6 +740,15 @@ def budget_for(case: Case, b: zoo.Built, cap) -> float:
     return rep.estimate.memory_total - 0.4 * state
 
 
+def static_problem(cap, plan, model) -> str | None:
+    """``autopar verify --static`` on the case's plan (``runtime.static_verify``: every
+    rank's programs type-checked, their collective orders compared): None, or the first
+    problem. Run on every case before it trains, so that a rewrite the check misjudges
+    (or a fault it would catch) shows in the sweep."""
+    from autopar.runtime.static_verify import first_error, static_verify
+    return first_error(static_verify(cap, plan, model))
+
+
 def run_threads(case: Case) -> Result:
     """Run ``case`` on ranks simulated as threads of this process (an fp32 failure by a
     little is rechecked in float64: :func:`float64_recheck`)."""
@@ -754,6 +765,12 @@ def run_threads(case: Case) -> Result:
         except Refused as e:
             return Result(case.id, "refused", str(e), seconds=time.perf_counter() - t0)
         phases["plan"] = time.perf_counter() - t0 - sum(phases.values())
+        _phase("static check of every rank's programs")
+        problem = static_problem(cap, plan, b.model)
+        phases["static"] = time.perf_counter() - t0 - sum(phases.values())
+        if problem is not None:
+            return Result(case.id, "fail", f"static check: {problem.splitlines()[0][:300]}", problem,
+                          seconds=time.perf_counter() - t0)
         precision = _precision(case)
         micro = micro_batches(case, plan)
         _phase("one-device reference")
@@ -941,6 +958,9 @@ def run_dist(case: Case, float64: bool = False) -> dict:
             fresh = model_inputs(case)
             pms.append(autopar.parallelize(fresh.model, fresh.inputs, fresh.loss_fn,
                                            target=fresh.target, batch=batch, **kw))
+        problem = static_problem(pms[0]._cap, pms[0].plan, b.model) if rank == 0 else None
+        if problem is not None:      # rank 0's outcome is the case's (below)
+            outcome = ("fail", f"static check: {problem.splitlines()[0][:300]}", problem)
     except AutoparInputError as e:
         outcome = ("refused", first_line(e), "")
     except Refused as e:

@@ -79,6 +79,9 @@ def check_grad_sync(gm: GraphModule, grad_sync: dict[str, tuple[int, ...]], cap:
     ``grad_sync`` does not sum it over, or whole on one it does. ``attr_of``: each
     parameter placeholder's attribute path."""
     params = {attr_of[p] for p in cap.params}
+    # ``meta["inputs"]`` names the nodes insert_collectives made; a pass that copies the
+    # program (passes.copy_program, passes.recompute) keeps their names, not the nodes
+    by_name = {n.name: n for n in gm.graph.nodes}
     mesh = tuple(plan.mesh_shape)
     n = len(mesh)
     grads: dict[Node, dict[int, list[tuple]]] = {}     # node -> output index -> readers' states
@@ -125,7 +128,7 @@ def check_grad_sync(gm: GraphModule, grad_sync: dict[str, tuple[int, ...]], cap:
             for leaf in _tensor_inputs(node):
                 add(leaf, 0, st)
             continue
-        _through_op(node, cap.node(source), plan, states, add, n)
+        _through_op(node, cap.node(source), plan, states, add, n, read_inputs(node, by_name))
 
 
 def _through_collective(node: Node, st: tuple) -> tuple:
@@ -143,12 +146,13 @@ def _through_collective(node: Node, st: tuple) -> tuple:
     return tuple(out)
 
 
-def _through_op(node: Node, src: Node, plan: Plan, states: dict, add, n: int) -> None:
+def _through_op(node: Node, src: Node, plan: Plan, states: dict, add, n: int,
+                read: list[Node]) -> None:
     call = make_call(src)
     np = plan.nodes[src.name]
     ins = [np.input(k) for k in range(len(call.inputs))]
     outs = [np.output(k) for k in range(len(call.outputs))]
-    for k, local in enumerate(node.meta.get("inputs", ())):
+    for k, local in enumerate(read):
         if not call.inputs[k].carries_grad:
             continue
         st = []
@@ -188,6 +192,22 @@ def _check_param(attr: str, st, synced: tuple[int, ...], mesh: tuple[int, ...]) 
                 f"internal error (a bug in autopar): the gradient of parameter {attr!r} on "
                 f"mesh axis {a} (size {mesh[a]}) is {program} in the rewritten program, but "
                 f"the gradient sync has it {step}: {effect}")
+
+
+def read_inputs(node: Node, by_name: dict[str, Node]) -> list[Node]:
+    """The nodes ``node`` (an op of the plan) reads as its tensor inputs, in the captured op's
+    order: ``node.meta["inputs"]``, which insert_collectives wrote, found again by name in
+    the program at hand (a copy made by a later pass keeps the names, not the nodes). Where
+    one of them is no longer read by ``node`` (a later edit replaced it) and ``node`` reads
+    as many tensors as the op has inputs, the k-th node it reads."""
+    read = list(node.meta.get("inputs", ()))
+    args = _tensor_inputs(node)
+    found = [by_name.get(r.name) for r in read]
+    if all(f is not None and f in args for f in found):
+        return found
+    if len(args) == len(read):
+        return args
+    return [f if f is not None else r for f, r in zip(found, read)]
 
 
 def _tensor_inputs(node: Node) -> list[Node]:
