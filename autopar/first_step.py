@@ -95,7 +95,7 @@ class FirstStepCheck:
     def _autocast(self):
         if not self.precision:
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
         return torch.autocast(self.pm.device.type, dtype=dtype)
 
     def _message(self, c, loss: float, ref_loss: float, grad_tol: float, loss_tol: float) -> str:
