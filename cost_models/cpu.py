@@ -53,7 +53,7 @@ def cpu_core() -> Device:
         torch.set_num_threads(1)
         try:
             figures = measured_once("cpu-core", lambda: _core_figures(_measure_cpu()))
-            fp8 = measured_once("cpu-core-fp8", _measure_fp8)
+            fp8 = measured_once("cpu-fp8", _measure_fp8)
             figures = {**figures, "peak_flops": {**figures["peak_flops"], **fp8}}
         finally:
             torch.set_num_threads(threads)
