@@ -5,7 +5,8 @@ The format: e4m3 keeps 3 mantissa bits, so neighbouring values differ by q = 2^-
 size (rounding error up to q/2 = 2^-4); e5m2 (tensorwise gradients) 2 bits, q = 2^-2.
 bf16's unit roundoff is u = 2^-8.
 
-In process: one fp8 linear against the fp32 one (its error is fp8's, not bf16's); the
+In process: one fp8 linear bit-equal to torchao 0.14's ``Float8Linear`` under either recipe,
+and against the fp32 one (its error is fp8's, not bf16's); the
 amax reductions of a tensor-sharded linear on thread ranks: every output the shards compute
 without a partial sum is bit-equal to the unsharded fp8 linear's (column-parallel forward
 and weight gradient, row-parallel input and weight gradients), under both recipes.
@@ -103,6 +104,31 @@ def test_fp8_linear_error_is_fp8s(scaling):
     rel = [float((g - r).norm() / r.norm()) for g, r in zip(got, (ref.detach(), x.grad, w.grad))]
     assert U_BF16 < rel[0] < Q_E4M3, rel
     assert all(U_BF16 < e < Q_E5M2 for e in rel[1:]), rel
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_linear_is_torchaos_recipe(scaling):
+    """Bit-equal to torchao's ``Float8Linear`` (``convert_to_float8_training`` with
+    ``Float8LinearConfig.from_recipe_name``) on a bf16 layer: output, dx, dW, db."""
+    pytest.importorskip("torchao", reason="pip install -e '.[dev]' installs torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    for seed in range(3):
+        torch.manual_seed(seed)
+        lin = torch.nn.Linear(64, 48).bfloat16()
+        x0 = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+        gy = torch.randn(2, 16, 48, dtype=torch.bfloat16)
+        theirs = convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(lin)),
+                                            config=Float8LinearConfig.from_recipe_name(scaling))[0]
+        mine = copy.deepcopy(lin)
+        got = []
+        for run in (lambda x: theirs(x), lambda x: fp8_linear(x, mine.weight, mine.bias, scaling)):
+            x = x0.clone().requires_grad_()
+            y = run(x)
+            y.backward(gy)
+            got.append([y.detach(), x.grad])
+        got[0] += [theirs.weight.grad, theirs.bias.grad]
+        got[1] += [mine.weight.grad, mine.bias.grad]
+        assert all(torch.equal(a, b) for a, b in zip(*got)), seed
 
 
 def _sharded_linear(scaling: str, kind: str):

@@ -33,8 +33,10 @@ graphs of ``aten.linear`` on each rank's local tensors, not ``nn.Linear`` module
 amax reductions must run over autopar's mesh axes (``autopar.ops.comm``), where torchao's
 distributed support is DTensor / FSDP2's; the arithmetic is ~100 lines over
 ``torch._scaled_mm``, which runs on CPU in torch 2.13 (tensorwise, rowwise, e4m3 x e5m2),
-so tests run the real fp8 GEMMs, and no new dependency is needed (torchao 0.14.0 installs
-without another torch, but would only serve as this module's reference).
+so tests run the real fp8 GEMMs, and autopar needs no new dependency. torchao 0.14.0
+(whose wheel pulls no torch, and whose float8 training runs on torch 2.13's CPU) is the
+reference: ``tests/test_fp8.py`` checks this function bit-equal to its ``Float8Linear``
+under both recipes (output, dx, dW, db), so it is a test dependency (the dev extra) only.
 """
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ def cast(t: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...], recipe: Rec
          shards: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` in fp8 ``dtype`` scaled over ``dims`` (module docstring): (t8, 1 / scale)."""
     fmax = torch.finfo(dtype).max
-    scale = fmax / _amax(t, dims, shards).clamp(min=EPS)
+    # in float64 then fp32, as torchao's amax_to_scale (eager and compiled alike)
+    scale = (fmax / _amax(t, dims, shards).double().clamp(min=EPS)).float()
     if recipe.power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     t8 = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
