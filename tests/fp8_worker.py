@@ -1,8 +1,12 @@
 """Run by tests/test_fp8.py under torchrun (2 gloo ranks): the small GPT trained 3 AdamW
 steps under ``precision="fp8"`` and a plan, against the same fp8 recipe on one device.
 
+Every case runs ``parallelize(check=True)``: its first step is checked against one device
+too (``autopar.first_step``, with the fp8 recipe), and would raise on a mismatch.
+
 The reference (:func:`reference`): the model with each of its fp8 linears
-(``autopar.analysis.fp8_layers``) calling ``autopar.ops.fp8.fp8_linear`` with no shards, under
+(``autopar.analysis.fp8_layers``) calling ``autopar.ops.fp8.fp8_linear`` with no shards
+(``use_fp8_linears``), under
 ``torch.autocast(bfloat16)``, stepping through the batch in ``slices`` equal row blocks per
 step (gradients accumulated, each block's loss weighted 1/slices): the rows each rank's
 program sees at once (a data-parallel rank's share, a pipeline's micro-batch), whose scales
@@ -23,15 +27,14 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.analysis.fp8_layers import fp8_linears  # noqa: E402
+from autopar.analysis.fp8_layers import fp8_linears, row_blocks  # noqa: E402
 from autopar.capture import capture  # noqa: E402
-from autopar.ops.fp8 import fp8_linear  # noqa: E402
+from autopar.ops.fp8 import use_fp8_linears  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
 STEPS, LR = 3, 1e-2
@@ -43,26 +46,13 @@ def gpt():
     return ex.model, ex.inputs, ex.target, ex.loss_fn
 
 
-def with_fp8(model: nn.Module, weights: set[str], scaling: str | None) -> nn.Module:
-    """A copy of ``model`` whose ``nn.Linear`` layers with a weight in ``weights`` run
-    ``fp8_linear`` (the recipe on one device); ``scaling=None``: the copy unchanged."""
-    m = copy.deepcopy(model)
-    if scaling is None:
-        return m
-    found = set()
-    for name, mod in m.named_modules():
-        if isinstance(mod, nn.Linear) and f"{name}.weight" in weights:
-            mod.forward = (lambda x, mod=mod: fp8_linear(x, mod.weight, mod.bias, scaling))
-            found.add(f"{name}.weight")
-    assert found == weights, f"fp8 weights not found as nn.Linear layers: {weights - found}"
-    return m
-
-
 def reference(model, inputs, target, loss_fn, weights, scaling, slices: int):
     """STEPS AdamW steps on one device under autocast bf16, the fp8 recipe (``scaling``;
     None: plain bf16) on ``slices`` row blocks of the batch a step: (losses, the first
     step's gradients, the weights after)."""
-    m = with_fp8(model, weights, scaling)
+    m = copy.deepcopy(model)
+    if scaling is not None:
+        use_fp8_linears(m, weights, scaling)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     blocks = list(zip(*(t.chunk(slices, dim=0) for t in (*inputs, target))))
     losses, grads = [], None
@@ -97,7 +87,8 @@ def run_case(case: dict) -> dict:
     scaling = case.get("scaling", "tensorwise")
     pins = dict(case["pins"], precision="fp8", fp8_scaling=scaling)
     weights = set(fp8_linears(capture(model, inputs, loss_fn, target=target)).values())
-    pm = autopar.parallelize(model, inputs, loss_fn, target=target, **pins)
+    # check=True: the first step is also checked against one device (autopar.first_step)
+    pm = autopar.parallelize(model, inputs, loss_fn, target=target, check=True, **pins)
     calls = pm.code("train").count("fp8_linear(")     # this rank's programs' fp8 GEMM calls
     w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
@@ -115,6 +106,7 @@ def run_case(case: dict) -> dict:
     bf_losses, bf_grads, bf_w = reference(model, inputs, target, loss_fn, weights, None, 1)
     return {"rank": dist.get_rank(), "mesh": list(pm.plan.mesh_shape), "plan_pins": pm.plan.pins,
             "microbatches": pm.plan.n_microbatches, "fp8_weights": sorted(weights),
+            "row_blocks": row_blocks(pm.plan),
             "fp8_calls": calls, "losses": losses, "ref_losses": ref_losses,
             "loss_err": loss_dist(losses, ref_losses),
             "grad_err": rel_norm({k: grads[k] for k in ref_grads}, ref_grads),

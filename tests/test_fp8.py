@@ -240,6 +240,7 @@ def test_fp8_equals_one_device_recipe(results, case_id):
     r = case_result(results, case_id)
     assert r["plan_pins"]["precision"] == "fp8" and r["plan_pins"]["fp8_scaling"] in case_id
     assert r["fp8_weights"] == GPT_FP8
+    assert r["row_blocks"] == PLANS[case_id.split("-", 1)[1]][1]    # analysis.fp8_layers.row_blocks
     # each rank's programs call fp8_linear: every layer's 4, a pipeline rank its stage's
     assert r["fp8_calls"] == (4 if "pp2" in case_id else 8), r
     assert r["bf16_grad_dist"] > BF16_FLOOR, r

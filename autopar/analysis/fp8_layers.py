@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from autopar.capture import Captured
+from autopar.placement import Shard
 
 aten = torch.ops.aten
 
@@ -30,6 +31,19 @@ def fp8_linears(cap: Captured) -> dict[str, str]:
             continue
         out[n.name] = cap.params[w.name][0]
     return out
+
+
+def row_blocks(plan) -> int:
+    """How many row blocks of the global batch a step of ``plan`` scales apart: its
+    data-parallel degree (the mesh axes that shard the first input's rows) times its
+    micro-batches (a pipeline's, or gradient accumulation's). Each block is a contiguous
+    1/n of the batch (a rank's share of a micro-batch)."""
+    placements = plan.nodes[plan.inputs[0]].output(0) if plan.inputs else ()
+    data = 1
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) and p.dim == 0:
+            data *= plan.mesh_shape[axis]
+    return data * plan.n_microbatches
 
 
 def _is_head(node) -> bool:

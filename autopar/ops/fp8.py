@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from autopar.ops.comm import current_comm
 
@@ -156,6 +157,22 @@ def _token_free(shards, ndim: int) -> tuple[tuple[int, int], ...]:
     """The (axis, dim) shards of an activation on its feature (last) dim, as dim 1 of its
     2-D (tokens, features) view: the token dims' shards are per-rank rows (module docstring)."""
     return tuple((axis, 1) for axis, dim in shards if dim % ndim == ndim - 1)
+
+
+def use_fp8_linears(model: nn.Module, weights: set[str], scaling: str) -> nn.Module:
+    """The recipe on one device: ``model``'s ``nn.Linear`` layers whose weight is named in
+    ``weights`` (``analysis.fp8_layers.fp8_linears``' values) call :func:`fp8_linear` with
+    no shards (in place; returns ``model``). Run it under ``torch.autocast(bfloat16)``, on
+    the row blocks a plan's ranks and micro-batches scale alone
+    (``analysis.fp8_layers.row_blocks``), for the numbers the plan's run computes."""
+    found = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and f"{name}.weight" in weights:
+            mod.forward = (lambda x, mod=mod: fp8_linear(x, mod.weight, mod.bias, scaling))
+            found.add(f"{name}.weight")
+    if found != set(weights):
+        raise ValueError(f"fp8 weights that are no nn.Linear layer's: {sorted(set(weights) - found)}")
+    return model
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
