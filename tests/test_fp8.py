@@ -53,6 +53,7 @@ from autopar.errors import PinError
 from autopar.ops.comm import ThreadWorld
 from autopar.ops.fp8 import fp8_linear
 from autopar.options import Options
+from autopar.placement import P as P_
 from launch import case_result, torchrun_cases
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -219,6 +220,50 @@ def test_fp8_priced_faster_on_h100():
         t[prec] = p.estimate.step_time_s
     ratio = t["bf16"] / t["fp8"]
     assert 1.0 < ratio <= 1 / (1 - phi / 2), (t, ratio, phi)
+
+
+def test_amax_reductions_follow_the_shards():
+    """The price's amax all-gathers are the runtime's (``ops.fp8``): tensorwise, a
+    column-parallel linear reduces W's amax (forward) and dy's (backward), a row-parallel one
+    x's and W's (forward); rowwise, per row: W's output rows are whole in a column shard,
+    so only its per-column amax over N (backward) and dy's per-token amax cross the shards."""
+    from autopar.cost_models.devices import Link
+    from autopar.placement import R, Shard
+    from autopar.pricing.fp8 import amax_gathers
+    from autopar.sharding.registry import Strategy, TensorMeta
+    link = Link(bandwidth=1e11, latency=1e-5)
+    x, w, y = (TensorMeta(s, torch.float32) for s in ((4, 8, 64), (16, 64), (4, 8, 16)))
+    column = (Strategy((R, Shard(0)), (Shard(2),)),)
+    row = (Strategy((Shard(2), Shard(1)), (P_,)),)
+    kinds = lambda g: sorted((when, n) for when, n, _, _ in g)  # noqa: E731
+    assert kinds(amax_gathers(column, [x, w], [y], (2,), [link], False)) == [("bwd", 1), ("fwd", 1)]
+    assert kinds(amax_gathers(row, [x, w], [y], (2,), [link], False)) == [("fwd", 1), ("fwd", 1)]
+    assert kinds(amax_gathers(column, [x, w], [y], (2,), [link], True)) == [("bwd", 32), ("bwd", 64)]
+    assert kinds(amax_gathers(row, [x, w], [y], (2,), [link], True)) == [("fwd", 16), ("fwd", 32)]
+    replicated = (Strategy((Shard(0), R), (Shard(0),)),)     # data parallel: rows per rank
+    assert amax_gathers(replicated, [x, w], [y], (2,), [link], False) == ()
+
+
+def test_fp8_price_terms():
+    """One fp8 linear on an H100: its GEMMs at the fp8 peak beat bf16's at a large shape;
+    rowwise casts more than tensorwise (backward); an amax gather adds its collective."""
+    from autopar.cost_models import compute
+    from autopar.cost_models.devices import Link
+    from autopar.cost_models.fp8 import CAST_BYTES_PER_ELEMENT, cast_time, fp8_linear_time
+    from autopar.cost_models.gpus import H100_80GB
+    from autopar.sharding.registry import TensorMeta
+    lin = torch.ops.aten.linear.default
+    ins = [TensorMeta((8192, 4096), torch.bfloat16), TensorMeta((4096, 4096), torch.bfloat16)]
+    outs = [TensorMeta((8192, 4096), torch.bfloat16)]
+    bf = compute.node_time(lin, ins, outs, (), {}, H100_80GB, "bf16", native=True)
+    tw = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, False)
+    rw = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, True)
+    assert sum(tw) < sum(bf) and rw[0] == tw[0] and rw[1] > tw[1]
+    n = 8192 * 4096
+    assert cast_time(n, H100_80GB) >= CAST_BYTES_PER_ELEMENT * n / H100_80GB.mem_bandwidth
+    link = Link(bandwidth=1e11, latency=1e-5)
+    with_gather = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, False, (("fwd", 1, 2, link),))
+    assert with_gather[0] > tw[0] and with_gather[1] == tw[1]
 
 
 def test_fp8_refused_on_a100():
