@@ -7,8 +7,9 @@ fill time), reading 1-byte operands and writing bf16; plus what the recipe adds:
 
 - the casts, memory-bound: a cast of a bf16 tensor of n elements reads it for its amax
   (2n bytes), reads it again and writes fp8 (2n + n): 5n bytes, two kernels. The forward
-  casts x and W; backward casts dy once under tensorwise (x and W's fp8 copies are reused),
-  under rowwise dy twice, W and x once more (each GEMM scales along its own contraction);
+  casts x and W; backward casts dy and W once under tensorwise (x's fp8 copy is reused; W
+  is kept whole, not cast, so that ZeRO-3 can gather it again instead), under rowwise dy
+  twice, W and x once more (each GEMM scales along its own contraction);
 - the amax reductions: an operand sharded on a dim its amax spans gathers one fp32 amax per
   rank (tensorwise) or one per row (rowwise) over that mesh axis (``ops.fp8._max_over``: an
   all-gather, latency-bound), priced by ``comm.collective_time`` on the axis's link.
@@ -67,7 +68,7 @@ def fp8_linear_time(op, ins, outs, args, kwargs, device: Device, rowwise: bool,
     fwd, bwd = compute.node_time(op, g_ins, g_outs, args, kwargs, device, "fp8")
     nx, nw, ny = math.prod(x.shape), math.prod(w.shape), math.prod(outs[0].shape)
     fwd += cast_time(nx, device) + cast_time(nw, device)
-    bwd += cast_time(ny, device) if not rowwise else \
+    bwd += cast_time(ny, device) + cast_time(nw, device) if not rowwise else \
         2 * cast_time(ny, device) + cast_time(nw, device) + cast_time(nx, device)
     for when, elements, group, link in amax_gathers:
         t = collective_time("all_gather", 4.0 * elements * group, group, link)

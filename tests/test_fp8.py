@@ -224,8 +224,8 @@ def test_fp8_priced_faster_on_h100():
 
 def test_amax_reductions_follow_the_shards():
     """The price's amax all-gathers are the runtime's (``ops.fp8``): tensorwise, a
-    column-parallel linear reduces W's amax (forward) and dy's (backward), a row-parallel one
-    x's and W's (forward); rowwise, per row: W's output rows are whole in a column shard,
+    column-parallel linear reduces W's amax (forward and backward) and dy's, a row-parallel one
+    x's and W's (forward), W's again in backward (it is cast again there); rowwise, per row: W's output rows are whole in a column shard,
     so only its per-column amax over N (backward) and dy's per-token amax cross the shards."""
     from autopar.cost_models.devices import Link
     from autopar.placement import R, Shard
@@ -236,8 +236,8 @@ def test_amax_reductions_follow_the_shards():
     column = (Strategy((R, Shard(0)), (Shard(2),)),)
     row = (Strategy((Shard(2), Shard(1)), (P_,)),)
     kinds = lambda g: sorted((when, n) for when, n, _, _ in g)  # noqa: E731
-    assert kinds(amax_gathers(column, [x, w], [y], (2,), [link], False)) == [("bwd", 1), ("fwd", 1)]
-    assert kinds(amax_gathers(row, [x, w], [y], (2,), [link], False)) == [("fwd", 1), ("fwd", 1)]
+    assert kinds(amax_gathers(column, [x, w], [y], (2,), [link], False)) == [("bwd", 1), ("bwd", 1), ("fwd", 1)]
+    assert kinds(amax_gathers(row, [x, w], [y], (2,), [link], False)) == [("bwd", 1), ("fwd", 1), ("fwd", 1)]
     assert kinds(amax_gathers(column, [x, w], [y], (2,), [link], True)) == [("bwd", 32), ("bwd", 64)]
     assert kinds(amax_gathers(row, [x, w], [y], (2,), [link], True)) == [("fwd", 16), ("fwd", 32)]
     replicated = (Strategy((Shard(0), R), (Shard(0),)),)     # data parallel: rows per rank

@@ -5,7 +5,8 @@ The recipes (torchao ``float8`` training, ``Float8LinearConfig.from_recipe_name`
 
 - ``"tensorwise"``: one scale per tensor. Forward ``y = x W^T`` with x and W in
   ``float8_e4m3fn``; backward ``dx = dy W`` and ``dW = dy^T x`` with dy in ``float8_e5m2``
-  (range for gradients) and the forward's fp8 x and W reused. Scales are fp32, not rounded.
+  (range for gradients), the forward's fp8 x reused and W cast again (the same values:
+  W, not its cast, is what backward keeps). Scales are fp32, not rounded.
 - ``"rowwise"``: one scale per row along each GEMM's contraction dimension, every operand in
   e4m3, scales rounded down to a power of 2 (torchao's ``round_scales_to_power_of_2``):
   forward x per token over K and W per output row over K; dgrad dy per token over N and W
@@ -116,14 +117,17 @@ class _Fp8Linear(torch.autograd.Function):
             x2 = x.to(HP).reshape(-1, x.shape[-1])
             wh = w.to(HP)
             xs = _token_free(x_shards, x.dim())     # shards on K only (module docstring)
+            # W itself is saved, not a cast of it: the parameter (no copy), or ZeRO-3's
+            # gathered weight, which autopar gathers again for backward instead of keeping
+            # it (ops.collectives.RegatheredWeights); backward casts it again, alike
             if recipe.rowwise:
                 x8, sx = cast(x2, E4M3, (1,), recipe, xs)
                 w8, sw = cast(wh, E4M3, (1,), recipe, w_shards)
-                ctx.save_for_backward(x2, wh)
+                ctx.save_for_backward(x2, w)
             else:
                 x8, sx = cast(x2, E4M3, (0, 1), recipe, xs)
                 w8, sw = cast(wh, E4M3, (0, 1), recipe, w_shards)
-                ctx.save_for_backward(x8, sx, w8, sw)
+                ctx.save_for_backward(x8, sx, w)
             y = _mm(x8, sx, w8.t(), sw.t())
             if b is not None:
                 y = y + b.to(HP)
@@ -136,7 +140,8 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = gy.to(HP).reshape(-1, gy.shape[-1])
         gs = _token_free(out_shards, len(ctx.x_shape))     # shards on N only
         if recipe.rowwise:
-            x2, wh = ctx.saved_tensors
+            x2, w = ctx.saved_tensors
+            wh = w.to(HP)
             g8, sg = cast(g2, recipe.grad_dtype, (1,), recipe, gs)            # dy per token over N
             wc8, swc = cast(wh, E4M3, (0,), recipe, w_shards)                 # W per column over N
             gx = _mm(g8, sg, wc8, swc)
@@ -144,7 +149,8 @@ class _Fp8Linear(torch.autograd.Function):
             xt8, sxt = cast(x2, E4M3, (0,), recipe, ())                       # x per feature over tokens
             gw = _mm(gt8.t(), sgt.t(), xt8, sxt)
         else:
-            x8, sx, w8, sw = ctx.saved_tensors
+            x8, sx, w = ctx.saved_tensors
+            w8, sw = cast(w.to(HP), E4M3, (0, 1), recipe, w_shards)     # the forward's, again
             g8, sg = cast(g2, recipe.grad_dtype, (0, 1), recipe, gs)
             gx = _mm(g8, sg, w8, sw)
             gw = _mm(g8.t(), sg, x8, sx)

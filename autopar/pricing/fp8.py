@@ -35,9 +35,10 @@ def amax_gathers(combo, ins, outs, mesh_shape, links, rowwise: bool) -> tuple:
                   ("fwd", input_placements(combo, 1), 2, {1}, n_local),
                   ("bwd", input_placements(combo, 1), 2, {0}, k_local),
                   ("bwd", output_placements(combo, 0), yd, {yd - 1}, rows)]
-    else:            # one amax per tensor: x's features, all of W, dy's features
+    else:            # one amax per tensor: x's features, all of W (cast again in backward), dy's
         wanted = [("fwd", input_placements(combo, 0), xd, {xd - 1}, 1),
                   ("fwd", input_placements(combo, 1), 2, {0, 1}, 1),
+                  ("bwd", input_placements(combo, 1), 2, {0, 1}, 1),
                   ("bwd", output_placements(combo, 0), yd, {yd - 1}, 1)]
     out = []
     for when, placements, ndim, dims, elements in wanted:
