@@ -23,12 +23,18 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autopar.analysis.fp8_layers import fp8_linears, row_blocks
 from autopar.errors import ArgumentError
+from autopar.ops.fp8 import use_fp8_linears
 from autopar.verify import GRAD_RTOL, LOSS_RTOL, Run, compare
 
 ENV = "AUTOPAR_CHECK"
 # 16-bit compute: both sides round to 8 (bf16) or 11 (fp16) mantissa bits, in other orders
 LOW_PRECISION_RTOL = {"loss": 2e-2, "grad": 1e-1}
+# fp8 against the same recipe on one device: equal arithmetic except where the plan sums
+# bf16 partials (tensor parallel), whose u = 2^-8 differences move fp8 roundings by their
+# spacing (2^-2 in e5m2, the gradients' format): one spacing per parameter (tests/test_fp8.py)
+FP8_RTOL = {"loss": 2e-2, "grad": 2.0 ** -2}
 
 
 class FirstStepMismatch(RuntimeError):
@@ -62,6 +68,11 @@ class FirstStepCheck:
     def __init__(self, pm, reference: nn.Module, loss_fn, precision: str | None):
         self.pm, self.loss_fn, self.precision = pm, loss_fn, precision
         self.reference = reference.to(pm.device)
+        self.blocks = 1
+        if precision == "fp8":         # the same recipe, on the rows each rank scales alone
+            weights = set(fp8_linears(pm._cap).values())
+            use_fp8_linears(self.reference, weights, pm.plan.options.fp8_scaling or "tensorwise")
+            self.blocks = row_blocks(pm.plan)
 
     def __call__(self, inputs: tuple, target, loss: torch.Tensor) -> None:
         """Compare the step that took ``inputs`` and ``target`` (as given to ``train_step``)
@@ -77,25 +88,36 @@ class FirstStepCheck:
         y = target.to(pm.device) if isinstance(target, torch.Tensor) else target
         xs, y = pm.rank_data.global_batch(xs, y)       # per_rank: the slices made whole
         ref = self.reference
-        with self._autocast():
-            out = ref(*xs)
-            ref_loss = (self.loss_fn(out, y) if self.loss_fn is not None
-                        else pytree.tree_leaves(out)[0])     # a model that returns its loss
-        ref_loss.backward()
+        ref_loss = 0.0
+        for bx, by in self._blocks(xs, y):
+            with self._autocast():
+                out = ref(*bx)
+                part = (self.loss_fn(out, by) if self.loss_fn is not None
+                        else pytree.tree_leaves(out)[0]) / self.blocks  # a model that returns its loss
+            part.backward()
+            ref_loss = ref_loss + part.detach()
         ref_grads = {n: p.grad.detach() for n, p in ref.named_parameters() if p.grad is not None}
         grads = pm.full_grads()
         if pm.scaler is not None:                    # fp16: gradients of the scaled loss
             grads = {n: g / pm.scaler.scale for n, g in grads.items()}
         c = compare(Run([float(ref_loss)], [ref_grads], {}), Run([float(loss)], [grads], {}))
-        loss_tol, grad_tol = ((LOW_PRECISION_RTOL["loss"], LOW_PRECISION_RTOL["grad"])
-                              if self.precision else (LOSS_RTOL, GRAD_RTOL))
+        rtol = FP8_RTOL if self.precision == "fp8" else LOW_PRECISION_RTOL
+        loss_tol, grad_tol = (rtol["loss"], rtol["grad"]) if self.precision else (LOSS_RTOL, GRAD_RTOL)
         if c.problems or c.loss_err >= loss_tol or c.grad_err >= grad_tol:
             raise FirstStepMismatch(self._message(c, float(loss), float(ref_loss), grad_tol, loss_tol))
+
+    def _blocks(self, xs: tuple, y):
+        """The batch in :attr:`blocks` row blocks (one, but under fp8: ``row_blocks``)."""
+        if self.blocks == 1:
+            return [(xs, y)]
+        cut = lambda t: (t.chunk(self.blocks, 0) if isinstance(t, torch.Tensor)  # noqa: E731
+                         else [t] * self.blocks)
+        return list(zip(zip(*(cut(x) for x in xs)), cut(y)))
 
     def _autocast(self):
         if not self.precision:
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
         return torch.autocast(self.pm.device.type, dtype=dtype)
 
     def _message(self, c, loss: float, ref_loss: float, grad_tol: float, loss_tol: float) -> str:

@@ -31,7 +31,8 @@ from autopar.update_schemes import (  # noqa: F401  (the values' names, read fro
     workers_schedule,
 )
 
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+Fp8Scaling = Literal["tensorwise", "rowwise"]
 Recompute = Union[bool, Literal["full", "none"], tuple[str, ...]]
 
 OFFLOAD_DEFAULT_ZERO = 2
@@ -100,7 +101,13 @@ class Options(Mapping):
     names (``("h.0", "h.1")``, a unique suffix is enough)."""
     precision: Precision | None = None
     """Mixed precision: costs, memory and ``torch.autocast`` in 16 bits, fp32 master
-    weights; fp16 adds dynamic loss scaling."""
+    weights; fp16 adds dynamic loss scaling. ``"fp8"``: bf16 as above, and the GEMMs of
+    the model's ``nn.Linear`` layers (all but the output head) in float8 with dynamic
+    scaling (``fp8_scaling``; ``autopar.ops.fp8``)."""
+    fp8_scaling: Fp8Scaling | None = None
+    """Under ``precision="fp8"``: torchao's float8 training recipe, ``"tensorwise"`` (the
+    default: one scale per tensor, e4m3 forward, e5m2 gradients) or ``"rowwise"`` (one
+    scale per row along each GEMM's contraction, e4m3 throughout, power-of-2 scales)."""
     grad_reduce: Literal["fp32", "bf16"] | None = None
     """The dtype data-parallel gradients are summed in (all-reduce, ZeRO's reduce-scatter):
     fp32 by default; bf16 halves those bytes (needs ``precision``)."""
@@ -154,6 +161,8 @@ class Options(Mapping):
             del given["offload"]
         if given.get("compile") is False:      # eager is the default: one form for both
             del given["compile"]
+        if given.get("precision") == "fp8":       # the recipe stated in the plan
+            given.setdefault("fp8_scaling", "tensorwise")
         if given.get("stage_split") == "balanced":     # the default: one form for both
             del given["stage_split"]
         if given.get("offload_dir") is not None:      # a path as the plan file stores it
@@ -313,8 +322,11 @@ def _check_values(p: dict) -> None:
             or (isinstance(rec, (list, tuple)) and all(isinstance(r, str) for r in rec))):
         raise PinError(f"recompute={rec!r}: use 'full' (every repeated layer), None, or a "
                        "list of layer names such as ['h.0', 'h.1']")
-    if p.get("precision") not in (None, "fp32", "bf16", "fp16"):
-        raise PinError(f"precision={p['precision']!r}: use 'fp32', 'bf16' or 'fp16'")
+    if p.get("precision") not in (None, "fp32", "bf16", "fp16", "fp8"):
+        raise PinError(f"precision={p['precision']!r}: use 'fp32', 'bf16', 'fp16' or 'fp8'")
+    if p.get("fp8_scaling") not in (None, "tensorwise", "rowwise"):
+        raise PinError(f"fp8_scaling={p['fp8_scaling']!r}: use 'tensorwise' (the default) or "
+                       "'rowwise'")
     if p.get("grad_reduce") not in (None, "fp32", "bf16"):
         raise PinError(f"grad_reduce={p['grad_reduce']!r}: use 'fp32' (the default) or 'bf16'")
     if p.get("zero", 0) not in (0, 1, 2, 3):
@@ -357,8 +369,12 @@ def _check_combinations(p: dict) -> None:
     if p.get("accumulate") is not None and pipe > 1:
         raise PinError("accumulate= is gradient accumulation without a pipeline; a pipeline "
                        "runs its own micro-batches: pin micro_batch_size= with pipeline= instead")
-    if p.get("grad_reduce") == "bf16" and p.get("precision") not in ("bf16", "fp16"):
+    if p.get("grad_reduce") == "bf16" and p.get("precision") not in ("bf16", "fp16", "fp8"):
         raise PinError("grad_reduce='bf16' needs mixed precision: pin precision='bf16' too")
+    if p.get("fp8_scaling") is not None and p.get("precision") != "fp8":
+        raise PinError(f"fp8_scaling={p['fp8_scaling']!r} is how precision='fp8' scales its "
+                       f"GEMMs; precision={p.get('precision')!r} runs none: pin precision='fp8' "
+                       "too, or drop fp8_scaling=")
     if p.get("offload_dir") is not None and p.get("offload") != "disk":
         raise PinError(f"offload_dir={p['offload_dir']!r} is where offload='disk' keeps the "
                        f"optimizer state; offload={p.get('offload')!r} writes no files: pin "

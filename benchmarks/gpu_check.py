@@ -39,6 +39,9 @@ error (message and traceback tail) and lets the next one run, in this order, ski
    16k sequence) under each of torch's backends (FlashAttention-2, cuDNN, memory-efficient)
    and torch's default, as fractions of the dense peak against the cost model's
    ``attention_efficiency`` (which kernel the H100 constant should describe);
+   ``fp8_gemms``: ``precision="fp8"``'s linear (``autopar.ops.fp8``) at Llama-3-8B's
+   projection shapes, tensorwise and rowwise, forward and backward, against
+   ``cost_models.fp8.fp8_linear_time`` and against the bf16 linear (``gpu_check_fp8.py``);
 6. ``moe``: transformers' Mixtral (4 layers, top-2 of 8 experts) trained as in 1., each MoE
    layer one ``autopar::moe_experts`` op running the experts class's own forward here;
 7. ``autopar_compile``: the GPT through ``parallelize(compile=True)`` (Inductor, Triton on a
@@ -892,6 +895,12 @@ def section_attention_backends(ctx: Ctx) -> dict:
     return out
 
 
+def section_fp8_gemms(ctx: Ctx) -> dict:
+    """``precision="fp8"``'s linear timed against its price (``gpu_check_fp8``)."""
+    from gpu_check_fp8 import section_fp8_gemms as run
+    return run(ctx)
+
+
 # ---- sections: a mixture of experts; autopar's compiled programs ------------------------------
 def section_moe(ctx: Ctx) -> dict:
     """transformers' Mixtral (top-2 of 8 experts) trained as the equivalence section trains
@@ -1208,7 +1217,8 @@ def main(argv=None) -> int:
     sections = [("environment", section_environment, 0), ("equivalence", section_equivalence, 30),
                 ("op_timing", section_op_timing, 20), ("plan_shapes", section_plan_shapes, 25),
                 ("memory", section_memory, 0), ("compile", section_compile, 60),
-                ("attention_backends", section_attention_backends, 30), ("moe", section_moe, 30), ("autopar_compile", section_autopar_compile, 60),
+                ("attention_backends", section_attention_backends, 30), ("fp8_gemms", section_fp8_gemms, 20),
+                ("moe", section_moe, 30), ("autopar_compile", section_autopar_compile, 60),
                 ("multi_gpu", section_multi_gpu, 30), ("scale", section_scale, 60)]
     only = {s for s in args.only.split(",") if s}
     for name, fn, need in sections:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16")
+DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,9 @@ class Device:
     """Device memory in bytes."""
     peak_flops: dict[str, float]
     """Dense FLOP/s by compute dtype: "fp32" (vector units), "tf32", "bf16", "fp16"
-    (tensor cores on GPUs). Datasheet peaks for GPUs; measured for the CPU."""
+    (tensor cores on GPUs), "fp8" (e4m3/e5m2 tensor cores: Hopper; absent where the device
+    has none, and ``precision="fp8"`` is refused there). Datasheet peaks for GPUs; measured
+    for the CPU (its fp8: ``torch._scaled_mm``, converted in software)."""
     mem_bandwidth: float
     """Memory bandwidth in bytes/s (datasheet for GPUs; measured copy for the CPU)."""
     max_efficiency: float = 1.0

@@ -80,8 +80,10 @@ H100_80GB = Device(
     name="H100-80GB-SXM",
     memory_bytes=80 * 2**30,
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 494.5, BF16/FP16 989.5
-    # TFLOPS dense (the datasheet's 989 / 1,979 are with sparsity).
-    peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12},
+    # TFLOPS dense (the datasheet's 989 / 1,979 are with sparsity); FP8 1,979 TFLOPS dense
+    # (the datasheet's 3,958 is with sparsity). The A100 datasheet lists no FP8.
+    peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12,
+                "fp8": 1979e12},
     mem_bandwidth=3350 * GB,  # datasheet: HBM3 3.35 TB/s
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S,

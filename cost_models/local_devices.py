@@ -94,7 +94,7 @@ def _timed(fn, device: torch.device, reps: int = 3) -> float:
 
 def measured_device(device: torch.device, name: str, n: int = 2048) -> Device:
     """A :class:`Device` whose peaks are measured on ``device``: an ``n``-cube matmul per
-    dtype (fp32, bf16, fp16) and a copy of ``n * n * 16`` bytes. Memory: what the device
+    dtype (fp32, bf16, fp16; fp8 where ``torch._scaled_mm`` runs) and a copy of ``n * n * 16`` bytes. Memory: what the device
     reports (the host's for a CPU device: only for tests)."""
     flops = {}
     for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
@@ -102,6 +102,14 @@ def measured_device(device: torch.device, name: str, n: int = 2048) -> Device:
         b = torch.randn(n, n, device=device).to(dtype)
         flops[label] = 2 * n ** 3 / _timed(lambda: a @ b, device)
     flops["tf32"] = flops["fp32"]
+    try:        # precision="fp8"'s GEMM (torch._scaled_mm); none before Ada / Hopper
+        one = torch.ones((), device=device)
+        a8 = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b8 = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+        flops["fp8"] = 2 * n ** 3 / _timed(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        pass        # no fp8 rate: precision="fp8" is refused there (cost_models.fp8.check_fp8)
     src = torch.empty(n * n * 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src), device)

@@ -39,7 +39,9 @@ against measured peaks (``benchmarks/cost_model_accuracy.py``), not fitted to th
 from __future__ import annotations
 
 _OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
-_PRECISIONS = ("fp32", "bf16", "fp16")
+_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+"""fp8 keeps the state bf16 does: fp32 master weights, 16-bit working copies (its fp8
+copies are transient casts inside each GEMM, ``autopar.ops.fp8``)."""
 
 
 def training_state_bytes(param_numel: int, optimizer: str = "adamw", precision: str = "fp32",

@@ -18,7 +18,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
 SECTIONS = ("environment", "equivalence", "op_timing", "plan_shapes", "memory", "compile",
-            "attention_backends", "moe", "autopar_compile", "multi_gpu", "scale")
+            "attention_backends", "fp8_gemms", "moe", "autopar_compile", "multi_gpu", "scale")
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +158,16 @@ def test_autopar_compiled_gpt_equals_one_device(dry):
 def test_attention_backends_are_timed(dry):
     rows = dry[0]["sections"]["attention_backends"]["shapes"]
     assert rows and all(r["backends"]["default"]["fwd_s"] > 0 and r["predicted_fwd_s"] > 0 for r in rows)
+
+
+def test_fp8_gemms_are_timed(dry):
+    """``gpu_check_fp8``: each recipe's linear timed and priced (on the CPU: this machine's
+    measured fp8 rate), beside the bf16 linear."""
+    rows = dry[0]["sections"]["fp8_gemms"]["shapes"]
+    assert rows
+    for r in rows:
+        for recipe in ("bf16", "tensorwise", "rowwise"):
+            assert r[recipe]["fwd_s"] > 0 and r[recipe]["predicted_fwd_s"] > 0, (recipe, r[recipe])
 
 
 def test_scale_runs_one_rank_of_each_plan(dry):

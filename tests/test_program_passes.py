@@ -24,6 +24,10 @@ KINDS = {
     "zero3-bf16": ({"data": 2, "zero": 3, "precision": "bf16"},
                    TRAIN + ("low_precision_gathers", "prefetch_gathers") + LAST,
                    ("insert_collectives", "low_precision_gathers", "prefetch_gathers") + LAST),
+    "zero3-fp8": ({"data": 2, "zero": 3, "precision": "fp8"},
+                  TRAIN + ("low_precision_gathers", "fp8_linear_calls", "prefetch_gathers") + LAST,
+                  ("insert_collectives", "low_precision_gathers", "fp8_linear_calls",
+                   "prefetch_gathers") + LAST),
     "recompute": ({"data": 2, "recompute": "full"}, TRAIN + ("checkpoint_layers",) + LAST,
                   ("insert_collectives",) + LAST),
     "zero3-recompute": ({"data": 2, "zero": 3, "recompute": "full"},       # fp32: no 16-bit gathers
@@ -32,7 +36,8 @@ KINDS = {
 """Plan kinds and the passes each program goes through, written out by hand."""
 
 _FUNCTIONS = {"insert_collectives": "insert_collectives", "check_grad_sync": "check_grad_sync",
-              "low_precision_gathers": "low_precision_gathers", "prefetch_gathers": "prefetch_gathers",
+              "low_precision_gathers": "low_precision_gathers", "fp8_linear_calls": "fp8_linear_calls",
+              "prefetch_gathers": "prefetch_gathers",
               "checkpoint_layers": "checkpoint_layers", "keep_branches": "keep_branches",
               "place_on": "place_on", "fast_bindings": "fast_bindings"}
 """Each pass's name -> the function of ``passes/`` it calls (a name in program_passes)."""
@@ -99,7 +104,8 @@ def _text(gm: GraphModule) -> list[str]:
 
 
 @pytest.mark.parametrize("pins", [{"data": 2, "zero": 3, "precision": "bf16"},
-                                  {"data": 2, "recompute": "full"}], ids=["zero3-bf16", "recompute"])
+                                  {"data": 2, "zero": 3, "precision": "fp8"},
+                                  {"data": 2, "recompute": "full"}], ids=["zero3-bf16", "zero3-fp8", "recompute"])
 def test_no_pass_changes_its_input(captured, pins):
     """Each pass, given the program the passes before it made, leaves that program's code
     as it was and returns one that reads the same parameter tensors. The rank's device is
@@ -123,6 +129,8 @@ def test_no_pass_changes_its_input(captured, pins):
         rw = out
     expected = {"place_on", "fast_bindings"} | ({"low_precision_gathers", "prefetch_gathers"}
                                                 if pins.get("zero") else {"checkpoint_layers"})
+    if pins.get("precision") == "fp8":
+        expected.add("fp8_linear_calls")
     assert set(changed) == expected, changed       # each pass that ran did rewrite
 
 

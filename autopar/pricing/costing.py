@@ -19,6 +19,7 @@ from typing import Any
 from torch.utils._pytree import tree_map
 
 from autopar.cost_models import compute as compute_model
+from autopar.cost_models.fp8 import check_fp8
 from autopar.cost_models.offload import disk_seconds, exposed_share, offload_seconds
 from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Replicate
@@ -29,6 +30,7 @@ from autopar.pricing.comm_costs import (AVERAGING_COPIES, COPY_OUT, INF, Collect
                                         CommCosts, _local, price_steps)
 from autopar.pricing.context import context_attention_time, context_axis_of
 from autopar.pricing.experts import experts_time
+from autopar.pricing.fp8 import fp8_time
 from autopar.pricing.memory_costs import MemoryCosts
 from autopar.pricing.problem import NodeVar
 
@@ -106,6 +108,8 @@ class CostModel(CommCosts, MemoryCosts):
     offload_exposed: float = 1.0
     """Under ``offload``: the share of the copies not hidden (``offload.exposed_share`` of the
     problem's parameters, set by :meth:`offload_share` when a problem is priced)."""
+    fp8_nodes: frozenset = frozenset()
+    """Under :attr:`fp8`: the ops that run in fp8 (``Problem.fp8``, set when a problem is priced)."""
     fused_reads: dict = field(default_factory=dict)
     """Under :attr:`compiled`: op -> indices of the inputs it reads inside a fused kernel
     (``pricing.prices.fused_reads``, set when a problem is priced)."""
@@ -113,8 +117,16 @@ class CostModel(CommCosts, MemoryCosts):
     # ---- what the options say (read once per model: hot loops read them) -------------
     @cached_property
     def dtype_key(self) -> str:
-        """"fp32", or "bf16" / "fp16" for mixed precision (pin ``precision``)."""
-        return self.options.precision or "fp32"
+        """"fp32", or "bf16" / "fp16" for mixed precision (pin ``precision``); "bf16" under
+        ``precision="fp8"`` (its ops but the fp8 linears, :attr:`fp8_nodes`)."""
+        p = self.options.precision or "fp32"
+        return "bf16" if p == "fp8" else p
+
+    @cached_property
+    def fp8(self) -> bool:
+        """``precision="fp8"``: the problem's fp8 linears (:attr:`fp8_nodes`) priced by
+        ``autopar.pricing.fp8``; refused on a device without fp8 tensor cores."""
+        return self.options.precision == "fp8"
 
     @cached_property
     def zero(self) -> int:
@@ -234,7 +246,10 @@ class CostModel(CommCosts, MemoryCosts):
         self._sync_cache = _shared((*base, self.zero, self.data_axis, self.compress, self.local_sgd,
                                     self.averaging, self.averaging_period,
                                     self.cluster.device))
+        if self.fp8:
+            check_fp8(self.cluster.device)
         self._time_cache = _shared(("time", self.mesh_shape, self.cluster.device, self.dtype_key,
+                                    self.fp8, self.options.fp8_scaling,
                                     self.native, self.compiled, tuple(self.links),
                                     self.context_form, self.context_balanced)) \
             if self.profiler is None else {}
@@ -295,6 +310,8 @@ class CostModel(CommCosts, MemoryCosts):
             return context_attention_time(v.call, combo, axis, self, self.context_form)
         ins = [_local(m, input_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.inputs)]
         outs = [_local(m, output_placements(combo, k), self.mesh_shape) for k, m in enumerate(v.call.outputs)]
+        if self.fp8 and v.name in self.fp8_nodes:
+            return fp8_time(self, v, combo, ins, outs)
         if self.profiler is not None and not self.mixed:
             # the call each rank runs: local shape constants, local tensors in place
             op, args, kwargs = localize(v.call, combo, self.mesh_shape)

@@ -136,6 +136,8 @@ class PriceTable:
         k_opt = problem.optimizer_states
         if cost.offload:       # ZeRO-Offload: the copies' share not hidden (cost_models.offload)
             cost.offload_exposed = cost.offload_share(problem)
+        if cost.fp8:           # the ops precision="fp8" runs in fp8 (autopar.pricing.fp8)
+            cost.fp8_nodes = problem.fp8
         if cost.compiled:      # Inductor's fused memory-bound ops (cost_models.compute)
             cost.fused_reads = fused_reads(problem)
         self.options = {name: [OptionPrice(*cost.base_time(v, c, k_opt), cost.base_memory(v, c, k_opt))

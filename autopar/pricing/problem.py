@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from autopar.analysis.fp8_layers import fp8_linears
 from autopar.analysis.saved import Kept, merge, saved_activations
 from autopar.capture import Captured, layer_of
 from autopar.capture.experts import expert_stacks
@@ -98,6 +99,7 @@ class Problem:
     sink: tuple[str, int] | None    # the loss (must end replicated)
     param_names: dict[str, list[str]]
     optimizer_states: int           # optimizer tensors per parameter (AdamW: 2)
+    fp8: frozenset = frozenset()    # the ops precision="fp8" runs in fp8 (analysis.fp8_layers)
 
 
 def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Combo]:
@@ -143,8 +145,9 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], roles: MeshRoles = N
     for v in vars.values():
         if v.kind == "op":
             v.kept = walk.kept[v.name]
+    fp8 = frozenset(index.repetition.get(n, n) for n in fp8_linears(cap))
     return Problem(mesh_shape, vars, list(walk.edges), index.repetition, walk.sink, dict(cap.params),
-                   optimizer_states)
+                   optimizer_states, fp8)
 
 
 @dataclass

@@ -9,6 +9,8 @@
   softmax and losses as autocast's fp32 lists say. Collectives between ops then carry the
   16-bit activations where ops produce them. Backward runs outside autocast (as torch
   recommends); the cast ops' backward returns fp32 gradients to the fp32 parameters.
+- ``precision="fp8"``: as bf16, and the model's linear layers (not the head) run their
+  GEMMs in float8 (``autopar.ops.fp8``, ``passes/fp8_linears.py``, recipe ``fp8_scaling``).
 - Gradient reduction (the data-parallel all-reduce of ``GradSync`` and ZeRO's
   reduce-scatter) is fp32 unless the pin ``grad_reduce="bf16"`` asks for bf16.
 - ZeRO-3 gathers weights in the compute dtype: the fp32 shard is cast before the all-gather
@@ -32,7 +34,8 @@ from torch import nn
 
 from autopar.options import Options
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""The autocast dtype of each precision; fp8's is bf16, around its fp8 linears (``ops.fp8``)."""
 
 
 def compute_dtype(options: Options) -> torch.dtype | None:

@@ -24,15 +24,18 @@ The order, and why:
    (``passes.check_grad_sync``), or an internal error before anything runs.
 3. ``low_precision_gathers``: under ZeRO-3 and 16-bit precision, weights that only feed
    16-bit ops are gathered in 16 bits (``passes.autocast``).
-4. ``prefetch_gathers``: ZeRO-3's gathers bucketed by block and started one block early
+   Under ``precision="fp8"`` too (its non-fp8 part is bf16).
+4. ``fp8_linear_calls``: under ``precision="fp8"``, the plan's fp8 linears call
+   ``ops.fp8.fp8_linear`` with the axes their amaxes are reduced over (``passes.fp8_linears``).
+5. ``prefetch_gathers``: ZeRO-3's gathers bucketed by block and started one block early
    (``passes.prefetch``); not under a pipeline (its stages are cut later), recomputation
    (a recomputed layer gathers its own again) or ``compile`` (Inductor places them).
-5. ``checkpoint_layers``: the plan's recomputed layers run under ``torch.utils.checkpoint``
+6. ``checkpoint_layers``: the plan's recomputed layers run under ``torch.utils.checkpoint``
    (``passes.recompute``), in the ``train`` program of an unpipelined plan (a pipeline
    checkpoints each stage's share after cutting it, ``runtime.pipeline_runner``).
-6. ``keep_branches``: branch parallelism keeps this rank's branches (``passes.branch_parallel``).
-7. ``place_on``: tensors the program creates go on the rank's device (``passes.place_on_device``).
-8. ``fast_bindings``: last, ops called through torch's Python bindings (``passes.fast_bindings``);
+7. ``keep_branches``: branch parallelism keeps this rank's branches (``passes.branch_parallel``).
+8. ``place_on``: tensors the program creates go on the rank's device (``passes.place_on_device``).
+9. ``fast_bindings``: last, ops called through torch's Python bindings (``passes.fast_bindings``);
    not under ``compile`` (Inductor traces the overloads).
 
 A new pass is a row here (its condition included) and a file in ``passes/``.
@@ -53,6 +56,7 @@ from autopar.passes.branch_parallel import keep_branches
 from autopar.passes.check_grad_sync import check_grad_sync
 from autopar.passes.copy_program import copy_program
 from autopar.passes.fast_bindings import fast_bindings
+from autopar.passes.fp8_linears import fp8_linear_calls
 from autopar.passes.insert_collectives import Rewritten, insert_collectives
 from autopar.passes.place_on_device import place_on
 from autopar.passes.prefetch import prefetch_gathers
@@ -149,6 +153,8 @@ PASSES: tuple[ProgramPass, ...] = (
     ProgramPass("check_grad_sync", lambda p: p.stepped, _check_grad_sync, builds=False),
     in_place("low_precision_gathers", lambda p: _zero3(p) and compute_dtype(p.options) is not None,
              lambda gm, p: low_precision_gathers(gm, compute_dtype(p.options))),
+    in_place("fp8_linear_calls", lambda p: p.options.precision == "fp8",
+             lambda gm, p: fp8_linear_calls(gm, p.cap, p.plan)),
     in_place("prefetch_gathers", lambda p: _zero3(p) and not p.pipelined and not p.plan.recompute
              and not p.options.compile, lambda gm, p: prefetch_gathers(gm)),
     ProgramPass("checkpoint_layers", lambda p: p.which == "train" and bool(p.plan.recompute)

@@ -271,7 +271,7 @@ def _zero_stages(world: int, pins: Options, mesh_shape, cl, binds: bool) -> tupl
 
 def wide_grads(pins: Options) -> bool:
     """Mixed precision whose gradients are reduced in fp32 (the ``grad_reduce`` default)."""
-    return pins.precision in ("bf16", "fp16") and pins.grad_reduce != "bf16"
+    return pins.precision in ("bf16", "fp16", "fp8") and pins.grad_reduce != "bf16"
 
 
 def _explained(e: InfeasibleError) -> InfeasibleError:

@@ -416,7 +416,7 @@ def state_bytes(cap: Captured, optimizer: str, precision: str | None) -> float:
 def state_per_param(optimizer: str, precision: str | None) -> float:
     """:func:`state_bytes`' bytes per parameter element."""
     k = OPTIMIZER_STATES.get(optimizer, 2)
-    return 2 + 4 + 4 * (1 + k) if precision in ("bf16", "fp16") else 4 * (2 + k)
+    return 2 + 4 + 4 * (1 + k) if precision in ("bf16", "fp16", "fp8") else 4 * (2 + k)
 
 
 def local_bytes(cap: Captured, intra: Plan, node, memo: dict | None = None) -> float:

@@ -66,8 +66,8 @@ from autopar.solver.stage_dp import StagePins, _candidates, plan_stages, simulat
 from autopar.solver.stage_tables import rank_times
 
 DEFAULT_SCHEDULE = "1f1b"
-INTRA_PINS = (*STAGE_AXES, "expert_dispatch", "expert_imbalance", "zero", "precision", "recompute",
-              "grad_reduce", "context_attention")
+INTRA_PINS = (*STAGE_AXES, "expert_dispatch", "expert_imbalance", "zero", "precision", "fp8_scaling",
+              "recompute", "grad_reduce", "context_attention")
 
 
 def micro_batches(batch: int, p: int, v: int, micro_batch_size: int | None) -> int:

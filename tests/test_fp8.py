@@ -1,0 +1,298 @@
+"""``precision="fp8"``: torchao's float8 training recipes (``autopar.ops.fp8``), the plan's fp8
+linears (``passes/fp8_linears.py``), their price (``cost_models/fp8.py``, ``pricing/fp8.py``).
+
+The format: e4m3 keeps 3 mantissa bits, so neighbouring values differ by q = 2^-3 of their
+size (rounding error up to q/2 = 2^-4); e5m2 (tensorwise gradients) 2 bits, q = 2^-2.
+bf16's unit roundoff is u = 2^-8.
+
+In process: one fp8 linear bit-equal to torchao 0.14's ``Float8Linear`` under either recipe,
+and against the fp32 one (its error is fp8's, not bf16's); the
+amax reductions of a tensor-sharded linear on thread ranks: every output the shards compute
+without a partial sum is bit-equal to the unsharded fp8 linear's (column-parallel forward
+and weight gradient, row-parallel input and weight gradients), under both recipes.
+
+Distributed (``tests/fp8_worker.py``, ONE torchrun launch of 2 gloo ranks): the small GPT,
+3 AdamW steps, under data=2, tensor=2, data=2 x ZeRO-3 and pipeline=2 (1F1B, 4 micro-batches),
+tensorwise and rowwise, against the same recipe on one device applied per rank's rows
+(``fp8_worker.reference``). Tolerances:
+
+- data, ZeRO-3, pipeline: the same fp8 values are computed (the scales are those of the same
+  rows, the weights whole); what differs is the order of fp32 sums (gradient reduction,
+  micro-batch accumulation): fp32's unit roundoff is 2^-24 = 6e-8. Loss and gradients
+  <= EXACT_TOL = 1e-6 (measured <= 3.1e-8), weights (relative to the update) <=
+  EXACT_WEIGHT_TOL = 1e-4 (measured <= 3.0e-6: AdamW divides by sqrt(v) + eps, which
+  magnifies tiny gradients' differences). One fp8 element rounded differently moves it by
+  q = 12.5% and the gradient norm by ~1e-4 or more: these bounds mean equal fp8 arithmetic.
+- tensor=2: the row-parallel partial sums are rounded to bf16 and summed in bf16 (as
+  Megatron; ``tests/test_precision.py``), so a GEMM's input differs from one device's by up
+  to u relative. An element perturbed by u crosses an fp8 rounding boundary with probability
+  u / q and then moves by q: per element an RMS change of sqrt(u q) = 2^-5.5 (e4m3) or
+  2^-5 (e5m2). Gradients (first step) <= TP_GRAD_TOL = 2^-5 (measured 0.0167 tensorwise,
+  0.0112 rowwise). Loss of every step <= TP_LOSS_TOL = u (a mean over every token; measured
+  1.6e-3 after two updates). Weights: AdamW's first steps move each weight by about lr *
+  sign(g), so the ~2% gradient changes flip the signs of the small gradients; no tighter
+  bound than "nearer the fp8 reference than the bf16 run" (measured 0.157 vs 0.234).
+- "really fp8", every case: the gradients are farther from the plain bf16 run than the
+  tolerance allows by a wide margin: e4m3 rounding's RMS error is q / sqrt(12) = 3.6% per
+  element; measured 2.4-3.2% on the gradients, against BF16_FLOOR = 0.01.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import autopar
+from autopar.analysis.fp8_layers import fp8_linears
+from autopar.capture import capture
+from autopar.errors import PinError
+from autopar.ops.comm import ThreadWorld
+from autopar.ops.fp8 import fp8_linear
+from autopar.options import Options
+from autopar.placement import P as P_
+from launch import case_result, torchrun_cases
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+Q_E4M3, Q_E5M2, U_BF16 = 2.0 ** -3, 2.0 ** -2, 2.0 ** -8
+EXACT_TOL, EXACT_WEIGHT_TOL = 1e-6, 1e-4
+TP_GRAD_TOL, TP_LOSS_TOL = math.sqrt(U_BF16 * Q_E5M2), U_BF16
+BF16_FLOOR = 0.01
+PP = {"pipeline": 2, "micro_batch_size": 2, "schedule": "1f1b"}
+PLANS = {"data2": ({"data": 2}, 2), "tensor2": ({"tensor": 2}, 1),
+         "zero3": ({"data": 2, "zero": 3}, 2), "pp2": (PP, 4)}
+"""Pins, and the row blocks a step of each splits the batch into (ranks' rows, micro-batches)."""
+CASES = [{"id": f"{s}-{k}", "pins": pins, "slices": slices, "scaling": s}
+         for s in ("tensorwise", "rowwise") for k, (pins, slices) in PLANS.items()]
+GPT_FP8 = sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
+                 for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+
+
+# ---- the pins --------------------------------------------------------------------------------
+def test_fp8_pins():
+    assert Options.from_pins(precision="fp8").fp8_scaling == "tensorwise"
+    assert Options.from_pins(precision="fp8", fp8_scaling="rowwise").fp8_scaling == "rowwise"
+    with pytest.raises(PinError, match="fp8_scaling='blockwise'"):
+        Options.from_pins(precision="fp8", fp8_scaling="blockwise")
+    with pytest.raises(PinError, match="pin precision='fp8' too"):
+        Options.from_pins(precision="bf16", fp8_scaling="rowwise")
+    Options.from_pins(precision="fp8", grad_reduce="bf16")       # mixed precision's pin
+
+
+# ---- one fp8 linear --------------------------------------------------------------------------
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_linear_error_is_fp8s(scaling):
+    """Against the fp32 linear: the output's relative error is below two e4m3 roundings
+    (2 x q/2 = q) and above bf16's unit roundoff (so it was quantized to 3 bits); the
+    gradients, through an e5m2 or e4m3 dy too, below q_e5m2 = 2^-2 and above u."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    b = torch.randn(48, requires_grad=True)
+    y = fp8_linear(x, w, b, scaling)
+    gy = torch.randn(y.shape)
+    y.backward(gy)
+    got = (y.detach().float(), x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = b.grad = None
+    ref = torch.nn.functional.linear(x, w, b)
+    ref.backward(gy)
+    assert y.dtype == torch.bfloat16 and got[1].dtype == got[2].dtype == torch.float32
+    rel = [float((g - r).norm() / r.norm()) for g, r in zip(got, (ref.detach(), x.grad, w.grad))]
+    assert U_BF16 < rel[0] < Q_E4M3, rel
+    assert all(U_BF16 < e < Q_E5M2 for e in rel[1:]), rel
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_linear_is_torchaos_recipe(scaling):
+    """Bit-equal to torchao's ``Float8Linear`` (``convert_to_float8_training`` with
+    ``Float8LinearConfig.from_recipe_name``) on a bf16 layer: output, dx, dW, db."""
+    pytest.importorskip("torchao", reason="pip install -e '.[dev]' installs torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    for seed in range(3):
+        torch.manual_seed(seed)
+        lin = torch.nn.Linear(64, 48).bfloat16()
+        x0 = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+        gy = torch.randn(2, 16, 48, dtype=torch.bfloat16)
+        theirs = convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(lin)),
+                                            config=Float8LinearConfig.from_recipe_name(scaling))[0]
+        mine = copy.deepcopy(lin)
+        got = []
+        for run in (lambda x: theirs(x), lambda x: fp8_linear(x, mine.weight, mine.bias, scaling)):
+            x = x0.clone().requires_grad_()
+            y = run(x)
+            y.backward(gy)
+            got.append([y.detach(), x.grad])
+        got[0] += [theirs.weight.grad, theirs.bias.grad]
+        got[1] += [mine.weight.grad, mine.bias.grad]
+        assert all(torch.equal(a, b) for a, b in zip(*got)), seed
+
+
+def _sharded_linear(scaling: str, kind: str):
+    """fp8_linear of a tensor=2 shard on thread ranks, and on one device: (per rank: out, gx,
+    gw), (out, gx, gw)."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 8, 64)
+    w = torch.randn(32, 64)
+    gy = torch.randn(2, 8, 32)
+
+    def one(xx, ww, gg, **shards):
+        xx, ww = xx.clone().requires_grad_(), ww.clone().requires_grad_()
+        y = fp8_linear(xx, ww, None, scaling, **shards)
+        y.backward(gg)
+        return y.detach(), xx.grad, ww.grad
+
+    def body(comm):
+        r = comm.coord[0]
+        if kind == "column":       # W rows sharded: out and dy sharded on N
+            return one(x, w.chunk(2, 0)[r], gy.chunk(2, -1)[r].contiguous(),
+                       w_shards=((0, 0),), out_shards=((0, 2),))
+        return one(x.chunk(2, -1)[r].contiguous(), w.chunk(2, 1)[r].contiguous(), gy,   # row
+                   x_shards=((0, 2),), w_shards=((0, 1),))
+    return ThreadWorld((2,)).run(body), one(x, w, gy)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_column_parallel_equals_one_device(scaling):
+    ranks, (y, gx, gw) = _sharded_linear(scaling, "column")
+    assert torch.equal(torch.cat([r[0] for r in ranks], -1), y)
+    assert torch.equal(torch.cat([r[2] for r in ranks], 0), gw)
+    # dx is a partial sum over the ranks (bf16 GEMM outputs summed): up to u apart
+    err = float((ranks[0][1] + ranks[1][1] - gx).norm() / gx.norm())
+    assert err <= U_BF16, err
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_row_parallel_equals_one_device(scaling):
+    ranks, (y, gx, gw) = _sharded_linear(scaling, "row")
+    assert torch.equal(torch.cat([r[1] for r in ranks], -1), gx)
+    assert torch.equal(torch.cat([r[2] for r in ranks], 1), gw)
+    err = float(((ranks[0][0].float() + ranks[1][0].float()) - y.float()).norm() / y.float().norm())
+    assert err <= U_BF16, err
+
+
+def test_unreduced_shards_differ():
+    """The check above can fail: without the amax reduction, each shard scales by its own
+    amax and the outputs are not the one-device ones."""
+    torch.manual_seed(1)
+    x, w = torch.randn(2, 8, 64), torch.randn(32, 64)
+    w = torch.cat([w[:16] * 3, w[16:]])       # shards of different ranges
+    whole = fp8_linear(x, w, None, "tensorwise")
+    parts = torch.cat([fp8_linear(x, s.contiguous(), None, "tensorwise") for s in w.chunk(2, 0)], -1)
+    assert not torch.equal(parts, whole)
+
+
+# ---- which linears ---------------------------------------------------------------------------
+def test_fp8_linears_skip_heads():
+    from examples.models import EXAMPLES
+    ex = EXAMPLES["gpt"]()          # tied lm_head: the embedding reads its weight too
+    assert sorted(fp8_linears(capture(ex.model, ex.inputs, ex.loss_fn, target=ex.target)).values()) == GPT_FP8
+    ex = EXAMPLES["llama"]()        # untied output head: the last linear
+    chosen = set(fp8_linears(capture(ex.model, ex.inputs, ex.loss_fn, target=ex.target)).values())
+    assert "output.weight" not in chosen and any(".w2." in c for c in chosen) and len(chosen) > 4
+
+
+# ---- priced ----------------------------------------------------------------------------------
+def _gpt_13b():
+    from examples.models import EXAMPLES
+    with torch.device("meta"):
+        return EXAMPLES["gpt"](batch=16, config="gpt-1.3b")
+
+
+def test_fp8_priced_faster_on_h100():
+    """gpt-1.3b (h = 2048, s = 2048, V = 50257, L = 24) on 8 H100s, data=8: the fp8 linears'
+    share of the model's matmul FLOPs is phi = 24h^2 / (24h^2 + 4sh + 2hV/L) = 0.80 (per token
+    and layer: the four linears 24h^2, attention's two products 4sh, the head's share). At
+    most they run twice as fast (fp8 peak 1,979 / bf16 989.5 TFLOP/s), so the step is at
+    most 1 / (1 - phi/2) = 1.66x faster; the casts cost memory-bound time: faster at all
+    (ratio > 1) is what a GEMM-bound model must show."""
+    ex = _gpt_13b()
+    h, s, v, layers = 2048, 2048, 50257, 24
+    phi = 24 * h * h / (24 * h * h + 4 * s * h + 2 * h * v / layers)
+    t = {}
+    for prec in ("bf16", "fp8"):
+        p = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x8xH100",
+                         precision=prec, data=8, pipeline=1)
+        t[prec] = p.estimate.step_time_s
+    ratio = t["bf16"] / t["fp8"]
+    assert 1.0 < ratio <= 1 / (1 - phi / 2), (t, ratio, phi)
+
+
+def test_amax_reductions_follow_the_shards():
+    """The price's amax all-gathers are the runtime's (``ops.fp8``): tensorwise, a
+    column-parallel linear reduces W's amax (forward and backward) and dy's, a row-parallel one
+    x's and W's (forward), W's again in backward (it is cast again there); rowwise, per row: W's output rows are whole in a column shard,
+    so only its per-column amax over N (backward) and dy's per-token amax cross the shards."""
+    from autopar.cost_models.devices import Link
+    from autopar.placement import R, Shard
+    from autopar.pricing.fp8 import amax_gathers
+    from autopar.sharding.registry import Strategy, TensorMeta
+    link = Link(bandwidth=1e11, latency=1e-5)
+    x, w, y = (TensorMeta(s, torch.float32) for s in ((4, 8, 64), (16, 64), (4, 8, 16)))
+    column = (Strategy((R, Shard(0)), (Shard(2),)),)
+    row = (Strategy((Shard(2), Shard(1)), (P_,)),)
+    kinds = lambda g: sorted((when, n) for when, n, _, _ in g)  # noqa: E731
+    assert kinds(amax_gathers(column, [x, w], [y], (2,), [link], False)) == [("bwd", 1), ("bwd", 1), ("fwd", 1)]
+    assert kinds(amax_gathers(row, [x, w], [y], (2,), [link], False)) == [("bwd", 1), ("fwd", 1), ("fwd", 1)]
+    assert kinds(amax_gathers(column, [x, w], [y], (2,), [link], True)) == [("bwd", 32), ("bwd", 64)]
+    assert kinds(amax_gathers(row, [x, w], [y], (2,), [link], True)) == [("fwd", 16), ("fwd", 32)]
+    replicated = (Strategy((Shard(0), R), (Shard(0),)),)     # data parallel: rows per rank
+    assert amax_gathers(replicated, [x, w], [y], (2,), [link], False) == ()
+
+
+def test_fp8_price_terms():
+    """One fp8 linear on an H100: its GEMMs at the fp8 peak beat bf16's at a large shape;
+    rowwise casts more than tensorwise (backward); an amax gather adds its collective."""
+    from autopar.cost_models import compute
+    from autopar.cost_models.devices import Link
+    from autopar.cost_models.fp8 import CAST_BYTES_PER_ELEMENT, cast_time, fp8_linear_time
+    from autopar.cost_models.gpus import H100_80GB
+    from autopar.sharding.registry import TensorMeta
+    lin = torch.ops.aten.linear.default
+    ins = [TensorMeta((8192, 4096), torch.bfloat16), TensorMeta((4096, 4096), torch.bfloat16)]
+    outs = [TensorMeta((8192, 4096), torch.bfloat16)]
+    bf = compute.node_time(lin, ins, outs, (), {}, H100_80GB, "bf16", native=True)
+    tw = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, False)
+    rw = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, True)
+    assert sum(tw) < sum(bf) and rw[0] == tw[0] and rw[1] > tw[1]
+    n = 8192 * 4096
+    assert cast_time(n, H100_80GB) >= CAST_BYTES_PER_ELEMENT * n / H100_80GB.mem_bandwidth
+    link = Link(bandwidth=1e11, latency=1e-5)
+    with_gather = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, False, (("fwd", 1, 2, link),))
+    assert with_gather[0] > tw[0] and with_gather[1] == tw[1]
+
+
+def test_fp8_refused_on_a100():
+    ex = _gpt_13b()
+    with pytest.raises(PinError, match="precision='fp8' on A100-80GB-SXM.*pin precision='bf16'"):
+        autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x8xA100",
+                     precision="fp8", data=8, pipeline=1)
+
+
+# ---- on gloo ranks ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fp8")
+    return torchrun_cases("fp8_worker.py", 2, CASES, tmp / "fp8.json", timeout=900, case_timeout=200)
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
+def test_fp8_equals_one_device_recipe(results, case_id):
+    r = case_result(results, case_id)
+    assert r["plan_pins"]["precision"] == "fp8" and r["plan_pins"]["fp8_scaling"] in case_id
+    assert r["fp8_weights"] == GPT_FP8
+    assert r["row_blocks"] == PLANS[case_id.split("-", 1)[1]][1]    # analysis.fp8_layers.row_blocks
+    # each rank's programs call fp8_linear: every layer's 4, a pipeline rank its stage's
+    assert r["fp8_calls"] == (4 if "pp2" in case_id else 8), r
+    assert r["bf16_grad_dist"] > BF16_FLOOR, r
+    if "tensor2" in case_id:
+        assert r["grad_err"] <= TP_GRAD_TOL and r["grad_err"] < r["bf16_grad_dist"], r
+        assert r["loss_err"] <= TP_LOSS_TOL, r
+        assert r["weight_err"] < r["bf16_weight_dist"], r
+    else:
+        assert r["loss_err"] <= EXACT_TOL and r["grad_err"] <= EXACT_TOL, r
+        assert r["weight_err"] <= EXACT_WEIGHT_TOL, r
