@@ -36,6 +36,7 @@ from autopar.cost_models.hardware import parse_cluster
 from autopar.ops.comm import ThreadWorld
 from autopar.report import expert_choice, fmt_bytes, fmt_time
 from autopar.runtime.parallel_module import ParallelModule
+from autopar.runtime.static_verify import first_error, static_verify
 from autopar.runtime.timing import TimingReport
 from autopar.pricing.costing import INF
 from autopar.solver import progress
@@ -45,6 +46,7 @@ from autopar.verify import GRAD_RTOL, LOSS_RTOL, STEPS, WEIGHT_RTOL
 from autopar.viz.diff import diff as plan_diff
 from autopar.viz.explain import explain as explain_node
 from autopar.viz.summary import _table, fold_names, print_summary
+from cost_models.local_devices import local_cluster
 
 
 INTERNAL_ERROR = 3
@@ -428,8 +430,6 @@ def _verify_static(factory, args, nproc, plan_file, pins, meta: bool):
     """``verify --static``: the plan (the file's, or solved for ``nproc`` ranks of this
     machine as ``autopar.parallelize`` would) and ``runtime.static_verify`` on every rank; one
     line per rank and program; exit 1 on any failure."""
-    from autopar.runtime.static_verify import first_error, static_verify
-    from cost_models.local_devices import local_cluster
     load_factory(factory)
     if plan_file and pins:
         raise UserError("pass --plan or --pin, not both (the pins are in the plan)")

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
@@ -171,7 +172,6 @@ class _Checker:
         self.ph_of = {attr: ph for ph, attr in ctx.attr_of.items()}
         self.by_name = {n.name: n for n in gm.graph.nodes}
         self.env: dict[Node, object] = {}
-        from torch._subclasses.fake_tensor import FakeTensorMode
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     # --- errors -------------------------------------------------------------------------
