@@ -263,7 +263,8 @@ class _FreeSearch:
         spec = self.spec
         if spec.verbose:
             print(f"searching pipelines ({against})")
-        got = self._timed("pipeline search", lambda: search_pipelines(spec, self.cap, search))
+        got = self._timed("pipeline search", lambda: search_pipelines(spec, self.cap, search,
+                                                                      report=self._progress))
         self.searched = True
         self.offer(Planned(*got) if got is not None else None)
 

@@ -82,15 +82,17 @@ def degree_search(spec: SearchSpec, cap: Captured) -> "_DegreeSearch":
     return _DegreeSearch(spec, cap, pipeline_degrees(cap, spec.cluster, spec.world))
 
 
-def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | None" = None
-                     ) -> tuple[Plan, Captured] | None:
+def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | None" = None,
+                     report=None) -> tuple[Plan, Captured] | None:
     """The best pipeline plan of ``spec`` over ``pipeline_degrees`` and the graph captured at
     its micro-batch (None when none fits). ``cap`` is the full-batch graph: each degree's
     intra-stage plans are made on it (data x tensor meshes, memory left to the pipeline
     model), priced per sample, with and without every layer recomputed; only the winner is
     captured at its micro-batch and planned for real. ``search``: ``degree_search``'s, made
-    ahead. (The free search runs it without a ``mesh_shape`` or a profiler:
-    ``free_search.may_pipeline``; neither is read here.)"""
+    ahead; ``report(name, seconds)``: told as each degree's search ends (the free search's
+    progress line: a long search says which degree it is at). (The free search runs it
+    without a ``mesh_shape`` or a profiler: ``free_search.may_pipeline``; neither is read
+    here.)"""
     model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
     cl, world, pins, verbose = spec.cluster, spec.world, as_options(spec.options), spec.verbose
     spec = replace(spec, options=pins, mesh_shape=None, profiler=None)
@@ -104,6 +106,8 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
             msg = (f"m={best[2].micro_batches} {best[2].schedule} v={best[2].virtual_stages}, "
                    f"{best[3]}, predicted {best[0]:.4g} s") if best else "nothing fits"
             print(f"pipeline search p={p}: {msg} ({time.perf_counter() - t0:.1f}s)")
+        if report is not None:
+            report(f"pipeline search p={p}", time.perf_counter() - t0)
         if best is not None:
             found.append(best)
     # planned for real in predicted order; a plan whose real step exceeds the next
