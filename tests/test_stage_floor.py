@@ -129,3 +129,21 @@ def test_compute_floor_prices_no_edge():
     pt = price_table(problem, cost)
     assert floor > 0 and pt._follow is None and not pt._pairs
     assert pt.follow and pt._pairs            # built when asked
+
+
+def test_each_pipeline_degree_reaches_the_reporter(monkeypatch):
+    """The pipeline search tells the open reporter each degree it begins and ends (a long
+    first stage says where it is), inside the stage "pipeline search"."""
+    from autopar.solver import progress
+    ex, cap = _tight()
+    seen = []
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "0")
+    with progress.reporting(lambda *a: seen.append(a)):
+        solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x8xA100", captured=cap,
+              pins={"accumulate": 1}, memory_budget=6 * 2**20, time_limit_s=30.0)
+    began = [s for s, sec, _ in seen if sec is None]
+    ended = [s for s, sec, _ in seen if sec is not None]
+    degrees = [s for s in began if s.startswith("pipeline search p=")]
+    assert degrees == [f"pipeline search p={p}" for p in (2, 4, 8)]
+    assert degrees == [s for s in ended if s.startswith("pipeline search p=")]
+    assert began.index("pipeline search") < began.index(degrees[0])

@@ -89,8 +89,9 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
     intra-stage plans are made on it (data x tensor meshes, memory left to the pipeline
     model), priced per sample, with and without every layer recomputed; only the winner is
     captured at its micro-batch and planned for real. ``search``: ``degree_search``'s, made
-    ahead; ``report(name, seconds)``: told as each degree's search ends (the free search's
-    progress line: a long search says which degree it is at). (The free search runs it
+    ahead; ``report(name, seconds)``: told as each degree's search begins (``seconds``
+    None) and ends (the free search's progress line: a long search says which degree it is
+    at). (The free search runs it
     without a ``mesh_shape`` or a profiler: ``free_search.may_pipeline``; neither is read
     here.)"""
     model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
@@ -101,6 +102,8 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
     found = []
     for p in pipeline_degrees(cap, cl, world):
         t0 = time.perf_counter()
+        if report is not None:
+            report(f"pipeline search p={p}", None)
         best = search.best(p)
         if verbose:
             msg = (f"m={best[2].micro_batches} {best[2].schedule} v={best[2].virtual_stages}, "
