@@ -91,9 +91,8 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
     captured at its micro-batch and planned for real. ``search``: ``degree_search``'s, made
     ahead; ``report(name, seconds)``: told as each degree's search begins (``seconds``
     None) and ends (the free search's progress line: a long search says which degree it is
-    at). (The free search runs it
-    without a ``mesh_shape`` or a profiler: ``free_search.may_pipeline``; neither is read
-    here.)"""
+    at). (The free search runs it without a ``mesh_shape`` or a profiler:
+    ``free_search.may_pipeline``; neither is read here.)"""
     model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
     cl, world, pins, verbose = spec.cluster, spec.world, as_options(spec.options), spec.verbose
     spec = replace(spec, options=pins, mesh_shape=None, profiler=None)
