@@ -172,7 +172,8 @@ def run_case(name: str, index: int, budget_s: float, time_limit_s: float) -> dic
         out, err = proc.communicate()
         stages = [ln for ln in err.splitlines() if ln.startswith("autopar: ")]
         return {"status": "budget", "wall_s": time.perf_counter() - t0,
-                "last_stage": stages[-1][len("autopar: "):] if stages else "capture or first stage"}
+                "last_stage": stages[-1][len("autopar: "):] if stages else "capture or first stage",
+                "stages": [ln[len("autopar: "):] for ln in stages]}
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["no output"]

@@ -155,15 +155,25 @@ class PriceTable:
         self._sigs: dict = {}        # (shape, dtype, needs_grad, bucketed, shared, count, rerun) -> number
         self._sig_args: list = []    # number -> (an edge index, bucketed, shared)
         self._pairs: dict = {}       # (signature, p, q) -> (EdgePrice, priced, hidden)
-        self.follow: dict[str, tuple[str, list[int]]] = {}
-        """Follower -> (root, its option for each of the root's options)."""
-        producer = followers(problem)
-        into = {e.dst: k for k, e in enumerate(problem.edges) if e.dst in producer}
-        for name in problem.vars:      # graph order: a producer is settled before its followers
-            if name in producer:
-                pick = self._pick(into[name])
-                if pick is not None:
-                    self.follow[name] = (self.root(problem.edges[into[name]].src), pick)
+        self._follow: dict[str, tuple[str, list[int]]] | None = None
+
+    @property
+    def follow(self) -> dict[str, tuple[str, list[int]]]:
+        """Follower -> (root, its option for each of the root's options). Worked out on
+        first use: each follower's pick prices its input edge under every pair of
+        placements (most of a table's cost: 50 of 54 s on a Mixtral 8x7B stage mesh), which
+        the node prices (``compute_floor``) do not read."""
+        if self._follow is None:
+            self._follow = {}
+            problem = self.problem
+            producer = followers(problem)
+            into = {e.dst: k for k, e in enumerate(problem.edges) if e.dst in producer}
+            for name in problem.vars:   # graph order: a producer is settled before its followers
+                if name in producer:
+                    pick = self._pick(into[name])
+                    if pick is not None:
+                        self._follow[name] = (self.root(problem.edges[into[name]].src), pick)
+        return self._follow
 
     # ---- nodes ---------------------------------------------------------------------------
     def time(self, name: str, i: int) -> tuple[float, float]:

@@ -263,7 +263,9 @@ class _FreeSearch:
         spec = self.spec
         if spec.verbose:
             print(f"searching pipelines ({against})")
-        got = self._timed("pipeline search", lambda: search_pipelines(spec, self.cap, search))
+        got = self._timed("pipeline search", lambda: search_pipelines(
+            spec, self.cap, search, report=lambda name, seconds: self._started(name)
+            if seconds is None else self._progress(name, seconds)))
         self.searched = True
         self.offer(Planned(*got) if got is not None else None)
 

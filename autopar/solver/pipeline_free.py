@@ -23,13 +23,13 @@ from autopar.solver.errors import InfeasibleError
 from autopar.solver.expert_search import (expert_degrees, expert_free, least_state_bytes,
                                           moe_experts, split_state_bytes)
 from autopar.pricing.costing import StepView
-from autopar.solver.flat import MeshAsk, wide_grads
+from autopar.solver.flat import MeshAsk, mesh_floor, wide_grads
 from autopar.solver.spec import SearchSpec, Settings
 from autopar.solver.pipeline_price import (batch_degree, memory_weights, price_plan, state_bytes,
                                            state_per_param)
 from autopar.solver.pipeline_search import (
-    _allowed_micro_batches, _choose, _has_layers, capture_microbatch, most_stages, plan_pipeline,
-    plan_pipelined, solve_intra, stage_limit, step_floor,
+    INTRA_PINS, _allowed_micro_batches, _choose, _has_layers, _sub_cluster, capture_microbatch,
+    most_stages, plan_pipeline, plan_pipelined, solve_intra, stage_limit, step_floor,
 )
 
 
@@ -82,14 +82,16 @@ def degree_search(spec: SearchSpec, cap: Captured) -> "_DegreeSearch":
     return _DegreeSearch(spec, cap, pipeline_degrees(cap, spec.cluster, spec.world))
 
 
-def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | None" = None
-                     ) -> tuple[Plan, Captured] | None:
+def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | None" = None,
+                     report=None) -> tuple[Plan, Captured] | None:
     """The best pipeline plan of ``spec`` over ``pipeline_degrees`` and the graph captured at
     its micro-batch (None when none fits). ``cap`` is the full-batch graph: each degree's
     intra-stage plans are made on it (data x tensor meshes, memory left to the pipeline
     model), priced per sample, with and without every layer recomputed; only the winner is
     captured at its micro-batch and planned for real. ``search``: ``degree_search``'s, made
-    ahead. (The free search runs it without a ``mesh_shape`` or a profiler:
+    ahead; ``report(name, seconds)``: told as each degree's search begins (``seconds``
+    None) and ends (the free search's progress line: a long search says which degree it is
+    at). (The free search runs it without a ``mesh_shape`` or a profiler:
     ``free_search.may_pipeline``; neither is read here.)"""
     model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
     cl, world, pins, verbose = spec.cluster, spec.world, as_options(spec.options), spec.verbose
@@ -99,11 +101,15 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
     found = []
     for p in pipeline_degrees(cap, cl, world):
         t0 = time.perf_counter()
+        if report is not None:
+            report(f"pipeline search p={p}", None)
         best = search.best(p)
         if verbose:
             msg = (f"m={best[2].micro_batches} {best[2].schedule} v={best[2].virtual_stages}, "
                    f"{best[3]}, predicted {best[0]:.4g} s") if best else "nothing fits"
             print(f"pipeline search p={p}: {msg} ({time.perf_counter() - t0:.1f}s)")
+        if report is not None:
+            report(f"pipeline search p={p}", time.perf_counter() - t0)
         if best is not None:
             found.append(best)
     # planned for real in predicted order; a plan whose real step exceeds the next
@@ -213,6 +219,7 @@ class _DegreeSearch:
         # a pruned mesh's intra-stage solution and prices, kept for ``unpruned`` (which
         # would otherwise solve the same ILP again)
         self.priced: dict[tuple[int, int, int, int], tuple] = {}
+        self._floors: dict[tuple[int, int, int, int], float] = {}   # ``compute_floor``'s
 
     def unpruned(self) -> dict:
         """{p: best} over the meshes the bound skipped, priced in full."""
@@ -303,9 +310,43 @@ class _DegreeSearch:
 
     def solve_ahead(self, mesh: tuple[int, int, int]) -> None:
         """A worker's part (``speculate.Speculation``): solve ``mesh`` = (p, data, tensor,
-        expert) as ``_on_mesh`` will, its programs' outcomes recorded for the search."""
-        if self._least_state(*mesh) <= self.budget:
+        expert) as ``_on_mesh`` will, its programs' outcomes recorded for the search; not
+        where the search will skip it (its memory bound, or its compute floor against the
+        best step the search has predicted so far, ``speculate.best_found_s``)."""
+        if self._least_state(*mesh) <= self.budget and \
+                self.compute_floor(*mesh) < speculate.best_found_s():
             self._solve(*mesh)
+
+    def compute_floor(self, p: int, data: int, tensor: int, expert: int = 1) -> float:
+        """Seconds no pipeline plan of degree ``p`` on this stage mesh predicts less than,
+        worked out before its intra-stage ILP is built and solved (kept per mesh).
+
+        It is ``flat.mesh_floor`` of the stage mesh (``prices.compute_floor``: every node
+        of the whole graph at its least compute over its options on the ``world / p``
+        devices of one stage, recomputing nothing) over ``p``. Why it holds: the stage's
+        intra plan chooses one option per node, so the graph's compute under it (what
+        ``pipeline_costs.node_costs`` reads from the same price table, per chain node) is
+        at least that floor F, recomputation only adding to it; the search prices the
+        plan per sample and ``pipeline_search.step_floor`` (<= the predicted step of every
+        m, schedule and cut ``_choose`` weighs) is at least m x (the per-sample layer times
+        summed, times the micro-batch, plus the fixed costs) / p >= F / p: the busiest
+        of the p ranks runs at least 1/p of the graph's work, and the schedule's bubbles,
+        the crossings and the gradient sync only add. The floor reads node prices only
+        (no edge), so it costs about a thousandth of the ILP on large graphs; ZeRO stages
+        change parameters' options only, which carry no compute (outside offload, which
+        the pipeline search does not weigh)."""
+        key = (p, data, tensor, expert)
+        got = self._floors.get(key)
+        if got is None:
+            d = self.world // p
+            pins = Options.from_pins({k: v for k, v in self.pins.replace(
+                **self._mesh(data, tensor, expert)).items() if k in INTRA_PINS})
+            try:
+                got = mesh_floor(self.cap, _sub_cluster(self.cl, d), d, pins, self.optimizer) / p
+            except ValueError:          # no mesh or no option: the ILP says why
+                got = -math.inf
+            self._floors[key] = got
+        return got
 
     def _on_mesh(self, p: int, data: int, tensor: int, expert: int = 1,
                  priced: tuple | None = None):
@@ -318,6 +359,14 @@ class _DegreeSearch:
         if least > self.budget:          # the fullest rank holds at least this much state
             self._say(p, mesh, f"at least {least / 2**30:.1f} GiB of parameters and optimizer "
                                "state per device")
+            return None
+        if priced is None and self.bound < math.inf and \
+                self.compute_floor(p, data, tensor, expert) >= self.bound:
+            # no plan on it can beat the best found: not built, not solved (``unpruned``
+            # solves it if the best falls short when planned for real)
+            self.pruned.append(key)
+            self._say(p, mesh, f"cannot beat {self.bound:.4g} s (compute floor "
+                               f"{self.compute_floor(p, data, tensor, expert):.4g} s, not solved)")
             return None
         if priced is None:
             ahead = speculate.active()
