@@ -31,6 +31,8 @@ import torch
 import autopar
 from autopar.checkpoint import import_state_dict, latest_checkpoint, read_model_state
 from autopar.errors import CheckpointError
+from autopar.ops.comm import CollectiveError
+from autopar.runtime.out_of_memory import RankOutOfMemoryError, reported_oom
 from autopar.runtime.ckpt_files import CHECKSUMS, partial_or_missing
 from faults_worker import (CHAIN_KILLS, LR, NAN_STEP, OOM_STEP, SAVE_TIMEOUT, SIGTERM_STEP,
                            STALL_TIMEOUT, STEPS, batch, events, example, run_chain, run_inproc)
@@ -225,6 +227,32 @@ def test_checksums_of_an_imported_state_dict(tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="__0_0.distcp' is corrupted"):
         read_model_state(tmp_path / "ck")
+
+
+def test_out_of_memory_is_named_posted_and_told_from_a_peers_report():
+    class Comm:                  # what reported_oom reads of a communicator
+        rank, device, posted = 1, torch.device("cpu"), []
+
+        def post_fault(self, message):
+            self.posted.append(message)
+    comm = Comm()
+    with pytest.raises(RankOutOfMemoryError) as got:
+        with reported_oom(comm, 7, "forward"):
+            torch.empty(2 ** 60, dtype=torch.uint8)       # the CPU allocator's real error
+    assert isinstance(got.value, torch.cuda.OutOfMemoryError) and got.value.step == 7
+    assert str(got.value).startswith("rank 1 ran out of memory on cpu in step 7 of its "
+                                     "ParallelModule (forward): RuntimeError:"), got.value
+    assert comm.posted == [str(got.value)]
+    with pytest.raises(RankOutOfMemoryError, match=r"in step 9 .*\(the optimizer step\): "
+                                                   r"OutOfMemoryError: CUDA out of memory"):
+        with reported_oom(comm, 9, "the optimizer step"):      # the class CUDA's allocator raises
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    # a peer's error quoting the message is not this rank's own: passed on, not posted again
+    with pytest.raises(CollectiveError):
+        with reported_oom(comm, 8, "forward"):
+            raise CollectiveError(str(got.value), op="all_gather", axis="data", ranks=[0, 1],
+                                  timed_out=False, peer_fault=str(got.value))
+    assert len(comm.posted) == 2
 
 
 def test_preemption_records_the_signal_and_restores_the_handler():
