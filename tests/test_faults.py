@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -31,7 +32,8 @@ import torch
 import autopar
 from autopar.checkpoint import import_state_dict, latest_checkpoint, read_model_state
 from autopar.errors import CheckpointError
-from autopar.ops.comm import CollectiveError
+from autopar.ops import fault_notice
+from autopar.ops.comm import CollectiveError, DistComm
 from autopar.runtime.out_of_memory import RankOutOfMemoryError, reported_oom
 from autopar.runtime.ckpt_files import CHECKSUMS, partial_or_missing
 from faults_worker import (CHAIN_KILLS, LR, NAN_STEP, OOM_STEP, SAVE_TIMEOUT, SIGTERM_STEP,
@@ -253,6 +255,45 @@ def test_out_of_memory_is_named_posted_and_told_from_a_peers_report():
             raise CollectiveError(str(got.value), op="all_gather", axis="data", ranks=[0, 1],
                                   timed_out=False, peer_fault=str(got.value))
     assert len(comm.posted) == 2
+
+
+class _Pending:
+    """A gloo work that never finishes: each timed wait times out (as c10d's ``Work.wait``)."""
+    waits = 0
+
+    def wait(self, timeout):
+        self.waits += 1
+        time.sleep(timeout.total_seconds())
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self):
+        return False
+
+
+def _gloo_comm(timeout):
+    comm = DistComm.__new__(DistComm)        # the wait only: no process group
+    comm.rank, comm.timeout, comm._polls, comm.fault_key = 0, timeout, True, "autopar/fault/comm0"
+    comm.axis_names, comm.group_ranks = ("data",), [[0, 1]]
+    return comm
+
+
+def test_a_wait_stops_at_a_peers_notice_or_at_its_timeout(monkeypatch):
+    work, notice = _Pending(), "rank 1 ran out of memory on cpu in step 3 ..."
+    monkeypatch.setattr(fault_notice, "posted", lambda key: notice if work.waits >= 2 else None)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError) as e:
+        _gloo_comm(None)._wait(work, "all_gather", 0)      # no timeout: only the notice ends it
+    assert work.waits == 2 and time.monotonic() - t0 < 2 * fault_notice.POLL_S + 1
+    assert e.value.peer_fault == notice and not e.value.timed_out, e.value
+    assert str(e.value).startswith(notice + " (rank 0 stopped waiting for all_gather on mesh "
+                                   "axis 'data', group ranks [0, 1], after"), e.value
+    work = _Pending()
+    monkeypatch.setattr(fault_notice, "posted", lambda key: None)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError) as e:
+        _gloo_comm(0.6)._wait(work, "all_gather", 0)       # no notice: the timeout ends it
+    assert work.waits == 3 and 0.6 <= time.monotonic() - t0 < 2, work.waits
+    assert e.value.timed_out and e.value.peer_fault is None and "timeout 0.6 s" in str(e.value)
 
 
 def test_preemption_records_the_signal_and_restores_the_handler():

@@ -356,6 +356,8 @@ class DistComm(Comm):
     :class:`CollectiveError`."""
 
     one_per_process = True
+    fault_key: str | None = None    # its key of the job's store (autopar.ops.fault_notice)
+    _polls = False                  # whether its waits stop to read the store (gloo)
 
     def __init__(self, mesh, timeout: float | None = None):
         _free_groups_at_exit()

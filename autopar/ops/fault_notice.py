@@ -54,9 +54,9 @@ def post(key: str, message: str) -> bool:
     return True
 
 
-def posted(key: str) -> str | None:
-    """The message a rank wrote under ``key``, or None (no notice, or no store)."""
-    store = _store()
+def posted(key: str | None) -> str | None:
+    """The message a rank wrote under ``key``, or None (no notice, no key, or no store)."""
+    store = _store() if key is not None else None
     if store is None or not store.check([key]):
         return None
     return store.get(key).decode()
