@@ -374,7 +374,7 @@ class DistComm(Comm):
         self.group_ranks = [dist.get_process_group_ranks(g) for g in self.groups]
         self.fault_key = fault_notice.next_key()    # where a rank of this module posts its fault
         # gloo's wait blocks the host, so it can stop to read the store; NCCL's wait only
-        # orders streams (and its timed wait aborts the communicator): waited whole
+        # makes the current stream wait (the host blocks later, on a sync): waited whole
         self._polls = dist.get_backend(self.groups[0]) == "gloo"
 
     def post_fault(self, message: str) -> None:
