@@ -19,13 +19,15 @@ from __future__ import annotations
 import itertools
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
-__all__ = ["POLL_S", "next_key", "post", "posted"]
+__all__ = ["POLL_S", "job_store", "next_key", "post", "posted"]
 
 POLL_S = 0.25
-"""Seconds a waiting rank waits between looks at the store: the time from a peer's notice
-to this rank's error is at most this plus one store read (about 1 ms on one host). A wait
-that finishes sooner never reads the store."""
+"""Seconds a waiting rank waits between looks at the store (a choice: the bound on the time
+from a peer's notice to this rank's error, plus one store round trip; measured 0.25 s in
+``benchmarks/faults.py``). A wait that finishes sooner never reads the store, so a step
+whose collectives finish in time pays nothing."""
 
 _made = itertools.count()
 
@@ -35,10 +37,10 @@ def next_key() -> str:
     return f"autopar/fault/comm{next(_made)}"
 
 
-def _store():
+def job_store():
+    """The default process group's store (every rank of the job reaches it), or None."""
     if not dist.is_initialized():
         return None
-    from torch.distributed.distributed_c10d import _get_default_store
     try:
         return _get_default_store()
     except (RuntimeError, ValueError):     # a group made without a store (e.g. a fake one)
@@ -47,7 +49,7 @@ def _store():
 
 def post(key: str, message: str) -> bool:
     """Write ``message`` under ``key`` for the other ranks; whether there was a store."""
-    store = _store()
+    store = job_store()
     if store is None:
         return False
     store.set(key, message.encode())
@@ -56,7 +58,7 @@ def post(key: str, message: str) -> bool:
 
 def posted(key: str | None) -> str | None:
     """The message a rank wrote under ``key``, or None (no notice, no key, or no store)."""
-    store = _store() if key is not None else None
+    store = job_store() if key is not None else None
     if store is None or not store.check([key]):
         return None
     return store.get(key).decode()

@@ -18,14 +18,11 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from autopar.ops.fault_notice import job_store
+
 __all__ = ["MarkingWriter", "TimedSave"]
 
 _saves = itertools.count()
-
-
-def _store():
-    from torch.distributed.distributed_c10d import _get_default_store
-    return _get_default_store()
 
 
 class MarkingWriter(dcp.FileSystemWriter):
@@ -39,7 +36,7 @@ class MarkingWriter(dcp.FileSystemWriter):
     def write_data(self, plan, planner):
         done = super().write_data(plan, planner)
         done.wait()                     # FileSystemWriter writes before it returns
-        _store().set(self._mark, b"1")
+        job_store().set(self._mark, b"1")
         return done
 
 
@@ -55,10 +52,10 @@ class TimedSave:
 
     def unfinished(self) -> list[int]:
         """The ranks whose shard is not written (no mark in the store)."""
-        store = _store()
+        store = job_store()
         return [r for r in range(dist.get_world_size()) if not store.check([f"{self.prefix}/{r}"])]
 
     def done(self) -> None:
         """After a save that finished on every rank: free the group and this rank's mark."""
         dist.destroy_process_group(self.group)
-        _store().delete_key(f"{self.prefix}/{dist.get_rank()}")
+        job_store().delete_key(f"{self.prefix}/{dist.get_rank()}")
