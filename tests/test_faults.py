@@ -294,6 +294,11 @@ def test_a_wait_stops_at_a_peers_notice_or_at_its_timeout(monkeypatch):
         _gloo_comm(0.6)._wait(work, "all_gather", 0)       # no notice: the timeout ends it
     assert work.waits == 3 and 0.6 <= time.monotonic() - t0 < 2, work.waits
     assert e.value.timed_out and e.value.peer_fault is None and "timeout 0.6 s" in str(e.value)
+    # a point-to-point wait is never cut in slices: gloo closes the pair when one expires
+    work = _Pending()
+    with pytest.raises(CollectiveError):
+        _gloo_comm(0.6)._wait(work, "shift", 0)
+    assert work.waits == 1
 
 
 def test_preemption_records_the_signal_and_restores_the_handler():

@@ -349,6 +349,12 @@ class _Inner(Comm):
         return self.outer.all_gather_start(t, axis + 1, dim)
 
 
+_POLLED = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
+"""The ops whose gloo wait may stop and start again: a collective's timed ``Work.wait`` that
+expires leaves it pending; a point-to-point one (``shift``) closes the pair ("Application
+timeout caused pair closure", measured on torch 2.13's gloo), so it is waited whole."""
+
+
 class DistComm(Comm):
     """torch.distributed on the process groups of a DeviceMesh. Tensors live on the mesh's
     device type (the current CUDA device under NCCL, else the CPU). Every collective waits
@@ -388,7 +394,7 @@ class DistComm(Comm):
         is a peer's posted fault, read every ``fault_notice.POLL_S`` seconds of waiting."""
         t0 = time.monotonic()
         try:
-            if not self._polls:
+            if not self._polls or op not in _POLLED:
                 work.wait() if self.timeout is None else work.wait(timedelta(seconds=self.timeout))
             else:
                 self._wait_polling(work, op, axis, t0)
@@ -403,8 +409,9 @@ class DistComm(Comm):
             _timer(op, self.axis_names[axis], time.monotonic() - t0)
 
     def _wait_polling(self, work, op: str, axis: int, t0: float) -> None:
-        """gloo: wait in slices of ``POLL_S`` (a timed-out ``Work.wait`` leaves the work
-        pending, so it can be waited for again), reading the store between them."""
+        """gloo collectives: wait in slices of ``POLL_S`` (a timed-out ``Work.wait`` leaves
+        the work pending, so it can be waited for again: ``_POLLED``), reading the store
+        between them."""
         while True:
             left = None if self.timeout is None else self.timeout - (time.monotonic() - t0)
             try:
