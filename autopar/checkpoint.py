@@ -41,6 +41,7 @@ from autopar.ops.comm import is_comm_failure
 from autopar.runtime.ckpt_files import check_files, first_failure, partial_or_missing, write_checksums
 from autopar.runtime.dcp_state import FORMAT, MODEL, load_plan, save_state
 from autopar.runtime.parallel_module import ParallelModule
+from autopar.runtime.save_watch import TimedSave
 
 __all__ = ["save_checkpoint", "load_checkpoint", "export_checkpoint", "import_state_dict",
            "save_step_checkpoint", "latest_checkpoint", "CheckpointError"]
@@ -55,17 +56,24 @@ def _check_module(pm) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimizer | None = None,
-                    extra: dict | None = None, checksums: bool = True) -> None:
+                    extra: dict | None = None, checksums: bool = True,
+                    timeout: float | None = None) -> None:
     """Write ``pm``'s shards (and ``optimizer``'s state, and the small picklable dict
     ``extra``: rank 0's is kept) to the directory ``path``. Collective: every rank calls it
     with the same path. ``checksums``: each rank then reads its files back for their CRC-32
     (``runtime.ckpt_files``; ``load_checkpoint`` checks them): about 2 s a GB per rank at
     zlib's 0.5 GB/s measured on the 2-core test machine; False skips it (a damaged shard is
-    then found only when it is missing or short)."""
+    then found only when it is missing or short). ``timeout``: seconds a rank waits for the
+    others to finish writing (``runtime.save_watch``: a rank that stalls makes the others
+    raise ``CheckpointError`` naming it); None: the default process group's timeout."""
     _check_module(pm)
     path = os.fspath(path)
+    timeout = _check_save_timeout(timeout)
+    timed = TimedSave(path, timeout) if timeout is not None and dist.is_initialized() else None
     try:
-        dcp.save(save_state(pm, optimizer, extra), storage_writer=dcp.FileSystemWriter(path))
+        dcp.save(save_state(pm, optimizer, extra),
+                 storage_writer=timed.writer if timed else dcp.FileSystemWriter(path),
+                 process_group=timed.group if timed else None)
     except CheckpointException as e:     # one rank's failure, raised on every rank by DCP
         raise CheckpointError(f"saving the checkpoint {path!r} failed on {first_failure(e)}: the "
                               "directory is incomplete (no .metadata unless the failure came "
@@ -73,13 +81,36 @@ def save_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimize
     except RuntimeError as e:            # a peer died or hangs in the save's collectives
         if not is_comm_failure(e):
             raise
+        stalled = timed.unfinished() if timed else []
+        if stalled:
+            err = CheckpointError(
+                f"saving the checkpoint {path!r} failed on rank {_rank()}: rank(s) {stalled} did "
+                f"not finish writing their shards within timeout={timeout:g} s (they hang, e.g. on "
+                "a stalled file system, or died); look at their logs. The directory is "
+                "incomplete; its files are left for inspection. If the writes are only slow, "
+                "raise timeout=")
+            err.rank_lost, err.ranks = True, stalled
+            raise err from None
         err = CheckpointError(f"saving the checkpoint {path!r} failed on rank {_rank()}: another "
                               f"rank stopped taking part (it died or hangs): {' '.join(str(e).split()).split('. ')[0][:300]}. "
                               "The directory is incomplete; its files are left for inspection")
         err.rank_lost = True
         raise err from None
+    if timed:
+        timed.done()
     if checksums:
         write_checksums(path)      # the CRC-32 of every shard file, checked at load
+
+
+def _check_save_timeout(timeout):
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 \
+            or timeout == float("inf"):
+        raise ArgumentError(f"timeout={timeout!r}: pass how many seconds a rank waits for the "
+                            "others to finish writing their shards (a positive number, e.g. "
+                            "600), or None for the default process group's timeout")
+    return float(timeout)
 
 
 def _metadata(path, no_dist: bool = True) -> dict:
@@ -114,13 +145,16 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer: torch.optim.Optimize
 
 def save_step_checkpoint(root: str | os.PathLike, step: int, pm,
                          optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
-                         keep: int | None = None, checksums: bool = True) -> str:
+                         keep: int | None = None, checksums: bool = True,
+                         timeout: float | None = None) -> str:
     """``save_checkpoint`` to ``root/step-<step>`` (8 digits), atomically: every rank writes
     into ``root/.step-<step>.tmp``, which rank 0 renames once the save is complete, so a
     job killed mid-save leaves no directory ``latest_checkpoint`` would pick. ``keep``: how
-    many of the newest step directories to keep (None: all). Returns the directory.
+    many of the newest step directories to keep (None: all); ``timeout``: as
+    ``save_checkpoint``'s. Returns the directory.
     Collective; ``root`` must be one directory every rank sees (a shared file system)."""
     _check_module(pm)
+    _check_save_timeout(timeout)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ArgumentError(f"step={step!r}: pass the number of training steps done (an int >= 0)")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -134,14 +168,16 @@ def save_step_checkpoint(root: str | os.PathLike, step: int, pm,
         shutil.rmtree(tmp, ignore_errors=True)    # left by a save that was cut short
     _barrier()
     try:
-        save_checkpoint(tmp, pm, optimizer, extra, checksums)    # returns once all is written
+        save_checkpoint(tmp, pm, optimizer, extra, checksums, timeout)   # returns once all is written
     except CheckpointError as e:     # e.g. the disk full: every rank raises; the last one is kept
         if lead and not getattr(e, "rank_lost", False):   # a lost rank's partial files stay
             shutil.rmtree(tmp, ignore_errors=True)        # (a later save of the step clears them)
         kept = latest_checkpoint(root)
-        raise CheckpointError(f"step {step}: {e}. The previous checkpoint is kept: "
+        err = CheckpointError(f"step {step}: {e}. The previous checkpoint is kept: "
                               f"{kept if kept else 'none (this was the first save)'}; "
-                              "latest_checkpoint(root) returns it") from None
+                              "latest_checkpoint(root) returns it")
+        err.ranks = getattr(e, "ranks", None)     # those that did not finish writing, when known
+        raise err from None
     if lead:
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again
         os.replace(tmp, final)

@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from faults_worker import CHAIN_KILLS, STALL_TIMEOUT, events, run_chain, run_inproc  # noqa: E402
+from faults_worker import (CHAIN_KILLS, OOM_TIMEOUT, SAVE_TIMEOUT, STALL_TIMEOUT, events,  # noqa: E402
+                           run_chain, run_inproc)
 
 
 def _first(evs, case, **match):
@@ -35,6 +36,13 @@ def _first(evs, case, **match):
 
 def _s(x) -> str:
     return "n/a" if x is None else f"{x:.2f} s"
+
+
+def _resumed_bitwise(evs) -> bool:
+    """Whether the run resumed after the out-of-memory error has the fault-free run's losses."""
+    plain = _first(evs, "plain")["losses"]
+    resumed = _first(evs, "oom_resume", rank=0)["losses"]
+    return all(plain[k] == v for k, v in resumed.items())
 
 
 def inproc_rows(evs) -> list[tuple[str, str, str, str]]:
@@ -70,6 +78,22 @@ def inproc_rows(evs) -> list[tuple[str, str, str, str]]:
                  f"`CollectiveError` naming {st['op']} on mesh axis '{st['axis']}', group ranks "
                  f"{st['ranks']}, the ranks to look at, the timeout",
                  _s(st["seconds"]) + f" (timeout={STALL_TIMEOUT:g} s)", "the last checkpoint"))
+    oom, peer = _first(evs, "oom", rank=1), _first(evs, "oom", rank=0)
+    injected = _first(evs, "oom_injected", rank=1)["injected_at"]
+    rows.append(("one rank out of memory (rank 1's forward, a real allocation failure)",
+                 f"`{oom['raised']}` on rank 1 naming the rank, step {oom['oom_step']} and the fixes "
+                 "(batch, `memory_budget=`, more sharding), posted to the job's store; rank 0, "
+                 f"waiting in a collective, raises `{peer['raised']}` beginning with that message",
+                 _s(peer["raised_at"] - injected) + f" on rank 0 (its timeout was {OOM_TIMEOUT:g} s)",
+                 f"the last complete checkpoint ({oom['latest']}); resumed "
+                 + ("bitwise" if _resumed_bitwise(evs) else "with other losses")))
+    ss = _first(evs, "save_stall", rank=0)
+    rows.append(("a rank's checkpoint write stalls",
+                 f"`save_step_checkpoint(..., timeout=)`: `{ss['raised']}` naming the directory and "
+                 f"rank(s) {ss['ranks']} that did not finish writing (DCP on a gloo group with that "
+                 "timeout); the partial `.step-N.tmp` is never picked",
+                 _s(ss["seconds"]) + f" (timeout={SAVE_TIMEOUT:g} s)",
+                 f"the previous checkpoint ({ss['latest']}), loaded after"))
     dw = _first(evs, "died_writing", rank=0)
     rows.append(("a rank dies while writing its shard",
                  "the survivor's save raises `CheckpointError` (another rank stopped taking part); "

@@ -19,7 +19,12 @@ losses bitwise). Each event is one JSON line of ``ROOT/events.jsonl``.
 5. ``corrupt``, ``missing``, ``truncated``: one shard file of the step-2 checkpoint damaged,
    then loaded.
 6. ``stall``: rank 1 does not take part in a step; rank 0's has ``timeout=STALL_TIMEOUT``.
-7. ``died_writing``: rank 1 ends (``os._exit``) half way through writing its shard of a
+7. ``oom``: rank 1 runs out of memory (a real allocation too large for its device) in the
+   forward of step ``OOM_STEP``; rank 0, waiting for it in a collective, stops with its
+   error long before ``OOM_TIMEOUT``; a new module resumes from the last checkpoint.
+8. ``save_stall``: rank 1's checkpoint writer stalls; rank 0's ``save_step_checkpoint(...,
+   timeout=SAVE_TIMEOUT)`` raises naming it; the previous checkpoint loads.
+9. ``died_writing``: rank 1 ends (``os._exit``) half way through writing its shard of a
    checkpoint; rank 0 sees the save fail. (Exit code 0, so that torchrun leaves rank 0 to
    report; ``chain`` kills with SIGKILL.)
 
@@ -58,6 +63,8 @@ from examples.small import mlp_factory  # noqa: E402
 STEPS, EVERY, LR = 8, 2, 1e-2
 PINS = {"data": 2, "zero": 3}
 STALL_TIMEOUT = 1.0
+OOM_STEP, OOM_TIMEOUT = 3, 60.0
+SAVE_TIMEOUT = 2.0
 NAN_STEP, SIGTERM_STEP = 3, 3
 CHAIN_KILLS = {0: "forward", 1: "backward", 2: "optimizer", 3: "checkpoint"}
 SLOW_STEP_S = 0.3        # attempt 4 of the chain: a step's time, so the SIGTERM lands mid-run
@@ -273,6 +280,88 @@ def stall(root: str) -> None:
         ranks=getattr(raised, "ranks", None), timed_out=getattr(raised, "timed_out", None))
 
 
+def _outcome(e: BaseException | None) -> dict:
+    return {"raised": type(e).__name__ if e else None, "error": str(e) if e else None,
+            "raised_at": time.time()}
+
+
+def oom(root: str) -> None:
+    """Rank 1 allocates more than any device holds (2**60 bytes: ``torch.OutOfMemoryError``
+    on CUDA, the CPU allocator's error on the CPU) in the forward of step ``OOM_STEP``."""
+    rank = dist.get_rank()
+    ckpt_root = os.path.join(root, "oom")
+    # a long timeout, so that rank 0's error within it is rank 1's notice; it also gives the
+    # module process groups of its own (the default group stays clean for the cases after)
+    pm, opt = build(root, timeout=OOM_TIMEOUT)
+    losses = {}
+
+    def out_of_memory(module, args):
+        hook.remove()
+        log(root, case="oom_injected", rank=rank, injected_at=time.time())
+        torch.empty(2 ** 60, dtype=torch.uint8, device=pm.device)
+    raised = None
+    for s in range(1, OOM_STEP + 1):
+        if rank == 1 and s == OOM_STEP:
+            hook = torch.nn.modules.module.register_module_forward_pre_hook(out_of_memory)
+        try:
+            losses[s] = step(pm, opt, s)[0]
+        except Exception as e:  # noqa: BLE001 - the test checks type and message
+            raised = e
+            break
+        if s == 2:
+            save_step_checkpoint(ckpt_root, s, pm, opt, extra={"step": s})
+    log(root, case="oom", rank=rank, step=s, losses=losses, **_outcome(raised),
+        peer_fault=getattr(raised, "peer_fault", None), oom_step=getattr(raised, "step", None),
+        latest=os.path.basename(latest_checkpoint(ckpt_root) or ""), listing=sorted(os.listdir(ckpt_root)))
+    # the job restarts: a new module resumes from the last complete checkpoint
+    pm, opt = build(root, seed=1)
+    extra = autopar.load_checkpoint(latest_checkpoint(ckpt_root), pm, opt)
+    resumed = {s: step(pm, opt, s)[0] for s in range(extra["step"] + 1, 6)}
+    log(root, case="oom_resume", rank=rank, from_step=extra["step"], losses=resumed)
+
+
+def save_stall(root: str, pm, opt) -> None:
+    """Rank 1's writer stalls (a hung file system) in the step-4 save, until rank 0 has
+    reported; a step-2 checkpoint was saved before."""
+    rank = dist.get_rank()
+    ckpt_root = os.path.join(root, "save_stall")
+    save_step_checkpoint(ckpt_root, 2, pm, opt, extra={"step": 2})
+    bad_timeouts = {}
+    for bad in (0, -1, True, "10", float("inf"), float("nan")):     # refused before any collective
+        try:
+            save_step_checkpoint(ckpt_root, 4, pm, opt, timeout=bad)
+        except Exception as e:  # noqa: BLE001 - the test checks type and message
+            bad_timeouts[repr(bad)] = f"{type(e).__name__}: {e}"
+    original = dcp_fs._write_item
+
+    def stalled(*args, **kw):
+        dcp_fs._write_item = original           # the first item stalls; the rest are written
+        log(root, case="save_stalled", rank=rank, stalled_at=time.time())
+        end = time.monotonic() + SAVE_TIMEOUT + 30
+        while time.monotonic() < end and not any(e.get("case") == "save_stall" for e in events(root)):
+            time.sleep(0.05)
+        return original(*args, **kw)
+    if rank == 1:
+        dcp_fs._write_item = stalled
+    t0 = time.monotonic()
+    try:
+        save_step_checkpoint(ckpt_root, 4, pm, opt, extra={"step": 4}, timeout=SAVE_TIMEOUT)
+        raised = None
+    except Exception as e:  # noqa: BLE001 - the test checks type and message
+        raised = e
+    finally:
+        dcp_fs._write_item = original
+    seconds = time.monotonic() - t0
+    if rank == 0:
+        log(root, case="save_stall", rank=rank, seconds=seconds, ranks=getattr(raised, "ranks", None),
+            bad_timeouts=bad_timeouts,
+            latest=os.path.basename(latest_checkpoint(ckpt_root) or ""),
+            listing=sorted(os.listdir(ckpt_root)), **_outcome(raised))
+    dist.barrier()
+    extra = autopar.load_checkpoint(latest_checkpoint(ckpt_root), pm, opt)    # still loads
+    log(root, case="save_stall_load", rank=rank, extra=extra, **_outcome(raised))
+
+
 def died_writing(root: str, pm, opt) -> None:
     """Rank 1 ends half way through its shard of the step-8 checkpoint."""
     rank = dist.get_rank()
@@ -310,6 +399,8 @@ def inproc(root: str) -> None:
     enospc(root, pm, opt)
     damaged(root, pm, opt)
     stall(root)
+    oom(root)
+    save_stall(root, pm, opt)
     died_writing(root, pm, opt)
 
 

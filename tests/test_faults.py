@@ -4,7 +4,8 @@ One torchrun launch of ``tests/faults_worker.py inproc`` (a tiny MLP, ZeRO-3 ove
 AdamW, one plan for every run) injects, one after the other: SIGTERM on one rank (a
 checkpoint on the signal, then a resume), a NaN in one rank's gradient, the disk full while
 saving, a corrupted, a missing and a truncated shard at load, a rank that stalls in a
-collective, and a rank that dies half way through writing its shard. Each test reads that
+collective, a rank out of memory, a rank whose checkpoint write stalls, and a rank that dies
+half way through writing its shard. Each test reads that
 launch's events. "The same numbers": fp32 losses equal bitwise to the run without a fault
 (``plain``), from the resumed step on; the run without a fault equals one device.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -30,9 +32,12 @@ import torch
 import autopar
 from autopar.checkpoint import import_state_dict, latest_checkpoint, read_model_state
 from autopar.errors import CheckpointError
+from autopar.ops import fault_notice
+from autopar.ops.comm import CollectiveError, DistComm
+from autopar.runtime.out_of_memory import RankOutOfMemoryError, reported_oom
 from autopar.runtime.ckpt_files import CHECKSUMS, partial_or_missing
-from faults_worker import (CHAIN_KILLS, LR, NAN_STEP, SIGTERM_STEP, STALL_TIMEOUT, STEPS, batch,
-                           events, example, run_chain, run_inproc)
+from faults_worker import (CHAIN_KILLS, LR, NAN_STEP, OOM_STEP, SAVE_TIMEOUT, SIGTERM_STEP,
+                           STALL_TIMEOUT, STEPS, batch, events, example, run_chain, run_inproc)
 
 TOL = 1e-4     # worst |got - one device| over the largest change of that weight (test_restart's)
 
@@ -143,6 +148,47 @@ def test_a_stalled_rank_ends_in_a_collective_error_within_the_timeout(inproc):
     assert 0.9 * STALL_TIMEOUT <= r["seconds"] < STALL_TIMEOUT + 5, r
 
 
+def test_one_rank_out_of_memory_stops_every_rank_naming_it(inproc):
+    _, evs = inproc
+    plain = _plain(evs)
+    oom, peer = _by(evs, "oom", rank=1)[-1], _by(evs, "oom", rank=0)[-1]
+    # rank 1: its own allocator's error, named (the rank, the step, the fix)
+    assert oom["raised"] == "RankOutOfMemoryError" and oom["oom_step"] == OOM_STEP, oom
+    for part in (f"rank 1 ran out of memory on cpu in step {OOM_STEP} ", "(forward and backward)",
+                 "can't allocate memory", "lower the batch", "memory_budget=", "zero=3"):
+        assert part in oom["error"], (part, oom["error"])
+    # rank 0 stopped waiting long before its timeout (60 s): rank 1 posted its error
+    assert peer["raised"] == "CollectiveError" and peer["step"] == OOM_STEP, peer
+    assert peer["peer_fault"] == oom["error"] and peer["error"].startswith(oom["error"]), peer
+    assert "rank 0 stopped waiting for" in peer["error"], peer["error"]
+    injected = _by(evs, "oom_injected", rank=1)[-1]["injected_at"]
+    assert 0 <= peer["raised_at"] - injected < 10, (peer, injected)
+    for r in (oom, peer):      # the steps before it as without a fault; nothing written since
+        assert {int(k): v for k, v in r["losses"].items()} == {s: plain[s] for s in range(1, OOM_STEP)}
+        assert r["latest"] == "step-00000002" and r["listing"] == ["step-00000002"], r
+    for r in _by(evs, "oom_resume"):        # resumed from it: the run without the fault's losses
+        assert r["from_step"] == 2, r
+        assert {int(k): v for k, v in r["losses"].items()} == {s: plain[s] for s in (3, 4, 5)}, r
+
+
+def test_a_stalled_checkpoint_write_ends_in_an_error_naming_the_rank(inproc, tmp_path):
+    _, evs = inproc
+    r = _by(evs, "save_stall", rank=0)[-1]
+    assert r["raised"] == "CheckpointError" and r["ranks"] == [1], r
+    for part in ("step 4", ".step-00000004.tmp", "rank(s) [1] did not finish writing",
+                 f"timeout={SAVE_TIMEOUT:g} s", "previous checkpoint is kept", "step-00000002"):
+        assert part in r["error"], (part, r["error"])
+    assert 0.9 * SAVE_TIMEOUT <= r["seconds"] < SAVE_TIMEOUT + 5, r
+    assert r["latest"] == "step-00000002" and "step-00000004" not in r["listing"], r
+    loads = _by(evs, "save_stall_load")
+    assert {e["rank"] for e in loads} == {0, 1} and all(e["extra"] == {"step": 2} for e in loads), loads
+    assert all(e["raised"] == "CheckpointError" for e in loads), loads    # the stalled rank too
+    # a timeout that is not a number of seconds: refused before any collective
+    assert set(r["bad_timeouts"]) == {"0", "-1", "True", "'10'", "inf", "nan"}, r["bad_timeouts"]
+    for bad, error in r["bad_timeouts"].items():
+        assert error.startswith(f"ArgumentError: timeout={bad}: pass how many seconds"), error
+
+
 def test_a_rank_dying_while_writing_leaves_a_partial_checkpoint_that_is_never_loaded(inproc):
     _, evs = inproc
     assert _by(evs, "died_writing", rank=1)
@@ -183,6 +229,76 @@ def test_checksums_of_an_imported_state_dict(tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="__0_0.distcp' is corrupted"):
         read_model_state(tmp_path / "ck")
+
+
+def test_out_of_memory_is_named_posted_and_told_from_a_peers_report():
+    class Comm:                  # what reported_oom reads of a communicator
+        rank, device, posted = 1, torch.device("cpu"), []
+
+        def post_fault(self, message):
+            self.posted.append(message)
+    comm = Comm()
+    with pytest.raises(RankOutOfMemoryError) as got:
+        with reported_oom(comm, 7, "forward"):
+            torch.empty(2 ** 60, dtype=torch.uint8)       # the CPU allocator's real error
+    assert isinstance(got.value, torch.cuda.OutOfMemoryError) and got.value.step == 7
+    assert str(got.value).startswith("rank 1 ran out of memory on cpu in step 7 of its "
+                                     "ParallelModule (forward): RuntimeError:"), got.value
+    assert comm.posted == [str(got.value)]
+    with pytest.raises(RankOutOfMemoryError, match=r"in step 9 .*\(the optimizer step\): "
+                                                   r"OutOfMemoryError: CUDA out of memory"):
+        with reported_oom(comm, 9, "the optimizer step"):      # the class CUDA's allocator raises
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    # a peer's error quoting the message is not this rank's own: passed on, not posted again
+    with pytest.raises(CollectiveError):
+        with reported_oom(comm, 8, "forward"):
+            raise CollectiveError(str(got.value), op="all_gather", axis="data", ranks=[0, 1],
+                                  timed_out=False, peer_fault=str(got.value))
+    assert len(comm.posted) == 2
+
+
+class _Pending:
+    """A gloo work that never finishes: each timed wait times out (as c10d's ``Work.wait``)."""
+    waits = 0
+
+    def wait(self, timeout):
+        self.waits += 1
+        time.sleep(timeout.total_seconds())
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self):
+        return False
+
+
+def _gloo_comm(timeout):
+    comm = DistComm.__new__(DistComm)        # the wait only: no process group
+    comm.rank, comm.timeout, comm._polls, comm.fault_key = 0, timeout, True, "autopar/fault/comm0"
+    comm.axis_names, comm.group_ranks = ("data",), [[0, 1]]
+    return comm
+
+
+def test_a_wait_stops_at_a_peers_notice_or_at_its_timeout(monkeypatch):
+    work, notice = _Pending(), "rank 1 ran out of memory on cpu in step 3 ..."
+    monkeypatch.setattr(fault_notice, "posted", lambda key: notice if work.waits >= 2 else None)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError) as e:
+        _gloo_comm(None)._wait(work, "all_gather", 0)      # no timeout: only the notice ends it
+    assert work.waits == 2 and time.monotonic() - t0 < 2 * fault_notice.POLL_S + 1
+    assert e.value.peer_fault == notice and not e.value.timed_out, e.value
+    assert str(e.value).startswith(notice + " (rank 0 stopped waiting for all_gather on mesh "
+                                   "axis 'data', group ranks [0, 1], after"), e.value
+    work = _Pending()
+    monkeypatch.setattr(fault_notice, "posted", lambda key: None)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError) as e:
+        _gloo_comm(0.6)._wait(work, "all_gather", 0)       # no notice: the timeout ends it
+    assert work.waits == 3 and 0.6 <= time.monotonic() - t0 < 2, work.waits
+    assert e.value.timed_out and e.value.peer_fault is None and "timeout 0.6 s" in str(e.value)
+    # a point-to-point wait is never cut in slices: gloo closes the pair when one expires
+    work = _Pending()
+    with pytest.raises(CollectiveError):
+        _gloo_comm(0.6)._wait(work, "shift", 0)
+    assert work.waits == 1
 
 
 def test_preemption_records_the_signal_and_restores_the_handler():

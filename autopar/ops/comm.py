@@ -38,6 +38,7 @@ from torch._C._distributed_c10d import Backend as C10dBackend   # as torch's dev
 
 from autopar.device import mesh_device
 from autopar.errors import ArgumentError
+from autopar.ops import fault_notice
 
 _local = threading.local()
 
@@ -88,9 +89,13 @@ class CollectiveError(RuntimeError):
     """A collective that did not finish: it timed out (a peer hangs or stopped calling it) or
     failed (a peer died). The message names the op, the mesh axis and the group's ranks."""
 
-    def __init__(self, message: str, *, op: str, axis: str, ranks: list[int], timed_out: bool):
+    def __init__(self, message: str, *, op: str, axis: str, ranks: list[int], timed_out: bool,
+                 peer_fault: str | None = None):
         super().__init__(message)
         self.op, self.axis, self.ranks, self.timed_out = op, axis, ranks, timed_out
+        self.peer_fault = peer_fault
+        """What a peer posted before it stopped (``autopar.ops.fault_notice``: e.g. that it
+        ran out of memory), or None."""
 
 
 def collective_timeout(timeout: float | None = None) -> float | None:
@@ -344,6 +349,12 @@ class _Inner(Comm):
         return self.outer.all_gather_start(t, axis + 1, dim)
 
 
+_POLLED = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
+"""The ops whose gloo wait may stop and start again: a collective's timed ``Work.wait`` that
+expires leaves it pending; a point-to-point one (``shift``) closes the pair ("Application
+timeout caused pair closure", measured on torch 2.13's gloo), so it is waited whole."""
+
+
 class DistComm(Comm):
     """torch.distributed on the process groups of a DeviceMesh. Tensors live on the mesh's
     device type (the current CUDA device under NCCL, else the CPU). Every collective waits
@@ -351,6 +362,8 @@ class DistComm(Comm):
     :class:`CollectiveError`."""
 
     one_per_process = True
+    fault_key: str | None = None    # its key of the job's store (autopar.ops.fault_notice)
+    _polls = False                  # whether its waits stop to read the store (gloo)
 
     def __init__(self, mesh, timeout: float | None = None):
         _free_groups_at_exit()
@@ -365,20 +378,63 @@ class DistComm(Comm):
         self.timeout = timeout
         self.axis_names = tuple(mesh.mesh_dim_names or (f"dim{a}" for a in range(mesh.ndim)))
         self.group_ranks = [dist.get_process_group_ranks(g) for g in self.groups]
+        self.fault_key = fault_notice.next_key()    # where a rank of this module posts its fault
+        # gloo's wait blocks the host, so it can stop to read the store; NCCL's wait only
+        # makes the current stream wait (the host blocks later, on a sync): waited whole
+        self._polls = dist.get_backend(self.groups[0]) == "gloo"
+
+    def post_fault(self, message: str) -> None:
+        """Tell the ranks of this module, waiting for this one in a collective, that it
+        stopped: ``message`` (``autopar.ops.fault_notice``)."""
+        fault_notice.post(self.fault_key, message)
 
     def _wait(self, work, op: str, axis: int) -> None:
         """Wait for ``work`` (collective ``op`` on mesh axis ``axis``) at most ``timeout``
-        seconds; a timeout or a failure (a peer died) is a :class:`CollectiveError`."""
+        seconds; a timeout or a failure (a peer died) is a :class:`CollectiveError`, and so
+        is a peer's posted fault, read every ``fault_notice.POLL_S`` seconds of waiting."""
         t0 = time.monotonic()
         try:
-            if self.timeout is None:
-                work.wait()
+            if not self._polls or op not in _POLLED:
+                work.wait() if self.timeout is None else work.wait(timedelta(seconds=self.timeout))
             else:
-                work.wait(timedelta(seconds=self.timeout))
+                self._wait_polling(work, op, axis, t0)
+        except CollectiveError:
+            raise
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError subclasses
+            notice = fault_notice.posted(self.fault_key)     # the peer said why, then left
+            if notice is not None:
+                raise self.peer_failure(op, axis, notice, time.monotonic() - t0) from e
             raise self.failure(op, axis, e, time.monotonic() - t0) from e
         if _timer is not None:
             _timer(op, self.axis_names[axis], time.monotonic() - t0)
+
+    def _wait_polling(self, work, op: str, axis: int, t0: float) -> None:
+        """gloo collectives: wait in slices of ``POLL_S`` (a timed-out ``Work.wait`` leaves
+        the work pending, so it can be waited for again: ``_POLLED``), reading the store
+        between them."""
+        while True:
+            left = None if self.timeout is None else self.timeout - (time.monotonic() - t0)
+            try:
+                work.wait(timedelta(seconds=fault_notice.POLL_S if left is None
+                                    else max(1e-3, min(fault_notice.POLL_S, left))))
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    raise                        # it failed (a peer died, gloo's own timeout)
+                notice = fault_notice.posted(self.fault_key)
+                if notice is not None:
+                    raise self.peer_failure(op, axis, notice, time.monotonic() - t0) from None
+                if left is not None and time.monotonic() - t0 >= self.timeout:
+                    raise
+
+    def peer_failure(self, op: str, axis: int, notice: str, waited: float) -> CollectiveError:
+        """The :class:`CollectiveError` of this rank's wait for ``op`` when a peer posted
+        ``notice`` (it stopped, e.g. out of memory): the peer's message first."""
+        name, ranks = self.axis_names[axis], self.group_ranks[axis]
+        return CollectiveError(
+            f"{notice} (rank {self.rank} stopped waiting for {op} on mesh axis {name!r}, group "
+            f"ranks {ranks}, after {waited:.1f} s)", op=op, axis=name, ranks=list(ranks),
+            timed_out=False, peer_fault=notice)
 
     def failure(self, op: str, axis: int, cause: BaseException, waited: float | None = None
                 ) -> CollectiveError:

@@ -41,6 +41,7 @@ from autopar.runtime.branch_stage import BranchRanks
 from autopar.runtime.data import RankData
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.nonfinite import finite_or_skip
+from autopar.runtime.out_of_memory import reported_oom
 from autopar.runtime.updates import UpdateRule, make_rule
 from autopar.runtime.updates.workers import scaled_lr
 from autopar.runtime.pipeline_runner import PipelineRunner, stage_plan
@@ -278,6 +279,8 @@ class ParallelModule(nn.Module):
         if not pipelined:
             self._grad_sync.launch_on_accumulate()
         self._out_spec = cap.model_output_spec
+        self.steps_started = 0
+        """``train_step`` and differentiable forward calls so far: the step an error names."""
         if weights is not None:
             load_weights(self, weights, model)
         self._offload = None
@@ -326,9 +329,10 @@ class ParallelModule(nn.Module):
                 return True
             return self.scaler.step(optimizer, list(self.module.parameters()), self.comm)
         rule = self.update_rule        # runtime.updates: the plan's scheme
-        with scaled_lr(optimizer, rule.lr_scale):
-            stepped = rule.optimizer_step(optimizer_step, self.module.parameters())
-        self._gather_params()
+        with reported_oom(self.comm, self.steps_started, "the optimizer step"):
+            with scaled_lr(optimizer, rule.lr_scale):
+                stepped = rule.optimizer_step(optimizer_step, self.module.parameters())
+            self._gather_params()
         return stepped
 
     @property
@@ -400,7 +404,9 @@ class ParallelModule(nn.Module):
         grad = torch.is_grad_enabled()
         if grad:
             self._loop.arm()        # a backward may follow: its gradient sync listens
-        with use_comm(self._stage_comm), self._saved_tensor_policy():
+            self.steps_started += 1
+        with reported_oom(self.comm, self.steps_started, "forward"), use_comm(self._stage_comm), \
+                self._saved_tensor_policy():
             outs = run()
         return self._loop.attach(outs) if grad else outs
 
@@ -427,7 +433,9 @@ class ParallelModule(nn.Module):
             self._zero.drop_working_grads()
         first_compiled = self.plan.options.compile and self._compile_report is None
         t0, cached = time.perf_counter(), cache_counts() if first_compiled else None
-        with use_comm(self._stage_comm), self._saved_tensor_policy(), _fresh_grads(params):
+        self.steps_started += 1
+        with reported_oom(self.comm, self.steps_started, "forward and backward"), \
+                use_comm(self._stage_comm), self._saved_tensor_policy(), _fresh_grads(params):
             loss = self.runner.train(inputs, target, self._grad_sync, params, self.owners)
             if self._offload is not None:
                 self._offload.grads_down()      # the synced gradient shards to the host masters
