@@ -208,6 +208,21 @@ class OneStage:
         return self.programs[which].code
 
 
+def _first_compiled_step(runner, rank: int, first_step_s: float, cached: tuple[int, int]) -> dict:
+    """``ParallelModule.compile_report``'s value after the first compiled step (printed on
+    rank 0): its seconds, each program's compile seconds, the Inductor cache's hits."""
+    if isinstance(runner, PipelineRunner):
+        programs = [st.submod.program for stages in runner.stages.values() for _, st in stages]
+    else:
+        programs = list(runner.programs.values())
+    report = {"first_step_s": first_step_s, **compile_report(programs, cached)}
+    if rank == 0:
+        print(f"autopar: compile=True: first step {first_step_s:.1f} s, compiling forward and "
+              f"backward (Inductor cache: {report['cache_hits']} hits, {report['cache_misses']} "
+              "misses)", file=sys.stderr, flush=True)
+    return report
+
+
 class ParallelModule(nn.Module):
     """A model parallelized by a Plan. Build it with ``autopar.parallelize`` (or
     ``autopar.runtime.build``). ``comm`` is this rank's communicator on the plan's whole
@@ -440,7 +455,8 @@ class ParallelModule(nn.Module):
             if self._offload is not None:
                 self._offload.grads_down()      # the synced gradient shards to the host masters
         if first_compiled:
-            self._report_compiled(time.perf_counter() - t0, cached)
+            self._compile_report = _first_compiled_step(self.runner, self.comm.rank,
+                                                        time.perf_counter() - t0, cached)
         check, self.first_step_check = self.first_step_check, None
         if check is not None:       # check=: this first step against one device's, once
             check(*given, loss)
@@ -451,18 +467,6 @@ class ParallelModule(nn.Module):
         forward and backward), each program's compile seconds, and Inductor's on-disk cache
         hits and misses during it (``autopar.runtime.compiled``); None before, or when eager."""
         return self._compile_report
-
-    def _report_compiled(self, first_step_s: float, cached: tuple[int, int]) -> None:
-        if isinstance(self.runner, PipelineRunner):
-            programs = [st.submod.program for stages in self.runner.stages.values() for _, st in stages]
-        else:
-            programs = list(self.runner.programs.values())
-        self._compile_report = {"first_step_s": first_step_s, **compile_report(programs, cached)}
-        if self.comm.rank == 0:
-            r = self._compile_report
-            print(f"autopar: compile=True: first step {first_step_s:.1f} s, compiling forward and "
-                  f"backward (Inductor cache: {r['cache_hits']} hits, {r['cache_misses']} misses)",
-                  file=sys.stderr, flush=True)
 
     def _local_params(self) -> dict[str, nn.Parameter]:
         """This rank's parameters by attribute path, built once (every parameter is set by
