@@ -46,7 +46,7 @@ from autopar.verify import GRAD_RTOL, LOSS_RTOL, STEPS, WEIGHT_RTOL
 from autopar.viz.diff import diff as plan_diff
 from autopar.viz.explain import explain as explain_node
 from autopar.viz.summary import _table, fold_names, print_summary
-from cost_models.local_devices import local_cluster
+from autopar.cost_models.local_devices import local_cluster
 
 
 INTERNAL_ERROR = 3

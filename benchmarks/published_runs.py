@@ -429,9 +429,10 @@ class Run:
 # peak TFLOPs number is between SXM and NVL, and we don't know its exact value"): the
 # midpoint, per precision, of the H100 SXM datasheet (``gpus.H100_80GB``) and the H100 NVL
 # datasheet (NVIDIA H100 NVL product brief: FP32 60, TF32 835, BF16/FP16 1,671 TFLOPS, the
-# Tensor Core figures with sparsity, so 417.5 / 835.5 dense). Row 14's error at either end:
-# SXM +50.0%, NVL +31.5% (2026-11-23); the midpoint is not chosen on the row.
-H100_NVL_PEAK = {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12}
+# Tensor Core figures with sparsity, so 417.5 / 835.5 dense; FP8 3,341 with sparsity, 1,670.5
+# dense). Row 14's error at either end: SXM +50.0%, NVL +31.5% (2026-11-23); the midpoint is
+# not chosen on the row.
+H100_NVL_PEAK = {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12}
 TORCHTITAN_H100_PEAK = {k: (v + H100_NVL_PEAK[k]) / 2 for k, v in DEVICES["h100"].peak_flops.items()}
 # The fused attention of the 2024 H100 runs (torchtitan's Table 1, Llama 3): FlashAttention-2,
 # torch's SDPA flash backend then, at "up to 335 TFLOPs/s" forward + backward on H100 (Dao

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+
+from autopar.device import HOST
 from torch import nn
 
 from autopar.analysis.stages import assign_stages
@@ -111,7 +113,7 @@ class Builder:
         local = coord[self.inner:]
         root, shards = shard_model(self.cap, self.run_splan, local, self.shapes, torch.device("meta"),
                                    meta_ok=True)
-        built = rank_programs(self.cap, self.run_splan, self.pipelined, local, torch.device("cpu"),
+        built = rank_programs(self.cap, self.run_splan, self.pipelined, local, torch.device(HOST),
                               root, shards.attr_of, self.stage_of)
         stepped = "train" if self.cap.has_loss else "forward"
         ctx = {which: Context(which, self.cap, self.run_splan, shards.attr_of, built.loss_sync,
