@@ -31,7 +31,12 @@ def torchrun_cases(worker: str, nproc: int, cases: list[dict], out: Path, *,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     results = json.loads(Path(out).read_text()) if Path(out).exists() else []
     log = "\n".join(x for x in proc.stderr.splitlines() if not any(w in x for w in NOISE))
-    failed = "" if proc.returncode == 0 else f"torchrun failed ({proc.returncode}):\n{log[-8000:]}"
+    failed = ""
+    if proc.returncode != 0:
+        # a rank's watchdog dump (worker_loop) first: the log's tail may have lost it
+        dumps = (p.read_text() for p in sorted(Path(out).parent.glob(f"{Path(out).name}.rank*.stack")))
+        stacks = "".join(d[:6000] + "\n" for d in dumps if 'File "' in d)
+        failed = f"torchrun failed ({proc.returncode}):\n{stacks}{log[-8000:]}"
     return {r["case"]["id"]: r for r in results}, failed
 
 

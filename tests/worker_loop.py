@@ -7,7 +7,9 @@ A case that raises on one rank while the others wait in a collective would hang 
 every rank therefore prints the error at once (stderr) and writes it beside the results
 (``<out>.rank<r>.error``, the last case that failed on rank r), and a watchdog
 (``AUTOPAR_CASE_TIMEOUT`` seconds per case, default 240) dumps every thread's stack and
-exits, so a hang shows where each rank waits instead of ending in the test's timeout.
+exits, so a hang shows where each rank waits instead of ending in the test's timeout. The
+dump goes to ``<out>.rank<r>.stack`` (the launch's own log keeps only its tail, where the
+last rank's dump pushes out the first's), which ``launch.torchrun_cases`` shows on failure.
 """
 from __future__ import annotations
 
@@ -47,9 +49,15 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
     startup = [None] * dist.get_world_size()
     dist.all_gather_object(startup, round(time.process_time(), 3))
     results = []
+    stack = open(f"{out}.rank{rank}.stack", "w")     # noqa: SIM115 - open until exit
     for case in cases:
         print(f"[rank {rank}] case {case}", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback_later(limit, exit=True)
+        stack.seek(0)
+        stack.truncate()
+        stack.write(f"rank {rank}: case {case['id'] if 'id' in case else case} still running after "
+                    f"{limit:.0f} s (AUTOPAR_CASE_TIMEOUT); every thread's stack:\n")
+        stack.flush()
+        faulthandler.dump_traceback_later(limit, exit=True, file=stack)
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             res = {"case": case, "ok": True, **run_case(case)}
@@ -74,6 +82,8 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
                   f"(CPU s by rank {[v['cpu'] for v in verdicts]}): {case}", file=sys.stderr, flush=True)
             with open(out, "w") as f:      # after every case: a launch that dies keeps the rest
                 json.dump(results, f)
+    stack.close()
+    os.remove(stack.name)
     gc.collect()       # drop every module (and its work handles) before the groups go
     dist.barrier()
     dist.destroy_process_group()
