@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autopar.ops import collectives  # noqa: E402
 from autopar.ops.comm import DistComm, use_comm  # noqa: E402
 from autopar.runtime.collective_order import (  # noqa: E402
-    CollectiveOrderError, check_eager_programs, order_check,
+    EAGER_FIX, CollectiveOrderError, check_eager_programs, order_check,
 )
 from autopar.runtime.compiled import CompiledProgram  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
@@ -77,6 +77,16 @@ def _program(reverse: bool) -> fx.GraphModule:
 
 
 def run_case(case: dict) -> dict:
+    if case["mode"] == "absent":        # rank 1 never reaches the check: rank 0 waits 2 s
+        check = order_check(_comm(), pipelined=False)
+        check.timeout_s = 2.0
+        refused = None
+        if dist.get_rank() == 0:
+            try:
+                check.check("the train program", [], EAGER_FIX)
+            except CollectiveOrderError as e:
+                refused = str(e)
+        return {"refused": refused}
     comm = _comm()
     rank = dist.get_rank()
     reverse = case["differ"] and rank == 1

@@ -110,6 +110,7 @@ CASES = [
     {"id": "compiled-same", "mode": "compiled", "differ": False},
     {"id": "eager-differ", "mode": "eager", "differ": True},
     {"id": "eager-same", "mode": "eager", "differ": False},
+    {"id": "absent", "mode": "absent", "differ": False},
 ]
 
 
@@ -127,6 +128,13 @@ def test_ranks_in_different_orders_are_refused_before_running(gloo_results, mode
     assert "collective #0 is, on rank 0, all_reduce" in msg and "on rank 1, all_gather" in msg, msg
     assert "(3 elements)" in msg and "(5 elements)" in msg, msg
     assert ("without compile=True" in msg) == (mode == "compiled"), msg
+
+
+def test_a_rank_that_never_comes_is_named_not_waited_for(gloo_results):
+    """The lists meet in the job's store: a rank that does not reach the check (failed,
+    or still compiling) ends the others' wait at the timeout with its rank named."""
+    msg = case_result(gloo_results, "absent")["refused"]
+    assert msg is not None and "rank(s) [1] did not reach the collective-order check within 2 s" in msg, msg
 
 
 @pytest.mark.parametrize("mode", ["compiled", "eager"])

@@ -4,8 +4,8 @@
 Two ranks that issue one group's collectives in different orders wait for each other for
 ever (issue 43: torchtitan's Llama 3 under ``compile=True``, ZeRO-3, hung with rank 0 in a
 bucketed all-gather and rank 1 in a reduce-scatter). Each rank lists what its program will
-issue, the ranks of a check group (a gloo group of the ranks that run the same programs,
-made when the module is built) gather the lists, and every rank compares them the same way,
+issue, the ranks that run the same programs exchange the lists through the job's store
+(:class:`OrderCheck`), and every rank compares them the same way,
 so that all raise the same :class:`CollectiveOrderError`, naming the first collective where
 two ranks of a group differ, instead of hanging.
 
@@ -25,12 +25,22 @@ sends (read from the generated code; ``None`` where the code does not say).
 """
 from __future__ import annotations
 
+import itertools
+import pickle
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+from autopar.ops.fault_notice import job_store
+
+DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()
+"""How long a rank waits for the others' lists where the job set no collective timeout:
+torch's default process-group timeout (30 minutes), which the check's gloo gather had."""
 
 
 class CollectiveOrderError(RuntimeError):
@@ -196,21 +206,41 @@ def first_difference(by_rank: dict[int, tuple[str, list[Collective]]], fix: str)
 
 
 class OrderCheck:
-    """Compares what the ranks of ``group`` (a gloo group of the ranks that run the same
-    programs) will issue; ``groups``: process group name -> (mesh axis name, ranks), the
-    names the lists use. Every rank of ``group`` must call :meth:`check` at the same point
-    (before the same program's first run)."""
+    """Compares what ``ranks`` (the ranks that run the same programs) will issue;
+    ``groups``: process group name -> (mesh axis name, ranks), the names the lists use.
+    Every rank of ``ranks`` must call :meth:`check` at the same point (before the same
+    program's first run).
 
-    def __init__(self, group, groups: dict[str, tuple[str, tuple[int, ...]]]):
-        self.group, self.groups = group, groups
+    The lists meet in the job's store (``ops.fault_notice.job_store``: the TCPStore every
+    rank reaches), not in a gloo collective: a compiled program is checked while Inductor
+    compiles it, and a gloo all-gather issued there hung the ranks now and then on a cold
+    Inductor cache (``tests/test_compile.py`` in CI, 2 of ~8 cold launches here: both ranks
+    in the check's ``all_gather_object``, one of them blocked submitting its second
+    all-gather); a store key is a socket round trip, with no gloo worker thread and no
+    tensor. ``key``: this check's prefix, the same on every rank of ``ranks``; each call
+    writes under ``<key>/<n>/<rank>`` and waits at most ``timeout_s`` for the others'."""
+
+    def __init__(self, ranks: Sequence[int], groups: dict[str, tuple[str, tuple[int, ...]]],
+                 key: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.ranks, self.groups, self.key, self.timeout_s = tuple(ranks), groups, key, timeout_s
         self.checked: list[str] = []          # what was checked here, in order
 
     def check(self, which: str, seq: list[Collective], fix: str) -> None:
-        gathered = [None] * dist.get_world_size(self.group)
-        # called while Inductor compiles, under its fake-tensor mode: the gather's tensors real
-        with torch.utils._python_dispatch._disable_current_modes():
-            dist.all_gather_object(gathered, (dist.get_rank(), which, seq), group=self.group)
-        problem = first_difference({r: (w, s) for r, w, s in gathered}, fix)
+        store, rank = job_store(), dist.get_rank()
+        at = f"{self.key}/{len(self.checked)}"
+        store.set(f"{at}/{rank}", pickle.dumps((which, seq)))
+        keys = [f"{at}/{r}" for r in self.ranks]
+        try:
+            store.wait(keys, timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:       # DistStoreError: a rank never came
+            missing = [r for r, k in zip(self.ranks, keys) if not store.check([k])]
+            raise CollectiveOrderError(
+                f"{which}: rank(s) {missing} did not reach the collective-order check within "
+                f"{self.timeout_s:.0f} s (ranks {list(self.ranks)} check their programs together "
+                f"before the first step): a rank failed or is still compiling; its own error says "
+                f"which, or raise autopar.parallelize(..., timeout=)") from e
+        gathered = {r: pickle.loads(store.get(k)) for r, k in zip(self.ranks, keys)}
+        problem = first_difference(gathered, fix)
         if problem is not None:
             raise CollectiveOrderError(problem)
         self.checked.append(which)
@@ -248,28 +278,30 @@ def checked_backend(which: str, check: OrderCheck | None, options: dict) -> Call
     return backend
 
 
+_made = itertools.count()    # order checks this process made: the same count on every rank
+
+
 def order_check(comm, pipelined: bool) -> OrderCheck | None:
     """The :class:`OrderCheck` of this rank (``comm``: its communicator on the plan's whole
     mesh), or None where there is nothing to check with (simulated ranks, one process).
-    Unpipelined, every rank runs the same programs: one group of all; pipelined, each
-    stage's ranks (the ranks with the same coordinate on axis 0). Called on every rank."""
+    Unpipelined, every rank runs the same programs: one check of all; pipelined, each
+    stage's ranks (the ranks with the same coordinate on axis 0). Called on every rank, in
+    the same order (each module's build), which numbers the checks alike."""
     mesh = getattr(comm, "mesh", None)
     if mesh is None or not dist.is_initialized() or dist.get_world_size() < 2 \
-            or mesh.mesh.numel() != dist.get_world_size():
-        return None       # (a mesh of part of the job: the other ranks would not make the group)
+            or mesh.mesh.numel() != dist.get_world_size() or job_store() is None:
+        return None       # (a mesh of part of the job: the other ranks would not make the check)
     groups = {}
     for a, g in enumerate(comm.groups):
         groups[g.group_name] = (comm.axis_names[a], tuple(comm.group_ranks[a]))
-    ranks = mesh.mesh
+    ranks, key = mesh.mesh, f"autopar/order/{next(_made)}"
+    timeout = getattr(comm, "timeout", None) or DEFAULT_TIMEOUT_S
     if pipelined:
-        mine = None
-        for p in range(ranks.shape[0]):          # every rank makes every stage's group
+        for p in range(ranks.shape[0]):
             members = sorted(ranks[p].flatten().tolist())
-            g = dist.new_group(members, backend="gloo")
             if dist.get_rank() in members:
-                mine = g
-        return OrderCheck(mine, groups)
-    return OrderCheck(dist.new_group(sorted(ranks.flatten().tolist()), backend="gloo"), groups)
+                return OrderCheck(members, groups, f"{key}/stage{p}", timeout)
+    return OrderCheck(sorted(ranks.flatten().tolist()), groups, key, timeout)
 
 
 def check_eager_programs(check: OrderCheck | None, comm, programs: dict) -> None:
