@@ -1,0 +1,146 @@
+"""Run by tests/test_elastic_axes.py under torchrun: an elastic job pinned one model axis
+(``context``, ``expert``, ``tensor`` or ``pipeline``) loses half its ranks and resumes.
+
+Each case is one job, in two launches that share its checkpoint directory:
+
+- ``save`` (4 ranks): ``autopar.parallelize(..., elastic=True, batch="per_rank", data=2,
+  <axis>=2)``, each data rank reading its slice of the global batches from
+  ``autopar.elastic.GlobalBatchSampler``, AdamW, ``save_step_checkpoint`` every ``EVERY``
+  steps; it trains ``LOST_AT`` steps, so the last one (after checkpoint ``LOST_AT - 1``) is
+  lost with the ranks;
+- ``resume`` (2 ranks, the same pins): ``elastic=True`` re-plans for the world it has (the
+  axis kept, ``data`` takes the rest: 1, with ``accumulate`` 2 where there is no pipeline),
+  ``autopar.elastic.resume`` loads the newest complete checkpoint (saved under the 4-rank
+  mesh) and it trains to ``STEPS``; rank 0 writes the final full state dict.
+
+Every step's loss and where the mode happened (mesh, the parameters split on the axis, the
+pipeline's micro-batches) come back in the result; the test compares the losses and the
+final weights with one device's run of the same global batches (``one_device``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.checkpoint import save_step_checkpoint  # noqa: E402
+from autopar.elastic import GlobalBatchSampler, resume  # noqa: E402
+from autopar.placement import Shard  # noqa: E402
+from worker_loop import run_cases  # noqa: E402
+
+STEPS, EVERY, LOST_AT = 7, 2, 5          # checkpoints 2 and 4; step 5's work is lost
+BATCH, SAMPLES, LR = 8, 24, 1e-2         # 3 global batches an epoch: two epoch boundaries
+SEQ = 16                                 # divides into 2 x context=2 balanced chunks
+
+# (axis, model, its pins on 4 ranks)
+CASES = {
+    "context": ("llama", {"context": 2, "data": 2}),
+    "expert": ("mixtral", {"expert": 2, "data": 2, "expert_dispatch": "all-to-all"}),
+    "tensor": ("mlp", {"tensor": 2, "data": 2}),
+    "pipeline": ("mlp", {"pipeline": 2, "data": 2, "micro_batch_size": 2}),
+}
+
+
+def build(model: str):
+    """(module, loss_fn, one global batch's example inputs and target, vocabulary or None)."""
+    if model in ("mlp", "llama"):       # autopar's own examples: no transformers to import
+        from examples.models import llama_factory, mlp_factory
+        ex = (mlp_factory if model == "mlp" else llama_factory)(batch=BATCH, seed=0)
+        return ex.model, ex.loss_fn, ex.inputs, ex.target, getattr(ex.config, "vocab_size", None)
+    from examples.zoo import DEC, V, causal_lm, lm_loss       # a transformers Mixtral
+    b = causal_lm("MixtralConfig", "MixtralForCausalLM", attn="sdpa", num_local_experts=4,
+                  num_experts_per_tok=2, **DEC)(batch=BATCH)
+    return b.model, lm_loss, b.inputs, b.target, V
+
+
+def dataset(model: str) -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    _, _, inputs, target, vocab = build(model)
+    if vocab is None:
+        return TensorDataset(torch.randn(SAMPLES, *inputs[0].shape[1:], generator=g),
+                             torch.randn(SAMPLES, *target.shape[1:], generator=g))
+    assert inputs[0].shape[1] == SEQ, inputs[0].shape
+    return TensorDataset(torch.randint(0, vocab, (SAMPLES, SEQ), generator=g),
+                         torch.randint(0, vocab, (SAMPLES, SEQ), generator=g))
+
+
+def one_device(model: str, steps):
+    """(initial state dict, final state dict, losses) of one-device AdamW steps over the
+    global batches ``GlobalBatchSampler`` gives: steps ``0 .. steps - 1``, or the list of
+    steps ``steps``."""
+    net, loss_fn, _, _, _ = build(model)
+    ds = dataset(model)
+    sampler = GlobalBatchSampler(len(ds), BATCH)
+    init = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    losses = []
+    for s in (range(steps) if isinstance(steps, int) else steps):
+        x, y = ds[sampler.global_indices(s)]
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().item())
+    return init, {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
+
+
+def _split_on(pm, axis: str) -> list[str]:
+    """This stage's parameters held split (``Shard``) on mesh axis ``axis``."""
+    names = list(pm.plan.mesh_axes)[1 if pm.plan.pipeline_stages > 1 else 0:]   # the stage's mesh
+    if axis not in names:
+        return []
+    a = names.index(axis)
+    return sorted(n for n, pl in pm._shards.placements.items()
+                  if a < len(pl) and isinstance(pl[a], Shard))
+
+
+def run_case(case: dict) -> dict:
+    axis = case["axis"]
+    model, pins = CASES[axis]
+    net, loss_fn, inputs, target, _ = build(model)
+    pm = autopar.parallelize(net, inputs, loss_fn, target=target, batch="per_rank", elastic=True,
+                             timeout=60, **pins)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    root = os.path.join(case["dir"], "ckpt")
+    extra = resume(root, pm, opt, verbose=False) or {"step": 0}
+    step = extra["step"]
+    plan = pm.plan
+    info = {"resumed_from": step, "mesh": dict(zip(plan.mesh_axes, plan.mesh_shape)),
+            "pipeline_stages": plan.pipeline_stages, "microbatches": plan.n_microbatches,
+            "accumulate": plan.accumulate, "data_world": pm.data_world,
+            "world": dist.get_world_size(), "split_on_axis": _split_on(pm, axis),
+            "plan_seconds": round(pm.elastic.plan_seconds, 3)}
+    last = LOST_AT if case["phase"] == "save" else STEPS
+    ds = dataset(model)
+    sampler = GlobalBatchSampler(len(ds), BATCH, pm.data_rank, pm.data_world, start=step,
+                                 steps=last)
+    losses = []
+    for x, y in DataLoader(ds, batch_sampler=sampler):
+        loss = pm.train_step(x, target=y)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().item())
+        step += 1
+        if step % EVERY == 0:
+            save_step_checkpoint(root, step, pm, opt, keep=2, extra={"step": step})
+    full = pm.full_state_dict()
+    if case["phase"] == "resume" and dist.get_rank() == 0:
+        torch.save(full, os.path.join(case["dir"], "final.pt"))
+    return {**info, "losses": losses, "steps": step}
+
+
+def main() -> None:
+    run_cases(run_case)
+
+
+if __name__ == "__main__":
+    main()
