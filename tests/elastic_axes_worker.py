@@ -1,17 +1,18 @@
 """Run by tests/test_elastic_axes.py under torchrun: an elastic job pinned one model axis
 (``context``, ``expert``, ``tensor`` or ``pipeline``) loses half its ranks and resumes.
 
-Each case is one job, in two launches that share its checkpoint directory:
+Each case is one job in two worlds of one launch (``main``), its checkpoint directory shared:
 
 - ``save`` (4 ranks): ``autopar.parallelize(..., elastic=True, batch="per_rank", data=2,
-  <axis>=2)``, each data rank reading its slice of the global batches from
+  <axis>=2)`` (``CASES``), each data rank reading its slice of the global batches from
   ``autopar.elastic.GlobalBatchSampler``, AdamW, ``save_step_checkpoint`` every ``EVERY``
   steps; it trains ``LOST_AT`` steps, so the last one (after checkpoint ``LOST_AT - 1``) is
   lost with the ranks;
-- ``resume`` (2 ranks, the same pins): ``elastic=True`` re-plans for the world it has (the
-  axis kept, ``data`` takes the rest: 1, with ``accumulate`` 2 where there is no pipeline),
-  ``autopar.elastic.resume`` loads the newest complete checkpoint (saved under the 4-rank
-  mesh) and it trains to ``STEPS``; rank 0 writes the final full state dict.
+- ``resume`` (ranks 0 and 1 in a new world of 2, the same pins): ``elastic=True`` re-plans
+  for the world it has (the axis kept, ``data`` takes the rest: 1, with ``accumulate`` 2, or
+  under the pipeline micro-batches of half the rows), ``autopar.elastic.resume`` loads the
+  newest complete checkpoint (saved under the 4-rank mesh) and it trains to ``STEPS``; rank
+  0 writes the final full state dict.
 
 Every step's loss and where the mode happened (mesh, the parameters split on the axis, the
 pipeline's micro-batches) come back in the result; the test compares the losses and the
@@ -19,6 +20,7 @@ final weights with one device's run of the same global batches (``one_device``).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import warnings
@@ -39,13 +41,19 @@ from worker_loop import run_cases  # noqa: E402
 
 STEPS, EVERY, LOST_AT = 7, 2, 5          # checkpoints 2 and 4; step 5's work is lost
 BATCH, SAMPLES, LR = 8, 24, 1e-2         # 3 global batches an epoch: two epoch boundaries
+# AdamW divides by sqrt(v) + eps: a gradient that is ~1e-9 by rounding alone would move its
+# weight by up to lr / (1e-9 + eps); eps 1e-6 keeps that near 1e-3 of an lr-sized step
+# (tests/checkpoint_worker.py's EPS, for the same reason)
+EPS = 1e-6
 SEQ = 16                                 # divides into 2 x context=2 balanced chunks
 
-# (axis, model, its pins on 4 ranks)
+# axis: (model, its pins on 4 ranks). ZeRO-3 where the axis allows it (not beside expert=:
+# options._check_combinations), so that the weights and moments are stored split 4 ways on
+# 4 ranks and 2 ways on 2: the checkpoint is resharded, not just reread
 CASES = {
-    "context": ("llama", {"context": 2, "data": 2}),
+    "context": ("llama", {"context": 2, "data": 2, "zero": 3}),
     "expert": ("mixtral", {"expert": 2, "data": 2, "expert_dispatch": "all-to-all"}),
-    "tensor": ("mlp", {"tensor": 2, "data": 2}),
+    "tensor": ("mlp", {"tensor": 2, "data": 2, "zero": 3}),
     "pipeline": ("mlp", {"pipeline": 2, "data": 2, "micro_batch_size": 2}),
 }
 
@@ -81,7 +89,7 @@ def one_device(model: str, steps):
     ds = dataset(model)
     sampler = GlobalBatchSampler(len(ds), BATCH)
     init = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, eps=EPS)
     losses = []
     for s in (range(steps) if isinstance(steps, int) else steps):
         x, y = ds[sampler.global_indices(s)]
@@ -109,7 +117,7 @@ def run_case(case: dict) -> dict:
     net, loss_fn, inputs, target, _ = build(model)
     pm = autopar.parallelize(net, inputs, loss_fn, target=target, batch="per_rank", elastic=True,
                              timeout=60, **pins)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     root = os.path.join(case["dir"], "ckpt")
     extra = resume(root, pm, opt, verbose=False) or {"step": 0}
     step = extra["step"]
@@ -139,7 +147,27 @@ def run_case(case: dict) -> dict:
 
 
 def main() -> None:
-    run_cases(run_case)
+    """``argv[1]``: the cases, ``argv[2]``: where rank 0 writes the results. The ``save``
+    cases run on the launch's 4 ranks; then ranks 2 and 3 leave (the lost ranks) and 0 and 1
+    start a new 2-rank world (a fresh process group and store, on the port the first
+    ``resume`` case names) for the ``resume`` cases."""
+    cases, out = json.loads(sys.argv[1]), sys.argv[2]
+    phases = [[c for c in cases if c["phase"] == p] for p in ("save", "resume")]
+    rank, results = int(os.environ["RANK"]), []
+    for k, todo in enumerate(phases):
+        if k == 1:
+            if rank >= 2:
+                return                  # the ranks lost
+            os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                              MASTER_PORT=str(todo[0]["port"]),
+                              TORCHELASTIC_USE_AGENT_STORE="False")   # rank 0 hosts the store
+        sys.argv[1:3] = [json.dumps(todo), f"{out}.{k}"]
+        run_cases(run_case)         # inits the process group of this world; destroys it at the end
+        if rank == 0:
+            with open(f"{out}.{k}") as f:
+                results += json.load(f)
+            with open(out, "w") as f:
+                json.dump(results, f)
 
 
 if __name__ == "__main__":
