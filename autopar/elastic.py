@@ -11,7 +11,8 @@ nothing had happened:
    ranks the other mesh pins (``tensor``, ``context``, ``expert``, ``pipeline``, ``branch``:
    ``autopar.options.MESH_AXIS_PINS``) leave, and
    gradient accumulation grows so that each rank's micro-batch is no larger than under the
-   pins, while the global batch (the example inputs' rows) stays what it was. Under
+   pins, while the global batch (the example inputs' rows) stays what it was (a pipeline's
+   ``micro_batch_size=`` shrinks with the data ranks instead, and it runs more of them). Under
    ``workers="accordion:W1:W2"`` (``autopar.runtime.updates.workers``) W1 and W2 are capped at this
    world's data degree (with a warning), and the schedule's state (regime, last norm,
    steps) travels in the checkpoint :func:`resume` loads.

@@ -37,6 +37,7 @@ import autopar  # noqa: E402
 from autopar.checkpoint import save_step_checkpoint  # noqa: E402
 from autopar.elastic import GlobalBatchSampler, resume  # noqa: E402
 from autopar.placement import Shard  # noqa: E402
+from launch import free_port  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
 STEPS, EVERY, LOST_AT = 7, 2, 5          # checkpoints 2 and 4; step 5's work is lost
@@ -84,14 +85,25 @@ def dataset(model: str) -> TensorDataset:
 def one_device(model: str, steps):
     """(initial state dict, final state dict, losses) of one-device AdamW steps over the
     global batches ``GlobalBatchSampler`` gives: steps ``0 .. steps - 1``, or the list of
-    steps ``steps``."""
+    steps ``steps``. On one thread: on 2 shared cores under load (7), torch's 2 intra-op
+    threads made these tiny steps 20x slower (measured: the Llama's 14 steps took 14 s on
+    2 threads, 0.7 s on 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _one_device(model, range(steps) if isinstance(steps, int) else steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_device(model: str, steps):
     net, loss_fn, _, _, _ = build(model)
     ds = dataset(model)
     sampler = GlobalBatchSampler(len(ds), BATCH)
     init = {k: v.detach().clone() for k, v in net.state_dict().items()}
     opt = torch.optim.AdamW(net.parameters(), lr=LR, eps=EPS)
     losses = []
-    for s in (range(steps) if isinstance(steps, int) else steps):
+    for s in steps:
         x, y = ds[sampler.global_indices(s)]
         loss = loss_fn(net(x), y)
         loss.backward()
@@ -119,14 +131,15 @@ def run_case(case: dict) -> dict:
                              timeout=60, **pins)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     root = os.path.join(case["dir"], "ckpt")
-    extra = resume(root, pm, opt, verbose=False) or {"step": 0}
+    extra = resume(root, pm, opt, verbose=False) or {"step": 0, "reload_seconds": 0.0}
     step = extra["step"]
     plan = pm.plan
     info = {"resumed_from": step, "mesh": dict(zip(plan.mesh_axes, plan.mesh_shape)),
             "pipeline_stages": plan.pipeline_stages, "microbatches": plan.n_microbatches,
             "accumulate": plan.accumulate, "data_world": pm.data_world,
             "world": dist.get_world_size(), "split_on_axis": _split_on(pm, axis),
-            "plan_seconds": round(pm.elastic.plan_seconds, 3)}
+            "plan_seconds": round(pm.elastic.plan_seconds, 3),
+            "reload_seconds": round(extra["reload_seconds"], 3)}
     last = LOST_AT if case["phase"] == "save" else STEPS
     ds = dataset(model)
     sampler = GlobalBatchSampler(len(ds), BATCH, pm.data_rank, pm.data_world, start=step,
@@ -149,17 +162,21 @@ def run_case(case: dict) -> dict:
 def main() -> None:
     """``argv[1]``: the cases, ``argv[2]``: where rank 0 writes the results. The ``save``
     cases run on the launch's 4 ranks; then ranks 2 and 3 leave (the lost ranks) and 0 and 1
-    start a new 2-rank world (a fresh process group and store, on the port the first
-    ``resume`` case names) for the ``resume`` cases."""
+    start a new 2-rank world (a fresh process group, its store on a port rank 0 chose while
+    the launch's store held its own) for the ``resume`` cases."""
     cases, out = json.loads(sys.argv[1]), sys.argv[2]
     phases = [[c for c in cases if c["phase"] == p] for p in ("save", "resume")]
     rank, results = int(os.environ["RANK"]), []
+    if rank == 0:
+        with open(f"{out}.port", "w") as f:
+            f.write(str(free_port()))
     for k, todo in enumerate(phases):
-        if k == 1:
+        if k == 1:              # run_cases' closing barrier: rank 0 wrote the port before it
             if rank >= 2:
                 return                  # the ranks lost
-            os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                              MASTER_PORT=str(todo[0]["port"]),
+            with open(f"{out}.port") as f:
+                port = f.read()
+            os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=port,
                               TORCHELASTIC_USE_AGENT_STORE="False")   # rank 0 hosts the store
         sys.argv[1:3] = [json.dumps(todo), f"{out}.{k}"]
         run_cases(run_case)         # inits the process group of this world; destroys it at the end
