@@ -178,8 +178,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                      first_step.FirstStepCheck, reference=reference, loss_fn=loss_fn,
                      precision=the_plan.options.precision),
                  elastic=None if not elastic else _elastic.ElasticInfo(
-                     info.world, info.data, the_plan.accumulate, info.global_batch,
-                     time.perf_counter() - started))
+                     info.world, info.data, the_plan.n_microbatches, info.global_batch,
+                     time.perf_counter() - started, info.split))
 
 
 def _refuse_hogwild(pins: Options) -> None:

@@ -11,7 +11,8 @@ nothing had happened:
    ranks the other mesh pins (``tensor``, ``context``, ``expert``, ``pipeline``, ``branch``:
    ``autopar.options.MESH_AXIS_PINS``) leave, and
    gradient accumulation grows so that each rank's micro-batch is no larger than under the
-   pins, while the global batch (the example inputs' rows) stays what it was. Under
+   pins, while the global batch (the example inputs' rows) stays what it was (a pipeline's
+   ``micro_batch_size=`` shrinks with the data ranks instead, and it runs more of them). Under
    ``workers="accordion:W1:W2"`` (``autopar.runtime.updates.workers``) W1 and W2 are capped at this
    world's data degree (with a warning), and the schedule's state (regime, last norm,
    steps) travels in the checkpoint :func:`resume` loads.
@@ -50,14 +51,15 @@ class ElasticInfo:
     """What ``parallelize(..., elastic=True)`` chose for this world (``pm.elastic``)."""
     world: int
     data: int
-    accumulate: int
+    accumulate: int                 # micro-batches a rank runs each step (a pipeline's too)
     global_batch: int
     plan_seconds: float = 0.0       # capture, solve and build: the re-plan
+    split: int = 1                  # other axes that split the batch as data does (expert)
 
     @property
     def rows_per_rank(self) -> int:
-        """Rows of one micro-batch on one data rank."""
-        return self.global_batch // (self.data * self.accumulate)
+        """Rows of one micro-batch on one batch rank (data x expert)."""
+        return self.global_batch // (self.data * self.split * self.accumulate)
 
 
 def global_batch_rows(example_inputs: Sequence, target=None) -> int:
@@ -74,15 +76,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _batch_axes(pins: Options) -> int:
+    """The degree of the model axes that split the batch as ``data`` does: ``expert``
+    (``autopar.runtime.data.data_axes``: its ranks split the batch for every op but the
+    experts)."""
+    return pins.get("expert") or 1
+
+
 def elastic_pins(pins: Options, world: int, global_batch: int) -> tuple[Options, ElasticInfo]:
     """``pins`` for a job of ``world`` ranks and a global batch of ``global_batch`` rows.
 
     ``data`` becomes ``world`` over the other mesh pins (an error when they do not divide
-    ``world``). The micro-batch rows each data rank may hold are those the pins give
-    (``global_batch / (data * accumulate)``, with the pinned ``data``, else this world's);
-    ``accumulate`` becomes the smallest number of micro-batches that keeps each rank's
-    within that and splits the global batch evenly. Under a pipeline (which runs its own
-    micro-batches) only ``data`` changes."""
+    ``world``). The batch is split over the data ranks and the expert axis (the *batch
+    ranks*, ``data x expert``). The micro-batch rows each batch rank may hold are those the
+    pins give: ``global_batch / (batch ranks x micro-batches)``, with the pinned ``data``
+    (else this world's) and the pinned micro-batches (``accumulate=``, or the global batch
+    over ``micro_batch_size=``). This world then runs the smallest number ``m`` of
+    micro-batches that keeps each rank's within that and splits the global batch evenly
+    over its batch ranks: ``accumulate=m`` without a pipeline, ``micro_batch_size=
+    global_batch / m`` under one (whose micro-batch is split over the data ranks). A
+    pipeline without ``micro_batch_size=`` keeps choosing its own micro-batches."""
     other = math.prod((pins.get(n) or 1) for n in MODEL_AXES)
     named = ", ".join(f"{n}={pins[n]}" for n in MODEL_AXES if (pins.get(n) or 1) > 1)
     if world % other:
@@ -91,36 +104,49 @@ def elastic_pins(pins: Options, world: int, global_batch: int) -> tuple[Options,
                             f"job has {world}: launch with --nnodes MIN:MAX whose every size is a "
                             f"multiple of {other} ({fits}, ...), or drop those pins")
     data = world // other
-    if global_batch % data:
-        sizes = [d * other for d in _divisors(global_batch)]
+    split = _batch_axes(pins)
+    if global_batch % (data * split):
+        sizes = [d * other for d in _divisors(global_batch // split)]
         ok = ", ".join(map(str, sizes[:10])) + (", ..." if len(sizes) > 10 else "")
+        over = f"the {data} data ranks" + (f" x expert={split}" if split > 1 else "")
         raise ArgumentError(f"elastic: the global batch of {global_batch} rows does not split over "
-                            f"the {data} data ranks of this {world}-rank job: run on a number of "
+                            f"{over} of this {world}-rank job: run on a number of "
                             f"ranks that splits it ({ok}; torchrun --nnodes MIN:MAX with "
                             f"every size from MIN to MAX one of those), or make the global "
-                            f"batch a multiple of {data}")
+                            f"batch a multiple of {data * split}")
     pipelined = (pins.get("pipeline") or 1) > 1
-    acc = 1
-    if not pipelined:
-        full_data, full_acc = pins.get("data") or data, pins.get("accumulate") or 1
-        if global_batch % (full_data * full_acc):
-            raise ArgumentError(f"elastic: data={full_data} x accumulate={full_acc} does not split "
-                                f"the global batch of {global_batch} rows: pin values whose "
-                                f"product divides {global_batch}")
-        rows = global_batch // (full_data * full_acc)        # a rank's micro-batch, at most
-        acc = next(a for a in range(-(-global_batch // (data * rows)), global_batch // data + 1)
-                   if global_batch % (data * a) == 0)
+    mbs = pins.get("micro_batch_size")
     new = {**dict(pins), "data": data}
+    new.pop("accumulate", None)
+    m = 1
+    if not pipelined or mbs is not None:
+        full_data = pins.get("data") or data
+        if mbs is not None and global_batch % mbs:
+            raise ArgumentError(f"elastic: micro_batch_size={mbs} does not divide the global batch "
+                                f"of {global_batch} rows: pin a divisor of {global_batch}")
+        full_m = global_batch // mbs if mbs is not None else pins.get("accumulate") or 1
+        if global_batch % (full_data * split * full_m):
+            what = (f"micro_batch_size={mbs}" if mbs is not None else f"accumulate={full_m}")
+            raise ArgumentError(f"elastic: data={full_data}{f' x expert={split}' if split > 1 else ''}"
+                                f" x {what} does not split the global batch of {global_batch} "
+                                f"rows evenly over the data ranks: pin values whose product "
+                                f"divides {global_batch}")
+        rows = global_batch // (full_data * split * full_m)   # a rank's micro-batch, at most
+        n = data * split
+        m = next(a for a in range(-(-global_batch // (n * rows)), global_batch // n + 1)
+                 if global_batch % (n * a) == 0)
+        new.pop("micro_batch_size", None)
+        if pipelined:
+            new["micro_batch_size"] = global_batch // m
+        elif m > 1:
+            new["accumulate"] = m
     counts = pins.worker_counts
     if counts is not None and counts[1] > data:     # workers=: at most this world's data ranks
         new["workers"] = f"accordion:{min(counts[0], data)}:{data}"
         warnings.warn(f"elastic: workers={pins.workers!r} asks for more data-parallel workers than "
                       f"the {data} data ranks of this {world}-rank job: training with "
                       f"workers={new['workers']!r} until the job grows again", stacklevel=2)
-    new.pop("accumulate", None)
-    if acc > 1:
-        new["accumulate"] = acc
-    return Options.from_pins(new), ElasticInfo(world, data, acc, global_batch)
+    return Options.from_pins(new), ElasticInfo(world, data, m, global_batch, split=split)
 
 
 class GlobalBatchSampler(Sampler):

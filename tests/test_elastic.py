@@ -182,7 +182,7 @@ def test_fewer_ranks_accumulate_more_and_keep_the_global_batch():
     assert _pins(1) == (1, 8, 3)
     assert _pins(8) == (8, None, 3)       # more ranks: no accumulation left
     assert _pins(6, tensor=2, data=2) == (3, None, 8)     # data takes what tensor leaves
-    assert _pins(3, pipeline=3, micro_batch_size=4) == (1, None, 24)
+    assert _pins(3, pipeline=3, micro_batch_size=4) == (1, None, 4)   # 6 micro-batches of 4
 
 
 def test_a_world_that_cannot_hold_the_global_batch_names_the_fix():
