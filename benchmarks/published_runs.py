@@ -382,6 +382,9 @@ class Run:
     time_limit_s: float = 0.0   # the ILP's limit for this row, when the default is too short
     selective_nodes: object = None  # under selective_ac: cap -> the nodes recomputed (None: torchtitan's policy)
     stage_split: str = ""       # the stage_split= pin of a pipelined run ("": the stage DP's cuts)
+    precision: str = "bf16"     # the GEMMs' precision as run ("fp8": precision="fp8", its linears)
+    fp8_scaling: str = ""       # under fp8: the recipe's scaling as run ("tensorwise" / "rowwise")
+    lacks: str = ""             # what the run used that autopar does not price (printed per row)
 
     @property
     def data(self) -> int:
@@ -464,6 +467,13 @@ QWEN3_235B_TPS = 2048 * 4096 / 24.2 / 256
 # autopar does not price (bf16 here: the error includes FP8's GEMM gain), and the page gives
 # no batch: one sequence per data-parallel group (micro-batch 1), full recomputation off.
 NEMO_LONG = "NeMo performance_long_sequence.md, LLAMA2-7B FP8 (DGX-H100)"
+NEMO_FP8 = {"precision": "fp8", "fp8_scaling": "tensorwise"}
+"""NeMo's FP8 is Transformer Engine's (NeMo 24.03: ``fp8=True``, TE's default
+``DelayedScaling`` recipe: one scale per tensor from an amax history, E4M3 forward, E5M2
+gradients, the ``te.Linear`` / ``LayerNormLinear`` GEMMs of each transformer layer in FP8,
+attention and the output layer in bf16): per-tensor scaling, so ``fp8_scaling="tensorwise"``.
+Delayed scaling reads the amax of the previous steps, so its casts skip the amax pass that
+torchao's dynamic recipe (autopar's) makes: priced here with the dynamic one's casts."""
 # torchtitan's context-parallel sweeps (pytorch/torchtitan docs/performance.md at d4c86e3,
 # 2025-01-30, the benchmarks of 2024-12 at torchtitan 9dec370 and torch 1963fc8; since moved
 # to benchmarks/llama3_h100_202412_torchtitan.md), on the H100s of row 14 (96 GB HBM2e, 2.4
@@ -487,6 +497,27 @@ NEMO_LONG = "NeMo performance_long_sequence.md, LLAMA2-7B FP8 (DGX-H100)"
 # Float8 linears, torch.compile (refused beside ``context=``), AsyncTP: each run's error
 # includes their gain.
 TT_CP = "torchtitan performance.md (d4c86e3)"
+# torchtitan's Float8 rows (the same 2024-12 benchmarks, Tables 1, 3, 4, 5; TPS/GPU as above):
+# Table 1 "1D Parallelism (FSDP). Llama 3.1 8B model. 8 GPUs. Local batch size 2, global
+# batch size 16. Selective activation checkpointing": "FSDP + torch.compile + Float8" 8,532
+# (row 14 is the table's eager bf16 "FSDP" row, 5,762); Table 3, the same on 128 GPUs (global
+# batch 256): 8,380; Table 4 "2D parallelism (FSDP + TP) + torch.compile + Float8. Llama 3.1
+# 70B model. 256 GPUs (FSDP 32, TP 8). Local batch size 16, global batch size 512. Full
+# activation checkpointing": "2D" 829 (its "2D + AsyncTP" row, 876, not added: AsyncTP is
+# not priced); Table 5 "3D parallelism (FSDP + TP + PP) + torch.compile + Float8 + AsyncTP.
+# Llama 3.1 405B model. 512 GPUs (FSDP 8, TP 8, PP8). Local batch size 32, global batch
+# size 256. Full activation checkpointing": 1F1B 100 (interleaved 128: the virtual-stage
+# count is not stated). Sequence 8,192 (the train configs' ``seq_len``). Float8 at 9dec370 is
+# torchao's dynamic tensorwise recipe (``float8.enable_float8_linear``; rowwise came to
+# torchtitan's config later), on every ``nn.Linear`` but the output head
+# (``float8.py``: ``module_filter_fn`` skips ``output``): ``precision="fp8"``,
+# ``fp8_scaling="tensorwise"``, which converts the same linears
+# (``autopar.analysis.fp8_layers``). PP's micro-batches as the CP rows: torchtitan's default,
+# one per stage (8 of 4 sequences). Compiled: ``compile=True``.
+TT_FP8 = "torchtitan llama3_h100_202412_torchtitan.md"
+TT_FLOAT8 = {"precision": "fp8", "fp8_scaling": "tensorwise"}
+TT_FLOAT8_CP = {**TT_FLOAT8, "lacks": "torch.compile (refused beside context=)"}
+TT_FLOAT8_CP_ATP = {**TT_FLOAT8, "lacks": "torch.compile (refused beside context=), AsyncTP"}
 TT_H100 = {"memory_bytes": 96 * 2**30, "mem_bandwidth": 2.4e12,
            "peak_flops": TORCHTITAN_H100_PEAK, **FA2_H100}
 N21 = "Narayanan et al. 2021, Table 1"
@@ -534,7 +565,8 @@ RUNS: list[Run] = [
         stage_split=MEGATRON_SPLIT),   # Megatron-LM: even layers a stage
     Run("MT-NLG 530B", "Smith et al. 2022, Table 1 (280 nodes)", "gpt", 105, 20480, 128,
         51200, 2048, 1920, 2240, "a100", 8, 35, micro=1, published_tflops=126, overlap=False,
-        grad_reduce="bf16"),
+        grad_reduce="bf16", lacks="DeepSpeed pipeline engine's costs beyond Megatron-LM's "
+        "(not identified; docstring)"),
     Run("BLOOM 176B", "Le Scao et al. 2022, Sec. 3.4", "gpt", 70, 14336, 112, 250880, 2048,
         2048, 384, "a100", 4, 12, micro=2, published_tflops=150, held=True, zero=1,
         overlap=False, nic_gbps=4 * 100),
@@ -552,7 +584,8 @@ RUNS: list[Run] = [
         128256, 8192, 16, 8, "h100", 1, 1, micro=2, recompute=False, kv_heads=8, ffn=14336,
         zero=3, published_tps=5762, held=True, selective_ac=True, torchtitan=True,
         extra={"memory_bytes": 96 * 2**30, "mem_bandwidth": 2.4e12,
-               "peak_flops": TORCHTITAN_H100_PEAK, **FA2_H100}),
+               "peak_flops": TORCHTITAN_H100_PEAK, **FA2_H100},
+        lacks="GEMM clock under the 500 W limit (not measured; docstring)"),
     Run("Llama3 405B", "Dubey et al. 2024, Table 4 (8,192 GPUs)", "llama", 126, 16384, 128,
         128256, 8192, 2048, 8192, "h100", 8, 16, micro=1, published_tflops=430,
         kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", extra=FA2_H100),
@@ -563,7 +596,9 @@ RUNS: list[Run] = [
     # mixtures of experts (docstring, "MoE rows"): tokens/s per GPU
     Run("DeepSeek-V3", "DeepSeek-AI 2024, arXiv:2412.19437, Sec. 3.1, Table 1 (2,048 H800)",
         "hf:deepseek-v3", 61, 7168, 128, 129280, 4096, 15360, 2048, "h800", 1, 16, micro=1,
-        recompute=False, published_tps=DEEPSEEK_V3_TPS, held=True, expert=64),
+        recompute=False, published_tps=DEEPSEEK_V3_TPS, held=True, expert=64,
+        precision="fp8", fp8_scaling="rowwise", schedule="dualpipev", virtual=2,
+        lacks="FP8 expert GEMMs and dispatch, DualPipe's all-to-all / compute overlap"),
     Run("Qwen3 235B-A22B", "Megatron-MoE-ModelZoo best_practice/Qwen3 (256 H100, A2A)",
         "hf:qwen3-235b-a22b", 94, 4096, 64, 151936, 4096, 2048, 256, "h100", 2, 32, micro=1,
         recompute=False, published_tps=QWEN3_235B_TPS, held=True, expert=4, virtual=3,
@@ -578,44 +613,65 @@ RUNS: list[Run] = [
         16384, 128, 128256, 131072, 128, 16384, "h100", 8, 16, micro=1, published_tflops=380,
         kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", held=True,
         context=16, pin_more={"context_attention": "all-gather"}, extra=FA2_H100,
-        time_limit_s=120),
+        time_limit_s=120, lacks="not identified (a bf16 run: Table 4's 'BF16 MFU')"),
     Run("Llama2 7B 128k", NEMO_LONG + ", 128K", "llama", 32, 4096, 32, 32000, 131072, 8, 128,
         "h100", 4, 1, micro=1, recompute=False, published_tflops=555, kv_heads=32, ffn=11008,
-        held=True, context=4, time_limit_s=120),
+        held=True, context=4, time_limit_s=120, **NEMO_FP8),
     Run("Llama2 7B 256k", NEMO_LONG + ", 256K", "llama", 32, 4096, 32, 32000, 262144, 8, 256,
         "h100", 4, 1, micro=1, recompute=False, published_tflops=549, kv_heads=32, ffn=11008,
-        held=True, context=8, time_limit_s=120),   # CBC needs more than 30 s on these ILPs
-    # torchtitan's CP sweeps (above RUNS): tokens/s per GPU, FP8 and compiled as run, bf16
-    # here; each table's CP 1 row too, the same tokens per GPU without a context axis
+        held=True, context=8, time_limit_s=120, **NEMO_FP8),   # CBC: > 30 s on these ILPs
+    # torchtitan's CP sweeps (above RUNS): tokens/s per GPU, Float8 (tensorwise) as run and
+    # compiled where autopar compiles (CP 1; ``compile`` is refused beside ``context=``);
+    # each table's CP 1 row too, the same tokens per GPU without a context axis
     Run("Llama3 8B 32k", TT_CP + " Table 2 (8 H100, FSDP 8 CP 1)", "llama", 32, 4096, 32,
         128256, 32768, 8, 8, "h100", 1, 1, micro=1, recompute=True, kv_heads=8, ffn=14336,
         zero=3, published_tps=3890, held=True, torchtitan=True, extra=TT_H100,
-        time_limit_s=120),
+        time_limit_s=120, pin_more={"compile": True}, **TT_FLOAT8),
     Run("Llama3 8B 64k", TT_CP + " Table 2 (8 H100, FSDP 4 CP 2)", "llama", 32, 4096, 32,
         128256, 65536, 4, 8, "h100", 1, 1, micro=1, recompute=True, kv_heads=8, ffn=14336,
-        zero=3, published_tps=2540, held=True, torchtitan=True, context=2,
+        zero=3, published_tps=2540, held=True, torchtitan=True, **TT_FLOAT8_CP, context=2,
         pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
     Run("Llama3 8B 128k", TT_CP + " Table 2 (8 H100, FSDP 2 CP 4)", "llama", 32, 4096, 32,
         128256, 131072, 2, 8, "h100", 1, 1, micro=1, recompute=True, kv_heads=8, ffn=14336,
-        zero=3, published_tps=1071, held=True, torchtitan=True, context=4,
+        zero=3, published_tps=1071, held=True, torchtitan=True, **TT_FLOAT8_CP, context=4,
         pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
     Run("Llama3 405B 32k", TT_CP + " Table 6 (512 H100, FSDP 8 CP 1)", "llama", 126, 16384,
         128, 128256, 32768, 64, 512, "h100", 8, 8, micro=1, recompute=True, kv_heads=8,
         ffn=53248, zero=2, published_tps=76, held=True, torchtitan=True, extra=TT_H100,
-        time_limit_s=120),
+        time_limit_s=120, pin_more={"compile": True}, **{**TT_FLOAT8, "lacks": "AsyncTP"}),
     Run("Llama3 405B 64k", TT_CP + " Table 6 (512 H100, FSDP 4 CP 2)", "llama", 126, 16384,
         128, 128256, 65536, 32, 512, "h100", 8, 8, micro=1, recompute=True, kv_heads=8,
-        ffn=53248, zero=2, published_tps=47, held=True, torchtitan=True, context=2,
+        ffn=53248, zero=2, published_tps=47, held=True, torchtitan=True, **TT_FLOAT8_CP_ATP,
+        context=2,
         pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
     Run("Llama3 405B 128k", TT_CP + " Table 6 (512 H100, FSDP 2 CP 4)", "llama", 126, 16384,
         128, 128256, 131072, 16, 512, "h100", 8, 8, micro=1, recompute=True, kv_heads=8,
-        ffn=53248, zero=2, published_tps=31, held=True, torchtitan=True, context=4,
+        ffn=53248, zero=2, published_tps=31, held=True, torchtitan=True, **TT_FLOAT8_CP_ATP,
+        context=4,
         pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
     # Table 2's CP 8 row: FSDP over the 8 context ranks alone (ZeRO-3 over the context axis)
     Run("Llama3 8B 256k", TT_CP + " Table 2 (8 H100, FSDP 1 CP 8)", "llama", 32, 4096, 32,
         128256, 262144, 1, 8, "h100", 1, 1, micro=1, recompute=True, kv_heads=8, ffn=14336,
-        zero=3, published_tps=548, held=True, torchtitan=True, context=8,
+        zero=3, published_tps=548, held=True, torchtitan=True, **TT_FLOAT8_CP, context=8,
         pin_more={"context_attention": "all-gather"}, extra=TT_H100, time_limit_s=120),
+    # torchtitan's Float8 rows (``TT_FP8`` above RUNS): compiled, Float8 linears (tensorwise)
+    Run("Llama3 8B fp8", TT_FP8 + " Table 1 (8 H100, FSDP + compile + Float8)", "llama", 32,
+        4096, 32, 128256, 8192, 16, 8, "h100", 1, 1, micro=2, recompute=False, kv_heads=8,
+        ffn=14336, zero=3, published_tps=8532, held=True, selective_ac=True, torchtitan=True,
+        extra=TT_H100, pin_more={"compile": True}, **TT_FLOAT8),
+    Run("Llama3 8B fp8", TT_FP8 + " Table 3 (128 H100, FSDP + compile + Float8)", "llama", 32,
+        4096, 32, 128256, 8192, 256, 128, "h100", 1, 1, micro=2, recompute=False, kv_heads=8,
+        ffn=14336, zero=3, published_tps=8380, held=True, selective_ac=True, torchtitan=True,
+        extra=TT_H100, pin_more={"compile": True}, **TT_FLOAT8),
+    Run("Llama3 70B fp8", TT_FP8 + " Table 4 (256 H100, FSDP 32 x TP 8, 2D)", "llama", 80,
+        8192, 64, 128256, 8192, 512, 256, "h100", 8, 1, micro=16, recompute=True, kv_heads=8,
+        ffn=28672, zero=3, published_tps=829, held=True, torchtitan=True, extra=TT_H100,
+        pin_more={"compile": True}, time_limit_s=120, **TT_FLOAT8),
+    Run("Llama3 405B fp8", TT_FP8 + " Table 5 (512 H100, FSDP 8 x TP 8 x PP 8, 1F1B)", "llama",
+        126, 16384, 128, 128256, 8192, 256, 512, "h100", 8, 8, micro=4, recompute=True,
+        kv_heads=8, ffn=53248, zero=2, published_tps=100, held=True, torchtitan=True,
+        extra=TT_H100, pin_more={"compile": True}, time_limit_s=120,
+        **{**TT_FLOAT8, "lacks": "AsyncTP"}),
 ]
 
 
@@ -658,8 +714,10 @@ def _build(run: Run, batch: int) -> Example:
 
 
 def pins_of(run: Run) -> dict:
-    pins = {"tensor": run.tensor, "data": run.data, "precision": "bf16",
+    pins = {"tensor": run.tensor, "data": run.data, "precision": run.precision,
             "grad_reduce": run.grad_reduce}
+    if run.precision == "fp8":
+        pins["fp8_scaling"] = run.fp8_scaling or "tensorwise"
     if run.recompute:
         pins["recompute"] = "full"
     if run.zero:
@@ -805,42 +863,80 @@ def predict(run: Run, time_limit_s: float = 30.0):
     return run.model_flops() / step / run.gpus / 1e12, step, p.plan
 
 
+def without_techniques(run: Run) -> Run:
+    """The run as it was priced before autopar priced its FP8 GEMMs and DualPipeV: bf16 and,
+    for a ``dualpipev`` row, plain 1F1B over one stage a rank (``--before``)."""
+    out = replace(run, precision="bf16", fp8_scaling="")
+    if run.schedule == "dualpipev":
+        out = replace(out, schedule="1f1b", virtual=1)
+    return out
+
+
+def priced_as_run(run: Run) -> bool:
+    """Whether the row pins a technique ``--before`` takes away (fp8, DualPipeV)."""
+    return run.precision == "fp8" or run.schedule == "dualpipev"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="", help="comma-separated row numbers (default: all)")
     ap.add_argument("--tuned-only", action="store_true",
                     help="skip the held-out rows (for working on constants)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit (s)")
+    ap.add_argument("--before", action="store_true",
+                    help="also price each FP8 / DualPipeV row without them (bf16, 1F1B) and "
+                         "print both")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",") if r] or list(range(len(RUNS)))
     if args.tuned_only:
         rows = [i for i in rows if not RUNS[i].held]
     print("pred / publ: TFLOP/s per GPU (the publication's FLOP count), or tokens/s per GPU "
-          "for the torchtitan rows (marked tok/s)")
-    print(f"{'#':>2} {'run':<14}{'GPU':>5}{'n':>6} {'t x p x d(xe)':<12}{'B':>5}{'pred':>7}"
-          f"{'publ':>6}{'err':>7}{'step s':>8}{'plan s':>7}  held  source")
+          "for the torchtitan rows (marked tok/s); prec: the GEMMs' precision as priced "
+          "(fp8-t / fp8-r: tensorwise / rowwise); '!' marks a row beyond 20%, lacks: what the "
+          "run used that autopar does not price")
+    print(f"{'#':>2} {'run':<16}{'GPU':>5}{'n':>6} {'t x p x d(xe)':<12}{'B':>6}{'prec':>6}"
+          f"{'pred':>7}{'publ':>6}{'err':>8}{'step s':>8}{'plan s':>7}"
+          + (f"{'before':>8}{'err':>8}" if args.before else "") + "  held  source / lacks")
     t_all = time.perf_counter()
-    errs, errs_held = [], []
+    errs, errs_held, before_errs = [], [], []
     for i in rows:
         r = RUNS[i]
         t0 = time.perf_counter()
         try:
             pred, step, _ = predict(r, args.time_limit)
         except Exception as e:  # noqa: BLE001 - reported in the table
-            print(f"{i:>2} {r.name:<14} failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}",
+            print(f"{i:>2} {r.name:<16} failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}",
                   flush=True)
             continue
         published = r.published_tps or r.published_tflops
         mesh = (f"{r.tensor}x{r.pipeline}x{r.data}" + (f"xe{r.expert}" if r.expert > 1 else "")
                 + (f"xc{r.context}" if r.context > 1 else ""))
         err = pred / published - 1
+        plan_s = time.perf_counter() - t0
         (errs_held if r.held else errs).append(err)
-        print(f"{i:>2} {r.name:<14}{r.device.upper():>5}{r.gpus:>6} "
-              f"{mesh:<12}"
-              f"{r.batch:>5}{pred:>7.1f}"
-              f"{published:>6.0f}{err:>+7.1%}{step:>8.2f}"
-              f"{time.perf_counter() - t0:>7.1f}  {'yes' if r.held else '   '}   {r.source}"
-              + (" tok/s" if r.published_tps else ""),
+        before = ""
+        if args.before:
+            b_err = err
+            if priced_as_run(r):
+                try:
+                    b_pred, _, _ = predict(without_techniques(r), args.time_limit)
+                    b_err = b_pred / published - 1
+                    before = f"{b_pred:>8.1f}{b_err:>+8.1%}"
+                except Exception as e:  # noqa: BLE001
+                    before = f"{'failed':>8}{type(e).__name__[:8]:>8}"
+                    b_err = math.nan
+            else:
+                before = f"{'':>8}{'':>8}"
+            before_errs.append(b_err)
+        prec = (f"fp8-{(r.fp8_scaling or 'tensorwise')[0]}" if r.precision == "fp8"
+                else r.precision)
+        mark = "!" if abs(err) > 0.2 else " "
+        print(f"{i:>2} {r.name:<16}{r.device.upper():>5}{r.gpus:>6} "
+              f"{mesh:<12}{r.batch:>6}{prec:>6}{pred:>7.1f}"
+              f"{published:>6.0f}{err:>+7.1%}{mark}{step:>8.2f}{plan_s:>7.1f}{before}"
+              f"  {'yes' if r.held else '   '}   {r.source}"
+              + (" tok/s" if r.published_tps else "")
+              + (f"; lacks: {r.lacks}" if r.lacks else ""),
               flush=True)
     every = errs + errs_held
     if every:
@@ -849,6 +945,9 @@ def main() -> None:
               + (f"tuned-on {sum(abs(e) for e in errs) / len(errs):.1%} ({len(errs)}), " if errs else "")
               + (f"held out {sum(abs(e) for e in errs_held) / len(errs_held):.1%} ({len(errs_held)})"
                  if errs_held else ""))
+        if before_errs and not any(math.isnan(e) for e in before_errs):
+            print(f"before (FP8 / DualPipeV rows in bf16 / 1F1B): mean |error| "
+                  f"{sum(abs(e) for e in before_errs) / len(before_errs):.1%}")
         print(f"targets: every row within 20%: {'yes' if max(abs(e) for e in every) <= 0.2 else 'NO'}; "
               f"mean within 10%: {'yes' if mean <= 0.10 else 'NO'}")
     print(f"wall time {time.perf_counter() - t_all:.0f} s")

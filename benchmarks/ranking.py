@@ -286,10 +286,11 @@ def _k22_t5(size, layers, hidden, heads, gpus, pipeline, virtual, full_s, presen
 
 
 def _tt_llama(name, source, layers, hidden, heads, kv, ffn, vocab, seq, local_batch, gpus,
-              device="a100", *, tensor=1, ac="op", compile=False):
+              device="a100", *, tensor=1, ac="op", compile=False, float8=""):
     """A torchtitan run: FSDP2 (ZeRO-3) over the data ranks, ``ac`` one of "op" (its op
     policy), "layer" (every other layer, torchtitan's ``selective_ac_option=2``), "full",
-    "none"."""
+    "none"; ``float8`` its Float8 recipe ("tensorwise" / "rowwise", torchao's: priced as
+    ``precision="fp8"`` with that ``fp8_scaling``; "": bf16)."""
     data = gpus // tensor
     pins = {}
     if ac == "layer":
@@ -302,7 +303,8 @@ def _tt_llama(name, source, layers, hidden, heads, kv, ffn, vocab, seq, local_ba
     return Run(name, source, "llama", layers, hidden, heads, vocab, seq, local_batch * data,
                gpus, device, tensor, 1, micro=local_batch, recompute=(ac == "full"),
                kv_heads=kv, ffn=ffn, zero=3, published_tps=1.0, selective_ac=(ac == "op"),
-               torchtitan=True, pin_more=pins, extra=TT_H100 if device == "h100" else {})
+               torchtitan=True, pin_more=pins, extra=TT_H100 if device == "h100" else {},
+               precision="fp8" if float8 else "bf16", fp8_scaling=float8)
 
 
 TT_A100 = "pytorch/torchtitan docs/performance.md at 1ea476e9f (64 A100-80GB, FSDP2)"
@@ -400,32 +402,32 @@ def groups() -> list[Group]:
                                      gpus=gpus, device="h100", compile=True, **L3_8B), comp),
                     Config("FSDP + torch.compile + Float8",
                            _tt_llama("Llama3 8B", TT_H100_SRC, seq=8192, local_batch=2,
-                                     gpus=gpus, device="h100", compile=True, **L3_8B), fp8,
-                           technique="Float8"),
+                                     gpus=gpus, device="h100", compile=True,
+                                     float8="tensorwise", **L3_8B), fp8),
                 ]) for gpus, table, fsdp, comp, fp8 in ((8, 1, 5762, 6667, 8532),
                                                         (128, 3, 5605, 6514, 8380))],
         Group("tt-atp-70b", "Llama 3 70B, 256 H100, FSDP 32 x TP 8, compile, full AC",
               TT_ATP, "tok/s/GPU", [
                   Config(label, _tt_llama("Llama3 70B", TT_ATP, seq=8192, local_batch=16,
                                           gpus=256, device="h100", tensor=8, ac="full",
-                                          compile=True, **L3_70B), tps, technique=tech)
-                  for label, tps, tech in (
-                      ("bf16, vanilla TP", 597.3, ""), ("bf16, async TP", 652.4, "AsyncTP"),
-                      ("float8 tensorwise, vanilla TP", 809.8, "Float8"),
-                      ("float8 tensorwise, async TP", 942.4, "Float8+AsyncTP"),
-                      ("float8 rowwise, vanilla TP", 599.6, "Float8"),
-                      ("float8 rowwise, async TP", 624.8, "Float8+AsyncTP"))]),
+                                          compile=True, float8=f8, **L3_70B), tps, technique=tech)
+                  for label, tps, f8, tech in (
+                      ("bf16, vanilla TP", 597.3, "", ""), ("bf16, async TP", 652.4, "", "AsyncTP"),
+                      ("float8 tensorwise, vanilla TP", 809.8, "tensorwise", ""),
+                      ("float8 tensorwise, async TP", 942.4, "tensorwise", "AsyncTP"),
+                      ("float8 rowwise, vanilla TP", 599.6, "rowwise", ""),
+                      ("float8 rowwise, async TP", 624.8, "rowwise", "AsyncTP"))]),
         Group("tt-atp-8b", "Llama 3 8B, 64 H100, FSDP 8 x TP 8, compile, op AC",
               TT_ATP, "tok/s/GPU", [
                   Config(label, _tt_llama("Llama3 8B", TT_ATP, seq=8192, local_batch=12,
                                           gpus=64, device="h100", tensor=8, ac="op",
-                                          compile=True, **L3_8B), tps, technique=tech)
-                  for label, tps, tech in (
-                      ("bf16, vanilla TP", 4378, ""), ("bf16, async TP", 4809.4, "AsyncTP"),
-                      ("float8 tensorwise, vanilla TP", 5078.1, "Float8"),
-                      ("float8 tensorwise, async TP", 5570.1, "Float8+AsyncTP"),
-                      ("float8 rowwise, vanilla TP", 3708.5, "Float8"),
-                      ("float8 rowwise, async TP", 3914.9, "Float8+AsyncTP"))]),
+                                          compile=True, float8=f8, **L3_8B), tps, technique=tech)
+                  for label, tps, f8, tech in (
+                      ("bf16, vanilla TP", 4378, "", ""), ("bf16, async TP", 4809.4, "", "AsyncTP"),
+                      ("float8 tensorwise, vanilla TP", 5078.1, "tensorwise", ""),
+                      ("float8 tensorwise, async TP", 5570.1, "tensorwise", "AsyncTP"),
+                      ("float8 rowwise, vanilla TP", 3708.5, "rowwise", ""),
+                      ("float8 rowwise, async TP", 3914.9, "rowwise", "AsyncTP"))]),
     ]
 
 
