@@ -145,7 +145,7 @@ def test_rows_beyond_twenty_percent_name_what_they_lack():
     """The rows whose last measured error is beyond 20% (the module's docstring and
     docs/measured.md) each name the technique or the term the run had and autopar lacks."""
     lacking = {i for i, r in enumerate(RUNS) if r.lacks}
-    beyond = {10, 14, 17, 20, 25, 28, 29}
+    beyond = {10, 14, 17, 20, 23, 25, 27, 28, 29}
     assert beyond <= lacking, sorted(beyond - lacking)
 
 
