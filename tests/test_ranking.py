@@ -100,3 +100,23 @@ def test_dry_run_prices_every_row():
     # costs more than recomputing nothing
     assert layer["baseline with recompute"] > layer["selective recompute"] \
         > layer["baseline no recompute"]
+
+
+def test_float8_rows_are_priced_in_fp8_with_their_recipe():
+    """Every configuration that trained in Float8 (torchtitan's tables) is pinned
+    ``precision="fp8"`` with the recipe its label names (tensorwise unless rowwise), and is a
+    goal row unless it also ran AsyncTP (not priced); the bf16 rows stay bf16."""
+    from published_runs import pins_of
+    n = 0
+    for g in groups():
+        for c in g.configs:
+            pins = pins_of(c.run)
+            if "float8" in c.label.lower():
+                n += 1
+                want = "rowwise" if "rowwise" in c.label else "tensorwise"
+                assert (pins["precision"], pins["fp8_scaling"]) == ("fp8", want), c.label
+                assert "Float8" not in c.technique
+                assert c.technique == ("AsyncTP" if "async" in c.label else ""), c.label
+            else:
+                assert pins["precision"] == "bf16", c.label
+    assert n == 2 + 4 + 4
