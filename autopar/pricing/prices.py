@@ -360,10 +360,10 @@ class PriceTable:
         total), then every option by (compute, index); an option whose compute alone is above
         the best total so far is skipped unpriced. Exact: every pair price is >= 0
         (:meth:`pair` checks it), so such an option's total is above the best so far, which
-        only falls, and it is not picked;
-        an option whose compute equals the best total is still priced (a free conversion
-        would tie it, and the least index wins a tie, whatever the order tried), so the pick
-        is the exhaustive scan's. An option tried twice is priced once (``pair``'s memo)."""
+        only falls, and it is not picked; an option whose compute equals the best total is
+        still priced (a free conversion would tie it, and the least index wins a tie,
+        whatever the order tried), so the pick is the exhaustive scan's. An option tried
+        twice is priced once (``pair``'s memo)."""
         best, best_cost = None, INF
         for j in order:
             q, compute = ins[j]
