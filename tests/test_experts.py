@@ -244,6 +244,34 @@ def test_the_all_to_all_is_priced_and_grows_with_imbalance():
     assert sum(free_skew) > sum(free)          # the busiest rank computes twice the pairs
 
 
+def test_the_all_to_all_is_communication_in_the_estimate():
+    """The experts op's all-to-alls sit inside its time (``pricing.experts``); the plan's
+    communication table shows them as ``all_to_all`` on the expert axis, taken out of
+    compute, the step unchanged: their seconds are each MoE layer's op time on the cluster's
+    link less its time on an infinitely fast one. The all-gather form has none."""
+    from autopar.cost_models.comm import Link
+    from autopar.cost_models.hardware import axis_link, parse_cluster
+    from autopar.pricing.experts import experts_time
+    from autopar.sharding.registry import make_call, mesh_strategies
+    b = zoo.build("mixtral")
+    cl = parse_cluster("1x2xH100")
+    plans = {d: autopar.plan(b.model, b.inputs, b.loss_fn, target=b.target, cluster="1x2xH100",
+                             expert=2, expert_dispatch=d) for d in ("all-to-all", "all-gather")}
+    plan = plans["all-to-all"]
+    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+    links = [axis_link(cl, (2,), 0)]
+    want = 0.0
+    for node in (n for n in cap.gm.graph.nodes if n.target is EXPERTS_OP):
+        call = make_call(node)
+        combo = {str(o[0]): o for o in mesh_strategies(call, (2,))}[str(plan.nodes[node.name])]
+        on_link = experts_time(call, combo, (2,), cl.device, "fp32", links)     # fp32 training
+        free = experts_time(call, combo, (2,), cl.device, "fp32", [Link(bandwidth=1e30, latency=0.0)])
+        want += sum(on_link) - sum(free)
+    assert want > 0
+    assert plan.estimate.comm["all_to_all@expert"] == pytest.approx(want, rel=1e-9)
+    assert "all_to_all@expert" not in plans["all-gather"].estimate.comm
+
+
 def test_experts_memory_per_rank_matches_the_estimate():
     """Expert weights, their gradients and AdamW state per rank under expert=4 are a
     quarter of the model's, as held on thread ranks, and the plan's estimate of them is

@@ -29,7 +29,7 @@ from autopar.ops.experts import EXPERTS_OP
 from autopar.pricing.comm_costs import (AVERAGING_COPIES, COPY_OUT, INF, Collective,  # noqa: F401
                                         CommCosts, _local, price_steps)
 from autopar.pricing.context import context_attention_time, context_axis_of
-from autopar.pricing.experts import experts_time
+from autopar.pricing.experts import dispatch_s, experts_time
 from autopar.pricing.fp8 import fp8_time
 from autopar.pricing.memory_costs import MemoryCosts
 from autopar.pricing.problem import NodeVar
@@ -276,6 +276,16 @@ class CostModel(CommCosts, MemoryCosts):
     def node_time(self, v: NodeVar, combo) -> tuple[float, float]:
         """(forward, backward) seconds of one option of an op node, recomputation included."""
         return self.with_recompute(v, self.base_time(v, combo))
+
+    def node_comm(self, v: NodeVar, combo) -> dict:
+        """The collectives inside one option of an op node's own time (:meth:`base_time`),
+        ``{(collective, axis): (forward, backward) seconds}``: an experts op's all-to-alls
+        (``pricing.experts.dispatch_s``); {} for every other op."""
+        if v.call is None or v.call.op is not EXPERTS_OP:
+            return {}
+        by_axis = dispatch_s(v.call, combo, self.mesh_shape, self.dtype_key, self.links,
+                             self.expert_imbalance, self.native)
+        return {("all_to_all", a): (2 * t, 2 * t) for a, t in by_axis.items()}
 
     def with_recompute(self, v: NodeVar, t: tuple[float, float]) -> tuple[float, float]:
         """``t`` = :meth:`base_time` with ``v``'s recomputed members' forward run again."""

@@ -85,11 +85,9 @@ def _local_stacks(call, combo, mesh_shape) -> list:
 def experts_time(call, combo, mesh_shape, device, dtype_key, links, imbalance: float = 1.0,
                  native: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one option of an experts op on one rank."""
-    hidden, index = call.inputs[0], call.inputs[1]
+    hidden, h = call.inputs[0], call.inputs[0].shape[-1]
     stacks = _local_stacks(call, combo, mesh_shape)
-    n_tok, h = hidden.shape[0], hidden.shape[-1]
-    k = index.shape[-1]
-    pairs, split, by_expert, dispatch = _pairs(call, combo, mesh_shape, imbalance)
+    pairs, *_ = _pairs(call, combo, mesh_shape, imbalance)
     e_local = stacks[0].shape[0]
     rows = max(1, round(pairs / e_local))
     fwd = bwd = 0.0
@@ -105,12 +103,24 @@ def experts_time(call, combo, mesh_shape, device, dtype_key, links, imbalance: f
     f, b = compute_model.node_time(aten.index_select.default, [moved], [moved], device=device,
                                    dtype_key=dtype_key, native=native)
     fwd, bwd = fwd + 2 * f, bwd + 2 * b
-    local_tok = n_tok / math.prod(mesh_shape[a] for a in split if isinstance(combo[a].inputs[0], Shard))
-    size = local_tok * k * h * _itemsize(hidden.dtype, dtype_key, native)
-    for a in dispatch:
-        t = comm_model.collective_time("all_to_all", size * (max(1.0, imbalance)), mesh_shape[a], links[a])
+    for t in dispatch_s(call, combo, mesh_shape, dtype_key, links, imbalance, native).values():
         fwd, bwd = fwd + 2 * t, bwd + 2 * t
     return fwd, bwd
+
+
+def dispatch_s(call, combo, mesh_shape, dtype_key, links, imbalance: float = 1.0,
+               native: bool = False) -> dict[int, float]:
+    """Seconds of one of the option's all-to-alls (dispatch or combine, forward or backward)
+    on each mesh axis that splits both tokens and experts: :func:`experts_time` pays two
+    forward and two backward on each (the module docstring's "Dispatch"), which the plan's
+    communication table shows as ``all_to_all`` on that axis (``PriceTable.self_comm``)."""
+    hidden, index = call.inputs[0], call.inputs[1]
+    _, split, _, dispatch = _pairs(call, combo, mesh_shape, imbalance)
+    local_tok = hidden.shape[0] / math.prod(mesh_shape[a] for a in split
+                                            if isinstance(combo[a].inputs[0], Shard))
+    size = local_tok * index.shape[-1] * hidden.shape[-1] * _itemsize(hidden.dtype, dtype_key, native)
+    return {a: comm_model.collective_time("all_to_all", size * max(1.0, imbalance), mesh_shape[a], links[a])
+            for a in dispatch}
 
 
 def _itemsize(dtype, dtype_key, native) -> int:

@@ -187,6 +187,18 @@ class PriceTable:
                                                                     (o.forward_s, o.backward_s))
         return got
 
+    def self_comm(self, name: str, i: int) -> dict:
+        """Seconds by ``(collective, axis)`` of all members of ``name`` under option ``i``
+        that :meth:`compute_s` holds (``CostModel.node_comm``: an experts op's all-to-alls),
+        recomputation included as :meth:`time` includes it: the estimate shows them as
+        communication, not compute."""
+        v = self.problem.vars[name]
+        out = {}
+        for key, (f, b) in self.cost.node_comm(v, v.options[i]).items():
+            f, b = self.cost.with_recompute(v, (f, b))
+            out[key] = len(v.members) * (f + b)
+        return out
+
     def compute_s(self, name: str, i: int) -> float:
         """Forward + backward seconds of all members of ``name`` under option ``i``."""
         f, b = self.time(name, i)

@@ -189,6 +189,10 @@ def tabulate(problem: Problem, cost: CostModel) -> _Tables:
     node_terms = {n: [pt.memory(n, i) for i in range(len(v.options))] for n, v in problem.vars.items()}
     node_mem = {n: [sum(t.values()) for t in terms] for n, terms in node_terms.items()}
     self_comm: dict[str, list[dict]] = {}
+    for n, v in problem.vars.items():   # collectives inside a node's own time (experts' all-to-alls)
+        own = [pt.self_comm(n, i) for i in range(len(v.options))]
+        if any(own):
+            self_comm[n] = own
     scale = cost.grad_sync_scale
     last_s, with_forward = cost.overlap_rule()
     hide = {n: [_hiding(pt, n, i, with_forward, scale) for i in range(len(v.options))]
