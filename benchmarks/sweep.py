@@ -45,6 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 import sweep_cases as sc  # noqa: E402
 from sweep_cases import Case  # noqa: E402
+from proc_time import cpu_seconds, waited_seconds  # noqa: E402
 
 MARK = "@@SWEEP-RESULT "
 PHASE = "@@SWEEP-PHASE "
@@ -62,41 +63,40 @@ def _env() -> dict:
 # ---- thread-rank cases in worker processes ---------------------------------------------------
 
 POLL_S = 5.0           # how often a running case's worker is looked at
-STALL_S = 30.0         # a worker that used < STALL_CPU_S of CPU in this long is waiting
-STALL_CPU_S = 0.2
-WALL_FACTOR = 6        # and a backstop on the wall clock, in timeouts
+STALL_S = 30.0         # a worker that neither ran nor waited for a core for
+STALL_CPU_S = 0.2      # more than STALL_CPU_S seconds in this long is blocked: a hang
+WALL_FACTOR = 6        # and a backstop on the wall clock less the wait for a core, in timeouts
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """The user + system CPU seconds process ``pid`` has used (Linux ``/proc``; None
-    elsewhere, where the wall clock decides)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _overdue(wall: float, cpu: list, timeout: float) -> str:
-    """Why a thread-rank case that has run ``wall`` seconds, its worker's CPU sampled every
-    ``POLL_S`` seconds in ``cpu``, is to be ended ("" to let it run). Thread ranks that wait
-    for each other for ever use no CPU; a case slowed by a busy machine uses CPU, slowly:
-    so past ``timeout`` of wall clock it ends only when it has stalled (less than
-    ``STALL_CPU_S`` in the last ``STALL_S``), or used ``timeout`` CPU seconds, or run
-    ``WALL_FACTOR`` timeouts (a sweep of 100 cases at load 13 failed one case at 180 s of
-    wall clock that passed in 26 s at load 5)."""
+def _overdue(wall: float, cpu: list, timeout: float, waited: list | None = None) -> str:
+    """Why a thread-rank case that has run ``wall`` seconds is to be ended ("" to let it
+    run); its worker's CPU seconds sampled every ``POLL_S`` seconds in ``cpu``, and in
+    ``waited`` the seconds its threads were runnable but had no core (None: not known).
+    Thread ranks that wait for each other for ever neither run nor wait for a core; a case
+    slowed by a busy machine does one or the other: so past ``timeout`` of wall clock it
+    ends only when it has stalled (less than ``STALL_CPU_S`` run or waited for in the last
+    ``STALL_S``), or used ``timeout`` CPU seconds, or run ``WALL_FACTOR`` timeouts of wall
+    clock not spent waiting for a core. (A sweep of 100 cases at load 13 failed one case at
+    180 s of wall clock that passed in 26 s at load 5; one of 1,000 at load 20-118 failed
+    five, a worker that had not finished importing torch judged stalled at 30 s with 1-2
+    CPU seconds, and a case of 36 CPU seconds ended at 1,081 s.)"""
     if cpu[0] is None or cpu[-1] is None:
         return f"timed out after {timeout:.0f} s (a hang?)" if wall > timeout else ""
+    waits = waited if waited and waited[0] is not None and waited[-1] is not None else None
     used = cpu[-1] - cpu[0]
     if used > timeout:
         return f"timed out after {used:.0f} CPU seconds ({wall:.0f} s)"
-    if wall > WALL_FACTOR * timeout:
+    queued = min(wall, waits[-1] - waits[0]) if waits else 0.0
+    if wall - queued > WALL_FACTOR * timeout:
         return f"timed out after {wall:.0f} s ({used:.0f} CPU seconds)"
     recent = int(STALL_S / POLL_S)
-    if wall > timeout and len(cpu) > recent and cpu[-1] - cpu[-1 - recent] < STALL_CPU_S:
-        return (f"no progress for {STALL_S:.0f} s after {wall:.0f} s ({used:.0f} CPU seconds): "
-                "a hang")
+    if wall > timeout and len(cpu) > recent:
+        moved = cpu[-1] - cpu[-1 - recent]
+        if waits and len(waits) == len(cpu):
+            moved += waits[-1] - waits[-1 - recent]
+        if moved < STALL_CPU_S:
+            return (f"no progress for {STALL_S:.0f} s after {wall:.0f} s ({used:.0f} CPU seconds): "
+                    "a hang")
     return ""
 
 
@@ -129,11 +129,12 @@ class _Worker:
 
     def run(self, case: Case, timeout: float) -> tuple[dict, bool]:
         """(result, whether this worker is still usable). The case is ended by
-        :func:`_overdue`: by the CPU seconds it used, not the wall clock, so that a busy
-        machine slows a case without failing it."""
+        :func:`_overdue`: by the CPU seconds it used and the wait for a core, not the wall
+        clock, so that a busy machine slows a case without failing it."""
         t0 = time.perf_counter()
         self.phase = "start"
-        cpu = [_cpu_seconds(self.proc.pid)]          # samples, one per POLL_S
+        cpu = [cpu_seconds(self.proc.pid)]          # samples, one per POLL_S
+        waited = [waited_seconds(self.proc.pid)]
         try:
             self.proc.stdin.write(json.dumps(case.to_json()) + "\n")
             self.proc.stdin.flush()
@@ -142,8 +143,9 @@ class _Worker:
                     r = self.answers.get(timeout=POLL_S)
                     break
                 except queue.Empty:
-                    cpu.append(_cpu_seconds(self.proc.pid))
-                    why = _overdue(time.perf_counter() - t0, cpu, timeout)
+                    cpu.append(cpu_seconds(self.proc.pid))
+                    waited.append(waited_seconds(self.proc.pid))
+                    why = _overdue(time.perf_counter() - t0, cpu, timeout, waited)
                     if why:
                         self.kill()
                         return sc.Result(case.id, "fail", f"{why} in {self.phase}", self._stderr_tail(),

@@ -252,5 +252,17 @@ def test_a_busy_machine_slows_a_case_but_only_a_stall_or_its_cpu_ends_it():
     assert "CPU seconds" in over(len(hungry) * poll, hungry, t)
     assert "timed out" in over(7 * t, busy, t)             # the wall-clock backstop
     assert over(t + 1, [None, None], t) and not over(t - 1, [None, None], t)   # no /proc
+    # starved (load ~100): 1-2 CPU s in 215 s, its threads runnable and waiting for a core
+    # the rest of the time: slow, not stalled, and the backstop counts no queued time
+    starved = [i * poll * 0.005 for i in range(44)]
+    queued = [i * poll * 0.995 for i in range(44)]
+    assert "a hang" in over(len(starved) * poll, starved, t)        # by CPU alone: judged hung
+    assert over(len(starved) * poll, starved, t, queued) == ""
+    assert over(7 * t, starved, t, [q * 7 * t / queued[-1] for q in queued]) == ""
+    # blocked: neither running nor queued for 100 s
+    blocked_q = queued[:24] + [queued[23]] * 20
+    blocked = starved[:24] + [starved[23]] * 20
+    assert "a hang" in over(len(blocked) * poll, blocked, t, blocked_q)
     import os as _os
-    assert sweep_runner._cpu_seconds(_os.getpid()) > 0
+    assert sweep_runner.cpu_seconds(_os.getpid()) > 0
+    assert sweep_runner.waited_seconds(_os.getpid()) >= 0

@@ -6,8 +6,9 @@ every rank's CPU seconds for it (``cpu_by_rank``) and before the first case
 A case that raises on one rank while the others wait in a collective would hang the launch:
 every rank therefore prints the error at once (stderr) and writes it beside the results
 (``<out>.rank<r>.error``, the last case that failed on rank r), and a watchdog
-(``AUTOPAR_CASE_TIMEOUT`` seconds per case, default 240) dumps every thread's stack and
-exits, so a hang shows where each rank waits instead of ending in the test's timeout. The
+(``AUTOPAR_CASE_TIMEOUT`` seconds per case, default 240, pushed back by the time the rank's
+threads waited for a core: :class:`Watchdog`) dumps every thread's stack and exits, so a
+hang shows where each rank waits instead of ending in the test's timeout. The
 dump goes to ``<out>.rank<r>.stack`` (the launch's own log keeps only its tail, where the
 last rank's dump pushes out the first's), which ``launch.torchrun_cases`` shows on failure.
 """
@@ -18,11 +19,14 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from typing import Callable
 
 import torch.distributed as dist
+
+from proc_time import waited_seconds
 
 
 def _one_line(e: BaseException) -> str:
@@ -33,6 +37,49 @@ def _one_line(e: BaseException) -> str:
         parts.append(f"{type(e).__name__}: {' '.join(str(e).split())}"[:300])
         e = e.__cause__
     return " <- ".join(parts)
+
+
+class Watchdog:
+    """``faulthandler``'s dump-and-exit after ``limit`` seconds of a case, its deadline moved
+    back by the time this process's threads were runnable but had no core (a busy machine:
+    ``proc_time.waited_seconds``, at most the wall clock of each ``POLL_S``, and by at most
+    ``MAX_PUSH`` limits in all). A hang, where no thread is runnable, is not moved back. A
+    thread re-arms the dump every ``POLL_S`` seconds; a rank stuck in C holding the GIL
+    keeps the deadline it had."""
+    POLL_S = 5.0
+    MAX_PUSH = 5
+
+    def __init__(self, file):
+        self.file, self.lock, self.deadline = file, threading.Lock(), None
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def arm(self, limit: float) -> None:
+        with self.lock:
+            now = time.monotonic()
+            self.limit, self.start, self.deadline = limit, now, now + limit
+            self.seen = (now, waited_seconds())
+            faulthandler.dump_traceback_later(limit, exit=True, file=self.file)
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.deadline = None
+            faulthandler.cancel_dump_traceback_later()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            with self.lock:
+                if self.deadline is None:
+                    continue
+                now, waited = time.monotonic(), waited_seconds()
+                (t, w), self.seen = self.seen, (now, waited)
+                if waited is None or w is None:
+                    continue
+                push = min(now - t, waited - w)
+                if push > 0 and self.deadline - self.start < (1 + self.MAX_PUSH) * self.limit:
+                    self.deadline += push
+                    faulthandler.dump_traceback_later(max(1.0, self.deadline - now), exit=True,
+                                                      file=self.file)
 
 
 def run_cases(run_case: Callable[[dict], dict]) -> None:
@@ -50,14 +97,16 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
     dist.all_gather_object(startup, round(time.process_time(), 3))
     results = []
     stack = open(f"{out}.rank{rank}.stack", "w")     # noqa: SIM115 - open until exit
+    watchdog = Watchdog(stack)
     for case in cases:
         print(f"[rank {rank}] case {case}", file=sys.stderr, flush=True)
         stack.seek(0)
         stack.truncate()
         stack.write(f"rank {rank}: case {case['id'] if 'id' in case else case} still running after "
-                    f"{limit:.0f} s (AUTOPAR_CASE_TIMEOUT); every thread's stack:\n")
+                    f"{limit:.0f} s (AUTOPAR_CASE_TIMEOUT) and the time it waited for a core; every "
+                    "thread's stack:\n")
         stack.flush()
-        faulthandler.dump_traceback_later(limit, exit=True, file=stack)
+        watchdog.arm(limit)
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             res = {"case": case, "ok": True, **run_case(case)}
@@ -72,7 +121,7 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
         res["cpu"] = round(time.process_time() - c0, 3)     # this rank's CPU seconds
         verdicts = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, res)
-        faulthandler.cancel_dump_traceback_later()
+        watchdog.cancel()
         if rank == 0:
             bad = [v for v in verdicts if not v["ok"]]
             results.append({**(bad[0] if bad else res),

@@ -205,7 +205,7 @@ class _Checker:
                 self.fail(node, f"a {node.op} node the check does not know")
 
     def attr(self, node: Node) -> Typed | None:
-        t = _fetch(self.gm, node.target)
+        t = fetch_attr(self.gm, node.target)
         if not isinstance(t, torch.Tensor):
             return None
         ph = self.ph_of.get(node.target)
@@ -385,7 +385,7 @@ def _node_args(node: Node) -> list[Node]:
                                           is_leaf=lambda x: isinstance(x, Node)) if isinstance(a, Node)]
 
 
-def _fetch(gm: GraphModule, target: str):
+def fetch_attr(gm: GraphModule, target: str):
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)

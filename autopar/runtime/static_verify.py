@@ -14,6 +14,13 @@ parameters on the meta device (the shards are shapes only), then
    check the built module makes over gloo at run time, here before any rank starts. The
    elements sent are the type check's local shapes.
 
+Ranks whose programs are the same program (:func:`program_key`: every node, constant,
+parameter shard shape and gradient sync the check reads, the rank's coordinate aside) are
+type-checked once: the check is a function of what the key holds, so a second rank of the
+same key would repeat the first's walk step by step (a 1-D data-parallel plan's 4 ranks are
+one program; a rank with an uneven shard, a context chunk or a pipeline stage of its own is
+not). Its collectives are still listed and compared on its own coordinate.
+
 :func:`static_verify` returns one :class:`Result` per rank and program; the command prints
 them, one line each, and exits 1 on any failure.
 """
@@ -35,7 +42,7 @@ from autopar.runtime.collective_order import EAGER_FIX, graph_collectives, first
 from autopar.runtime.pipeline_runner import stage_plan
 from autopar.runtime.program_passes import rank_programs
 from autopar.runtime.shards import shard_model
-from autopar.runtime.spmd_check import FIX, Context, check_program, flat_program
+from autopar.runtime.spmd_check import FIX, Context, check_program, fetch_attr, flat_program
 from autopar.runtime.zero import optimizer_sharded, working_plan
 
 
@@ -122,6 +129,27 @@ class Builder:
         return built.programs, ctx
 
 
+def program_key(gm, ctx: Context) -> str:
+    """What :func:`check_program` reads of a (flat) program and its context, as text: each
+    node's op, name, target, arguments (constants included, nodes by name), the captured node
+    it runs and the inputs it reads by name; each attribute tensor's shape and dtype (the
+    check runs on FakeTensors: values are not read); the context's parameter attributes, the
+    loss's and the gradients' sync axes. Equal keys, equal checks. An argument whose text
+    holds an object's address makes every rank's key its own: checked again, never merged."""
+    parts = [ctx.which, repr(sorted(ctx.attr_of.items())), repr(tuple(ctx.loss_sync)),
+             repr(sorted((ctx.grad_sync or {}).items()))]
+    for n in gm.graph.nodes:
+        target = n.target if isinstance(n.target, str) else (
+            f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', n.target)}")
+        inputs = [getattr(i, "name", i) for i in n.meta.get("inputs", ())]
+        parts.append(f"{n.op}|{n.name}|{target}|{n.args!r}|{n.kwargs!r}|{n.meta.get('source')!r}|{inputs}")
+        if n.op == "get_attr":
+            t = fetch_attr(gm, n.target)
+            if isinstance(t, torch.Tensor):
+                parts.append(f"  {tuple(t.shape)} {t.dtype}")
+    return "\n".join(parts)
+
+
 def static_verify(cap: Captured, plan: Plan, model: nn.Module, ranks=None) -> list[Result]:
     """Build and check every rank's programs of ``plan`` (module docstring). ``model``: the
     model the capture was made from (its parameters' shapes are read, not their values);
@@ -129,6 +157,7 @@ def static_verify(cap: Captured, plan: Plan, model: nn.Module, ranks=None) -> li
     b = Builder(cap, plan, model)
     results: list[Result] = []
     sequences: dict[str, dict[int, tuple]] = {}
+    checked: dict[str, tuple[dict, str]] = {}     # program_key -> (local sizes, error)
     for coord in coords(plan.mesh_shape):
         rank = rank_of(coord, plan.mesh_shape)
         t0 = time.perf_counter()
@@ -141,12 +170,16 @@ def static_verify(cap: Captured, plan: Plan, model: nn.Module, ranks=None) -> li
         for which, gm in programs.items():
             t1 = time.perf_counter()
             sizes, error = {}, ""
+            flat = flat_program(gm)
             if ranks is None or rank in ranks:
-                try:
-                    sizes = check_program(gm, ctx[which])
-                except StaticCheckError as e:
-                    error = str(e)
-            seq = graph_collectives(flat_program(gm), _groups_by_axis(coord, plan, b.inner))
+                key = program_key(flat, ctx[which])
+                if key not in checked:
+                    try:
+                        checked[key] = (check_program(flat, ctx[which]), "")
+                    except StaticCheckError as e:
+                        checked[key] = ({}, str(e))
+                sizes, error = checked[key]
+            seq = graph_collectives(flat, _groups_by_axis(coord, plan, b.inner))
             seq = [c if c.numel is not None or c.of not in sizes else replace(c, numel=sizes[c.of])
                    for c in seq]
             sequences.setdefault(which, {})[rank] = (f"the {which} program", seq)
