@@ -65,6 +65,26 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link, *,
     >>> collective_time("all_reduce", 1e9, 8, Link(bandwidth=100e9, latency=0.0))
     0.0175
     """
+    terms = collective_terms(kind, group_size, link)
+    if terms.factor is None or nbytes <= 0:
+        return 0.0
+    return terms_time(terms, nbytes) + (link.skew if skew else 0.0)
+
+
+class Terms(NamedTuple):
+    """What :func:`collective_time` reads of a collective's kind, group and link, worked out
+    once (a price table prices ~10^4-10^5 collectives of a few dozen such triples):
+    ``factor * (S + half_bytes) / bandwidth + latency_s``; ``factor`` None: a group of one
+    rank, which costs nothing."""
+    factor: float | None
+    half_bytes: float
+    bandwidth: float
+    latency_s: float
+
+
+def collective_terms(kind: str, group_size: int, link: Link) -> Terms:
+    """The :class:`Terms` of ``kind`` over ``group_size`` ranks of ``link``; raises
+    ValueError for an unknown kind or a group of fewer than one rank."""
     key = kind.lower().replace("-", "_")
     key = _ALIASES.get(key, key)
     if key not in _BANDWIDTH_FACTOR:
@@ -72,16 +92,23 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link, *,
     n = int(group_size)
     if n < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size} for {kind!r}")
-    if n == 1 or nbytes <= 0:
-        return 0.0
+    if n == 1:
+        return Terms(None, 0.0, 1.0, 0.0)
     alpha, bandwidth = link.latency, link.bandwidth
     for kind_, a, b in getattr(link, "collectives", ()):
         if kind_ == key:      # this link's implementation of the collective (gloo)
             alpha, bandwidth = a, b
     # bus bandwidth grows with the message: bandwidth * S / (S + half_bytes) (gpus.py)
-    size = nbytes + getattr(link, "half_bytes", 0.0)
-    return (_BANDWIDTH_FACTOR[key](n) * size / bandwidth
-            + _LATENCY_STEPS[key](n) * alpha + (link.skew if skew else 0.0))
+    return Terms(_BANDWIDTH_FACTOR[key](n), getattr(link, "half_bytes", 0.0), bandwidth,
+                 _LATENCY_STEPS[key](n) * alpha)
+
+
+def terms_time(terms: Terms, nbytes: float) -> float:
+    """Seconds of one collective of ``terms`` moving ``nbytes``, without the link's skew
+    (:func:`collective_time` with ``skew=False``, the same floating-point operations)."""
+    if terms.factor is None or nbytes <= 0:
+        return 0.0
+    return terms.factor * (nbytes + terms.half_bytes) / terms.bandwidth + terms.latency_s
 
 
 class GradSync(NamedTuple):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.cost_models import comm as comm_model
+from autopar.cost_models.comm import terms_time
 from autopar.placement import Partial, Placement, Replicate, Shard, local_shape
 from autopar.sharding.redistribute import Step, Unsupported, plan_steps
 from autopar.sharding.registry import TensorMeta
@@ -134,10 +135,10 @@ class CommCosts:
                         or (per_step and kind == "all_reduce") else before)
                 # a parameter's gradient reduction moves the reduce dtype's bytes
                 grad = bucketed and backward and kind in ("all_reduce", "reduce_scatter")
-                t = comm_model.collective_time(kind, size * (self._grad_scale(meta.dtype) if grad else scale),
-                                               n, link, skew=False)
+                terms = self._terms(kind, step.axis)
+                t = terms_time(terms, size * (self._grad_scale(meta.dtype) if grad else scale))
                 if bucketed and (step.kind == "grad_all_reduce" or per_step):
-                    t -= comm_model.collective_time(kind, 1.0, n, link, skew=False)   # latency shared by the bucket
+                    t -= terms_time(terms, 1.0)   # latency shared by the bucket
                     if step.kind == "grad_all_reduce" and step.axis == self.data_axis:
                         t = self._lossy_grad_sync(t, TensorMeta(before_shape, meta.dtype), scale, n, link)
                 else:
@@ -172,6 +173,20 @@ class CommCosts:
                                           2 * size * scale / (dev.mem_bandwidth * dev.mem_efficiency),
                                           False, True, False))
         return tuple(out)
+
+    def _terms(self, kind: str, axis: int) -> comm_model.Terms:
+        """``comm_model.collective_terms`` of ``kind`` over mesh axis ``axis``, kept per
+        cost model: each conversion's collectives are then priced by
+        ``comm_model.terms_time``, the floating-point operations of ``collective_time``
+        (``skew=False``) without looking up the kind, the group and the link again."""
+        memo = self.__dict__.get("_terms_memo")
+        if memo is None:
+            memo = self.__dict__["_terms_memo"] = {}
+        got = memo.get((kind, axis))
+        if got is None:
+            got = memo[(kind, axis)] = comm_model.collective_terms(kind, self.mesh_shape[axis],
+                                                                   self.links[axis])
+        return got
 
     def _lossy_grad_sync(self, t: float, local: TensorMeta, scale: float, n: int, link) -> float:
         """A parameter's gradient all-reduce over the data axis (``t`` seconds exact) under

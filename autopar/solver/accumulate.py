@@ -19,6 +19,7 @@ one-stage solver plans it as it stands, so:
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Sequence
@@ -34,7 +35,7 @@ from autopar.options import Options, as_options
 from autopar.plan import Plan
 from autopar.solver.errors import InfeasibleError
 from autopar.pricing.costing import StepView
-from autopar.solver.flat import MeshAsk, recompute_bound_s, solve_ask
+from autopar.solver.flat import ZERO_STAGES, MeshAsk, mesh_floor, recompute_bound_s, solve_ask
 from autopar.solver.pipeline_search import capture_microbatch
 from autopar.solver.spec import SearchSpec
 
@@ -110,12 +111,15 @@ def accumulated_plan(plan: Plan, k: int) -> Plan:
     return replace(plan, estimate=est, accumulate=k)
 
 
-def plan_accumulated(spec: SearchSpec, k: int, explain=True) -> tuple[Plan, Captured]:
+def plan_accumulated(spec: SearchSpec, k: int, explain=True,
+                     cap: Captured | None = None) -> tuple[Plan, Captured]:
     """The one-stage plan of ``spec`` at ``k`` micro-batches a step, and the graph it runs
     on. ``explain=False``: where nothing fits, without working out how far (the free
-    search's tries, which only note that ``k`` does not fit)."""
+    search's tries, which only note that ``k`` does not fit). ``cap``: the micro-batch's
+    graph, captured already (:func:`capture_accumulated`)."""
     t0 = time.perf_counter()
-    cap = capture_accumulated(spec.model, spec.example_inputs, spec.loss_fn, spec.target, k)
+    if cap is None:
+        cap = capture_accumulated(spec.model, spec.example_inputs, spec.loss_fn, spec.target, k)
     capture_s = time.perf_counter() - t0
     ask = MeshAsk(spec.cluster, spec.world, spec.options, spec.settings,
                   view=StepView(grad_sync_scale=1.0 / k), explain=explain)
@@ -163,22 +167,77 @@ def accumulation_may_win(flat: Plan, best: Plan, cap: Captured) -> bool:
     return flat.estimate.step_time_s - recompute_bound_s(flat, cap) < best.estimate.step_time_s
 
 
-def search_accumulation(spec: SearchSpec) -> tuple[Plan, Captured] | None:
+def accumulation_floor(spec: SearchSpec, cap: Captured, k: int) -> float:
+    """Seconds no plan :func:`plan_accumulated` makes at ``k`` micro-batches predicts a
+    step below, from the micro-batch's graph ``cap``: ``k`` times the least compute floor
+    (``flat.mesh_floor``: every node at its least compute over its options, recomputing
+    nothing) over the meshes the pins allow, and those of each ZeRO stage the search may
+    weigh (a ZeRO pin makes the 1-D mesh's axis the data axis: other options).
+
+    Why it holds: that plan's step is ``max(k (compute_s + comm_s), k host_s)``
+    (:func:`accumulated_plan`, ``step_time``), where ``compute_s + comm_s`` is the
+    objective of the program it was solved as (``flat._to_plan``), which is at least its
+    mesh's compute floor (``prices.compute_floor``) whatever it recomputes (recomputation
+    only adds compute); the program's mesh, roles and ZeRO stage are among those minimised
+    over (a ``mesh_shape`` setting only narrows the meshes). Reads node prices only (no
+    edge, no ILP). ``-inf`` where it proves nothing (no mesh, a node with no option)."""
+    pins = spec.options
+    variants = [pins] + ([pins.replace(zero=z) for z in ZERO_STAGES] if pins.zero is None else [])
+    floors = []
+    for variant in variants:
+        try:
+            floors.append(mesh_floor(cap, spec.cluster, spec.world, variant, spec.optimizer))
+        except ValueError:       # no mesh for these pins, no option for a node
+            if variant is pins:
+                return -math.inf     # the ILP says why
+    return k * min(floors)
+
+
+def search_accumulation(spec: SearchSpec, best_s: float = math.inf) -> tuple[Plan, Captured] | None:
     """The fastest plan over micro-batch counts ``k`` (divisors of the batch, the least
     first, at most :data:`MAX_TRIES`), or None when none fits. It stops at the first ``k``
     that fits without recomputation (more micro-batches only add per-micro-batch costs);
     when the least ``k`` does not fit, it gives up unless the most (one sample each) does.
     With ``data=`` pinned, only counts whose micro-batch that degree splits (a micro-batch
     of fewer rows than data ranks has no plan: ``build_problem`` refuses it with a
-    ``PinError`` about the input, which would hide why the full batch did not fit)."""
+    ``PinError`` about the input, which would hide why the full batch did not fit).
+
+    ``best_s``: the best step the caller has found (the free search's). Before it plans a
+    count, the search stops where every count it could still plan (the rest of the tries,
+    and the one-sample count while the first has not been planned) has a floor
+    (:func:`accumulation_floor`, the counts' graphs captured in order, as far as needed to
+    find one below ``best_s``) of at least ``best_s``. Exact: each of those plans would
+    predict a step of at least ``best_s``, which the caller does not take (it keeps the
+    least step, the first of equals); a plan found before the stop is below them, so the
+    search returns the plan it would have returned unbounded wherever that plan could
+    win. Without a profiler only (the floor prices ops by the cost model, not by measured
+    times)."""
     batch, pins = _batch(spec.example_inputs), spec.options
     counts = [d for d in _divisors(batch) if d > 1 and _splits(pins, batch // d)]
     planned: dict[int, tuple[Plan, Captured] | None] = {}
+    captured: dict[int, Captured] = {}
+    floors: dict[int, float] = {}
+    bounded = best_s < math.inf and spec.profiler is None
+
+    def floor(k: int) -> float:
+        if k not in floors:
+            if k in planned:             # planned already: its step is known
+                floors[k] = planned[k][0].estimate.step_time_s if planned[k] else math.inf
+            else:
+                captured[k] = capture_accumulated(spec.model, spec.example_inputs, spec.loss_fn,
+                                                  spec.target, k)
+                floors[k] = accumulation_floor(spec, captured[k], k)
+            if spec.verbose:
+                print(f"accumulate {k}: floor {floors[k]:.4g} s against {best_s:.4g} s")
+        return floors[k]
+
+    def hopeless(rest) -> bool:
+        return bounded and all(floor(k) >= best_s for k in rest)
 
     def attempt(k: int):
         if k not in planned:
             try:
-                planned[k] = plan_accumulated(spec, k, explain=False)
+                planned[k] = plan_accumulated(spec, k, explain=False, cap=captured.pop(k, None))
             except InfeasibleError as e:
                 planned[k] = None
                 if spec.verbose:
@@ -186,11 +245,18 @@ def search_accumulation(spec: SearchSpec) -> tuple[Plan, Captured] | None:
         return planned[k]
 
     best = None
-    for i, k in enumerate(counts[:MAX_TRIES]):
+    tries = counts[:MAX_TRIES]
+    for i, k in enumerate(tries):
+        if hopeless(tries[i:] + (counts[-1:] if i == 0 else [])):
+            if spec.verbose:
+                print(f"accumulation: no count from {k} on can beat {best_s:.4g} s (floors)")
+            break
         got = attempt(k)
         if got is None:
-            if i == 0 and attempt(counts[-1]) is None:
-                return None        # not even micro-batches of one sample fit
+            # not even micro-batches of one sample fit; or neither they nor the tries left
+            # could win, whatever they give
+            if i == 0 and (hopeless(counts[-1:] + tries[1:]) or attempt(counts[-1]) is None):
+                return None
             continue
         if best is None or got[0].estimate.step_time_s < best[0].estimate.step_time_s:
             best = got

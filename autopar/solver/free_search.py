@@ -27,6 +27,7 @@ step wins):
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from dataclasses import replace
@@ -301,7 +302,11 @@ class _FreeSearch:
             print("trying gradient accumulation (" + ("the full batch fits only recomputed"
                                                       if flat is not None else
                                                       "nothing fits the full batch") + ")")
-        got = self._timed("accumulation", lambda: search_accumulation(spec))
+        # each count's compute floor against the best step found: counts that cannot beat it
+        # are not planned (``accumulate.search_accumulation``, exact)
+        best = self._best_s()
+        got = self._timed("accumulation", lambda: search_accumulation(
+            spec, best if best is not None else math.inf))
         self.offer(Planned(*got) if got is not None else None)
 
     def result(self) -> Planned:
