@@ -790,6 +790,9 @@ def pins_of(run: Run) -> dict:
             "grad_reduce": run.grad_reduce}
     if run.precision == "fp8":
         pins["fp8_scaling"] = run.fp8_scaling or "tensorwise"
+        # as run: torchtitan's converter, Transformer Engine's te.Linear layers and DeepSeek
+        # convert every linear but the output layer, whatever its price (not chosen per layer)
+        pins["fp8_layers"] = "all"
     if run.recompute:
         pins["recompute"] = "full"
     if run.zero:
