@@ -354,6 +354,14 @@ def test_fp8_layers_chosen_by_price():
     assert p.options.fp8_layers == ("big",), p.options.fp8_layers
     assert any(line.startswith("fp8 (tensorwise): 1 linear layers") and "big" in line
                for line in p.summary().splitlines()), p.summary()
+    # explain says it per node: the large linear fp8, the narrow ones bf16, the head neither
+    from autopar.viz.explain import explain
+    with torch.device("meta"):
+        model, x, t = _Mixed(), torch.randn(64, 1024, 4096), torch.randn(64, 1024, 16)
+    cap = capture(model, (x,), torch.nn.functional.mse_loss, target=t)
+    notes = [explain(cap, p, n).fp8 for n in ("linear", "linear_1", "linear_2", "linear_3")]
+    assert notes[0].startswith("its GEMMs run in fp8") and notes[3] == "", notes
+    assert all(n.startswith("it runs in bf16") for n in notes[1:3]), notes
     tp = _mixed_plan(tensor=8)
     assert len(tp.options.fp8_layers) < len(p.options.fp8_layers), tp.options.fp8_layers
     # the choice is the cheaper one: pinning every layer fp8 prices a slower step
