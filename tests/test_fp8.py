@@ -373,8 +373,10 @@ def test_fp8_layers_chosen_by_price():
 def test_fp8_layers_pinned():
     """A pinned list is what the plan runs (recorded as given); a name that is no eligible
     linear, or the pin without precision='fp8', is refused naming the fix."""
-    p = _mixed_plan(data=8, fp8_layers=["down", "up"])
+    p = _mixed_plan(data=8, fp8_layers=["up", "down"])
     assert p.options.fp8_layers == ("down", "up")
+    again = autopar.Plan.from_dict(p.to_dict())           # the plan file keeps the list
+    assert again.options.fp8_layers == ("down", "up") and again.digest() == p.digest()
     free = _mixed_plan(data=8)
     assert p.estimate.step_time_s > free.estimate.step_time_s     # the priced-out pair, forced
     with pytest.raises(PinError, match=r"fp8_layers names \['head'\].*leave fp8_layers out"):
