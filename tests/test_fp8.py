@@ -405,3 +405,19 @@ def test_compiled_casts_cost_less():
     saved = (m * k + m * n + 2 * n * k) / bw       # one byte an element of x, dy; two of W
     assert sum(eager) - sum(fused) == pytest.approx(saved, rel=1e-9)
     assert fused[0] < eager[0] and fused[1] < eager[1]
+
+
+def test_a_compiled_pipeline_is_priced_compiled():
+    """``compile=True`` reaches a pipeline's stages (``pipeline_search.INTRA_PINS``): the
+    stages' fused memory-bound ops and fp8 casts price less than eager (before, a pipelined
+    plan priced compile=True exactly as eager), and the plan keeps the pin."""
+    from examples.models import EXAMPLES
+    ex = EXAMPLES["gpt"](batch=8, seed=0)
+    est = {}
+    for c in (None, True):
+        p = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x2xH100",
+                         pipeline=2, micro_batch_size=2, schedule="1f1b", precision="fp8",
+                         fp8_layers="all", compile=c)
+        assert p.options.compile is c and p.pipeline_stages == 2
+        est[c] = p.estimate
+    assert est[True].compute_s < est[None].compute_s, est
