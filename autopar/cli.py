@@ -221,6 +221,8 @@ def explain(plan_file, node, factory, optimizer, show_all, factory_args, meta):
                   f"{len(x.members)} nodes decide together)")
     elif len(x.members) > 1:
         con.print(f"{len(x.members)} nodes of repeated layers share this choice; costs count all of them")
+    if x.fp8:
+        con.print(f"fp8: {x.fp8}")
     if x.follows:
         con.print(f"it follows its producer {x.follows}: the solver takes, for each of "
                   f"{x.follows}'s options, this node's cheapest option")

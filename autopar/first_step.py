@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopar.analysis.fp8_layers import fp8_linears, row_blocks
+from autopar.analysis.fp8_layers import planned_fp8_linears, row_blocks
 from autopar.errors import ArgumentError
 from autopar.ops.fp8 import use_fp8_linears
 from autopar.verify import GRAD_RTOL, LOSS_RTOL, Run, compare
@@ -70,7 +70,7 @@ class FirstStepCheck:
         self.reference = reference.to(pm.device)
         self.blocks = 1
         if precision == "fp8":         # the same recipe, on the rows each rank scales alone
-            weights = set(fp8_linears(pm._cap).values())
+            weights = set(planned_fp8_linears(pm._cap, pm.plan.options).values())
             use_fp8_linears(self.reference, weights, pm.plan.options.fp8_scaling or "tensorwise")
             self.blocks = row_blocks(pm.plan)
 

@@ -108,6 +108,12 @@ class Options(Mapping):
     """Under ``precision="fp8"``: torchao's float8 training recipe, ``"tensorwise"`` (the
     default: one scale per tensor, e4m3 forward, e5m2 gradients) or ``"rowwise"`` (one
     scale per row along each GEMM's contraction, e4m3 throughout, power-of-2 scales)."""
+    fp8_layers: tuple[str, ...] | Literal["all"] | None = None
+    """Under ``precision="fp8"``: which linear layers run in fp8, by module name
+    (``("layers.0.attention.wq", ...)``); ``"all"``: every one the recipe converts (all
+    ``nn.Linear`` layers but the head, ``autopar.analysis.fp8_layers``). None: the solver
+    chooses each by price (fp8 where its fp8 GEMMs and casts beat bf16 under the plan's
+    placement, ``autopar.pricing.fp8``) and the plan records the names it chose."""
     grad_reduce: Literal["fp32", "bf16"] | None = None
     """The dtype data-parallel gradients are summed in (all-reduce, ZeRO's reduce-scatter):
     fp32 by default; bf16 halves those bytes (needs ``precision``)."""
@@ -173,6 +179,8 @@ class Options(Mapping):
             given.setdefault("pipeline", 1)     # not offered with pipelines (yet)
         if isinstance(given.get("recompute"), list):
             given["recompute"] = tuple(given["recompute"])
+        if isinstance(given.get("fp8_layers"), (list, tuple)):      # one order: the plan's
+            given["fp8_layers"] = tuple(sorted(given["fp8_layers"]))
         scheme = scheme_of(given)       # the update's pins, as one value (compress="none": Exact)
         return cls(**{k: v for k, v in given.items() if k not in UPDATE_PIN_HELP}, update=scheme)
 
@@ -327,6 +335,12 @@ def _check_values(p: dict) -> None:
     if p.get("fp8_scaling") not in (None, "tensorwise", "rowwise"):
         raise PinError(f"fp8_scaling={p['fp8_scaling']!r}: use 'tensorwise' (the default) or "
                        "'rowwise'")
+    layers = p.get("fp8_layers")
+    if not (layers is None or layers == "all" or (isinstance(layers, (list, tuple)) and all(
+            isinstance(n, str) for n in layers))):
+        raise PinError(f"fp8_layers={layers!r}: use 'all' (every linear but the head), a list "
+                       "of linear module names such as ['layers.0.feed_forward.w1'], or leave it "
+                       "out (the solver chooses each layer by price)")
     if p.get("grad_reduce") not in (None, "fp32", "bf16"):
         raise PinError(f"grad_reduce={p['grad_reduce']!r}: use 'fp32' (the default) or 'bf16'")
     if p.get("zero", 0) not in (0, 1, 2, 3):
@@ -375,6 +389,10 @@ def _check_combinations(p: dict) -> None:
         raise PinError(f"fp8_scaling={p['fp8_scaling']!r} is how precision='fp8' scales its "
                        f"GEMMs; precision={p.get('precision')!r} runs none: pin precision='fp8' "
                        "too, or drop fp8_scaling=")
+    if p.get("fp8_layers") is not None and p.get("precision") != "fp8":
+        raise PinError(f"fp8_layers= names the linears precision='fp8' runs in fp8; "
+                       f"precision={p.get('precision')!r} runs none: pin precision='fp8' too, or "
+                       "drop fp8_layers=")
     if p.get("offload_dir") is not None and p.get("offload") != "disk":
         raise PinError(f"offload_dir={p['offload_dir']!r} is where offload='disk' keeps the "
                        f"optimizer state; offload={p.get('offload')!r} writes no files: pin "

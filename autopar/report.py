@@ -185,11 +185,35 @@ def context_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _shown_pins(plan: Plan) -> dict:
+    """The plan's pins as the summary's first line shows them: a list of fp8 layers as its
+    count (:func:`fp8_lines` names them)."""
+    pins = dict(plan.pins)
+    if isinstance(pins.get("fp8_layers"), list):
+        pins["fp8_layers"] = f"{len(pins['fp8_layers'])} layers"
+    return pins
+
+
+def fp8_lines(plan: Plan) -> list[str]:
+    """Under ``precision="fp8"``: which linear layers run in fp8 (the plan's ``fp8_layers``:
+    chosen by price, pinned, or "all"), folded by layer index."""
+    o = plan.options
+    if o.precision != "fp8":
+        return []
+    recipe = o.fp8_scaling or "tensorwise"
+    if o.fp8_layers is None or o.fp8_layers == "all":
+        return [f"fp8 ({recipe}): every linear layer but the head"]
+    names = list(o.fp8_layers)
+    rows = [label for label, _, _ in _group_layers(names)]
+    return [f"fp8 ({recipe}): {len(names)} linear layers (the others, and the head, bf16): "
+            + (", ".join(rows) if rows else "none")]
+
+
 def plan_summary(plan: Plan) -> str:
     e, s = plan.estimate, plan.solver
     lines = [
         f"autopar plan: mesh {tuple(plan.mesh_shape)} axes {tuple(plan.mesh_axes)} on "
-        f"{plan.cluster}, world {plan.world_size}" + (f", pins {plan.pins}" if plan.pins else ""),
+        f"{plan.cluster}, world {plan.world_size}" + (f", pins {_shown_pins(plan)}" if plan.pins else ""),
         f"estimate: step {fmt_time(e.step_time_s)} (compute {fmt_time(e.compute_s)}, "
         f"communication {fmt_time(e.comm_s)}"
         + (f", host {fmt_time(e.host_s)}: step = max(device, host)" if e.host_s else "")
@@ -206,6 +230,7 @@ def plan_summary(plan: Plan) -> str:
         lines.append("communication: " + ", ".join(f"{k} {fmt_time(v)}" for k, v in e.comm.items()))
     lines += expert_lines(plan)
     lines += context_lines(plan)
+    lines += fp8_lines(plan)
     lines.append(f"solver: {s.status} in {s.solve_time_s:.2f} s, gap {s.gap:.2%}; "
                  f"{s.n_graph_nodes} graph nodes -> {s.n_decisions} decisions "
                  f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s"

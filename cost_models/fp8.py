@@ -5,11 +5,24 @@ Three GEMMs (forward ``x W^T``, backward ``dy W`` and ``dy^T x``) at the device'
 datasheets), by the same roofline as any matmul (``compute.node_time``: wave quantization,
 fill time), reading 1-byte operands and writing bf16; plus what the recipe adds:
 
-- the casts, memory-bound: a cast of a bf16 tensor of n elements reads it for its amax
-  (2n bytes), reads it again and writes fp8 (2n + n): 5n bytes, two kernels. The forward
-  casts x and W; backward casts dy and W once under tensorwise (x's fp8 copy is reused; W
-  is kept whole, not cast, so that ZeRO-3 can gather it again instead), under rowwise dy
-  twice, W and x once more (each GEMM scales along its own contraction);
+- the casts, memory-bound (:data:`CAST_TRAFFIC`: bytes per element of the operand and
+  kernels, per pass). Eager (torchao's ``hp_tensor_to_float8_dynamic`` op by op): a cast of
+  a bf16 tensor of n elements reads it for its amax (2n bytes), reads it again and writes
+  fp8 (2n + n): 5n bytes, two kernels. The forward casts x and W; backward casts dy and W
+  once under tensorwise (x's fp8 copy is reused; W is kept whole, not cast, so that ZeRO-3
+  can gather it again instead), under rowwise dy twice, W and x once more (each GEMM scales
+  along its own contraction);
+- compiled (``compile=True``), the bytes Inductor still moves, as torchao's own roofline of
+  compiled float8 training counts them (torchao 0.14.0,
+  ``torchao/testing/training/roofline_utils.py``, ``get_tensor_memory_traffic_ovhd_s``
+  with ``fuse_with_prev`` for the activations: their amax pass fused into the kernel that
+  produces them, as Inductor fuses a reduction into its pointwise producer, Ansel et al.,
+  ASPLOS 2024, Sec. 5). Tensorwise: x and dy one cast kernel each, reading bf16 and
+  writing the fp8 copy and its transpose (2n + 2n), and the amax's second stage; W its
+  amax (2n) and a cast per pass (3n each), four kernels. Rowwise: x and dy write their
+  fp8 rows and a bf16 transpose in one kernel (n + 2n, the read fused), then cast the
+  transpose (3n); W casts its rows (3n), transposes (4n) and casts that (3n). The
+  weight's reads are not fused (its producer, the optimizer step, is outside the graph);
 - the amax reductions: an operand sharded on a dim its amax spans gathers one fp32 amax per
   rank (tensorwise) or one per row (rowwise) over that mesh axis (``ops.fp8._max_over``: an
   all-gather, latency-bound), priced by ``comm.collective_time`` on the axis's link.
@@ -30,9 +43,29 @@ from .comm import collective_time
 from .devices import Device
 
 CAST_BYTES_PER_ELEMENT = 5
-"""Bytes one dynamic fp8 cast of a bf16 tensor moves per element (module docstring)."""
+"""Bytes one eager dynamic fp8 cast of a bf16 tensor moves per element (module docstring)."""
 CAST_KERNELS = 2
 """The amax reduction and the scaled cast (torchao's eager ``hp_tensor_to_float8_dynamic``)."""
+
+_EAGER = (CAST_BYTES_PER_ELEMENT, CAST_KERNELS)
+CAST_TRAFFIC = {
+    # (recipe, compiled) -> {(pass, operand): (bytes per element, kernels)}; module docstring
+    ("tensorwise", False): {("fwd", "x"): _EAGER, ("fwd", "w"): _EAGER,
+                            ("bwd", "dy"): _EAGER, ("bwd", "w"): _EAGER},
+    ("rowwise", False): {("fwd", "x"): _EAGER, ("fwd", "w"): _EAGER,
+                         ("bwd", "dy"): (2 * CAST_BYTES_PER_ELEMENT, 2 * CAST_KERNELS),
+                         ("bwd", "w"): _EAGER, ("bwd", "x"): _EAGER},
+    # torchao roofline_utils: input / grad_output [fused amax, stage 2, cast 2n + n + n];
+    # weight [amax 2n, stage 2, cast 2n + n (fwd), cast 2n + n (bwd)]
+    ("tensorwise", True): {("fwd", "x"): (4, 2), ("fwd", "w"): (5, 3),
+                           ("bwd", "dy"): (4, 2), ("bwd", "w"): (3, 1)},
+    # rowwise: input / grad_output [n + 2n (read fused), 2n + n]; weight [2n + n, 2n + 2n, 2n + n]
+    ("rowwise", True): {("fwd", "x"): (3, 1), ("fwd", "w"): (3, 1),
+                        ("bwd", "dy"): (6, 2), ("bwd", "w"): (7, 2), ("bwd", "x"): (3, 1)},
+}
+"""Bytes per element of each operand an fp8 linear's casts move, and their kernels, by
+recipe, eager or compiled, per pass (module docstring: torchao's eager cast; compiled, the
+traffic of torchao's roofline of compiled float8 training)."""
 
 
 def check_fp8(device: Device) -> None:
@@ -47,19 +80,34 @@ def _meta(m, dtype):
     return type(m)(tuple(m.shape), dtype)
 
 
-def cast_time(numel: float, device: Device) -> float:
-    """Seconds of one dynamic fp8 cast of ``numel`` bf16 elements (module docstring)."""
+def cast_time(numel: float, device: Device, bytes_per_element: float = CAST_BYTES_PER_ELEMENT,
+              kernels: int = CAST_KERNELS) -> float:
+    """Seconds of the casts of ``numel`` bf16 elements moving ``bytes_per_element`` each in
+    ``kernels`` kernels (default: one eager dynamic fp8 cast; module docstring)."""
     if numel <= 0:
         return 0.0
     bw = device.mem_bandwidth * device.mem_efficiency
-    return CAST_BYTES_PER_ELEMENT * numel / bw + CAST_KERNELS * device.launch_overhead
+    return bytes_per_element * numel / bw + kernels * device.launch_overhead
+
+
+def casts_time(nx: float, nw: float, ny: float, device: Device, rowwise: bool,
+               compiled: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one fp8 linear's casts: x of ``nx`` elements, W of
+    ``nw``, dy of ``ny`` (:data:`CAST_TRAFFIC`)."""
+    table = CAST_TRAFFIC[("rowwise" if rowwise else "tensorwise", bool(compiled))]
+    numel = {"x": nx, "w": nw, "dy": ny}
+    out = {"fwd": 0.0, "bwd": 0.0}
+    for (when, operand), (b, k) in table.items():
+        out[when] += cast_time(numel[operand], device, b, k)
+    return out["fwd"], out["bwd"]
 
 
 def fp8_linear_time(op, ins, outs, args, kwargs, device: Device, rowwise: bool,
-                    amax_gathers: tuple = ()) -> tuple[float, float]:
+                    amax_gathers: tuple = (), compiled: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one fp8 linear on this rank's local tensors ``ins``
     (x, W[, b]) and ``outs``; ``amax_gathers``: (pass, amax elements, group size, link)
-    per reduction, ``pass`` "fwd" or "bwd" (module docstring)."""
+    per reduction, ``pass`` "fwd" or "bwd"; ``compiled``: its casts as Inductor runs them
+    (module docstring)."""
     check_fp8(device)
     x, w = ins[0], ins[1]
     g_ins = [_meta(x, torch.float8_e4m3fn), _meta(w, torch.float8_e4m3fn),
@@ -67,9 +115,8 @@ def fp8_linear_time(op, ins, outs, args, kwargs, device: Device, rowwise: bool,
     g_outs = [_meta(o, torch.bfloat16) for o in outs]
     fwd, bwd = compute.node_time(op, g_ins, g_outs, args, kwargs, device, "fp8")
     nx, nw, ny = math.prod(x.shape), math.prod(w.shape), math.prod(outs[0].shape)
-    fwd += cast_time(nx, device) + cast_time(nw, device)
-    bwd += cast_time(ny, device) + cast_time(nw, device) if not rowwise else \
-        2 * cast_time(ny, device) + cast_time(nw, device) + cast_time(nx, device)
+    cf, cb = casts_time(nx, nw, ny, device, rowwise, compiled)
+    fwd, bwd = fwd + cf, bwd + cb
     for when, elements, group, link in amax_gathers:
         t = collective_time("all_gather", 4.0 * elements * group, group, link)
         if when == "fwd":

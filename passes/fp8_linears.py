@@ -1,7 +1,7 @@
 """``precision="fp8"``'s graph rewrite: the plan's fp8 linears call ``ops.fp8.fp8_linear``.
 
-Every ``aten.linear`` of a rank's program whose captured node runs in fp8
-(``autopar.analysis.fp8_layers``) calls :func:`autopar.ops.fp8.fp8_linear` instead, given
+Every ``aten.linear`` of a rank's program whose captured node the plan runs in fp8
+(its options' ``fp8_layers``: ``autopar.analysis.fp8_layers.planned_fp8_linears``) calls :func:`autopar.ops.fp8.fp8_linear` instead, given
 the recipe (``fp8_scaling``) and, from the plan, the mesh axes on which this rank holds a
 shard of x, of W and of the output (whose gradient is sharded as the output is): the axes
 its amaxes are max-reduced over (``ops.fp8``'s module docstring). An operand the plan
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from autopar.analysis.fp8_layers import fp8_linears
+from autopar.analysis.fp8_layers import planned_fp8_linears
 from autopar.capture import Captured
 from autopar.ops.fp8 import fp8_linear
 from autopar.placement import Partial, Shard
@@ -37,7 +37,7 @@ def _shards(placements, ndim: int, mesh: tuple[int, ...], what: str, node: str) 
 
 def fp8_linear_calls(gm: GraphModule, cap: Captured, plan: Plan) -> list[str]:
     """Rewrite ``gm``'s fp8 linears in place (module docstring); returns the nodes changed."""
-    chosen = fp8_linears(cap)
+    chosen = planned_fp8_linears(cap, plan.options)
     scaling = plan.options.fp8_scaling or "tensorwise"
     mesh = tuple(plan.mesh_shape)
     changed = []

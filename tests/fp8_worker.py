@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.analysis.fp8_layers import fp8_linears, row_blocks  # noqa: E402
+from autopar.analysis.fp8_layers import planned_fp8_linears, row_blocks  # noqa: E402
 from autopar.capture import capture  # noqa: E402
 from autopar.ops.fp8 import use_fp8_linears  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
@@ -85,10 +85,12 @@ def loss_dist(a: list, b: list) -> float:
 def run_case(case: dict) -> dict:
     model, inputs, target, loss_fn = gpt()
     scaling = case.get("scaling", "tensorwise")
-    pins = dict(case["pins"], precision="fp8", fp8_scaling=scaling)
-    weights = set(fp8_linears(capture(model, inputs, loss_fn, target=target)).values())
+    # fp8_layers: "all", a list, or None (chosen by price: the plan's choice is the reference's)
+    pins = dict(case["pins"], precision="fp8", fp8_scaling=scaling, fp8_layers=case.get("fp8_layers"))
     # check=True: the first step is also checked against one device (autopar.first_step)
     pm = autopar.parallelize(model, inputs, loss_fn, target=target, check=True, **pins)
+    weights = set(planned_fp8_linears(capture(model, inputs, loss_fn, target=target),
+                                      pm.plan.options).values())
     calls = pm.code("train").count("fp8_linear(")     # this rank's programs' fp8 GEMM calls
     w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
@@ -106,6 +108,7 @@ def run_case(case: dict) -> dict:
     bf_losses, bf_grads, bf_w = reference(model, inputs, target, loss_fn, weights, None, 1)
     return {"rank": dist.get_rank(), "mesh": list(pm.plan.mesh_shape), "plan_pins": pm.plan.pins,
             "microbatches": pm.plan.n_microbatches, "fp8_weights": sorted(weights),
+            "fp8_layers": pm.plan.options.fp8_layers,
             "row_blocks": row_blocks(pm.plan),
             "fp8_calls": calls, "losses": losses, "ref_losses": ref_losses,
             "loss_err": loss_dist(losses, ref_losses),

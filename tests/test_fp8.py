@@ -67,10 +67,18 @@ PP = {"pipeline": 2, "micro_batch_size": 2, "schedule": "1f1b"}
 PLANS = {"data2": ({"data": 2}, 2), "tensor2": ({"tensor": 2}, 1),
          "zero3": ({"data": 2, "zero": 3}, 2), "pp2": (PP, 4)}
 """Pins, and the row blocks a step of each splits the batch into (ranks' rows, micro-batches)."""
-CASES = [{"id": f"{s}-{k}", "pins": pins, "slices": slices, "scaling": s}
-         for s in ("tensorwise", "rowwise") for k, (pins, slices) in PLANS.items()]
 GPT_FP8 = sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
                  for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+GPT_MLP = sorted(f"transformer.h.{i}.mlp.{m}" for i in range(2) for m in ("c_fc", "c_proj"))
+CASES = [{"id": f"{s}-{k}", "plan": k, "pins": pins, "slices": slices, "scaling": s,
+          "fp8_layers": "all"}
+         for s in ("tensorwise", "rowwise") for k, (pins, slices) in PLANS.items()] + [
+    # a pinned subset: the runtime converts exactly those (the MLPs' 4 of 8)
+    {"id": "tensorwise-data2-mlp", "plan": "data2", "pins": {"data": 2}, "slices": 2,
+     "scaling": "tensorwise", "fp8_layers": GPT_MLP},
+    # chosen by price on this machine's ranks: the run and its reference apply the plan's set
+    {"id": "tensorwise-data2-price", "plan": "data2", "pins": {"data": 2}, "slices": 2,
+     "scaling": "tensorwise", "fp8_layers": None}]
 
 
 # ---- the pins --------------------------------------------------------------------------------
@@ -283,12 +291,25 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
 def test_fp8_equals_one_device_recipe(results, case_id):
     r = case_result(results, case_id)
+    case = next(c for c in CASES if c["id"] == case_id)
     assert r["plan_pins"]["precision"] == "fp8" and r["plan_pins"]["fp8_scaling"] in case_id
-    assert r["fp8_weights"] == GPT_FP8
-    assert r["row_blocks"] == PLANS[case_id.split("-", 1)[1]][1]    # analysis.fp8_layers.row_blocks
-    # each rank's programs call fp8_linear: every layer's 4, a pipeline rank its stage's
-    assert r["fp8_calls"] == (4 if "pp2" in case_id else 8), r
-    assert r["bf16_grad_dist"] > BF16_FLOOR, r
+    assert r["row_blocks"] == PLANS[case["plan"]][1]    # analysis.fp8_layers.row_blocks
+    if case["fp8_layers"] is None:      # the plan's choice, by name, applied as chosen
+        chosen = r["fp8_layers"]
+        assert isinstance(chosen, list) and set(chosen) <= {w[:-7] for w in GPT_FP8}, r
+        assert r["fp8_weights"] == sorted(f"{m}.weight" for m in chosen), r
+        assert r["fp8_calls"] == len(chosen), r
+    elif case["fp8_layers"] == "all":
+        assert r["fp8_weights"] == GPT_FP8
+        # each rank's programs call fp8_linear: every layer's 4, a pipeline rank its stage's
+        assert r["fp8_calls"] == (4 if "pp2" in case_id else 8), r
+    else:
+        assert r["fp8_weights"] == sorted(f"{m}.weight" for m in case["fp8_layers"])
+        assert r["fp8_calls"] == len(case["fp8_layers"]), r
+    if r["fp8_calls"]:
+        assert r["bf16_grad_dist"] > BF16_FLOOR, r
+    else:                               # none chosen: the plain bf16 run, on the rank's rows
+        assert r["bf16_grad_dist"] <= BF16_FLOOR, r
     if "tensor2" in case_id:
         assert r["grad_err"] <= TP_GRAD_TOL and r["grad_err"] < r["bf16_grad_dist"], r
         assert r["loss_err"] <= TP_LOSS_TOL, r
@@ -296,3 +317,107 @@ def test_fp8_equals_one_device_recipe(results, case_id):
     else:
         assert r["loss_err"] <= EXACT_TOL and r["grad_err"] <= EXACT_TOL, r
         assert r["weight_err"] <= EXACT_WEIGHT_TOL, r
+
+
+# ---- which linears, by price -----------------------------------------------------------------
+class _Mixed(torch.nn.Module):
+    """A large linear (4096 x 4096), a narrow pair (4096 -> 64 -> 4096) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(4096, 4096)
+        self.down = torch.nn.Linear(4096, 64)
+        self.up = torch.nn.Linear(64, 4096)
+        self.head = torch.nn.Linear(4096, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.big(x))
+        h = h + self.up(torch.relu(self.down(h)))
+        return self.head(h)
+
+
+def _mixed_plan(**pins):
+    with torch.device("meta"):
+        model, x, t = _Mixed(), torch.randn(64, 1024, 4096), torch.randn(64, 1024, 16)
+    return autopar.plan(model, (x,), torch.nn.functional.mse_loss, target=t, cluster="1x8xH100",
+                        precision="fp8", pipeline=1, **pins)
+
+
+def test_fp8_layers_chosen_by_price():
+    """On 8 H100s, data=8 (8,192 tokens a rank): the 4096 x 4096 linear's fp8 GEMMs save
+    3 x 2 x 4096^2 FLOPs a token at half bf16's time, ~100 ns, against casts of ~12 ns a token
+    (x and dy, 5 bytes an element each at 3.35 TB/s): fp8. The narrow pair's GEMMs (64-wide)
+    save ~2 ns a token against the same ~12 ns of casts of their 4096-wide operand: bf16.
+    The head stays bf16 (the recipe's). Under tensor=8 each rank's share of the large GEMM is
+    8x smaller and the casts of its whole operand are not: fewer fp8 layers."""
+    p = _mixed_plan(data=8)
+    assert p.options.fp8_layers == ("big",), p.options.fp8_layers
+    assert any(line.startswith("fp8 (tensorwise): 1 linear layers") and "big" in line
+               for line in p.summary().splitlines()), p.summary()
+    # explain says it per node: the large linear fp8, the narrow ones bf16, the head neither
+    from autopar.viz.explain import explain
+    with torch.device("meta"):
+        model, x, t = _Mixed(), torch.randn(64, 1024, 4096), torch.randn(64, 1024, 16)
+    cap = capture(model, (x,), torch.nn.functional.mse_loss, target=t)
+    notes = [explain(cap, p, n).fp8 for n in ("linear", "linear_1", "linear_2", "linear_3")]
+    assert notes[0].startswith("its GEMMs run in fp8") and notes[3] == "", notes
+    assert all(n.startswith("it runs in bf16") for n in notes[1:3]), notes
+    tp = _mixed_plan(tensor=8)
+    assert len(tp.options.fp8_layers) < len(p.options.fp8_layers), tp.options.fp8_layers
+    # the choice is the cheaper one: pinning every layer fp8 prices a slower step
+    every = _mixed_plan(data=8, fp8_layers="all")
+    assert every.options.fp8_layers == "all"
+    assert every.estimate.step_time_s > p.estimate.step_time_s
+
+
+def test_fp8_layers_pinned():
+    """A pinned list is what the plan runs (recorded as given); a name that is no eligible
+    linear, or the pin without precision='fp8', is refused naming the fix."""
+    p = _mixed_plan(data=8, fp8_layers=["up", "down"])
+    assert p.options.fp8_layers == ("down", "up")
+    again = autopar.Plan.from_dict(p.to_dict())           # the plan file keeps the list
+    assert again.options.fp8_layers == ("down", "up") and again.digest() == p.digest()
+    free = _mixed_plan(data=8)
+    assert p.estimate.step_time_s > free.estimate.step_time_s     # the priced-out pair, forced
+    with pytest.raises(PinError, match=r"fp8_layers names \['head'\].*leave fp8_layers out"):
+        _mixed_plan(data=8, fp8_layers=["head"])
+    with pytest.raises(PinError, match="pin precision='fp8' too"):
+        Options.from_pins(precision="bf16", fp8_layers=["big"])
+    with pytest.raises(PinError, match="fp8_layers=3"):
+        Options.from_pins(precision="fp8", fp8_layers=3)
+
+
+def test_compiled_casts_cost_less():
+    """compile=True prices the casts at torchao's compiled-float8 roofline traffic
+    (``cost_models.fp8.CAST_TRAFFIC``): tensorwise x and dy 4 bytes an element (eager 5),
+    W 8 over both passes (eager 10); the GEMMs are the same, and so is the kernel count
+    (eager two a cast, four casts; compiled 2 + 3 + 2 + 1)."""
+    from autopar.cost_models.fp8 import fp8_linear_time
+    from autopar.cost_models.gpus import H100_80GB
+    from autopar.sharding.registry import TensorMeta
+    lin = torch.ops.aten.linear.default
+    m, k, n = 8192, 4096, 4096
+    ins = [TensorMeta((m, k), torch.bfloat16), TensorMeta((n, k), torch.bfloat16)]
+    outs = [TensorMeta((m, n), torch.bfloat16)]
+    eager = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, False)
+    fused = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, False, compiled=True)
+    bw = H100_80GB.mem_bandwidth * H100_80GB.mem_efficiency
+    saved = (m * k + m * n + 2 * n * k) / bw       # one byte an element of x, dy; two of W
+    assert sum(eager) - sum(fused) == pytest.approx(saved, rel=1e-9)
+    assert fused[0] < eager[0] and fused[1] < eager[1]
+
+
+def test_a_compiled_pipeline_is_priced_compiled():
+    """``compile=True`` reaches a pipeline's stages (``pipeline_search.INTRA_PINS``): the
+    stages' fused memory-bound ops and fp8 casts price less than eager (before, a pipelined
+    plan priced compile=True exactly as eager), and the plan keeps the pin."""
+    from examples.models import EXAMPLES
+    ex = EXAMPLES["gpt"](batch=8, seed=0)
+    est = {}
+    for c in (None, True):
+        p = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x2xH100",
+                         pipeline=2, micro_batch_size=2, schedule="1f1b", precision="fp8",
+                         fp8_layers="all", compile=c)
+        assert p.options.compile is c and p.pipeline_stages == 2
+        est[c] = p.estimate
+    assert est[True].compute_s < est[None].compute_s, est

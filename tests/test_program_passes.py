@@ -24,7 +24,7 @@ KINDS = {
     "zero3-bf16": ({"data": 2, "zero": 3, "precision": "bf16"},
                    TRAIN + ("low_precision_gathers", "prefetch_gathers") + LAST,
                    ("insert_collectives", "low_precision_gathers", "prefetch_gathers") + LAST),
-    "zero3-fp8": ({"data": 2, "zero": 3, "precision": "fp8"},
+    "zero3-fp8": ({"data": 2, "zero": 3, "precision": "fp8", "fp8_layers": "all"},
                   TRAIN + ("low_precision_gathers", "fp8_linear_calls", "prefetch_gathers") + LAST,
                   ("insert_collectives", "low_precision_gathers", "fp8_linear_calls",
                    "prefetch_gathers") + LAST),
@@ -104,7 +104,7 @@ def _text(gm: GraphModule) -> list[str]:
 
 
 @pytest.mark.parametrize("pins", [{"data": 2, "zero": 3, "precision": "bf16"},
-                                  {"data": 2, "zero": 3, "precision": "fp8"},
+                                  {"data": 2, "zero": 3, "precision": "fp8", "fp8_layers": "all"},
                                   {"data": 2, "recompute": "full"}], ids=["zero3-bf16", "zero3-fp8", "recompute"])
 def test_no_pass_changes_its_input(captured, pins):
     """Each pass, given the program the passes before it made, leaves that program's code

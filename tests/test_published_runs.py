@@ -122,6 +122,7 @@ def test_fp8_rows_pin_the_recipe_each_run_trained_with():
         Options.from_pins(pins)                   # valid together
         want = "rowwise" if r.name == "DeepSeek-V3" else "tensorwise"
         assert (pins["precision"], pins["fp8_scaling"]) == ("fp8", want)
+        assert pins["fp8_layers"] == "all"      # every linear as run, not chosen by price
     # torchtitan's Float8 tables (1, 3, 4, 5) are rows, and every CP-sweep row too
     assert sum(r.source.startswith(TT_FP8) for r in RUNS) == 4
     assert {r.published_tps for r in RUNS if r.source.startswith(TT_FP8)} == {8532, 8380, 829, 100}

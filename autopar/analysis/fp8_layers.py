@@ -6,12 +6,17 @@ the ``nn.Linear`` modules). Kept in bf16, as torchtitan's float8 converter keeps
 ``output`` layer: the head, i.e. a linear whose result reaches the graph's outputs (the
 loss) through no other linear, and a weight read elsewhere too (a tied embedding and head:
 the embedding reads it in bf16 as a table, not as a GEMM operand).
+
+Of those, the ones a plan runs in fp8 (:func:`planned_fp8_linears`) are its options'
+``fp8_layers``: the user's list, ``"all"``, or what the solver chose by price
+(``autopar.pricing.fp8``), named by the linear module (the weight's name less ``.weight``).
 """
 from __future__ import annotations
 
 import torch
 
 from autopar.capture import Captured
+from autopar.errors import PinError
 from autopar.placement import Shard
 
 aten = torch.ops.aten
@@ -31,6 +36,37 @@ def fp8_linears(cap: Captured) -> dict[str, str]:
             continue
         out[n.name] = cap.params[w.name][0]
     return out
+
+
+def module_name(weight: str) -> str:
+    """The linear module of weight parameter ``weight`` (``"h.0.mlp.c_fc.weight"`` ->
+    ``"h.0.mlp.c_fc"``): how ``fp8_layers`` names it."""
+    return weight[:-len(".weight")] if weight.endswith(".weight") else weight
+
+
+def check_fp8_layers(names, eligible) -> None:
+    """Refuse an ``fp8_layers=`` list naming a module that is no fp8-eligible linear of the
+    model (``eligible``: their module names), naming the unknown ones and the fix."""
+    unknown = sorted(set(names) - set(eligible))
+    if unknown:
+        shown = sorted(eligible)
+        listed = ", ".join(shown[:6]) + (f", ... ({len(shown)} in all)" if len(shown) > 6 else "")
+        raise PinError(f"fp8_layers names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}, "
+                       "which is no linear layer precision='fp8' can convert (nn.Linear, not "
+                       f"the head); the model's are: {listed or 'none'}. Fix the names, pin "
+                       "fp8_layers='all', or leave fp8_layers out (chosen by price)")
+
+
+def planned_fp8_linears(cap: Captured, options) -> dict[str, str]:
+    """The captured linear nodes a plan with ``options`` runs in fp8 (node -> weight name):
+    those of :func:`fp8_linears` whose module ``options.fp8_layers`` names; all of them
+    under ``"all"`` or None (a plan file from before the choice, when every one ran fp8)."""
+    every = fp8_linears(cap)
+    chosen = getattr(options, "fp8_layers", None)
+    if chosen is None or chosen == "all":
+        return every
+    check_fp8_layers(chosen, {module_name(w) for w in every.values()})
+    return {n: w for n, w in every.items() if module_name(w) in set(chosen)}
 
 
 def row_blocks(plan) -> int:

@@ -108,8 +108,9 @@ class CostModel(CommCosts, MemoryCosts):
     offload_exposed: float = 1.0
     """Under ``offload``: the share of the copies not hidden (``offload.exposed_share`` of the
     problem's parameters, set by :meth:`offload_share` when a problem is priced)."""
-    fp8_nodes: frozenset = frozenset()
-    """Under :attr:`fp8`: the ops that run in fp8 (``Problem.fp8``, set when a problem is priced)."""
+    fp8_nodes: dict = field(default_factory=dict)
+    """Under :attr:`fp8`: the ops that may run in fp8 (``pricing.fp8.fp8_nodes`` of the
+    problem, set when a problem is priced; chosen by price unless ``fp8_layers`` is pinned)."""
     fused_reads: dict = field(default_factory=dict)
     """Under :attr:`compiled`: op -> indices of the inputs it reads inside a fused kernel
     (``pricing.prices.fused_reads``, set when a problem is priced)."""
@@ -249,7 +250,7 @@ class CostModel(CommCosts, MemoryCosts):
         if self.fp8:
             check_fp8(self.cluster.device)
         self._time_cache = _shared(("time", self.mesh_shape, self.cluster.device, self.dtype_key,
-                                    self.fp8, self.options.fp8_scaling,
+                                    self.fp8, self.options.fp8_scaling, self.options.fp8_layers,
                                     self.native, self.compiled, tuple(self.links),
                                     self.context_form, self.context_balanced)) \
             if self.profiler is None else {}

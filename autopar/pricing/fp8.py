@@ -5,16 +5,26 @@ max-reduced over that mesh axis; the token dims of x and dy are per-rank rows). 
 reading x or W partial (a sum still to be made) is not one the runtime runs: priced INF, so
 the solver never picks it.
 
-Which linears run in fp8 is ``autopar.analysis.fp8_layers``' choice, carried by the problem
-(``Problem.fp8``); every other op is priced as under bf16.
+Which linears may run in fp8 is ``autopar.analysis.fp8_layers``' choice, carried by the
+problem (``Problem.fp8``: each representative node and its members' module names); every
+other op is priced as under bf16. Of those, :func:`fp8_nodes` keeps the ones the options
+make fp8: every one under ``fp8_layers="all"``, those a pinned list names (a repeated
+layer's representative when any of its members is named: the repeats share one price), and
+under no pin each is *chosen by price*: :func:`fp8_time` prices an option at the lesser of
+its fp8 time and its bf16 time (the solver so sees the faster form of every placement),
+and :func:`chosen_fp8_layers` reads the choice back for the plan: fp8 where, under the
+placement the solver took, the fp8 GEMMs, casts and amax reductions cost less than bf16's
+GEMMs (small local matrices stay bf16: casts are memory-bound, a GEMM's gain is in its
+FLOPs).
 """
 from __future__ import annotations
 
 import math
 
+from autopar.analysis.fp8_layers import check_fp8_layers
 from autopar.cost_models.fp8 import fp8_linear_time
 from autopar.placement import Partial, Shard
-from autopar.pricing.comm_costs import INF
+from autopar.pricing.comm_costs import INF, _local
 from autopar.sharding.registry import input_placements, output_placements
 
 
@@ -48,12 +58,58 @@ def amax_gathers(combo, ins, outs, mesh_shape, links, rowwise: bool) -> tuple:
     return tuple(out)
 
 
-def fp8_time(cost, v, combo, ins, outs) -> tuple[float, float]:
-    """(forward, backward) seconds of fp8 linear ``v`` placed ``combo`` under ``cost`` (a
-    ``costing.CostModel``: its device, mesh, links and recipe)."""
+def fp8_nodes(problem, options) -> dict:
+    """The representatives of ``problem.fp8`` that ``options`` may run in fp8 -> their
+    members' module names (module docstring); a pinned list naming a module that is no
+    fp8-eligible linear is a ``PinError`` naming it."""
+    pinned = options.fp8_layers
+    if pinned is None or pinned == "all":
+        return dict(problem.fp8)
+    check_fp8_layers(pinned, {m for names in problem.fp8.values() for m in names})
+    want = set(pinned)
+    return {rep: names for rep, names in problem.fp8.items() if want & set(names)}
+
+
+def fp8_linear_cost(cost, v, combo, ins, outs) -> tuple[float, float]:
+    """(forward, backward) seconds of ``v`` placed ``combo`` run in fp8 under ``cost`` (a
+    ``costing.CostModel``: its device, mesh, links, recipe and compile)."""
     if any(isinstance(p, Partial) for k in (0, 1) for p in input_placements(combo, k)):
         return INF, INF     # a partial sum has no amax of its own (passes/fp8_linears.py)
     rowwise = cost.options.fp8_scaling == "rowwise"
     gathers = amax_gathers(combo, ins, outs, cost.mesh_shape, cost.links, rowwise)
     return fp8_linear_time(v.call.op, ins, outs, v.call.args, v.call.kwargs, cost.cluster.device,
-                           rowwise, gathers)
+                           rowwise, gathers, compiled=cost.compiled)
+
+
+def runs_fp8(cost, v, combo, ins, outs) -> tuple[bool, tuple[float, float]]:
+    """Whether ``v`` placed ``combo`` runs in fp8 under ``cost``, and its (forward,
+    backward) seconds: pinned (``fp8_layers`` given), fp8; chosen by price, fp8 iff its
+    fp8 step (forward + backward) is shorter than bf16's."""
+    fp8 = fp8_linear_cost(cost, v, combo, ins, outs)
+    if cost.options.fp8_layers is not None:
+        return True, fp8
+    bf16 = cost._roofline(v, ins, outs)
+    return (True, fp8) if sum(fp8) < sum(bf16) else (False, bf16)
+
+
+def fp8_time(cost, v, combo, ins, outs) -> tuple[float, float]:
+    """(forward, backward) seconds of fp8-eligible linear ``v`` placed ``combo`` under
+    ``cost``: its fp8 time, or under no ``fp8_layers`` pin the lesser of fp8's and bf16's
+    (module docstring)."""
+    return runs_fp8(cost, v, combo, ins, outs)[1]
+
+
+def chosen_fp8_layers(problem, choice: dict, cost) -> tuple[str, ...]:
+    """The module names of the linears the solver's ``choice`` (node -> option index) runs
+    in fp8 under ``cost`` (no ``fp8_layers`` pin: the price's choice, :func:`runs_fp8`)."""
+    out = []
+    for rep, names in problem.fp8.items():
+        v = problem.vars.get(rep)
+        if v is None or rep not in choice:
+            continue
+        combo = v.options[choice[rep]]
+        ins = [_local(m, input_placements(combo, k), cost.mesh_shape) for k, m in enumerate(v.call.inputs)]
+        outs = [_local(m, output_placements(combo, k), cost.mesh_shape) for k, m in enumerate(v.call.outputs)]
+        if runs_fp8(cost, v, combo, ins, outs)[0]:
+            out.extend(names)
+    return tuple(sorted(out))

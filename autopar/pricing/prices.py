@@ -34,6 +34,7 @@ from autopar.mesh_roles import MeshRoles
 from autopar.placement import Replicate
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
+from autopar.pricing.fp8 import fp8_nodes
 from autopar.pricing.costing import (INF, Collective, CostModel, StepView, grad_partial_flags,
                                      hidden_steps_s, params_read, price_steps)
 from autopar.cost_models.compute import FUSABLE
@@ -137,7 +138,7 @@ class PriceTable:
         if cost.offload:       # ZeRO-Offload: the copies' share not hidden (cost_models.offload)
             cost.offload_exposed = cost.offload_share(problem)
         if cost.fp8:           # the ops precision="fp8" runs in fp8 (autopar.pricing.fp8)
-            cost.fp8_nodes = problem.fp8
+            cost.fp8_nodes = fp8_nodes(problem, cost.options)
         if cost.compiled:      # Inductor's fused memory-bound ops (cost_models.compute)
             cost.fused_reads = fused_reads(problem)
         self.options = {name: [OptionPrice(*cost.base_time(v, c, k_opt), cost.base_memory(v, c, k_opt))

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from autopar.analysis.fp8_layers import fp8_linears
+from autopar.analysis.fp8_layers import fp8_linears, module_name
 from autopar.analysis.saved import Kept, merge, saved_activations
 from autopar.capture import Captured, layer_of
 from autopar.capture.experts import expert_stacks
@@ -99,7 +99,10 @@ class Problem:
     sink: tuple[str, int] | None    # the loss (must end replicated)
     param_names: dict[str, list[str]]
     optimizer_states: int           # optimizer tensors per parameter (AdamW: 2)
-    fp8: frozenset = frozenset()    # the ops precision="fp8" runs in fp8 (analysis.fp8_layers)
+    fp8: dict = field(default_factory=dict)
+    """The ops precision="fp8" may run in fp8 (``analysis.fp8_layers``): each representative
+    -> the module names of its members' linears (``pricing.fp8.fp8_nodes`` keeps those the
+    options run in fp8)."""
 
 
 def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Combo]:
@@ -145,7 +148,10 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], roles: MeshRoles = N
     for v in vars.values():
         if v.kind == "op":
             v.kept = walk.kept[v.name]
-    fp8 = frozenset(index.repetition.get(n, n) for n in fp8_linears(cap))
+    fp8: dict = {}
+    for n, w in fp8_linears(cap).items():
+        rep = index.repetition.get(n, n)
+        fp8[rep] = (*fp8.get(rep, ()), module_name(w))
     return Problem(mesh_shape, vars, list(walk.edges), index.repetition, walk.sink, dict(cap.params),
                    optimizer_states, fp8)
 

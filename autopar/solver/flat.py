@@ -27,6 +27,7 @@ from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
 from autopar.solver.spec import Settings
 from autopar.pricing.context import best_form, context_axis_of
+from autopar.pricing.fp8 import chosen_fp8_layers
 from autopar.cost_models.host import host_time, step_dispatches
 from autopar.cost_models.step import step_time
 from autopar.options import Options, as_options, check_optimizer
@@ -730,6 +731,8 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, memory_budget, capture_
             context_axis_of(v.call, v.options[sol.choice[n]], best.shape) is not None
             for n, v in problem.vars.items() if v.kind == "op"):
         pins = pins.replace(context_attention=best_form(problem, sol.choice, best.cost))
+    if pins.precision == "fp8" and pins.fp8_layers is None:    # the linears fp8 by price
+        pins = pins.replace(fp8_layers=chosen_fp8_layers(problem, sol.choice, best.cost))
     return Plan(world_size=world, mesh_shape=best.shape, mesh_axes=axes, cluster=cl.name,
                 options=pins, nodes=nodes,
                 params=params, fingerprint=fingerprint(cap), estimate=est, solver=report,

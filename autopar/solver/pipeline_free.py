@@ -187,7 +187,7 @@ def _replan_recomputing(real: Plan, mcap, spec: SearchSpec, config, extra) -> Pl
             continue
         if again.estimate.step_time_s < best.estimate.step_time_s:
             best = replace(again, options=Options.from_pins(
-                {k: v for k, v in again.options.items() if k in pins or k in ("zero", "expert")}))
+                {k: v for k, v in again.options.items() if k in pins or k in ("zero", "expert", "fp8_layers")}))
     return best
 
 

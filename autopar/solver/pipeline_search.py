@@ -67,6 +67,7 @@ from autopar.solver.stage_tables import rank_times
 
 DEFAULT_SCHEDULE = "1f1b"
 INTRA_PINS = (*STAGE_AXES, "expert_dispatch", "expert_imbalance", "zero", "precision", "fp8_scaling",
+              "fp8_layers", "compile",
               "recompute", "grad_reduce", "context_attention")
 
 
@@ -384,7 +385,10 @@ def plan_pipeline(cap: Captured, ask: MeshAsk, config: tuple[int, int, int, str]
                        **({"zero": intra.options.zero} if intra.options.zero else {}),
                        # an expert axis the search chose is a choice the runtime reads
                        **({"expert": intra.options.expert} if (intra.options.expert or 1) > 1
-                          else {})),
+                          else {}),
+                       # the linears fp8 by price (pricing.fp8), as the stage's solution runs them
+                       **({"fp8_layers": intra.options.fp8_layers}
+                          if intra.options.fp8_layers is not None else {})),
                    estimate=estimate,
                    pipeline=Pipeline(p, v, m, schedule, tuple(units[c] for c in cuts)))
 

@@ -51,6 +51,7 @@ class Explanation:
     follows: str | None            # producer whose choice this node follows, if merged
     options: list[OptionCost]      # sorted by total, cheapest first
     chosen_placement: str
+    fp8: str = ""                  # under precision="fp8", an eligible linear: how it runs
 
     @property
     def chosen(self) -> OptionCost | None:
@@ -92,7 +93,24 @@ def explain(cap: Captured, plan: Plan, node: str, optimizer: str = "adamw",
     rows.sort(key=lambda r: (r.total_s, not r.chosen))
     op = plan.node_ops.get(node, v.kind)
     follows = pt.follow[rep][0] if rep in pt.follow else None
-    return Explanation(node, op, rep, list(v.members), follows, rows, str(chosen_pl))
+    return Explanation(node, op, rep, list(v.members), follows, rows, str(chosen_pl),
+                       fp8=_fp8_note(plan, problem, rep))
+
+
+def _fp8_note(plan: Plan, problem, rep: str) -> str:
+    """Under ``precision="fp8"``, for an fp8-eligible linear: whether the plan runs it in fp8
+    and why (its ``fp8_layers``: pinned, "all", or chosen by price); "" otherwise."""
+    o = plan.options
+    if o.precision != "fp8" or rep not in problem.fp8:
+        return ""
+    layers = o.fp8_layers
+    if layers is None or layers == "all":
+        return "its GEMMs run in fp8 (every linear but the head)"
+    on = [m for m in problem.fp8[rep] if m in set(layers)]
+    return (f"its GEMMs run in fp8 ({o.fp8_scaling or 'tensorwise'}); the compute column prices "
+            "them so" if on else
+            "it runs in bf16: under its placement its fp8 GEMMs and casts price slower (or "
+            "fp8_layers leaves it out); the compute column prices it in bf16")
 
 
 def _edges(pt: PriceTable, plan: Plan, rep: str, i: int) -> list[tuple[str, str, float]]:
