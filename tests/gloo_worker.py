@@ -75,7 +75,11 @@ def _run_case(case: dict) -> dict:
     ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
     got = parallel_run(pm, ex.inputs, ex.target)
     worst = compare(ref, got, f"{case} rank {dist.get_rank()}")
-    return {"mesh": list(pm.plan.mesh_shape), "worst": worst}
+    out = {"mesh": list(pm.plan.mesh_shape), "worst": worst}
+    if case.get("pins", {}).get("offload_activations"):     # the tensors that went to the host
+        host = pm.runner.programs["train"].meta["offload_host"]
+        out.update(packed=host.packed, unpacked=host.unpacked)
+    return out
 
 
 def main() -> None:
