@@ -396,7 +396,7 @@ def _cost_model(cap: Captured, cl, job: MeshJob, *, profiler=None,
     _, rec_nodes, rec_kept = _recompute_of(cap, job.rec)
     return CostModel.for_pins(cl, job.shape, job.pins, data_axis=job.roles.data,
                               recompute=(rec_nodes, rec_kept), profiler=profiler, view=view,
-                              native=cap.native_dtypes)
+                              native=cap.native_dtypes, offload_acts=offload_of(cap, job.pins))
 
 
 def _solve_program(problem, cost, budget: float, time_limit_s: float, key) -> Solution:
@@ -540,7 +540,7 @@ def _fewest_layers(cap: Captured, full: _Best, ask: MeshAsk) -> _Best:
         _, rec_nodes, rec_kept = _recompute_of(cap, layers[:k])
         cost = CostModel.for_pins(cl, full.shape, full.pins, data_axis=full.cost.data_axis,
                                   recompute=(rec_nodes, rec_kept), native=full.cost.native,
-                                  **ask.cost_kw())
+                                  offload_acts=offload_of(cap, full.pins), **ask.cost_kw())
         try:
             job = MeshJob(full.shape, full.roles, layers[:k], full.pins, full.n_states, budget,
                           time_limit_s)
@@ -582,7 +582,7 @@ def _least_memory(cap, ask: MeshAsk, cl, shape, roles, pins, rec):
     problem = _problem(cap, shape, roles, pins.zero_stage, check_optimizer(ask.optimizer))
     cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.data,
                               recompute=(rec_nodes, rec_kept), native=cap.native_dtypes,
-                              **ask.cost_kw())
+                              offload_acts=offload_of(cap, pins), **ask.cost_kw())
     sol = solve_ilp(problem, cost, None, ask.time_limit_s, minimize_memory=True)
     return sol.memory_total, dict(sol.memory)
 
@@ -756,13 +756,29 @@ def plan_host_s(cap: Captured, device, recomputed, optimizer_states: int, pins: 
 def _host_bytes(best: _Best) -> dict[str, float]:
     """Host bytes per rank under ``offload="optimizer"``: each parameter's optimizer shard
     (its fp32 master copy and moments) and the gradient shard copied down; {} without.
-    Under ``offload="disk"`` the gradient shard alone (the optimizer shard is on disk)."""
+    Under ``offload="disk"`` the gradient shard alone (the optimizer shard is on disk).
+    Under ``offload_activations=`` also the offloaded activations ("activations")."""
+    acts = _offloaded_activations(best)
+    out = {"activations": acts} if acts else {}
     if best.pins.offload not in ("optimizer", "disk"):
-        return {}
+        return out
     if best.pins.offload == "disk":
-        return {"grads": _offload_shard(best)}
+        return {**out, "grads": _offload_shard(best)}
     shard = _offload_shard(best)
-    return {"optimizer": shard * (1 + best.problem.optimizer_states), "grads": shard}
+    return {**out, "optimizer": shard * (1 + best.problem.optimizer_states), "grads": shard}
+
+
+def _offloaded_activations(best: _Best) -> float:
+    """Bytes per rank the offloaded layers (``offload_activations=``) keep in host memory at
+    the end of forward: what each of their nodes saves, under the solution's placements."""
+    cost, total = best.cost, 0.0
+    if not cost.act_offload:
+        return 0.0
+    for name, v in best.problem.vars.items():
+        off = cost._offloaded(v)
+        if off:
+            total += off * cost.saved_bytes(v, v.options[best.sol.choice[name]])
+    return total
 
 
 def _disk_bytes(best: _Best) -> dict[str, float]:
@@ -844,6 +860,15 @@ def _with_zero(base, zero: int, roles: MeshRoles):
 
 _RECOMPUTE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """Per captured graph alive: recomputation choice -> what ``_recompute_of`` worked out."""
+
+
+def offload_of(cap: Captured, pins: Options) -> tuple | None:
+    """(offloaded nodes, those read outside their layer) of ``pins.offload_activations``
+    (``analysis.layers``: named as ``recompute=``), None when none; worked out once per graph."""
+    spec = pins.offload_activations
+    if spec in (None, "none", ()):
+        return None
+    return _recompute_of(cap, spec)[1:]
 
 
 def _recompute_of(cap: Captured, rec) -> tuple:
