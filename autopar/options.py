@@ -181,8 +181,8 @@ class Options(Mapping):
         for name in ("recompute", "offload_activations"):
             if isinstance(given.get(name), list):
                 given[name] = tuple(given[name])
-        if given.get("offload_activations") in ("none", ()):     # one form for none
-            del given["offload_activations"]
+        if given.get("offload_activations") == ():      # one form for none: "none" (a pin)
+            given["offload_activations"] = "none"
         scheme = scheme_of(given)       # the update's pins, as one value (compress="none": Exact)
         return cls(**{k: v for k, v in given.items() if k not in UPDATE_PIN_HELP}, update=scheme)
 

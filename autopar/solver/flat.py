@@ -25,6 +25,7 @@ from autopar.solver.ilp import (InfeasibleError, Solution, TimeLimitError, _gib,
                                 time_limit_fix)
 from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
+from autopar.solver.offload_choice import choose, layer_prices
 from autopar.solver.spec import Settings
 from autopar.pricing.context import best_form, context_axis_of
 from autopar.cost_models.host import host_time, step_dispatches
@@ -493,7 +494,56 @@ def _with_fewest_layers(cap: Captured, best, ask: MeshAsk):
     choice after the cuts: ``partial_recompute``)."""
     if ask.pins.recompute is None and best is not None and best.recompute \
             and not ask.memory_weights:
-        return _fewest_layers(cap, best, ask)
+        best = _fewest_layers(cap, best, ask)
+        if ask.pins.offload_activations is None and best.recompute and not ask.pins.compile \
+                and not ask.pins.pipelined and (ask.pins.branch or 1) == 1:
+            return _with_offload(cap, best, ask)
+    return best
+
+
+OFFLOAD_RETRIES = 1
+"""Kept layers ``_with_offload`` frees in addition when its split does not fit (an offloaded
+layer holds up to one layer more in flight than a recomputed one)."""
+
+
+def _with_offload(cap: Captured, best: _Best, ask: MeshAsk) -> _Best:
+    """``best`` (recomputing the fewest layers that fit), or the plan on its mesh where each
+    of those layers is recomputed or has its saved activations offloaded to host memory,
+    whichever its prices say is cheaper (``solver.offload_choice``), if that plan fits and
+    its objective is lower."""
+    cl = ask.cl
+    every = select_layers(cap.gm, "full")
+    prices = layer_prices(best.problem, best.cost, best.sol.choice,
+                          {lay: recompute_nodes(cap.gm, [lay]) for lay in every}, cl.device)
+    freed = list(best.recompute)
+    kept = [lay for lay in every if lay not in freed]
+    for _ in range(1 + OFFLOAD_RETRIES):
+        rec, off = choose(prices, freed)
+        if not off:
+            return best
+        pins = best.pins.replace(offload_activations=off)
+        layers, rec_nodes, rec_kept = _recompute_of(cap, rec)
+        cost = CostModel.for_pins(cl, best.shape, pins, data_axis=best.cost.data_axis,
+                                  recompute=(rec_nodes, rec_kept), native=best.cost.native,
+                                  offload_acts=offload_of(cap, pins), **ask.cost_kw())
+        job = MeshJob(best.shape, best.roles, rec, pins, best.n_states, ask.budget, ask.time_limit_s)
+        try:
+            sol = _solve_or_read(best.problem, cost, ask.budget, ask.time_limit_s,
+                                 lambda: _ilp_key(cap, cl, job, ask.view))
+        except TimeLimitError:
+            return best
+        except InfeasibleError:
+            if not kept:
+                return best
+            freed.append(kept.pop(0))
+            continue
+        if ask.verbose:
+            print(f"mesh {best.shape} recompute {len(rec)}, offload {len(off)} layers: "
+                  f"{sol.objective_s * 1e3:.3f} ms")
+        if sol.objective_s < best.sol.objective_s:
+            return _Best(sol, best.problem, best.shape, best.axes, layers, cost, pins,
+                         best.roles, best.n_states)
+        return best
     return best
 
 
