@@ -14,6 +14,8 @@ from autopar.cost_models.gpus import H100_80GB
 from autopar.cost_models.hardware import parse_cluster
 from autopar.cost_models.offload import HOST_LINKS as host_links, HostLink, host_link
 from autopar.pricing.activation_offload import copy_s, exposed_s, in_flight_layers
+from autopar.runtime.thread_ranks import simulate
+from autopar.verify import parallel_run
 from examples.models import gpt_factory
 from autopar.analysis.layers import layer_members
 from autopar.errors import PinError
@@ -24,9 +26,10 @@ from test_gloo import check, torchrun
 
 def test_offloaded_plans_match_one_device_on_gloo_ranks(tmp_path):
     cases = [
-        {"model": "gpt", "pins": {"data": 2, "offload_activations": "full"}},
-        {"model": "gpt", "pins": {"data": 2, "zero": 3, "offload_activations": ["h.0"]}},
-        {"model": "llama", "pins": {"offload_activations": "full"}},       # the free plan
+        {"model": "gpt", "pins": {"data": 2, "offload_activations": "full"}, "optimizer": "adamw"},
+        {"model": "gpt", "pins": {"data": 2, "zero": 3, "offload_activations": ["h.0"]},
+         "optimizer": "adamw"},
+        {"model": "llama", "pins": {"offload_activations": "full"}, "optimizer": "adamw"},  # free
     ]
     results = torchrun(2, cases, tmp_path)
     check(results)
@@ -34,6 +37,25 @@ def test_offloaded_plans_match_one_device_on_gloo_ranks(tmp_path):
         # 3 steps of forward and backward: every tensor packed came back once
         assert r["packed"] > 0 and r["unpacked"] == r["packed"], r
     assert results[0]["mesh"] == [2] and results[1]["mesh"] == [2]
+
+
+def test_offload_changes_no_number(captured):
+    """Nothing is computed twice or in another order: the offloaded plan's losses, gradients
+    and AdamW weights are bit for bit those of the same plan without offload (2 ranks
+    simulated as threads)."""
+    ex, cap = captured("gpt")
+    runs = []
+    for off in ("none", "full"):
+        plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2",
+                            data=2, recompute="none", offload_activations=off)
+        runs.append(simulate(cap, plan, ex.model, lambda pm, comm: (
+            "offload_0" in pm.code("train"), parallel_run(pm, ex.inputs, ex.target, optimizer="adamw")))[0])
+    (ran0, base), (ran1, off) = runs
+    assert (ran0, ran1) == (False, True)       # the pass ran in the offloaded plan only
+    assert base.losses == off.losses
+    for g0, g1 in zip(base.grads, off.grads):
+        assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+    assert all(torch.equal(base.weights[k], off.weights[k]) for k in base.weights)
 
 
 def test_pass_is_pure_and_plan_round_trips(captured, tmp_path):

@@ -66,6 +66,7 @@ class HostActivations:
         self.pinned = pin_host_memory(self.device)
         self._by_layer: dict[int, list] = {}     # layer -> weak references to its _Packed
         self._layer: int | None = None
+        self._started: set[int] = set()    # layers whose copies back were started (CUDA)
         self.packed = self.unpacked = 0
 
     @contextmanager
@@ -73,6 +74,7 @@ class HostActivations:
         """Run a layer's forward (its region, ``index`` in forward order) with its saved
         tensors offloaded."""
         self._by_layer[index] = []
+        self._started.discard(index)
         before, self._layer = self._layer, index
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -106,10 +108,13 @@ class HostActivations:
         self.unpacked += 1
         if not self.cuda or p.device.type != CUDA:
             return p.host.to(p.device, copy=True) if p.device.type != HOST else p.host.clone()
-        if p.back is None:             # this layer's first read in backward: fetch it and
-            self._fetch(p.layer)       # start the layer before it (the prefetch)
-            self._fetch(p.layer - 1)
+        for layer in (p.layer, p.layer - 1):    # this layer's first read in backward: fetch
+            if layer not in self._started:      # it, and start the layer before (the prefetch)
+                self._fetch(layer)
         current = torch.cuda.current_stream(p.device)
+        if p.back is None:             # read again (a graph kept, retain_graph=True): on demand
+            current.wait_event(p.done)
+            return p.host.to(p.device, non_blocking=True)
         current.wait_event(p.back_done)
         t = p.back
         t.record_stream(current)
@@ -119,6 +124,7 @@ class HostActivations:
     def _fetch(self, layer: int) -> None:
         """Start the copies of ``layer``'s saved tensors back to the device on the side
         stream (those not started yet)."""
+        self._started.add(layer)
         todo = [p for p in (r() for r in self._by_layer.get(layer, ())) if p is not None and p.back is None]
         if not todo:
             return
