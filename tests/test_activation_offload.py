@@ -121,6 +121,20 @@ def test_estimate_prices_the_copies_and_frees_the_bytes():
     assert m1["activations"] + host == pytest.approx(m0["activations"])     # moved, not lost
 
 
+def test_pinned_offload_leaves_its_layers_out_of_recomputation():
+    """Under a budget that binds, a plan pinned to offload h.0 recomputes other layers only
+    (a layer is offloaded or recomputed, never both: its bytes would be freed twice)."""
+    ex = gpt_factory(batch=8, n_layer=4, n_embd=64)
+    plan = lambda **k: autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,  # noqa: E731
+                                    cluster="cpu:1", **k)
+    base, every = plan(offload_activations=["h.0"]), plan(offload_activations="full")
+    budget = (base.estimate.memory_total + every.estimate.memory_total) / 2
+    chosen = plan(offload_activations=["h.0"], memory_budget=budget)
+    assert chosen.recompute and "transformer.h.0" not in chosen.recompute, chosen.recompute
+    assert chosen.estimate.memory_total <= budget
+    assert chosen.estimate.memory_bytes["activations"] >= 0
+
+
 # ---- the choice --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

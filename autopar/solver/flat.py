@@ -324,7 +324,7 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
     best, errors = None, []     # (a mesh's prices are shared by its cost models: costing._shared)
     for rec in choices:
-        if rec == "full" and best is not None and \
+        if rec is not choices[0] and best is not None and \
                 best.sol.memory_total <= RECOMPUTE_WHEN * budget:
             break
         recompute = _recompute_of(cap, rec)[0]
@@ -858,10 +858,19 @@ def _numel(shape, placements, mesh_shape) -> int:
 
 def _recompute_choices(cap: Captured, pins: Options) -> list:
     """The recomputation choices ``_search`` weighs, in order: the pinned one, or none and
-    then (when memory binds) every repeated layer."""
+    then (when memory binds) every repeated layer (every one not offloaded, under a pinned
+    ``offload_activations=``)."""
     if pins.recompute is not None:
         return [pins.recompute]
-    return [None, "full"] if _has_repeated_layers(cap) else [None]
+    if not _has_repeated_layers(cap):
+        return [None]
+    off = offload_of(cap, pins)
+    if off is None:
+        return [None, "full"]
+    # offloaded layers (pinned) are not recomputed too: the others may be
+    offloaded = set(select_layers(cap.gm, pins.offload_activations))
+    rest = tuple(lay for lay in select_layers(cap.gm, "full") if lay not in offloaded)
+    return [None, rest] if rest else [None]
 
 
 def _has_repeated_layers(cap: Captured) -> bool:
