@@ -99,6 +99,13 @@ class Options(Mapping):
     recompute: Recompute | None = None
     """Activation recomputation: ``"full"`` (every repeated layer), ``"none"``, or layer
     names (``("h.0", "h.1")``, a unique suffix is enough)."""
+    offload_activations: Recompute | None = None
+    """Activation offload: what these repeated layers save for backward is kept in host
+    memory between their forward and their backward (``"full"``: every repeated layer;
+    ``"none"``; or layer names as for ``recompute``), copied on a side stream overlapped
+    with the neighbouring layers' compute on CUDA (``autopar.ops.host_activations``). A
+    layer is offloaded or recomputed, not both. Left unset, the solver may choose it per
+    layer where memory binds (``autopar.solver.offload_choice``)."""
     precision: Precision | None = None
     """Mixed precision: costs, memory and ``torch.autocast`` in 16 bits, fp32 master
     weights; fp16 adds dynamic loss scaling. ``"fp8"``: bf16 as above, and the GEMMs of
@@ -177,8 +184,11 @@ class Options(Mapping):
             given["zero"] = OFFLOAD_DEFAULT_ZERO
         if pinned_schemes(given) or given.get("offload"):
             given.setdefault("pipeline", 1)     # not offered with pipelines (yet)
-        if isinstance(given.get("recompute"), list):
-            given["recompute"] = tuple(given["recompute"])
+        for name in ("recompute", "offload_activations"):
+            if isinstance(given.get(name), list):
+                given[name] = tuple(given[name])
+        if given.get("offload_activations") == ():      # one form for none: "none" (a pin)
+            given["offload_activations"] = "none"
         if isinstance(given.get("fp8_layers"), (list, tuple)):      # one order: the plan's
             given["fp8_layers"] = tuple(sorted(given["fp8_layers"]))
         scheme = scheme_of(given)       # the update's pins, as one value (compress="none": Exact)
@@ -330,6 +340,11 @@ def _check_values(p: dict) -> None:
             or (isinstance(rec, (list, tuple)) and all(isinstance(r, str) for r in rec))):
         raise PinError(f"recompute={rec!r}: use 'full' (every repeated layer), None, or a "
                        "list of layer names such as ['h.0', 'h.1']")
+    act = p.get("offload_activations")
+    if not (act is None or act in ("full", "none")
+            or (isinstance(act, (list, tuple)) and all(isinstance(r, str) for r in act))):
+        raise PinError(f"offload_activations={act!r}: use 'full' (every repeated layer), "
+                       "'none', or a list of layer names such as ['h.0', 'h.1']")
     if p.get("precision") not in (None, "fp32", "bf16", "fp16", "fp8"):
         raise PinError(f"precision={p['precision']!r}: use 'fp32', 'bf16', 'fp16' or 'fp8'")
     if p.get("fp8_scaling") not in (None, "tensorwise", "rowwise"):
@@ -407,6 +422,20 @@ def _check_combinations(p: dict) -> None:
             if p.get(other) not in (None, none):
                 raise PinError(f"{off} with {other}={p[other]!r} is not supported: "
                                "drop one of the two pins")
+    act = p.get("offload_activations")
+    if act not in (None, "none", (), []):
+        for other, none in (("pipeline", 1), ("compile", False)):
+            if p.get(other) not in (None, none):
+                raise PinError(f"offload_activations={act!r} with {other}={p[other]!r} is not "
+                               "supported yet: drop one of the two pins")
+        rec = p.get("recompute")
+        if rec is True or rec == "full" or (act == "full" and rec not in (None, False, "none", (), [])):
+            raise PinError(f"offload_activations={act!r} with recompute={rec!r}: a layer is "
+                           "offloaded or recomputed, not both; name disjoint layers in the two "
+                           "pins, or drop one")
+        if isinstance(rec, (list, tuple)) and not isinstance(act, str) and set(rec) & set(act):
+            raise PinError(f"offload_activations and recompute both name {sorted(set(rec) & set(act))}: "
+                           "a layer is offloaded or recomputed, not both")
     # the update schemes (autopar.update_schemes): one at most, and what each refuses
     check_update_pins(p)
     if (p.get("expert") or 1) > 1 and p.get("expert_dispatch") == "tensor":

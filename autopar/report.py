@@ -82,7 +82,7 @@ def offload_line(plan: Plan) -> str:
         except ClusterError:
             pass
     return (f"ZeRO-Offload (offload='optimizer', zero={plan.options.zero}): optimizer state on "
-            f"the host, {fmt_bytes(sum(host.values()))} per rank = master copy and moments "
+            f"the host, {fmt_bytes(host.get('optimizer', 0.0) + shard)} per rank = master copy and moments "
             f"{fmt_bytes(host.get('optimizer', 0.0))}, gradient shard {fmt_bytes(shard)}; each bucket's "
             f"gradient shards go down as its reduction finishes, its updated shards up just before "
             f"its gather{timing}")

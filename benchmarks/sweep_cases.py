@@ -46,13 +46,14 @@ from examples import zoo
 SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved-1f1b",
              "pp-zero-bubble": "zero-bubble", "pp-dualpipev": "dualpipev"}
 PLAN_KINDS = ("free", "free-budget", "data", "tensor", "2d", "zero1", "zero2", "zero3",
-              "offload", "accumulate", "recompute", *SCHEDULES, "branch", "bf16", "fp16",
+              "offload", "accumulate", "recompute", "offload-activations", *SCHEDULES, "branch", "bf16", "fp16",
               "per-rank", "expert", "context", "param-server")
 # the world sizes each kind is drawn on (repeats weight the draw)
 WORLDS = {
     "free": (1, 2, 2, 3, 4, 4), "free-budget": (2, 2, 3, 4), "data": (2, 3, 4), "tensor": (2, 3, 4, 4),
     "2d": (4,), "zero1": (2, 3, 4), "zero2": (2, 3, 4), "zero3": (2, 3, 4, 4),
     "offload": (2, 4), "accumulate": (1, 2, 4), "recompute": (1, 2, 4),
+    "offload-activations": (1, 2, 4),
     "pp-gpipe": (2, 3, 4), "pp-1f1b": (2, 3, 4), "pp-interleaved": (2, 4), "pp-zero-bubble": (2, 4),
     "pp-dualpipev": (2, 4), "branch": (2,), "bf16": (1, 2, 4), "fp16": (1, 2, 4), "per-rank": (2, 3, 4),
     "expert": (2, 4, 4), "context": (2, 4, 4), "param-server": (2, 3, 4),
@@ -154,6 +155,10 @@ def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
         pins["accumulate"] = rng.choice([a for a in (2, 3, 4) if batch % (a * d) == 0])
     elif kind == "recompute":
         pins = {"recompute": "full", **base()}
+    elif kind == "offload-activations":
+        pins = {"offload_activations": "full", **base()}
+        if w > 1 and rng.random() < 0.3:
+            pins = {"offload_activations": "full", "data": w, "zero": 3}
     elif kind == "pp-dualpipev":
         # two stages a rank in a V and at least 2p micro-batches (schedule.check_schedule):
         # 2 ranks, or 2 stages x data 2 over a batch of 8 (micro-batches of 2, one a rank)

@@ -75,7 +75,7 @@ def training_state_bytes(param_numel: int, optimizer: str = "adamw", precision: 
     return {"params": params, "grads": grads, "optimizer": opt}
 
 
-FORWARD_END = ("activations", "recompute")
+FORWARD_END = ("activations", "recompute", "offload")
 """Terms live only until backward frees them: saved activations, recomputation's extra."""
 BACKWARD_END = ("grads", "grad_buffers")
 """Terms born in backward: gradients, and the flat buffers they are summed in."""

@@ -50,6 +50,15 @@ def checkpoint_layers(gm: GraphModule, regions: dict[str, set[str]]) -> GraphMod
     """A new GraphModule in which each region (layer name -> captured node names, matched
     against ``node.meta["source"]``) runs under ``torch.utils.checkpoint``. ``gm`` is left
     alone; its parameters and buffers are shared, not copied."""
+    return wrap_layers(gm, regions, lambda body, layer, k: CheckpointedRegion(body, layer),
+                       "recompute")
+
+
+def wrap_layers(gm: GraphModule, regions: dict[str, set[str]], make, kind: str) -> GraphModule:
+    """A new GraphModule in which each region (layer name -> captured node names, matched
+    against ``node.meta["source"]``) is moved into a submodule ``make(body, layer, k)`` (k:
+    the region's index in graph order) called as ``f"{kind}_{k}"``; ``out.meta[kind]`` names
+    the layers wrapped. ``gm`` is left alone; its parameters and buffers are shared."""
     nodes = list(gm.graph.nodes)
     spans: list[tuple[int, int, str]] = []
     for layer, names in regions.items():
@@ -60,8 +69,8 @@ def checkpoint_layers(gm: GraphModule, regions: dict[str, set[str]]) -> GraphMod
     spans.sort()
     for (a0, a1, la), (b0, b1, lb) in zip(spans, spans[1:]):
         if b0 <= a1:
-            raise RecomputeError(f"recompute: layers {la!r} and {lb!r} interleave in the "
-                                 "per-rank graph; recompute one of them only")
+            raise RecomputeError(f"{kind}: layers {la!r} and {lb!r} interleave in the "
+                                 f"per-rank graph; {kind} one of them only")
     start_of = {s: (e, layer) for s, e, layer in spans}
 
     g = Graph()
@@ -79,12 +88,12 @@ def checkpoint_layers(gm: GraphModule, regions: dict[str, set[str]]) -> GraphMod
                 env[n] = g.node_copy(n, lambda a: env[a])
                 if n.op == "get_attr":
                     root[n.target] = _fetch(gm, n.target)
-            body, ins, outs = _extract(body_nodes, layer)
-            name = f"recompute_{k}"
+            body, ins, outs = _extract(body_nodes, layer, kind)
+            name = f"{kind}_{k}"
+            root[name] = make(body, layer, k)
             k += 1
-            root[name] = CheckpointedRegion(body, layer)
             call = g.call_module(name, tuple(env[a] for a in ins))
-            call.meta["recompute"] = layer
+            call.meta[kind] = layer
             for j, o in enumerate(outs):
                 env[o] = g.call_function(operator.getitem, (call, j))
                 env[o].meta = dict(o.meta)
@@ -98,22 +107,23 @@ def checkpoint_layers(gm: GraphModule, regions: dict[str, set[str]]) -> GraphMod
         i += 1
     out = GraphModule(root, g)
     out.meta.update(gm.meta)
-    out.meta["recompute"] = tuple(layer for _, _, layer in spans)
+    out.meta[kind] = tuple(layer for _, _, layer in spans)
     return out
 
 
-def _extract(body_nodes: list[Node], layer: str) -> tuple[GraphModule, list[Node], list[Node]]:
+def _extract(body_nodes: list[Node], layer: str,
+             kind: str = "recompute") -> tuple[GraphModule, list[Node], list[Node]]:
     """(region GraphModule, outer nodes it reads, its nodes read after it)."""
     inside = set(body_nodes)
     for n in body_nodes:
-        if mutates(n):
+        if mutates(n) and kind == "recompute":
             raise RecomputeError(
                 f"recompute: layer {layer!r} cannot be recomputed: node {n.name} "
                 f"({n.target}) updates a tensor in place (BatchNorm's running statistics "
                 "would be updated twice); leave this layer out of recompute=")
         if n.op not in ("call_function", "call_method"):
-            raise RecomputeError(f"recompute: layer {layer!r} holds a {n.op} node ({n.name}); "
-                                 "only op nodes can be recomputed")
+            raise RecomputeError(f"{kind}: layer {layer!r} holds a {n.op} node ({n.name}); "
+                                 "only op nodes can be wrapped")
     ins: list[Node] = []
     for n in body_nodes:
         for a in n.all_input_nodes:
@@ -138,4 +148,4 @@ def _fetch(gm: GraphModule, target: str):
     return obj
 
 
-__all__ = ["checkpoint_layers", "CheckpointedRegion"]
+__all__ = ["checkpoint_layers", "wrap_layers", "CheckpointedRegion"]

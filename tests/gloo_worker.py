@@ -72,10 +72,15 @@ def _run_case(case: dict) -> dict:
         assert local < full, f"the solver's plan under a tight budget: {local} of {full} B on this rank"
     else:
         pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, **case["pins"])
-    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
-    got = parallel_run(pm, ex.inputs, ex.target)
+    opt = case.get("optimizer", "sgd")
+    ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn, optimizer=opt)
+    got = parallel_run(pm, ex.inputs, ex.target, optimizer=opt)
     worst = compare(ref, got, f"{case} rank {dist.get_rank()}")
-    return {"mesh": list(pm.plan.mesh_shape), "worst": worst}
+    out = {"mesh": list(pm.plan.mesh_shape), "worst": worst}
+    if case.get("pins", {}).get("offload_activations"):     # the tensors that went to the host
+        host = pm.runner.programs["train"].meta["offload_host"]
+        out.update(packed=host.packed, unpacked=host.unpacked)
+    return out
 
 
 def main() -> None:

@@ -32,13 +32,16 @@ KINDS = {
                   ("insert_collectives",) + LAST),
     "zero3-recompute": ({"data": 2, "zero": 3, "recompute": "full"},       # fp32: no 16-bit gathers
                         TRAIN + ("checkpoint_layers",) + LAST, ("insert_collectives",) + LAST),
+    "zero3-offload": ({"data": 2, "zero": 3, "offload_activations": ["h.0"]},   # no prefetch
+                      TRAIN + ("offload_layers",) + LAST, ("insert_collectives",) + LAST),
 }
 """Plan kinds and the passes each program goes through, written out by hand."""
 
 _FUNCTIONS = {"insert_collectives": "insert_collectives", "check_grad_sync": "check_grad_sync",
               "low_precision_gathers": "low_precision_gathers", "fp8_linear_calls": "fp8_linear_calls",
               "prefetch_gathers": "prefetch_gathers",
-              "checkpoint_layers": "checkpoint_layers", "keep_branches": "keep_branches",
+              "checkpoint_layers": "checkpoint_layers", "offload_layers": "offload_layers",
+              "keep_branches": "keep_branches",
               "place_on": "place_on", "fast_bindings": "fast_bindings"}
 """Each pass's name -> the function of ``passes/`` it calls (a name in program_passes)."""
 

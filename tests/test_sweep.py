@@ -1,4 +1,4 @@
-"""The differential sweep's fixed subset: 85 cases of ``benchmarks/sweep.py``, each a test.
+"""The differential sweep's fixed subset: 87 cases of ``benchmarks/sweep.py``, each a test.
 
 Each case (an architecture of ``examples/zoo.py``, a plan, a loss, a world size) is planned
 by autopar, trained 3 SGD-momentum steps and 3 AdamW steps under the plan and on one
@@ -82,6 +82,8 @@ CASES: list[tuple[sc.Case, str | None]] = [
     # ALBERT's one layer, called once per depth: each call a recomputed layer (was refused,
     # "no repeated layers")
     (C("albert", "recompute", 2, "mean", {"data": 2, "recompute": "full"}), None),
+    (C("llama-tied", "offload-activations", 2, "sum", {"tensor": 2, "offload_activations": "full"}), None),
+    (C("gpt2", "offload-activations", 2, "mean", {"data": 2, "zero": 3, "offload_activations": "full"}), None),
     (C("ex-inception", "branch", 2, "mean", {"branch": 2}), None),
     (C("gpt2", "bf16", 2, "mean", {"tensor": 2, "precision": "bf16"}), None),
     (C("bloom", "bf16", 1, "padded", {"precision": "bf16"}), None),

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 from autopar.cost_models import compute as compute_model
 from autopar.cost_models.fp8 import check_fp8
 from autopar.cost_models.offload import disk_seconds, exposed_share, offload_seconds
+from autopar.pricing.activation_offload import copy_s, exposed_share as act_exposed_share
 from autopar.cost_models.hardware import Cluster, axis_link
 from autopar.placement import Replicate
 from autopar.sharding.registry import TensorMeta, input_placements, localize, output_placements
@@ -96,6 +97,15 @@ class CostModel(CommCosts, MemoryCosts):
     """Captured nodes run again in backward (layers under ``recompute=``): one more forward."""
     recompute_kept: frozenset = frozenset()
     """Of those, the ones whose output is kept (a layer's output, the next one's input)."""
+    act_offload: frozenset = frozenset()
+    """Captured nodes of the layers whose saved activations go to host memory
+    (``offload_activations=``; ``pricing.activation_offload``)."""
+    act_offload_kept: frozenset = frozenset()
+    """Of those, the ones read outside their layer: what they save stays on the device."""
+    act_offload_exposed: float = 1.0
+    """The share of the offloaded layers' copies not hidden behind their neighbours'
+    compute (``activation_offload.exposed_share``, set by :meth:`act_offload_share` when a
+    problem is priced)."""
     memory_weights: dict | None = None
     """:attr:`StepView.memory_weights`."""
     grad_sync_scale: float = 1.0
@@ -256,19 +266,24 @@ class CostModel(CommCosts, MemoryCosts):
             if self.profiler is None else {}
         self._rec_count: dict = {}   # id(NodeVar) -> (it, members recomputed)
         self._kept: dict = {}        # id(NodeVar) -> (it, whether a member is kept, _keeps)
+        self._off_count: dict = {}   # id(NodeVar) -> (it, members offloaded)
         self._prices = None      # the PriceTable of the last problem priced (autopar.pricing.prices)
 
     @classmethod
     def for_pins(cls, cluster: Cluster, mesh_shape: tuple[int, ...], pins: Options, *,
                  data_axis: int | None = None, recompute: tuple | None = None, profiler: Any = None,
-                 view: StepView = WHOLE_STEP, native: bool = False) -> CostModel:
+                 view: StepView = WHOLE_STEP, native: bool = False,
+                 offload_acts: tuple | None = None) -> CostModel:
         """The cost model of a plan with ``pins`` on ``mesh_shape``; ``recompute`` =
         (recomputed nodes, kept nodes) (``analysis.layers.recompute_nodes``); ``view``: the
         share of a step the graph is (:class:`StepView`); ``native``: the capture's own dtypes
-        (``Captured.native_dtypes``). The solver and ``explain`` both build theirs here, so
-        they price alike."""
+        (``Captured.native_dtypes``); ``offload_acts`` = (offloaded nodes, kept nodes) of
+        ``offload_activations=`` (the same form as ``recompute``). The solver and ``explain``
+        both build theirs here, so they price alike."""
         rec, kept = recompute or (frozenset(), frozenset())
+        off, off_kept = offload_acts or (frozenset(), frozenset())
         return cls(cluster, tuple(mesh_shape), as_options(pins), data_axis=data_axis,
+                   act_offload=frozenset(off), act_offload_kept=frozenset(off_kept),
                    profiler=profiler, recompute=frozenset(rec), recompute_kept=frozenset(kept),
                    memory_weights=view.memory_weights, grad_sync_scale=view.grad_sync_scale,
                    native=native)
@@ -288,10 +303,50 @@ class CostModel(CommCosts, MemoryCosts):
                              self.expert_imbalance, self.native)
         return {("all_to_all", a): (2 * t, 2 * t) for a, t in by_axis.items()}
 
-    def with_recompute(self, v: NodeVar, t: tuple[float, float]) -> tuple[float, float]:
-        """``t`` = :meth:`base_time` with ``v``'s recomputed members' forward run again."""
+    def with_recompute(self, v: NodeVar, t: tuple[float, float],
+                       memory: dict | None = None) -> tuple[float, float]:
+        """``t`` = :meth:`base_time` with ``v``'s recomputed members' forward run again, and
+        (given the option's :meth:`base_memory`, ``memory``) its offloaded members' copies
+        to the host and back, the share not hidden (``pricing.activation_offload``), as
+        backward time."""
         rec = self._recomputed(v)
-        return t if not rec else (t[0], t[1] + t[0] * rec / len(v.members))
+        if rec:
+            t = (t[0], t[1] + t[0] * rec / len(v.members))
+        off = self._offloaded(v) if memory is not None else 0
+        if off:
+            a = memory.get("activations", 0.0)
+            t = (t[0], t[1] + self.act_offload_exposed * copy_s(a, self.cluster.device)
+                 * off / len(v.members))
+        return t
+
+    def _offloaded(self, v: NodeVar) -> int:
+        """How many of ``v``'s members save to host memory (``offload_activations=``): 0 for
+        a node whose output is read outside its layer (what it saves stays)."""
+        if not self.act_offload or v.kind != "op":
+            return 0
+        got = self._off_count.get(id(v))
+        if got is None or got[0] is not v:
+            n = 0 if any(m in self.act_offload_kept for m in v.members) else \
+                sum(1 for m in v.members if m in self.act_offload)
+            got = self._off_count[id(v)] = (v, n)
+        return got[1]
+
+    def act_offload_share(self, problem) -> float:
+        """``activation_offload.exposed_share`` of the offloaded layers: their saved bytes,
+        forward and backward seconds summed over their nodes, each at its fastest option
+        (``pricing.activation_offload``'s docstring: the ratio hardly depends on placements)."""
+        saved = fwd = bwd = 0.0
+        for v in problem.vars.values():
+            n = sum(1 for m in v.members if m in self.act_offload) if v.kind == "op" else 0
+            if not n:
+                continue
+            times = [self.base_time(v, c) for c in v.options]
+            k = min(range(len(times)), key=lambda i: sum(times[i]))
+            fwd += n * times[k][0]
+            bwd += n * times[k][1]
+            if self._offloaded(v):        # a layer output read outside it stays
+                saved += n * self.saved_bytes(v, v.options[k])
+        return act_exposed_share(saved, fwd, bwd, self.cluster.device)
 
     def base_time(self, v: NodeVar, combo, optimizer_states: int = 2) -> tuple[float, float]:
         """(forward, backward) seconds of one option of an op node, without recomputation;

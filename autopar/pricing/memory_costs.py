@@ -1,12 +1,13 @@
 """The memory half of :class:`autopar.pricing.costing.CostModel`: bytes per device of
 one option of a node, by term (a parameter's shard with its gradient and optimizer state,
 under the ZeRO stage, precision and offload the options pin; the activations autograd
-saves, ``autopar.analysis.saved``; recomputation's split; the pipeline planner's
+saves, ``autopar.analysis.saved``; recomputation's and activation offload's split
+(``autopar.pricing.activation_offload``); the pipeline planner's
 ``memory_weights``), and the phases whose terms are never live at once
 (``cost_models.memory.step_phases``).
 
 :class:`MemoryCosts` is a mixin: it reads the cost model's mesh, options-derived settings
-and its ``_act``, ``_recomputed`` and ``_keeps``.
+and its ``_act``, ``_recomputed``, ``_keeps`` and ``_offloaded``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from autopar.analysis.saved import Kept
 from autopar.cost_models import memory as memory_model
 from autopar.ops.experts import EXPERTS_OP
 from autopar.placement import Replicate
+from autopar.pricing.activation_offload import in_flight_layers
 from autopar.pricing.comm_costs import _local
 from autopar.pricing.experts import experts_saved_bytes
 from autopar.pricing.problem import VIEW_OPS, NodeVar
@@ -47,12 +49,28 @@ class MemoryCosts:
 
     def split_recompute(self, v: NodeVar, terms: dict[str, float]) -> dict[str, float]:
         """``terms`` (:meth:`base_memory`) with ``v``'s recomputed members keeping nothing:
-        backward rebuilds one layer's activations at a time (the "recompute" term)."""
-        rec = self._recomputed(v) if v.kind == "op" and "activations" in terms else 0
-        if not rec or self._keeps(v):
+        backward rebuilds one layer's activations at a time (the "recompute" term); and its
+        offloaded members (``offload_activations=``) keeping nothing on the device but the
+        layers in flight, ``activation_offload.in_flight_layers`` (the "offload" term).
+
+        Per member, of ``n`` members (a repeated layer's copies) of which ``r`` are
+        recomputed and ``o`` offloaded, with ``b`` bytes saved each: activations
+        ``b (n - r - o) / n``, recompute ``b / n`` if ``r``, offload ``k b / n`` if ``o``
+        (k layers in flight); summed over the ``n`` members: ``b (n - r - o)``, one layer,
+        k layers."""
+        if v.kind != "op" or "activations" not in terms:
+            return terms
+        rec = 0 if self._keeps(v) else self._recomputed(v)
+        off = self._offloaded(v)
+        if not rec and not off:
             return terms
         b, n = terms["activations"], len(v.members)
-        return {"activations": b * (n - rec) / n, "recompute": b / n}
+        out = {"activations": b * (n - rec - off) / n}
+        if rec:
+            out["recompute"] = b / n
+        if off:
+            out["offload"] = b * min(off, in_flight_layers(self.cluster.device)) / n
+        return out
 
     def base_memory(self, v: NodeVar, combo, optimizer_states: int) -> dict[str, float]:
         """Bytes per device of one option, by term, without recomputation or weights."""

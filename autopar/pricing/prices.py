@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from autopar.analysis.layers import recompute_nodes
+from autopar.analysis.layers import recompute_nodes, select_layers
 from autopar.capture import Captured
 from autopar.cost_models.hardware import parse_cluster
 from autopar.errors import ArgumentError
@@ -139,6 +139,8 @@ class PriceTable:
             cost.offload_exposed = cost.offload_share(problem)
         if cost.fp8:           # the ops precision="fp8" runs in fp8 (autopar.pricing.fp8)
             cost.fp8_nodes = fp8_nodes(problem, cost.options)
+        if cost.act_offload:   # offloaded activations: the copies' share not hidden
+            cost.act_offload_exposed = cost.act_offload_share(problem)
         if cost.compiled:      # Inductor's fused memory-bound ops (cost_models.compute)
             cost.fused_reads = fused_reads(problem)
         self.options = {name: [OptionPrice(*cost.base_time(v, c, k_opt), cost.base_memory(v, c, k_opt))
@@ -185,7 +187,7 @@ class PriceTable:
         if got is None:
             o = self.options[name][i]
             got = self._times[(name, i)] = self.cost.with_recompute(self.problem.vars[name],
-                                                                    (o.forward_s, o.backward_s))
+                                                                    (o.forward_s, o.backward_s), o.memory)
         return got
 
     def self_comm(self, name: str, i: int) -> dict:
@@ -461,5 +463,7 @@ def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTab
                               # gradient accumulation: one micro-batch's prices, its
                               # gradient sync a 1/k share (solver.accumulate)
                               view=StepView(grad_sync_scale=1.0 / plan.accumulate),
-                              native=cap.native_dtypes)
+                              native=cap.native_dtypes,
+                              offload_acts=recompute_nodes(cap.gm, select_layers(
+                                  cap.gm, plan.options.offload_activations)))
     return price_table(problem, cost)

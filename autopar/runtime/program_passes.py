@@ -33,6 +33,10 @@ The order, and why:
 6. ``checkpoint_layers``: the plan's recomputed layers run under ``torch.utils.checkpoint``
    (``passes.recompute``), in the ``train`` program of an unpipelined plan (a pipeline
    checkpoints each stage's share after cutting it, ``runtime.pipeline_runner``).
+6b. ``offload_layers``: the plan's offloaded layers (``options.offload_activations``) keep
+   what they save for backward in host memory (``passes.offload_activations``), in the
+   ``train`` program of an unpipelined plan; after ``checkpoint_layers`` (a layer is one or
+   the other) and, like it, with ZeRO-3's prefetch off (its gathers would cross the regions).
 7. ``keep_branches``: branch parallelism keeps this rank's branches (``passes.branch_parallel``).
 8. ``place_on``: tensors the program creates go on the rank's device (``passes.place_on_device``).
 9. ``fast_bindings``: last, ops called through torch's Python bindings (``passes.fast_bindings``);
@@ -49,7 +53,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autopar.analysis.layers import layer_members
+from autopar.analysis.layers import layer_members, select_layers
 from autopar.capture import Captured
 from autopar.passes.autocast import low_precision_gathers
 from autopar.passes.branch_parallel import keep_branches
@@ -60,6 +64,7 @@ from autopar.passes.fp8_linears import fp8_linear_calls
 from autopar.passes.insert_collectives import Rewritten, insert_collectives
 from autopar.passes.place_on_device import place_on
 from autopar.passes.prefetch import prefetch_gathers
+from autopar.passes.offload_activations import offload_layers
 from autopar.passes.recompute import checkpoint_layers
 from autopar.plan import Plan
 from autopar.runtime.precision import compute_dtype
@@ -148,6 +153,11 @@ def _zero3(p: RankProgram) -> bool:
     return p.options.zero_stage >= 3
 
 
+def _offloads(p: RankProgram) -> bool:
+    """Whether the plan offloads layers' saved activations (``offload_activations=``)."""
+    return p.options.offload_activations not in (None, "none", ())
+
+
 PASSES: tuple[ProgramPass, ...] = (
     ProgramPass("insert_collectives", _always, _insert_collectives),
     ProgramPass("check_grad_sync", lambda p: p.stepped, _check_grad_sync, builds=False),
@@ -156,10 +166,13 @@ PASSES: tuple[ProgramPass, ...] = (
     in_place("fp8_linear_calls", lambda p: p.options.precision == "fp8",
              lambda gm, p: fp8_linear_calls(gm, p.cap, p.plan)),
     in_place("prefetch_gathers", lambda p: _zero3(p) and not p.pipelined and not p.plan.recompute
-             and not p.options.compile, lambda gm, p: prefetch_gathers(gm)),
+             and not _offloads(p) and not p.options.compile, lambda gm, p: prefetch_gathers(gm)),
     ProgramPass("checkpoint_layers", lambda p: p.which == "train" and bool(p.plan.recompute)
                 and not p.pipelined,      # builds a new GraphModule; the input's shards shared
                 on_graph(lambda gm, p: checkpoint_layers(gm, layer_members(p.cap.gm, p.plan.recompute)))),
+    ProgramPass("offload_layers", lambda p: p.which == "train" and _offloads(p) and not p.pipelined,
+                on_graph(lambda gm, p: offload_layers(gm, layer_members(
+                    p.cap.gm, select_layers(p.cap.gm, p.options.offload_activations)), p.device))),
     in_place("keep_branches", lambda p: bool(p.plan.branches),
              lambda gm, p: keep_branches(gm, p.cap, p.plan, p.coord, p.attr_of)),
     in_place("place_on", _always, lambda gm, p: place_on(gm, p.device)),

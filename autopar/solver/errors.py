@@ -22,6 +22,7 @@ class StageCutError(PlanError):
 
 TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
          "activations": "activations", "recompute": "recomputed layers' activations",
+         "offload": "offloaded layers' activations in flight",
          "inputs": "inputs"}
 """The cost model's memory terms, as the infeasibility message names them."""
 

@@ -25,6 +25,7 @@ from autopar.solver.ilp import (InfeasibleError, Solution, TimeLimitError, _gib,
                                 time_limit_fix)
 from autopar.solver.ilp import solve as solve_ilp
 from autopar.solver.meshes import mesh_candidates
+from autopar.solver.offload_choice import choose, layer_prices
 from autopar.solver.spec import Settings
 from autopar.pricing.context import best_form, context_axis_of
 from autopar.pricing.fp8 import chosen_fp8_layers
@@ -324,7 +325,7 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
     best, errors = None, []     # (a mesh's prices are shared by its cost models: costing._shared)
     for rec in choices:
-        if rec == "full" and best is not None and \
+        if rec is not choices[0] and best is not None and \
                 best.sol.memory_total <= RECOMPUTE_WHEN * budget:
             break
         recompute = _recompute_of(cap, rec)[0]
@@ -397,7 +398,7 @@ def _cost_model(cap: Captured, cl, job: MeshJob, *, profiler=None,
     _, rec_nodes, rec_kept = _recompute_of(cap, job.rec)
     return CostModel.for_pins(cl, job.shape, job.pins, data_axis=job.roles.data,
                               recompute=(rec_nodes, rec_kept), profiler=profiler, view=view,
-                              native=cap.native_dtypes)
+                              native=cap.native_dtypes, offload_acts=offload_of(cap, job.pins))
 
 
 def _solve_program(problem, cost, budget: float, time_limit_s: float, key) -> Solution:
@@ -494,7 +495,56 @@ def _with_fewest_layers(cap: Captured, best, ask: MeshAsk):
     choice after the cuts: ``partial_recompute``)."""
     if ask.pins.recompute is None and best is not None and best.recompute \
             and not ask.memory_weights:
-        return _fewest_layers(cap, best, ask)
+        best = _fewest_layers(cap, best, ask)
+        if ask.pins.offload_activations is None and best.recompute and not ask.pins.compile \
+                and not ask.pins.pipelined and (ask.pins.branch or 1) == 1:
+            return _with_offload(cap, best, ask)
+    return best
+
+
+OFFLOAD_RETRIES = 1
+"""Kept layers ``_with_offload`` frees in addition when its split does not fit (an offloaded
+layer holds up to one layer more in flight than a recomputed one)."""
+
+
+def _with_offload(cap: Captured, best: _Best, ask: MeshAsk) -> _Best:
+    """``best`` (recomputing the fewest layers that fit), or the plan on its mesh where each
+    of those layers is recomputed or has its saved activations offloaded to host memory,
+    whichever its prices say is cheaper (``solver.offload_choice``), if that plan fits and
+    its objective is lower."""
+    cl = ask.cl
+    every = select_layers(cap.gm, "full")
+    prices = layer_prices(best.problem, best.cost, best.sol.choice,
+                          {lay: recompute_nodes(cap.gm, [lay]) for lay in every}, cl.device)
+    freed = list(best.recompute)
+    kept = [lay for lay in every if lay not in freed]
+    for _ in range(1 + OFFLOAD_RETRIES):
+        rec, off = choose(prices, freed)
+        if not off:
+            return best
+        pins = best.pins.replace(offload_activations=off)
+        layers, rec_nodes, rec_kept = _recompute_of(cap, rec)
+        cost = CostModel.for_pins(cl, best.shape, pins, data_axis=best.cost.data_axis,
+                                  recompute=(rec_nodes, rec_kept), native=best.cost.native,
+                                  offload_acts=offload_of(cap, pins), **ask.cost_kw())
+        job = MeshJob(best.shape, best.roles, rec, pins, best.n_states, ask.budget, ask.time_limit_s)
+        try:
+            sol = _solve_or_read(best.problem, cost, ask.budget, ask.time_limit_s,
+                                 lambda: _ilp_key(cap, cl, job, ask.view))
+        except TimeLimitError:
+            return best
+        except InfeasibleError:
+            if not kept:
+                return best
+            freed.append(kept.pop(0))
+            continue
+        if ask.verbose:
+            print(f"mesh {best.shape} recompute {len(rec)}, offload {len(off)} layers: "
+                  f"{sol.objective_s * 1e3:.3f} ms")
+        if sol.objective_s < best.sol.objective_s:
+            return _Best(sol, best.problem, best.shape, best.axes, layers, cost, pins,
+                         best.roles, best.n_states)
+        return best
     return best
 
 
@@ -541,7 +591,7 @@ def _fewest_layers(cap: Captured, full: _Best, ask: MeshAsk) -> _Best:
         _, rec_nodes, rec_kept = _recompute_of(cap, layers[:k])
         cost = CostModel.for_pins(cl, full.shape, full.pins, data_axis=full.cost.data_axis,
                                   recompute=(rec_nodes, rec_kept), native=full.cost.native,
-                                  **ask.cost_kw())
+                                  offload_acts=offload_of(cap, full.pins), **ask.cost_kw())
         try:
             job = MeshJob(full.shape, full.roles, layers[:k], full.pins, full.n_states, budget,
                           time_limit_s)
@@ -583,7 +633,7 @@ def _least_memory(cap, ask: MeshAsk, cl, shape, roles, pins, rec):
     problem = _problem(cap, shape, roles, pins.zero_stage, check_optimizer(ask.optimizer))
     cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.data,
                               recompute=(rec_nodes, rec_kept), native=cap.native_dtypes,
-                              **ask.cost_kw())
+                              offload_acts=offload_of(cap, pins), **ask.cost_kw())
     sol = solve_ilp(problem, cost, None, ask.time_limit_s, minimize_memory=True)
     return sol.memory_total, dict(sol.memory)
 
@@ -759,13 +809,29 @@ def plan_host_s(cap: Captured, device, recomputed, optimizer_states: int, pins: 
 def _host_bytes(best: _Best) -> dict[str, float]:
     """Host bytes per rank under ``offload="optimizer"``: each parameter's optimizer shard
     (its fp32 master copy and moments) and the gradient shard copied down; {} without.
-    Under ``offload="disk"`` the gradient shard alone (the optimizer shard is on disk)."""
+    Under ``offload="disk"`` the gradient shard alone (the optimizer shard is on disk).
+    Under ``offload_activations=`` also the offloaded activations ("activations")."""
+    acts = _offloaded_activations(best)
+    out = {"activations": acts} if acts else {}
     if best.pins.offload not in ("optimizer", "disk"):
-        return {}
+        return out
     if best.pins.offload == "disk":
-        return {"grads": _offload_shard(best)}
+        return {**out, "grads": _offload_shard(best)}
     shard = _offload_shard(best)
-    return {"optimizer": shard * (1 + best.problem.optimizer_states), "grads": shard}
+    return {**out, "optimizer": shard * (1 + best.problem.optimizer_states), "grads": shard}
+
+
+def _offloaded_activations(best: _Best) -> float:
+    """Bytes per rank the offloaded layers (``offload_activations=``) keep in host memory at
+    the end of forward: what each of their nodes saves, under the solution's placements."""
+    cost, total = best.cost, 0.0
+    if not cost.act_offload:
+        return 0.0
+    for name, v in best.problem.vars.items():
+        off = cost._offloaded(v)
+        if off:
+            total += off * cost.saved_bytes(v, v.options[best.sol.choice[name]])
+    return total
 
 
 def _disk_bytes(best: _Best) -> dict[str, float]:
@@ -795,10 +861,19 @@ def _numel(shape, placements, mesh_shape) -> int:
 
 def _recompute_choices(cap: Captured, pins: Options) -> list:
     """The recomputation choices ``_search`` weighs, in order: the pinned one, or none and
-    then (when memory binds) every repeated layer."""
+    then (when memory binds) every repeated layer (every one not offloaded, under a pinned
+    ``offload_activations=``)."""
     if pins.recompute is not None:
         return [pins.recompute]
-    return [None, "full"] if _has_repeated_layers(cap) else [None]
+    if not _has_repeated_layers(cap):
+        return [None]
+    off = offload_of(cap, pins)
+    if off is None:
+        return [None, "full"]
+    # offloaded layers (pinned) are not recomputed too: the others may be
+    offloaded = set(select_layers(cap.gm, pins.offload_activations))
+    rest = tuple(lay for lay in select_layers(cap.gm, "full") if lay not in offloaded)
+    return [None, rest] if rest else [None]
 
 
 def _has_repeated_layers(cap: Captured) -> bool:
@@ -847,6 +922,15 @@ def _with_zero(base, zero: int, roles: MeshRoles):
 
 _RECOMPUTE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """Per captured graph alive: recomputation choice -> what ``_recompute_of`` worked out."""
+
+
+def offload_of(cap: Captured, pins: Options) -> tuple | None:
+    """(offloaded nodes, those read outside their layer) of ``pins.offload_activations``
+    (``analysis.layers``: named as ``recompute=``), None when none; worked out once per graph."""
+    spec = pins.offload_activations
+    if spec in (None, "none", ()):
+        return None
+    return _recompute_of(cap, spec)[1:]
 
 
 def _recompute_of(cap: Captured, rec) -> tuple:
