@@ -116,6 +116,19 @@ class Case:
         return Case(**{**d, "pins": tuple(tuple(p) for p in d["pins"])})
 
 
+def _schedule_runs(kind: str, stages: int, micro_batches: int, virtual: int) -> bool:
+    """Whether ``kind`` runs ``stages`` ranks with ``micro_batches`` (``schedule.check_schedule``):
+    a draw of pins the schedule refuses (1F1B's 3 stages with 2 micro-batches) tests the
+    refusal, not the pipeline, and ``tests/test_bad_inputs.py`` has that already."""
+    from autopar.errors import AutoparInputError
+    from autopar.schedule import check_schedule
+    try:
+        check_schedule(kind, stages, micro_batches, virtual)
+    except AutoparInputError:
+        return False
+    return True
+
+
 def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
     """The case ``arch:kind:seed``: world, pins and loss drawn from the seed alone."""
     if arch not in zoo.ZOO:
@@ -171,9 +184,11 @@ def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
         # the zoo's models have 2 layers: more stages than layers is drawn too, but less often
         p = 2 if w == 4 and rng.random() < 0.6 else w
         d = w // p
+        v = 2 if kind == "pp-interleaved" else 1
         pins = {"pipeline": p, "schedule": SCHEDULES[kind],
                 "micro_batch_size": rng.choice([m for m in (1, 2, 3) if batch % m == 0
-                                                and m % d == 0 and batch // m >= 2])}
+                                                and m % d == 0 and batch // m >= 2
+                                                and _schedule_runs(SCHEDULES[kind], p, batch // m, v)])}
         if d > 1:
             pins["data"] = d
             if e.family == "moe" and rng.random() < 0.5:   # the stage's ranks split experts
