@@ -254,20 +254,48 @@ def test_verify_static_reads_a_plan_file(tmp_path):
 
 
 def test_verify_static_exits_1_on_a_failed_check(monkeypatch):
-    """A program that does not check (the check made to fail on rank 1's train program):
-    that line says FAIL with the reason, the command exits 1."""
-    real = sv.check_program
+    """A program that does not check (rank 1's train program without one of its all-reduces,
+    rank 0's intact): rank 1's line says FAIL with the type error, rank 0's with the
+    collective orders that now differ, and the command exits 1. Rank 1's
+    program differs from rank 0's, so it is checked on its own (``program_key``), not taken
+    as rank 0's result."""
+    build = sv.Builder.build
 
-    def failing(gm, ctx):
-        if ctx.which == "train" and failing.calls == 1:
-            raise StaticCheckError("planted: node 'x' (all_reduce): takes a P value")
-        failing.calls += ctx.which == "train"
-        return real(gm, ctx)
-    failing.calls = 0
-    monkeypatch.setattr(sv, "check_program", failing)
+    def rank1_missing_all_reduce(self, coord):
+        programs, ctx = build(self, coord)
+        if coord == (1,):
+            gm = programs["train"]
+            ar = calls(gm, C.all_reduce)[0]
+            ar.replace_all_uses_with(ar.args[0])
+            gm.graph.erase_node(ar)
+            gm.recompile()
+        return programs, ctx
+    monkeypatch.setattr(sv.Builder, "build", rank1_missing_all_reduce)
     res = _cli("examples.models:gpt_factory", "--nproc", "2", "--pin", "tensor=2", "--meta")
     assert res.exit_code == 1, res.output
-    assert "rank 1 (1,) train" in res.output and "FAIL planted" in res.output, res.output
+    assert "rank 0 (0,) train" in res.output and "rank 1 (1,) train" in res.output, res.output
+    lines = {line.split(":")[0].strip(): line for line in res.output.splitlines() if "train" in line}
+    # rank 0's program checks; the two ranks' collectives then differ (rank 1 lacks one)
+    assert "FAIL collective order" in lines["rank 0 (0,) train"], res.output
+    assert "FAIL the train program" in lines["rank 1 (1,) train"], res.output
+    assert "P there" in lines["rank 1 (1,) train"], res.output
+
+
+def test_ranks_of_one_program_are_checked_once(monkeypatch):
+    """``static_verify`` type-checks each distinct program once: the 4 ranks of a 1-D data
+    plan are one program (one check each of train and forward); each rank still gets its
+    own line, and its own collectives compared."""
+    real, seen = sv.check_program, []
+
+    def counted(gm, ctx):
+        seen.append(ctx.which)
+        return real(gm, ctx)
+    monkeypatch.setattr(sv, "check_program", counted)
+    ex, plan, cap = planned("gpt", 4, (("data", 4),))
+    results = sv.static_verify(cap, plan, ex.model)
+    assert all(r.ok for r in results) and len(results) == 8, results
+    assert sorted(seen) == ["forward", "train"], seen
+    assert len({r.collectives for r in results if r.which == "train"}) == 1
 
 
 def test_verify_static_refuses_timing():
