@@ -168,7 +168,8 @@ def test_free_search_probes_the_fewest_layers_once_the_unpipelined_plan_could_wi
 
     def plan(**pins):
         return autopar.plan(gpt.model, gpt.inputs, gpt.loss_fn, target=gpt.target,
-                            cluster="2xdgx-a100", data=8, zero=0, accumulate=1, **pins)
+                            cluster="2xdgx-a100", data=8, zero=0, accumulate=1,
+                            offload_activations="none", **pins)    # recomputation alone
     full, none = plan(recompute="full"), plan(recompute="none")
     budget = full.estimate.memory_total + 0.4 * (none.estimate.memory_total - full.estimate.memory_total)
     monkeypatch.setattr(free_search, "search_pipelines", lambda *a, **k: None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.utils._pytree import tree_map
 
@@ -76,6 +76,17 @@ class StepView:
 
 
 WHOLE_STEP = StepView()
+
+
+class Saves(NamedTuple):
+    """What repeated layers do with the tensors they save for backward, each in the form of
+    ``analysis.layers.recompute_nodes``: the nodes recomputed and those of theirs read outside
+    their layer (kept), and the same for the nodes whose saved tensors go to host memory
+    (``offload_activations=``). A plain (recomputed, kept) pair reads as one."""
+    recomputed: frozenset = frozenset()
+    kept: frozenset = frozenset()
+    offloaded: frozenset = frozenset()
+    offload_kept: frozenset = frozenset()
 
 
 @dataclass
@@ -271,17 +282,14 @@ class CostModel(CommCosts, MemoryCosts):
 
     @classmethod
     def for_pins(cls, cluster: Cluster, mesh_shape: tuple[int, ...], pins: Options, *,
-                 data_axis: int | None = None, recompute: tuple | None = None, profiler: Any = None,
-                 view: StepView = WHOLE_STEP, native: bool = False,
-                 offload_acts: tuple | None = None) -> CostModel:
-        """The cost model of a plan with ``pins`` on ``mesh_shape``; ``recompute`` =
-        (recomputed nodes, kept nodes) (``analysis.layers.recompute_nodes``); ``view``: the
-        share of a step the graph is (:class:`StepView`); ``native``: the capture's own dtypes
-        (``Captured.native_dtypes``); ``offload_acts`` = (offloaded nodes, kept nodes) of
-        ``offload_activations=`` (the same form as ``recompute``). The solver and ``explain``
-        both build theirs here, so they price alike."""
-        rec, kept = recompute or (frozenset(), frozenset())
-        off, off_kept = offload_acts or (frozenset(), frozenset())
+                 data_axis: int | None = None, recompute: tuple | Saves | None = None,
+                 profiler: Any = None, view: StepView = WHOLE_STEP, native: bool = False) -> CostModel:
+        """The cost model of a plan with ``pins`` on ``mesh_shape``; ``recompute``: the layers'
+        :class:`Saves` (or its (recomputed nodes, kept nodes) pair); ``view``: the share of a
+        step the graph is (:class:`StepView`); ``native``: the capture's own dtypes
+        (``Captured.native_dtypes``). The solver and ``explain`` both build theirs here, so
+        they price alike."""
+        rec, kept, off, off_kept = recompute if isinstance(recompute, Saves) else Saves(*(recompute or ()))
         return cls(cluster, tuple(mesh_shape), as_options(pins), data_axis=data_axis,
                    act_offload=frozenset(off), act_offload_kept=frozenset(off_kept),
                    profiler=profiler, recompute=frozenset(rec), recompute_kept=frozenset(kept),

@@ -35,7 +35,7 @@ from autopar.placement import Replicate
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.fp8 import fp8_nodes
-from autopar.pricing.costing import (INF, Collective, CostModel, StepView, grad_partial_flags,
+from autopar.pricing.costing import (INF, Collective, CostModel, Saves, StepView, grad_partial_flags,
                                      hidden_steps_s, params_read, price_steps)
 from autopar.cost_models.compute import FUSABLE
 from autopar.cost_models.families import VIEW, family
@@ -459,11 +459,11 @@ def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTab
                             optimizer_states=OPTIMIZER_STATES[optimizer])
     cost = CostModel.for_pins(parse_cluster(plan.cluster), tuple(plan.mesh_shape), plan.options,
                               data_axis=roles.data,
-                              recompute=recompute_nodes(cap.gm, plan.recompute),
+                              recompute=Saves(*recompute_nodes(cap.gm, plan.recompute),
+                                              *recompute_nodes(cap.gm, select_layers(
+                                                  cap.gm, plan.options.offload_activations))),
                               # gradient accumulation: one micro-batch's prices, its
                               # gradient sync a 1/k share (solver.accumulate)
                               view=StepView(grad_sync_scale=1.0 / plan.accumulate),
-                              native=cap.native_dtypes,
-                              offload_acts=recompute_nodes(cap.gm, select_layers(
-                                  cap.gm, plan.options.offload_activations)))
+                              native=cap.native_dtypes)
     return price_table(problem, cost)

@@ -17,7 +17,7 @@ from autopar.mesh_roles import MeshRoles
 from autopar.placement import local_shape, placements_str
 from autopar.plan import Estimate, NodePlacement, Plan, SolverReport
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.pricing.costing import OVERLAPPED, WHOLE_STEP, CostModel, StepView
+from autopar.pricing.costing import OVERLAPPED, WHOLE_STEP, CostModel, Saves, StepView
 from autopar.solver.errors import gib, one_screen
 from autopar.solver.zero_whole import whole_note
 from autopar.solver import speculate
@@ -397,8 +397,8 @@ def _cost_model(cap: Captured, cl, job: MeshJob, *, profiler=None,
     """The cost model of ``_search``'s program ``job`` (its mesh, pins and recomputation)."""
     _, rec_nodes, rec_kept = _recompute_of(cap, job.rec)
     return CostModel.for_pins(cl, job.shape, job.pins, data_axis=job.roles.data,
-                              recompute=(rec_nodes, rec_kept), profiler=profiler, view=view,
-                              native=cap.native_dtypes, offload_acts=offload_of(cap, job.pins))
+                              recompute=_saves(cap, rec_nodes, rec_kept, job.pins), profiler=profiler,
+                              view=view, native=cap.native_dtypes)
 
 
 def _solve_program(problem, cost, budget: float, time_limit_s: float, key) -> Solution:
@@ -525,8 +525,8 @@ def _with_offload(cap: Captured, best: _Best, ask: MeshAsk) -> _Best:
         pins = best.pins.replace(offload_activations=off)
         layers, rec_nodes, rec_kept = _recompute_of(cap, rec)
         cost = CostModel.for_pins(cl, best.shape, pins, data_axis=best.cost.data_axis,
-                                  recompute=(rec_nodes, rec_kept), native=best.cost.native,
-                                  offload_acts=offload_of(cap, pins), **ask.cost_kw())
+                                  recompute=_saves(cap, rec_nodes, rec_kept, pins),
+                                  native=best.cost.native, **ask.cost_kw())
         job = MeshJob(best.shape, best.roles, rec, pins, best.n_states, ask.budget, ask.time_limit_s)
         try:
             sol = _solve_or_read(best.problem, cost, ask.budget, ask.time_limit_s,
@@ -590,8 +590,8 @@ def _fewest_layers(cap: Captured, full: _Best, ask: MeshAsk) -> _Best:
             break
         _, rec_nodes, rec_kept = _recompute_of(cap, layers[:k])
         cost = CostModel.for_pins(cl, full.shape, full.pins, data_axis=full.cost.data_axis,
-                                  recompute=(rec_nodes, rec_kept), native=full.cost.native,
-                                  offload_acts=offload_of(cap, full.pins), **ask.cost_kw())
+                                  recompute=_saves(cap, rec_nodes, rec_kept, full.pins),
+                                  native=full.cost.native, **ask.cost_kw())
         try:
             job = MeshJob(full.shape, full.roles, layers[:k], full.pins, full.n_states, budget,
                           time_limit_s)
@@ -632,8 +632,8 @@ def _least_memory(cap, ask: MeshAsk, cl, shape, roles, pins, rec):
     _, rec_nodes, rec_kept = _recompute_of(cap, rec)
     problem = _problem(cap, shape, roles, pins.zero_stage, check_optimizer(ask.optimizer))
     cost = CostModel.for_pins(cl, shape, pins, data_axis=roles.data,
-                              recompute=(rec_nodes, rec_kept), native=cap.native_dtypes,
-                              offload_acts=offload_of(cap, pins), **ask.cost_kw())
+                              recompute=_saves(cap, rec_nodes, rec_kept, pins),
+                              native=cap.native_dtypes, **ask.cost_kw())
     sol = solve_ilp(problem, cost, None, ask.time_limit_s, minimize_memory=True)
     return sol.memory_total, dict(sol.memory)
 
@@ -931,6 +931,12 @@ def offload_of(cap: Captured, pins: Options) -> tuple | None:
     if spec in (None, "none", ()):
         return None
     return _recompute_of(cap, spec)[1:]
+
+
+def _saves(cap: Captured, rec_nodes, rec_kept, pins: Options) -> Saves:
+    """The layers' :class:`~autopar.pricing.costing.Saves`: ``rec_nodes`` recomputed (those
+    of ``rec_kept`` read outside their layers), and ``pins.offload_activations``' nodes."""
+    return Saves(rec_nodes, rec_kept, *(offload_of(cap, pins) or ()))
 
 
 def _recompute_of(cap: Captured, rec) -> tuple:
