@@ -8,6 +8,10 @@ another runtime module writes a device type ("cpu", "cuda", ``torch.device("..."
 - :func:`rank_device`: CUDA device ``LOCAL_RANK`` when CUDA is available (made the current
   device: call it before the process group and the mesh exist), else the CPU.
 - :func:`backend_for`: the process group backend for that device (NCCL on CUDA, else gloo).
+- :data:`SHARE_GPUS_ENV`: ``AUTOPAR_SHARE_GPUS=1`` lets more ranks than GPUs run on a node,
+  rank ``LOCAL_RANK`` on GPU ``LOCAL_RANK % device_count`` over gloo (NCCL refuses two ranks
+  on one GPU): how a one-GPU machine runs a multi-rank CUDA program at all (the GPU check's
+  two-rank section); slow, for checks, not for training.
 - :func:`mesh_device`: the device a mesh of a given device type keeps this rank's tensors on.
 - :func:`object_device`: the ``device=`` argument of ``broadcast_object_list`` and friends
   (NCCL moves the pickled bytes through the current CUDA device; gloo through host memory).
@@ -26,21 +30,38 @@ import torch
 CPU = "cpu"
 CUDA = "cuda"
 HOST = CPU
+SHARE_GPUS_ENV = "AUTOPAR_SHARE_GPUS"
+
+
+def gpus_shared() -> bool:
+    """Whether ``AUTOPAR_SHARE_GPUS=1`` lets several ranks of a node use one GPU."""
+    return os.environ.get(SHARE_GPUS_ENV, "") == "1"
 
 
 def rank_device() -> torch.device:
     """This rank's device: CUDA device ``LOCAL_RANK`` when CUDA is available (made the current
-    device, so call this before the process group and mesh exist), else the CPU."""
+    device, so call this before the process group and mesh exist), else the CPU. With more
+    local ranks than GPUs: GPU ``LOCAL_RANK % count`` under ``AUTOPAR_SHARE_GPUS=1``, else an
+    error that says how many ranks to launch."""
     if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", 0))
+        index, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if index >= count:
+            if not gpus_shared():
+                raise RuntimeError(
+                    f"LOCAL_RANK {index} but this node has {count} CUDA device(s): launch at most "
+                    f"{count} rank(s) per node (torchrun --nproc-per-node {count}), or set "
+                    f"{SHARE_GPUS_ENV}=1 to run several ranks on one GPU over gloo (slow: for checks)")
+            index %= count
         torch.cuda.set_device(index)
         return torch.device(CUDA, index)
     return torch.device(CPU)
 
 
 def backend_for(device: torch.device) -> str:
-    """The torch.distributed backend for ranks on ``device``: NCCL on CUDA, gloo otherwise."""
-    return "nccl" if device.type == CUDA else "gloo"
+    """The torch.distributed backend for ranks on ``device``: NCCL on CUDA, gloo otherwise
+    (and on CUDA under ``AUTOPAR_SHARE_GPUS=1``: NCCL refuses two ranks on one GPU, gloo
+    moves CUDA tensors through host memory)."""
+    return "nccl" if device.type == CUDA and not gpus_shared() else "gloo"
 
 
 def mesh_device(device_type: str) -> torch.device:
@@ -53,7 +74,7 @@ def mesh_device(device_type: str) -> torch.device:
 
 def object_device(device: torch.device) -> torch.device | None:
     """``device=`` for torch.distributed's object collectives on ranks of ``device``."""
-    return device if device.type == CUDA else None
+    return device if backend_for(device) == "nccl" else None
 
 
 def pin_host_memory(device: torch.device) -> bool:

@@ -192,6 +192,7 @@ def test_parallelize_plans_on_the_derived_cluster(monkeypatch):
 def test_dist_world_sets_the_device_before_the_group(monkeypatch, cuda):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if cuda else 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
     monkeypatch.setattr(dist, "is_initialized", lambda: bool([c for c in calls if c[0] == "init"]))
     monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout=None: calls.append(("init", backend)))
@@ -216,6 +217,25 @@ def test_device_helpers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert device_mod.mesh_device("cuda") == torch.device("cuda", 3)
     assert device_mod.mesh_device("cpu") == torch.device("cpu")
+
+
+def test_more_ranks_than_gpus_need_the_sharing_switch(monkeypatch):
+    """Two local ranks on a one-GPU node: rank 1 is refused with the fix, unless
+    ``AUTOPAR_SHARE_GPUS=1`` puts it on GPU 0 over gloo (NCCL refuses two ranks a GPU)."""
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv(device_mod.SHARE_GPUS_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK 1 but this node has 1 CUDA device.*"
+                                           r"--nproc-per-node 1.*AUTOPAR_SHARE_GPUS=1"):
+        device_mod.rank_device()
+    assert set_to == []
+    monkeypatch.setenv(device_mod.SHARE_GPUS_ENV, "1")
+    assert device_mod.rank_device() == torch.device("cuda", 0) and set_to == [0]
+    assert device_mod.backend_for(torch.device("cuda", 0)) == "gloo"
+    assert device_mod.object_device(torch.device("cuda", 0)) is None
 
 
 # ---- tensors the model creates --------------------------------------------------------------

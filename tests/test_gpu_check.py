@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
-SECTIONS = ("environment", "equivalence", "op_timing", "plan_shapes", "memory", "compile",
+SECTIONS = ("environment", "equivalence", "offload", "op_timing", "plan_shapes", "memory", "compile",
             "attention_backends", "fp8_gemms", "moe", "autopar_compile", "multi_gpu", "scale")
 
 
@@ -142,6 +142,29 @@ def test_mixtral_trains_through_its_experts_op(dry):
     m = s["moe"]
     _equal_to_one_device(m, s["equivalence"]["tolerance"])
     assert m["experts"], m["summary"]
+
+
+def test_offloaded_plans_equal_one_device_and_move_their_activations(dry):
+    """``offload_activations="full"`` at world 1 (on a GPU: pinned host memory and a side
+    stream): equal to eager training; the plan's estimate holds an ``offload`` term and fewer
+    activation bytes than the same model's plan without offload."""
+    s = dry[0]["sections"]
+    for name, m in s["offload"]["models"].items():
+        _equal_to_one_device(m, s["equivalence"]["tolerance"])
+        assert m["offloaded"] == "full" and m["estimate_terms"]["offload"] > 0, m["estimate_terms"]
+        assert m["estimate_saved_bytes"] > 0, (name, m["without_offload"], m["estimate_bytes"])
+    assert set(s["offload"]["models"]) == {"gpt", "llama"}
+
+
+def test_speed_lines_compare_autopar_with_torch(dry):
+    """The summary's issue-42 ratios: autopar eager over torch eager, autopar compiled over
+    torch.compile, from the steps the report recorded."""
+    report = dry[0]
+    line = next(x for x in report["summary"] if x.startswith("speed gpt:"))
+    eager = report["sections"]["equivalence"]["models"]["gpt"]["median_step_s"]
+    torch_eager = report["sections"]["compile"]["models"]["gpt"]["eager_step_s"]
+    assert f"autopar eager / torch eager {eager / torch_eager:.2f}" in line
+    assert "autopar compiled / torch.compile" in line
 
 
 def test_autopar_compiled_gpt_equals_one_device(dry):
