@@ -324,6 +324,10 @@ bf16 eager +30.3%, its compiled one +16.6%: the torchtitan H100s' clock under 50
 measured). One ranking is lost: ``tt-atp-8b``'s rowwise Float8 under TP 8 ran slower than
 bf16 and is now priced faster (Spearman over its goal rows 1.00 -> 0.50; docs/measured.md):
 its cause, rowwise GEMM throughput under TP, is not priced. No constant was fitted to a row.
+Regained (branch h-rank2): torchao runs rowwise's backward GEMMs as cuBLAS's tensorwise
+GEMM and rescales their bf16 outputs in a kernel of its own (``cost_models/fp8.py``,
+``RESCALE_TRAFFIC``): rowwise under TP 8 is priced slower than bf16 again (Spearman 1.00);
+row 17 (rowwise) -41.8% -> -42.8%, the 33 rows' mean stays 17.1%.
 
 Mean |error| over every row that plans (row 18 is refused, docstring above): 16.6% over
 33 rows, 14.9% with the FP8 / DualPipeV rows priced in bf16 / 1F1B (``--before``); over
