@@ -324,6 +324,10 @@ bf16 eager +30.3%, its compiled one +16.6%: the torchtitan H100s' clock under 50
 measured). One ranking is lost: ``tt-atp-8b``'s rowwise Float8 under TP 8 ran slower than
 bf16 and is now priced faster (Spearman over its goal rows 1.00 -> 0.50; docs/measured.md):
 its cause, rowwise GEMM throughput under TP, is not priced. No constant was fitted to a row.
+Regained (branch h-rank2): torchao runs rowwise's backward GEMMs as cuBLAS's tensorwise
+GEMM and rescales their bf16 outputs in a kernel of its own (``cost_models/fp8.py``,
+``RESCALE_TRAFFIC``): rowwise under TP 8 is priced slower than bf16 again (Spearman 1.00);
+row 17 (rowwise) -41.8% -> -42.8%, the 33 rows' mean stays 17.1%.
 
 Mean |error| over every row that plans (row 18 is refused, docstring above): 16.6% over
 33 rows, 14.9% with the FP8 / DualPipeV rows priced in bf16 / 1F1B (``--before``); over
@@ -881,12 +885,44 @@ def selective_ac_nodes(cap) -> list[str]:
     return out
 
 
-def selective_ac_s(cap, plan, cluster, nodes=selective_ac_nodes) -> float:
+REGATHERED = "all_gather@tensor"
+"""The collective torchtitan's op policy runs again (:func:`selective_ac_gathers`): the
+tensor axis' all-gathers; FSDP2's gathers of the weights over the data axis are not
+recomputed (it gathers them again for backward anyway, priced as ZeRO-3's regather)."""
+
+
+def selective_ac_gathers(cap) -> list[str]:
+    """The nodes whose forward collectives torchtitan's op policy runs again in backward:
+    every matmul of a transformer block. The policy saves only what its ``_save_list``
+    names (mm, attention, ``_c10d_functional.reduce_scatter_tensor``, max; torchtitan
+    ``models/llama3/parallelize_llama.py`` at 820504e, the async TP benchmark's commit), and
+    marks everything else ``PREFER_RECOMPUTE``: the sequence-parallel all-gather of a
+    norm's output into the column-parallel matmuls is not saved, and the weight gradients
+    of those matmuls read its output, so backward gathers it again whether the matmul is
+    recomputed or saved. The collectives into a block's matmuls are exactly those
+    all-gathers (a row-parallel matmul's reduce-scatter goes into the residual add, and
+    is saved)."""
+    out = []
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        in_block = any(path.rsplit(".", 2)[-2:-1] == ["layers"]
+                       for path, _ in n.meta.get("nn_module_stack", {}).values())
+        op = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if in_block and op in ("linear", "mm", "matmul", "addmm"):
+            out.append(n.name)
+    return out
+
+
+def selective_ac_s(cap, plan, cluster, nodes=selective_ac_nodes,
+                   gathers=selective_ac_gathers) -> float:
     """Seconds a step spends on a selective recomputation policy (``nodes``: the graph's
     nodes it runs again; default torchtitan's, :func:`selective_ac_nodes`), each op priced
-    by the plan's own per-node forward seconds (``solver.pipeline_costs.node_costs``), times
-    the micro-batches of a step; under a pipeline, a rank's share (1 / stages: the repeated
-    layers split evenly)."""
+    by the plan's own per-node forward seconds (``solver.pipeline_costs.node_costs``), plus
+    the forward collectives into ``gathers`` (default torchtitan's, run again in backward:
+    :func:`selective_ac_gathers`; None: none, as Megatron-LM's core-attention policy, which
+    holds no collective), times the micro-batches of a step; under a pipeline, a rank's
+    share (1 / stages: the repeated layers split evenly)."""
     from step_terms import _solved
     from autopar.solver.pipeline_costs import node_costs
     from autopar.cost_models.hardware import parse_cluster
@@ -894,6 +930,9 @@ def selective_ac_s(cap, plan, cluster, nodes=selective_ac_nodes) -> float:
     k0 = 1 if plan.pipeline_stages > 1 else 0
     nc = node_costs(cap, _solved(cap, plan, cl, "adamw"), lambda n: 0.0, axes=plan.mesh_axes[k0:])
     total = sum(nc.node_forward.get(name, 0.0) for name in nodes(cap))
+    if gathers is not None:
+        total += sum(nc.node_forward_comm_by.get(name, {}).get(REGATHERED, 0.0)
+                     for name in gathers(cap))
     m = plan.n_microbatches if plan.pipeline_stages > 1 else plan.accumulate
     # a pipeline rank runs its stages' share of the layers (the graph holds them all)
     return max(m, 1) * total / max(plan.pipeline_stages, 1)
@@ -945,7 +984,8 @@ def predict_parts(run: Run, time_limit_s: float = 30.0) -> Priced:
         step -= plan.estimate.comm.get(OVERLAPPED, 0.0)
     sel = 0.0
     if run.selective_ac:
-        sel = selective_ac_s(cap, plan, cluster, run.selective_nodes or selective_ac_nodes)
+        sel = (selective_ac_s(cap, plan, cluster, run.selective_nodes, gathers=None)
+               if run.selective_nodes else selective_ac_s(cap, plan, cluster))
         step += sel
     return Priced(step, plan, cap, opt, sel)
 

@@ -194,6 +194,29 @@ changed on them):
   (128); 70B tensorwise +5.0%, rowwise +31.3%; 8B TP tensorwise +16.9%, rowwise +42.5%.
   AsyncTP rows (still unpriced, marked) now sit beside their priced Float8 recipe.
 
+- Two terms of issue 39's rows, each from the source code that ran them, no constant
+  chosen on a row (2026-11-29, session of branch h-rank2; ``python benchmarks/ranking.py``,
+  155 s before and after):
+
+  1. torchao's rowwise recipe runs its backward GEMMs (``use_fast_accum=False``) as cuBLAS's
+     tensorwise GEMM and rescales the bf16 output by the row scales' outer product in a
+     kernel of its own (``cost_models/fp8.py``, ``RESCALE_TRAFFIC``; torchao
+     ``float8_ops.addmm_float8_unwrapped`` at 6243040, the async TP benchmark's commit).
+     Checked against pytorch/ao#2185's measured compiled Float8Linear (rowwise, H100, M
+     16,384, Llama 70B TP shapes): every priced rowwise time moves toward the measured one
+     (fwd + bwd, ms, priced before -> after / measured: wqkv 1.13 -> 1.33 / 1.76, w0 0.93
+     -> 0.98 / 1.19, w13 4.57 -> 4.83 / 5.71, w2 2.44 -> 2.57 / 3.03; wqkv's speedup over
+     bf16 priced 1.11, measured 1.11). tt-atp-8b: rowwise under TP 8 is now priced slower than bf16 (5,572
+     against 5,779 tok/s; measured 3,709 against 4,378): Spearman 0.50 -> 1.00.
+  2. torchtitan's op policy saves a block's reduce-scatters, not its all-gathers
+     (``_save_list`` at 820504e), so under TP backward all-gathers the norms' outputs again
+     (``published_runs.selective_ac_gathers``): tt-atp-8b's bf16 row +32.0% -> +24.7%.
+
+  Left: ZeRO-3 at hundreds of GPUs (above: no cited term found); the torchtitan H100 rows'
+  common +20-25% (the 500 W GEMM clock: pytorch/ao#2185's own bf16 linear times, on an H100
+  whose power limit it does not state, are 25-35% slower than priced at those shapes, a
+  lead, not a constant).
+
     python benchmarks/ranking.py                 # 442 s (loaded machine)
     python benchmarks/ranking.py --groups k22-t4-22b,k22-t5-1t
     python benchmarks/ranking.py --dry           # tests/test_ranking.py runs this

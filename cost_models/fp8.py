@@ -23,6 +23,18 @@ fill time), reading 1-byte operands and writing bf16; plus what the recipe adds:
   fp8 rows and a bf16 transpose in one kernel (n + 2n, the read fused), then cast the
   transpose (3n); W casts its rows (3n), transposes (4n) and casts that (3n). The
   weight's reads are not fused (its producer, the optimizer step, is outside the graph);
+- rowwise's backward rescale: torchao runs a rowwise GEMM without fast accumulation (its
+  backward GEMMs, ``gemm_config_grad_input`` / ``gemm_config_grad_weight``, default
+  ``use_fast_accum=False``) as cuBLAS's tensorwise GEMM with unit scales and then multiplies
+  the bf16 output by the outer product of the two operands' row scales ("The rowwise
+  CUTLASS-based kernel is so slow without fast-accum that we'd rather use the tensorwise
+  cuBLAS-based kernel and do the scaling manually afterwards": torchao
+  ``float8/float8_ops.py``, ``addmm_float8_unwrapped``, at 6243040, the commit of torchtitan's
+  2025-06 async TP benchmark, and unchanged since). Inductor cannot fuse a pointwise epilogue
+  into the cuBLAS call, so it is one more kernel a GEMM (pytorch/ao#2184) reading and writing
+  the output: dx (x's elements) and dW (W's), :data:`RESCALE_TRAFFIC`. autopar's own runtime
+  runs rowwise backward in the CUTLASS kernel without fast accumulation, which torchao
+  measured slower still: for it this price is a lower bound;
 - the amax reductions: an operand sharded on a dim its amax spans gathers one fp32 amax per
   rank (tensorwise) or one per row (rowwise) over that mesh axis (``ops.fp8._max_over``: an
   all-gather, latency-bound), priced by ``comm.collective_time`` on the axis's link.
@@ -67,6 +79,14 @@ CAST_TRAFFIC = {
 recipe, eager or compiled, per pass (module docstring: torchao's eager cast; compiled, the
 traffic of torchao's roofline of compiled float8 training)."""
 
+RESCALE_TRAFFIC = {False: (12, 2), True: (4, 1)}
+"""compiled -> (bytes per element of a rowwise backward GEMM's bf16 output, kernels) of
+torchao's rescale ``output *= a_inverse_scale * b_inverse_scale`` (module docstring). Eager:
+the outer product of an (M, 1) and a (1, N) fp32 scale is written whole (4 bytes an
+element), then the in-place multiply reads the output (2) and it (4) and writes the output
+(2): 12 bytes, two kernels. Compiled: Inductor fuses the two into one pointwise kernel that
+reads the output and writes it (2 + 2; the M + N scales are negligible)."""
+
 
 def check_fp8(device: Device) -> None:
     """Refuse ``precision="fp8"`` on a GPU without fp8 tensor cores."""
@@ -102,6 +122,13 @@ def casts_time(nx: float, nw: float, ny: float, device: Device, rowwise: bool,
     return out["fwd"], out["bwd"]
 
 
+def rescale_time(nx: float, nw: float, device: Device, compiled: bool = False) -> float:
+    """Seconds of rowwise's two backward rescales, of dx (``nx`` elements) and dW (``nw``)
+    (:data:`RESCALE_TRAFFIC`)."""
+    b, k = RESCALE_TRAFFIC[bool(compiled)]
+    return cast_time(nx, device, b, k) + cast_time(nw, device, b, k)
+
+
 def fp8_linear_time(op, ins, outs, args, kwargs, device: Device, rowwise: bool,
                     amax_gathers: tuple = (), compiled: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one fp8 linear on this rank's local tensors ``ins``
@@ -117,6 +144,8 @@ def fp8_linear_time(op, ins, outs, args, kwargs, device: Device, rowwise: bool,
     nx, nw, ny = math.prod(x.shape), math.prod(w.shape), math.prod(outs[0].shape)
     cf, cb = casts_time(nx, nw, ny, device, rowwise, compiled)
     fwd, bwd = fwd + cf, bwd + cb
+    if rowwise:
+        bwd += rescale_time(nx, nw, device, compiled)
     for when, elements, group, link in amax_gathers:
         t = collective_time("all_gather", 4.0 * elements * group, group, link)
         if when == "fwd":

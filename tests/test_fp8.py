@@ -421,3 +421,35 @@ def test_a_compiled_pipeline_is_priced_compiled():
         assert p.options.compile is c and p.pipeline_stages == 2
         est[c] = p.estimate
     assert est[True].compute_s < est[None].compute_s, est
+
+
+def test_rowwise_backward_rescale():
+    """Rowwise's backward GEMMs run as torchao runs them: cuBLAS's tensorwise GEMM, then the
+    bf16 output times the outer product of the row scales (torchao ``float8_ops.py``,
+    ``addmm_float8_unwrapped`` without fast accumulation; ``cost_models.fp8.RESCALE_TRAFFIC``):
+    dx and dW read and written once more, 4 bytes an element compiled (one fused kernel), 12
+    eager (the outer product written in fp32, then the multiply). It decides a ranking the
+    way torchao's measured tables do: at M 16,384, K 8,192, N 1,024 (an output narrower than
+    the 2,048 below which torchao's ``_auto_filter_for_rowwise`` leaves a linear in bf16,
+    its thresholds read from its measured rowwise table) rowwise is priced slower than bf16,
+    where without the rescale it was priced faster; tensorwise, which torchao's tensorwise
+    filter converts at this shape (K > 4,096), stays faster than bf16."""
+    from autopar.cost_models import compute
+    from autopar.cost_models.fp8 import RESCALE_TRAFFIC, fp8_linear_time, rescale_time
+    from autopar.cost_models.gpus import H100_80GB
+    from autopar.sharding.registry import TensorMeta
+    lin = torch.ops.aten.linear.default
+    m, k, n = 16384, 8192, 1024
+    ins = [TensorMeta((m, k), torch.bfloat16), TensorMeta((n, k), torch.bfloat16)]
+    outs = [TensorMeta((m, n), torch.bfloat16)]
+    bw = H100_80GB.mem_bandwidth * H100_80GB.mem_efficiency
+    for compiled, (nbytes, kernels) in ((True, (4, 1)), (False, (12, 2))):
+        assert RESCALE_TRAFFIC[compiled] == (nbytes, kernels)
+        want = nbytes * (m * k + n * k) / bw + 2 * kernels * H100_80GB.launch_overhead
+        assert rescale_time(m * k, n * k, H100_80GB, compiled) == pytest.approx(want, rel=1e-9)
+    bf16 = sum(compute.node_time(lin, ins, outs, (), {}, H100_80GB, "bf16", native=True))
+    rowwise = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, True, compiled=True)
+    tensorwise = sum(fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, False, compiled=True))
+    rescale = rescale_time(m * k, n * k, H100_80GB, compiled=True)
+    assert sum(rowwise) - rescale < bf16 < sum(rowwise), (bf16, rowwise, rescale)
+    assert tensorwise < bf16

@@ -164,3 +164,32 @@ def test_pinning_fp8_changes_a_float8_rows_prediction():
     assert fp8.plan.options.precision == "fp8" and fp8.plan.options.fp8_scaling == "tensorwise"
     assert bf16.plan.options.precision == "bf16"
     assert 0.5 * bf16.step < fp8.step < bf16.step
+
+
+def test_selective_recomputation_gathers_the_tensor_axis_again():
+    """torchtitan's op policy saves a block's reduce-scatters but not its all-gathers
+    (``_save_list``), so under tensor parallelism backward gathers the norms' outputs into
+    the column-parallel matmuls again: the policy's seconds grow by those forward
+    all-gathers over the tensor axis, into the blocks' matmuls only. Under FSDP alone
+    (tensor 1) nothing is added: the weights' gathers over the data axis are not part of
+    the policy (ZeRO-3 gathers them again for backward, priced already)."""
+    from benchmarks.published_runs import (REGATHERED, Run, predict_parts, run_cluster,
+                                           selective_ac_gathers, selective_ac_s)
+    from conftest import meta_llama_capture
+    cap = meta_llama_capture(n_layer=2, seq=8, vocab=64, hidden_dim=48)
+    nodes = {n.name: n for n in cap.gm.graph.nodes}
+    gathered = selective_ac_gathers(cap)
+    assert len(gathered) == 2 * 7 and all(nodes[n].target is torch.ops.aten.linear.default
+                                          for n in gathered)
+    added = {}
+    for tensor in (1, 2):
+        # wide enough that the solver shards the sequence between the tensor regions
+        run = Run("small", "test", "llama", 2, 1024, 8, 512, 2048, 2 * 8 // tensor, 8, "h100",
+                  tensor, 1, micro=2, kv_heads=4, ffn=2048, zero=3, published_tps=1.0,
+                  selective_ac=True, torchtitan=True, pin_more={"compile": True})
+        p = predict_parts(run, 10)
+        without = selective_ac_s(p.cap, p.plan, run_cluster(run), gathers=None)
+        added[tensor] = p.selective_s - without
+        assert p.plan.mesh_shape[p.plan.mesh_axes.index("tensor")] == tensor \
+            if "tensor" in p.plan.mesh_axes else tensor == 1
+    assert added[1] == 0.0 and added[2] > 0.0, (added, REGATHERED)

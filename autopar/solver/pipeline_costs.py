@@ -40,7 +40,7 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.host import node_dispatches
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.costing import COPY_OUT, INF, grad_partial_flags
-from autopar.pricing.prices import PriceTable, price_table
+from autopar.pricing.prices import EdgePrice, PriceTable, price_table
 
 
 @dataclass
@@ -81,6 +81,9 @@ class NodeCosts:
     """Graph node -> bytes it keeps for backward when not recomputed."""
     node_forward_comm: dict = field(default_factory=dict)
     """Graph node -> seconds of the forward collectives into it (run again when it is)."""
+    node_forward_comm_by: dict = field(default_factory=dict)
+    """Graph node -> {(collective, mesh axis): seconds} of ``node_forward_comm`` (what a
+    recomputation policy that saves some collectives and not others runs again)."""
     params: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per chain node: 1 where it reads a parameter, else 0 (``parameter_positions``): a
     stage none of whose nodes reads one holds no parameter. Empty: not known (every node
@@ -258,6 +261,7 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
                      recomputed=acc.recomputed, comm_latency=acc.alpha,
                      launch=float(dev.launch_overhead + dev.fill_time), node_forward=acc.node_forward,
                      node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm,
+                     node_forward_comm_by=acc.node_fwd_comm_by,
                      params=params, host_calls=host_calls(cap, units, solved.cost.recompute))
 
 
@@ -311,6 +315,7 @@ class _Acc:
         self.names = list(axes) if axes else [f"axis{a}" for a in range(len(mesh))]
         self.placeholders: list = []
         self.node_forward, self.node_act, self.node_fwd_comm = {}, {}, {}
+        self.node_fwd_comm_by: dict = {}
         self.rec_bytes = 0.0
         self._latency: dict = {}      # (collective, axis) -> ``latency``, asked per edge
 
@@ -387,6 +392,11 @@ class _Acc:
                     comm = each[1.0 if m in self.pt.cost.recompute else 0.0]
                 # its forward collectives, which run again if the consumer is recomputed
                 self.node_fwd_comm[m] = self.node_fwd_comm.get(m, 0.0) + price.forward_s * share
+                for step in price.steps or ():
+                    f = EdgePrice((step,)).forward_s
+                    if f:
+                        self.add(self.node_fwd_comm_by.setdefault(m, {}), (step.kind, step.axis),
+                                 f * share)
                 c = self.where[m]
                 for key, s in sync.items():
                     self.sync[c] += s * share
