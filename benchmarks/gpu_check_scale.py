@@ -216,17 +216,21 @@ def without_peers():
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import stage as pp_stage
     from autopar.runtime import parallel_module
-    saved = parallel_module.order_check, PipelineStage._warmup_backward_result, pp_stage._make_tensor_from_meta
-    make = saved[2]
+    # (2) exists from torch 2.13 (torch 2.11 has no warm-up vote: nothing to answer)
+    vote = getattr(PipelineStage, "_warmup_backward_result", None)
+    saved = parallel_module.order_check, pp_stage._make_tensor_from_meta
+    make = saved[1]
     parallel_module.order_check = lambda comm, pipelined: None
-    PipelineStage._warmup_backward_result = (
-        lambda self, received_result=None: torch.ones(1, dtype=torch.int32, device=self.device))
+    if vote is not None:
+        PipelineStage._warmup_backward_result = (
+            lambda self, received_result=None: torch.ones(1, dtype=torch.int32, device=self.device))
     pp_stage._make_tensor_from_meta = lambda *a, **k: make(*a, **k).zero_()
     try:
         yield
     finally:
-        (parallel_module.order_check, PipelineStage._warmup_backward_result,
-         pp_stage._make_tensor_from_meta) = saved
+        parallel_module.order_check, pp_stage._make_tensor_from_meta = saved
+        if vote is not None:
+            PipelineStage._warmup_backward_result = vote
 
 
 @contextlib.contextmanager
@@ -428,7 +432,8 @@ def section_scale(ctx, have_ortools: bool, log, error_info, restore_group) -> di
     out = {"goal": "measured/predicted within 10% (peak memory, compute by family); reported, not asserted",
            "process_group": "torch fake process group (collectives return at once; no communication measured)",
            "cases": {}}
-    for name, case in cases(ctx.dry).items():
+    chosen = [c for c in getattr(ctx.args, "scale_cases", "").split(",") if c]   # in the order given
+    for name, case in ([(c, cases(ctx.dry)[c]) for c in chosen] if chosen else cases(ctx.dry).items()):
         if ctx.budget.left() < (0 if ctx.dry else 30):
             out["cases"][name] = {"skipped": "time budget spent"}
             continue
@@ -439,6 +444,11 @@ def section_scale(ctx, have_ortools: bool, log, error_info, restore_group) -> di
         except Exception as e:  # noqa: BLE001 - recorded; the next case runs
             out["cases"][name] = error_info(e)
             log(f"  {name}: ERROR {out['cases'][name]['error'][:400]}")
+        if ctx.cuda:
+            import gc
+            gc.collect()
+            out["cases"][name]["memory_left_after_bytes"] = torch.cuda.memory_allocated()
+            torch.cuda.empty_cache()
         out["cases"][name]["seconds"] = time.perf_counter() - t
         if ctx.cuda:
             torch.cuda.empty_cache()

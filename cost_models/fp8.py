@@ -6,12 +6,21 @@ datasheets), by the same roofline as any matmul (``compute.node_time``: wave qua
 fill time), reading 1-byte operands and writing bf16; plus what the recipe adds:
 
 - the casts, memory-bound (:data:`CAST_TRAFFIC`: bytes per element of the operand and
-  kernels, per pass). Eager (torchao's ``hp_tensor_to_float8_dynamic`` op by op): a cast of
-  a bf16 tensor of n elements reads it for its amax (2n bytes), reads it again and writes
-  fp8 (2n + n): 5n bytes, two kernels. The forward casts x and W; backward casts dy and W
-  once under tensorwise (x's fp8 copy is reused; W is kept whole, not cast, so that ZeRO-3
-  can gather it again instead), under rowwise dy twice, W and x once more (each GEMM scales
-  along its own contraction);
+  kernels, per pass). Eager, as ``ops.fp8.cast`` runs them (the ops of torchao's eager
+  ``hp_tensor_to_float8_dynamic``, one kernel each): the amax ``t.abs()`` (reads 2n bytes
+  of a bf16 tensor of n elements, writes 2n) and ``amax`` (2n); the cast ``t.float()``
+  (2n + 4n), ``* scale`` (4n + 4n), ``clamp`` (4n + 4n), ``.to(fp8)`` (4n + n): 33n bytes
+  in six kernels, with seven more on the scale's few elements (three ``_to_copy``,
+  ``clamp``, the division as ``reciprocal`` and ``mul``, the returned ``reciprocal``;
+  rowwise's power-of-two rounding three more: ``tests/test_fp8.py`` counts them). ``_scaled_mm`` wants its second operand column-major: backward copies the
+  fp8 W (both recipes), x (tensorwise: its saved fp8 copy) and dy's transpose (2n each).
+  The forward casts x and W; backward casts dy and W once under tensorwise (x's fp8 copy is
+  reused; W is kept whole, not cast, so that ZeRO-3 can gather it again instead), under
+  rowwise dy twice, W and x once more (each GEMM scales along its own contraction).
+  Measured on an H200 (``benchmarks/results/gpu_check_nvidia-h200_session28.json``,
+  ``fp8_gemms``, torch 2.11): the eager fp8 linear at 8,192 x 4,096 x 4,096 took 0.85 ms
+  forward against bf16's 0.51, priced 0.27 ms at the 5 bytes an element once counted here
+  (torchao's fused kernels, not this code); every shape ran 1.7-2.2x slower than bf16;
 - compiled (``compile=True``), the bytes Inductor still moves, as torchao's own roofline of
   compiled float8 training counts them (torchao 0.14.0,
   ``torchao/testing/training/roofline_utils.py``, ``get_tensor_memory_traffic_ovhd_s``
@@ -54,19 +63,30 @@ from . import compute
 from .comm import collective_time
 from .devices import Device
 
-CAST_BYTES_PER_ELEMENT = 5
-"""Bytes one eager dynamic fp8 cast of a bf16 tensor moves per element (module docstring)."""
-CAST_KERNELS = 2
-"""The amax reduction and the scaled cast (torchao's eager ``hp_tensor_to_float8_dynamic``)."""
+CAST_BYTES_PER_ELEMENT = 33
+"""Bytes one eager dynamic fp8 cast of a bf16 tensor moves per element (``ops.fp8.cast`` op
+by op: 6 for the amax, 27 for the cast; module docstring)."""
+CAST_KERNELS = 13
+"""Its kernels: six over the tensor, seven on the scale (module docstring)."""
+POWER_OF_2_KERNELS = 3
+"""Rowwise's rounding of the scale to a power of two: ``log2``, ``floor``, ``exp2``."""
+TRANSPOSE = (2, 1)
+"""A column-major copy of an fp8 operand for ``_scaled_mm`` (read n, write n; one kernel)."""
 
-_EAGER = (CAST_BYTES_PER_ELEMENT, CAST_KERNELS)
+_TW = (CAST_BYTES_PER_ELEMENT, CAST_KERNELS)
+_RW = (CAST_BYTES_PER_ELEMENT, CAST_KERNELS + POWER_OF_2_KERNELS)
+
+
+def _plus(*parts):
+    return tuple(map(sum, zip(*parts)))
+
+
 CAST_TRAFFIC = {
     # (recipe, compiled) -> {(pass, operand): (bytes per element, kernels)}; module docstring
-    ("tensorwise", False): {("fwd", "x"): _EAGER, ("fwd", "w"): _EAGER,
-                            ("bwd", "dy"): _EAGER, ("bwd", "w"): _EAGER},
-    ("rowwise", False): {("fwd", "x"): _EAGER, ("fwd", "w"): _EAGER,
-                         ("bwd", "dy"): (2 * CAST_BYTES_PER_ELEMENT, 2 * CAST_KERNELS),
-                         ("bwd", "w"): _EAGER, ("bwd", "x"): _EAGER},
+    ("tensorwise", False): {("fwd", "x"): _TW, ("fwd", "w"): _TW, ("bwd", "dy"): _plus(_TW, TRANSPOSE),
+                            ("bwd", "w"): _plus(_TW, TRANSPOSE), ("bwd", "x"): TRANSPOSE},
+    ("rowwise", False): {("fwd", "x"): _RW, ("fwd", "w"): _RW, ("bwd", "dy"): _plus(_RW, _RW, TRANSPOSE),
+                         ("bwd", "w"): _plus(_RW, TRANSPOSE), ("bwd", "x"): _plus(_RW, TRANSPOSE)},
     # torchao roofline_utils: input / grad_output [fused amax, stage 2, cast 2n + n + n];
     # weight [amax 2n, stage 2, cast 2n + n (fwd), cast 2n + n (bwd)]
     ("tensorwise", True): {("fwd", "x"): (4, 2), ("fwd", "w"): (5, 3),
@@ -76,8 +96,8 @@ CAST_TRAFFIC = {
                         ("bwd", "dy"): (6, 2), ("bwd", "w"): (7, 2), ("bwd", "x"): (3, 1)},
 }
 """Bytes per element of each operand an fp8 linear's casts move, and their kernels, by
-recipe, eager or compiled, per pass (module docstring: torchao's eager cast; compiled, the
-traffic of torchao's roofline of compiled float8 training)."""
+recipe, eager or compiled, per pass (module docstring: eager, ``ops.fp8``'s ops counted;
+compiled, the traffic of torchao's roofline of compiled float8 training)."""
 
 RESCALE_TRAFFIC = {False: (12, 2), True: (4, 1)}
 """compiled -> (bytes per element of a rowwise backward GEMM's bf16 output, kernels) of

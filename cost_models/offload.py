@@ -42,7 +42,11 @@ from .machine import measured_once
 #   128b/130b encoding): 4.0 x16 = 31.5 GB/s, 5.0 x16 = 63 GB/s. DGX A100 attaches each GPU
 #   over PCIe 4.0 x16, DGX H100 / H200 over PCIe 5.0 x16 (NVIDIA DGX A100 / DGX H100 user
 #   guides, system topology). Achieved: 80% of line rate, the scale CUDA's bandwidthTest
-#   reports for pinned host memory (~25 GB/s on PCIe 4.0 x16); ASSUMED, not one pinned table.
+#   reports for pinned host memory (~25 GB/s on PCIe 4.0 x16). Checked on one H200
+#   (benchmarks/host_link.py, benchmarks/results/host_link_nvidia-h200_session28.json,
+#   2026-11-29): pinned copies of 64 MiB-1 GiB at 54.6-55.1 GB/s device to host and
+#   51.7-53.2 host to device, 82-87% of 5.0 x16's line rate; a 1 GiB copy on a side stream
+#   beside bf16 GEMMs was 95% hidden.
 _PCIE_EFF = 0.8
 PCIE4_X16 = 16e9 * 16 * 128 / 130 / 8        # bytes/s per direction, line rate
 PCIE5_X16 = 32e9 * 16 * 128 / 130 / 8
