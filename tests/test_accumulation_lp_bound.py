@@ -161,3 +161,21 @@ def test_the_note_names_the_counts():
                     "their LP relaxation gives no step below the best plan found (exact); the "
                     "fewest-layers probes and activation offload of those programs not tried"]
     assert accumulate.pruned_note({2: []}) == []
+
+
+def test_a_count_is_settled_by_a_1d_program_without_recomputation(spec_and_budget, monkeypatch):
+    """``fits_unrecomputed`` solves only unsolved programs without recomputation on 1-D
+    meshes (cheap to price), and ``Unsolved.fits`` is their ILP's feasibility."""
+    spec, budget = spec_and_budget
+    shape, rec, problem, cost = next(p for p in _programs(spec, 2) if p[1] is None)
+    assert flat.Unsolved(shape, None, "", problem, cost, math.inf, 60.0).fits()
+    assert not flat.Unsolved(shape, None, "", problem, cost, 1.0, 60.0).fits()
+    asked = []
+    monkeypatch.setattr(flat.Unsolved, "fits", lambda self: asked.append(self.shape) or True)
+    some = [flat.Unsolved((2, 4), None, "", None, None, budget, 60.0),
+            flat.Unsolved((8,), "full", "", None, None, budget, 60.0),
+            ((8,), None, "")]                      # a count settled before: prices freed
+    assert not accumulate.fits_unrecomputed(some) and asked == []
+    assert accumulate.fits_unrecomputed(some + [flat.Unsolved((8,), None, "", None, None,
+                                                              budget, 60.0)])
+    assert asked == [(8,)]

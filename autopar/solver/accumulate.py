@@ -35,8 +35,8 @@ from autopar.options import Options, as_options
 from autopar.plan import Plan
 from autopar.solver.errors import InfeasibleError
 from autopar.pricing.costing import StepView
-from autopar.solver.flat import (ZERO_STAGES, BeyondCutoff, MeshAsk, mesh_floor, recompute_bound_s,
-                                 solve_ask)
+from autopar.solver.flat import (ZERO_STAGES, BeyondCutoff, MeshAsk, Unsolved, mesh_floor,
+                                 recompute_bound_s, solve_ask)
 from autopar.solver.pipeline_search import capture_microbatch
 from autopar.solver.spec import SearchSpec
 
@@ -290,8 +290,11 @@ def search_accumulation(spec: SearchSpec, best_s: float = math.inf,
                 print(f"accumulation: no count from {k} on can beat {best_s:.4g} s (floors)")
             break
         got = attempt(k)
-        if got is BEYOND:        # may fit, cannot win: the next count may, unless
-            if fits_unrecomputed(pruned[k]):   # the rule's premise holds here
+        # may fit, cannot win: the next count may, unless the rule's premise holds here
+        settled = got is BEYOND and fits_unrecomputed(pruned[k])
+        pruned[k] = [tuple(u[:3]) for u in pruned[k]]   # what the note says (prices freed)
+        if got is BEYOND:
+            if settled:
                 break
             continue
         if got is None:
@@ -323,8 +326,8 @@ def fits_unrecomputed(unsolved: list) -> bool:
     rule (:func:`search_accumulation`: from the first such count, more micro-batches only
     add per-micro-batch costs) no later count beats its plan, which is at least the cutoff.
     False where none is known to fit (the search goes on: it weighs more, not less)."""
-    return any(u.fits() for u in unsolved
-               if u.rec is None and len(u.shape) <= WITNESS_MESH_DIMS)
+    return any(u.fits() for u in unsolved      # (a count settled before: its prices freed)
+               if isinstance(u, Unsolved) and u.rec is None and len(u.shape) <= WITNESS_MESH_DIMS)
 
 
 BEYOND = "beyond the cutoff"
