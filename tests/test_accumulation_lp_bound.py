@@ -6,7 +6,6 @@ and solves fewer programs where the cutoff is below it."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch

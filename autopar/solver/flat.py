@@ -433,8 +433,8 @@ class BeyondCutoff(InfeasibleError):
     def __init__(self, ask: "MeshAsk"):
         meshes = sorted({str(u.shape) for u in ask.pruned})
         super().__init__(f"no plan below {ask.cutoff_s:.6g} s: {len(ask.pruned)} program(s) on "
-                         f"mesh {', '.join(meshes)} bounded at least that (compute floor or LP relaxation), "
-                         "the rest do not fit")
+                         f"mesh {', '.join(meshes)} bounded at least that (compute floor or LP "
+                         "relaxation), the rest do not fit")
 
 
 def _beyond_cutoff(problem, cost, ask: MeshAsk) -> bool:
