@@ -101,6 +101,10 @@ class SolverReport:
     incumbent (``status`` "FEASIBLE", ``gap`` to its bound), and the programs skipped for
     having no solution by then. Such a plan depends on how far the search got, so on the
     machine's load; raise ``time_limit_s`` for the one a finished search gives."""
+    skipped: str = ""
+    """What the search did not try, by a stage's stated rule ("; " between stages: the
+    gradient accumulation's programs left unsolved for their bound,
+    ``accumulate.pruned_note``); "" when it tried everything its stages weigh."""
     capture_cache: str = ""
     """Whether the captured graphs came from the capture cache (``autopar.capture.cache``):
     "hit" (all of them), "miss" (none; stored for the next planning), "k of n from the

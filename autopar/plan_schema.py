@@ -56,7 +56,7 @@ SCHEMA: dict[str, Any] = {
                    "required": ["status", "objective_s", "bound_s", "gap", "solve_time_s"],
                    "properties": {"status": _STR, "objective_s": _NUM, "bound_s": _NUM,
                                   "gap": _NUM, "solve_time_s": _NUM, "time_limit": _STR,
-                                  "capture_cache": _STR,
+                                  "capture_cache": _STR, "skipped": _STR,
                                   "phases": {"type": "object", "additionalProperties": _NUM}}},
         "memory_budget": {"type": ["number", "null"]},
         "param_shapes": {"type": "object", "additionalProperties": {"type": "array", "items": _INT}},

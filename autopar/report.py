@@ -236,6 +236,8 @@ def plan_summary(plan: Plan) -> str:
                  f"({s.n_variables} variables); capture {s.capture_time_s:.2f} s"
                  + capture_cache_note(s)
                  + (f"; {s.time_limit}" if s.time_limit else ""))
+    if s.skipped:
+        lines.append(f"not tried: {s.skipped}")
     lines.append("")
     lines.append("parameters (placement per mesh axis):")
     rows = []

@@ -154,6 +154,7 @@ def plan_case(row: Row, index: int, time_limit_s: float) -> dict:
             "bubble": e.bubble_fraction if plan.pipeline_stages > 1 else 0.0,
             "options": {k: v for k, v in plan.pins.items() if k not in ("precision", "grad_reduce")},
             "solver": plan.solver.status, "time_limit": plan.solver.time_limit,
+            "skipped": plan.solver.skipped,
             "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
             "phases": plan.solver.phases, "digest": plan.digest()}
 

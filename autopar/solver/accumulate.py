@@ -35,7 +35,8 @@ from autopar.options import Options, as_options
 from autopar.plan import Plan
 from autopar.solver.errors import InfeasibleError
 from autopar.pricing.costing import StepView
-from autopar.solver.flat import ZERO_STAGES, MeshAsk, mesh_floor, recompute_bound_s, solve_ask
+from autopar.solver.flat import (ZERO_STAGES, BeyondCutoff, MeshAsk, Unsolved, mesh_floor,
+                                 recompute_bound_s, solve_ask)
 from autopar.solver.pipeline_search import capture_microbatch
 from autopar.solver.spec import SearchSpec
 
@@ -111,18 +112,23 @@ def accumulated_plan(plan: Plan, k: int) -> Plan:
     return replace(plan, estimate=est, accumulate=k)
 
 
-def plan_accumulated(spec: SearchSpec, k: int, explain=True,
-                     cap: Captured | None = None) -> tuple[Plan, Captured]:
+def plan_accumulated(spec: SearchSpec, k: int, explain=True, cap: Captured | None = None,
+                     best_s: float = math.inf, pruned: list | None = None) -> tuple[Plan, Captured]:
     """The one-stage plan of ``spec`` at ``k`` micro-batches a step, and the graph it runs
     on. ``explain=False``: where nothing fits, without working out how far (the free
     search's tries, which only note that ``k`` does not fit). ``cap``: the micro-batch's
-    graph, captured already (:func:`capture_accumulated`)."""
+    graph, captured already (:func:`capture_accumulated`). ``best_s``: a step the caller
+    has a plan for: programs that cannot give a step below it are not solved
+    (``MeshAsk.cutoff_s`` at ``best_s / k``: a step is at least ``k`` times its program's
+    objective, :func:`accumulated_plan`); ``flat.BeyondCutoff`` where none can. ``pruned``:
+    a list the programs left unsolved so are added to (``MeshAsk.pruned``)."""
     t0 = time.perf_counter()
     if cap is None:
         cap = capture_accumulated(spec.model, spec.example_inputs, spec.loss_fn, spec.target, k)
     capture_s = time.perf_counter() - t0
     ask = MeshAsk(spec.cluster, spec.world, spec.options, spec.settings,
-                  view=StepView(grad_sync_scale=1.0 / k), explain=explain)
+                  view=StepView(grad_sync_scale=1.0 / k), explain=explain, cutoff_s=best_s / k,
+                  pruned=pruned if pruned is not None else [])
     plan, _ = solve_ask(cap, ask, capture_s)
     plan = accumulated_plan(plan, k)
     if spec.verbose:
@@ -193,36 +199,62 @@ def accumulation_floor(spec: SearchSpec, cap: Captured, k: int) -> float:
     return k * min(floors)
 
 
-def search_accumulation(spec: SearchSpec, best_s: float = math.inf) -> tuple[Plan, Captured] | None:
+def search_accumulation(spec: SearchSpec, best_s: float = math.inf,
+                        notes: list | None = None) -> tuple[Plan, Captured] | None:
     """The fastest plan over micro-batch counts ``k`` (divisors of the batch, the least
-    first, at most :data:`MAX_TRIES`), or None when none fits. It stops at the first ``k``
-    that fits without recomputation (more micro-batches only add per-micro-batch costs);
-    when the least ``k`` does not fit, it gives up unless the most (one sample each) does.
-    With ``data=`` pinned, only counts whose micro-batch that degree splits (a micro-batch
-    of fewer rows than data ranks has no plan: ``build_problem`` refuses it with a
-    ``PinError`` about the input, which would hide why the full batch did not fit).
+    first, at most :data:`MAX_TRIES`), or None when none fits or none beats ``best_s``. It
+    stops at the first ``k`` that fits without recomputation (more micro-batches only add
+    per-micro-batch costs); when the least ``k`` does not fit, it gives up unless the most
+    (one sample each) does. With ``data=`` pinned, only counts whose micro-batch that
+    degree splits (a micro-batch of fewer rows than data ranks has no plan:
+    ``build_problem`` refuses it with a ``PinError`` about the input, which would hide why
+    the full batch did not fit).
 
-    ``best_s``: the best step the caller has found (the free search's). Before it plans a
-    count, the search stops where every count it could still plan (the rest of the tries,
-    and the one-sample count while the first has not been planned) has a floor
-    (:func:`accumulation_floor`, the counts' graphs captured in order, as far as needed to
-    find one below ``best_s``) of at least ``best_s``. Exact: each of those plans would
-    predict a step of at least ``best_s``, which the caller does not take (it keeps the
-    least step, the first of equals); a plan found before the stop is below them, so the
-    search returns the plan it would have returned unbounded wherever that plan could
-    win. Without a profiler only (the floor prices ops by the cost model, not by measured
-    times)."""
+    ``best_s``: the best step the caller has found (the free search's). Two exact bounds
+    against it (the caller keeps the least step, the first of equals, so a plan at or
+    above it is not taken):
+
+    - before it plans a count, the search stops where every count it could still plan (the
+      rest of the tries, and the one-sample count while the first has not been planned)
+      has a compute floor (:func:`accumulation_floor`, the counts' graphs captured in
+      order, as far as needed to find one below ``best_s``) of at least ``best_s``
+      (without a profiler: the floor prices ops by the cost model);
+    - each count's search (:func:`plan_accumulated`) leaves unsolved every program whose
+      LP relaxation (``solver.lp_bound``: it counts the communication the memory budget
+      forces, which the compute floor does not) gives no step below the least of
+      ``best_s`` and the steps found so far (``MeshAsk.cutoff_s``); a count none of whose
+      programs can is "beyond" (``flat.BeyondCutoff``): it may fit, so the search goes on
+      to the next count as it would after a count planned with recomputation, unless one
+      of its unsolved programs without recomputation is known to fit
+      (:func:`fits_unrecomputed`): there the search without the bounds stops too, or, where
+      its plan of that count recomputes, goes on to counts the stage's rule says cannot beat
+      a plan the count has, at least the cutoff.
+
+    What it returns: the plan the search without the bounds returns wherever that plan is
+    below ``best_s``, except that a program left unsolved is not the base of the
+    fewest-layers probes or the activation offload (``flat._with_fewest_layers``) the
+    search without the bounds would run on it where it were the best of its count; where
+    a count's decisions (recompute every layer, weigh the ZeRO stages, the next count)
+    hinge on a program left unsolved, the search weighs more, not less, so its plan is
+    never slower. ``notes``: a list the stage's unsolved programs are said in (the free
+    search puts them in ``plan.solver.skipped``)."""
     batch, pins = _batch(spec.example_inputs), spec.options
     counts = [d for d in _divisors(batch) if d > 1 and _splits(pins, batch // d)]
     planned: dict[int, tuple[Plan, Captured] | None] = {}
     captured: dict[int, Captured] = {}
     floors: dict[int, float] = {}
     bounded = best_s < math.inf and spec.profiler is None
+    pruned: dict[int, list] = {}
+    cutoffs: dict[int, float] = {}
+    best = None
 
     def floor(k: int) -> float:
         if k not in floors:
             if k in planned:             # planned already: its step is known
-                floors[k] = planned[k][0].estimate.step_time_s if planned[k] else math.inf
+                got = planned[k]
+                # beyond: no step below the cutoff it was searched with
+                floors[k] = got[0].estimate.step_time_s if isinstance(got, tuple) else \
+                    cutoffs[k] if got is BEYOND else math.inf
             else:
                 captured[k] = capture_accumulated(spec.model, spec.example_inputs, spec.loss_fn,
                                                   spec.target, k)
@@ -236,15 +268,21 @@ def search_accumulation(spec: SearchSpec, best_s: float = math.inf) -> tuple[Pla
 
     def attempt(k: int):
         if k not in planned:
+            cutoff = min(best_s, best[0].estimate.step_time_s if best is not None else math.inf)
+            cutoffs[k], pruned[k] = cutoff, []
             try:
-                planned[k] = plan_accumulated(spec, k, explain=False, cap=captured.pop(k, None))
+                planned[k] = plan_accumulated(spec, k, explain=False, cap=captured.pop(k, None),
+                                              best_s=cutoff, pruned=pruned[k])
+            except BeyondCutoff as e:
+                planned[k] = BEYOND
+                if spec.verbose:
+                    print(f"accumulate {k}: {e}")
             except InfeasibleError as e:
                 planned[k] = None
                 if spec.verbose:
                     print(f"accumulate {k}: nothing fits ({str(e).splitlines()[0]})")
         return planned[k]
 
-    best = None
     tries = counts[:MAX_TRIES]
     for i, k in enumerate(tries):
         if hopeless(tries[i:] + (counts[-1:] if i == 0 else [])):
@@ -252,14 +290,57 @@ def search_accumulation(spec: SearchSpec, best_s: float = math.inf) -> tuple[Pla
                 print(f"accumulation: no count from {k} on can beat {best_s:.4g} s (floors)")
             break
         got = attempt(k)
+        # may fit, cannot win: the next count may, unless the rule's premise holds here
+        settled = got is BEYOND and fits_unrecomputed(pruned[k])
+        pruned[k] = [tuple(u[:3]) for u in pruned[k]]   # what the note says (prices freed)
+        if got is BEYOND:
+            if settled:
+                break
+            continue
         if got is None:
             # not even micro-batches of one sample fit; or neither they nor the tries left
             # could win, whatever they give
             if i == 0 and (hopeless(counts[-1:] + tries[1:]) or attempt(counts[-1]) is None):
-                return None
+                break
             continue
         if best is None or got[0].estimate.step_time_s < best[0].estimate.step_time_s:
             best = got
         if not got[0].recompute:
             break
+    if notes is not None:
+        notes.extend(pruned_note(pruned))
     return best
+
+
+WITNESS_MESH_DIMS = 1
+"""Unsolved programs :func:`fits_unrecomputed` solves to learn whether a count fits without
+recomputation: those on meshes of at most this many dimensions (a 1-D mesh's program is
+priced and solved in about a second on Llama 3 70B at 4 micro-batches, a 2-D one's in
+25-80 s at load 4-7)."""
+
+
+def fits_unrecomputed(unsolved: list) -> bool:
+    """Whether one of a count's programs left unsolved for the cutoff (``flat.Unsolved``),
+    without recomputation and on a mesh of at most :data:`WITNESS_MESH_DIMS` dimensions, has
+    a plan within the budget: then the count fits without recomputation, and by the stage's
+    rule (:func:`search_accumulation`: from the first such count, more micro-batches only
+    add per-micro-batch costs) no later count beats its plan, which is at least the cutoff.
+    False where none is known to fit (the search goes on: it weighs more, not less)."""
+    return any(u.fits() for u in unsolved      # (a count settled before: its prices freed)
+               if isinstance(u, Unsolved) and u.rec is None and len(u.shape) <= WITNESS_MESH_DIMS)
+
+
+BEYOND = "beyond the cutoff"
+"""``search_accumulation``'s outcome of a count none of whose programs can beat the best."""
+
+
+def pruned_note(pruned: dict[int, list]) -> list[str]:
+    """One line for the programs :func:`search_accumulation` left unsolved (by count), or
+    none: what ``plan.solver.skipped`` says of the stage."""
+    counts = {k: len(p) for k, p in pruned.items() if p}
+    if not counts:
+        return []
+    each = ", ".join(f"{n} at {k} micro-batches" for k, n in counts.items())
+    return [f"gradient accumulation: {sum(counts.values())} sharding programs not solved ({each}): "
+            "their LP relaxation gives no step below the best plan found (exact); the "
+            "fewest-layers probes and activation offload of those programs not tried"]

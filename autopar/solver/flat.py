@@ -24,6 +24,7 @@ from autopar.solver import speculate
 from autopar.solver.ilp import (InfeasibleError, Solution, TimeLimitError, _gib, explain_infeasible,
                                 time_limit_fix)
 from autopar.solver.ilp import solve as solve_ilp
+from autopar.solver.lp_bound import lp_bound
 from autopar.solver.meshes import mesh_candidates
 from autopar.solver.offload_choice import choose, layer_prices
 from autopar.solver.spec import Settings
@@ -71,6 +72,14 @@ class MeshAsk:
     """The programs this call's search skipped because they reached the time limit with no
     solution (their :class:`TimeLimitError` s), shared by the ``replace`` d asks of its ZeRO
     stages."""
+    cutoff_s: float = math.inf
+    """An objective the caller has a plan at least as good as (the free search's best step
+    over the micro-batch count, ``accumulate``): a program whose bound (its compute floor,
+    then its LP relaxation, ``solver.lp_bound``) is at least this is not solved, and a
+    plan at or above it steers nothing (:func:`_search`). ``inf``: none."""
+    pruned: list = field(default_factory=list)
+    """The programs this call's search did not solve for :attr:`cutoff_s` (each an
+    :class:`Unsolved`), shared like :attr:`timeouts`."""
 
     def __post_init__(self):
         object.__setattr__(self, "pins", as_options(self.pins))
@@ -184,12 +193,14 @@ def solve_ask(cap: Captured, ask: MeshAsk, capture_s: float = 0.0) -> tuple[Plan
     on every mesh its pins allow, with recomputation and the ZeRO stages where memory
     binds. ``ask.view`` goes to the :class:`CostModel` (a pipeline's per-stage view, one of
     several micro-batches)."""
-    ask = replace(ask, timeouts=[])       # this call's own (its ZeRO stages' asks share it)
+    told = ask.pruned                     # the caller's, told of this call's at the end
+    ask = replace(ask, timeouts=[], pruned=[])  # this call's own (its ZeRO stages' asks share them)
     cl, world, pins, budget, mesh_shape = ask.cl, ask.world, ask.pins, ask.budget, ask.mesh_shape
     verbose, explain, memory_budget = ask.verbose, ask.explain, ask.settings.memory_budget
     phases: dict = {}
     best, errors = _search(cap, ask, phases)
-    binds = best is None or best.sol.memory_total > RECOMPUTE_WHEN * budget
+    # a plan at or above the cutoff is as good as none: what it would stop is weighed
+    binds = not _below(best, ask) or best.sol.memory_total > RECOMPUTE_WHEN * budget
     if pins.zero is None and (mesh_shape is None or len(mesh_shape) == 1):
         # memory binds: weigh sharding parameters, gradients and optimizer state over the
         # data axis (ZeRO 1, 2, 3); the least predicted step wins. Gradients reduced wider
@@ -202,15 +213,21 @@ def solve_ask(cap: Captured, ask: MeshAsk, capture_s: float = 0.0) -> tuple[Plan
     for stage in stages:
         if verbose:
             print(f"trying zero={stage} on the data axis")
+        pruned_before = len(ask.pruned)
         try:
             got, _ = _search(cap, replace(ask, pins=pins.replace(zero=stage), explain=False),
                              phases, tag=f" zero={stage}")
         except PinError:         # e.g. a batch the data axis cannot split, or a lossy pin
             break
-        if got is None and stage == stages[0]:
+        # nothing fits the stage that needs the least memory: nor do the others (a program
+        # left unsolved for the cutoff may fit: the others are searched then)
+        if got is None and stage == stages[0] and len(ask.pruned) == pruned_before:
             break
         if got is not None and (best is None or got.sol.objective_s < best.sol.objective_s):
             best = got
+    told.extend(ask.pruned)
+    if best is None and ask.pruned:
+        raise BeyondCutoff(ask)
     if best is None and ask.timeouts:
         raise _timed_out(ask, errors)
     if best is None:
@@ -325,7 +342,7 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
     best, errors = None, []     # (a mesh's prices are shared by its cost models: costing._shared)
     for rec in choices:
-        if rec is not choices[0] and best is not None and \
+        if rec is not choices[0] and _below(best, ask) and \
                 best.sol.memory_total <= RECOMPUTE_WHEN * budget:
             break
         recompute = _recompute_of(cap, rec)[0]
@@ -339,6 +356,13 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
                 if ask.verbose:
                     print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}{tag}: cannot "
                           f"beat {best.sol.objective_s * 1e3:.3f} ms (compute floor), not solved")
+                continue
+            if _beyond_cutoff(problem, cost, ask):
+                ask.pruned.append(Unsolved(shape, rec, tag, problem, cost, budget, time_limit_s))
+                phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
+                if ask.verbose:
+                    print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}{tag}: bound at "
+                          f"least the cutoff {ask.cutoff_s * 1e3:.3f} ms, not solved")
                 continue
             try:
                 sol = _solve_program(problem, cost, budget, time_limit_s, lambda: _ilp_key(
@@ -369,6 +393,64 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
     if not ask.fewest_layers:
         return best, errors
     return _with_fewest_layers(cap, best, ask), errors
+
+
+def _below(best, ask: MeshAsk) -> bool:
+    """Whether ``best`` (a :class:`_Best` or None) is a plan below ``ask``'s cutoff: only such
+    a plan may stop the search weighing more (recomputation, ZeRO stages). One at or above
+    it steers nothing, so a search with a cutoff explores at least what the search without
+    one does wherever that one's outcome is below the cutoff (a program left unsolved for
+    the cutoff has an objective at least the cutoff, above any plan below it)."""
+    return best is not None and best.sol.objective_s < ask.cutoff_s
+
+
+class Unsolved(NamedTuple):
+    """A program a search with a cutoff left unsolved (``MeshAsk.pruned``): its mesh, its
+    recomputation choice, its ZeRO tag, and what :meth:`fits` solves."""
+    shape: tuple
+    rec: Any
+    tag: str
+    problem: Any
+    cost: Any
+    budget: float
+    time_limit_s: float
+
+    def fits(self) -> bool:
+        """Whether the program has a plan within its budget (its ILP, solved now)."""
+        try:
+            solve_ilp(self.problem, self.cost, self.budget if self.budget != float("inf") else None,
+                      self.time_limit_s, explain=False)
+        except InfeasibleError:        # a time limit with nothing in hand proves no fit either
+            return False
+        return True
+
+
+class BeyondCutoff(InfeasibleError):
+    """No plan of a search with a cutoff (``MeshAsk.cutoff_s``) is below it: every program
+    either does not fit or has a bound at least the cutoff. Not "nothing fits": the caller
+    has a plan at least as good."""
+
+    def __init__(self, ask: "MeshAsk"):
+        meshes = sorted({str(u.shape) for u in ask.pruned})
+        super().__init__(f"no plan below {ask.cutoff_s:.6g} s: {len(ask.pruned)} program(s) on "
+                         f"mesh {', '.join(meshes)} bounded at least that (compute floor or LP "
+                         "relaxation), the rest do not fit")
+
+
+def _beyond_cutoff(problem, cost, ask: MeshAsk) -> bool:
+    """Whether ``ask.cutoff_s`` leaves this program unsolved: it fits as far as its memory
+    floor tells (else the ILP's own refusal says so, as without a cutoff) and its compute
+    floor or, failing that, its LP relaxation (``solver.lp_bound``, true lower bounds of its
+    objective) is at least the cutoff."""
+    if not math.isfinite(ask.cutoff_s):
+        return False
+    budget = ask.budget
+    if budget != float("inf") and memory_floor(problem, cost) > budget:
+        return False
+    if compute_floor(problem, cost) >= ask.cutoff_s:
+        return True
+    return lp_bound(problem, cost, budget if budget != float("inf") else None,
+                    ask.time_limit_s) >= ask.cutoff_s
 
 
 def _cannot_beat(problem, cost, objective_s: float) -> bool:

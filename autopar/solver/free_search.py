@@ -138,6 +138,7 @@ class _FreeSearch:
         self.error: InfeasibleError | None = None   # why nothing unpipelined fits
         self.searched = False                       # pipelines searched
         self.best_plain: float | None = None        # the best step without a context axis
+        self.skipped: list[str] = []                # what stages did not try (plan.solver.skipped)
 
     # ---- the one comparison ------------------------------------------------------------
     def offer(self, got: "Planned | None") -> None:
@@ -305,8 +306,10 @@ class _FreeSearch:
         # each count's compute floor against the best step found: counts that cannot beat it
         # are not planned (``accumulate.search_accumulation``, exact)
         best = self._best_s()
+        notes: list[str] = []
         got = self._timed("accumulation", lambda: search_accumulation(
-            spec, best if best is not None else math.inf))
+            spec, best if best is not None else math.inf, notes))
+        self.skipped += notes
         self.offer(Planned(*got) if got is not None else None)
 
     def result(self) -> Planned:
@@ -324,7 +327,9 @@ class _FreeSearch:
         plan = self.best.plan
         if (plan.options.context or 1) > 1 and self.best_plain is not None:
             plan = replace(plan, alternatives_s={"without a context axis": self.best_plain})
-        return Planned(replace(plan, solver=replace(plan.solver, phases=self.phases)),
+        skipped = "; ".join(n for n in [plan.solver.skipped, *self.skipped] if n)
+        return Planned(replace(plan, solver=replace(plan.solver, phases=self.phases,
+                                                    skipped=skipped)),
                        self.best.captured)
 
 

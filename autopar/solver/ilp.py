@@ -331,7 +331,56 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     if m is None:
         raise RuntimeError("OR-Tools has neither CBC nor SCIP: reinstall ortools")
     m.SetTimeLimit(int(time_limit_s * 1000))
-    x = {name: [m.BoolVar("") for _ in range(len(problem.vars[name].options))]
+    x = write_program(m, problem, cost, tab, memory_budget, minimize_memory)
+    phases = cost.memory_phases
+    t_solve = time.perf_counter()
+    status = m.Solve()
+    if status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t_solve >= time_limit_s:
+        # CBC stopped by its limit mid-search can report INFEASIBLE (seen: a program with
+        # no memory budget, 0.05 s): a search cut short proves nothing, so no solution in time
+        status = pywraplp.Solver.NOT_SOLVED
+    names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+             pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED"}
+    name = names.get(status, f"STATUS_{status}")
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
+            if not explain:    # the caller has another way to try: skip the second solve
+                raise InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits the memory budget")
+            raise explain_infeasible(problem, cost, memory_budget, time_limit_s)
+        if status == pywraplp.Solver.NOT_SOLVED:    # stopped by the limit, nothing in hand
+            raise TimeLimitError(
+                f"the sharding ILP on mesh {tuple(problem.mesh_shape)} found no solution within "
+                f"its time limit of {time_limit_s:g} s ({len(x)} decisions, {m.NumVariables()} "
+                f"variables, {time.perf_counter() - t0:.1f} s with building it); "
+                + time_limit_fix(time_limit_s),
+                mesh_shape=tuple(problem.mesh_shape), time_limit_s=time_limit_s)
+        raise RuntimeError(f"the sharding ILP on mesh {tuple(problem.mesh_shape)} ended with "
+                           f"status {name} after {time.perf_counter() - t0:.1f}s")
+    choice = {n: max(range(len(xs)), key=lambda i: xs[i].solution_value()) for n, xs in x.items()}
+    for n, (root, pick) in tab.follow.items():
+        choice[n] = pick[choice[root]]
+    sol = Solution(choice, 0.0, 0.0, name, time.perf_counter() - t0,
+                   m.NumVariables(), m.NumConstraints(), memory_phases=phases)
+    _fill_breakdown(sol, tab, choice)
+    total = sol.compute_s + sum(sol.comm_s.values()) - sol.overlapped_s
+    sol.objective_s = total
+    bound = m.Objective().BestBound() if not minimize_memory else total
+    sol.bound_s = min(total, bound) if status != pywraplp.Solver.OPTIMAL else total
+    if status == pywraplp.Solver.FEASIBLE:   # CBC stops only at the limit: its incumbent
+        sol.time_limit = (f"the sharding ILP on mesh {tuple(problem.mesh_shape)} stopped at its "
+                          f"time limit of {time_limit_s:g} s with a solution {sol.gap:.1%} from "
+                          "its bound")
+    return sol
+
+
+def write_program(m, problem: Problem, cost: CostModel, tab: "_Tables", memory_budget: float | None,
+                  minimize_memory: bool = False, integral: bool = True) -> dict:
+    """Write :func:`solve`'s program (module docstring) into the OR-Tools solver ``m``: its
+    variables, rows and objective; returns ``x`` (decision -> one variable per option).
+    ``integral=False``: every x continuous in [0, 1], the program's LP relaxation (whose
+    optimum no solution of the program is below: ``solver.lp_bound``)."""
+    x = {name: [m.BoolVar("") if integral else m.NumVar(0.0, 1.0, "")
+              for _ in range(len(problem.vars[name].options))]
          for name in tab.node_cost}
     # built through the solver's own calls (a row's coefficients, the objective's): OR-Tools'
     # expression API costs more than the solve on a large mesh
@@ -379,44 +428,7 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
         for v, c in obj.items():
             objective.SetCoefficient(v, c)
         objective.SetMinimization()
-    t_solve = time.perf_counter()
-    status = m.Solve()
-    if status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t_solve >= time_limit_s:
-        # CBC stopped by its limit mid-search can report INFEASIBLE (seen: a program with
-        # no memory budget, 0.05 s): a search cut short proves nothing, so no solution in time
-        status = pywraplp.Solver.NOT_SOLVED
-    names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
-             pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED"}
-    name = names.get(status, f"STATUS_{status}")
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
-            if not explain:    # the caller has another way to try: skip the second solve
-                raise InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits the memory budget")
-            raise explain_infeasible(problem, cost, memory_budget, time_limit_s)
-        if status == pywraplp.Solver.NOT_SOLVED:    # stopped by the limit, nothing in hand
-            raise TimeLimitError(
-                f"the sharding ILP on mesh {tuple(problem.mesh_shape)} found no solution within "
-                f"its time limit of {time_limit_s:g} s ({len(x)} decisions, {m.NumVariables()} "
-                f"variables, {time.perf_counter() - t0:.1f} s with building it); "
-                + time_limit_fix(time_limit_s),
-                mesh_shape=tuple(problem.mesh_shape), time_limit_s=time_limit_s)
-        raise RuntimeError(f"the sharding ILP on mesh {tuple(problem.mesh_shape)} ended with "
-                           f"status {name} after {time.perf_counter() - t0:.1f}s")
-    choice = {n: max(range(len(xs)), key=lambda i: xs[i].solution_value()) for n, xs in x.items()}
-    for n, (root, pick) in tab.follow.items():
-        choice[n] = pick[choice[root]]
-    sol = Solution(choice, 0.0, 0.0, name, time.perf_counter() - t0,
-                   m.NumVariables(), m.NumConstraints(), memory_phases=phases)
-    _fill_breakdown(sol, tab, choice)
-    total = sol.compute_s + sum(sol.comm_s.values()) - sol.overlapped_s
-    sol.objective_s = total
-    bound = m.Objective().BestBound() if not minimize_memory else total
-    sol.bound_s = min(total, bound) if status != pywraplp.Solver.OPTIMAL else total
-    if status == pywraplp.Solver.FEASIBLE:   # CBC stops only at the limit: its incumbent
-        sol.time_limit = (f"the sharding ILP on mesh {tuple(problem.mesh_shape)} stopped at its "
-                          f"time limit of {time_limit_s:g} s with a solution {sol.gap:.1%} from "
-                          "its bound")
-    return sol
+    return x
 
 
 def _memory_rows(x: dict, tab: _Tables, phases: tuple) -> list:
