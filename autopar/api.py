@@ -168,6 +168,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                                         pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
                                         optimizer=optimizer)
     _validate(the_plan, cap, world)
+    if comm is None:
+        _check_shared_gpus(the_plan)
     if plan is not None and comm is None:
         _same_plan_on_every_rank(the_plan)
     # loss_fn without a target runs outside the graph, on the replicated output; comm None:
@@ -293,6 +295,23 @@ def _validate(p: Plan, cap: Captured, world: int) -> None:
         raise PlanError(f"the plan was made for another graph (fingerprint {p.fingerprint}, this "
                         f"model gives {fp}): same model, example input shapes and loss? "
                         "plan again with autopar.plan")
+
+
+def _check_shared_gpus(p: Plan) -> None:
+    """Ranks sharing a GPU (``AUTOPAR_SHARE_GPUS=1``: gloo over CUDA tensors) run every
+    collective but send / recv: gloo's point-to-point of a CUDA tensor fails ("writev: Bad
+    address", seen on an H200, 2026-11-29) and closes the pair. A plan that sends (a
+    pipeline's stages, ring attention) is refused before it runs."""
+    from autopar.device import SHARE_GPUS_ENV, gpus_shared, rank_device
+    if not gpus_shared() or rank_device().type != "cuda":
+        return
+    sends = [what for what, yes in (("pipeline stages", p.pipeline_stages > 1),
+                                    ("ring attention", p.options.context_attention == "ring")) if yes]
+    if sends:
+        raise PlanError(f"this plan's {' and '.join(sends)} send tensors rank to rank, which gloo "
+                        f"cannot do with CUDA tensors ({SHARE_GPUS_ENV}=1 runs ranks on a shared GPU "
+                        "over gloo): pin pipeline=1 and context_attention='all-gather', or give each "
+                        "rank a GPU of its own (unset the variable)")
 
 
 def _same_plan_on_every_rank(p: Plan) -> None:

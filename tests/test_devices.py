@@ -344,3 +344,20 @@ def test_backward_on_another_thread_finds_the_process_communicator():
     proc = subprocess.run([sys.executable, "-c", _BACKWARD_ON_ANOTHER_THREAD], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_shared_gpus_refuse_plans_that_send(monkeypatch):
+    """On ranks sharing a GPU (gloo over CUDA tensors, whose send / recv fails) a pipelined
+    plan is refused before it runs, naming the fix; an unpipelined one passes."""
+    from examples.models import EXAMPLES
+    from autopar.plan import PlanError
+    ex = EXAMPLES["gpt"]()
+    piped = api.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2", pipeline=2,
+                     micro_batch_size=1, schedule="gpipe")
+    flat = api.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2", data=2)
+    monkeypatch.setattr(device_mod, "rank_device", lambda: torch.device("cuda", 0))
+    api._check_shared_gpus(piped)                # not shared: nothing to refuse
+    monkeypatch.setenv(device_mod.SHARE_GPUS_ENV, "1")
+    with pytest.raises(PlanError, match=r"pipeline stages send tensors.*pipeline=1.*unset the variable"):
+        api._check_shared_gpus(piped)
+    api._check_shared_gpus(flat)
