@@ -344,6 +344,7 @@ the same figures; tuned-on 8.5% over 8 rows, held out 19.2% over 25).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -361,6 +362,7 @@ from autopar.pricing.costing import OVERLAPPED  # noqa: E402
 from autopar.solver.driver import solve  # noqa: E402
 from examples.base import Example, lm_loss  # noqa: E402
 from autopar.cost_models.devices import Cluster  # noqa: E402
+from autopar.cost_models.fp8 import fused_casts  # noqa: E402
 from autopar.cost_models.gpus import _IB_EFF, DEVICES, NODES, Gbit  # noqa: E402
 from autopar.cost_models.step import HOST_OVERHEAD_S, optimizer_step_time  # noqa: E402
 from examples.llama import Llama, LlamaConfig  # noqa: E402
@@ -967,9 +969,13 @@ def predict_parts(run: Run, time_limit_s: float = 30.0) -> Priced:
         # layer is recomputed on top of it (it was: row 14 recomputed all 32, then 14 of 32
         # once the solver chose the fewest) and memory is not checked on these rows
         pins["recompute"], budget = "none", math.inf
-    plan, cap = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cluster,
-                      pins=pins, memory_budget=budget,
-                      time_limit_s=max(time_limit_s, run.time_limit_s))
+    # every fp8 row's stack fused its casts (Transformer Engine, DeepSeek's kernels,
+    # torchtitan compiled, also beside context parallelism where autopar does not compile):
+    # priced with fused casts, not autopar's op-by-op eager ones (cost_models.fp8.fused_casts)
+    with fused_casts() if run.precision == "fp8" else contextlib.nullcontext():
+        plan, cap = solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cluster,
+                          pins=pins, memory_budget=budget,
+                          time_limit_s=max(time_limit_s, run.time_limit_s))
     params = sum(p.numel() for p in ex.model.parameters())
     # an expert's weights live on 1 of ``expert`` ranks (autopar.ops.experts: the stacks)
     experts = sum(p.numel() for n, p in ex.model.named_parameters() if ".experts." in n)

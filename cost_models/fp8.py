@@ -53,7 +53,9 @@ A device without an fp8 peak but with tensor cores (an A100) cannot run the reci
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import torch
 
@@ -130,11 +132,40 @@ def cast_time(numel: float, device: Device, bytes_per_element: float = CAST_BYTE
     return bytes_per_element * numel / bw + kernels * device.launch_overhead
 
 
+FUSED_CASTS_ENV = "AUTOPAR_FP8_CASTS"
+"""``AUTOPAR_FP8_CASTS=fused``: price every fp8 cast as fused (:data:`CAST_TRAFFIC`'s compiled
+traffic, and the compiled rescale), eager programs too. Not a runtime: autopar's eager casts
+are the op-by-op ones. For pricing runs of stacks whose casts are fused kernels whatever the
+program (Transformer Engine's cast-transpose, DeepSeek's, torchtitan compiled beside context
+parallelism, which autopar refuses to compile): ``benchmarks/published_runs.py`` sets it
+while it prices such a row (:func:`fused_casts`). An environment variable, so that the
+search's worker processes see it too."""
+
+
+def _fused(compiled: bool) -> bool:
+    return bool(compiled) or os.environ.get(FUSED_CASTS_ENV) == "fused"
+
+
+@contextlib.contextmanager
+def fused_casts():
+    """While open, fp8 casts are priced fused (:data:`FUSED_CASTS_ENV`)."""
+    before = os.environ.get(FUSED_CASTS_ENV)
+    os.environ[FUSED_CASTS_ENV] = "fused"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FUSED_CASTS_ENV, None)
+        else:
+            os.environ[FUSED_CASTS_ENV] = before
+
+
 def casts_time(nx: float, nw: float, ny: float, device: Device, rowwise: bool,
                compiled: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one fp8 linear's casts: x of ``nx`` elements, W of
-    ``nw``, dy of ``ny`` (:data:`CAST_TRAFFIC`)."""
-    table = CAST_TRAFFIC[("rowwise" if rowwise else "tensorwise", bool(compiled))]
+    ``nw``, dy of ``ny`` (:data:`CAST_TRAFFIC`; fused when ``compiled`` or under
+    :func:`fused_casts`)."""
+    table = CAST_TRAFFIC[("rowwise" if rowwise else "tensorwise", _fused(compiled))]
     numel = {"x": nx, "w": nw, "dy": ny}
     out = {"fwd": 0.0, "bwd": 0.0}
     for (when, operand), (b, k) in table.items():
@@ -145,7 +176,7 @@ def casts_time(nx: float, nw: float, ny: float, device: Device, rowwise: bool,
 def rescale_time(nx: float, nw: float, device: Device, compiled: bool = False) -> float:
     """Seconds of rowwise's two backward rescales, of dx (``nx`` elements) and dW (``nw``)
     (:data:`RESCALE_TRAFFIC`)."""
-    b, k = RESCALE_TRAFFIC[bool(compiled)]
+    b, k = RESCALE_TRAFFIC[_fused(compiled)]
     return cast_time(nx, device, b, k) + cast_time(nw, device, b, k)
 
 

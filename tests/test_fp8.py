@@ -515,3 +515,21 @@ def test_rowwise_backward_rescale():
     rescale = rescale_time(m * k, n * k, H100_80GB, compiled=True)
     assert sum(rowwise) - rescale < bf16 < sum(rowwise), (bf16, rowwise, rescale)
     assert tensorwise < bf16
+
+
+def test_fused_casts_price_eager_programs_as_fused():
+    """``cost_models.fp8.fused_casts`` (what published runs of fused-cast stacks are priced
+    with) prices an eager linear's casts as the compiled ones, and only while open."""
+    from autopar.cost_models.fp8 import FUSED_CASTS_ENV, fp8_linear_time, fused_casts
+    from autopar.cost_models.gpus import H100_80GB
+    from autopar.sharding.registry import TensorMeta
+    lin = torch.ops.aten.linear.default
+    ins = [TensorMeta((8192, 4096), torch.bfloat16), TensorMeta((4096, 4096), torch.bfloat16)]
+    outs = [TensorMeta((8192, 4096), torch.bfloat16)]
+    for rowwise in (False, True):
+        eager = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, rowwise)
+        compiled = fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, rowwise, compiled=True)
+        with fused_casts():
+            assert fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, rowwise) == compiled
+        assert fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, rowwise) == eager != compiled
+    assert FUSED_CASTS_ENV not in os.environ
