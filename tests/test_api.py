@@ -87,7 +87,10 @@ def test_memory_budget_makes_the_solver_shard(captured):
     replicated_state = n_params * 4 * 4             # fp32 params + grads + 2 AdamW moments
     assert state(free) == pytest.approx(replicated_state, rel=1e-6)  # tiny model: stays replicated
     budget = 0.9 * replicated_state    # below the replicated training state alone
-    tight = plan_captured(cap, parse_cluster("cpu:4"), 4, memory_budget=budget)
+    # on the 1-D mesh the budget's plan takes (ZeRO over data 4): the 2-D meshes' ILPs and
+    # their recomputation probes under a budget were ~95 of this test's 100 s; a free mesh
+    # search under a budget stays proven by tests/test_sweep.py's free-budget cases
+    tight = plan_captured(cap, parse_cluster("cpu:4"), 4, memory_budget=budget, mesh_shape=(4,))
     assert tight.estimate.memory_total <= budget
     sharded = [n for n, ph in tight.params.items()
                if any(isinstance(p, Shard) for p in parse_placements(tight.nodes[ph].outputs[0]))]
