@@ -59,6 +59,15 @@ if not os.environ.get("AUTOPAR_CACHE_DIR"):
     os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
     atexit.register(shutil.rmtree, os.environ["AUTOPAR_CACHE_DIR"], True)
 
+# a folder the xdist workers of this run share (tests/launch.py's shared spawns): made by the
+# controller before it starts the workers, who inherit the variable; removed at its exit
+if os.environ.get("PYTEST_XDIST_WORKER") is None and not os.environ.get("AUTOPAR_TEST_SHARED_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+    os.environ["AUTOPAR_TEST_SHARED_DIR"] = tempfile.mkdtemp(prefix="autopar-test-shared-")
+    atexit.register(shutil.rmtree, os.environ["AUTOPAR_TEST_SHARED_DIR"], True)
+
 from autopar.capture import capture
 from examples.models import EXAMPLES
 

@@ -53,12 +53,45 @@ def register_cases(worker: str, nproc: int, cases: list[dict]) -> None:
 
 def shared_cases(worker: str, nproc: int, out_dir: Path, **kw) -> tuple[dict, str]:
     """:func:`torchrun_cases` of every case registered for ``worker`` on ``nproc`` ranks, run
-    once per session (the first module to ask starts it; later ones read its results)."""
+    once per session (the first module to ask starts it; later ones read its results).
+
+    Under pytest-xdist every worker process collects every module, so each registered the
+    same cases; the modules that read them may run on different workers (``--dist
+    loadfile``), and each worker spawned the whole list again (the fresh clone of session
+    27 ran the zero_worker spawn twice: 67 s in test_experts, 51 s in
+    test_shared_conversions). The workers of one run share it through :func:`_across_workers`:
+    the first to ask runs it, the others wait on its lock and read its results."""
     key = (worker, nproc)
     if key not in _SPAWNED:
-        _SPAWNED[key] = torchrun_cases(worker, nproc, _REGISTERED[key],
-                                       Path(out_dir) / f"{Path(worker).stem}.json", **kw)
+        def spawn() -> tuple[dict, str]:
+            return torchrun_cases(worker, nproc, _REGISTERED[key],
+                                  Path(out_dir) / f"{Path(worker).stem}.json", **kw)
+        _SPAWNED[key] = _across_workers(f"{Path(worker).stem}-{nproc}", spawn)
     return _SPAWNED[key]
+
+
+SHARED_DIR_ENV = "AUTOPAR_TEST_SHARED_DIR"
+"""A folder the pytest-xdist workers of one run share (set by ``tests/conftest.py`` in the
+controller, which removes it when the session ends); unset without xdist."""
+
+
+def _across_workers(name: str, spawn) -> tuple[dict, str]:
+    """``spawn()`` once for every xdist worker of this run: under an exclusive lock on
+    ``<shared dir>/<name>.lock``, the results of the worker that ran it first
+    (``<name>.json``), else ``spawn()``'s, written there for the others."""
+    shared = os.environ.get(SHARED_DIR_ENV)
+    if not shared or not os.path.isdir(shared):
+        return spawn()
+    import fcntl
+    done = Path(shared) / f"{name}.json"
+    with open(Path(shared) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # released when the file closes
+        if done.exists():
+            results, failed = json.loads(done.read_text())
+            return results, failed
+        results, failed = spawn()
+        done.write_text(json.dumps([results, failed]))
+        return results, failed
 
 
 def case_result(results: tuple[dict, str], case_id: str) -> dict:
