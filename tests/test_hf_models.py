@@ -47,6 +47,7 @@ transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev
 
 import autopar  # noqa: E402
 from autopar.capture import CaptureError, capture  # noqa: E402
+from autopar.capture.cache import caching  # noqa: E402
 from autopar.solver.driver import solve  # noqa: E402
 from autopar.solver.errors import InfeasibleError  # noqa: E402
 
@@ -154,7 +155,8 @@ def test_capture_and_coverage(name):
         with pytest.raises(f.error, match=f.match):
             autopar.coverage(b.model, b.inputs, b.loss_fn, target=b.target)
         return
-    cov = autopar.coverage(b.model, b.inputs, b.loss_fn, target=b.target)
+    with caching():     # stored in the session's capture cache: test_plans reads it back
+        cov = autopar.coverage(b.model, b.inputs, b.loss_fn, target=b.target)
     assert tuple(sorted(cov.missing)) == MATRIX[name].gaps, str(cov)
     assert sum(cov.covered.values()) > 20
 
@@ -169,7 +171,11 @@ def _param_bytes(model) -> int:
 def test_plans(name):
     """Free (``autopar.plan``, capture included), then on one capture of the graph
     (``solve(..., captured=)``, the driver ``autopar.plan`` calls): data=2, tensor=2, and a
-    memory budget that only plans storing the weights sharded meet."""
+    memory budget that only plans storing the weights sharded meet. The graph is captured
+    once a model: test_capture_and_coverage's capture, stored in the session's capture
+    cache (``autopar.capture.cache``, ``tests/conftest.py``), is what ``autopar.plan`` and
+    the capture below read (each of the 2-3 captures of a model was 2-9 s here;
+    tests/test_capture_cache.py proves a hit plans as a fresh capture does)."""
     b = built(name)
     kw = dict(target=b.target, cluster="cpu:2")
     f = MATRIX[name].fails
@@ -179,7 +185,8 @@ def test_plans(name):
         return
     full = _param_bytes(b.model)
     free = autopar.plan(b.model, b.inputs, b.loss_fn, **kw)
-    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+    with caching():
+        cap = capture(b.model, b.inputs, b.loss_fn, b.target)
 
     def plan(pins=None, **more):
         return solve(b.model, b.inputs, b.loss_fn, pins=pins, captured=cap, **kw, **more).plan
