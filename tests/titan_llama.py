@@ -71,9 +71,9 @@ def load():
     return Transformer, TransformerModelArgs
 
 
-def build(seed: int = 0, batch: int = 4, seq: int = 32, dim: int = 64, layers: int = 2,
+def build(seed: int = 0, batch: int = 4, seq: int = 32, dim: int = 64, layers: int = 1,
           heads: int = 4, vocab: int = 256):
-    """(model, inputs, target, loss_fn): torchtitan's Llama 3 at dim 64, 2 layers, 4 heads,
+    """(model, inputs, target, loss_fn): torchtitan's Llama 3 at dim 64, 1 layer, 4 heads,
     vocabulary 256, sequence 32, its own ``init_weights``; next-token cross-entropy."""
     import torch
     Transformer, Args = load()
