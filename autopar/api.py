@@ -19,7 +19,7 @@ from torch import nn
 from autopar import first_step
 from autopar.capture import Captured, fingerprint
 from autopar.cost_models.local_devices import local_cluster
-from autopar.device import backend_for, rank_device
+from autopar.device import SHARE_GPUS_ENV, backend_for, gpus_shared, rank_device
 from autopar import elastic as _elastic
 from autopar.errors import ArgumentError
 from autopar.ops.comm import collective_timeout
@@ -302,7 +302,6 @@ def _check_shared_gpus(p: Plan) -> None:
     collective but send / recv: gloo's point-to-point of a CUDA tensor fails ("writev: Bad
     address", seen on an H200, 2026-11-29) and closes the pair. A plan that sends (a
     pipeline's stages, ring attention) is refused before it runs."""
-    from autopar.device import SHARE_GPUS_ENV, gpus_shared, rank_device
     if not gpus_shared() or rank_device().type != "cuda":
         return
     sends = [what for what, yes in (("pipeline stages", p.pipeline_stages > 1),

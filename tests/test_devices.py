@@ -355,7 +355,7 @@ def test_shared_gpus_refuse_plans_that_send(monkeypatch):
     piped = api.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2", pipeline=2,
                      micro_batch_size=1, schedule="gpipe")
     flat = api.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="cpu:2", data=2)
-    monkeypatch.setattr(device_mod, "rank_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(api, "rank_device", lambda: torch.device("cuda", 0))
     api._check_shared_gpus(piped)                # not shared: nothing to refuse
     monkeypatch.setenv(device_mod.SHARE_GPUS_ENV, "1")
     with pytest.raises(PlanError, match=r"pipeline stages send tensors.*pipeline=1.*unset the variable"):
