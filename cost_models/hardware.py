@@ -31,6 +31,7 @@ import functools
 import itertools
 import math
 import re
+from dataclasses import replace
 
 from autopar.errors import AutoparInputError
 
@@ -95,6 +96,35 @@ def _local_cluster(ranks: int, spec: str) -> Cluster:
         raise ClusterError(f"cluster spec {spec!r} needs at least one rank; "
                            f"valid presets: {_PRESET_HELP}")
     return cpu_cluster(ranks, spec)
+
+
+def devices_of(cluster: Cluster, world: int) -> Cluster:
+    """The first ``world`` devices of ``cluster`` (ranks ``0 .. world-1``, node 0 first), as a
+    cluster of their own: the whole of it where ``world`` is its size; on one node where
+    ``world`` fits in a node; else whole nodes. CPU ranks are this machine's cores shared by
+    ``world`` processes (:func:`cpu_cluster`), so their links are those of ``world`` ranks.
+
+    >>> devices_of(parse_cluster("4x8xH100"), 16).nodes
+    2
+    """
+    if world == cluster.world_size:
+        return cluster
+    if world < 1 or world > cluster.world_size:
+        raise ClusterError(f"world_size={world}: cluster {cluster.name!r} has "
+                           f"{cluster.world_size} devices; plan for 1 to {cluster.world_size} "
+                           f"of them, or name a larger cluster")
+    if cluster.device.name.startswith("cpu"):
+        return cpu_cluster(world, f"{cluster.name} ({world} ranks)")
+    if world <= cluster.devices_per_node:
+        return replace(cluster, name=f"{cluster.name} ({world} devices)", nodes=1,
+                       devices_per_node=world)
+    if world % cluster.devices_per_node:
+        raise ClusterError(f"world_size={world}: not whole nodes of cluster {cluster.name!r} "
+                           f"({cluster.nodes} nodes x {cluster.devices_per_node} devices); plan "
+                           f"for at most {cluster.devices_per_node} devices or a multiple of "
+                           f"{cluster.devices_per_node}")
+    return replace(cluster, name=f"{cluster.name} ({world} devices)",
+                   nodes=world // cluster.devices_per_node)
 
 
 # --- Mesh axes ---------------------------------------------------------------------------

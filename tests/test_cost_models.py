@@ -291,6 +291,23 @@ def test_parse_cluster_presets():
     assert parse_cluster(c) is c
 
 
+def test_world_size_takes_the_first_devices_of_a_cluster():
+    """``plan(world_size=W, cluster=C)`` plans for C's first W devices: a node's worth on one
+    node, else whole nodes; CPU ranks as W processes sharing the cores. It was refused deep in
+    the cost model with "plan for at most N devices" for any W < N (``local`` included)."""
+    c = hardware.devices_of(parse_cluster("4x8xH100"), 16)
+    assert (c.nodes, c.devices_per_node, c.device) == (2, 8, hardware.H100_80GB)
+    c = hardware.devices_of(parse_cluster("4x8xH100"), 4)
+    assert (c.nodes, c.devices_per_node) == (1, 4)
+    assert hardware.devices_of(parse_cluster("cpu:4"), 2).intra == parse_cluster("cpu:2").intra
+    four = parse_cluster("cpu:4")
+    assert hardware.devices_of(four, 4) is four
+    with pytest.raises(hardware.ClusterError, match="multiple of 8"):
+        hardware.devices_of(parse_cluster("4x8xH100"), 12)
+    with pytest.raises(hardware.ClusterError, match="world_size=5: cluster 'cpu:4' has 4 devices"):
+        hardware.devices_of(four, 5)
+
+
 def test_parse_cluster_cpu():
     c = parse_cluster("cpu:4")
     assert (c.nodes, c.devices_per_node, c.world_size) == (1, 4, 4)

@@ -34,7 +34,7 @@ import torch
 from autopar.capture import Captured, capture
 from autopar.capture.cache import caching
 from autopar.capture.export import check_loss_outside
-from autopar.cost_models.hardware import parse_cluster
+from autopar.cost_models.hardware import devices_of, parse_cluster
 from autopar.capture.sequence_layout import sequence_layout
 from autopar.pricing.updates import reprice_updates
 from autopar.options import Options, check_optimizer, refuse_hogwild_plan
@@ -126,8 +126,10 @@ def _spec(model, example_inputs, loss_fn, target, cluster, world_size, pins,
         refuse_hogwild_plan(options)
     check_optimizer(settings.optimizer)
     cl = parse_cluster(cluster)
+    if world_size:      # the first world_size devices of the cluster
+        cl = devices_of(cl, world_size)
     return SearchSpec(model, example_inputs, loss_fn if target is not None else None, target, cl,
-                      world_size or cl.world_size, options, settings.memory_budget,
+                      cl.world_size, options, settings.memory_budget,
                       settings.mesh_shape, settings.optimizer, settings.time_limit_s,
                       settings.verbose, settings.profiler)
 
