@@ -61,8 +61,9 @@ class Estimate:
     """Pipeline plans: each stage's forward + backward seconds for one micro-batch, the
     runtime's cost per action included (what the schedule simulator was given)."""
     memory_phases: tuple[tuple[str, ...], ...] = ()
-    """Groups of ``memory_bytes`` terms never live at once (an unpipelined step: the end of
-    forward's activations, the end of backward's gradients; ``cost_models.memory.step_phases``).
+    """Groups of ``memory_bytes`` terms never live at once (an unpipelined step: the loss's
+    backward, a layer's backward, the end of backward's gradients;
+    ``cost_models.memory.step_phases``).
     Empty: every term at once (pipelines, gradient accumulation, plan files from before)."""
     host_s: float = 0.0
     """Host seconds of the step's eager dispatches (``cost_models.host``), overlapped with

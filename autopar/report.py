@@ -60,7 +60,7 @@ def memory_phases_note(estimate) -> str:
     if not estimate.memory_phases:
         return ""
     groups = " or ".join("+".join(g) for g in estimate.memory_phases)
-    return f" (the peak holds {groups}, never both, beside the rest)"
+    return f" (the peak holds {groups}, one at a time, beside the rest)"
 
 
 def offload_line(plan: Plan) -> str:

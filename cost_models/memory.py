@@ -20,15 +20,27 @@ fp32, plain SGD                 4 Psi     4 Psi     0
 ZeRO stage ``z`` over ``dp`` data-parallel ranks divides by ``dp``: stage 1 the optimizer
 states, stage 2 also the gradients, stage 3 also the parameters.
 
-Not every term is live at once. An unpipelined step of one micro-batch peaks either at the
-end of its forward (every activation saved for backward, recomputation's extra, and under
-mixed precision the 16-bit weight copies, which backward frees with the activations that
-saved them; no gradient yet) or at the end of its backward (every gradient, and the flat
-buffers the runtime sums them in, ``runtime.grad_sync``; the activations freed). Backward
-trades one for the other layer by layer, so its live bytes lie between the two ends (a
-sum of layers freed and layers produced, linear in the step). :func:`step_phases` names
-the two groups and :func:`peak_bytes` takes the larger: parameters and optimizer state (and
-inputs, buffers) are live throughout. A pipeline or gradient accumulation keeps the
+Not every term is live at once. An unpipelined step of one micro-batch peaks at one of
+three moments:
+
+- the loss's backward, the first backward op: every activation saved for backward (under
+  mixed precision with the 16-bit weight copies, which backward frees with the activations
+  that saved them) and the input-sized gradients the loss's backward makes beside them
+  (``loss_grads``, ``analysis.saved.LOSS_GRADIENTS``); no gradient of a weight yet;
+- a repeated layer's backward: the activations still saved, and the layer that
+  recomputation rebuilds (``recompute``) or activation offload brings back from the host
+  (``offload``: the layers in flight). The loss's gradients are gone by then: the loss's
+  backward has finished before the first layer's backward starts, so the rebuilt or
+  fetched layer never sits beside them (measured: ``tests/test_offload_memory.py``, and the
+  H200 run of ``benchmarks/gpu_check.py``'s offload section, whose peak fell at the loss's
+  backward with every offloaded layer on the host);
+- the end of backward: every gradient, and the flat buffers the runtime sums them in
+  (``runtime.grad_sync``); the activations freed.
+
+Backward trades activations for gradients layer by layer, so its live bytes in between lie
+between the ends (a sum of layers freed and layers produced, linear in the step).
+:func:`step_phases` names the three groups and :func:`peak_bytes` takes the largest:
+parameters and optimizer state (and inputs, buffers) are live throughout. A pipeline or gradient accumulation keeps the
 gradients of earlier micro-batches beside the activations of later ones: all terms add.
 Measured against the runtime's peak: ``benchmarks/precision_memory.py``.
 
@@ -75,18 +87,22 @@ def training_state_bytes(param_numel: int, optimizer: str = "adamw", precision: 
     return {"params": params, "grads": grads, "optimizer": opt}
 
 
-FORWARD_END = ("activations", "recompute", "offload")
-"""Terms live only until backward frees them: saved activations, recomputation's extra."""
+LOSS_BACKWARD = ("activations", "loss_grads")
+"""Terms live at the loss's backward: saved activations and the gradients the loss makes."""
+LAYER_BACKWARD = ("activations", "recompute", "offload")
+"""Terms live at a repeated layer's backward: saved activations, the layer recomputation
+rebuilds and the offloaded layers brought back (never beside the loss's gradients)."""
 BACKWARD_END = ("grads", "grad_buffers")
 """Terms born in backward: gradients, and the flat buffers they are summed in."""
 
 
 def step_phases(mixed: bool = False) -> tuple[tuple[str, ...], ...]:
     """The groups of memory terms of an unpipelined step of one micro-batch that are never
-    live at once (module docstring): the end of forward, the end of backward. Under mixed
-    precision the ``params`` term is the 16-bit weight copies, made in forward and freed
-    with the activations that saved them, so it joins the forward's group."""
-    return (FORWARD_END + (("params",) if mixed else ()), BACKWARD_END)
+    live at once (module docstring): the loss's backward, a layer's backward, the end of
+    backward. Under mixed precision the ``params`` term is the 16-bit weight copies, made in
+    forward and freed with the activations that saved them, so it joins the first two."""
+    params = ("params",) if mixed else ()
+    return (LOSS_BACKWARD + params, LAYER_BACKWARD + params, BACKWARD_END)
 
 
 def peak_bytes(terms: dict[str, float], phases: tuple[tuple[str, ...], ...] = ()) -> float:
@@ -95,6 +111,8 @@ def peak_bytes(terms: dict[str, float], phases: tuple[tuple[str, ...], ...] = ()
 
     >>> peak_bytes({"params": 1, "activations": 5, "grads": 3}, step_phases())
     6.0
+    >>> peak_bytes({"activations": 5, "loss_grads": 2, "offload": 3, "grads": 3}, step_phases())
+    8.0
     """
     grouped = {k for group in phases for k in group}
     always = sum(b for k, b in terms.items() if k not in grouped)

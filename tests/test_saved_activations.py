@@ -62,10 +62,12 @@ def census_peak(model: nn.Module, inputs: tuple, loss_fn, target) -> int:
 
 
 def cost_model_bytes(cap) -> float:
-    """The cost model's ``activations`` term of ``cap`` on one device."""
+    """The cost model's ``activations`` term of ``cap`` on one device, with the loss's
+    gradients beside them (``loss_grads``: live at the loss's backward, as the activations)."""
     problem = build_problem(cap, (1,))
     cost = CostModel(parse_cluster("cpu:1"), (1,))
-    return sum(len(v.members) * cost.base_memory(v, v.options[0], 2).get("activations", 0.0)
+    return sum(len(v.members) * sum(b for k, b in cost.base_memory(v, v.options[0], 2).items()
+                                    if k in ("activations", "loss_grads"))
                for v in problem.vars.values() if v.kind == "op")
 
 

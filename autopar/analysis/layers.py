@@ -129,6 +129,23 @@ def recompute_nodes(gm: GraphModule, layers: Iterable[str]) -> tuple[frozenset, 
     return frozenset(every), frozenset(kept)
 
 
+def offload_nodes(gm: GraphModule, layers: Iterable[str], params: Iterable[str] = ()) -> tuple[frozenset, frozenset]:
+    """(captured nodes of ``layers`` and the parameters of ``params`` only they read, those
+    nodes read outside every one of ``layers``): what activation offload puts on the host,
+    and what stays. A layer's output that only the other offloaded layers read is saved
+    inside their regions, so their hooks put it on the host too (the next layer's norm saves
+    its input); one read by anything else (the final norm, a recomputed or kept layer)
+    stays. A parameter's 16-bit copy under mixed precision is a tensor the layers save (the
+    hooks leave parameters alone, not their copies): it goes with them."""
+    every = frozenset().union(*layer_members(gm, layers).values())
+    users = {n.name: n.users for n in gm.graph.nodes}
+    kept = frozenset(m for m in every if any(u.name not in every for u in users[m]))
+    params = set(params)
+    only = frozenset(n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in params
+                     and n.users and all(u.name in every for u in n.users))
+    return every | only, kept
+
+
 def mutates(node: Node) -> bool:
     """The op writes into an input: a mutable schema (``add_``), or ``batch_norm`` in
     training, whose schema does not say it updates its running statistics."""

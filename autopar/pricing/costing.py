@@ -328,16 +328,24 @@ class CostModel(CommCosts, MemoryCosts):
         return t
 
     def _offloaded(self, v: NodeVar) -> int:
-        """How many of ``v``'s members save to host memory (``offload_activations=``): 0 for
-        a node whose output is read outside its layer (what it saves stays)."""
+        """How many of ``v``'s members save to host memory (``offload_activations=``): each
+        member of an offloaded layer but those read outside the offloaded layers (what they
+        save stays; ``solver.flat.offload_of``), as the last layer's output the final norm
+        reads, where the other layers' outputs go with the next layer's saved tensors."""
         if not self.act_offload or v.kind != "op":
             return 0
         got = self._off_count.get(id(v))
         if got is None or got[0] is not v:
-            n = 0 if any(m in self.act_offload_kept for m in v.members) else \
-                sum(1 for m in v.members if m in self.act_offload)
+            n = sum(1 for m in v.members if m in self.act_offload and m not in self.act_offload_kept)
             got = self._off_count[id(v)] = (v, n)
         return got[1]
+
+    def _offloaded_params(self, v: NodeVar) -> int:
+        """How many of parameter ``v``'s members only offloaded layers read (their 16-bit
+        copies go to the host with those layers' saved tensors; ``solver.flat.offload_of``)."""
+        if not self.act_offload or v.kind != "param":
+            return 0
+        return sum(1 for m in v.members if m in self.act_offload)
 
     def act_offload_share(self, problem) -> float:
         """``activation_offload.exposed_share`` of the offloaded layers: their saved bytes,
@@ -352,8 +360,8 @@ class CostModel(CommCosts, MemoryCosts):
             k = min(range(len(times)), key=lambda i: sum(times[i]))
             fwd += n * times[k][0]
             bwd += n * times[k][1]
-            if self._offloaded(v):        # a layer output read outside it stays
-                saved += n * self.saved_bytes(v, v.options[k])
+            # (a layer output read outside the offloaded layers stays)
+            saved += self._offloaded(v) * self.saved_bytes(v, v.options[k])
         return act_exposed_share(saved, fwd, bwd, self.cluster.device)
 
     def base_time(self, v: NodeVar, combo, optimizer_states: int = 2) -> tuple[float, float]:

@@ -57,7 +57,19 @@ class MemoryCosts:
         recomputed and ``o`` offloaded, with ``b`` bytes saved each: activations
         ``b (n - r - o) / n``, recompute ``b / n`` if ``r``, offload ``k b / n`` if ``o``
         (k layers in flight); summed over the ``n`` members: ``b (n - r - o)``, one layer,
-        k layers."""
+        k layers.
+
+        A parameter only offloaded layers read (``solver.flat.offload_of``) under mixed
+        precision: its 16-bit copy is a tensor those layers save (not the parameter, which
+        the hooks leave alone), so it goes to the host with them and comes back with its
+        layer; its ``params`` term splits the same way (``o`` of its ``n`` members)."""
+        if v.kind == "param":
+            off = self._offloaded_params(v) if self.mixed and "params" in terms else 0
+            if not off:
+                return terms
+            b, n = terms["params"], len(v.members)
+            return dict(terms, params=b * (n - off) / n,
+                        offload=b * min(off, in_flight_layers(self.cluster.device)) / n)
         if v.kind != "op" or "activations" not in terms:
             return terms
         rec = 0 if self._keeps(v) else self._recomputed(v)
@@ -65,7 +77,7 @@ class MemoryCosts:
         if not rec and not off:
             return terms
         b, n = terms["activations"], len(v.members)
-        out = {"activations": b * (n - rec - off) / n}
+        out = dict(terms, activations=b * (n - rec - off) / n)
         if rec:
             out["recompute"] = b / n
         if off:
@@ -103,14 +115,41 @@ class MemoryCosts:
         if v.kind in ("input", "buffer"):
             b = _local(v.meta, output_placements(combo, 0), self.mesh_shape).nbytes
             return {"inputs" if v.kind == "input" else "buffers": b}
-        return {"activations": self.saved_bytes(v, combo)}
+        saved, grads = self.saved_bytes(v, combo), self.loss_grad_bytes(v, combo)
+        if not grads:
+            return {"activations": saved}
+        if self.memory_phases:      # its own phase (cost_models.memory.step_phases)
+            return {"activations": saved, "loss_grads": grads}
+        return {"activations": saved + grads}    # every term adds: one with the activations
+
+    def loss_grad_bytes(self, v: NodeVar, combo) -> float:
+        """Bytes per device of the gradients the loss node's backward makes beside every saved
+        tensor (``Kept.transient``, ``analysis.saved.LOSS_GRADIENTS``); 0 for other nodes.
+        Where the step's memory has phases it is the ``loss_grads`` term, live at the loss's
+        backward only, before any offloaded or recomputed layer is back on the device
+        (``cost_models.memory``); where every term adds (a pipeline stage's view, one of
+        several micro-batches) it joins ``activations`` and their weights, as before."""
+        kept = v.kept
+        if kept is None or not kept.transient or (self.recompute_kept and self._keeps(v)):
+            return 0.0          # (a node recomputation keeps whole saves its outputs only)
+        return self._extras_bytes(v, combo, kept.transient)
+
+    def _extras_bytes(self, v: NodeVar, combo, extras) -> float:
+        total = 0.0
+        for e in extras:
+            side, k = e.ref
+            m = (v.call.inputs if side == "in" else v.call.outputs)[k]
+            ps = input_placements(combo, k) if side == "in" else output_placements(combo, k)
+            b = e.nbytes * _local(m, ps, self.mesh_shape).nbytes / max(m.nbytes, 1)
+            total += b if e.fp32 else self._act(b, m.dtype)
+        return total
 
     def saved_bytes(self, v: NodeVar, combo) -> float:
         """Bytes per device an op node keeps for backward (``v.kept``, from
         ``autopar.analysis.saved``: the outputs autograd saves, its own or a consumer's, and
         the tensors the op saves inside, each the local share of what it follows; the loss
-        node adds the gradients its backward makes beside them, ``Kept.transient``). A layer
-        output that recomputation keeps (``recompute_kept``) is kept whole."""
+        node's gradients beside them are :meth:`loss_grad_bytes`). A layer output that
+        recomputation keeps (``recompute_kept``) is kept whole."""
         kept, view = v.kept, v.call.op in VIEW_OPS
         if kept is None and view:
             return 0.0
@@ -119,12 +158,7 @@ class MemoryCosts:
         local = lambda m, ps: _local(m, ps, self.mesh_shape).nbytes  # noqa: E731
         total = sum(self._act(share * local(m, output_placements(combo, k)), m.dtype)
                     for k, (share, m) in enumerate(zip(kept.outputs, v.call.outputs)) if share)
-        for e in kept.extras + kept.transient:
-            side, k = e.ref
-            m = (v.call.inputs if side == "in" else v.call.outputs)[k]
-            ps = input_placements(combo, k) if side == "in" else output_placements(combo, k)
-            b = e.nbytes * local(m, ps) / max(m.nbytes, 1)
-            total += b if e.fp32 else self._act(b, m.dtype)
+        total += self._extras_bytes(v, combo, kept.extras)
         if v.call.op is EXPERTS_OP:
             total += self._act(experts_saved_bytes(v.call, combo, self.mesh_shape, self.expert_imbalance),
                                v.call.inputs[0].dtype)

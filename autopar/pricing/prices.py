@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from autopar.analysis.layers import recompute_nodes, select_layers
+from autopar.analysis.layers import offload_nodes, recompute_nodes, select_layers
 from autopar.capture import Captured
 from autopar.cost_models.hardware import parse_cluster
 from autopar.errors import ArgumentError
@@ -460,8 +460,8 @@ def plan_prices(cap: Captured, plan: Plan, optimizer: str = "adamw") -> PriceTab
     cost = CostModel.for_pins(parse_cluster(plan.cluster), tuple(plan.mesh_shape), plan.options,
                               data_axis=roles.data,
                               recompute=Saves(*recompute_nodes(cap.gm, plan.recompute),
-                                              *recompute_nodes(cap.gm, select_layers(
-                                                  cap.gm, plan.options.offload_activations))),
+                                              *offload_nodes(cap.gm, select_layers(
+                                                  cap.gm, plan.options.offload_activations), cap.params)),
                               # gradient accumulation: one micro-batch's prices, its
                               # gradient sync a 1/k share (solver.accumulate)
                               view=StepView(grad_sync_scale=1.0 / plan.accumulate),

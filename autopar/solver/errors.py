@@ -23,6 +23,7 @@ class StageCutError(PlanError):
 TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
          "activations": "activations", "recompute": "recomputed layers' activations",
          "offload": "offloaded layers' activations in flight",
+         "loss_grads": "the loss's gradients",
          "inputs": "inputs"}
 """The cost model's memory terms, as the infeasibility message names them."""
 

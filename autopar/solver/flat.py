@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from autopar.analysis.layers import recompute_nodes, repeated_layers, select_layers
+from autopar.analysis.layers import offload_nodes, recompute_nodes, repeated_layers, select_layers
 from autopar.capture import Captured, fingerprint
 from autopar.errors import PinError
 from autopar.mesh_roles import MeshRoles
@@ -824,7 +824,8 @@ def _more_devices(cap, ask: MeshAsk, rec):
 def _accumulation(cap, best: dict, budget: float, pins: Options):
     """The fewest micro-batches whose activations (about 1/k of the batch's) bring the
     closest plan within ``budget``; None when activations do not bind or no k does it."""
-    act = best["terms"].get("activations", 0.0)
+    # (the loss's gradients are one micro-batch's too)
+    act = best["terms"].get("activations", 0.0) + best["terms"].get("loss_grads", 0.0)
     if pins.pipelined or pins.accumulate or act <= 0:
         return None
     try:
@@ -1007,12 +1008,17 @@ _RECOMPUTE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def offload_of(cap: Captured, pins: Options) -> tuple | None:
-    """(offloaded nodes, those read outside their layer) of ``pins.offload_activations``
-    (``analysis.layers``: named as ``recompute=``), None when none; worked out once per graph."""
+    """(offloaded nodes with the parameters only they read, those read outside every
+    offloaded layer) of ``pins.offload_activations`` (``analysis.layers.offload_nodes``;
+    layers named as ``recompute=``), None when none; worked out once per graph."""
     spec = pins.offload_activations
     if spec in (None, "none", ()):
         return None
-    return _recompute_of(cap, spec)[1:]
+    memo = _RECOMPUTE.setdefault(cap.gm, {})
+    key = ("offload", spec if isinstance(spec, (str, bool)) else tuple(spec))
+    if key not in memo:
+        memo[key] = offload_nodes(cap.gm, _recompute_of(cap, spec)[0], cap.params)
+    return memo[key]
 
 
 def _saves(cap: Captured, rec_nodes, rec_kept, pins: Options) -> Saves:

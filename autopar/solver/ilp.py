@@ -21,7 +21,7 @@ Constraints
     edge_in[u->v,q]:  Σ_p e[u,p,v,q] = z[v,q],   z[v,q] = Σ_{j: in(j)=q} x[v,j]
                      (so e = y·z; no e exists for a pair p -> q with no conversion)
     memory:          for each phase g of the step (``cost_models.memory.step_phases``: the
-                     end of forward's activations, the end of backward's gradients)
+                     loss's backward, a layer's backward, the end of backward's gradients)
                      Σ_v Σ_i n_v · (always[v,i] + bytes_g[v,i]) · x[v,i] ≤ budget
                      (bytes per device; ``always``: parameters, optimizer state, inputs;
                      a pipeline stage's or accumulation's one phase holds every term)

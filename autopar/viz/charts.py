@@ -21,7 +21,7 @@ from autopar.schedule import schedule_actions
 from autopar.pricing.simulate import simulate
 
 TERM_COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52",
-               "activations": "#8172b2", "inputs": "#ccb974", "buffers": "#64b5cd"}
+               "activations": "#8172b2", "loss_grads": "#937860", "inputs": "#ccb974", "buffers": "#64b5cd"}
 MAX_LANES = 16
 
 
@@ -54,8 +54,8 @@ def device_memory(plan: Plan) -> float | None:
 
 def memory_bars(plan: Plan) -> list[tuple[str, list[tuple[str, float]]]]:
     """The bars of the memory chart: (label, [(term, bytes), ...]) bottom to top. An
-    estimate with memory phases (an unpipelined step peaks at the end of forward or at the
-    end of backward, never both) gets one bar per phase: the terms always live plus that
+    estimate with memory phases (an unpipelined step peaks at the loss's backward, at a
+    layer's backward or at the end of backward, one at a time) gets one bar per phase: the terms always live plus that
     phase's own, so the tallest bar is the estimate; otherwise one bar of every term."""
     est = plan.estimate
     grouped = {k for group in est.memory_phases for k in group}
@@ -63,7 +63,8 @@ def memory_bars(plan: Plan) -> list[tuple[str, list[tuple[str, float]]]]:
                     key=lambda kv: -kv[1])
     if not est.memory_phases:
         return [(f"every device\n(x{plan.world_size}, SPMD)", always)]
-    names = ("end of forward", "end of backward")
+    names = ("the loss's backward", "a layer's backward", "end of backward") \
+        if len(est.memory_phases) == 3 else ("end of forward", "end of backward")
     return [(names[i] if i < len(names) else f"phase {i + 1}",
              always + [(k, est.memory_bytes.get(k, 0.0)) for k in group])
             for i, group in enumerate(est.memory_phases)]
