@@ -51,6 +51,9 @@ def test_unpipelined_plan_recomputes_the_fewest_layers_that_fit(ex):
     plan = _plan(ex, memory_budget=budget, **pins)
     k = len(plan.recompute)
     assert 0 < k < LAYERS, plan.recompute
+    # a CPU rank's host memory is its memory: offloading would free none of it, so the free
+    # search never offers it (where the memcpy was priced below a forward, it had offloaded)
+    assert not plan.options.offload_activations, plan.options.offload_activations
     assert plan.estimate.memory_total <= budget
     assert none.estimate.step_time_s < plan.estimate.step_time_s < full.estimate.step_time_s
     # the fewest: with one layer fewer the plan needs more than the budget

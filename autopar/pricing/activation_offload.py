@@ -44,6 +44,14 @@ from autopar.cost_models.devices import Device
 from autopar.cost_models.offload import host_link
 
 
+def frees_device_memory(device: Device) -> bool:
+    """Whether offloading activations frees memory of ``device``: a GPU's saved tensors go
+    to the host's memory, apart from its own; a CPU rank's host memory is its memory, so
+    there the copies free nothing and the free search never offloads (a pin still runs it:
+    the runtime's path is the same)."""
+    return not device.name.startswith("cpu")
+
+
 def overlaps(device: Device) -> bool:
     """Whether ``device`` copies beside its compute (a GPU's copy engines and side stream);
     a CPU rank's copies are memcpys on the cores that compute."""

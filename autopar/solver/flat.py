@@ -28,6 +28,7 @@ from autopar.solver.lp_bound import lp_bound
 from autopar.solver.meshes import mesh_candidates
 from autopar.solver.offload_choice import choose, layer_prices
 from autopar.solver.spec import Settings
+from autopar.pricing.activation_offload import frees_device_memory
 from autopar.pricing.context import best_form, context_axis_of
 from autopar.pricing.fp8 import chosen_fp8_layers
 from autopar.cost_models.host import host_time, step_dispatches
@@ -579,7 +580,8 @@ def _with_fewest_layers(cap: Captured, best, ask: MeshAsk):
             and not ask.memory_weights:
         best = _fewest_layers(cap, best, ask)
         if ask.pins.offload_activations is None and best.recompute and not ask.pins.compile \
-                and not ask.pins.pipelined and (ask.pins.branch or 1) == 1:
+                and not ask.pins.pipelined and (ask.pins.branch or 1) == 1 \
+                and frees_device_memory(ask.cl.device):
             return _with_offload(cap, best, ask)
     return best
 

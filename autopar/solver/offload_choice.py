@@ -22,7 +22,10 @@ the one prefetched), one more than a recomputed one; when the split does not fit
 kept layer is freed too, by its cheaper way, once.
 
 So a device whose host link hides the copies (an H100's PCIe 5.0 behind a large layer's
-compute) offloads; one whose link cannot (or a CPU rank, which hides nothing) recomputes.
+compute) offloads; one whose link cannot recomputes. A CPU rank is never offered the choice
+(``pricing.activation_offload.frees_device_memory``: its host memory is its memory, so an
+offload frees nothing; where its memcpy was priced below a layer's forward, the search had
+offloaded, and ``tests/test_partial_recompute.py`` saw no layer recomputed).
 """
 from __future__ import annotations
 
