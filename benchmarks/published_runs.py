@@ -481,6 +481,8 @@ class Run:
     precision: str = "bf16"     # the GEMMs' precision as run ("fp8": precision="fp8", its linears)
     fp8_scaling: str = ""       # under fp8: the recipe's scaling as run ("tensorwise" / "rowwise")
     lacks: str = ""             # what the run used that autopar does not price (printed per row)
+    attention_flops: str = "causal"  # llama: the publication's attention count ("full": PaLM's
+                                     # 12 l s h a token, no causal saving; ``ATTENTION_FLOPS``)
 
     @property
     def data(self) -> int:
@@ -495,11 +497,14 @@ class Run:
         if self.arch == "gpt":
             f = 96 if self.recompute else 72
             return f * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
-        # Llama: per token 6 * (params in matmuls) + 12 l s h (attention scores, causal/2 not taken)
+        # Llama: per token 6 * (params in matmuls) + attention's two matmuls (QK^T, PV: 4 s h
+        # a token a layer forward, x3 with backward) over the causal half (6 l s h) or, where
+        # the publication counts it so, the whole square (12 l s h: ``ATTENTION_FLOPS``)
         kvd = h // self.heads * self.kv_heads
         per_layer = h * h * 2 + 2 * h * kvd + 3 * h * self.ffn
         dense = l * per_layer + h * V
-        return B * s * (6 * dense + 6 * l * s * h)
+        attention = {"causal": 6, "full": 12}[self.attention_flops] * l * s * h
+        return B * s * (6 * dense + attention)
 
 
 # TFLOP/s per GPU as published. Megatron-LM 2021 = Narayanan et al., "Efficient
@@ -618,6 +623,16 @@ TT_FLOAT8_CP_ATP = {**TT_FLOAT8, "lacks": f"{TT_CP_COST}; torch.compile (refused
                     "context=), AsyncTP"}
 TT_H100 = {"memory_bytes": 96 * 2**30, "mem_bandwidth": 2.4e12,
            "peak_flops": TORCHTITAN_H100_PEAK, **FA2_H100}
+ATTENTION_FLOPS = "full"
+"""How Llama 3's Table 4 counts a step's FLOPs (rows 15, 16, 20: ``attention_flops``): its
+TFLOP/s per GPU are its "BF16 Model FLOPs Utilization (MFU; Chowdhery et al. (2023))"
+(Dubey et al. 2024, Sec. 3.3.2) times the H100's 989 TFLOP/s (380 / 989 = 38%, 430 / 989 =
+43%, as the table's MFU column), and Chowdhery et al.'s MFU (PaLM, Appendix B) counts
+``6N + 12LHQT`` a token: attention's matmuls over the whole ``T x T`` square, with no
+causal saving (torchtitan, Meta's own trainer, writes the same count and says so:
+``get_num_flop_per_token`` at 9dec370, "we follow the convention and do not account for
+sparsity in causal attention"). The causal count (6 l s h) undercounts the 128k row's
+published FLOPs by 29% (its attention is 40% of the causal count) and the 8k rows' by 4%."""
 N21 = "Narayanan et al. 2021, Table 1"
 MEGATRON_SPLIT = "even-layers"
 """Megatron-LM's pipeline split, as its runs ran: ``num_layers / p`` transformer layers a
@@ -686,11 +701,12 @@ RUNS: list[Run] = [
         lacks="GEMM clock under the 500 W limit (not measured; docstring)"),
     Run("Llama3 405B", "Dubey et al. 2024, Table 4 (8,192 GPUs)", "llama", 126, 16384, 128,
         128256, 8192, 2048, 8192, "h100", 8, 16, micro=1, published_tflops=430,
-        kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", extra=FA2_H100),
+        kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", extra=FA2_H100,
+        attention_flops=ATTENTION_FLOPS),
     Run("Llama3 405B", "Dubey et al. 2024, Table 4 (16,384 GPUs)", "llama", 126, 16384, 128,
         128256, 8192, 2048, 16384, "h100", 8, 16, micro=1, published_tflops=400,
         kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", held=True,
-        extra=FA2_H100),
+        extra=FA2_H100, attention_flops=ATTENTION_FLOPS),
     # mixtures of experts (docstring, "MoE rows"): tokens/s per GPU
     Run("DeepSeek-V3", "DeepSeek-AI 2024, arXiv:2412.19437, Sec. 3.1, Table 1 (2,048 H800)",
         "hf:deepseek-v3", 61, 7168, 128, 129280, 4096, 15360, 2048, "h800", 1, 16, micro=1,
@@ -711,7 +727,7 @@ RUNS: list[Run] = [
         16384, 128, 128256, 131072, 128, 16384, "h100", 8, 16, micro=1, published_tflops=380,
         kv_heads=8, ffn=53248, recompute=False, zero=2, schedule="interleaved-1f1b", held=True,
         context=16, pin_more={"context_attention": "all-gather"}, extra=FA2_H100,
-        time_limit_s=120, lacks="not identified (a bf16 run: Table 4's 'BF16 MFU')"),
+        time_limit_s=120, attention_flops=ATTENTION_FLOPS),
     Run("Llama2 7B 128k", NEMO_LONG + ", 128K", "llama", 32, 4096, 32, 32000, 131072, 8, 128,
         "h100", 4, 1, micro=1, recompute=False, published_tflops=555, kv_heads=32, ffn=11008,
         held=True, context=4, time_limit_s=120, **NEMO_FP8),

@@ -146,7 +146,7 @@ def test_rows_beyond_twenty_percent_name_what_they_lack():
     """The rows whose last measured error is beyond 20% (the module's docstring and
     docs/measured.md) each name the technique or the term the run had and autopar lacks."""
     lacking = {i for i, r in enumerate(RUNS) if r.lacks}
-    beyond = {10, 14, 17, 20, 23, 25, 27, 28, 29}
+    beyond = {10, 14, 17, 23, 25, 27, 28, 29}
     assert beyond <= lacking, sorted(beyond - lacking)
 
 
@@ -193,3 +193,22 @@ def test_selective_recomputation_gathers_the_tensor_axis_again():
         assert p.plan.mesh_shape[p.plan.mesh_axes.index("tensor")] == tensor \
             if "tensor" in p.plan.mesh_axes else tensor == 1
     assert added[1] == 0.0 and added[2] > 0.0, (added, REGATHERED)
+
+
+# --- each publication's own FLOP count, each run's own program (issue 39) -------------------
+def test_llama3_rows_count_flops_as_their_mfu_does():
+    """Llama 3's Table 4 TFLOP/s per GPU are its MFU (Chowdhery et al.'s, PaLM Appendix B:
+    ``6N + 12LHQT`` a token) times the H100's peak: attention over the whole ``T x T``
+    square. The three Llama 3 rows count it so; the whole-square count is the causal one
+    plus exactly ``6 l s h`` a token, and on the 128k row it is 1.40x the causal count
+    (attention 40% of it), on the 8k rows 1.04x."""
+    from dataclasses import replace
+    llama3 = [r for r in RUNS if r.source.startswith("Dubey et al. 2024")]
+    assert len(llama3) == 3 and all(r.attention_flops == "full" for r in llama3)
+    for r in llama3:
+        full, causal = r.model_flops(), replace(r, attention_flops="causal").model_flops()
+        assert full - causal == pytest.approx(r.batch * r.seq * 6 * r.layers * r.seq * r.hidden)
+        assert full / causal == pytest.approx(1.40 if r.seq == 131072 else 1.04, abs=0.01)
+    with pytest.raises(KeyError):
+        replace(llama3[0], attention_flops="half").model_flops()
+
