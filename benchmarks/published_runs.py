@@ -365,7 +365,7 @@ from autopar.cost_models.devices import Cluster  # noqa: E402
 from autopar.cost_models.fp8 import fused_casts  # noqa: E402
 from autopar.cost_models.gpus import _IB_EFF, DEVICES, NODES, Gbit  # noqa: E402
 from autopar.cost_models.step import HOST_OVERHEAD_S, optimizer_step_time  # noqa: E402
-from examples.llama import Llama, LlamaConfig  # noqa: E402
+from examples.llama import Llama, LlamaAttention, LlamaConfig, apply_rotary  # noqa: E402
 
 
 # --- Models as the publications ran them -------------------------------------------------
@@ -432,6 +432,34 @@ class MegatronGPT(nn.Module):
         for block in self.h:
             x = block(x)
         return F.linear(self.ln_f(x), self.wte.weight)
+
+
+class TitanAttention(LlamaAttention):
+    """Llama attention as torchtitan writes it (``torchtitan/models/llama/model.py`` at
+    9dec370, ``Attention.forward``): K and V repeated to every query head (``repeat_kv``, on
+    the ``(batch, seq, heads, head_dim)`` layout) before they are transposed and handed to
+    ``F.scaled_dot_product_attention``. Under torch's context parallelism it is the repeated
+    K/V that the ranks gather (``_templated_ring_attention``: ``torch.cat([key.flatten(),
+    value.flatten()])`` of SDPA's own inputs) and whose gradients travel in float32: query
+    heads / K/V heads times the bytes of the grouped tensors (4x on Llama 3 8B, 16x on 405B
+    under TP 8: 16 query heads a rank against one K/V head). autopar's capture gathers K/V
+    before their copies where the graph lets it (``autopar.capture.grouped_kv``: the copies
+    read as ``SDPA(q, repeat(k), repeat(v))``); here the transposes stand between, as in
+    torchtitan's code, so the gathered K/V are the repeated ones, as run. The rotary product
+    is ``examples.llama``'s (the same bytes as torchtitan's complex one: :func:`_build`)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd, n_rep = self.head_dim, self.n_head // self.n_kv_head
+        q = self.wq(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin).transpose(1, 2)
+        # torchtitan's repeat_kv: x[:, :, :, None, :].expand(bs, slen, n_kv, n_rep, hd).reshape(...)
+        k, v = (t[:, :, :, None, :].expand(B, T, self.n_kv_head, n_rep, hd)
+                .reshape(B, T, self.n_head, hd).transpose(1, 2) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
 
 
 def _example(model: nn.Module, batch: int, seq: int, vocab: int) -> Example:
@@ -822,6 +850,11 @@ def _build(run: Run, batch: int) -> Example:
                               n_head=run.heads, n_kv_head=run.kv_heads, dim=run.hidden,
                               hidden_dim=run.ffn, rope_theta=500000.0)
             model = Llama(cfg)
+            if run.torchtitan and run.context > 1:
+                # K/V repeated before torch's CP gathers them (TitanAttention); without a
+                # context axis the repeat is priced alike in either form (nothing crosses)
+                for layer in model.layers:
+                    layer.attention = TitanAttention(cfg)
         ex = _example(model, batch, run.seq, run.vocab)
     if run.torchtitan:
         return replace(ex, model=model.to(torch.bfloat16), loss_fn=torchtitan_loss)
