@@ -370,13 +370,20 @@ constant added or changed):
   wall on the loaded machine (load 13).
 - Looked at, not changed: Float8 under FSDP all-gathers bf16 weights in these runs
   (``--float8.enable_fsdp_float8_all_gather`` is off by default at 9dec370 and the
-  benchmark page names no flag); torch's CP at 1963fc8 issues its K/V all-gather before the
-  first (local, causal) block and overlaps the ring's dK/dV sends with the next block,
+  benchmark page names no flag); torch's CP (``_templated_ring_attention`` of that time, read
+  from a stored copy, not at 1963fc8 itself) issues its K/V all-gather before the first
+  (local, causal) block and overlaps the ring's dK/dV sends with the next block,
   where autopar's ``"all-gather"`` form exposes both (it overcharges, the rows are fast:
   not the gap). The 8B rows' published step grows by 17.7 s from CP 2 to CP 4 and 29.2 s
   from CP 4 to CP 8 where the priced one grows by 8.8 and 16.7 s (attention's work per GPU
   doubling; from CP 1 to CP 2, 4.5 s published, 4.6 priced): torch CP's cost beyond that
-  at 4 and 8 ranks stays unidentified (``TT_CP_COST``).
+  at 4 and 8 ranks stays unidentified (``TT_CP_COST``). Counted as published, the two
+  ring implementations are off alike and more so with more ranks (torch's CP 4 / 8 +52.0 /
+  +62.3%, Transformer Engine's +49.1 / +61.4%) while Llama 3's one attention call over
+  gathered K/V is -6.2%: the common term is most likely a ring's per-step pieces and their
+  fp32 merges, priced here as one fused attention. autopar measured its own pieces
+  (``gpus._HOPPER_CONTEXT``), not torch's or TE's; a GPU session can time torch's
+  ``_templated_ring_attention`` on one GPU under a fake process group at these shapes.
 
 Mean |error| over the 33 rows: 17.1% -> 17.6% (before: ``python
 benchmarks/published_runs.py``, every row, 953 s wall / 229 CPU s at load 13, 2026-11-30,
