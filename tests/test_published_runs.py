@@ -146,7 +146,7 @@ def test_rows_beyond_twenty_percent_name_what_they_lack():
     """The rows whose last measured error is beyond 20% (the module's docstring and
     docs/measured.md) each name the technique or the term the run had and autopar lacks."""
     lacking = {i for i, r in enumerate(RUNS) if r.lacks}
-    beyond = {10, 14, 17, 20, 23, 25, 27, 28, 29}
+    beyond = {10, 14, 17, 21, 22, 23, 25, 27, 29}
     assert beyond <= lacking, sorted(beyond - lacking)
 
 
@@ -193,3 +193,78 @@ def test_selective_recomputation_gathers_the_tensor_axis_again():
         assert p.plan.mesh_shape[p.plan.mesh_axes.index("tensor")] == tensor \
             if "tensor" in p.plan.mesh_axes else tensor == 1
     assert added[1] == 0.0 and added[2] > 0.0, (added, REGATHERED)
+
+
+# --- each publication's own FLOP count, each run's own program (issue 39) -------------------
+def test_llama3_rows_count_flops_as_their_mfu_does():
+    """Llama 3's Table 4 TFLOP/s per GPU are its MFU (Chowdhery et al.'s, PaLM Appendix B:
+    ``6N + 12LHQT`` a token) times the H100's peak: attention over the whole ``T x T``
+    square. The three Llama 3 rows count it so; the whole-square count is the causal one
+    plus exactly ``6 l s h`` a token, and on the 128k row it is 1.40x the causal count
+    (attention 40% of it), on the 8k rows 1.04x."""
+    from dataclasses import replace
+    llama3 = [r for r in RUNS if r.source.startswith("Dubey et al. 2024")]
+    assert len(llama3) == 3 and all(r.attention_flops == "full" for r in llama3)
+    for r in llama3:
+        full, causal = r.model_flops(), replace(r, attention_flops="causal").model_flops()
+        assert full - causal == pytest.approx(r.batch * r.seq * 6 * r.layers * r.seq * r.hidden)
+        assert full / causal == pytest.approx(1.40 if r.seq == 131072 else 1.04, abs=0.01)
+    with pytest.raises(KeyError):
+        replace(llama3[0], attention_flops="half").model_flops()
+
+
+def test_nemo_rows_count_flops_as_nemos_pages_do():
+    """NeMo's performance summary (24.07) gives tokens/s and TFLOP/s per GPU side by side;
+    their ratio is the whole-square count of ``Run.model_flops`` to 0.2% on Llama 2 7B at
+    4,096 tokens and Llama 3 8B at 8,192 (the causal count is 7% / 11% short), and NeMo's
+    long-sequence rows count so."""
+    from dataclasses import replace
+    from benchmarks.published_runs import NEMO_LONG
+    nemo = [r for r in RUNS if r.source.startswith(NEMO_LONG)]
+    assert len(nemo) == 2 and all(r.attention_flops == "full" for r in nemo)
+    for (layers, h, heads, kv, ffn, vocab, seq), tps, tflops in (
+            ((32, 4096, 32, 32, 11008, 32000, 4096), 16847, 776e12),
+            ((32, 4096, 32, 8, 14336, 128256, 8192), 12036, 697e12)):
+        run = replace(nemo[0], layers=layers, hidden=h, heads=heads, kv_heads=kv, ffn=ffn,
+                      vocab=vocab, seq=seq, batch=1)
+        per_token = tflops / tps
+        assert run.model_flops() / seq == pytest.approx(per_token, rel=0.002)
+        causal = replace(run, attention_flops="causal").model_flops() / seq
+        assert causal < 0.95 * per_token
+
+
+def test_torchtitan_attention_computes_llamas_and_keeps_the_repeated_kv():
+    """torchtitan repeats K/V to every query head before SDPA (``TitanAttention``), and
+    torch's context parallelism gathers SDPA's own inputs: the attention computes what
+    ``examples.llama``'s does (same weights, same output), and captured under a context
+    layout its SDPA still reads K/V with every query head's copy (the transposes keep
+    ``autopar.capture.grouped_kv`` from giving them back grouped), where ``examples.llama``'s
+    is rewritten to read the grouped K/V (``enable_gqa``)."""
+    from autopar.capture import capture
+    from autopar.capture.sequence_layout import sequence_layout
+    from autopar.ops.attention import is_attention
+    from benchmarks.published_runs import TitanAttention
+    from examples.base import lm_loss
+    from examples.llama import Llama, LlamaAttention, LlamaConfig
+    cfg = LlamaConfig(vocab_size=64, max_seq_len=16, n_layer=1, n_head=4, n_kv_head=2, dim=32,
+                      hidden_dim=48)
+    torch.manual_seed(0)
+    ref = LlamaAttention(cfg)
+    titan = TitanAttention(cfg)
+    titan.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 16, 32)
+    cos, sin = torch.randn(16, 8), torch.randn(16, 8)
+    torch.testing.assert_close(titan(x, cos, sin), ref(x, cos, sin))
+
+    heads = {}
+    for name, attn in (("llama", LlamaAttention), ("titan", TitanAttention)):
+        with torch.device("meta"):
+            model = Llama(cfg)
+            model.layers[0].attention = attn(cfg)
+        tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
+        with sequence_layout(2):
+            cap = capture(model, (tokens,), lm_loss, target=torch.zeros_like(tokens))
+        sdpa = [n for n in cap.gm.graph.nodes if n.op == "call_function" and is_attention(n.target)]
+        assert len(sdpa) == 1
+        heads[name] = (sdpa[0].args[1].meta["val"].shape[1], sdpa[0].kwargs.get("enable_gqa", False))
+    assert heads == {"llama": (2, True), "titan": (4, False)}
