@@ -183,3 +183,30 @@ def test_expert_stage_meshes_split_the_batch():
     # 16 devices a stage: data x expert = 16 / tensor divides 12 with tensor 8 or 4 only
     assert {m for m in got if m[2] > 1} == {(1, 8, 2), (2, 4, 2), (1, 4, 4)}
     assert [m for m in got if m[2] == 1] == [(2, 8, 1), (4, 4, 1), (8, 2, 1), (16, 1, 1)]
+
+
+def test_expert_stage_cutoff_keeps_every_plan_below_it():
+    """The expert stage's cutoff (``search_experts``' best step, ``MeshAsk.cutoff_s``) leaves
+    unsolved only programs that cannot give a step below it: with the cutoff just above the
+    best expert plan's step that plan is found again (same digest); with one at the best
+    step itself, no plan below it is found and what was left unsolved is said."""
+    from autopar.solver.driver import _spec
+    from autopar.solver.expert_search import search_experts
+    from autopar.solver.free_search import _FreeSearch
+    from autopar.solver.spec import Settings
+    _, _, budget = free_expert_plan()
+    b = big_experts()
+    spec = _spec(b.model, b.inputs, b.loss_fn, b.target, device_bound_a100s(), 4, None,
+                 Settings.of("solve", {"memory_budget": budget}))
+    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+    run = _FreeSearch(spec, cap, 0.0)
+    step = lambda p: p.estimate.step_time_s  # noqa: E731
+    plans = search_experts(spec, cap, run._plan_with, None)
+    assert plans, "no expert plan fits: the test's budget no longer makes one"
+    best = min(plans, key=step)
+    again = search_experts(spec, cap, run._plan_with, step(best) * (1 + 1e-9))
+    assert again and min(again, key=step).digest() == best.digest()
+    notes: list[str] = []
+    at = search_experts(spec, cap, run._plan_with, step(best), notes)
+    assert all(step(p) >= step(best) for p in at)
+    assert len(at) < len(plans) or notes

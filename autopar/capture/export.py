@@ -72,7 +72,7 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
     [<OpOverload(op='aten.linear', overload='default')>]
     """
     example_inputs = check_arguments(model, example_inputs, loss_fn, target)
-    args = example_inputs + ((target,) if loss_fn is not None else ())
+    args = example_inputs + ((_own_target(target, example_inputs),) if loss_fn is not None else ())
     wrapper = _WithLoss(model, loss_fn, len(example_inputs))
     c = current_layout()
 
@@ -83,6 +83,19 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
     with experts_as_ops(model):   # the experts' templates registered, a cached graph's too
         pass
     return cached_capture(model, example_inputs, loss_fn, target, stamp, c, fresh)
+
+
+def _own_target(target, example_inputs):
+    """``target``, or a copy of it where it is one of ``example_inputs`` (a language model's
+    tokens are its input and its target: ``hf_models.build``). Exported as one tensor
+    passed twice, every read of it lands on the last placeholder, the target's: the model's
+    embedding reads the target, so the whole model is the loss's tail (``analysis.stages``)
+    and the full-batch graph has no pipeline cut (Mixtral 8x7B's chain 115 of its 2,673
+    nodes, every cut crossing nothing); a copy gives each placeholder its own reads, as the
+    micro-batch captures (``pipeline_search.split_batch``, which copies) always had."""
+    if isinstance(target, torch.Tensor) and any(t is target for t in example_inputs):
+        return target.clone()
+    return target
 
 
 def _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper) -> Captured:

@@ -104,18 +104,26 @@ def flat_candidates(pins: Options, world: int, batch: int, devices_per_node: int
     return out
 
 
-def search_experts(spec, cap, plan_with, best_s: float | None):
+def search_experts(spec, cap, plan_with, best_s: float | None, notes: list | None = None):
     """The unpipelined expert plans of :func:`flat_candidates` that fit: [Plan], each
     mesh pruned first by the memory bound, then by its compute floor against the best step
-    found (``best_s``, or the best of these so far). ``plan_with(graph, pins)``: the
-    unpipelined plan of a graph under pins (the free search's, ``flat.solve_ask``)."""
+    found (``best_s``, or the best of these so far), then each of its programs (without
+    and with recomputation) by the same: ``plan_with(graph, pins, cutoff_s, pruned)``, the
+    unpipelined plan of a graph under pins (the free search's, ``flat.solve_ask``), leaves
+    a program whose compute floor or LP relaxation is at least ``cutoff_s`` unsolved
+    (``MeshAsk.cutoff_s``: exact, no plan on it beats the best found) and adds it to
+    ``pruned``. Mixtral 8x7B on 64 H100: without recomputation nothing fits an expert
+    mesh, and with every layer recomputed the compute floors are 2.78-2.80 s, above the
+    best pipeline's 2.57 s: 6 programs left unsolved, the stage 12 s (835 s before, its
+    fewest-layers probes 468 s of it, in a profile under load 14). ``notes``: a list the
+    programs left unsolved are said in (``plan.solver.skipped``)."""
     n = moe_experts(cap)
     if n is None or spec.mesh_shape is not None:
         return []
     batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0])
     dense, experts = split_state_bytes(cap, state_per_param(spec.optimizer, spec.options.precision))
     budget = spec.budget
-    out = []
+    out, pruned = [], []
     for e, t in flat_candidates(spec.options, spec.world, batch,
                                 spec.cluster.devices_per_node or spec.world, n):
         if least_state_bytes(dense, experts, 1, t, e) > budget:
@@ -130,12 +138,18 @@ def search_experts(spec, cap, plan_with, best_s: float | None):
                 if spec.verbose:
                     print(f"experts e={e} tensor={t}: cannot beat {best_s:.4g} s (compute floor)")
                 continue
-            got = plan_with(cap, pins)
-        except (InfeasibleError, PinError):
+            got = plan_with(cap, pins, best_s if best_s is not None else math.inf, pruned)
+        except (InfeasibleError, PinError):    # flat.BeyondCutoff among them
             continue
         out.append(got)
         if best_s is None or got.estimate.step_time_s < best_s:
             best_s = got.estimate.step_time_s
+    if pruned and notes is not None:
+        meshes = sorted({str(u.shape) for u in pruned})
+        notes.append(f"experts: {len(pruned)} sharding programs not solved (mesh "
+                     f"{', '.join(meshes)}): their compute floor or LP relaxation gives no step "
+                     "below the best plan found (exact); the fewest-layers probes and "
+                     "activation offload of those programs not tried")
     return out
 
 
