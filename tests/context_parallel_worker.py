@@ -106,10 +106,11 @@ def memory_case(case: dict) -> dict:
                              memory_budget=budget, recompute="none")
     measured = saved_bytes(pm, (ids,), tgt)
     # the loss's backward makes LOSS_GRADIENTS fp32 tensors of its input's (the logits')
-    # local size beside the saved ones: in the estimate's activations, unseen by the hook
+    # local size beside the saved ones: the estimate's loss_grads, unseen by the hook
     transient = LOSS_GRADIENTS["cross_entropy_loss"] * 4 * (seq // 4) * V
     return {"fits_one_rank": fits_one, "budget": budget, "measured": measured,
             "estimate": pm.plan.estimate.memory_bytes.get("activations", 0.0),
+            "loss_grads": pm.plan.estimate.memory_bytes.get("loss_grads", 0.0),
             "transient": transient,
             "memory_total": pm.plan.estimate.memory_total}
 
