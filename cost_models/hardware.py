@@ -114,17 +114,21 @@ def devices_of(cluster: Cluster, world: int) -> Cluster:
                            f"{cluster.world_size} devices; plan for 1 to {cluster.world_size} "
                            f"of them, or name a larger cluster")
     if cluster.device.name.startswith("cpu"):
-        return cpu_cluster(world, f"{cluster.name} ({world} ranks)")
+        return cpu_cluster(world, f"cpu:{world}")
     if world <= cluster.devices_per_node:
-        return replace(cluster, name=f"{cluster.name} ({world} devices)", nodes=1,
-                       devices_per_node=world)
-    if world % cluster.devices_per_node:
+        nodes, per_node = 1, world
+    elif world % cluster.devices_per_node:
         raise ClusterError(f"world_size={world}: not whole nodes of cluster {cluster.name!r} "
                            f"({cluster.nodes} nodes x {cluster.devices_per_node} devices); plan "
                            f"for at most {cluster.devices_per_node} devices or a multiple of "
                            f"{cluster.devices_per_node}")
-    return replace(cluster, name=f"{cluster.name} ({world} devices)",
-                   nodes=world // cluster.devices_per_node)
+    else:
+        nodes, per_node = world // cluster.devices_per_node, cluster.devices_per_node
+    # named by a preset string where the device is a preset's, so that the plan's cluster
+    # parses back (``plan.cluster``: the report re-prices offload from it)
+    key = next((k for k, d in DEVICES.items() if d == cluster.device), None)
+    name = f"{nodes}x{per_node}x{key.upper()}" if key else f"{cluster.name} ({world} devices)"
+    return replace(cluster, name=name, nodes=nodes, devices_per_node=per_node)
 
 
 # --- Mesh axes ---------------------------------------------------------------------------

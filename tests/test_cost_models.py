@@ -297,9 +297,11 @@ def test_world_size_takes_the_first_devices_of_a_cluster():
     the cost model with "plan for at most N devices" for any W < N (``local`` included)."""
     c = hardware.devices_of(parse_cluster("4x8xH100"), 16)
     assert (c.nodes, c.devices_per_node, c.device) == (2, 8, hardware.H100_80GB)
+    assert parse_cluster(c.name) == c                # the plan's cluster parses back
     c = hardware.devices_of(parse_cluster("4x8xH100"), 4)
-    assert (c.nodes, c.devices_per_node) == (1, 4)
-    assert hardware.devices_of(parse_cluster("cpu:4"), 2).intra == parse_cluster("cpu:2").intra
+    assert (c.nodes, c.devices_per_node) == (1, 4) and parse_cluster(c.name) == c
+    assert hardware.devices_of(parse_cluster("256xdgx-h800"), 16).name == "2x8xH800"
+    assert hardware.devices_of(parse_cluster("cpu:4"), 2) == parse_cluster("cpu:2")
     four = parse_cluster("cpu:4")
     assert hardware.devices_of(four, 4) is four
     with pytest.raises(hardware.ClusterError, match="multiple of 8"):
