@@ -45,6 +45,10 @@ uses the same names): ``autopar.mesh_roles.AXIS_NAMES``. A new axis is a field o
 ``MeshRoles`` (and an option here), so that what reads every mesh pin (``autopar.elastic``'s
 re-plan for a new world size) sees it."""
 
+CUDA_GRAPHS = "reduce-overhead"
+"""``compile=``'s value that also records each compiled program as CUDA graphs and replays
+them (the name of torch.compile's mode that does so)."""
+
 
 @dataclass(frozen=True, eq=False)
 class Options(Mapping):
@@ -145,10 +149,14 @@ class Options(Mapping):
     """Under ``offload="disk"``: the local directory the optimizer state's files go in (each
     rank makes its own directory inside it, removed when the module is); default a temporary
     directory under ``tempfile.gettempdir()`` (``$TMPDIR``)."""
-    compile: bool | None = None
+    compile: bool | str | None = None
     """Run each rank's programs through ``torch.compile`` (Inductor), forward and backward,
     collectives included as torch's functional collectives (``autopar.runtime.compiled``);
-    the cost model then prices memory-bound ops as fused into their neighbours."""
+    the cost model then prices memory-bound ops as fused into their neighbours.
+    ``"reduce-overhead"``: the same, and on CUDA ranks each compiled program is recorded as
+    CUDA graphs and replayed (torch.compile's mode of that name: Inductor's
+    ``triton.cudagraphs``), so a launch-bound step pays one launch a program instead of one
+    a kernel; priced with the host time of the replays (``cost_models.host``)."""
 
     # ---- building -----------------------------------------------------------------------
     @classmethod
@@ -383,9 +391,10 @@ def _check_values(p: dict) -> None:
                        "number >= 1 (1.0 is uniform routing)")
     if p.get("context_attention") not in (None, "ring", "all-gather"):
         raise PinError(f"context_attention={p['context_attention']!r}: use 'ring' or 'all-gather'")
-    if p.get("compile") not in (None, True, False):
-        raise PinError(f"compile={p['compile']!r}: use True (torch.compile each rank's programs) "
-                       "or False (eager, the default)")
+    if p.get("compile") not in (None, True, False, CUDA_GRAPHS):
+        raise PinError(f"compile={p['compile']!r}: use True (torch.compile each rank's programs), "
+                       f"{CUDA_GRAPHS!r} (the same, replayed as CUDA graphs on GPUs) or False "
+                       "(eager, the default)")
     for scheme in SCHEMES:       # the update schemes' own values (autopar.update_schemes)
         scheme.check_values(p)
 

@@ -53,7 +53,9 @@ compile, autopar_compile, attention_backends, scale:
    layer one ``autopar::moe_experts`` op running the experts class's own forward here;
 7. ``autopar_compile``: the GPT, the Llama and the Mixtral through ``parallelize(compile=True)`` (Inductor, Triton on a
    GPU) trained as in 1., against one device, with its compile seconds, and its step
-   against autopar eager's (1.) and the single-device ``torch.compile`` step (4.);
+   against autopar eager's (1.) and the single-device ``torch.compile`` step (4.); then
+   each under ``compile="reduce-overhead"`` (CUDA graphs), its step against
+   ``compile=True``'s and its host time as priced (``cost_models.host.graphs_dispatches``);
 8. ``multi_gpu``: ``data=2``, ``tensor=2`` and ZeRO-3 plans of the GPT on 2 ranks
    (torchrun) against one device, each trained by ``train_step`` and by the ordinary loop
    (``loss_fn(pm(x), y).backward()``), each collective probed once, and all-reduce bus
@@ -1009,7 +1011,35 @@ def section_autopar_compile(ctx: Ctx) -> dict:
             f"{(eager or float('nan')) * 1e3:.2f} ms; compiled in {sum((rep.get('compile_s') or {}).values()):.1f} s "
             f"(cache hits {rep.get('cache_hits')}, misses {rep.get('cache_misses')})")
         out["models"][name] = r
+        out["models"][f"{name}-graphs"] = cuda_graphs_run(ctx, name, r)
     return out
+
+
+def cuda_graphs_run(ctx: Ctx, name: str, compiled: dict) -> dict:
+    """Model ``name`` under ``compile="reduce-overhead"`` (each program replayed as CUDA
+    graphs on a GPU; on the CPU of ``--dry`` compile=True's programs, Inductor's cache
+    serving them) trained as in 1., its step against ``compile=True``'s (``compiled``) and
+    its host time as ``cost_models.host.graphs_dispatches`` prices it (a step of two replays,
+    the batch copied in, each gradient rebuilt and accumulated, SGD with momentum's foreach
+    calls) beside the measured step."""
+    from autopar.cost_models.host import GPU_HOST_OP_S, graphs_dispatches
+    if ctx.budget.left() < (0 if ctx.dry else 60):
+        return {"skipped": "time budget spent"}
+    try:
+        r = train_and_compare(ctx, name, key=f"{name}-graphs", compile="reduce-overhead")
+    except Exception as e:  # noqa: BLE001 - recorded, the next model runs
+        r = error_info(e)
+        log(f"  {name} CUDA graphs: ERROR {r['error'][:300]}")
+        return r
+    pm = ctx.models[f"{name}-graphs"]["pm"]
+    params = len({id(p) for p in pm.parameters()})
+    r["predicted_host_s"] = graphs_dispatches(2, params, optimizer_states=1) * GPU_HOST_OP_S
+    base = compiled.get("median_step_s")
+    if base and r.get("median_step_s"):
+        r["speedup_over_compiled"] = base / r["median_step_s"]
+    log(f"  {name} CUDA graphs: step {r['median_step_s'] * 1e3:.2f} ms against compiled "
+        f"{(base or float('nan')) * 1e3:.2f} ms; host priced {r['predicted_host_s'] * 1e3:.2f} ms")
+    return r
 
 
 # ---- section: several GPUs -----------------------------------------------------------------------
@@ -1113,6 +1143,7 @@ def worker_multi(args) -> dict:
     ref = copy.deepcopy(model).to(dev)
     ref_t, ref_losses = eager_steps(ref, data, loss_fn, dev)
     res["one_device_step_s"] = statistics.median(ref_t[1:] or ref_t)
+    res["one_device_losses"] = ref_losses
     del ref
     for label, pins in (("data=2", {"data": 2}), ("tensor=2", {"tensor": 2}),
                         ("data=2 zero=3", {"data": 2, "zero": 3})):
@@ -1252,6 +1283,10 @@ def speed_lines(s: dict) -> list[str]:
             parts.append(f"autopar compiled / torch.compile {b / t['compiled_step_s']:.2f} "
                          f"({b * 1e3:.2f} / {t['compiled_step_s'] * 1e3:.2f} ms; that process's eager "
                          f"{t['eager_step_s'] * 1e3:.2f} ms)")
+        g = (compiled.get(f"{name}-graphs") or {}).get("median_step_s")
+        if b and g:
+            parts.append(f"autopar reduce-overhead / autopar compiled {g / b:.2f} ({g * 1e3:.2f} / "
+                         f"{b * 1e3:.2f} ms)")
         if parts:
             out.append(f"speed {name}: " + "; ".join(parts))
     return out
@@ -1329,6 +1364,12 @@ def summary(report: dict) -> list[str]:
     for name, m in s.get("autopar_compile", {}).get("models", {}).items():
         if "passed" not in m:
             lines.append(f"autopar compile=True {name}: {m.get('error') or m.get('skipped')}"[:240])
+            continue
+        if name.endswith("-graphs"):
+            lines.append(f"autopar compile='reduce-overhead' {name}: {'PASS' if m['passed'] else 'FAIL'}: "
+                         f"max loss diff {m['max_loss_rel_diff']:.2e}; step {m['median_step_s'] * 1e3:.2f} ms "
+                         f"({_f(m.get('speedup_over_compiled'))}x compile=True's), host priced "
+                         f"{m['predicted_host_s'] * 1e3:.2f} ms")
             continue
         lines.append(f"autopar compile=True {name}: {'PASS' if m['passed'] else 'FAIL'}: max loss diff "
                      f"{m['max_loss_rel_diff']:.2e}, max param diff {m['max_param_rel_diff']:.2e}; step "

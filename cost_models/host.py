@@ -107,6 +107,29 @@ def step_dispatches(targets: Iterable[str], recomputed: Iterable[str] = (), *,
     return microbatches * (fwd + bwd + again) + OPTIMIZER_DISPATCHES.get(optimizer_states, 10)
 
 
+# compile="reduce-overhead" (CUDA graphs, Inductor's ``triton.cudagraphs``): each compiled
+# program is one graph replay, so the host no longer dispatches its ops one by one. What the
+# host still does a step, counted from torch's replay path (torch/_inductor/cudagraph_trees.py,
+# ``CUDAGraphNode.run``: each input not at its recorded address copied in, ``graph.replay()``,
+# each output rebuilt as a tensor over the graph's pool) and from the autograd engine: the
+# forward and the backward replay (one call each), the batch's inputs copied (one each), per
+# parameter its gradient rebuilt and accumulated into ``.grad`` (AccumulateGrad: two calls),
+# and the eager optimizer's foreach calls (OPTIMIZER_DISPATCHES), each at GPU_HOST_OP_S. Not
+# measured yet (no GPU since it was written): the GPU check's autopar_compile section times it
+# (``benchmarks/gpu_check.py``, ``compile="reduce-overhead"`` rows).
+GRAPH_REPLAYS = 2
+"""Graph replays of an unpipelined step: the forward program and the backward program."""
+GRAPH_CALLS_PER_PARAM = 2
+"""Host calls per parameter of a replayed backward: its gradient rebuilt, then accumulated."""
+
+
+def graphs_dispatches(inputs: int, params: int, *, optimizer_states: int = 2) -> float:
+    """Host calls of one step whose programs are replayed as CUDA graphs (see above):
+    ``inputs`` batch tensors copied in, ``params`` gradients rebuilt and accumulated."""
+    return (GRAPH_REPLAYS + inputs + GRAPH_CALLS_PER_PARAM * params
+            + OPTIMIZER_DISPATCHES.get(optimizer_states, 10))
+
+
 def host_time(dispatches: float, host_op_s: float, *, compiled: bool = False) -> float:
     """Host seconds of a step of ``dispatches`` ATen calls at ``host_op_s`` each (0 where the
     device prices no host term: CPU ranks carry theirs in ``launch_overhead``)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 
 import torch
 
@@ -44,10 +45,13 @@ CASES = [
     {"id": "offload", "model": "mlp", "pins": {"data": 2, "offload": "optimizer"}},
     {"id": "compress", "model": "mlp", "pins": {"data": 2, "compress": "topk:1"}},    # every entry: exact
     {"id": "branch", "model": "inception", "pins": {"branch": 2}},
+    # compile="reduce-overhead" (CUDA graphs): on CPU ranks compile=True's programs (the same
+    # graph as "zero3": Inductor's cache serves it), with a warning that says so
+    {"id": "zero3-graphs", "model": "mlp", "pins": {"data": 2, "zero": 3}, "compile": "reduce-overhead"},
 ]
 """Every compiled case: ``tests/test_compile.py`` runs a few (``CORE``), ``benchmarks/
 compiled_plans.py`` all of them."""
-SHARDED = ("tensor", "zero3", "pipeline", "hf-llama", "moe-all-to-all", "moe-all-gather", "zero-bubble")
+SHARDED = ("tensor", "zero3", "zero3-graphs", "pipeline", "hf-llama", "moe-all-to-all", "moe-all-gather", "zero-bubble")
 
 
 def check_compiled(r: dict) -> None:
@@ -56,7 +60,9 @@ def check_compiled(r: dict) -> None:
     seconds; a pipelined rank's stage programs among them; sharded plans hold less than the
     whole model."""
     case_id = r["case"]["id"]
-    assert r["options"].get("compile") is True, r
+    assert r["options"].get("compile") == r["case"].get("compile", True), r
+    if r["case"].get("compile") == "reduce-overhead":      # CPU ranks: no CUDA graphs, said once
+        assert r["warnings"] == 1 and "CUDA graphs need CUDA devices" in r["warning"], r
     report = r["report"]
     assert report is not None and report["compile_s"], report      # the compiled path ran
     assert all(s > 0 for s in report["compile_s"].values()), report
@@ -75,14 +81,18 @@ def run_case(case: dict) -> dict:
         ex = build(case["model"][3:], batch=4)
     else:
         ex = EXAMPLES[case["model"]](batch=8, seed=0, **case.get("model_kw", {}))
-    pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target, compile=True,
-                             **case["pins"])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        pm = autopar.parallelize(ex.model, ex.inputs, ex.loss_fn, target=ex.target,
+                                 compile=case.get("compile", True), **case["pins"])
+    graphs = [str(w.message) for w in said if "CUDA graphs" in str(w.message)]
     ref = reference_run(ex.model, ex.inputs, ex.target, ex.loss_fn)
     got = parallel_run(pm, ex.inputs, ex.target)
     worst = compare(ref, got, f"{case} compiled")
     res = {"worst": worst, "report": pm.compile_report(), "options": pm.plan.options.pinned(),
            "local_bytes": sum(p.numel() * p.element_size() for p in pm.parameters()),
-           "model_bytes": sum(p.numel() * p.element_size() for p in ex.model.parameters())}
+           "model_bytes": sum(p.numel() * p.element_size() for p in ex.model.parameters()),
+           "warnings": len(graphs), "warning": graphs[0] if graphs else ""}
     if case.get("count"):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                     record_shapes=True) as prof:

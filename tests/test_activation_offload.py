@@ -126,6 +126,29 @@ def test_estimate_prices_the_copies_and_frees_the_bytes():
     assert m1["activations"] + host == pytest.approx(m0["activations"])     # moved, not lost
 
 
+def test_bf16_weight_copies_go_to_the_host_and_are_priced(monkeypatch):
+    """Under bf16 the offloaded layers also save their weights' 16-bit copies (autocast's
+    casts, read only inside the layers): 2 bytes a parameter of the 4 layers more on the host
+    than the same plan priced without them, and their copies on the step like the
+    activations' (a CPU rank hides nothing): the offloaded plan's compute is the plain
+    plan's plus ``2 S / bw`` of all it puts on the host."""
+    from autopar.pricing.costing import CostModel
+    ex = gpt_factory(batch=8, n_layer=4, n_embd=64)
+    plan = lambda **k: autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target,  # noqa: E731
+                                    cluster="cpu:1", precision="bf16", **k)
+    base, off = plan(), plan(offload_activations="full")
+    host = off.host_memory_bytes["activations"]
+    device = parse_cluster(off.cluster).device
+    assert off.estimate.compute_s - base.estimate.compute_s == pytest.approx(copy_s(host, device), rel=1e-6)
+    copies = 2 * sum(p.numel() for n, p in ex.model.named_parameters() if ".h." in n)
+    # the copies leave the device's params; one layer's is back in flight ("offload")
+    assert base.estimate.memory_bytes["params"] - off.estimate.memory_bytes["params"] == pytest.approx(copies)
+    monkeypatch.setattr(CostModel, "_offloaded_params", lambda self, v: 0)
+    without = plan(offload_activations="full")
+    assert host - without.host_memory_bytes["activations"] == pytest.approx(copies)
+    assert off.estimate.compute_s - without.estimate.compute_s == pytest.approx(copy_s(copies, device), rel=1e-6)
+
+
 def test_pinned_offload_leaves_its_layers_out_of_recomputation():
     """Under a budget that binds, a plan pinned to offload h.0 recomputes other layers only
     (a layer is offloaded or recomputed, never both: its bytes would be freed twice)."""

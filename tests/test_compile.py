@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(1200)
 # compile_worker.CASES (tensor, transformers' Llama, Mixtral's experts both ways, a
 # zero-bubble pipeline, offload, compression, branches): each compiles its own kernels, and
 # Inductor's first compile of a kernel costs this 2-core machine seconds (minutes a launch)
-CORE = ("free", "zero3", "pipeline")
+CORE = ("free", "zero3", "pipeline", "zero3-graphs")
 CASES = [c for c in ALL_CASES if c["id"] in CORE]
 
 
@@ -184,3 +184,43 @@ def test_compiled_plans_price_fused_memory_bound_ops():
     eager, compiled = steps("mlp")
     assert compiled.compute_s == pytest.approx(eager.compute_s, rel=1e-9)
     host_priced(eager, compiled)
+
+
+def test_cuda_graphs_option_checked_and_selected_by_device():
+    """``compile="reduce-overhead"``: torch.compile's mode of that name (Inductor's CUDA
+    graph trees) on CUDA ranks; elsewhere compile=True's options and a warning that says so."""
+    from autopar.runtime.compiled import INDUCTOR_OPTIONS, cuda_graphs_note, inductor_options
+    assert Options.from_pins({"compile": "reduce-overhead"}).compile == "reduce-overhead"
+    with pytest.raises(PinError, match="compile='max-autotune'.*'reduce-overhead'"):
+        Options.from_pins({"compile": "max-autotune"})
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert inductor_options("reduce-overhead", cuda) == {**INDUCTOR_OPTIONS, "triton.cudagraphs": True}
+    for mode, dev in ((True, cuda), ("reduce-overhead", cpu), (True, cpu)):
+        assert inductor_options(mode, dev) == INDUCTOR_OPTIONS, (mode, dev)
+    assert "runs on cpu" in cuda_graphs_note("reduce-overhead", cpu)
+    assert cuda_graphs_note("reduce-overhead", cuda) is None and cuda_graphs_note(True, cpu) is None
+
+
+def test_cuda_graphs_are_priced_as_replays():
+    """Replayed as CUDA graphs, a step's host time is its two replays, its inputs copied in,
+    each parameter's gradient rebuilt and accumulated, and the optimizer's foreach calls
+    (``cost_models.host.graphs_dispatches``), not every op's dispatch: the small GPT, host
+    bound on an H100 under compile=True, is predicted faster; its device side is
+    compile=True's. On a CPU cluster nothing changes (CPU ranks price no host term)."""
+    from examples.models import EXAMPLES
+    from autopar.cost_models.host import GPU_HOST_OP_S, OPTIMIZER_DISPATCHES
+    ex = EXAMPLES["gpt"](batch=8, seed=0)
+
+    def plan(mode, cluster="1x1xH100"):
+        return autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster=cluster,
+                            compile=mode)
+    compiled, graphs = plan(True), plan("reduce-overhead")
+    n_params = len(set(graphs.params.values()))     # tied weights: one gradient
+    want = (2 + 2 + 2 * n_params + OPTIMIZER_DISPATCHES[2]) * GPU_HOST_OP_S  # x and target
+    assert graphs.estimate.host_s == pytest.approx(want, rel=1e-12)
+    assert graphs.estimate.host_s < 0.5 * compiled.estimate.host_s, (graphs.estimate, compiled.estimate)
+    assert graphs.estimate.compute_s == pytest.approx(compiled.estimate.compute_s, rel=1e-9)
+    assert graphs.estimate.step_time_s < compiled.estimate.step_time_s
+    assert graphs.options.compile == "reduce-overhead"
+    on_cpu = plan("reduce-overhead", "cpu:1")
+    assert on_cpu.estimate.host_s == 0

@@ -25,7 +25,9 @@ SECTIONS = ("environment", "equivalence", "offload", "op_timing", "plan_shapes",
 def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check") / "report.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--out", str(out)], cwd=ROOT, env=env,
+    # --multi-cpu: the two-rank section on 2 gloo CPU ranks (on a GPU both ranks share it)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--multi-cpu", "--out", str(out)],
+                          cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert out.exists(), proc.stdout[-3000:]
@@ -43,9 +45,28 @@ def test_every_section_ran(dry):
     report, _ = dry
     s = report["sections"]
     assert set(SECTIONS) <= set(s)
-    for name in [n for n in SECTIONS if n != "multi_gpu"]:
+    for name in SECTIONS:
         assert s[name]["status"] == "ok", (name, s[name].get("error"), s[name].get("traceback_tail"))
-    assert s["multi_gpu"]["status"] == "skipped"
+
+
+def test_two_rank_section_equals_one_device(dry):
+    """The two-rank section (``--multi-cpu``: 2 gloo ranks on the CPU, where a GPU loan runs
+    both on its one GPU): data=2, tensor=2 and ZeRO-3 of the GPT, each by ``train_step`` and
+    by the ordinary loop, every step's loss within the section's tolerance of one device
+    (recomputed here from the losses it recorded); each collective probed; all-reduce timed."""
+    from gpu_check import LOSS_RTOL, rel
+    mg = dry[0]["sections"]["multi_gpu"]
+    assert mg["world"] == 2 and mg["backend"] == "gloo" and not mg["ranks_share_one_gpu"], mg
+    assert set(mg["plans"]) == {"data=2", "tensor=2", "data=2 zero=3"}, mg["plans"]
+    for label, loops in mg["plans"].items():
+        assert set(loops) == {"train_step", "backward"}, (label, loops)
+        for loop, r in loops.items():
+            assert "losses" in r, (label, loop, r.get("error"), r.get("traceback_tail"))
+            assert len(r["losses"]) == mg["steps"] and r["passed"], (label, loop, r)
+            worst = max(rel(a, b) for a, b in zip(r["losses"], mg["one_device_losses"]))
+            assert worst == pytest.approx(r["max_loss_rel_diff"]) and worst <= LOSS_RTOL, (label, loop, r)
+    assert all(v == "ok" for v in mg["collectives"].values()), mg["collectives"]
+    assert mg["all_reduce"] and all(b.get("seconds", 0) > 0 for b in mg["all_reduce"]), mg["all_reduce"]
 
 
 def test_equivalence_within_tolerance(dry):
@@ -175,6 +196,11 @@ def test_autopar_compiled_gpt_equals_one_device(dry):
     rep = m["compile_report"]
     assert rep["compile_s"] and all(v > 0 for v in rep["compile_s"].values()), rep
     assert m["autopar_eager_step_s"] > 0 and m["speedup_over_autopar_eager"] > 0
+    # compile="reduce-overhead": compile=True's programs on the CPU (no CUDA graphs), equal
+    # to one device, its host time priced as replays
+    g = s["autopar_compile"]["models"]["gpt-graphs"]
+    _equal_to_one_device(g, s["equivalence"]["tolerance"])
+    assert g["speedup_over_compiled"] > 0 and g["predicted_host_s"] > 0
 
 
 def test_attention_backends_are_timed(dry):

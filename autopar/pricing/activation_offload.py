@@ -9,6 +9,10 @@ PCIe 5.0 x16 at 80% for H100 / H200, PCIe 4.0 x16 for A100, with their sources t
 
     copy = 2 S / bw                                     (out, and back)
 
+(Under mixed precision ``S`` includes the 16-bit copies of the weights only the offloaded
+layers read: they are saved tensors the hooks move too; each is priced on its parameter's
+node, ``CostModel.with_recompute``.)
+
 **Time.** On a GPU the copy out runs on a side stream beside the next layer's forward and
 the copy back beside the backward of the layer after it (backward order: the prefetch), so
 only what those do not hide is on the step:

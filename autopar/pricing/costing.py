@@ -316,15 +316,17 @@ class CostModel(CommCosts, MemoryCosts):
         """``t`` = :meth:`base_time` with ``v``'s recomputed members' forward run again, and
         (given the option's :meth:`base_memory`, ``memory``) its offloaded members' copies
         to the host and back, the share not hidden (``pricing.activation_offload``), as
-        backward time."""
+        backward time; so, under mixed precision, a parameter's 16-bit copy that only
+        offloaded layers read (their saved tensor: ``split_recompute``)."""
         rec = self._recomputed(v)
         if rec:
             t = (t[0], t[1] + t[0] * rec / len(v.members))
-        off = self._offloaded(v) if memory is not None else 0
-        if off:
-            a = memory.get("activations", 0.0)
-            t = (t[0], t[1] + self.act_offload_exposed * copy_s(a, self.cluster.device)
-                 * off / len(v.members))
+        if memory is not None and self.act_offload:    # (a weight's copy: a param node's)
+            moved = self._offloaded(v) * memory.get("activations", 0.0) + \
+                (self._offloaded_params(v) * memory.get("params", 0.0) if self.mixed else 0.0)
+            if moved:
+                t = (t[0], t[1] + self.act_offload_exposed * copy_s(moved, self.cluster.device)
+                     / len(v.members))
         return t
 
     def _offloaded(self, v: NodeVar) -> int:
@@ -362,6 +364,8 @@ class CostModel(CommCosts, MemoryCosts):
             bwd += n * times[k][1]
             # (a layer output read outside the offloaded layers stays)
             saved += self._offloaded(v) * self.saved_bytes(v, v.options[k])
+        saved += sum(self._offloaded_params(v) * min(self.base_memory(v, c, 0)["params"] for c in v.options)
+                     for v in problem.vars.values() if self.mixed and self._offloaded_params(v))
         return act_exposed_share(saved, fwd, bwd, self.cluster.device)
 
     def base_time(self, v: NodeVar, combo, optimizer_states: int = 2) -> tuple[float, float]:

@@ -50,6 +50,7 @@ from torch.torch_version import TorchVersion
 
 from autopar.errors import ArgumentError, AutoparInputError
 from autopar.ops.comm import DistComm
+from autopar.options import CUDA_GRAPHS
 from autopar.runtime.collective_order import CollectiveOrderError, OrderCheck, checked_backend
 
 
@@ -62,6 +63,29 @@ weight was 2.9x eager ZeRO-3's step on 2 gloo ranks (``benchmarks/runtime_overhe
 --compile``, the small GPT)."""
 
 
+def inductor_options(mode: "bool | str", device: torch.device) -> dict:
+    """Inductor's options for a program compiled under ``compile=mode`` on ``device``:
+    :data:`INDUCTOR_OPTIONS`, and under ``compile="reduce-overhead"`` on a CUDA device
+    torch.compile's options of that mode (``torch._inductor.list_mode_options``: Inductor's
+    ``triton.cudagraphs``, CUDA graph trees recording each program and replaying it). CUDA
+    graphs exist on CUDA devices only: on other devices the options are ``compile=True``'s
+    (``cuda_graphs_note`` says so once)."""
+    options = dict(INDUCTOR_OPTIONS)
+    if mode == CUDA_GRAPHS and device.type == "cuda":
+        options.update(torch._inductor.list_mode_options(CUDA_GRAPHS))
+    return options
+
+
+def cuda_graphs_note(mode: "bool | str", device: torch.device) -> str | None:
+    """The warning for ``compile="reduce-overhead"`` on a rank that is not a CUDA device
+    (its programs run compiled, without CUDA graphs), else None."""
+    if mode != CUDA_GRAPHS or device.type == "cuda":
+        return None
+    return (f"compile={CUDA_GRAPHS!r}: CUDA graphs need CUDA devices and this rank runs on "
+            f"{device.type}, so its programs run as under compile=True (no graphs); the plan "
+            "was priced with CUDA graphs only where its cluster has GPUs")
+
+
 class CompileError(AutoparInputError):
     """A per-rank program ``torch.compile`` cannot compile as one graph: the message names
     the program's node, its op and Dynamo's reason, and the way out (``compile=False``)."""
@@ -72,12 +96,14 @@ class CompiledProgram:
     on the first call. ``which`` names the program in errors ("train", "forward", "stage 1
     train", ...)."""
 
-    def __init__(self, gm: torch.nn.Module, which: str, check: OrderCheck | None = None):
+    def __init__(self, gm: torch.nn.Module, which: str, check: OrderCheck | None = None,
+                 options: dict | None = None):
         self.gm, self.which = gm, which
         # ``check``: the ranks compare the collectives Inductor's code issues before it first
-        # runs (``runtime.collective_order``); None: Inductor alone
-        self._compiled = torch.compile(gm, fullgraph=True, dynamic=False,
-                                       backend=checked_backend(which, check, INDUCTOR_OPTIONS))
+        # runs (``runtime.collective_order``); None: Inductor alone. ``options``: Inductor's
+        # (``inductor_options``; default ``INDUCTOR_OPTIONS``)
+        self._compiled = torch.compile(gm, fullgraph=True, dynamic=False, backend=checked_backend(
+            which, check, INDUCTOR_OPTIONS if options is None else options))
         self.compile_s: float | None = None
 
     @property
@@ -106,10 +132,11 @@ class CompiledStage(torch.nn.Module):
     """A pipeline stage's program (``gm``, or its ``AutocastStage``) compiled, as the module
     ``torch.distributed.pipelining`` runs: parameters and buffers stay ``gm``'s."""
 
-    def __init__(self, gm: torch.nn.Module, which: str, check: OrderCheck | None = None):
+    def __init__(self, gm: torch.nn.Module, which: str, check: OrderCheck | None = None,
+                 options: dict | None = None):
         super().__init__()
         self.gm = gm
-        self.program = CompiledProgram(gm, which, check)
+        self.program = CompiledProgram(gm, which, check, options)
 
     @property
     def code(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -34,7 +35,7 @@ from autopar.passes.shard_parameters import shard_tensor, unshard
 from autopar.plan import Plan
 from autopar.runtime.collective_order import check_eager_programs, order_check
 from autopar.runtime.compiled import (
-    CompiledProgram, cache_counts, check_compilable, compile_report,
+    CompiledProgram, cache_counts, check_compilable, compile_report, cuda_graphs_note, inductor_options,
 )
 from autopar.runtime.backward_loop import BackwardLoop, refusal
 from autopar.runtime.branch_stage import BranchRanks
@@ -583,8 +584,11 @@ def _runner(cap: Captured, plan: Plan, comm: Comm, root: nn.Module, shards: Shar
     order = order_check(comm, pipelined) if compiled or not pipelined else None
     if not compiled and not pipelined:
         check_eager_programs(order, comm, programs)
+    if compiled and (note := cuda_graphs_note(plan.options.compile, comm.device)) and comm.rank == 0:
+        warnings.warn(note, stacklevel=3)
     if compiled and not pipelined:   # a pipeline compiles each of its stages
-        programs = {w: CompiledProgram(gm, w, order) for w, gm in programs.items()}
+        options = inductor_options(plan.options.compile, comm.device)
+        programs = {w: CompiledProgram(gm, w, order, options) for w, gm in programs.items()}
     if pipelined:
         return PipelineRunner(cap, plan, comm, root, shards, programs, built.grad_sync,
                               order if compiled else None)

@@ -51,7 +51,7 @@ from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.split_stages import StageGraph, split_stages
 from autopar.placement import parse_placements, placements_str
 from autopar.plan import NodePlacement, Plan
-from autopar.runtime.compiled import CompiledStage
+from autopar.runtime.compiled import CompiledStage, inductor_options
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.precision import AutocastStage, cast_once_per_step, compute_dtype
 from autopar.runtime.shards import Shards
@@ -268,7 +268,8 @@ class PipelineRunner:
             dtype = self._dtype
             mod = sg.gm if dtype is None else AutocastStage(sg.gm, self.device, dtype)
             if plan.options.compile:
-                mod = CompiledStage(mod, f"stage {sg.index} {which}", self._order_check)
+                mod = CompiledStage(mod, f"stage {sg.index} {which}", self._order_check,
+                                    inductor_options(plan.options.compile, self.device))
             stage = _Stage(mod, sg.index, S, self.device, input_args=ins, output_args=outs,
                            group=self.pp_group)
             # (the first stage torch runs whole at W already). A compiled stage's backward is

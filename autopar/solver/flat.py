@@ -31,9 +31,9 @@ from autopar.solver.spec import Settings
 from autopar.pricing.activation_offload import frees_device_memory
 from autopar.pricing.context import best_form, context_axis_of
 from autopar.pricing.fp8 import chosen_fp8_layers
-from autopar.cost_models.host import host_time, step_dispatches
+from autopar.cost_models.host import graphs_dispatches, host_time, step_dispatches
 from autopar.cost_models.step import step_time
-from autopar.options import Options, as_options, check_optimizer
+from autopar.options import CUDA_GRAPHS, Options, as_options, check_optimizer
 from autopar.pricing.prices import compute_floor, memory_floor
 from autopar.pricing.problem import _describe, _placeholder_choices, build_problem
 
@@ -885,6 +885,9 @@ def plan_host_s(cap: Captured, device, recomputed, optimizer_states: int, pins: 
     (``cost_models.host``; 0 where the device prices none: CPU ranks)."""
     if not device.host_op_s:
         return 0.0
+    if pins.compile == CUDA_GRAPHS:        # replayed: the host launches graphs, not ops
+        calls = graphs_dispatches(len(cap.inputs), len(cap.params), optimizer_states=optimizer_states)
+        return calls * device.host_op_s
     targets = [str(n.target) for n in cap.gm.graph.nodes if n.op == "call_function"]
     again = [str(cap.node(n).target) for n in recomputed if cap.node(n).op == "call_function"]
     calls = step_dispatches(targets, again, optimizer_states=optimizer_states)
@@ -908,14 +911,19 @@ def _host_bytes(best: _Best) -> dict[str, float]:
 
 def _offloaded_activations(best: _Best) -> float:
     """Bytes per rank the offloaded layers (``offload_activations=``) keep in host memory at
-    the end of forward: what each of their nodes saves, under the solution's placements."""
+    the end of forward: what each of their nodes saves, under the solution's placements, and
+    under mixed precision the 16-bit copies of the weights only they read."""
     cost, total = best.cost, 0.0
     if not cost.act_offload:
         return 0.0
     for name, v in best.problem.vars.items():
+        combo = v.options[best.sol.choice[name]]
         off = cost._offloaded(v)
         if off:
-            total += off * cost.saved_bytes(v, v.options[best.sol.choice[name]])
+            total += off * cost.saved_bytes(v, combo)
+        off = cost._offloaded_params(v) if cost.mixed else 0
+        if off:
+            total += off * cost.base_memory(v, combo, 0)["params"]
     return total
 
 
