@@ -438,6 +438,15 @@ def report(cases: list[Case], results: dict, seconds: float) -> tuple[str, int]:
             out.append(f"  {c.id}  {c.describe()}")
             out.append(f"      {r['message']}")
         out.append("")
+    split = [(c, results[c.id]) for c in cases if results.get(c.id, {}).get("status") == "pass"
+             and results[c.id].get("message", "").startswith("judged against one device on")]
+    if split:
+        out.append(f"PASSED AGAINST THE PLAN'S SPLIT OF THE BATCH ({len(split)}): mixed precision, "
+                   "equal to one device on the plan's micro-batches (sweep_cases.split_references)")
+        for c, r in split:
+            out.append(f"  {c.id}  {c.describe()}")
+            out.append(f"      {r['message']}")
+        out.append("")
     if failed:
         out.append(f"FAILED ({len(failed)}):")
         for c, r in failed:

@@ -242,6 +242,34 @@ def test_float64_recheck_tells_rounding_from_a_wrong_number(monkeypatch):
     assert r.status == "fail" and "float64 recheck" in r.detail, r
 
 
+def test_mixed_precision_is_judged_against_the_plans_split_of_the_batch(monkeypatch):
+    """Llama with tied embeddings under fp16, a summed loss, data=4: one device's full-batch
+    weight gradient overflows fp16 at a loss scale where each rank's quarter does not, so one
+    device skips a step the plan takes. Against one device on the plan's 4 micro-batches, each
+    its own backward (``sweep_cases.split_references``), the plan is equal; a gradient 5% off
+    on every rank (planted) is off from that run too, and the case fails."""
+    case = C("llama-tied", "fp16", 4, "sum", {"data": 4, "precision": "fp16"})
+    r = sc.run_threads(case)
+    assert r.status == "pass" and r.message.startswith("judged against one device on 4 micro-batches"), r
+    assert "overflow on one device only" in r.message, r.message
+    real = sc.train
+
+    def planted(pm, inputs, target, opt_kind, steps=sc.STEPS):
+        step = pm.train_step
+
+        def wrong(*args, **kw):
+            loss = step(*args, **kw)
+            for p in pm.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.05)
+            return loss
+        pm.train_step = wrong
+        return real(pm, inputs, target, opt_kind, steps)
+    monkeypatch.setattr(sc, "train", planted)
+    r = sc.run_threads(case)
+    assert r.status == "fail", r
+
+
 def test_a_busy_machine_slows_a_case_but_only_a_stall_or_its_cpu_ends_it():
     """The thread-rank watchdog (``sweep._overdue``): CPU sampled every POLL_S seconds."""
     over, t, poll = sweep_runner._overdue, 180.0, sweep_runner.POLL_S
