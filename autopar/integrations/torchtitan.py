@@ -108,8 +108,8 @@ def use_cpu() -> None:
     the process group's backend from ``device_type`` (``"cpu"`` -> gloo). This sets
     ``device_type = "cpu"`` and ``device_module`` to :func:`_cpu_device_module`'s stand-in in
     ``torchtitan.tools.utils`` and in the modules that copied the two names on import
-    (``_DEVICE_READERS``, where already imported). It patches nothing else; call it before
-    building the trainer. A no-op where torchtitan found an accelerator."""
+    (``_DEVICE_READERS``, where already imported), and calls :func:`torch_compat`. Nothing
+    else; call it before building the trainer. A no-op where torchtitan found an accelerator."""
     torch_compat()
     if titan_utils.device_type != "cuda" or torch.cuda.is_available():
         return
