@@ -10,7 +10,10 @@ from one seed on one data set, and prints the losses step by step:
 - ``fsdp``: 2 ranks, torchtitan's own ``parallelize_llama`` (FSDP2, fp32);
 - ``one``: 1 rank, the whole global batch, no parallelism at all.
 
-One run alone: ``torchrun --nproc-per-node 2 examples/torchtitan_llama.py --job autopar
+``--accumulate N`` makes each step N micro-batches (torchtitan's ``global_batch_size``);
+``--max-norm`` is the clip (0.5 by default: below these steps' gradient norms, so it acts).
+Every job steps AdamW ``foreach`` rather than torchtitan's default fused kernel (see
+``trainer_config``). One run alone: ``torchrun --nproc-per-node 2 examples/torchtitan_llama.py --job autopar
 --out losses.json``. Needs ``pip install torchtitan==0.3.0`` (its trainer's dependencies,
 ``triton`` among them for its imports); ``tests/test_titan_trainer.py`` runs it.
 
@@ -24,6 +27,7 @@ order puts, for each step, rank 0's rows and then rank 1's: the same global batc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -115,7 +119,8 @@ def fsdp_on_gloo(parallelize_llama):
     return parallelize
 
 
-def trainer_config(run: str, assets: dict, pins: dict, dump: str):
+def trainer_config(run: str, assets: dict, pins: dict, dump: str, accumulate: int = 1,
+                   max_norm: float = 0.5):
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
@@ -139,11 +144,15 @@ def trainer_config(run: str, assets: dict, pins: dict, dump: str):
     return Trainer.Config(
         model_spec=spec, hf_assets_path=assets["tokenizer"], dump_folder=dump,
         loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB),
-        optimizer=default_adamw(lr=8e-3),
+        # foreach, not torchtitan's default fused AdamW: torch 2.13's fused CPU kernel updates a
+        # non-contiguous parameter wrongly, and ZeRO-1/2's shards split on a dim > 0 are such
+        # views (autopar refuses it there); every job steps the same AdamW
+        optimizer=dataclasses.replace(default_adamw(lr=8e-3), implementation="foreach"),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8,
                                                   decay_type="linear", min_lr_factor=0.0),
         training=TrainingConfig(local_batch_size=ROWS_PER_RANK * RANKS // world, seq_len=SEQ,
-                                steps=STEPS, max_norm=0.5, disable_cuda_graphs=True,
+                                global_batch_size=ROWS_PER_RANK * RANKS * accumulate,
+                                steps=STEPS, max_norm=max_norm, disable_cuda_graphs=True,
                                 mixed_precision_param="float32"),
         dataloader=HuggingFaceTextDataLoader.Config(
             dataset="c4_test", dataset_path=assets["one" if run == "one" else "ranks"]),
@@ -156,14 +165,15 @@ def trainer_config(run: str, assets: dict, pins: dict, dump: str):
         debug=DebugConfig(seed=0))
 
 
-def train(run: str, assets: dict, pins: dict, out: str | None) -> list:
+def train(run: str, assets: dict, pins: dict, out: str | None, accumulate: int = 1,
+          max_norm: float = 0.5) -> list:
     """One run inside torchrun: torchtitan's Trainer; returns [(loss, grad_norm)] per step."""
     import torch.distributed as dist
     from autopar.integrations import torchtitan as titan
 
     titan.use_cpu()             # no-op where torchtitan found an accelerator
     with tempfile.TemporaryDirectory() as dump:
-        trainer = trainer_config(run, assets, pins, dump).build()
+        trainer = trainer_config(run, assets, pins, dump, accumulate, max_norm).build()
         steps = []
         log = trainer.metrics_processor.log
 
@@ -183,11 +193,13 @@ def train(run: str, assets: dict, pins: dict, out: str | None) -> list:
     return steps
 
 
-def launch(run: str, assets: str, pins: str, out: str) -> None:
+def launch(run: str, assets: str, pins: str, out: str, accumulate: int = 1,
+           max_norm: float = 0.5) -> None:
     """``torchrun`` the ``run`` on its ranks (2, or 1 for ``one``)."""
     n = 1 if run == "one" else RANKS
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
            os.path.abspath(__file__), "--job", run, "--assets", assets, "--pins", pins,
+           "--accumulate", str(accumulate), "--max-norm", str(max_norm),
            "--out", out]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if run != "autopar" else None)
 
@@ -208,6 +220,10 @@ def main() -> None:
     ap.add_argument("--jobs", default="autopar,fsdp,one", help="without --job: which to launch")
     ap.add_argument("--pins", default="data=2", help="autopar pins, e.g. data=2 or zero=3,data=2; "
                     "'free': the solver chooses")
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-batches a step "
+                    "(torchtitan's global_batch_size over local_batch_size x data ranks)")
+    ap.add_argument("--max-norm", type=float, default=0.5, help="torchtitan's gradient clip "
+                    "(training.max_norm); 0.5 is below these steps' norms: the clip acts")
     ap.add_argument("--assets", help="the tokenizer and data folder (written when missing)")
     ap.add_argument("--out", help="with --job: write the per-step [loss, grad_norm] here (rank 0)")
     ap.add_argument("--results", help="without --job: write {job: [[loss, grad_norm], ...]} here")
@@ -215,7 +231,7 @@ def main() -> None:
     if args.job:
         with open(os.path.join(args.assets, "assets.json")) as f:
             assets = json.load(f)
-        train(args.job, assets, parse_pins(args.pins), args.out)
+        train(args.job, assets, parse_pins(args.pins), args.out, args.accumulate, args.max_norm)
         return
     with tempfile.TemporaryDirectory() as root:
         with open(os.path.join(root, "assets.json"), "w") as f:
@@ -223,7 +239,7 @@ def main() -> None:
         results = {}
         for run in args.jobs.split(","):
             out = os.path.join(root, f"{run}.json")
-            launch(run, root, args.pins, out)
+            launch(run, root, args.pins, out, args.accumulate, args.max_norm)
             with open(out) as f:
                 results[run] = json.load(f)
     if args.results:

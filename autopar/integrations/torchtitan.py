@@ -31,6 +31,10 @@ What torchtitan's trainer is given, and why:
   (:class:`_BatchRows`) all-gathers every rank's gradient of its own rows, so each rank
   hands ``pm`` the gradient of that whole sum (the same on every rank), which is what
   ``pm``'s backward expects: the gradients equal one device's (a sum, not DDP's mean).
+- **Accumulation.** With ``training.global_batch_size`` over ``local_batch_size`` x the
+  data ranks, the trainer runs that many forward and backward passes a step, each loss
+  over the step's global token count; all but the step's last run under ``pm.no_sync()``
+  (their gradients stay local), so the ranks' gradients are summed once (DDP's way).
 - **Gradient clipping.** The trainer clips with ``torchtitan.distributed.utils.
   clip_grad_norm_`` by the norm of the local gradients. :func:`_clip_grad_norm_` takes its
   place (module attribute, set by :func:`parallelize_fn`): for an :class:`AutoparModel`'s
@@ -52,6 +56,7 @@ and validator on an :class:`AutoparModel`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -186,13 +191,14 @@ class AutoparModel(nn.Module):
     ``init_weights``, then ``pm`` (``autopar.parallelize``'s module) in its place."""
 
     def __init__(self, model: nn.Module, *, rows: int, seq_len: int, group, rank: int,
-                 world: int, options: dict):
+                 world: int, options: dict, accumulate: int = 1):
         super().__init__()
         self.model = model
         self.pm = None
         self.rows, self.seq_len = rows, seq_len
         self.group, self.batch_rank, self.batch_world = group, rank, world
         self.options = dict(options)
+        self.accumulate, self.micro = accumulate, 0   # micro-batches a step; forwards so far
         _MODELS.add(self)
 
     @property
@@ -246,7 +252,13 @@ class AutoparModel(nn.Module):
             raise ArgumentError(f"a global batch of {list(tokens.shape)} tokens; the plan was made "
                                 f"for {[self.rows, self.seq_len]} (training.local_batch_size x the "
                                 "batch ranks, training.seq_len)")
-        out = self.pm(tokens, positions)
+        sync = contextlib.nullcontext()
+        if torch.is_grad_enabled() and self.accumulate > 1:
+            self.micro += 1     # all but a step's last micro-batch: gradients stay local
+            if self.micro % self.accumulate:
+                sync = self.pm.no_sync()
+        with sync:
+            out = self.pm(tokens, positions)
         return _BatchRows.apply(out, self.group, self.batch_rank, self.batch_world)
 
 
@@ -313,8 +325,10 @@ def parallelize_fn(**options):
             group, rank, world = mesh.get_group(), mesh.get_local_rank(), mesh.size()
         else:
             group, rank, world = None, 0, 1
-        return AutoparModel(model, rows=training.local_batch_size * world, seq_len=training.seq_len,
-                            group=group, rank=rank, world=world, options=options)
+        rows = training.local_batch_size * world
+        accumulate = max(1, training.global_batch_size // rows) if training.global_batch_size > 0 else 1
+        return AutoparModel(model, rows=rows, seq_len=training.seq_len, group=group, rank=rank,
+                            world=world, options=options, accumulate=accumulate)
 
     return parallelize
 
