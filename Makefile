@@ -58,10 +58,12 @@ $(STAMP): pyproject.toml setup.py | $(PY)
 	  $(PIP) install --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
 	fi
 	$(PIP) install -e '.[dev]'
-	# torchtitan's Llama 3 for tests/test_titan.py: the model code without its trainer's
-	# dependencies (pyproject's `titan` extra); optional, the tests skip without it
-	$(PIP) install -q --no-deps torchtitan==0.2.0 && $(PIP) install -q tyro \
-	  || echo "could not install torchtitan: tests/test_titan.py will say it is skipped"
+	# torchtitan 0.3 (pyproject's `titan` extra): its Llama 3 for tests/test_titan.py, its
+	# trainer for tests/test_titan_trainer.py (autopar.integrations.torchtitan). No torch is
+	# pulled (none of its dependencies pins one); its model modules import triton, which it
+	# does not declare: --no-deps, the CPU build never runs it. Optional: the tests skip without
+	$(PIP) install -q torchtitan==0.3.0 && $(PIP) install -q --no-deps triton==3.7.1 \
+	  || echo "could not install torchtitan: tests/test_titan*.py will say they are skipped"
 	@touch $@
 
 # Optional system packages for the pictures and the HTML render test: Graphviz's `dot`

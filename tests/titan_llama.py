@@ -1,74 +1,65 @@
-"""torchtitan's own Llama 3 (``torchtitan.models.llama3``'s ``Transformer``), tiny, built on
-the CPU: model code written outside autopar, as a torchtitan user brings it.
+"""torchtitan's own Llama 3 (torchtitan 0.3's ``Llama3Model``), tiny, built on the CPU: model
+code written outside autopar, as a torchtitan user brings it.
 
-torchtitan 0.2.0's package ``__init__`` imports its whole trainer (its MoE kernels import
-``triton``; its data loaders ``torchdata`` and ``datasets``; its metrics ``tensorboard``),
-none of which the model needs and ``triton`` has no CPU build torch's CPU wheel pulls.
-:func:`load` therefore imports the model's two files (``model/model.py``, ``model/args.py``)
-from the installed package without running the package ``__init__`` files on the way, and
-names ``torchtitan.protocols.train_spec`` by the one name the model reads from it
-(``ModelProtocol``, defined in ``torchtitan.protocols.model``). The model code itself runs
-unchanged. What it needs installed: ``torchtitan==0.2.0`` (``--no-deps``), ``tyro`` (its
-config module) and ``tokenizers``.
+The model is built from its config as torchtitan's model registry builds it: the debug
+model's (``torchtitan/models/llama3/__init__.py``: ``_debugmodel``) at smaller sizes, with
+torchtitan's ``ScaledDotProductAttention`` (causal) as every layer's inner attention: 0.3's
+language models default to flex attention, which autopar does not capture (a
+``CaptureError`` names it). The model code itself runs unchanged.
+
+What it needs installed: ``torchtitan==0.3.0`` with its dependencies (the Makefile's and
+pyproject's ``titan`` extra) and ``triton``, which 0.3's model modules import
+(``models/common/token_dispatcher.py`` -> ``distributed/minimal_async_ep/kernels.py``) and
+torchtitan does not declare. (0.2.0's model, ``models/llama3/model/model.py``, is gone in
+0.3: one version is installed, the one ``autopar.integrations.torchtitan`` is for.)
 """
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
-import os
-import sys
-import types
 
-TITAN_VERSION = "0.2.0"
-
-
-_ROOT: list[str] = []
-
-
-def _root() -> str | None:
-    """The installed torchtitan package's folder (found before :func:`load` names it)."""
-    if not _ROOT:
-        spec = importlib.util.find_spec("torchtitan")
-        if spec is None or spec.origin is None:
-            return None
-        _ROOT.append(os.path.dirname(spec.origin))
-    return _ROOT[0]
+TITAN_VERSION = "0.3.0"
+# what importing torchtitan 0.3's Llama 3 model imports beyond torch
+MODEL_IMPORTS = ("triton", "tyro", "tokenizers", "einops", "spmd_types", "torchdata",
+                 "torch_checkpointing", "datasets")
 
 
 def missing() -> str | None:
-    """Why torchtitan's Llama 3 cannot be loaded here, or None."""
-    root = _root()
-    if root is None:
-        return f"torchtitan is not installed (pip install --no-deps torchtitan=={TITAN_VERSION} tyro)"
-    for dep in ("tyro", "tokenizers"):
+    """Why torchtitan's Llama 3 cannot be built here, or None."""
+    try:
+        version = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        return f"torchtitan is not installed (pip install torchtitan=={TITAN_VERSION} triton)"
+    if not version.startswith("0.3"):
+        return (f"torchtitan {version} is installed; the test is written for "
+                f"torchtitan=={TITAN_VERSION}'s Llama3Model")
+    for dep in MODEL_IMPORTS:
         if importlib.util.find_spec(dep) is None:
-            return f"torchtitan's model code imports {dep}, which is not installed"
-    if not os.path.exists(os.path.join(root, "models", "llama3", "model", "model.py")):
-        return (f"this torchtitan ({root}) has no models/llama3/model/model.py: the test is "
-                f"written for torchtitan=={TITAN_VERSION}'s Transformer")
+            return f"torchtitan {version}'s model code imports {dep}, which is not installed"
     return None
 
 
-def load():
-    """(Transformer, TransformerModelArgs) from the installed torchtitan."""
-    why = missing()
-    if why:
-        raise ImportError(why)
-    root = _root()
-    for name, sub in (("torchtitan", ""), ("torchtitan.models", "models"),
-                      ("torchtitan.models.llama3", "models/llama3"),
-                      ("torchtitan.protocols", "protocols")):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [os.path.join(root, sub)]
-            sys.modules[name] = pkg
-    if "torchtitan.protocols.train_spec" not in sys.modules:
-        from torchtitan.protocols.model import ModelProtocol
-        spec_mod = types.ModuleType("torchtitan.protocols.train_spec")
-        spec_mod.ModelProtocol = ModelProtocol
-        sys.modules[spec_mod.__name__] = spec_mod
-    from torchtitan.models.llama3.model.args import TransformerModelArgs
-    from torchtitan.models.llama3.model.model import Transformer
-    return Transformer, TransformerModelArgs
+def llama3(seq: int, dim: int, layers: int, heads: int, vocab: int):
+    """torchtitan 0.3's ``Llama3Model`` at these sizes, causal scaled-dot-product attention;
+    built on the CPU, not yet initialized (``init_weights``)."""
+    import torchtitan.models.llama3 as t
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    cfg = t.Llama3Model.Config(
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=t.Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                          param_init=t._EMBEDDING_INIT),
+        norm=t.RMSNorm.Config(normalized_shape=dim, param_init=t._NORM_INIT),
+        lm_head=t.Linear.Config(in_features=dim, out_features=vocab,
+                                param_init=t._output_linear_init(dim)),
+        layers=t._build_llama3_layers(
+            fuse_qkv=True, n_layers=layers, dim=dim, n_heads=heads,
+            hidden_dim=t.compute_ffn_hidden_dim(dim, multiple_of=32),
+            rope=t.ComplexRoPE.Config(dim=dim // heads, max_seq_len=seq, theta=500000,
+                                      scaling="llama"),
+            attn_backend="flex"))
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg.build()
 
 
 def build(seed: int = 0, batch: int = 4, seq: int = 32, dim: int = 64, layers: int = 1,
@@ -76,10 +67,11 @@ def build(seed: int = 0, batch: int = 4, seq: int = 32, dim: int = 64, layers: i
     """(model, inputs, target, loss_fn): torchtitan's Llama 3 at dim 64, 1 layer, 4 heads,
     vocabulary 256, sequence 32, its own ``init_weights``; next-token cross-entropy."""
     import torch
-    Transformer, Args = load()
+    why = missing()
+    if why:
+        raise ImportError(why)
     torch.manual_seed(seed)
-    model = Transformer(Args(dim=dim, n_layers=layers, n_heads=heads, vocab_size=vocab,
-                             max_seq_len=seq))
+    model = llama3(seq, dim, layers, heads, vocab)
     model.init_weights()
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)

@@ -18,7 +18,9 @@ working parameters' blocks, so updating a shard updates this rank's block of the
 tensor in place; :meth:`OptimizerShards.gather` then all-gathers every block over the
 data axis (bucketed). ``pm.step(optimizer)`` gathers right after the step; a step taken
 with ``optimizer.step()`` (or a checkpoint or state dict loaded into the shards) is seen by
-the shards' version counters and gathered before the next forward. Stage 3 does not come
+the shards' version counters, or by a step post-hook of the optimizers that hold them (a
+fused step, ``AdamW(fused=True)``, torchtitan's default, bumps no version counter), and
+gathered before the next forward. Stage 3 does not come
 here: its parameters stay sharded and the rewritten graph gathers them per use
 (``passes.insert_collectives``), by blocks (``passes.prefetch``: one all-gather of a block's
 weights, one reduce-scatter of their gradients, ``autopar.ops.param_buckets``).
@@ -26,9 +28,14 @@ weights, one reduce-scatter of their gradients, ``autopar.ops.param_buckets``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from torch import nn
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+
+from autopar.errors import ArgumentError
 
 from autopar.ops.comm import Comm
 from autopar.ops.param_buckets import IN_FLIGHT
@@ -91,6 +98,8 @@ class OptimizerShards:
                 self.params[attr] = w
         self.working = {a: working[a] for a in self.dims}
         self._versions = self._now()
+        self._stepped = False       # an optimizer holding the shards stepped since the gather
+        self._step_hook()
 
     def block(self, attr: str, t: torch.Tensor, j: int | None = None) -> torch.Tensor:
         """Rank ``j``'s (default: this rank's) block of the working-shaped ``t``."""
@@ -100,9 +109,42 @@ class OptimizerShards:
     def _now(self) -> list[int]:
         return [self.params[a]._version for a in self.dims]
 
+    def _step_hook(self) -> None:
+        """Mark the shards stepped after any ``optimizer.step()`` of an optimizer that holds
+        one of them: torch's fused AdamW (``_fused_adamw_``) updates parameters in place
+        without bumping their version counters (torch 2.13, CPU: measured), so the counters
+        alone miss its steps and the working parameters stay stale."""
+        ids, ref = {id(p) for p in self.params.values()}, weakref.ref(self)
+        strided = {id(p): a for a, p in self.params.items() if not p.is_contiguous()}
+        stage = self.stage
+
+        def refuse_fused(optimizer, args, kwargs) -> None:
+            """torch's fused AdamW/Adam kernels (2.13, CPU: measured) update a
+            non-contiguous parameter wrongly; a shard split along a dim > 0 is such a view."""
+            if not strided or not any(g.get("fused") for g in optimizer.param_groups):
+                return
+            hit = next((strided[id(p)] for g in optimizer.param_groups if g.get("fused")
+                        for p in g["params"] if id(p) in strided), None)
+            if hit is not None:
+                raise ArgumentError(
+                    f"a fused optimizer ({type(optimizer).__name__}(fused=True)) steps ZeRO-{stage}'s "
+                    f"shard of {hit!r}, a non-contiguous view of the working parameter, which "
+                    "torch's fused kernel updates wrongly: build it with foreach=True (torchtitan: "
+                    "optimizer.implementation='foreach'), or pin zero=3")
+
+        def stepped(optimizer, args, kwargs) -> None:
+            me = ref()
+            if me is not None and any(id(p) in ids for g in optimizer.param_groups
+                                      for p in g["params"]):
+                me._stepped = True
+        handles = (register_optimizer_step_pre_hook(refuse_fused),
+                   register_optimizer_step_post_hook(stepped))
+        for handle in handles:
+            weakref.finalize(self, handle.remove)
+
     def dirty(self) -> bool:
         """A shard changed since the last gather (an optimizer step, a load)."""
-        return self._now() != self._versions
+        return self._stepped or self._now() != self._versions
 
     @torch.no_grad()
     def gather(self) -> None:
@@ -122,7 +164,7 @@ class OptimizerShards:
                     s = self.params[a]
                     self.block(a, self.working[a], j).copy_(parts[j, off: off + s.numel()].view(s.shape))
                     off += s.numel()
-        self._versions = self._now()
+        self._versions, self._stepped = self._now(), False
 
     def _buckets(self, attrs: list[str]) -> list[list[str]]:
         out, cur, size, dtype = [], [], 0, None
