@@ -294,7 +294,10 @@ def _deferred_grad_sync(cap: Captured, plan: Plan, calls) -> dict[str, list[int]
     constants) alone, replicated there, every use of which reads it replicated into an op
     whose output is not replicated (``_grad_partial``) or into another such value. Only the
     parameters' entries matter to the step; the others let the rewrite skip their gradient
-    all-reduce."""
+    all-reduce. A value whose input is dropped is dropped too: its partial gradient would
+    reach that input, whose gradient must be whole (Gemma's free plan under a budget, its
+    batch not split: the first layer's norm output read only by column-parallel linears,
+    its input also by the residual add)."""
     out: dict[str, list[int]] = {ph: [] for ph in cap.params}
     const = _gradient_free(cap)
     for a in range(len(plan.mesh_shape)):
@@ -303,10 +306,12 @@ def _deferred_grad_sync(cap: Captured, plan: Plan, calls) -> dict[str, list[int]
             if _replicated_from(node, a, cand, const, plan, calls):
                 cand.add(node.name)
         changed = True
-        while changed:                        # drop any with a use that is not partial
+        while changed:     # drop any with a use that is not partial, or an input dropped
             changed = False
             for name in list(cand):
-                if not _uses_partial(cap.node(name), a, cand, plan, calls):
+                node = cap.node(name)
+                if not _uses_partial(node, a, cand, plan, calls) or (
+                        name not in cap.params and not _replicated_from(node, a, cand, const, plan, calls)):
                     cand.discard(name)
                     changed = True
         for name in cand:
