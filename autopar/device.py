@@ -83,6 +83,12 @@ def pin_host_memory(device: torch.device) -> bool:
     return device.type == CUDA
 
 
+def records_cuda_graphs(device: torch.device) -> bool:
+    """Whether programs on ``device`` can be recorded as CUDA graphs (``compile=
+    "reduce-overhead"``, ``runtime.compiled.inductor_options``): on CUDA only."""
+    return device.type == CUDA
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (CUDA streams); the host runs in order."""
     if device.type == CUDA:

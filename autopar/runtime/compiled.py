@@ -48,6 +48,7 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule
 from torch.torch_version import TorchVersion
 
+from autopar.device import records_cuda_graphs
 from autopar.errors import ArgumentError, AutoparInputError
 from autopar.ops.comm import DistComm
 from autopar.options import CUDA_GRAPHS
@@ -71,7 +72,7 @@ def inductor_options(mode: "bool | str", device: torch.device) -> dict:
     graphs exist on CUDA devices only: on other devices the options are ``compile=True``'s
     (``cuda_graphs_note`` says so once)."""
     options = dict(INDUCTOR_OPTIONS)
-    if mode == CUDA_GRAPHS and device.type == "cuda":
+    if mode == CUDA_GRAPHS and records_cuda_graphs(device):
         options.update(torch._inductor.list_mode_options(CUDA_GRAPHS))
     return options
 
@@ -79,7 +80,7 @@ def inductor_options(mode: "bool | str", device: torch.device) -> dict:
 def cuda_graphs_note(mode: "bool | str", device: torch.device) -> str | None:
     """The warning for ``compile="reduce-overhead"`` on a rank that is not a CUDA device
     (its programs run compiled, without CUDA graphs), else None."""
-    if mode != CUDA_GRAPHS or device.type == "cuda":
+    if mode != CUDA_GRAPHS or records_cuda_graphs(device):
         return None
     return (f"compile={CUDA_GRAPHS!r}: CUDA graphs need CUDA devices and this rank runs on "
             f"{device.type}, so its programs run as under compile=True (no graphs); the plan "
