@@ -38,8 +38,11 @@ memory a bucket at a time: ``autopar.runtime.disk_offload.DiskOptimizer``.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autopar.device import HOST, pin_host_memory, synchronize
 from autopar.plan import Plan
@@ -72,7 +75,25 @@ class HostOptimizer:
                 host.copy_(p.detach())
                 self.masters[attr] = nn.Parameter(host, requires_grad=p.requires_grad)
         self._versions = self._now()
+        self._stepped: set[str] = set()       # masters an optimizer stepped since copied up
         self._down: dict[str, list[torch.Tensor]] = {}   # this step's gradient copies in flight
+        self._step_hook()
+
+    def _step_hook(self) -> None:
+        """Mark the masters an optimizer holds as changed after its ``step()``: torch's fused
+        AdamW (``_fused_adamw_``) updates them in place without bumping their version
+        counters (torch 2.13, CPU: measured), so the counters alone missed its steps and the
+        device parameters never changed (the MLP under ``offload="optimizer"`` and a fused
+        AdamW: the same loss every step; ``tests/test_offload.py``)."""
+        ids, ref = {id(m): a for a, m in self.masters.items()}, weakref.ref(self)
+
+        def stepped(optimizer, args, kwargs) -> None:
+            me = ref()
+            if me is not None:
+                me._stepped.update(ids[id(p)] for g in optimizer.param_groups for p in g["params"]
+                                   if id(p) in ids)
+        handle = register_optimizer_step_post_hook(stepped)
+        weakref.finalize(self, handle.remove)
 
     def _master_buffers(self) -> list[torch.Tensor]:
         """Uninitialised host tensors for the masters, one per device parameter in order (the
@@ -85,7 +106,7 @@ class HostOptimizer:
 
     def dirty(self) -> bool:
         """A master changed since it was last copied up (an optimizer step, a load)."""
-        return self._now() != self._versions
+        return bool(self._stepped) or self._now() != self._versions
 
     # ---- gradients down ------------------------------------------------------------------
     @torch.no_grad()
@@ -130,9 +151,10 @@ class HostOptimizer:
             if attr is None:
                 continue
             m = self.masters[attr]
-            if m._version != self._versions[attr]:
+            if attr in self._stepped or m._version != self._versions[attr]:
                 p.copy_(m, non_blocking=self.pinned)
                 self._versions[attr] = m._version
+                self._stepped.discard(attr)
 
     def stepping(self, optimizer):
         """What ``pm.step`` steps: ``optimizer`` itself (the disk tier's steps by buckets)."""
