@@ -429,24 +429,19 @@ def report(cases: list[Case], results: dict, seconds: float) -> tuple[str, int]:
             if len(cs) > 3:
                 out.append(f"        ... and {len(cs) - 3} more")
         out.append("")
-    rounding = [(c, results[c.id]) for c in cases if results.get(c.id, {}).get("status") == "pass"
-                and results[c.id].get("message", "").startswith("fp32 rounding")]
-    if rounding:
-        out.append(f"PASSED ON THE FLOAT64 RECHECK ({len(rounding)}): past the fp32 tolerances "
-                   "by a little, equal to one device in float64")
-        for c, r in rounding:
-            out.append(f"  {c.id}  {c.describe()}")
-            out.append(f"      {r['message']}")
-        out.append("")
-    split = [(c, results[c.id]) for c in cases if results.get(c.id, {}).get("status") == "pass"
-             and results[c.id].get("message", "").startswith("judged against one device on")]
-    if split:
-        out.append(f"PASSED AGAINST THE PLAN'S SPLIT OF THE BATCH ({len(split)}): mixed precision, "
-                   "equal to one device on the plan's micro-batches (sweep_cases.split_references)")
-        for c, r in split:
-            out.append(f"  {c.id}  {c.describe()}")
-            out.append(f"      {r['message']}")
-        out.append("")
+    for prefix, title in (("fp32 rounding", "PASSED ON THE FLOAT64 RECHECK ({n}): past the fp32 "
+                           "tolerances by a little, equal to one device in float64"),
+                          ("judged against one device on", "PASSED AGAINST THE PLAN'S SPLIT OF THE "
+                           "BATCH ({n}): mixed precision, equal to one device on the plan's "
+                           "micro-batches (sweep_cases.split_references)")):
+        apart = [(c, results[c.id]) for c in cases if results.get(c.id, {}).get("status") == "pass"
+                 and results[c.id].get("message", "").startswith(prefix)]
+        if apart:
+            out.append(title.format(n=len(apart)))
+            for c, r in apart:
+                out.append(f"  {c.id}  {c.describe()}")
+                out.append(f"      {r['message']}")
+            out.append("")
     if failed:
         out.append(f"FAILED ({len(failed)}):")
         for c, r in failed:

@@ -216,6 +216,25 @@ def test_draws_are_reproducible():
     assert {c.arch for c in a} == set(zoo.NAMES)          # every architecture in 60 draws
 
 
+def _plant_gradient_error(monkeypatch, factor: float) -> None:
+    """Every rank's gradients multiplied by ``factor`` after each ``train_step`` of the
+    sweep's runs (a wrong number the judge must catch)."""
+    real = sc.train
+
+    def planted(pm, inputs, target, opt_kind, steps=sc.STEPS):
+        step = pm.train_step
+
+        def wrong(*args, **kw):
+            loss = step(*args, **kw)
+            for p in pm.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+            return loss
+        pm.train_step = wrong
+        return real(pm, inputs, target, opt_kind, steps)
+    monkeypatch.setattr(sc, "train", planted)
+
+
 def test_float64_recheck_tells_rounding_from_a_wrong_number(monkeypatch):
     """An fp32 case past its tolerances by a little is run again in float64. MobileViT
     under data=4 (BatchNorm over 1x1 maps, 3 AdamW steps: fp32 rounding reaches 2e-2 of
@@ -227,20 +246,7 @@ def test_float64_recheck_tells_rounding_from_a_wrong_number(monkeypatch):
     assert r.status == "pass" and r.message.startswith("fp32 rounding"), r
     assert all(float(x) < 1e-6 for x in r.message.split("float64: ")[1].split()[1::2]), r.message
 
-    real = sc.train
-
-    def planted(pm, inputs, target, opt_kind, steps=sc.STEPS):
-        step = pm.train_step
-
-        def wrong(*args, **kw):
-            loss = step(*args, **kw)
-            for p in pm.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(1.01)
-            return loss
-        pm.train_step = wrong
-        return real(pm, inputs, target, opt_kind, steps)
-    monkeypatch.setattr(sc, "train", planted)
+    _plant_gradient_error(monkeypatch, 1.01)
     r = sc.run_threads(C("ex-mlp", "data", 2, "mean", {"data": 2}))
     assert r.status == "fail" and "float64 recheck" in r.detail, r
 
@@ -255,20 +261,7 @@ def test_mixed_precision_is_judged_against_the_plans_split_of_the_batch(monkeypa
     r = sc.run_threads(case)
     assert r.status == "pass" and r.message.startswith("judged against one device on 4 micro-batches"), r
     assert "overflow on one device only" in r.message, r.message
-    real = sc.train
-
-    def planted(pm, inputs, target, opt_kind, steps=sc.STEPS):
-        step = pm.train_step
-
-        def wrong(*args, **kw):
-            loss = step(*args, **kw)
-            for p in pm.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(1.05)
-            return loss
-        pm.train_step = wrong
-        return real(pm, inputs, target, opt_kind, steps)
-    monkeypatch.setattr(sc, "train", planted)
+    _plant_gradient_error(monkeypatch, 1.05)
     r = sc.run_threads(case)
     assert r.status == "fail", r
 
