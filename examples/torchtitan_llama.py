@@ -74,30 +74,35 @@ def write_assets(root: str, docs: int = 64, seed: int = 0) -> dict:
 
 
 # ---- the model and the trainer's config ------------------------------------------------------
-def tiny_llama3_spec():
-    """torchtitan's Llama 3 ModelSpec (``model_registry``'s), 2 layers of width 64, causal
-    scaled-dot-product attention."""
+def llama3_config(seq: int, dim: int, layers: int, heads: int, vocab: int):
+    """torchtitan 0.3's ``Llama3Model.Config`` at these sizes (its debug model's config,
+    ``torchtitan/models/llama3/__init__.py``: ``_debugmodel``, smaller), causal
+    scaled-dot-product attention (``tests/titan_llama.py`` builds it too)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry
-    import torchtitan.models.llama3 as llama3
-
-    dim, heads, layers = 64, 4, 2
-    # the debug model's config (torchtitan/models/llama3/__init__.py: _debugmodel), smaller
-    cfg = llama3.Llama3Model.Config(
-        dim=dim, vocab_size=VOCAB,
-        tok_embeddings=llama3.Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim,
-                                               param_init=llama3._EMBEDDING_INIT),
-        norm=llama3.RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
-        lm_head=llama3.Linear.Config(in_features=dim, out_features=VOCAB,
-                                     param_init=llama3._output_linear_init(dim)),
-        layers=llama3._build_llama3_layers(
+    import torchtitan.models.llama3 as t
+    cfg = t.Llama3Model.Config(
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=t.Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                          param_init=t._EMBEDDING_INIT),
+        norm=t.RMSNorm.Config(normalized_shape=dim, param_init=t._NORM_INIT),
+        lm_head=t.Linear.Config(in_features=dim, out_features=vocab,
+                                param_init=t._output_linear_init(dim)),
+        layers=t._build_llama3_layers(
             fuse_qkv=True, n_layers=layers, dim=dim, n_heads=heads,
-            hidden_dim=llama3.compute_ffn_hidden_dim(dim, multiple_of=32),
-            rope=llama3.ComplexRoPE.Config(dim=dim // heads, max_seq_len=SEQ, theta=500000,
-                                           scaling="llama"),
+            hidden_dim=t.compute_ffn_hidden_dim(dim, multiple_of=32),
+            rope=t.ComplexRoPE.Config(dim=dim // heads, max_seq_len=seq, theta=500000,
+                                      scaling="llama"),
             attn_backend="flex"))
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg
+
+
+def tiny_llama3_spec():
+    """torchtitan's Llama 3 ModelSpec (``model_registry``'s), 2 layers of width 64, causal
+    scaled-dot-product attention."""
+    from torchtitan.models.llama3 import model_registry
+    cfg = llama3_config(SEQ, 64, 2, 4, VOCAB)
     spec = model_registry("debugmodel")
     spec.model, spec.flavor = cfg, "tiny"
     return spec

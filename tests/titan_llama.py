@@ -42,23 +42,8 @@ def missing() -> str | None:
 def llama3(seq: int, dim: int, layers: int, heads: int, vocab: int):
     """torchtitan 0.3's ``Llama3Model`` at these sizes, causal scaled-dot-product attention;
     built on the CPU, not yet initialized (``init_weights``)."""
-    import torchtitan.models.llama3 as t
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    cfg = t.Llama3Model.Config(
-        dim=dim, vocab_size=vocab,
-        tok_embeddings=t.Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
-                                          param_init=t._EMBEDDING_INIT),
-        norm=t.RMSNorm.Config(normalized_shape=dim, param_init=t._NORM_INIT),
-        lm_head=t.Linear.Config(in_features=dim, out_features=vocab,
-                                param_init=t._output_linear_init(dim)),
-        layers=t._build_llama3_layers(
-            fuse_qkv=True, n_layers=layers, dim=dim, n_heads=heads,
-            hidden_dim=t.compute_ffn_hidden_dim(dim, multiple_of=32),
-            rope=t.ComplexRoPE.Config(dim=dim // heads, max_seq_len=seq, theta=500000,
-                                      scaling="llama"),
-            attn_backend="flex"))
-    for layer in cfg.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    from examples.torchtitan_llama import llama3_config
+    cfg = llama3_config(seq, dim, layers, heads, vocab)
     return cfg.build()
 
 
