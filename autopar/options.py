@@ -125,6 +125,13 @@ class Options(Mapping):
     ``nn.Linear`` layers but the head, ``autopar.analysis.fp8_layers``). None: the solver
     chooses each by price (fp8 where its fp8 GEMMs and casts beat bf16 under the plan's
     placement, ``autopar.pricing.fp8``) and the plan records the names it chose."""
+    fp8_all_gather: bool | None = None
+    """Under ``precision="fp8"``, the tensorwise recipe and ``zero=3``: whether ZeRO-3
+    gathers the fp8 linears' weights in float8 (each shard cast with the whole weight's
+    scale, 1 byte an element on the wire; torchao's ``enable_fsdp_float8_all_gather``,
+    ``passes/fp8_gathers.py``) or in bf16. None: in float8 wherever it applies (eager
+    programs; bit-equal to the bf16 gather, :attr:`fp8_gathers`); False: bf16, as
+    torchtitan runs by default."""
     grad_reduce: Literal["fp32", "bf16"] | None = None
     """The dtype data-parallel gradients are summed in (all-reduce, ZeRO's reduce-scatter):
     fp32 by default; bf16 halves those bytes (needs ``precision``)."""
@@ -228,6 +235,14 @@ class Options(Mapping):
     @property
     def zero_stage(self) -> int:
         return self.zero or 0
+
+    @property
+    def fp8_gathers(self) -> bool:
+        """Whether ZeRO-3 gathers the fp8 linears' weights in float8 (``fp8_all_gather``):
+        precision fp8, the tensorwise recipe, ZeRO-3, eager (a compiled program's gathers
+        are Inductor's), not pinned off."""
+        return (self.precision == "fp8" and (self.fp8_scaling or "tensorwise") == "tensorwise"
+                and self.zero_stage >= 3 and not self.compile and self.fp8_all_gather is not False)
 
     @property
     def compression(self) -> tuple[str, float] | None:
@@ -364,6 +379,9 @@ def _check_values(p: dict) -> None:
         raise PinError(f"fp8_layers={layers!r}: use 'all' (every linear but the head), a list "
                        "of linear module names such as ['layers.0.feed_forward.w1'], or leave it "
                        "out (the solver chooses each layer by price)")
+    if p.get("fp8_all_gather") not in (None, True, False):
+        raise PinError(f"fp8_all_gather={p['fp8_all_gather']!r}: use True, False or leave it out "
+                       "(float8 wherever it applies)")
     if p.get("grad_reduce") not in (None, "fp32", "bf16"):
         raise PinError(f"grad_reduce={p['grad_reduce']!r}: use 'fp32' (the default) or 'bf16'")
     if p.get("zero", 0) not in (0, 1, 2, 3):
@@ -417,6 +435,14 @@ def _check_combinations(p: dict) -> None:
         raise PinError(f"fp8_layers= names the linears precision='fp8' runs in fp8; "
                        f"precision={p.get('precision')!r} runs none: pin precision='fp8' too, or "
                        "drop fp8_layers=")
+    if p.get("fp8_all_gather") and (p.get("precision") != "fp8" or p.get("fp8_scaling") == "rowwise"
+                                    or p.get("zero") not in (None, 3) or p.get("compile")):
+        raise PinError("fp8_all_gather=True gathers ZeRO-3 weights of tensorwise fp8 linears in "
+                       f"float8, eagerly; precision={p.get('precision')!r}, fp8_scaling="
+                       f"{p.get('fp8_scaling')!r}, zero={p.get('zero')!r}, compile={p.get('compile')!r} "
+                       "has none (rowwise scales are per row, torchao gathers them in bf16): pin "
+                       "precision='fp8' with the tensorwise recipe, zero=3 and no compile, or drop "
+                       "fp8_all_gather=")
     if p.get("offload_dir") is not None and p.get("offload") != "disk":
         raise PinError(f"offload_dir={p['offload_dir']!r} is where offload='disk' keeps the "
                        f"optimizer state; offload={p.get('offload')!r} writes no files: pin "

@@ -201,12 +201,13 @@ def fp8_lines(plan: Plan) -> list[str]:
     if o.precision != "fp8":
         return []
     recipe = o.fp8_scaling or "tensorwise"
+    gather = ["fp8: ZeRO-3 gathers their weights in fp8 (fp8_all_gather)"] if o.fp8_gathers else []
     if o.fp8_layers is None or o.fp8_layers == "all":
-        return [f"fp8 ({recipe}): every linear layer but the head"]
+        return [f"fp8 ({recipe}): every linear layer but the head"] + gather
     names = list(o.fp8_layers)
     rows = [label for label, _, _ in _group_layers(names)]
     return [f"fp8 ({recipe}): {len(names)} linear layers (the others, and the head, bf16): "
-            + (", ".join(rows) if rows else "none")]
+            + (", ".join(rows) if rows else "none")] + gather
 
 
 def plan_summary(plan: Plan) -> str:

@@ -370,7 +370,8 @@ constant added or changed):
   wall on the loaded machine (load 13).
 - Looked at, not changed: Float8 under FSDP all-gathers bf16 weights in these runs
   (``--float8.enable_fsdp_float8_all_gather`` is off by default at 9dec370 and the
-  benchmark page names no flag); torch's CP (``_templated_ring_attention`` of that time, read
+  benchmark page names no flag): every fp8 row pins ``fp8_all_gather=False`` (autopar's
+  default gathers a tensorwise fp8 linear's ZeRO-3 weight in fp8); torch's CP (``_templated_ring_attention`` of that time, read
   from a stored copy, not at 1963fc8 itself) issues its K/V all-gather before the first
   (local, causal) block and overlaps the ring's dK/dV sends with the next block,
   where autopar's ``"all-gather"`` form exposes both (it overcharges, the rows are fast:
@@ -937,6 +938,10 @@ def pins_of(run: Run) -> dict:
         # as run: torchtitan's converter, Transformer Engine's te.Linear layers and DeepSeek
         # convert every linear but the output layer, whatever its price (not chosen per layer)
         pins["fp8_layers"] = "all"
+        # as run: ZeRO-3 gathered the weights in bf16 (torchtitan's
+        # enable_fsdp_float8_all_gather is off by default at 9dec370; docstring), where
+        # autopar gathers a tensorwise fp8 linear's weight in fp8 unless pinned off
+        pins["fp8_all_gather"] = False
     if run.recompute:
         pins["recompute"] = "full"
     if run.zero:

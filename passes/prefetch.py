@@ -79,7 +79,7 @@ def plan_buckets(gm: GraphModule, gathers: list[Node],
         size: dict[int, int] = {}
         for g in block:
             s = _shard(gm, g.args[0])
-            kind = (g.kwargs["axis"], g.kwargs.get("dtype"), s.dtype)
+            kind = (g.kwargs["axis"], g.kwargs.get("dtype"), s.dtype, g.kwargs.get("amax_axes", ()))
             cur = buckets.get(kind)
             nbytes = s.numel() * s.element_size()
             if cur is None or (cur[-1] and size[id(cur[-1])] + nbytes > bucket_bytes):
@@ -114,6 +114,8 @@ def prefetch_gathers(gm: GraphModule, bucket_bytes: int = BUCKET_BYTES) -> int:
                         "groups": tuple(g.kwargs.get("groups", 1) for g in bucket)}
             if kw.get("dtype") is not None:
                 start_kw["dtype"] = kw["dtype"]
+            if kw.get("amax_axes"):          # an fp8 bucket's (passes/fp8_gathers.py)
+                start_kw["amax_axes"] = kw["amax_axes"]
             with gm.graph.inserting_before(anchor):
                 start = gm.graph.call_function(gather_bucket, (shards,), start_kw)
             for i, g in enumerate(bucket):

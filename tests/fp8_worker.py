@@ -17,7 +17,9 @@ from that than from the fp8 reference).
 Measured per case (rank 0 writes one JSON result, ``tests/worker_loop.py``): the loss of
 every step, relative; the gradients of the first step, ||g - g_ref|| / ||g_ref|| over every
 parameter together; the weights after the steps as ||W - W_ref|| / ||W_ref - W_0|| (relative
-to the update: they barely move in 3 steps).
+to the update: they barely move in 3 steps). And the elements this rank sent through
+all-gathers in the last step, by dtype (``GatherSpy``): ZeRO-3's fp8 weight gathers move
+uint8 (``passes/fp8_gathers.py``).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import autopar  # noqa: E402
 from autopar.analysis.fp8_layers import planned_fp8_linears, row_blocks  # noqa: E402
 from autopar.capture import capture  # noqa: E402
+from autopar.ops.comm import DistComm  # noqa: E402
 from autopar.ops.fp8 import use_fp8_linears  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
@@ -82,6 +85,29 @@ def loss_dist(a: list, b: list) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+class GatherSpy:
+    """Elements this rank sends through all-gathers, by dtype, while active: what ZeRO-3's
+    weight gathers move (fp8 ones as uint8 bytes, ``ops.collectives.fp8_bytes``)."""
+
+    def __init__(self):
+        self.sent: dict[str, int] = {}
+
+    def __enter__(self):
+        self.real = DistComm.all_gather, DistComm.all_gather_start
+        spy = self
+
+        def count(real):
+            def f(comm, t, axis, dim):
+                spy.sent[str(t.dtype)] = spy.sent.get(str(t.dtype), 0) + t.numel()
+                return real(comm, t, axis, dim)
+            return f
+        DistComm.all_gather, DistComm.all_gather_start = map(count, self.real)
+        return self
+
+    def __exit__(self, *exc):
+        DistComm.all_gather, DistComm.all_gather_start = self.real
+
+
 def run_case(case: dict) -> dict:
     model, inputs, target, loss_fn = gpt()
     scaling = case.get("scaling", "tensorwise")
@@ -97,7 +123,8 @@ def run_case(case: dict) -> dict:
     losses, grads = [], None
     for _ in range(STEPS):
         opt.zero_grad()
-        losses.append(pm.train_step(*inputs, target=target).item())
+        with GatherSpy() as spy:
+            losses.append(pm.train_step(*inputs, target=target).item())
         if grads is None:
             grads = pm.full_grads()
         pm.step(opt)
@@ -110,7 +137,9 @@ def run_case(case: dict) -> dict:
             "microbatches": pm.plan.n_microbatches, "fp8_weights": sorted(weights),
             "fp8_layers": pm.plan.options.fp8_layers,
             "row_blocks": row_blocks(pm.plan),
-            "fp8_calls": calls, "losses": losses, "ref_losses": ref_losses,
+            "fp8_calls": calls, "losses": losses, "gathered_last_step": spy.sent,
+            "fp8_weight_numel": sum(dict(model.named_parameters())[k].numel() for k in weights),
+            "fp8_gathers": pm.plan.options.fp8_gathers, "ref_losses": ref_losses,
             "loss_err": loss_dist(losses, ref_losses),
             "grad_err": rel_norm({k: grads[k] for k in ref_grads}, ref_grads),
             "weight_err": rel_norm(w, ref_w, w0),

@@ -17,7 +17,9 @@ tensorwise and rowwise, against the same recipe on one device applied per rank's
 (``fp8_worker.reference``). Tolerances:
 
 - data, ZeRO-3, pipeline: the same fp8 values are computed (the scales are those of the same
-  rows, the weights whole); what differs is the order of fp32 sums (gradient reduction,
+  rows, the weights whole; ZeRO-3 tensorwise gathers the weights in fp8, each shard cast
+  with the whole weight's scale: the same bytes as the gathered weight's cast, and the
+  test counts the uint8 elements each rank's gathers sent); what differs is the order of fp32 sums (gradient reduction,
   micro-batch accumulation): fp32's unit roundoff is 2^-24 = 6e-8. Loss and gradients
   <= EXACT_TOL = 1e-6 (measured <= 3.1e-8), weights (relative to the update) <=
   EXACT_WEIGHT_TOL = 1e-4 (measured <= 3.0e-6: AdamW divides by sqrt(v) + eps, which
@@ -325,6 +327,14 @@ def test_fp8_equals_one_device_recipe(results, case_id):
     else:
         assert r["loss_err"] <= EXACT_TOL and r["grad_err"] <= EXACT_TOL, r
         assert r["weight_err"] <= EXACT_WEIGHT_TOL, r
+    # ZeRO-3 tensorwise: the fp8 linears' weights gathered as fp8 bytes (uint8 on the wire),
+    # forward and again in backward, each rank its half: the weights' elements, once; rowwise
+    # gathers bf16 (passes/fp8_gathers.py); no other plan gathers weights in fp8
+    sent = r["gathered_last_step"]
+    if case["plan"] == "zero3" and case["scaling"] == "tensorwise":
+        assert r["fp8_gathers"] and sent.get("torch.uint8") == r["fp8_weight_numel"], r
+    else:
+        assert not r["fp8_gathers"] and "torch.uint8" not in sent, r
 
 
 # ---- which linears, by price -----------------------------------------------------------------

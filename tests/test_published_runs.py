@@ -123,6 +123,8 @@ def test_fp8_rows_pin_the_recipe_each_run_trained_with():
         want = "rowwise" if r.name == "DeepSeek-V3" else "tensorwise"
         assert (pins["precision"], pins["fp8_scaling"]) == ("fp8", want)
         assert pins["fp8_layers"] == "all"      # every linear as run, not chosen by price
+        # ZeRO-3 gathered bf16 weights as run (torchtitan's fp8 all-gather off by default)
+        assert pins["fp8_all_gather"] is False and not Options.from_pins(pins).fp8_gathers
     # torchtitan's Float8 tables (1, 3, 4, 5) are rows, and every CP-sweep row too
     assert sum(r.source.startswith(TT_FP8) for r in RUNS) == 4
     assert {r.published_tps for r in RUNS if r.source.startswith(TT_FP8)} == {8532, 8380, 829, 100}

@@ -13,6 +13,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.ops.comm import current_comm
+from autopar.ops.fp8 import E4M3, HP, fp8_weight, scaled, weight_scales
 
 
 def _slice(t: torch.Tensor, axis: int, dim: int, groups: int = 1) -> torch.Tensor:
@@ -76,16 +77,66 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        none = (None,) * 6
-        if ctx.master is not None:     # reduced in fp32 unless grad_reduce says otherwise
-            g = g.to(current_comm().settings.grad_reduce_dtype or ctx.master)
-        if ctx.grad_partial:
-            comm = current_comm()
-            g = _rank_major(g, ctx.dim, comm.size(ctx.axis), ctx.groups)
-            g = comm.reduce_scatter(g, ctx.axis, ctx.dim)
-        else:
-            g = _slice(g, ctx.axis, ctx.dim, ctx.groups)
-        return (g if ctx.master is None else g.to(ctx.master), *none)
+        return (_gather_grad(ctx, g), *(None,) * 6)
+
+
+def _gather_grad(ctx, g):
+    """The shard's gradient of a gather's whole gradient ``g`` (a reduce-scatter where
+    partial), back in the shard's dtype (``ctx.master``) when it was gathered in another."""
+    if ctx.master is not None:     # reduced in fp32 unless grad_reduce says otherwise
+        g = g.to(current_comm().settings.grad_reduce_dtype or ctx.master)
+    if ctx.grad_partial:
+        comm = current_comm()
+        g = _rank_major(g, ctx.dim, comm.size(ctx.axis), ctx.groups)
+        g = comm.reduce_scatter(g, ctx.axis, ctx.dim)
+    else:
+        g = _slice(g, ctx.axis, ctx.dim, ctx.groups)
+    return g if ctx.master is None else g.to(ctx.master)
+
+
+def fp8_bytes(shard: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``shard`` cast to e4m3 with ``scale``, as bytes: gloo all-gathers no float8 dtype
+    (torch 2.13: "Invalid scalar type", measured), so every fp8 gather moves uint8."""
+    return scaled(shard.detach().to(HP), scale, E4M3).view(torch.uint8)
+
+
+class _Fp8Shard:
+    """What ``RegatheredWeights`` packs for an fp8-gathered weight: its shard and the scale
+    forward cast it with, so backward gathers the same fp8 bytes again (the shard has not
+    changed since: the optimizer steps after backward)."""
+
+    __slots__ = ("shard", "scale", "axis", "dim", "groups")
+
+    def __init__(self, shard, scale, axis, dim, groups):
+        self.shard, self.scale, self.axis, self.dim, self.groups = shard, scale, axis, dim, groups
+
+    def packed(self) -> None:
+        pass
+
+    def regather(self) -> torch.Tensor:
+        return _gather(fp8_bytes(self.shard, self.scale), self.axis, self.dim, self.groups).view(E4M3)
+
+
+class _Fp8AllGather(torch.autograd.Function):
+    """ZeRO-3's gather of a tensorwise fp8 linear's weight in fp8 (torchao's
+    ``enable_fsdp_float8_all_gather``): the shard cast with the whole weight's scale (its
+    amax max-reduced over the gather's axis and ``amax_axes``, the weight's other split
+    axes), the fp8 bytes gathered (half of bf16's), returned as ``ops.fp8.fp8_weight``;
+    backward is a bf16 gather's (:func:`_gather_grad`)."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim, grad_partial, groups, amax_axes):
+        ctx.axis, ctx.dim, ctx.grad_partial, ctx.groups = axis, dim, grad_partial, groups
+        ctx.master = x.dtype if x.dtype != HP else None
+        scale = weight_scales([x.detach().to(HP)], (axis, *amax_axes))[0]
+        source = _Fp8Shard(x.detach(), scale, axis, dim, groups)
+        w8 = source.regather()
+        regathered_weights().register(w8, source, axis, dim, groups)
+        return fp8_weight(w8, scale.reciprocal())
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_gather_grad(ctx, g), *(None,) * 5)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -243,15 +294,24 @@ class _ShardToPartial(torch.autograd.Function):
 # The graph's call targets. Keyword names show up in the generated per-rank code.
 
 def all_gather(x, axis: int, dim: int, grad_partial: bool = False, regather: bool = False,
-               groups: int = 1, dtype: torch.dtype | None = None, bucket=None, index: int = 0):
+               groups: int = 1, dtype: torch.dtype | None = None, bucket=None, index: int = 0,
+               amax_axes: tuple[int, ...] = ()):
     """S(dim) (or strided S(dim/groups)) -> R on ``axis``. ``regather``: a ZeRO-3 weight,
     which autograd does not keep: backward gathers it again (:class:`RegatheredWeights`).
     ``dtype``: gather the shard cast to it (mixed precision); the gradient returns in the
     shard's dtype, reduced in it unless the communicator's ``settings.grad_reduce_dtype`` is set.
     ``bucket``: the ``ops.param_buckets.ParamBucket`` that gathered ``x`` with the rest of its
-    block (``passes.prefetch``), ``x`` its weight ``index``: take it from there."""
+    block (``passes.prefetch``), ``x`` its weight ``index``: take it from there.
+    ``dtype=float8_e4m3fn``: a ZeRO-3 weight of a tensorwise fp8 linear, gathered in fp8
+    with the whole weight's scale (:class:`_Fp8AllGather`; ``amax_axes``: the other mesh
+    axes the weight stays split on at the linear, whose amaxes join the scale's)."""
     if bucket is not None:
         return bucket.member(x, index, grad_partial)
+    if dtype == E4M3:
+        if not regather or torch.compiler.is_compiling():
+            raise ValueError("all_gather(dtype=float8_e4m3fn) is ZeRO-3's eager fp8 gather of a "
+                             "weight (regather=True, not compiled: passes/fp8_gathers.py)")
+        return _Fp8AllGather.apply(x, axis, dim, grad_partial, groups, tuple(amax_axes))
     if regather and torch.compiler.is_compiling():
         # compiled (runtime.compiled): the gathered weight is recomputed, not saved, in the
         # compiled backward (storage-keyed saved-tensor hooks do not exist in a traced graph)

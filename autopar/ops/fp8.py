@@ -24,7 +24,10 @@ Under sharding: the amax of an operand sharded on a scaled dim is a max-all-redu
 mesh axis (an all-gather of the rank's amaxes, then the max: exact, so every rank and the
 unsharded tensor get the same scale). A weight is whole on one device, so every shard of it
 is reduced (tensor parallel; a ZeRO-3 weight is gathered before the GEMM, so its amax is
-already whole). The token dims of x and dy (all but the last) are the rows one rank's
+already whole). Under the tensorwise recipe ZeRO-3 gathers it in fp8 instead
+(``passes/fp8_gathers.py``): each shard cast with the whole weight's scale
+(:func:`weight_scales`), the fp8 bytes gathered, the GEMMs fed the gathered fp8 weight
+(:func:`fp8_weight`) with no cast of their own: the same bytes, half the gather's. The token dims of x and dy (all but the last) are the rows one rank's
 program sees: a data-parallel rank, a pipeline micro-batch, scales its own rows, as torchao
 does under DDP/FSDP and gradient accumulation; the equal single-device run is the recipe
 applied per rank's rows (``tests/fp8_worker.py``).
@@ -84,16 +87,49 @@ def _amax(t: torch.Tensor, dims: tuple[int, ...], shards: tuple[tuple[int, int],
     return a
 
 
+def _scale(amax: torch.Tensor, dtype: torch.dtype, recipe: Recipe) -> torch.Tensor:
+    """The fp32 scale(s) of amax(es) ``amax`` for fp8 ``dtype`` (module docstring)."""
+    # in float64 then fp32, as torchao's amax_to_scale (eager and compiled alike)
+    scale = (torch.finfo(dtype).max / amax.double().clamp(min=EPS)).float()
+    if recipe.power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def scaled(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` times ``scale``, clamped to fp8 ``dtype``'s range, in ``dtype``."""
+    fmax = torch.finfo(dtype).max
+    return (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+
+
 def cast(t: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...], recipe: Recipe,
          shards: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` in fp8 ``dtype`` scaled over ``dims`` (module docstring): (t8, 1 / scale)."""
-    fmax = torch.finfo(dtype).max
-    # in float64 then fp32, as torchao's amax_to_scale (eager and compiled alike)
-    scale = (fmax / _amax(t, dims, shards).double().clamp(min=EPS)).float()
-    if recipe.power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    t8 = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
-    return t8, scale.reciprocal()
+    scale = _scale(_amax(t, dims, shards), dtype, recipe)
+    return scaled(t, scale, dtype), scale.reciprocal()
+
+
+def weight_scales(shards: list[torch.Tensor], axes: tuple[int, ...]) -> torch.Tensor:
+    """The tensorwise recipe's W scales, one for each of ``shards`` (each a rank's block of a
+    whole weight split over mesh ``axes``, in ``HP``): of the whole weight's amax, one
+    max-reduction of every shard's amax together over each axis. Collective. What ZeRO-3's
+    fp8 all-gather casts each shard with (``ops.param_buckets``, ``ops.collectives``): the
+    same elementwise cast, with the same scale, as :func:`cast` of the gathered weight."""
+    a = torch.stack([s.abs().amax().float() for s in shards])
+    for axis in axes:
+        a = _max_over(a, axis)
+    return _scale(a, E4M3, RECIPES["tensorwise"])
+
+
+def fp8_weight(w8: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """What a ZeRO-3 fp8 gather gives :func:`fp8_linear`: a bf16 tensor of ``w8``'s shape
+    that holds no values (one element, zero strides: autograd's gradient of the weight has
+    its shape and dtype) and carries the gathered fp8 weight ``w8`` and its inverse scale
+    (``.fp8``), which the GEMMs read as they are. Only an fp8 linear reads it
+    (``passes/fp8_gathers.py``)."""
+    out = torch.empty_strided(w8.shape, (0,) * w8.dim(), dtype=HP, device=w8.device)
+    out.fp8 = (w8, inv_scale.reshape(1, 1))
+    return out
 
 
 def _mm(a8, sa, b8, sb) -> torch.Tensor:
@@ -109,24 +145,31 @@ def _mm(a8, sa, b8, sb) -> torch.Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, b, recipe: Recipe, x_shards, w_shards, out_shards):
+    def forward(ctx, x, w, b, recipe: Recipe, x_shards, w_shards, out_shards, gathered: bool):
         with torch.autocast(x.device.type, enabled=False):
             ctx.recipe, ctx.shards = recipe, (x_shards, w_shards, out_shards)
             ctx.x_dtype, ctx.w_dtype, ctx.x_shape = x.dtype, w.dtype, x.shape
             ctx.b_dtype = None if b is None else b.dtype
+            ctx.gathered = gathered
             x2 = x.to(HP).reshape(-1, x.shape[-1])
-            wh = w.to(HP)
             xs = _token_free(x_shards, x.dim())     # shards on K only (module docstring)
             # W itself is saved, not a cast of it: the parameter (no copy), or ZeRO-3's
             # gathered weight, which autopar gathers again for backward instead of keeping
             # it (ops.collectives.RegatheredWeights); backward casts it again, alike
-            if recipe.rowwise:
+            # ZeRO-3's fp8 gather (``gathered``, tensorwise): W arrives cast, with the whole
+            # weight's scale (fp8_weight); forward and dgrad read it as it is, and backward
+            # keeps it as it kept W: the gathered fp8 weight, gathered again (in fp8)
+            if gathered:
+                w8, sw = w.fp8
+                x8, sx = cast(x2, E4M3, (0, 1), recipe, xs)
+                ctx.save_for_backward(x8, sx, w8, sw)
+            elif recipe.rowwise:
                 x8, sx = cast(x2, E4M3, (1,), recipe, xs)
-                w8, sw = cast(wh, E4M3, (1,), recipe, w_shards)
+                w8, sw = cast(w.to(HP), E4M3, (1,), recipe, w_shards)
                 ctx.save_for_backward(x2, w)
             else:
                 x8, sx = cast(x2, E4M3, (0, 1), recipe, xs)
-                w8, sw = cast(wh, E4M3, (0, 1), recipe, w_shards)
+                w8, sw = cast(w.to(HP), E4M3, (0, 1), recipe, w_shards)
                 ctx.save_for_backward(x8, sx, w)
             y = _mm(x8, sx, w8.t(), sw.t())
             if b is not None:
@@ -149,14 +192,17 @@ class _Fp8Linear(torch.autograd.Function):
             xt8, sxt = cast(x2, E4M3, (0,), recipe, ())                       # x per feature over tokens
             gw = _mm(gt8.t(), sgt.t(), xt8, sxt)
         else:
-            x8, sx, w = ctx.saved_tensors
-            w8, sw = cast(w.to(HP), E4M3, (0, 1), recipe, w_shards)     # the forward's, again
+            if ctx.gathered:
+                x8, sx, w8, sw = ctx.saved_tensors                      # the forward's, kept
+            else:
+                x8, sx, w = ctx.saved_tensors
+                w8, sw = cast(w.to(HP), E4M3, (0, 1), recipe, w_shards)     # the forward's, again
             g8, sg = cast(g2, recipe.grad_dtype, (0, 1), recipe, gs)
             gx = _mm(g8, sg, w8, sw)
             gw = _mm(g8.t(), sg, x8, sx)
         gb = None if ctx.b_dtype is None else g2.sum(0).to(ctx.b_dtype)
         return (gx.reshape(ctx.x_shape).to(ctx.x_dtype), gw.to(ctx.w_dtype), gb,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def _token_free(shards, ndim: int) -> tuple[tuple[int, int], ...]:
@@ -182,12 +228,19 @@ def use_fp8_linears(model: nn.Module, weights: set[str], scaling: str) -> nn.Mod
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-               scaling: str = "tensorwise", x_shards=(), w_shards=(), out_shards=()) -> torch.Tensor:
+               scaling: str = "tensorwise", x_shards=(), w_shards=(), out_shards=(),
+               w_fp8: bool = False) -> torch.Tensor:
     """``aten.linear(x, w, b)`` with its three GEMMs in fp8 under recipe ``scaling``.
     ``x_shards`` / ``w_shards`` / ``out_shards``: (mesh axis, dim) pairs, each a dim of x,
     W or the output (whose gradient dy is sharded so) that this rank holds a shard of on
-    that axis (``passes/fp8_linears.py`` reads them from the plan); empty on one device."""
+    that axis (``passes/fp8_linears.py`` reads them from the plan); empty on one device.
+    ``w_fp8``: ``w`` is ZeRO-3's fp8 gather of the weight (:func:`fp8_weight`, tensorwise
+    only; ``passes/fp8_gathers.py``), already cast with the whole weight's scale."""
     if scaling not in RECIPES:
         raise ValueError(f"fp8 scaling {scaling!r}: use one of {', '.join(RECIPES)}")
+    if w_fp8 and (scaling != "tensorwise" or getattr(w, "fp8", None) is None):
+        raise ValueError(f"fp8_linear(w_fp8=True) under {scaling!r} with a weight that is no "
+                         "fp8 gather's (ops.fp8.fp8_weight): only the tensorwise recipe's "
+                         "ZeRO-3 gather gives one (passes/fp8_gathers.py)")
     return _Fp8Linear.apply(x, w, b, RECIPES[scaling], tuple(map(tuple, x_shards)),
-                            tuple(map(tuple, w_shards)), tuple(map(tuple, out_shards)))
+                            tuple(map(tuple, w_shards)), tuple(map(tuple, out_shards)), w_fp8)

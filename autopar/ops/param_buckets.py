@@ -32,8 +32,9 @@ import weakref
 
 import torch
 
-from autopar.ops.collectives import _slice, regathered_weights
+from autopar.ops.collectives import _slice, fp8_bytes, regathered_weights
 from autopar.ops.comm import Comm, current_comm
+from autopar.ops.fp8 import E4M3, HP, fp8_weight, weight_scales
 
 IN_FLIGHT = 2
 """Gradient reduce-scatters in flight at once; launching another finishes the oldest."""
@@ -51,10 +52,15 @@ def rank_blocks(full: torch.Tensor, dim: int, n: int, groups: int = 1) -> torch.
 class ParamBucket:
     """One bucket of ZeRO-3 weights gathered over mesh axis ``axis`` of ``comm`` in one
     collective: ``shards`` (this rank's blocks; shard ``i`` splits dim ``dims[i]`` in
-    ``groups[i]`` groups), cast to ``dtype`` first when given (mixed precision)."""
+    ``groups[i]`` groups), cast to ``dtype`` first when given (mixed precision).
+    ``dtype=float8_e4m3fn``: tensorwise fp8 linears' weights, each shard cast with its whole
+    weight's scale (amaxes max-reduced over ``axis`` and ``amax_axes``, once for the
+    bucket, kept for backward's gather again) and gathered as fp8 bytes; a weight is
+    taken as ``ops.fp8.fp8_weight`` (``passes/fp8_gathers.py``)."""
 
-    def __init__(self, comm: Comm, shards, axis: int, dims, groups, dtype=None):
+    def __init__(self, comm: Comm, shards, axis: int, dims, groups, dtype=None, amax_axes=()):
         self.comm, self.shards, self.axis, self.dtype = comm, list(shards), axis, dtype
+        self.fp8, self.amax_axes, self.scales = dtype == E4M3, tuple(amax_axes), None
         self.dims = [d % max(s.dim(), 1) for d, s in zip(dims, self.shards)]
         self.groups = list(groups)
         self.n = comm.size(axis)
@@ -81,13 +87,24 @@ class ParamBucket:
     # ---- gathering ---------------------------------------------------------------------------
     def _start(self):
         with torch.no_grad():
+            if self.fp8:        # the scales: forward's, kept for backward's gather again
+                if self.scales is None:
+                    self.scales = weight_scales([s.detach().to(HP) for s in self.shards],
+                                                (self.axis, *self.amax_axes))
+                flat = torch.cat([fp8_bytes(s, c).reshape(-1) for s, c in zip(self.shards, self.scales)])
+                return self.comm.all_gather_start(flat, self.axis, 0)
             flat = torch.cat([s.detach().reshape(-1) for s in self.shards])
             if self.dtype is not None and flat.dtype != self.dtype:
                 flat = flat.to(self.dtype)
             return self.comm.all_gather_start(flat, self.axis, 0)
 
     def _unflatten(self, out: torch.Tensor) -> list[torch.Tensor]:
-        """The whole weights from the gathered flat buffer ``[rank 0's shards | rank 1's | ...]``."""
+        """The whole weights from the gathered flat buffer ``[rank 0's shards | rank 1's | ...]``
+        (an fp8 bucket's bytes as e4m3)."""
+        fulls = self._unflatten_flat(out)
+        return [f.view(E4M3) for f in fulls] if self.fp8 else fulls
+
+    def _unflatten_flat(self, out: torch.Tensor) -> list[torch.Tensor]:
         rows = out.view(self.n, self.total)
         fulls = []
         for s, d in zip(self.shards, self.dims):
@@ -255,13 +272,14 @@ class _Member(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bucket: ParamBucket, i: int, grad_partial: bool):
         ctx.bucket, ctx.i, ctx.grad_partial = bucket, i, grad_partial
-        ctx.master = x.dtype if bucket.dtype is not None and x.dtype != bucket.dtype else None
+        low = HP if bucket.fp8 else bucket.dtype      # the weight's dtype at its reader
+        ctx.master = x.dtype if bucket.dtype is not None and x.dtype != low else None
         if grad_partial and ctx.needs_input_grad[0]:
             bucket.expect(i)
         out = bucket.take(i)
         regathered_weights().register(out, _Source(bucket, i), bucket.axis, bucket.dims[i],
                                       bucket.groups[i])
-        return out
+        return fp8_weight(out, bucket.scales[i].reciprocal()) if bucket.fp8 else out
 
     @staticmethod
     def backward(ctx, g):
@@ -292,8 +310,9 @@ class _Source:
         return self.bucket.regather(self.i)
 
 
-def gather_bucket(shards, axis: int, dims, groups, dtype: torch.dtype | None = None) -> ParamBucket:
+def gather_bucket(shards, axis: int, dims, groups, dtype: torch.dtype | None = None,
+                  amax_axes: tuple[int, ...] = ()) -> ParamBucket:
     """The graph's bucket start (``passes.prefetch``): launch the all-gather of ``shards``
-    over ``axis`` (cast to ``dtype`` when given); ``all_gather(..., bucket=, index=)`` nodes
-    take the weights from it."""
-    return ParamBucket(current_comm(), shards, axis, dims, groups, dtype)
+    over ``axis`` (cast to ``dtype`` when given; fp8: :class:`ParamBucket`);
+    ``all_gather(..., bucket=, index=)`` nodes take the weights from it."""
+    return ParamBucket(current_comm(), shards, axis, dims, groups, dtype, amax_axes)

@@ -89,25 +89,31 @@ class CommCosts:
                            rerun, self.grad_sync_scale)
 
     def edge_steps(self, meta: TensorMeta, src, dst, grad_partial, bucketed: bool = False,
-                   shared: int = 1) -> tuple[Collective, ...] | None:
+                   shared: int = 1, fp8: bool = False) -> tuple[Collective, ...] | None:
         """The collectives of :meth:`edge_time`, each priced once (before ``rerun`` and
-        ``grad_sync_scale``, which :func:`price_steps` applies); None when not offered."""
+        ``grad_sync_scale``, which :func:`price_steps` applies); None when not offered.
+        ``fp8``: the weight of an fp8 linear whose ZeRO-3 gather moves float8
+        (``pricing.fp8.fp8_gather_edges``)."""
         if not meta.dtype.is_floating_point:
             grad_partial = (False,) * len(grad_partial)   # integer tensors carry no gradient
         cache = self._sync_cache if bucketed else self._edge_cache
-        key = (meta.shape, meta.dtype, src, dst, grad_partial, shared if bucketed else 1)
+        key = (meta.shape, meta.dtype, src, dst, grad_partial, shared if bucketed else 1, fp8)
         got = cache.get(key, cache)
         if got is cache:
-            got = cache[key] = self._edge_steps(meta, src, dst, grad_partial, bucketed, shared)
+            got = cache[key] = self._edge_steps(meta, src, dst, grad_partial, bucketed, shared, fp8)
         return got
 
-    def _edge_steps(self, meta, src, dst, grad_partial, bucketed, shared):
+    def _edge_steps(self, meta, src, dst, grad_partial, bucketed, shared, fp8=False):
         steps = _planned(src, dst, grad_partial)
         if steps is None:
             return None
         cur = list(src)
         out = []
         scale = self._act(1.0, meta.dtype)    # 16-bit tensors move half the bytes
+        # ZeRO-3's fp8 gather (passes/fp8_gathers.py: one gather, read by the fp8 linear):
+        # 1 byte an element, forward and again in backward, and the amax's max-reduction
+        fp8 = fp8 and bucketed and self.zero >= 3 and sum(
+            st.kind == "all_gather" and self.mesh_shape[st.axis] > 1 for st in steps) == 1
         # each step's local shape before is the last one's after: one local_shape a step
         shape = _local(meta, cur, self.mesh_shape).shape if steps else None
         for step in steps:
@@ -136,7 +142,9 @@ class CommCosts:
                 # a parameter's gradient reduction moves the reduce dtype's bytes
                 grad = bucketed and backward and kind in ("all_reduce", "reduce_scatter")
                 terms = self._terms(kind, step.axis)
-                t = terms_time(terms, size * (self._grad_scale(meta.dtype) if grad else scale))
+                gathered8 = fp8 and not backward and kind == "all_gather"
+                t = terms_time(terms, size * (self._grad_scale(meta.dtype) if grad
+                                              else 1 / meta.dtype.itemsize if gathered8 else scale))
                 if bucketed and (step.kind == "grad_all_reduce" or per_step):
                     t -= terms_time(terms, 1.0)   # latency shared by the bucket
                     if step.kind == "grad_all_reduce" and step.axis == self.data_axis:
@@ -163,6 +171,8 @@ class CommCosts:
                 out.append(Collective(kind, step.axis, backward, t,
                                       (bucketed and backward and step.kind == "grad_all_reduce")
                                       or per_step, regather, overlap))
+                if gathered8:
+                    out.append(_amax_reduction(self, step.axis, shared))
                 if regather:
                     # the gathered flat buffer is copied out into whole weights on the compute
                     # stream, after the gather and before the weights' readers (FSDP2's
@@ -170,7 +180,8 @@ class CommCosts:
                     # gathered byte read once and written once; never hidden
                     dev = self.cluster.device
                     out.append(Collective(COPY_OUT, step.axis, False,
-                                          2 * size * scale / (dev.mem_bandwidth * dev.mem_efficiency),
+                                          2 * size * (1 / meta.dtype.itemsize if gathered8 else scale)
+                                          / (dev.mem_bandwidth * dev.mem_efficiency),
                                           False, True, False))
         return tuple(out)
 
@@ -212,6 +223,16 @@ class CommCosts:
             n = self.mesh_shape[self.data_axis] if self.data_axis is not None else 1
             return 1 + (1 if n == 2 else 2) if n > 1 else 0
         return 1
+
+
+def _amax_reduction(cost, axis: int, shared: int) -> Collective:
+    """The max-reduction of an fp8-gathered weight's amax over ``axis`` before its gather
+    (``ops.fp8.weight_scales``: an all-gather of one fp32 amax a rank, once a bucket: priced
+    once a weight, its wait for the peers shared as a consumer's gathers share it), forward
+    only (backward's gather again reuses the scale), not hidden (the cast waits for it)."""
+    n = cost.mesh_shape[axis]
+    t = terms_time(cost._terms("all_gather", axis), 4.0 * n) + cost.links[axis].skew / max(1, shared)
+    return Collective("all_gather", axis, False, t, False, False, False)
 
 
 def price_steps(steps: tuple[Collective, ...] | None, rerun: float = 0.0,

@@ -70,6 +70,20 @@ def fp8_nodes(problem, options) -> dict:
     return {rep: names for rep, names in problem.fp8.items() if want & set(names)}
 
 
+def fp8_gather_edges(problem, cost) -> frozenset[int]:
+    """The indices of ``problem``'s edges that are ZeRO-3 gathers of an fp8 linear's weight
+    moving float8 (``Options.fp8_gathers``, ``passes/fp8_gathers.py``): a parameter into
+    input 1 (W) of a linear the options run in fp8 (:func:`fp8_nodes`). Only under a pinned
+    ``fp8_layers``: a linear chosen by price may run bf16 and gather bf16, and its gather's
+    price is the bf16 one (an overcharge where it then runs fp8)."""
+    o = cost.options
+    if not (cost.fp8 and o.fp8_gathers and o.fp8_layers is not None):
+        return frozenset()
+    nodes = fp8_nodes(problem, o)
+    return frozenset(k for k, e in enumerate(problem.edges)
+                     if e.dst in nodes and e.dst_in == 1 and problem.vars[e.src].kind == "param")
+
+
 def fp8_linear_cost(cost, v, combo, ins, outs) -> tuple[float, float]:
     """(forward, backward) seconds of ``v`` placed ``combo`` run in fp8 under ``cost`` (a
     ``costing.CostModel``: its device, mesh, links, recipe and compile)."""

@@ -34,7 +34,7 @@ from autopar.mesh_roles import MeshRoles
 from autopar.placement import Replicate
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
-from autopar.pricing.fp8 import fp8_nodes
+from autopar.pricing.fp8 import fp8_gather_edges, fp8_nodes
 from autopar.pricing.costing import (INF, Collective, CostModel, Saves, StepView, grad_partial_flags,
                                      hidden_steps_s, params_read, price_steps)
 from autopar.cost_models.compute import FUSABLE
@@ -139,6 +139,7 @@ class PriceTable:
             cost.offload_exposed = cost.offload_share(problem)
         if cost.fp8:           # the ops precision="fp8" runs in fp8 (autopar.pricing.fp8)
             cost.fp8_nodes = fp8_nodes(problem, cost.options)
+        self.fp8_edges = fp8_gather_edges(problem, cost)     # weights gathered in fp8
         if cost.act_offload:   # offloaded activations: the copies' share not hidden
             cost.act_offload_exposed = cost.act_offload_share(problem)
         if cost.compiled:      # Inductor's fused memory-bound ops (cost_models.compute)
@@ -276,7 +277,8 @@ class PriceTable:
         # GPT-175B), and its key hashed the placements twice more; the cost model's memo
         # (``edge_steps``) is the one that hits
         e = self.problem.edges[k]
-        return EdgePrice(self.cost.edge_steps(e.meta, src, dst, grad_partial, bucketed, shared),
+        return EdgePrice(self.cost.edge_steps(e.meta, src, dst, grad_partial, bucketed, shared,
+                                              k in self.fp8_edges),
                          e.count, self._rerun(e.dst))
 
     # ---- pairs by number -------------------------------------------------------------
@@ -303,7 +305,8 @@ class PriceTable:
         else:
             bucketed = self.problem.vars[e.src].kind == "param"
             shared = self._reads.get(e.dst, 1) if bucketed else 1   # edge_steps reads it only then
-        key = (e.meta.shape, e.meta.dtype, e.needs_grad, bucketed, shared, e.count, self._rerun(e.dst))
+        key = (e.meta.shape, e.meta.dtype, e.needs_grad, bucketed, shared, e.count, self._rerun(e.dst),
+               k in self.fp8_edges)
         n = self._sigs.get(key)
         if n is None:
             n = self._sigs[key] = len(self._sig_args)

@@ -27,6 +27,9 @@ The order, and why:
    Under ``precision="fp8"`` too (its non-fp8 part is bf16).
 4. ``fp8_linear_calls``: under ``precision="fp8"``, the plan's fp8 linears call
    ``ops.fp8.fp8_linear`` with the axes their amaxes are reduced over (``passes.fp8_linears``).
+4b. ``fp8_weight_gathers``: under ``Options.fp8_gathers`` (fp8, tensorwise, ZeRO-3, eager),
+   the ZeRO-3 gathers of fp8 linears' weights move float8 (``passes.fp8_gathers``); before
+   the prefetch, which buckets them apart (their dtype).
 5. ``prefetch_gathers``: ZeRO-3's gathers bucketed by block and started one block early
    (``passes.prefetch``); not under a pipeline (its stages are cut later), recomputation
    (a recomputed layer gathers its own again) or ``compile`` (Inductor places them).
@@ -60,6 +63,7 @@ from autopar.passes.branch_parallel import keep_branches
 from autopar.passes.check_grad_sync import check_grad_sync
 from autopar.passes.copy_program import copy_program
 from autopar.passes.fast_bindings import fast_bindings
+from autopar.passes.fp8_gathers import fp8_weight_gathers
 from autopar.passes.fp8_linears import fp8_linear_calls
 from autopar.passes.insert_collectives import Rewritten, insert_collectives
 from autopar.passes.place_on_device import place_on
@@ -165,6 +169,7 @@ PASSES: tuple[ProgramPass, ...] = (
              lambda gm, p: low_precision_gathers(gm, compute_dtype(p.options))),
     in_place("fp8_linear_calls", lambda p: p.options.precision == "fp8",
              lambda gm, p: fp8_linear_calls(gm, p.cap, p.plan)),
+    in_place("fp8_weight_gathers", lambda p: p.options.fp8_gathers, lambda gm, p: fp8_weight_gathers(gm)),
     in_place("prefetch_gathers", lambda p: _zero3(p) and not p.pipelined and not p.plan.recompute
              and not _offloads(p) and not p.options.compile, lambda gm, p: prefetch_gathers(gm)),
     ProgramPass("checkpoint_layers", lambda p: p.which == "train" and bool(p.plan.recompute)
