@@ -1,7 +1,8 @@
 """ZeRO-3's fp8 all-gather (``passes/fp8_gathers.py``, ``Options.fp8_gathers``): the pins,
 the price (1 byte an element instead of bf16's 2, and the amax's all-gather), and on thread
 ranks the run with the weights gathered in fp8 bit-equal to the run gathering them in bf16,
-data 2 x tensor 2 (the amax reduced over the tensor axis too), with uint8 on the wire.
+data 2 x tensor 2 (the amax reduced over the tensor axis too) and data 2 recomputed (each weight
+gathered alone), with uint8 on the wire.
 The distributed check against one device is ``tests/test_fp8.py``'s ``tensorwise-zero3``
 case (``tests/fp8_worker.py``), which also counts the bytes its gathers sent.
 """
@@ -100,12 +101,16 @@ def test_fp8_gather_priced_at_half_the_bytes():
         assert rs8 == rs16 and rs8
 
 
-def test_fp8_gather_equals_bf16_gather_on_thread_ranks(monkeypatch):
-    """data 2 x tensor 2, ZeRO-3, fp8 tensorwise, 3 AdamW steps on thread ranks: gathering
-    the fp8 linears' weights in fp8 gives bit for bit the losses, gradients and weights of
-    gathering them in bf16 (the cast is elementwise with the whole weight's scale, its amax
-    max-reduced over the tensor axis too), and the fp8 run's gathers send uint8 where the
-    other's sent bf16."""
+@pytest.mark.parametrize("pins", [{"data": 2, "tensor": 2}, {"data": 2, "recompute": "full"}],
+                         ids=["buckets-2x2", "one-by-one-recomputed"])
+def test_fp8_gather_equals_bf16_gather_on_thread_ranks(monkeypatch, pins):
+    """ZeRO-3, fp8 tensorwise, 3 AdamW steps on thread ranks: gathering the fp8 linears'
+    weights in fp8 gives bit for bit the losses, gradients and weights of gathering them in
+    bf16 (the cast is elementwise with the whole weight's scale), and the fp8 run's gathers
+    send uint8 where the other's sent bf16. data 2 x tensor 2: bucketed gathers
+    (``ops.param_buckets``), the amax max-reduced over the tensor axis too; data 2 with
+    every layer recomputed: no prefetch, each weight gathered alone
+    (``ops.collectives._Fp8AllGather``), and again when its layer is recomputed."""
     ex, cap = _gpt()
     sent: dict[str, int] = {}
     real = ThreadComm.all_gather
@@ -127,8 +132,9 @@ def test_fp8_gather_equals_bf16_gather_on_thread_ranks(monkeypatch):
         return losses, grads, pm.full_state_dict()
     runs, moved = {}, {}
     for on in (True, False):
-        plan = plan_captured(cap, parse_cluster("cpu:4"), 4,
-                             pins={"data": 2, "tensor": 2, "zero": 3, "fp8_all_gather": on, **FP8})
+        world = math.prod(pins.get(a, 1) for a in ("data", "tensor"))
+        plan = plan_captured(cap, parse_cluster(f"cpu:{world}"), world,
+                             pins={**pins, "zero": 3, "fp8_all_gather": on, **FP8})
         assert plan.options.fp8_gathers == on
         sent.clear()
         runs[on] = simulate(cap, plan, copy.deepcopy(ex.model), run)
