@@ -27,10 +27,11 @@ is reduced (tensor parallel; a ZeRO-3 weight is gathered before the GEMM, so its
 already whole). Under the tensorwise recipe ZeRO-3 gathers it in fp8 instead
 (``passes/fp8_gathers.py``): each shard cast with the whole weight's scale
 (:func:`weight_scales`), the fp8 bytes gathered, the GEMMs fed the gathered fp8 weight
-(:func:`fp8_weight`) with no cast of their own: the same bytes, half the gather's. The token dims of x and dy (all but the last) are the rows one rank's
-program sees: a data-parallel rank, a pipeline micro-batch, scales its own rows, as torchao
-does under DDP/FSDP and gradient accumulation; the equal single-device run is the recipe
-applied per rank's rows (``tests/fp8_worker.py``).
+(:func:`fp8_weight`) with no cast of their own: the same bytes, half the gather's. The
+token dims of x and dy (all but the last) are the rows one rank's program sees: a
+data-parallel rank, a pipeline micro-batch, scales its own rows, as torchao does under
+DDP/FSDP and gradient accumulation; the equal single-device run is the recipe applied per
+rank's rows (``tests/fp8_worker.py``).
 
 Why our own function rather than torchao's ``Float8Linear``: autopar's programs are ATen
 graphs of ``aten.linear`` on each rank's local tensors, not ``nn.Linear`` modules, and the
@@ -155,7 +156,7 @@ class _Fp8Linear(torch.autograd.Function):
             xs = _token_free(x_shards, x.dim())     # shards on K only (module docstring)
             # W itself is saved, not a cast of it: the parameter (no copy), or ZeRO-3's
             # gathered weight, which autopar gathers again for backward instead of keeping
-            # it (ops.collectives.RegatheredWeights); backward casts it again, alike
+            # it (ops.collectives.RegatheredWeights); backward casts it again, alike.
             # ZeRO-3's fp8 gather (``gathered``, tensorwise): W arrives cast, with the whole
             # weight's scale (fp8_weight); forward and dgrad read it as it is, and backward
             # keeps it as it kept W: the gathered fp8 weight, gathered again (in fp8)
