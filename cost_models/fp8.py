@@ -161,14 +161,21 @@ def fused_casts():
 
 
 def casts_time(nx: float, nw: float, ny: float, device: Device, rowwise: bool,
-               compiled: bool = False) -> tuple[float, float]:
+               compiled: bool = False, w_shard: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one fp8 linear's casts: x of ``nx`` elements, W of
     ``nw``, dy of ``ny`` (:data:`CAST_TRAFFIC`; fused when ``compiled`` or under
-    :func:`fused_casts`)."""
-    table = CAST_TRAFFIC[("rowwise" if rowwise else "tensorwise", _fused(compiled))]
-    numel = {"x": nx, "w": nw, "dy": ny}
+    :func:`fused_casts`). ``w_shard``: W arrives cast by ZeRO-3's fp8 gather
+    (``passes/fp8_gathers.py``, tensorwise), which casts this rank's shard of ``w_shard``
+    elements instead, the same cast, in forward and again for backward's gather; eager,
+    backward still copies the gathered fp8 W column-major (``ops.fp8._mm``)."""
+    fused = _fused(compiled)
+    table = CAST_TRAFFIC[("rowwise" if rowwise else "tensorwise", fused)]
+    numel = {"x": nx, "w": nw if w_shard is None else w_shard, "dy": ny}
     out = {"fwd": 0.0, "bwd": 0.0}
     for (when, operand), (b, k) in table.items():
+        if w_shard is not None and (when, operand) == ("bwd", "w") and not fused:
+            b, k = _TW          # the shard's cast again; the column-major copy is of W, below
+            out[when] += cast_time(nw, device, *TRANSPOSE)
         out[when] += cast_time(numel[operand], device, b, k)
     return out["fwd"], out["bwd"]
 
@@ -181,11 +188,13 @@ def rescale_time(nx: float, nw: float, device: Device, compiled: bool = False) -
 
 
 def fp8_linear_time(op, ins, outs, args, kwargs, device: Device, rowwise: bool,
-                    amax_gathers: tuple = (), compiled: bool = False) -> tuple[float, float]:
+                    amax_gathers: tuple = (), compiled: bool = False,
+                    w_shard: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one fp8 linear on this rank's local tensors ``ins``
     (x, W[, b]) and ``outs``; ``amax_gathers``: (pass, amax elements, group size, link)
     per reduction, ``pass`` "fwd" or "bwd"; ``compiled``: its casts as Inductor runs them
-    (module docstring)."""
+    (module docstring); ``w_shard``: W gathered in fp8, its shard's elements
+    (:func:`casts_time`)."""
     check_fp8(device)
     x, w = ins[0], ins[1]
     g_ins = [_meta(x, torch.float8_e4m3fn), _meta(w, torch.float8_e4m3fn),
@@ -193,7 +202,7 @@ def fp8_linear_time(op, ins, outs, args, kwargs, device: Device, rowwise: bool,
     g_outs = [_meta(o, torch.bfloat16) for o in outs]
     fwd, bwd = compute.node_time(op, g_ins, g_outs, args, kwargs, device, "fp8")
     nx, nw, ny = math.prod(x.shape), math.prod(w.shape), math.prod(outs[0].shape)
-    cf, cb = casts_time(nx, nw, ny, device, rowwise, compiled)
+    cf, cb = casts_time(nx, nw, ny, device, rowwise, compiled, w_shard)
     fwd, bwd = fwd + cf, bwd + cb
     if rowwise:
         bwd += rescale_time(nx, nw, device, compiled)

@@ -20,7 +20,11 @@ from autopar.errors import PinError
 from autopar.ops.comm import ThreadComm
 from autopar.options import Options
 from autopar.placement import Replicate
+from autopar.cost_models.fp8 import CAST_BYTES_PER_ELEMENT, CAST_KERNELS, TRANSPOSE, cast_time
+from autopar.pricing.comm_costs import _local
+from autopar.pricing.fp8 import gathered_in_fp8
 from autopar.pricing.prices import plan_prices
+from autopar.sharding.registry import input_placements
 from autopar.runtime.thread_ranks import simulate
 from autopar.solver.flat import plan_captured
 from examples.models import EXAMPLES
@@ -58,17 +62,24 @@ def _gather_bytes(c, cost) -> float:
     return t * terms.bandwidth / terms.factor - terms.half_bytes
 
 
-def test_fp8_gather_priced_at_half_the_bytes():
-    """The small GPT on 2 H100s, data=2, ZeRO-3, fp8 tensorwise: each fp8 linear's weight
-    gather (forward, and again in backward) is priced at 1 byte an element where bf16's
-    moves 2, its copy-out at half, plus one all-gather of a 4-byte amax a rank; with
-    ``fp8_all_gather=False`` the same edges price bf16's bytes and no amax gather."""
+@pytest.fixture(scope="module")
+def tables():
+    """The small GPT on 2 H100s, data=2, ZeRO-3, fp8 tensorwise, every linear pinned fp8:
+    fp8_all_gather -> (its plan, the plan's price table)."""
     ex, cap = _gpt()
-    tables = {}
+    out = {}
     for on in (True, False):
         plan = plan_captured(cap, parse_cluster("1x2xH100"), 2,
                              pins={"data": 2, "zero": 3, "pipeline": 1, "fp8_all_gather": on, **FP8})
-        tables[on] = (plan, plan_prices(cap, plan))
+        out[on] = (plan, plan_prices(cap, plan))
+    return out
+
+
+def test_fp8_gather_priced_at_half_the_bytes(tables):
+    """Each fp8 linear's weight gather (forward, and again in backward) is priced at 1 byte
+    an element where bf16's moves 2, its copy-out at half, plus one all-gather of a 4-byte
+    amax a rank; with ``fp8_all_gather=False`` the same edges price bf16's bytes and no
+    amax gather."""
     plan, on = tables[True]
     off = tables[False][1]
     assert off.fp8_edges == frozenset()
@@ -146,3 +157,30 @@ def test_fp8_gather_equals_bf16_gather_on_thread_ranks(monkeypatch, pins):
         assert l8 == l16
         assert g8.keys() == g16.keys() and all(torch.equal(g8[k], g16[k]) for k in g16)
         assert w8.keys() == w16.keys() and all(torch.equal(w8[k], w16[k]) for k in w16)
+
+
+def test_fp8_gathered_linear_casts_only_its_shard(tables):
+    """The fp8 linear whose W arrives from the fp8 gather no longer casts W (forward, and
+    again in backward): its price swaps those casts for its shard's (half of W on 2 ranks),
+    in forward and again for backward's gather, and keeps backward's column-major copy of
+    the gathered W (``ops.fp8._mm``): the difference is exactly those casts' times."""
+    on, off = tables[True][1], tables[False][1]
+    dev = on.cost.cluster.device
+    tw = (CAST_BYTES_PER_ELEMENT, CAST_KERNELS)
+    compared = 0
+    for rep in on.cost.fp8_nodes:
+        v = on.problem.vars[rep]
+        for j, combo in enumerate(v.options):
+            w = _local(v.call.inputs[1], input_placements(combo, 1), on.cost.mesh_shape)
+            if gathered_in_fp8(on.cost, combo, w) != 2:
+                continue
+            nw = math.prod(w.shape)
+            f8, b8 = on.options[rep][j].forward_s, on.options[rep][j].backward_s
+            f16, b16 = off.options[rep][j].forward_s, off.options[rep][j].backward_s
+            assert f16 - f8 == pytest.approx(cast_time(nw, dev, *tw) - cast_time(nw / 2, dev, *tw),
+                                             rel=1e-6)
+            assert b16 - b8 == pytest.approx(cast_time(nw, dev, tw[0] + TRANSPOSE[0], tw[1] + TRANSPOSE[1])
+                                             - cast_time(nw / 2, dev, *tw) - cast_time(nw, dev, *TRANSPOSE),
+                                             rel=1e-6)
+            compared += 1
+    assert compared >= 4

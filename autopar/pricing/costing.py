@@ -272,7 +272,7 @@ class CostModel(CommCosts, MemoryCosts):
             check_fp8(self.cluster.device)
         self._time_cache = _shared(("time", self.mesh_shape, self.cluster.device, self.dtype_key,
                                     self.fp8, self.options.fp8_scaling, self.options.fp8_layers,
-                                    self.native, self.compiled, tuple(self.links),
+                                    self.options.fp8_gathers, self.data_axis, self.native, self.compiled, tuple(self.links),
                                     self.context_form, self.context_balanced)) \
             if self.profiler is None else {}
         self._rec_count: dict = {}   # id(NodeVar) -> (it, members recomputed)

@@ -23,7 +23,7 @@ import math
 
 from autopar.analysis.fp8_layers import check_fp8_layers
 from autopar.cost_models.fp8 import fp8_linear_time
-from autopar.placement import Partial, Shard
+from autopar.placement import Partial, Replicate, Shard
 from autopar.pricing.comm_costs import INF, _local
 from autopar.sharding.registry import input_placements, output_placements
 
@@ -33,9 +33,11 @@ def _sharded(placements, ndim: int, dims: set[int]) -> list[int]:
     return [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim in dims]
 
 
-def amax_gathers(combo, ins, outs, mesh_shape, links, rowwise: bool) -> tuple:
+def amax_gathers(combo, ins, outs, mesh_shape, links, rowwise: bool, w_gathered: bool = False) -> tuple:
     """(pass, amax elements a rank contributes, group size, link) of each amax reduction of
-    one fp8 linear placed ``combo`` (``ins`` / ``outs``: its local tensors)."""
+    one fp8 linear placed ``combo`` (``ins`` / ``outs``: its local tensors). ``w_gathered``:
+    W arrives from ZeRO-3's fp8 gather, whose scale is reduced once, in forward (the data
+    axis's reduction priced with the gather, ``pricing.comm_costs``): none in backward."""
     x, w, y = ins[0], ins[1], outs[0]
     xd, yd = len(x.shape), len(y.shape)
     rows = math.prod(x.shape[:-1])          # this rank's tokens
@@ -50,6 +52,8 @@ def amax_gathers(combo, ins, outs, mesh_shape, links, rowwise: bool) -> tuple:
                   ("fwd", input_placements(combo, 1), 2, {0, 1}, 1),
                   ("bwd", input_placements(combo, 1), 2, {0, 1}, 1),
                   ("bwd", output_placements(combo, 0), yd, {yd - 1}, 1)]
+        if w_gathered:
+            del wanted[2]
     out = []
     for when, placements, ndim, dims, elements in wanted:
         for a in _sharded(placements, ndim, dims):
@@ -90,9 +94,27 @@ def fp8_linear_cost(cost, v, combo, ins, outs) -> tuple[float, float]:
     if any(isinstance(p, Partial) for k in (0, 1) for p in input_placements(combo, k)):
         return INF, INF     # a partial sum has no amax of its own (passes/fp8_linears.py)
     rowwise = cost.options.fp8_scaling == "rowwise"
-    gathers = amax_gathers(combo, ins, outs, cost.mesh_shape, cost.links, rowwise)
+    n = gathered_in_fp8(cost, combo, ins[1])
+    gathers = amax_gathers(combo, ins, outs, cost.mesh_shape, cost.links, rowwise, n > 1)
     return fp8_linear_time(v.call.op, ins, outs, v.call.args, v.call.kwargs, cost.cluster.device,
-                           rowwise, gathers, compiled=cost.compiled)
+                           rowwise, gathers, compiled=cost.compiled,
+                           w_shard=math.prod(ins[1].shape) / n if n > 1 else None)
+
+
+def gathered_in_fp8(cost, combo, w) -> int:
+    """The ranks ZeRO-3 gathers this fp8 linear's local W ``w`` from in fp8 under ``combo``
+    (``passes/fp8_gathers.py``), or 1: as :func:`fp8_gather_edges` (pinned ``fp8_layers``,
+    ``Options.fp8_gathers``), W read whole on the data axis of more than one rank and
+    divisible there (so stored sharded), with no context axis (whose ZeRO-3 shards make a
+    chain of two gathers, kept bf16; and a plan of context ranks alone, whose gather the
+    edge prices in fp8, keeps bf16's W casts here: an overcharge)."""
+    o, a = cost.options, cost.data_axis
+    if not (cost.fp8 and o.fp8_gathers and o.fp8_layers is not None and (o.context or 1) == 1
+            and a is not None and a < len(cost.mesh_shape)):
+        return 1
+    n = cost.mesh_shape[a]
+    whole = isinstance(input_placements(combo, 1)[a], Replicate)
+    return n if n > 1 and whole and any(d % n == 0 for d in w.shape) else 1
 
 
 def runs_fp8(cost, v, combo, ins, outs) -> tuple[bool, tuple[float, float]]:
