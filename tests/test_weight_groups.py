@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from autopar.runtime import weight_groups
 from autopar.runtime.weight_groups import merge_overlapping
 
 
@@ -86,3 +87,29 @@ def test_read_at_two_depths_is_one_group():
 def test_one_group_is_left_as_it_is():
     g = [{"params": {1}, "intermediates": [2], "grads": [(None,)]}]
     assert merge_overlapping(g) is g
+
+
+def test_a_stage_merges_each_micro_batch_the_same_way_from_its_first_answer(monkeypatch):
+    """``GroupMerger`` walks the graph for a grouping once; the next micro-batch's groups
+    (new nodes, the same weights) are merged from that answer, exactly."""
+    walks = []
+    real = weight_groups.merge_overlapping
+    monkeypatch.setattr(weight_groups, "merge_overlapping", lambda g: walks.append(1) or real(g))
+    merger = weight_groups.GroupMerger()
+    torch.manual_seed(0)
+    w = {k: torch.nn.Parameter(torch.randn(4, dtype=torch.float64)) for k in "pqr"}
+    for mb in range(3):
+        x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+        ref = torch.autograd.grad(read_at_two_depths(x, w), list(w.values()), allow_unused=True)
+        for p in w.values():
+            p.grad = None
+        _, groups = stage_backward_input([read_at_two_depths(x, w)], None, [x], iter(w.values()))
+        merged = merger(groups, list(w.values()))
+        assert len(groups) == 2 and len(merged) == 1
+        stage_backward_weight(iter(w.values()), merged)
+        for (k, p), r in zip(w.items(), ref):
+            if r is None:
+                assert p.grad is None, (mb, k)
+            else:
+                torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-12, msg=f"{mb} {k}")
+    assert len(walks) == 1

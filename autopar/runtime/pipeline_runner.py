@@ -55,7 +55,7 @@ from autopar.runtime.compiled import CompiledStage, inductor_options
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.precision import AutocastStage, cast_once_per_step, compute_dtype
 from autopar.runtime.shards import Shards
-from autopar.runtime.weight_groups import merge_overlapping
+from autopar.runtime.weight_groups import GroupMerger
 from autopar.schedule import rank_stages, stage_ranks, torch_schedule_class
 
 
@@ -82,6 +82,7 @@ class _Stage(PipelineStage):
 
     on_last_backward = None
     split_backward = True
+    _merger = None          # GroupMerger, made at the first weight half
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         whole = not full_backward and not self.split_backward
@@ -94,7 +95,10 @@ class _Stage(PipelineStage):
         if self.split_backward:
             state = self.backward_state.get(bwd_chunk_id)
             if state is not None and state[1]:
-                self.backward_state[bwd_chunk_id] = (state[0], merge_overlapping(state[1]), *state[2:])
+                if self._merger is None:
+                    self._merger = GroupMerger()
+                groups = self._merger(state[1], self.submod.parameters())
+                self.backward_state[bwd_chunk_id] = (state[0], groups, *state[2:])
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         if last_backward and self.on_last_backward is not None:
             self.on_last_backward(self.stage_index)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
 
 def _on_paths(roots, targets) -> set:
     """The autograd nodes on a path from one of ``roots`` down ``next_functions`` to one of
@@ -86,3 +88,32 @@ def merge_overlapping(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if len(blocks) == len(current):
             return current
         current = [b[0] if len(b) == 1 else _merge(b) for b in blocks.values()]
+
+
+class GroupMerger:
+    """:func:`merge_overlapping` for one stage, its answer kept by the groups' weights (their
+    places in ``weights``): every micro-batch runs the same program, so torch's groups and
+    their overlaps repeat, and the walk of the graph (about 23 ms of CPU a micro-batch for
+    an 8-layer pre-norm encoder's 56 groups, scratch measurement on this 2-core machine)
+    runs once per grouping torch hands over."""
+
+    def __init__(self):
+        self._known: dict[frozenset, list[frozenset]] = {}
+
+    def __call__(self, groups: list[dict[str, Any]], weights) -> list[dict[str, Any]]:
+        if len(groups) < 2 or any("grads" not in g or "intermediates" not in g for g in groups):
+            return groups
+        place = {_get_grad_fn_or_grad_acc(w): i for i, w in enumerate(weights)}
+        keys = [frozenset(place.get(p, -1) for p in g["params"]) for g in groups]
+        blocks = self._known.get(frozenset(keys))
+        if blocks is None:
+            merged = merge_overlapping(groups)
+            self._known[frozenset(keys)] = [frozenset(place.get(p, -1) for p in m["params"])
+                                            for m in merged]
+            return merged
+        together: dict[int, list] = {}
+        for g, k in zip(groups, keys):
+            together.setdefault(next(i for i, b in enumerate(blocks) if k <= b), []).append(g)
+        if len(together) == len(groups):
+            return groups
+        return [b[0] if len(b) == 1 else _merge(b) for b in together.values()]
