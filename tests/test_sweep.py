@@ -1,4 +1,4 @@
-"""The differential sweep's fixed subset: 89 cases of ``benchmarks/sweep.py``, each a test.
+"""The differential sweep's fixed subset: 90 cases of ``benchmarks/sweep.py``, each a test.
 
 Each case (an architecture of ``examples/zoo.py``, a plan, a loss, a world size) is planned
 by autopar, trained 3 SGD-momentum steps and 3 AdamW steps under the plan and on one
