@@ -1,4 +1,4 @@
-"""The differential sweep's fixed subset: 88 cases of ``benchmarks/sweep.py``, each a test.
+"""The differential sweep's fixed subset: 90 cases of ``benchmarks/sweep.py``, each a test.
 
 Each case (an architecture of ``examples/zoo.py``, a plan, a loss, a world size) is planned
 by autopar, trained 3 SGD-momentum steps and 3 AdamW steps under the plan and on one
@@ -159,6 +159,11 @@ CASES: list[tuple[sc.Case, str | None]] = [
     # then the peers hung; the MoE sweep's mixtral:pp-zero-bubble:817116:gloo)
     (C("mixtral", "pp-zero-bubble", 4, "padded", {"expert": 2, "pipeline": 2, "schedule": "zero-bubble",
                                                   "micro_batch_size": 2}), None),
+    # DualPipeV's weight half on T5 (issue 43; the seed-2026 sweep's case as drawn, batch 8):
+    # the decoder's relative position bias, added at every layer, put nodes on two weight
+    # groups' passes ("backward through the graph a second time"), and the weight half ran
+    # the skip send of the encoder's output again, a second receive that hung the peers
+    (sc.parse_case_id("t5:pp-dualpipev:200289:gloo"), None),
 ]
 IDS = [c.id for c, _ in CASES]
 BY_ID = {c.id: c for c, _ in CASES}

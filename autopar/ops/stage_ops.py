@@ -5,7 +5,8 @@ the pipelined runtime installs with ``use_step_context`` around each schedule st
 
 Skip values (a tensor read several stages after it is made) go straight from producer to
 consumer with their own point-to-point messages on the world group, tagged by edge and
-micro-batch; their gradients come back the same way.
+micro-batch; their gradients come back the same way, once per micro-batch: zero bubble's
+weight half can run a skip's backward node a second time (see ``_SkipSend.backward``).
 """
 from __future__ import annotations
 
@@ -95,15 +96,20 @@ class _SkipSend(torch.autograd.Function):
         c = _ctx()
         e = c.edges[edge]
         ctx.edge, ctx.mb, ctx.shape, ctx.dtype = edge, mb, value.shape, value.dtype
+        ctx.got = None
         c.send(value, c.rank_of_stage[e.dst], _tag(edge, mb, False))
         return anchor.view_as(anchor)
 
     @staticmethod
     def backward(ctx, g):
-        c = _ctx()
-        e = c.edges[ctx.edge]
-        grad = c.recv(ctx.shape, ctx.dtype, c.rank_of_stage[e.dst], _tag(ctx.edge, ctx.mb, True))
-        return grad, g, None, None
+        # zero bubble's weight half runs this node again when a weight's value (the anchor:
+        # T5's decoder embedding of the tied weight) meets here an input's (the value, the
+        # encoder's output): the gradient is received once, at the input half
+        if ctx.got is None:
+            c = _ctx()
+            e = c.edges[ctx.edge]
+            ctx.got = c.recv(ctx.shape, ctx.dtype, c.rank_of_stage[e.dst], _tag(ctx.edge, ctx.mb, True))
+        return ctx.got, g, None, None
 
 
 class _SkipRecv(torch.autograd.Function):
@@ -111,15 +117,17 @@ class _SkipRecv(torch.autograd.Function):
     def forward(ctx, anchor, edge, mb):
         c = _ctx()
         e = c.edges[edge]
-        ctx.edge, ctx.mb = edge, mb
+        ctx.edge, ctx.mb, ctx.sent = edge, mb, False
         c.received.append((edge, mb))
         return c.recv(e.shape, e.dtype, c.rank_of_stage[e.src], _tag(edge, mb, False))
 
     @staticmethod
     def backward(ctx, g):
-        c = _ctx()
-        e = c.edges[ctx.edge]
-        c.send(g, c.rank_of_stage[e.src], _tag(ctx.edge, ctx.mb, True))
+        if not ctx.sent:        # once, as _SkipSend receives it
+            c = _ctx()
+            e = c.edges[ctx.edge]
+            c.send(g, c.rank_of_stage[e.src], _tag(ctx.edge, ctx.mb, True))
+            ctx.sent = True
         return None, None, None
 
 

@@ -55,6 +55,7 @@ from autopar.runtime.compiled import CompiledStage, inductor_options
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.precision import AutocastStage, cast_once_per_step, compute_dtype
 from autopar.runtime.shards import Shards
+from autopar.runtime.weight_groups import GroupMerger
 from autopar.schedule import rank_stages, stage_ranks, torch_schedule_class
 
 
@@ -68,10 +69,20 @@ class _Stage(PipelineStage):
     stage as a whole at W. A later stage with a weight off that path (an embedding of
     token ids behind a stage of rotary tables only, whose inputs need no gradient) would
     lose that weight's gradient: such a stage (``split_backward=False``,
-    :func:`split_backward_safe`) runs its whole backward at I and nothing at W."""
+    :func:`split_backward_safe`) runs its whole backward at I and nothing at W.
+
+    W runs torch's weight groups with every two whose passes share an autograd node merged
+    (``runtime.weight_groups``): T5's relative position bias, one weight's value added to
+    the scores of every decoder layer, put the layers between on two groups' passes, and
+    the second failed ("backward through the graph a second time"; the seed-2026 sweep's
+    t5:pp-dualpipev:200289:gloo, its last stage). W also runs again every meeting point of
+    a weight's value with an input's, a skip's send among them (that case's stage 1 sends
+    the encoder's output beside the decoder's embedding of the tied weight): its gradient
+    is received once (``ops.stage_ops``), or the second receive waits forever."""
 
     on_last_backward = None
     split_backward = True
+    _merger = None          # GroupMerger, made at the first weight half
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         whole = not full_backward and not self.split_backward
@@ -82,6 +93,12 @@ class _Stage(PipelineStage):
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         if self.split_backward:
+            state = self.backward_state.get(bwd_chunk_id)
+            if state is not None and state[1]:
+                if self._merger is None:
+                    self._merger = GroupMerger()
+                groups = self._merger(state[1], self.submod.parameters())
+                self.backward_state[bwd_chunk_id] = (state[0], groups, *state[2:])
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         if last_backward and self.on_last_backward is not None:
             self.on_last_backward(self.stage_index)
@@ -95,8 +112,11 @@ def split_backward_safe(gm: GraphModule, input_requires_grad: list[bool]) -> boo
     differentiable input joins, or when a weight is read more than once in the stage
     (ALBERT's one layer run at every depth, T5's shared embedding): torch groups weights by
     the values they reach and computes each group's gradient with its own
-    ``autograd.grad`` that frees the graph, so a weight in two groups' paths fails the
-    second with "backward through the graph a second time". False too for a stage that
+    ``autograd.grad`` that frees the graph, so a weight in two groups' paths failed the
+    second with "backward through the graph a second time". (``_Stage`` merges such groups
+    now, ``runtime.weight_groups``, which also covers a weight read once whose value is read
+    twice, T5's relative position bias under DualPipeV; the rule stays, so these stages run as before:
+    their merged W would run the backward between the reads again.) False too for a stage that
     splits a mixture of experts' experts (``ops.experts.run_experts``): their gradient
     passes the dispatch's all-to-all, which the weight half would run again on one rank
     only (Mixtral under expert=2 and zero bubble: that error, then the peers hung)."""
