@@ -512,7 +512,7 @@ def plan_pipelined(spec: SearchSpec, *, cap0: Captured | None = None,
         partial = None
         if intra.recompute and pins.recompute is None:
             partial = (price_plan(cap0, intra, without_recompute(solved[1]), cl, world, p,
-                                  most, starts), select_layers(cap0.gm, "full"))
+                                  most, starts), select_layers(cap0.gm, recompute_rest(cap0, pins) or ()))
         ranked = _ranked(pr, p, batch, budget, pins,
                          _allowed_micro_batches(batch, batch_degree(cap0, intra)),
                          partial=partial)
