@@ -459,10 +459,9 @@ def _check_combinations(p: dict) -> None:
                                "drop one of the two pins")
     act = p.get("offload_activations")
     if act not in (None, "none", (), []):
-        for other, none in (("pipeline", 1), ("compile", False)):
-            if p.get(other) not in (None, none):
-                raise PinError(f"offload_activations={act!r} with {other}={p[other]!r} is not "
-                               "supported yet: drop one of the two pins")
+        if p.get("compile") not in (None, False):
+            raise PinError(f"offload_activations={act!r} with compile={p['compile']!r} is not "
+                           "supported yet: drop one of the two pins")
         rec = p.get("recompute")
         if rec is True or rec == "full" or (act == "full" and rec not in (None, False, "none", (), [])):
             raise PinError(f"offload_activations={act!r} with recompute={rec!r}: a layer is "

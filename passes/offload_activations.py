@@ -43,11 +43,14 @@ class OffloadedRegion(nn.Module):
         return f"layer={self.layer!r}"
 
 
-def offload_layers(gm: GraphModule, regions: dict[str, set[str]], device) -> GraphModule:
+def offload_layers(gm: GraphModule, regions: dict[str, set[str]], device,
+                   keep_weight_casts: bool = False) -> GraphModule:
     """A new GraphModule in which each region (layer name -> captured node names) runs with
     its saved tensors in host memory (module docstring); ``out.meta["offload_host"]`` is the
-    program's :class:`HostActivations`. ``gm`` is left alone; its parameters are shared."""
-    host = HostActivations(torch.device(device))
+    program's :class:`HostActivations`. ``gm`` is left alone; its parameters are shared.
+    ``keep_weight_casts``: a pipeline stage's program, whose 16-bit weight casts live through
+    the step (``HostActivations``' docstring)."""
+    host = HostActivations(torch.device(device), keep_weight_casts)
     out = wrap_layers(gm, regions, lambda body, layer, k: OffloadedRegion(body, layer, host, k),
                       "offload")
     out.meta["offload_host"] = host

@@ -78,8 +78,17 @@ def _run_case(case: dict) -> dict:
     worst = compare(ref, got, f"{case} rank {dist.get_rank()}")
     out = {"mesh": list(pm.plan.mesh_shape), "worst": worst}
     if case.get("pins", {}).get("offload_activations"):     # the tensors that went to the host
-        host = pm.runner.programs["train"].meta["offload_host"]
-        out.update(packed=host.packed, unpacked=host.unpacked)
+        if pm.plan.pipeline is None:
+            host = pm.runner.programs["train"].meta["offload_host"]
+            out.update(packed=host.packed, unpacked=host.unpacked)
+        else:       # each train stage's program has its own hooks: by stage, from every rank
+            mine = {sg.index: [sg.gm.meta["offload_host"].packed, sg.gm.meta["offload_host"].unpacked,
+                               sg.gm.meta["offload_host"].packed_bytes]
+                    for sg, _ in pm.runner.stages["train"] if "offload_host" in sg.gm.meta}
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            out.update(stages={k: v for d in every for k, v in d.items()},
+                       microbatches=pm.plan.n_microbatches, schedule=pm.plan.schedule)
     return out
 
 

@@ -14,6 +14,19 @@ with its index in forward order):
   copying them frees nothing).
 - **unpack** (backward): the host copy goes back to the device.
 
+Layers are told apart by (forward, index): a program's forward enters its regions in
+increasing index order, so a region entered at an index no greater than the last one
+entered starts the program's next forward. Under a pipeline a stage program runs forward
+for several micro-batches before their backwards (1F1B holds up to ``p`` in flight), each
+a forward of its own, so a backward's prefetch brings back the layer before it of the
+same micro-batch, never another micro-batch's.
+
+Under a pipeline's step-long autocast cache (``runtime.precision.cast_once_per_step``)
+the 16-bit casts of the weights live through the step whatever the hooks do (every
+micro-batch saves the one cast): copying them would free nothing and copy them once per
+micro-batch, so with ``keep_weight_casts`` they are left as parameters are (as is any
+cast autocast caches, :func:`cached_cast`).
+
 On a CUDA rank the copies run on a side stream (``torch.cuda.Stream``) into pinned
 (page-locked) host memory, ``non_blocking``, so the copy of layer l's tensors overlaps the
 forward of layer l + 1 (the side stream first waits for the compute stream to have
@@ -59,23 +72,32 @@ class HostActivations:
     ``device``. ``packed`` / ``unpacked`` count the tensors that went to the host and came
     back (the tests read them)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, keep_weight_casts: bool = False):
         self.device = torch.device(device)
+        self.keep_weight_casts = keep_weight_casts
         self.cuda = self.device.type == CUDA
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.pinned = pin_host_memory(self.device)
-        self._by_layer: dict[int, list] = {}     # layer -> weak references to its _Packed
-        self._layer: int | None = None
-        self._started: set[int] = set()    # layers whose copies back were started (CUDA)
+        self._by_layer: dict[tuple, list] = {}   # (forward, layer) -> weak references to its _Packed
+        self._layer: tuple | None = None
+        self._last = -1                      # the index last entered: a forward's regions ascend
+        self._forward = 0                    # which forward of the program (micro-batch) runs
+        self._started: set[tuple] = set()    # (forward, layer)s whose copies back were started (CUDA)
         self.packed = self.unpacked = 0
+        self.packed_bytes = 0                # bytes copied to the host (the tests read them)
 
     @contextmanager
     def layer(self, index: int):
         """Run a layer's forward (its region, ``index`` in forward order) with its saved
         tensors offloaded."""
-        self._by_layer[index] = []
-        self._started.discard(index)
-        before, self._layer = self._layer, index
+        if index <= self._last:              # the program's next forward (micro-batch)
+            self._forward += 1
+            self._drop_freed()
+        self._last = index
+        key = (self._forward, index)
+        self._by_layer[key] = []
+        self._started.discard(key)
+        before, self._layer = self._layer, key
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -84,7 +106,8 @@ class HostActivations:
 
     # ---- the hooks ---------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or t.device.type == "meta":
+        if isinstance(t, nn.Parameter) or t.device.type == "meta" or (
+                self.keep_weight_casts and cached_cast(t)):
             return t                                   # nothing to free
         host = torch.empty(t.shape, dtype=t.dtype, device=HOST, pin_memory=self.pinned)
         done = None
@@ -100,6 +123,7 @@ class HostActivations:
         # weakly: a handle autograd has dropped (its backward ran) frees its host copy
         self._by_layer.setdefault(self._layer, []).append(weakref.ref(p))
         self.packed += 1
+        self.packed_bytes += t.numel() * t.element_size()
         return p
 
     def _unpack(self, p):
@@ -108,7 +132,8 @@ class HostActivations:
         self.unpacked += 1
         if not self.cuda or p.device.type != CUDA:
             return p.host.to(p.device, copy=True) if p.device.type != HOST else p.host.clone()
-        for layer in (p.layer, p.layer - 1):    # this layer's first read in backward: fetch
+        forward, index = p.layer
+        for layer in (p.layer, (forward, index - 1)):  # this layer's first read in backward: fetch
             if layer not in self._started:      # it, and start the layer before (the prefetch)
                 self._fetch(layer)
         current = torch.cuda.current_stream(p.device)
@@ -121,7 +146,13 @@ class HostActivations:
         p.back = p.back_done = None
         return t
 
-    def _fetch(self, layer: int) -> None:
+    def _drop_freed(self) -> None:
+        """Forget the layers whose saved tensors autograd has all dropped (their backward ran)."""
+        for key in [k for k, refs in self._by_layer.items() if all(r() is None for r in refs)]:
+            del self._by_layer[key]
+            self._started.discard(key)
+
+    def _fetch(self, layer: tuple) -> None:
         """Start the copies of ``layer``'s saved tensors back to the device on the side
         stream (those not started yet)."""
         self._started.add(layer)
@@ -136,4 +167,15 @@ class HostActivations:
                 p.back_done = self.stream.record_event()
 
 
-__all__ = ["HostActivations"]
+def cached_cast(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or the tensor it is a view of: a linear saves its weight's transpose)
+    is a cast autocast keeps in its cache: a copy of a leaf that requires grad (a weight; a
+    pipeline stage's received input), autocast's rule for what it caches."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    return any(type(f).__name__ == "AccumulateGrad" for f, _ in fn.next_functions if f is not None)
+
+
+__all__ = ["HostActivations", "cached_cast"]

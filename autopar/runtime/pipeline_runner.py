@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
 from torch.fx import GraphModule
 
-from autopar.analysis.layers import layer_members
+from autopar.analysis.layers import layer_members, select_layers
 from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.analysis.stages import assign_stages, local_meta, no_grad_ops
 from autopar.capture import Captured
@@ -47,6 +47,7 @@ from autopar.errors import ArgumentError
 from autopar.ops.comm import DistComm, is_comm_failure
 from autopar.ops.experts import run_experts
 from autopar.ops.stage_ops import StepContext, use_step_context
+from autopar.passes.offload_activations import offload_layers
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.split_stages import StageGraph, split_stages
 from autopar.placement import parse_placements, placements_str
@@ -276,14 +277,22 @@ class PipelineRunner:
                 if n.op == "get_attr":
                     self._reads.setdefault(n.target, set()).add(sg.index)
         # recomputation: each of this rank's train stages checkpoints its share of the plan's
-        # layers (passes/recompute; a layer across a cut is a region in each of its stages)
+        # layers (passes/recompute; a layer across a cut is a region in each of its stages);
+        # activation offload likewise: each train stage's share of the offloaded layers keeps
+        # its saved tensors in host memory, every micro-batch's forward its own
+        # (passes/offload_activations; the stage's program carries its hooks)
         regions = layer_members(cap.gm, plan.recompute) if which == "train" and plan.recompute else {}
+        offload = plan.options.offload_activations
+        moved = layer_members(cap.gm, select_layers(cap.gm, offload)) \
+            if which == "train" and offload not in (None, "none", ()) else {}
         mine = []
         for sg in parts:
             if sg.index not in self.my_stages:
                 continue
             if regions:
                 sg = replace(sg, gm=checkpoint_layers(sg.gm, regions))
+            if moved:
+                sg = replace(sg, gm=offload_layers(sg.gm, moved, self.device, keep_weight_casts=True))
             ins, outs = self._stage_examples(which, sg)
             dtype = self._dtype
             mod = sg.gm if dtype is None else AutocastStage(sg.gm, self.device, dtype)

@@ -38,7 +38,8 @@ The order, and why:
    checkpoints each stage's share after cutting it, ``runtime.pipeline_runner``).
 6b. ``offload_layers``: the plan's offloaded layers (``options.offload_activations``) keep
    what they save for backward in host memory (``passes.offload_activations``), in the
-   ``train`` program of an unpipelined plan; after ``checkpoint_layers`` (a layer is one or
+   ``train`` program of an unpipelined plan (a pipeline offloads each stage's share after
+   cutting it, ``runtime.pipeline_runner``); after ``checkpoint_layers`` (a layer is one or
    the other) and, like it, with ZeRO-3's prefetch off (its gathers would cross the regions).
 7. ``keep_branches``: branch parallelism keeps this rank's branches (``passes.branch_parallel``).
 8. ``place_on``: tensors the program creates go on the rank's device (``passes.place_on_device``).

@@ -960,13 +960,19 @@ def _recompute_choices(cap: Captured, pins: Options) -> list:
         return [pins.recompute]
     if not _has_repeated_layers(cap):
         return [None]
-    off = offload_of(cap, pins)
-    if off is None:
-        return [None, "full"]
-    # offloaded layers (pinned) are not recomputed too: the others may be
+    rest = recompute_rest(cap, pins)
+    return [None, rest] if rest else [None]
+
+
+def recompute_rest(cap: Captured, pins: Options):
+    """What recomputing every repeated layer means under ``pins``: ``"full"``, or under a
+    pinned ``offload_activations=`` the names of the layers it does not offload (a layer is
+    one or the other), None when it offloads them all."""
+    if offload_of(cap, pins) is None:
+        return "full"
     offloaded = set(select_layers(cap.gm, pins.offload_activations))
     rest = tuple(lay for lay in select_layers(cap.gm, "full") if lay not in offloaded)
-    return [None, rest] if rest else [None]
+    return rest or None
 
 
 def _has_repeated_layers(cap: Captured) -> bool:

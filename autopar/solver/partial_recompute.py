@@ -46,7 +46,7 @@ import numpy as np
 
 from autopar.analysis.layers import repeated_layers, select_layers
 from autopar.analysis.stages import chain_index
-from autopar.solver.flat import Solved
+from autopar.solver.flat import Solved, recompute_rest
 from autopar.solver.pipeline_price import pipeline_estimate, price_plan
 from autopar.solver.stage_dp import plan_stages
 from autopar.solver.stage_plan import StagesDoNotFit
@@ -197,7 +197,8 @@ def partial_pipeline(cap, fitted, cl, world: int, config, budget: float):
     recomputed that fit ``budget`` (module docstring) when that is predicted faster."""
     p, v, m, schedule = config
     solved, pr_full, sp_full = fitted
-    layers = select_layers(cap.gm, "full")
+    # every repeated layer, but those the plan offloads (a layer is one or the other)
+    layers = select_layers(cap.gm, recompute_rest(cap, solved[0].options) or ())
     bare = without_recompute(solved[1])
     pr0 = price_plan(cap, solved[0], bare, cl, world, p, p * v, pr_full.starts)
     if len(pr0.bounds) != len(pr_full.bounds) or (pr0.bounds != pr_full.bounds).any():

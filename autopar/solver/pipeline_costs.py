@@ -13,7 +13,11 @@ precision, recomputation, the cluster's links), without its per-stage factors:
   (``PriceTable.shared``) on the first of them;
 - ``sync``: the gradient reductions of the parameters it reads, once per **step** (the
   runtime accumulates gradients over micro-batches and reduces once);
-- ``activations``: bytes it keeps for backward, per micro-batch;
+- ``activations``: bytes it keeps for backward on the device, per micro-batch; a node of
+  an offloaded layer (``offload_activations=``) keeps its saved bytes in host memory
+  instead (``host_activations``), pays its copies' share not hidden on ``compute``
+  (``pricing.activation_offload``, at the exposed share the flat price uses), and a rank
+  holding one holds ``offload_bytes`` on the device once: the layers in flight in backward;
 - ``cross``, ``cross_tensors``: bytes and tensors live across the cut before it (a
   pipeline sends each tensor as a message of its own);
 - placeholders (parameters, buffers, inputs) with their bytes by term and the chain nodes
@@ -39,6 +43,7 @@ from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.host import node_dispatches
 from autopar.sharding.registry import input_placements, output_placements
+from autopar.pricing.activation_offload import copy_s
 from autopar.pricing.costing import COPY_OUT, INF, grad_partial_flags
 from autopar.pricing.prices import EdgePrice, PriceTable, price_table
 
@@ -71,6 +76,16 @@ class NodeCosts:
     """The transient of rebuilding one recomputed layer in backward (held once)."""
     recomputed: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     """Chain nodes inside recomputed layers."""
+    offload_bytes: float = 0.0
+    """The offloaded layers' saved bytes back on the device at once in backward (the
+    ``activation_offload.in_flight_layers`` layers: the one whose backward runs and, on a
+    GPU, the one prefetched; held once by a rank holding an offloaded node)."""
+    offloaded: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    """Chain nodes whose saved bytes go to host memory (``offload_activations=``)."""
+    host_activations: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per chain node: bytes per micro-batch it keeps in host memory (offloaded)."""
+    node_offloaded: frozenset = frozenset()
+    """Graph nodes whose saved bytes go to host memory (``with_recompute`` leaves them)."""
     launch: float = 0.0
     """Seconds of fixed cost per kernel on the device (launch and fill)."""
     comm_latency: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -105,7 +120,7 @@ class NodeCosts:
         calls = self.host_calls.copy() if len(self.host_calls) else self.host_calls
         rebuilt = 0.0
         for name, i in where.items():      # graph order: sums that do not move with the hash seed
-            if name not in rec:
+            if name not in rec or name in self.node_offloaded:    # (offloaded: not both)
                 continue
             compute[i] += self.node_forward.get(name, 0.0)
             if len(calls):                 # its forward's calls again
@@ -164,7 +179,17 @@ class NodeCosts:
         out["activations"] = act
         if self.recompute_bytes and bool((held & self.recomputed).any()):
             out["recompute"] = self.recompute_bytes
+        if self.offload_bytes and bool((held & self.offloaded).any()):
+            out["offload"] = self.offload_bytes
         return out
+
+    def rank_host_memory(self, stages: list[tuple[int, int]], in_flight: np.ndarray) -> float:
+        """Bytes of host memory a rank holding chain nodes ``[j, i)`` of each of ``stages``
+        keeps for the offloaded layers, ``in_flight[k]`` micro-batches of stage k's at once."""
+        if not len(self.host_activations):
+            return 0.0
+        return float(sum(float(n) * float(self.host_activations[j:i].sum())
+                         for (j, i), n in zip(stages, in_flight)))
 
 
 class _Terms:
@@ -259,6 +284,8 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
                      cross_learned=from_params,
                      recompute_bytes=acc.rec_bytes,
                      recomputed=acc.recomputed, comm_latency=acc.alpha,
+                     offload_bytes=acc.off_bytes, offloaded=acc.offloaded, host_activations=acc.host,
+                     node_offloaded=frozenset(acc.node_off),
                      launch=float(dev.launch_overhead + dev.fill_time), node_forward=acc.node_forward,
                      node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm,
                      node_forward_comm_by=acc.node_fwd_comm_by,
@@ -311,6 +338,8 @@ class _Acc:
         self.comm_by = [{} for _ in range(L)]
         self.sync_by = [{} for _ in range(L)]
         self.recomputed = np.zeros(L, bool)
+        self.offloaded, self.host = np.zeros(L, bool), np.zeros(L)
+        self.off_bytes, self.node_off = 0.0, []
         mesh = pt.problem.mesh_shape
         self.names = list(axes) if axes else [f"axis{a}" for a in range(len(mesh))]
         self.placeholders: list = []
@@ -346,19 +375,28 @@ class _Acc:
                 continue
             f, b = price.forward_s, price.backward_s
             mem = price.memory.get("activations", 0.0)
-            # the solver's "recompute" term: one layer's activations, rebuilt in backward
-            self.rec_bytes += pt.memory(name, i, weighted=False).get("recompute", 0.0)
+            # the solver's "recompute" term: one layer's activations, rebuilt in backward;
+            # its "offload" term: the offloaded layers' back on the device in backward
+            split = pt.memory(name, i, weighted=False)
+            self.rec_bytes += split.get("recompute", 0.0)
+            self.off_bytes += split.get("offload", 0.0)
             for member in v.members:
                 c = self.where.get(member)
                 if c is None:
                     continue
                 rec = member in cost.recompute
+                off = member in cost.act_offload and member not in cost.act_offload_kept
                 self.node_forward[member], self.node_act[member] = f, mem
                 self.compute[c] += f + b + (f if rec else 0.0)
                 # a recomputed view keeps nothing either (a reshape that copies, such as
                 # repeat_kv's, may be saved: autopar.analysis.saved)
                 if rec and member not in cost.recompute_kept:
                     self.recomputed[c] = True
+                elif off:          # to the host and back, the share not hidden on the step
+                    self.offloaded[c] = True
+                    self.host[c] += mem
+                    self.node_off.append(member)
+                    self.compute[c] += cost.act_offload_exposed * copy_s(mem, cost.cluster.device)
                 else:
                     self.act[c] += mem
 

@@ -23,7 +23,7 @@ from autopar.solver.errors import InfeasibleError
 from autopar.solver.expert_search import (expert_degrees, expert_free, least_state_bytes,
                                           moe_experts, split_state_bytes)
 from autopar.pricing.costing import StepView
-from autopar.solver.flat import MeshAsk, mesh_floor, wide_grads
+from autopar.solver.flat import MeshAsk, mesh_floor, recompute_rest, wide_grads
 from autopar.solver.spec import SearchSpec, Settings
 from autopar.solver.pipeline_price import (batch_degree, memory_weights, price_plan, state_bytes,
                                            state_per_param)
@@ -207,8 +207,9 @@ class _DegreeSearch:
         # every (p, data, tensor, expert) ``best`` may solve, in its order: what workers
         # solve ahead
         self.meshes = [(p, *mesh) for p in degrees for mesh in self._stage_meshes(p)]
-        self.layers = select_layers(cap.gm, "full") \
-            if pins.recompute is None and _has_layers(cap) else ()
+        # every repeated layer, or those a pinned offload_activations= leaves (not both)
+        self.rest = recompute_rest(cap, pins) if pins.recompute is None and _has_layers(cap) else None
+        self.layers = select_layers(cap.gm, self.rest) if self.rest else ()
         self.state = state_bytes(cap, optimizer, pins.precision)
         # the state of the experts' weight stacks apart (an expert axis splits them)
         self.state_split = split_state_bytes(cap, state_per_param(optimizer, pins.precision)) \
@@ -408,7 +409,8 @@ class _DegreeSearch:
             # recomputing only when nothing fits without it
             chosen = {"zero": intra.options.zero} if intra.options.zero and not pins.zero else {}
             return predicted, p, sp, {**mesh, **chosen,
-                                      **({"recompute": "full"} if rec or intra.recompute else {})}
+                                      **({"recompute": self.rest or "full"} if rec or intra.recompute
+                                         else {})}
         return None
 
     def _say(self, p, mesh, why):
@@ -419,9 +421,11 @@ class _DegreeSearch:
 
 def _per_micro_batch(pr, share: float):
     """``pr`` (priced on the full batch) with what a rank holds once besides its stages'
-    activations (the inputs, one recomputed layer rebuilt in backward) at the smallest
-    micro-batch, ``share`` of the batch: the stage DP adds the activations per sample."""
+    activations (the inputs, one recomputed layer rebuilt in backward, the offloaded layers
+    in flight) at the smallest micro-batch, ``share`` of the batch: the stage DP adds the
+    activations per sample."""
     nc = pr.nc
     held = [(name, {k: b * share if k == "inputs" else b for k, b in terms.items()}, users)
             for name, terms, users in nc.placeholders]
-    return replace(pr, nc=replace(nc, placeholders=held, recompute_bytes=nc.recompute_bytes * share))
+    return replace(pr, nc=replace(nc, placeholders=held, recompute_bytes=nc.recompute_bytes * share,
+                                  offload_bytes=nc.offload_bytes * share))

@@ -144,10 +144,10 @@ class Priced:
                           host_step_time=self.optimizer_calls * self.host_op_s)
 
     def extra_memory(self) -> float:
-        """Bytes every rank may hold besides state and activations: the recompute transient
-        and the micro-batch's inputs."""
+        """Bytes every rank may hold besides state and activations: the recompute transient,
+        the offloaded layers in flight in backward and the micro-batch's inputs."""
         inputs = sum(t.get("inputs", 0.0) for _, t, _ in self.nc.placeholders)
-        return self.nc.recompute_bytes + inputs
+        return self.nc.recompute_bytes + self.nc.offload_bytes + inputs
 
     def rank_sync(self, cuts: Sequence[int], p: int, schedule: str = "1f1b") -> np.ndarray:
         """Gradient reduction seconds per rank for chain cuts ``cuts`` (stages placed as
@@ -353,10 +353,11 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
         # compiled stages run their whole backward at I, nothing at W (runtime/pipeline_runner)
         weight = np.full_like(stage_times, a)
     elif halves and len(nc.recomputed):
-        # a later stage holding recomputed layers runs its whole backward at I, nothing at W
-        # (runtime/pipeline_runner.split_backward_safe: its checkpointed regions hide the
-        # weights' path from torch's split)
-        whole = np.array([k > 0 and bool(nc.recomputed[j:i].any()) for k, (j, i) in enumerate(stages)])
+        # a later stage holding recomputed (or offloaded) layers runs its whole backward at
+        # I, nothing at W (runtime/pipeline_runner.split_backward_safe: its wrapped regions
+        # hide the weights' path from torch's split)
+        wrapped = nc.recomputed | nc.offloaded if len(nc.offloaded) == len(nc.recomputed) else nc.recomputed
+        whole = np.array([k > 0 and bool(wrapped[j:i].any()) for k, (j, i) in enumerate(stages)])
         weight = np.where(whole, a, weight)
     sim = simulate(schedule_actions(schedule, p, m, v), forward=stage_times * FORWARD + a,
                    backward=stage_times * (1 - FORWARD) + (2 if split else 1) * a,
@@ -402,6 +403,19 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
                     comm={k: float(s) for k, s in comm.items()},
                     bubble_fraction=float(sim.bubble_fraction),
                     stage_times_s=tuple(float(t) for t in stage_times + (3 if split else 2) * a))
+
+
+def pipeline_host_bytes(pr: Priced, config, cuts: tuple[int, ...]) -> dict[str, float]:
+    """``Plan.host_memory_bytes`` of a pipeline plan: the offloaded layers' saved bytes
+    (``offload_activations=``) of the micro-batches in flight on the rank holding the most,
+    as ``activations``; {} without offload."""
+    p, v, m, schedule = config
+    bounds = (0, *cuts, len(pr.nc.units))
+    stages = list(zip(bounds[:-1], bounds[1:]))
+    held = in_flight(schedule, p, m, v)
+    most = max(pr.nc.rank_host_memory([stages[k] for k in ks], held[ks])
+               for ks in rank_stages(schedule, p, v))
+    return {"activations": most} if most else {}
 
 
 def state_bytes(cap: Captured, optimizer: str, precision: str | None) -> float:

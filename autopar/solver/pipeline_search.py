@@ -56,11 +56,12 @@ from autopar.schedule import SCHEDULES, check_schedule
 from autopar.solver.errors import InfeasibleError, PipelineInfeasibleError, StageCutError, StagesDoNotFit
 from autopar.solver.even_split import block_starts, even_cuts
 from autopar.pricing.costing import StepView
-from autopar.solver.flat import MeshAsk, Solved, solve_ask
+from autopar.solver.flat import MeshAsk, Solved, recompute_rest, solve_ask
 from autopar.solver.spec import SearchSpec
 from autopar.solver.partial_recompute import fewest_step, partial_pipeline, without_recompute
 from autopar.solver.pipeline_price import (
-    Priced, batch_degree, memory_weights, pipeline_estimate, price_plan, worst_rank_memory,
+    Priced, batch_degree, memory_weights, pipeline_estimate, pipeline_host_bytes, price_plan,
+    worst_rank_memory,
 )
 from autopar.solver.stage_dp import StagePins, _candidates, plan_stages, simulate_plan, DEFAULT_VIRTUAL
 from autopar.solver.stage_tables import rank_times
@@ -68,7 +69,7 @@ from autopar.solver.stage_tables import rank_times
 DEFAULT_SCHEDULE = "1f1b"
 INTRA_PINS = (*STAGE_AXES, "expert_dispatch", "expert_imbalance", "zero", "precision", "fp8_scaling",
               "fp8_layers", "compile",
-              "recompute", "grad_reduce", "context_attention")
+              "recompute", "offload_activations", "grad_reduce", "context_attention")
 
 
 def micro_batches(batch: int, p: int, v: int, micro_batch_size: int | None) -> int:
@@ -379,8 +380,13 @@ def plan_pipeline(cap: Captured, ask: MeshAsk, config: tuple[int, int, int, str]
     # the pipeline axis is replicated for every node (a stage holds its nodes whole on it)
     nodes = {k: NodePlacement(tuple("R" + x for x in v_.inputs), tuple("R" + x for x in v_.outputs))
              for k, v_ in intra.nodes.items()}
+    # host memory: the offloaded activations of the micro-batches in flight (not the intra
+    # solution's, which priced one micro-batch of the whole graph)
+    host = {**{k: b for k, b in intra.host_memory_bytes.items() if k != "activations"},
+            **pipeline_host_bytes(pr, config, cuts)}
     return replace(intra, nodes=nodes, world_size=world, mesh_shape=(p, *intra.mesh_shape),
                    mesh_axes=("pipeline", *intra.mesh_axes), memory_budget=memory_budget,
+                   host_memory_bytes=host,
                    options=Options.from_pins(pins).replace(
                        **({"zero": intra.options.zero} if intra.options.zero else {}),
                        # an expert axis the search chose is a choice the runtime reads
@@ -447,8 +453,9 @@ class _Cutter:
         seen = sum(solved[0].estimate.memory_bytes.values())
         if worst > self.budget and seen > 0:
             retries.append((self.pins, self.budget * seen / worst * 0.98))
-        if not solved[0].recompute and self.pins.recompute is None and _has_layers(self.cap):
-            retries.append((self.pins.replace(recompute="full"), self.budget))
+        rest = recompute_rest(self.cap, self.pins)      # (offloaded layers: not recomputed too)
+        if not solved[0].recompute and self.pins.recompute is None and _has_layers(self.cap) and rest:
+            retries.append((self.pins.replace(recompute=rest), self.budget))
         for k, (pins, limit) in enumerate(retries):
             last = k == len(retries) - 1
             try:
@@ -505,7 +512,7 @@ def plan_pipelined(spec: SearchSpec, *, cap0: Captured | None = None,
         partial = None
         if intra.recompute and pins.recompute is None:
             partial = (price_plan(cap0, intra, without_recompute(solved[1]), cl, world, p,
-                                  most, starts), select_layers(cap0.gm, "full"))
+                                  most, starts), select_layers(cap0.gm, recompute_rest(cap0, pins) or ()))
         ranked = _ranked(pr, p, batch, budget, pins,
                          _allowed_micro_batches(batch, batch_degree(cap0, intra)),
                          partial=partial)
