@@ -276,9 +276,11 @@ class _FreeSearch:
         spec = self.spec
         if spec.verbose:
             print(f"searching pipelines ({against})")
+        notes: list[str] = []
         got = self._timed("pipeline search", lambda: search_pipelines(
             spec, self.cap, search, report=lambda name, seconds: self._started(name)
-            if seconds is None else self._progress(name, seconds)))
+            if seconds is None else self._progress(name, seconds), notes=notes))
+        self.skipped += notes
         self.searched = True
         self.offer(Planned(*got) if got is not None else None)
 

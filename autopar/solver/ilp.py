@@ -60,6 +60,7 @@ from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.costing import INF, CostModel, exposed_sync, grad_partial_flags
 from autopar.pricing.prices import PriceTable, price_table
 from autopar.pricing.problem import Problem
+from autopar.solver.bounded_solve import KILLED, solve_bounded
 
 
 FAST_PATH_CHECKED = ("9.12.", "9.15.")
@@ -334,7 +335,9 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     x = write_program(m, problem, cost, tab, memory_budget, minimize_memory)
     phases = cost.memory_phases
     t_solve = time.perf_counter()
-    status = m.Solve()
+    status, choice, best_bound = solve_bounded(m, x, time_limit_s)
+    if status == KILLED:            # past the limit in CBC's own root node: nothing in hand
+        status = pywraplp.Solver.NOT_SOLVED
     if status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t_solve >= time_limit_s:
         # CBC stopped by its limit mid-search can report INFEASIBLE (seen: a program with
         # no memory budget, 0.05 s): a search cut short proves nothing, so no solution in time
@@ -356,7 +359,6 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
                 mesh_shape=tuple(problem.mesh_shape), time_limit_s=time_limit_s)
         raise RuntimeError(f"the sharding ILP on mesh {tuple(problem.mesh_shape)} ended with "
                            f"status {name} after {time.perf_counter() - t0:.1f}s")
-    choice = {n: max(range(len(xs)), key=lambda i: xs[i].solution_value()) for n, xs in x.items()}
     for n, (root, pick) in tab.follow.items():
         choice[n] = pick[choice[root]]
     sol = Solution(choice, 0.0, 0.0, name, time.perf_counter() - t0,
@@ -364,7 +366,7 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     _fill_breakdown(sol, tab, choice)
     total = sol.compute_s + sum(sol.comm_s.values()) - sol.overlapped_s
     sol.objective_s = total
-    bound = m.Objective().BestBound() if not minimize_memory else total
+    bound = best_bound if not minimize_memory else total
     sol.bound_s = min(total, bound) if status != pywraplp.Solver.OPTIMAL else total
     if status == pywraplp.Solver.FEASIBLE:   # CBC stops only at the limit: its incumbent
         sol.time_limit = (f"the sharding ILP on mesh {tuple(problem.mesh_shape)} stopped at its "

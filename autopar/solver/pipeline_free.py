@@ -19,7 +19,7 @@ from autopar.capture import Captured
 from autopar.options import Options, as_options
 from autopar.plan import Plan
 from autopar.solver import speculate
-from autopar.solver.errors import InfeasibleError
+from autopar.solver.errors import InfeasibleError, TimeLimitError
 from autopar.solver.expert_search import (expert_degrees, expert_free, least_state_bytes,
                                           moe_experts, split_state_bytes)
 from autopar.pricing.costing import StepView
@@ -83,7 +83,7 @@ def degree_search(spec: SearchSpec, cap: Captured) -> "_DegreeSearch":
 
 
 def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | None" = None,
-                     report=None) -> tuple[Plan, Captured] | None:
+                     report=None, notes: list | None = None) -> tuple[Plan, Captured] | None:
     """The best pipeline plan of ``spec`` over ``pipeline_degrees`` and the graph captured at
     its micro-batch (None when none fits). ``cap`` is the full-batch graph: each degree's
     intra-stage plans are made on it (data x tensor meshes, memory left to the pipeline
@@ -91,7 +91,8 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
     captured at its micro-batch and planned for real. ``search``: ``degree_search``'s, made
     ahead; ``report(name, seconds)``: told as each degree's search begins (``seconds``
     None) and ends (the free search's progress line: a long search says which degree it is
-    at). (The free search runs it without a ``mesh_shape`` or a profiler:
+    at); ``notes``: told of the stage meshes skipped at the ILP's time limit (what
+    ``plan.solver.skipped`` says). (The free search runs it without a ``mesh_shape`` or a profiler:
     ``free_search.may_pipeline``; neither is read here.)"""
     model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
     cl, world, pins, verbose = spec.cluster, spec.world, as_options(spec.options), spec.verbose
@@ -148,6 +149,10 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
                 if q not in rest or got[0] < rest[q][0]:
                     rest[q] = got
             pending = sorted(rest.values(), key=lambda x: x[0])
+    if search.timed_out and notes is not None:
+        notes.append(f"{len(search.timed_out)} pipeline stage mesh(es) skipped: no solution within "
+                     f"the ILP's time limit of {search.time_limit_s:g} s ((p, data, tensor, expert): "
+                     + ", ".join(map(str, search.timed_out)) + ")")
     return planned
 
 
@@ -221,6 +226,9 @@ class _DegreeSearch:
         # would otherwise solve the same ILP again)
         self.priced: dict[tuple[int, int, int, int], tuple] = {}
         self._floors: dict[tuple[int, int, int, int], float] = {}   # ``compute_floor``'s
+        # (p, data, tensor, expert) of the stage meshes whose ILP reached its time limit
+        # with no solution (``plan.solver.skipped`` names them)
+        self.timed_out: list[tuple[int, int, int, int]] = []
 
     def unpruned(self) -> dict:
         """{p: best} over the meshes the bound skipped, priced in full."""
@@ -379,7 +387,11 @@ class _DegreeSearch:
                                 most_stages(pins, p, stage_limit(cap)))
                 priced = (intra, sol, pr, _allowed_micro_batches(batch, batch_degree(cap, intra)))
             except ValueError as e:          # InfeasibleError, PinError, ...
-                self.out_of_memory = isinstance(e, InfeasibleError)
+                # (a program stopped by the ILP's time limit says nothing of memory)
+                self.out_of_memory = isinstance(e, InfeasibleError) and \
+                    not isinstance(e, TimeLimitError)
+                if isinstance(e, TimeLimitError):
+                    self.timed_out.append(key)
                 self._say(p, mesh, str(e).splitlines()[0][:100])
                 return None
         intra, sol, pr, allowed = priced

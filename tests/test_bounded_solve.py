@@ -1,0 +1,82 @@
+"""CBC under a hard wall clock (``autopar.solver.bounded_solve``):
+
+- a program solved in a forked child gives the plan the in-process solve gives (digest);
+- a child past its hard limit is killed and the program is a ``TimeLimitError`` that names
+  the limit, not a planning that never ends;
+- the free pipeline search skips a stage mesh whose ILP timed out, goes on to the other
+  meshes of its expert degree (a time limit is not "out of memory"), and says so in
+  ``plan.solver.skipped``. Plans on the meta device."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from autopar.solver import bounded_solve, pipeline_free
+from autopar.solver.driver import solve
+from autopar.solver.errors import TimeLimitError
+from test_stage_floor import _tight
+
+
+def _plan(monkeypatch, **kw):
+    ex, cap = _tight()
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "0")
+    return solve(ex.model, ex.inputs, ex.loss_fn, target=ex.target, cluster="1x8xA100",
+                 captured=cap, time_limit_s=30.0, **kw)[0]
+
+
+def _count_forks(monkeypatch) -> list:
+    forks = []
+    real = os.fork
+
+    def counted():
+        pid = real()
+        if pid:
+            forks.append(pid)
+        return pid
+    monkeypatch.setattr(bounded_solve.os, "fork", counted)
+    return forks
+
+
+def test_a_forked_solve_plans_what_the_in_process_one_plans(monkeypatch):
+    pins = {"data": 2, "tensor": 4}
+    here = _plan(monkeypatch, pins=pins)
+    forks = _count_forks(monkeypatch)
+    monkeypatch.setattr(bounded_solve, "FORK_ABOVE", 0)
+    forked = _plan(monkeypatch, pins=pins)
+    assert forks, "the programs must be solved in a child"
+    assert forked.digest() == here.digest()
+    assert forked.solver.status == here.solver.status == "OPTIMAL"
+
+
+def test_a_child_past_its_hard_limit_is_killed_and_named(monkeypatch):
+    forks = _count_forks(monkeypatch)
+    monkeypatch.setattr(bounded_solve, "FORK_ABOVE", 0)
+    monkeypatch.setattr(bounded_solve, "hard_limit_s", lambda limit: 0.0)
+    with pytest.raises(TimeLimitError, match="time limit of 30 s"):
+        _plan(monkeypatch, pins={"data": 2, "tensor": 4})
+    assert forks
+    for pid in forks:      # reaped: no child left behind
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_stage_mesh_past_the_time_limit_is_skipped_and_said(monkeypatch):
+    """The first (most tensor-parallel) stage mesh of each degree times out: the search goes
+    on to that degree's other meshes, plans a pipeline, and names the meshes skipped."""
+    real = pipeline_free._DegreeSearch._solve
+    first = {}
+
+    def first_times_out(self, p, data, tensor, expert=1):
+        if first.setdefault(p, (data, tensor, expert)) == (data, tensor, expert):
+            raise TimeLimitError("the sharding ILP found no solution within its time limit "
+                                 "of 30 s", mesh_shape=(data, tensor), time_limit_s=30.0)
+        return real(self, p, data, tensor, expert)
+    monkeypatch.setattr(pipeline_free._DegreeSearch, "_solve", first_times_out)
+    plan = _plan(monkeypatch, pins={"accumulate": 1}, memory_budget=6 * 2**20)
+    assert plan.pipeline_stages > 1, "the case must plan a pipeline"
+    assert len(first) >= 2, first
+    assert "pipeline stage mesh(es) skipped: no solution within the ILP's time limit" \
+        in plan.solver.skipped, plan.solver.skipped
+    for p, (data, tensor, expert) in first.items():
+        assert str((p, data, tensor, expert)) in plan.solver.skipped
