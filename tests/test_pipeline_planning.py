@@ -317,3 +317,29 @@ def test_bytes_crossing_a_layer_boundary_do_not_grow_along_the_layers():
     activation = 2 * 16 * 32 * 4
     assert at[0] == at[1] == at[2], at
     assert at[0] <= 2 * activation, (at[0], activation)
+
+
+def test_zero3_gathers_are_a_fixed_cost_of_each_micro_batch():
+    """The search prices a stage per sample from the full batch's plan, plus what does not
+    shrink with the micro-batch (``NodeCosts.fixed``): ZeRO-3's parameter gathers are among
+    the latter, so the full batch's communication, scaled to a micro-batch of a quarter,
+    is that micro-batch's own (the gathers once each, not a quarter of them). (Compute is
+    not compared: its fixed part, three launches an op, is a rougher rule.)"""
+    from autopar.solver.flat import MeshAsk
+    from autopar.solver.pipeline_price import price_plan as _price
+    from autopar.solver.pipeline_search import capture_microbatch, solve_intra
+    ex = meta_gpt(16, 2, 512, 128)
+    cl = parse_cluster("1x4xA100")
+    ncs = {}
+    for m in (1, 4):
+        cap = capture_microbatch(ex.model, ex.inputs, ex.loss_fn, ex.target, m)
+        intra, solved = solve_intra(cap, MeshAsk(cl, 4, {"data": 2, "zero": 3}), 2)
+        assert intra.options.zero == 3
+        ncs[m] = _price(cap, intra, solved, cl, 4, 2, 2).nc
+    whole, quarter = ncs[1], ncs[4]
+    gathers = sum(v for by in whole.comm_by for k, v in by.items() if k.startswith("all_gather"))
+    assert gathers > 0.5 * whole.comm.sum(), "the case must gather parameters"
+    fixed = np.minimum(whole.comm, whole.comm_latency + whole.fixed_comm).sum()
+    assert fixed >= gathers
+    scaled = (whole.comm.sum() - fixed) / 4 + fixed
+    assert scaled == pytest.approx(quarter.comm.sum(), rel=1e-3)
