@@ -297,3 +297,47 @@ def test_a_busy_machine_slows_a_case_but_only_a_stall_or_its_cpu_ends_it():
     import os as _os
     assert sweep_runner.cpu_seconds(_os.getpid()) > 0
     assert sweep_runner.waited_seconds(_os.getpid()) >= 0
+
+
+def _fake_proc(root, pid: int, state: str, majflt: int, io: dict | None) -> str:
+    """A fake ``/proc`` under ``root`` with process ``pid``: its stat (state, major faults),
+    one thread in ``state``, and ``/proc/<pid>/io`` (None: unreadable, absent)."""
+    stat = f"{pid} (python) {state} 1 1 1 0 -1 4194304 100 0 {majflt} 0 7 3 0 0 20 0 2 0\n"
+    (root / str(pid) / "task" / str(pid)).mkdir(parents=True, exist_ok=True)
+    (root / str(pid) / "stat").write_text(stat)
+    (root / str(pid) / "task" / str(pid) / "stat").write_text(stat)
+    if io is not None:
+        (root / str(pid) / "io").write_text("".join(f"{k}: {v}\n" for k, v in io.items()))
+    return str(root)
+
+
+def test_a_process_blocked_on_io_is_not_a_hang(tmp_path):
+    """Issue 43: a thread-rank worker paged in and out under memory pressure runs no CPU and
+    waits for no core for 30 s, yet is no hang: it is in state D (uninterruptible sleep, a
+    page fault served from disk) or its I/O counters grow (``proc_time.io_progress``, read
+    here from a fake /proc). Sleeping in a collective (state S, no I/O) is still a hang."""
+    from proc_time import io_progress
+    io = {"rchar": 100, "wchar": 50, "syscr": 3, "read_bytes": 4096, "write_bytes": 0}
+    proc = _fake_proc(tmp_path, 42, "S", 7, io)
+    assert io_progress(42, proc) == (False, 7 + 100 + 50 + 4096)
+    assert io_progress(43, proc) is None                       # no such process
+    assert io_progress(44, _fake_proc(tmp_path, 44, "D", 9, None)) == (True, 9)   # io unreadable
+    assert io_progress(_os_getpid()) is not None                # the real /proc says
+    over, t, poll = sweep_runner._overdue, 180.0, sweep_runner.POLL_S
+    n = 44
+    cpu = [1.0 + i * 0.001 for i in range(24)] + [1.023] * (n - 24)   # no CPU for 100 s
+    queued = [0.5] * n                                                # nor a wait for a core
+    asleep = [(False, 5000)] * n
+    assert "a hang" in over(n * poll, cpu, t, queued, asleep)
+    paging = [(False, 5000 + 4096 * i) for i in range(n)]           # page-ins growing
+    assert over(n * poll, cpu, t, queued, paging) == ""
+    blocked = [(False, 5000)] * (n - 3) + [(True, 5000)] + [(False, 5000)] * 2   # seen in D
+    assert over(n * poll, cpu, t, queued, blocked) == ""
+    long_ago = [(False, 5000 + 4096 * min(i, 10)) for i in range(n)]  # I/O, then none for 100 s
+    assert "a hang" in over(n * poll, cpu, t, queued, long_ago)
+    assert "a hang" in over(n * poll, cpu, t, queued, [None] * n)     # /proc silent: as before
+
+
+def _os_getpid() -> int:
+    import os as _os
+    return _os.getpid()
