@@ -21,7 +21,9 @@ torchrun job (:func:`run_dist`, ``tests/sweep_worker.py``):
 3. train 3 steps of AdamW (a fresh module from the same plan): the losses, and the weights
    relative to how far each moved (``compare_adamw``);
 4. mixed precision is compared with a one-device run under ``torch.autocast`` (fp16 with
-   ``torch.amp.GradScaler``) at looser tolerances (``PRECISION_TOL``).
+   ``torch.amp.GradScaler``) at looser tolerances (``PRECISION_TOL``); fp8 with one device
+   running the same fp8 recipe on the plan's row blocks (``sweep_fp8``, tolerances from the
+   formats); compiled plans (``compile``, gloo only) with one device eager, as fp32.
 
 BatchNorm models under accumulation or a pipeline are compared with one device on the
 same micro-batches (their statistics are per micro-batch), each micro-batch's loss its term
@@ -305,7 +307,9 @@ def draw_cases(n: int, seed: int, gloo_share: float = 0.1) -> list[Case]:
     """``n`` cases drawn from ``seed``: architectures in turn from a shuffled zoo (every
     architecture about equally often), each with a plan kind drawn among those that apply
     (the free plan twice as often: it is what a user gets first); a ``gloo_share`` of the
-    others run on gloo processes (pipelines always do)."""
+    others run on gloo processes (pipelines always do). A kind added to ``PLAN_KINDS``
+    changes which cases a seed draws here (issue 43 added ``fp8``, ``compile`` and
+    ``pp-offload``), never the case an id names (``draw_case`` is keyed by the id)."""
     rng = random.Random(seed)
     out: list[Case] = []
     archs: list[str] = []
