@@ -6,7 +6,8 @@ swaps exactly the ``nn.Linear`` modules): the innermost module of the node's
 ``nn_module_stack`` (torch.export's) is an ``nn.Linear``. Not a module that calls
 ``F.linear`` on a weight of its own, which a swap of ``nn.Linear`` modules leaves in bf16: a
 mixture of experts' router (transformers' ``MixtralTopKRouter``, whose precision decides
-the routing), ``nn.MultiheadAttention``'s input and output projections. Kept in bf16, as torchtitan's float8 converter keeps its
+the routing; DeepSeek-V3's FP8 training keeps its MoE gating modules in BF16/FP32 too,
+arXiv:2412.19437 Sec. 3.3.1), ``nn.MultiheadAttention``'s input and output projections. Kept in bf16, as torchtitan's float8 converter keeps its
 ``output`` layer: the head, i.e. a linear whose result reaches the graph's outputs (the
 loss) through no other linear, and a weight read elsewhere too (a tied embedding and head:
 the embedding reads it in bf16 as a table, not as a GEMM operand).
