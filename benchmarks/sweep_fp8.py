@@ -15,23 +15,25 @@ them on the GPT): e4m3 keeps 3 mantissa bits (neighbours q = 2^-3 apart), e5m2 2
 
 ``tests/test_fp8.py`` holds data-parallel and ZeRO-3 plans of the example GPT to 1e-6 of the
 recipe: there every bf16 op of the plan equals one device's bit for bit, so both compute the
-same fp8 values. On the zoo's transformers models a bf16 plan is not bit-equal to eager
-autocast, even on one rank (bart under ``precision="bf16"``, one device, no pins: the first
-step's gradients of 63 of 91 parameters differ; the sweep's ``bf16`` kind allows 0.1), and a GEMM input perturbed by a bf16 rounding crosses an fp8 rounding
-boundary with probability u / q and then moves by q: an RMS change of sqrt(u q) per element,
-as tensor parallelism's bf16 partial sums do (test_fp8's tensor=2 bounds). So every case is
-held to those bounds, and to being nearer the same recipe than the plain bf16 run (one
-device, whole batch) is (a gradient 5% off is farther: ``tests/test_sweep.py``): the first
-step's gradient (every parameter together) <= TP_GRAD_TOL = sqrt(u q_e5m2) = 2^-5 and below
-the bf16 run's distance; the loss of every step (SGD and AdamW) <= TP_LOSS_TOL = u; the weights after the
-steps (every parameter together, relative to how far they moved; SGD and AdamW) below the
-bf16 run's distance (AdamW moves each weight by ~lr sign(g): no tighter bound). Through a
-chain of fp8 GEMMs such flips compound past one GEMM's bound: where the recipe itself moves
-farther when every other op runs in fp32 instead of bf16 (``noise_``, the model's own
-sensitivity to bf16 rounding between its fp8 GEMMs), NOISE_FACTOR times that distance is
-allowed, as the sweep allows bf16 and fp16 their one-device noise
-(``sweep_cases.compare_sgd``); never as far as the bf16 run, where the bf16 run is farther
-from the recipe than that twin is (:func:`allowed`).
+same fp8 values (so do GPT-NeoX, Mistral, Phi, Qwen2, Swin and ViT here). Other zoo models'
+bf16 plans are not bit-equal to eager autocast, even on one rank (bart under
+``precision="bf16"``, one device, no pins: the first step's gradients of 63 of 91
+parameters differ; the sweep's ``bf16`` kind allows 0.1). A GEMM input moved by a bf16
+rounding crosses an fp8 rounding boundary with probability u / q and then moves by q: an
+RMS change of sqrt(u q) per element, the bound test_fp8 holds tensor parallelism's bf16
+partial sums to. Through a chain of fp8 GEMMs such flips compound, so the model's own
+sensitivity is measured too: the recipe against its twin with every other op in fp32
+(``noise_``), allowed NOISE_FACTOR times, as the sweep allows bf16 and fp16 their
+one-device noise (``sweep_cases.compare_sgd``). :func:`allowed`:
+
+- the first step's gradient (every parameter together): max(TP_GRAD_TOL = sqrt(u q_e5m2)
+  = 2^-5, NOISE_FACTOR x the twin's);
+- the loss of every step (SGD and AdamW): max(TP_LOSS_TOL = u, NOISE_FACTOR x the twin's);
+- the weights after the steps (every parameter together, relative to how far they moved;
+  SGD and AdamW): NOISE_FACTOR x the twin's;
+- and gradient and weights nearer the recipe than the plain bf16 run is, wherever the bf16
+  run is farther from the recipe than the twin (else that comparison cannot tell fp8 from
+  bf16). A gradient 5% off fails (``tests/test_sweep.py``).
 """
 from __future__ import annotations
 
