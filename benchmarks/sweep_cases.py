@@ -1068,7 +1068,7 @@ def judge_fp8(case, per_rank, b: zoo.Built, cap_plan, t0, first_rank: int = 0) -
     refs = sweep_fp8.references(b, cap, plan, hyper)
     worst = None
     for rank, (sgd_run, adam_run) in enumerate(per_rank, start=first_rank):
-        m = sweep_fp8.measure(sgd_run, adam_run, refs)
+        m = sweep_fp8.measure(sgd_run, adam_run, refs, NOISE)
         status, msg = sweep_fp8.verdict(m)
         nums = {k: v for k, v in m.items() if k != "problems"}
         if worst is None or (status == "fail" and worst[0] != "fail"):
