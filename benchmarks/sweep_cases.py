@@ -900,7 +900,7 @@ def run_threads(case: Case) -> Result:
     little is rechecked in float64: :func:`float64_recheck`)."""
     t0 = time.perf_counter()
     if case.kind in GLOO_ONLY:
-        raise ValueError(f"{case.id}: pipelines run on gloo processes only")
+        raise ValueError(f"{case.id}: {case.kind} cases run on gloo processes only (GLOO_ONLY)")
     try:
         _phase("build")
         b = zoo.cached(case.arch, case.batch, case.loss)
