@@ -45,7 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 import sweep_cases as sc  # noqa: E402
 from sweep_cases import Case  # noqa: E402
-from proc_time import cpu_seconds, waited_seconds  # noqa: E402
+from proc_time import cpu_seconds, io_progress, waited_seconds  # noqa: E402
 
 MARK = "@@SWEEP-RESULT "
 PHASE = "@@SWEEP-PHASE "
@@ -68,7 +68,16 @@ STALL_CPU_S = 0.2      # more than STALL_CPU_S seconds in this long is blocked: 
 WALL_FACTOR = 6        # and a backstop on the wall clock less the wait for a core, in timeouts
 
 
-def _overdue(wall: float, cpu: list, timeout: float, waited: list | None = None) -> str:
+def _io_moved(io: list | None, recent: int) -> bool:
+    """Whether the process did or waited for I/O in the last ``recent`` samples of ``io``
+    (``proc_time.io_progress``: (blocked in state D, I/O counter) each, None unknown)."""
+    window = [x for x in (io or [])[-1 - recent:] if x is not None]
+    return any(blocked for blocked, _ in window) or (
+        len(window) > 1 and window[-1][1] > window[0][1])
+
+
+def _overdue(wall: float, cpu: list, timeout: float, waited: list | None = None,
+             io: list | None = None) -> str:
     """Why a thread-rank case that has run ``wall`` seconds is to be ended ("" to let it
     run); its worker's CPU seconds sampled every ``POLL_S`` seconds in ``cpu``, and in
     ``waited`` the seconds its threads were runnable but had no core (None: not known).
@@ -76,9 +85,12 @@ def _overdue(wall: float, cpu: list, timeout: float, waited: list | None = None)
     slowed by a busy machine does one or the other: so past ``timeout`` of wall clock it
     ends only when it has stalled (less than ``STALL_CPU_S`` run or waited for in the last
     ``STALL_S``), or used ``timeout`` CPU seconds, or run ``WALL_FACTOR`` timeouts of wall
-    clock not spent waiting for a core. (A sweep of 100 cases at load 13 failed one case at
-    180 s of wall clock that passed in 26 s at load 5; one of 1,000 at load 20-118 failed
-    five, a worker that had not finished importing torch judged stalled at 30 s with 1-2
+    clock not spent waiting for a core. A process that did I/O or was blocked on it (state
+    D) in the last ``STALL_S``, sampled in ``io`` (:func:`_io_moved`), has not stalled
+    either: under memory pressure a case is paged in and out and may run no CPU for a while
+    (issue 43: mobilevit:2d:679679 at load ~100 while packages installed, judged hung).
+    (A sweep of 100 cases at load 13 failed one case at 180 s of wall clock that passed
+    in 26 s at load 5; one of 1,000 at load 20-118 failed five, a worker that had not finished importing torch judged stalled at 30 s with 1-2
     CPU seconds, and a case of 36 CPU seconds ended at 1,081 s.)"""
     if cpu[0] is None or cpu[-1] is None:
         return f"timed out after {timeout:.0f} s (a hang?)" if wall > timeout else ""
@@ -94,7 +106,7 @@ def _overdue(wall: float, cpu: list, timeout: float, waited: list | None = None)
         moved = cpu[-1] - cpu[-1 - recent]
         if waits and len(waits) == len(cpu):
             moved += waits[-1] - waits[-1 - recent]
-        if moved < STALL_CPU_S:
+        if moved < STALL_CPU_S and not _io_moved(io, recent):
             return (f"no progress for {STALL_S:.0f} s after {wall:.0f} s ({used:.0f} CPU seconds): "
                     "a hang")
     return ""
@@ -135,6 +147,7 @@ class _Worker:
         self.phase = "start"
         cpu = [cpu_seconds(self.proc.pid)]          # samples, one per POLL_S
         waited = [waited_seconds(self.proc.pid)]
+        io = [io_progress(self.proc.pid)]
         try:
             self.proc.stdin.write(json.dumps(case.to_json()) + "\n")
             self.proc.stdin.flush()
@@ -145,7 +158,8 @@ class _Worker:
                 except queue.Empty:
                     cpu.append(cpu_seconds(self.proc.pid))
                     waited.append(waited_seconds(self.proc.pid))
-                    why = _overdue(time.perf_counter() - t0, cpu, timeout, waited)
+                    io.append(io_progress(self.proc.pid))
+                    why = _overdue(time.perf_counter() - t0, cpu, timeout, waited, io)
                     if why:
                         self.kill()
                         return sc.Result(case.id, "fail", f"{why} in {self.phase}", self._stderr_tail(),

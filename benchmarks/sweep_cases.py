@@ -21,7 +21,9 @@ torchrun job (:func:`run_dist`, ``tests/sweep_worker.py``):
 3. train 3 steps of AdamW (a fresh module from the same plan): the losses, and the weights
    relative to how far each moved (``compare_adamw``);
 4. mixed precision is compared with a one-device run under ``torch.autocast`` (fp16 with
-   ``torch.amp.GradScaler``) at looser tolerances (``PRECISION_TOL``).
+   ``torch.amp.GradScaler``) at looser tolerances (``PRECISION_TOL``); fp8 with one device
+   running the same fp8 recipe on the plan's row blocks (``sweep_fp8``, tolerances from the
+   formats); compiled plans (``compile``, gloo only) with one device eager, as fp32.
 
 BatchNorm models under accumulation or a pipeline are compared with one device on the
 same micro-batches (their statistics are per micro-batch), each micro-batch's loss its term
@@ -41,13 +43,20 @@ import torch
 
 from examples import zoo
 
+try:
+    import sweep_fp8
+except ImportError:         # imported as benchmarks.sweep_cases
+    from benchmarks import sweep_fp8
+
 # ---- the plan space ----------------------------------------------------------------------
 
 SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved-1f1b",
              "pp-zero-bubble": "zero-bubble", "pp-dualpipev": "dualpipev"}
 PLAN_KINDS = ("free", "free-budget", "data", "tensor", "2d", "zero1", "zero2", "zero3",
               "offload", "accumulate", "recompute", "offload-activations", *SCHEDULES, "branch", "bf16", "fp16",
-              "per-rank", "expert", "context", "param-server")
+              "per-rank", "expert", "context", "param-server", "fp8", "compile", "pp-offload")
+"""Appending a kind changes which kind ``draw_cases`` draws for a seed (it picks among
+``kinds_for``), never a case id's case: ``draw_case`` is keyed by the id alone."""
 # the world sizes each kind is drawn on (repeats weight the draw)
 WORLDS = {
     "free": (1, 2, 2, 3, 4, 4), "free-budget": (2, 2, 3, 4), "data": (2, 3, 4), "tensor": (2, 3, 4, 4),
@@ -57,9 +66,20 @@ WORLDS = {
     "pp-gpipe": (2, 3, 4), "pp-1f1b": (2, 3, 4), "pp-interleaved": (2, 4), "pp-zero-bubble": (2, 4),
     "pp-dualpipev": (2, 4), "branch": (2,), "bf16": (1, 2, 4), "fp16": (1, 2, 4), "per-rank": (2, 3, 4),
     "expert": (2, 4, 4), "context": (2, 4, 4), "param-server": (2, 3, 4),
+    "fp8": (1, 2, 2, 3, 4), "compile": (2,), "pp-offload": (2, 4),
 }
+FP8_SCALINGS = ("tensorwise", "rowwise")
+NO_FP8_LINEARS = ("ex-inception", "ex-resnet", "ex-unet", "falcon", "gpt2", "resnet")
+"""The zoo's models with no linear ``precision="fp8"`` converts (``analysis.fp8_layers``:
+convolutions, transformers' Conv1D, fused QKV read by no nn.Linear): an fp8 case of one
+would be a bf16 case. ``tests/test_sweep.py`` checks the list against ``fp8_linears``."""
+COMPILE_ARCHS = ("ex-mlp", "ex-gpt", "llama")
+"""``compile`` is drawn on small models only: Inductor compiles every kernel of a case on
+its first run (a C++ compiler run each, ``benchmarks/compiled_plans.py``): tens of CPU
+seconds a rank on this 2-core machine for a one-layer GPT."""
 EXPERT_DISPATCH = (None, "all-to-all", "all-gather")
-GLOO_ONLY = frozenset(SCHEDULES) | {"param-server"}   # torch.distributed ranks only
+# torch.distributed ranks only (compile=True refuses thread ranks: runtime.compiled)
+GLOO_ONLY = frozenset(SCHEDULES) | {"param-server", "compile", "pp-offload"}
 SEQUENCE_MODELS = ("ex-gpt", "ex-gpt-deep", "ex-llama")
 """Besides the decoders, the zoo's models over a sequence of tokens (``context`` plans)."""
 
@@ -67,11 +87,15 @@ SEQUENCE_MODELS = ("ex-gpt", "ex-gpt-deep", "ex-llama")
 def kinds_for(arch: str) -> tuple[str, ...]:
     """The plan kinds drawn for ``arch``: branch parallelism only where there are branches,
     expert parallelism only in a mixture of experts, context parallelism only over a
-    sequence of tokens (decoders and the examples' language models)."""
+    sequence of tokens (decoders and the examples' language models); fp8 only with a linear
+    fp8 converts and no BatchNorm (its reference steps through the plan's row blocks, whose
+    statistics would be per block: :data:`NO_FP8_LINEARS`); compile on :data:`COMPILE_ARCHS`."""
     e = zoo.ZOO[arch]
     return tuple(k for k in PLAN_KINDS if (k != "branch" or "branches" in e.tags)
                  and (k != "expert" or e.family == "moe")
-                 and (k != "context" or e.family == "decoder" or arch in SEQUENCE_MODELS))
+                 and (k != "context" or e.family == "decoder" or arch in SEQUENCE_MODELS)
+                 and (k != "fp8" or (arch not in NO_FP8_LINEARS and "batchnorm" not in e.tags))
+                 and (k != "compile" or arch in COMPILE_ARCHS))
 
 
 @dataclass(frozen=True)
@@ -172,30 +196,23 @@ def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
         pins = {"offload_activations": "full", **base()}
         if w > 1 and rng.random() < 0.3:
             pins = {"offload_activations": "full", "data": w, "zero": 3}
-    elif kind == "pp-dualpipev":
-        # two stages a rank in a V and at least 2p micro-batches (schedule.check_schedule):
-        # 2 ranks, or 2 stages x data 2 over a batch of 8 (micro-batches of 2, one a rank)
-        d = w // 2
-        batch = 4 * d
-        pins = {"pipeline": 2, "schedule": "dualpipev", "micro_batch_size": d}
-        if d > 1:
-            pins["data"] = d
     elif kind in SCHEDULES:
-        # the zoo's models have 2 layers: more stages than layers is drawn too, but less often
-        p = 2 if w == 4 and rng.random() < 0.6 else w
-        d = w // p
-        v = 2 if kind == "pp-interleaved" else 1
-        pins = {"pipeline": p, "schedule": SCHEDULES[kind],
-                "micro_batch_size": rng.choice([m for m in (1, 2, 3) if batch % m == 0
-                                                and m % d == 0 and batch // m >= 2
-                                                and _schedule_runs(SCHEDULES[kind], p, batch // m, v)])}
-        if d > 1:
-            pins["data"] = d
-            if e.family == "moe" and rng.random() < 0.5:   # the stage's ranks split experts
-                pins = {k: v for k, v in pins.items() if k != "data"}
-                pins["expert"] = d
-        if kind == "pp-interleaved":
-            pins["virtual_stages"] = 2
+        pins, batch = _pipeline_pins(rng, kind, w, batch, e)
+    elif kind == "pp-offload":
+        # a pipeline schedule that runs on w ranks, each stage's activations offloaded
+        sched = rng.choice([k for k in SCHEDULES if w in WORLDS[k]])
+        pins, batch = _pipeline_pins(rng, sched, w, batch, e)
+        pins["offload_activations"] = "full"
+    elif kind == "fp8":
+        pins = {"precision": "fp8", "fp8_scaling": rng.choice(FP8_SCALINGS)}
+        plans = [{}] if w == 1 else [{"data": w}, {"data": w, "zero": 3}] + \
+            ([{"tensor": w}] if w in (2, 4) else [])
+        pins.update(rng.choice(plans))
+        # every linear: on this machine's ranks the price keeps every eager cast in bf16 (a
+        # bf16 case; tests/test_fp8.py checks the price's choice)
+        pins["fp8_layers"] = "all"
+    elif kind == "compile":
+        pins = {"compile": True, **rng.choice([{}, {"data": w}, {"data": w, "zero": 3}, {"tensor": w}])}
     elif kind == "branch":
         pins = {"branch": 2}
     elif kind in ("bf16", "fp16"):
@@ -222,6 +239,34 @@ def draw_case(arch: str, kind: str, seed: int, gloo: bool = False) -> Case:
                 per_rank, gloo or kind in GLOO_ONLY)
 
 
+def _pipeline_pins(rng, kind: str, w: int, batch: int, e) -> tuple[dict, int]:
+    """A pipeline schedule's pins on ``w`` ranks (``kind`` of :data:`SCHEDULES`) and the batch."""
+    if kind == "pp-dualpipev":
+        # two stages a rank in a V and at least 2p micro-batches (schedule.check_schedule):
+        # 2 ranks, or 2 stages x data 2 over a batch of 8 (micro-batches of 2, one a rank)
+        d = w // 2
+        pins = {"pipeline": 2, "schedule": "dualpipev", "micro_batch_size": d}
+        if d > 1:
+            pins["data"] = d
+        return pins, 4 * d
+    # the zoo's models have 2 layers: more stages than layers is drawn too, but less often
+    p = 2 if w == 4 and rng.random() < 0.6 else w
+    d = w // p
+    v = 2 if kind == "pp-interleaved" else 1
+    pins = {"pipeline": p, "schedule": SCHEDULES[kind],
+            "micro_batch_size": rng.choice([m for m in (1, 2, 3) if batch % m == 0
+                                            and m % d == 0 and batch // m >= 2
+                                            and _schedule_runs(SCHEDULES[kind], p, batch // m, v)])}
+    if d > 1:
+        pins["data"] = d
+        if e.family == "moe" and rng.random() < 0.5:   # the stage's ranks split experts
+            pins = {k: v for k, v in pins.items() if k != "data"}
+            pins["expert"] = d
+    if kind == "pp-interleaved":
+        pins["virtual_stages"] = 2
+    return pins, batch
+
+
 def make_case(arch: str, kind: str, world: int, loss: str = "mean", pins: dict | None = None,
               gloo: bool = False) -> Case:
     """An explicit case (no draw): ``kind`` names it (``free-budget`` adds the budget,
@@ -234,11 +279,11 @@ def make_case(arch: str, kind: str, world: int, loss: str = "mean", pins: dict |
     pins = dict(pins or {})
     return Case(arch, kind, -1, world, loss, tuple(sorted(pins.items())), 6 if world == 3 else 4,
                 kind == "free-budget", kind == "per-rank",
-                gloo or kind in GLOO_ONLY or "pipeline" in pins)
+                gloo or kind in GLOO_ONLY or "pipeline" in pins or bool(pins.get("compile")))
 
 
 def _pin_value(v: str):
-    return int(v) if v.lstrip("-").isdigit() else v
+    return int(v) if v.lstrip("-").isdigit() else {"True": True, "False": False}.get(v, v)
 
 
 def parse_case_id(text: str) -> Case:
@@ -262,7 +307,9 @@ def draw_cases(n: int, seed: int, gloo_share: float = 0.1) -> list[Case]:
     """``n`` cases drawn from ``seed``: architectures in turn from a shuffled zoo (every
     architecture about equally often), each with a plan kind drawn among those that apply
     (the free plan twice as often: it is what a user gets first); a ``gloo_share`` of the
-    others run on gloo processes (pipelines always do)."""
+    others run on gloo processes (pipelines always do). A kind added to ``PLAN_KINDS``
+    changes which cases a seed draws here (issue 43 added ``fp8``, ``compile`` and
+    ``pp-offload``), never the case an id names (``draw_case`` is keyed by the id)."""
     rng = random.Random(seed)
     out: list[Case] = []
     archs: list[str] = []
@@ -853,7 +900,7 @@ def run_threads(case: Case) -> Result:
     little is rechecked in float64: :func:`float64_recheck`)."""
     t0 = time.perf_counter()
     if case.kind in GLOO_ONLY:
-        raise ValueError(f"{case.id}: pipelines run on gloo processes only")
+        raise ValueError(f"{case.id}: {case.kind} cases run on gloo processes only (GLOO_ONLY)")
     try:
         _phase("build")
         b = zoo.cached(case.arch, case.batch, case.loss)
@@ -876,8 +923,11 @@ def run_threads(case: Case) -> Result:
         per_rank = _thread_runs(case, b, plan, cap)
         phases["ranks"] = time.perf_counter() - t0 - sum(phases.values())
         _phase("one-device reference")
-        r = judged(case, per_rank, b, precision, micro, list(plan.mesh_shape), t0,
-                   split=batch_split(cap, plan))
+        if precision == "fp8":
+            r = judge_fp8(case, per_rank, b, (cap, plan), t0)
+        else:
+            r = judged(case, per_rank, b, precision, micro, list(plan.mesh_shape), t0,
+                       split=batch_split(cap, plan))
         phases["reference"] = time.perf_counter() - t0 - sum(phases.values())
         if r.status == "fail" and precision is None and rounding_suspect(r):
             _phase("float64 recheck")
@@ -1010,6 +1060,26 @@ def judge(case, per_rank, refs, precision, mesh, t0, first_rank: int = 0) -> Res
     return Result(case.id, status, msg, detail, nums, mesh, time.perf_counter() - t0)
 
 
+def judge_fp8(case, per_rank, b: zoo.Built, cap_plan, t0, first_rank: int = 0) -> Result:
+    """An fp8 case's worst rank against one device running the same fp8 recipe on the
+    plan's row blocks (``sweep_fp8``: its tolerances come from the formats)."""
+    cap, plan = cap_plan
+    hyper = {"lr": LR, "momentum": MOMENTUM, "adam_lr": ADAM_LR, "steps": STEPS}
+    refs = sweep_fp8.references(b, cap, plan, hyper)
+    worst = None
+    for rank, (sgd_run, adam_run) in enumerate(per_rank, start=first_rank):
+        m = sweep_fp8.measure(sgd_run, adam_run, refs, NOISE)
+        status, msg = sweep_fp8.verdict(m)
+        nums = {k: v for k, v in m.items() if k != "problems"}
+        if worst is None or (status == "fail" and worst[0] != "fail"):
+            worst = (status, msg, {**nums, "rank": rank}, sweep_fp8.detail(m, refs, plan.options.fp8_scaling))
+        if status == "fail":
+            break
+    status, msg, nums, detail = worst
+    return Result(case.id, status, msg, f"{detail}; rank {nums['rank']}", nums, list(plan.mesh_shape),
+                  time.perf_counter() - t0)
+
+
 # ---- on torch.distributed ranks (tests/sweep_worker.py) ------------------------------------
 
 def run_dist(case: Case, float64: bool = False) -> dict:
@@ -1085,8 +1155,11 @@ def run_dist(case: Case, float64: bool = False) -> dict:
         inputs, target = _rank_inputs(case, b, pm)
         runs.append(train(pm, inputs, target, opt_kind))
     micro = micro_batches(case, pms[0].plan)
-    mine = judged(case, [runs], b, precision, micro, list(pms[0].plan.mesh_shape), t0, first_rank=rank,
-                  split=batch_split(pms[0]._cap, pms[0].plan))
+    if precision == "fp8":
+        mine = judge_fp8(case, [runs], b, (pms[0]._cap, pms[0].plan), t0, first_rank=rank)
+    else:
+        mine = judged(case, [runs], b, precision, micro, list(pms[0].plan.mesh_shape), t0,
+                      first_rank=rank, split=batch_split(pms[0]._cap, pms[0].plan))
     if float64 and mine.status == "pass" and not within_f64(mine):
         mine = replace(mine, status="fail", message="float64: past F64_TOL")
     every = [None] * dist.get_world_size()

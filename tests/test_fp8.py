@@ -206,6 +206,35 @@ def test_fp8_linears_skip_heads():
     assert "output.weight" not in chosen and any(".w2." in c for c in chosen) and len(chosen) > 4
 
 
+class _Routed(torch.nn.Module):
+    """A router that calls ``F.linear`` on a weight of its own (as transformers'
+    ``MixtralTopKRouter``), an ``nn.MultiheadAttention`` (its projections: ``F.linear`` on
+    ``in_proj_weight`` and ``out_proj.weight``), two ``nn.Linear`` layers and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Module()
+        self.router.weight = torch.nn.Parameter(torch.randn(4, 32))
+        self.attn = torch.nn.MultiheadAttention(32, 2, batch_first=True)
+        self.up, self.down, self.head = (torch.nn.Linear(32, 64), torch.nn.Linear(64, 32),
+                                         torch.nn.Linear(32, 8))
+
+    def forward(self, x):
+        gate = torch.softmax(torch.nn.functional.linear(x, self.router.weight), -1)
+        x = x + self.attn(x, x, x, need_weights=False)[0] * gate[..., :1]
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
+def test_fp8_linears_are_nn_linear_layers():
+    """Only linears an ``nn.Linear`` module calls, as torchao swaps: a router's ``F.linear``
+    on its own weight and MultiheadAttention's projections stay bf16 (were converted, and
+    the one-device recipe, ``use_fp8_linears``, could not apply them: the sweep's
+    mixtral:fp8:881400 and torch-encoder:fp8:548178)."""
+    x = torch.randn(2, 8, 32)
+    cap = capture(_Routed(), (x,), torch.nn.functional.mse_loss, target=torch.randn(2, 8, 8))
+    assert sorted(fp8_linears(cap).values()) == ["down.weight", "up.weight"]
+
+
 # ---- priced ----------------------------------------------------------------------------------
 def _gpt_13b():
     from examples.models import EXAMPLES

@@ -185,6 +185,21 @@ def test_an_expert_parallel_plan_checks():
     assert results and all(r.ok for r in results), sv.first_error(results)
 
 
+def test_a_mixed_precision_zero3_plan_checks_under_autocast():
+    """``nn.TransformerEncoder`` under bf16 and ZeRO-3 (data=2): its weights are gathered in
+    bf16 (``passes.low_precision_gathers``) and meet fp32 activations in ``aten.linear``,
+    which the rank runs under autocast; the check ran the op without it and reported "expected
+    scalar type torch.float32 but found torch.bfloat16" on a plan that trains as one device
+    does (the sweep's torch-encoder:fp8:548178)."""
+    pytest.importorskip("transformers")
+    import benchmarks.sweep_cases as sc
+    case = sc.make_case("torch-encoder", "bf16", 2, "sum", {"data": 2, "zero": 3, "precision": "bf16"})
+    b = sc.model_inputs(case)
+    plan, cap = sc.plan_case(case, b)
+    results = sv.static_verify(cap, plan, b.model)
+    assert results and all(r.ok for r in results), sv.first_error(results)
+
+
 def swap_two_collectives(gm) -> None:
     """Move the first communicating collective that can go one earlier on its axis (its
     inputs made before the one it passes) before that one."""

@@ -1,8 +1,13 @@
 """Which GEMMs ``precision="fp8"`` runs in float8: the linear layers, not the output head.
 
 A captured ``aten.linear(x, W, b)`` whose weight ``W`` is a parameter read by that linear
-alone is an ``nn.Linear`` layer's (torchao's ``convert_to_float8_training`` swaps exactly
-the ``nn.Linear`` modules). Kept in bf16, as torchtitan's float8 converter keeps its
+alone, called by an ``nn.Linear`` module's forward (torchao's ``convert_to_float8_training``
+swaps exactly the ``nn.Linear`` modules): the innermost module of the node's
+``nn_module_stack`` (torch.export's) is an ``nn.Linear``. Not a module that calls
+``F.linear`` on a weight of its own, which a swap of ``nn.Linear`` modules leaves in bf16: a
+mixture of experts' router (transformers' ``MixtralTopKRouter``, whose precision decides
+the routing; DeepSeek-V3's FP8 training keeps its MoE gating modules in BF16/FP32 too,
+arXiv:2412.19437 Sec. 3.3.1), ``nn.MultiheadAttention``'s input and output projections. Kept in bf16, as torchtitan's float8 converter keeps its
 ``output`` layer: the head, i.e. a linear whose result reaches the graph's outputs (the
 loss) through no other linear, and a weight read elsewhere too (a tied embedding and head:
 the embedding reads it in bf16 as a table, not as a GEMM operand).
@@ -13,7 +18,10 @@ Of those, the ones a plan runs in fp8 (:func:`planned_fp8_linears`) are its opti
 """
 from __future__ import annotations
 
+import sys
+
 import torch
+from torch import nn
 
 from autopar.capture import Captured
 from autopar.errors import PinError
@@ -32,10 +40,24 @@ def fp8_linears(cap: Captured) -> dict[str, str]:
         w = n.args[1]
         if getattr(w, "op", None) != "placeholder" or w.name not in cap.params or len(w.users) != 1:
             continue
-        if _is_head(n):
+        if _is_head(n) or not _called_by_nn_linear(n):
             continue
         out[n.name] = cap.params[w.name][0]
     return out
+
+
+def _called_by_nn_linear(node) -> bool:
+    """Whether the innermost module of ``node``'s ``nn_module_stack`` is an ``nn.Linear`` (or
+    a subclass); True where the capture kept no module stack (nothing to tell by)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return True
+    kind = list(stack.values())[-1][1]
+    if isinstance(kind, type):
+        return issubclass(kind, nn.Linear)
+    module, _, name = str(kind).rpartition(".")
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and issubclass(cls, nn.Linear)
 
 
 def module_name(weight: str) -> str:

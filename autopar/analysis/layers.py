@@ -58,10 +58,12 @@ def most_blocks(gm: GraphModule) -> int:
     return max(counts.values(), default=0)
 
 
-def select_layers(gm: GraphModule, spec: "str | Sequence[str] | None") -> tuple[str, ...]:
+def select_layers(gm: GraphModule, spec: "str | Sequence[str] | None",
+                  pin: str = "recompute") -> tuple[str, ...]:
     """The layers a ``recompute=`` pin names, in graph order: ``"full"`` (or True) for every
     repeated layer, ``None`` / ``"none"`` / ``()`` for none, or layer names (a unique
-    suffix on a dot boundary, ``"h.0"`` for ``"transformer.h.0"``, is enough)."""
+    suffix on a dot boundary, ``"h.0"`` for ``"transformer.h.0"``, is enough). ``pin``: the
+    pin ``spec`` is (``"offload_activations"`` takes the same layers), named in a refusal."""
     if spec is None or spec is False or spec == "none" or (not isinstance(spec, str) and not spec
                                                             and spec is not True):
         return ()
@@ -73,17 +75,18 @@ def select_layers(gm: GraphModule, spec: "str | Sequence[str] | None") -> tuple[
                    if not any(mutates(nodes[m]) for m in names))
         if not ok and layers:
             raise RecomputeError(
-                f"recompute='full' but every repeated layer ({', '.join(list(layers)[:3])}"
+                f"{pin}='full' but every repeated layer ({', '.join(list(layers)[:3])}"
                 f"{', ...' if len(layers) > 3 else ''}) updates a tensor in place in training "
-                "(BatchNorm's running statistics, which a recomputation would update twice): "
-                "leave recompute= unset, or put the model in eval mode")
+                "(BatchNorm's running statistics, which a recomputation would update twice"
+                + ("; offload takes the layers recompute='full' takes" if pin != "recompute" else "")
+                + f"): leave {pin}= unset, or put the model in eval mode")
         if not ok:
-            raise RecomputeError("recompute='full' but the model has no repeated layers (an "
+            raise RecomputeError(f"{pin}='full' but the model has no repeated layers (an "
                                  "nn.ModuleList / nn.Sequential of two or more blocks, or a "
                                  "module called more than once) that can be recomputed")
         return ok
     if isinstance(spec, str):
-        raise RecomputeError(f"recompute={spec!r}: use 'full', None, or a list of layer "
+        raise RecomputeError(f"{pin}={spec!r}: use 'full', None, or a list of layer "
                              f"names such as {list(layers)[:2]}")
     by_name = {n.name: n for n in gm.graph.nodes}
     nodes_of = lambda lay: [by_name[m] for m in layers[lay]]  # noqa: E731
@@ -92,13 +95,13 @@ def select_layers(gm: GraphModule, spec: "str | Sequence[str] | None") -> tuple[
         hits = [lay for lay in layers if lay == name or lay.endswith("." + name)]
         if len(hits) != 1:
             why = "matches no repeated layer" if not hits else f"is ambiguous ({hits})"
-            raise RecomputeError(f"recompute: {name!r} {why}; layers are {list(layers)}")
+            raise RecomputeError(f"{pin}: {name!r} {why}; layers are {list(layers)}")
         bad = [n for n in nodes_of(hits[0]) if mutates(n)]
         if bad:
             raise RecomputeError(
-                f"recompute: layer {hits[0]!r} cannot be recomputed: node {bad[0].name} "
+                f"{pin}: layer {hits[0]!r} cannot be recomputed: node {bad[0].name} "
                 f"({bad[0].target}) updates a tensor in place (BatchNorm's running statistics "
-                "would be updated twice); leave this layer out of recompute=")
+                f"would be updated twice); leave this layer out of {pin}=")
         if hits[0] not in chosen:
             chosen.append(hits[0])
     order = list(layers)

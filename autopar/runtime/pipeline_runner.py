@@ -283,7 +283,7 @@ class PipelineRunner:
         # (passes/offload_activations; the stage's program carries its hooks)
         regions = layer_members(cap.gm, plan.recompute) if which == "train" and plan.recompute else {}
         offload = plan.options.offload_activations
-        moved = layer_members(cap.gm, select_layers(cap.gm, offload)) \
+        moved = layer_members(cap.gm, select_layers(cap.gm, offload, "offload_activations")) \
             if which == "train" and offload not in (None, "none", ()) else {}
         mine = []
         for sg in parts:

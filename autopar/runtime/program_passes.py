@@ -177,8 +177,8 @@ PASSES: tuple[ProgramPass, ...] = (
                 and not p.pipelined,      # builds a new GraphModule; the input's shards shared
                 on_graph(lambda gm, p: checkpoint_layers(gm, layer_members(p.cap.gm, p.plan.recompute)))),
     ProgramPass("offload_layers", lambda p: p.which == "train" and _offloads(p) and not p.pipelined,
-                on_graph(lambda gm, p: offload_layers(gm, layer_members(
-                    p.cap.gm, select_layers(p.cap.gm, p.options.offload_activations)), p.device))),
+                on_graph(lambda gm, p: offload_layers(gm, layer_members(p.cap.gm, select_layers(
+                    p.cap.gm, p.options.offload_activations, "offload_activations")), p.device))),
     in_place("keep_branches", lambda p: bool(p.plan.branches),
              lambda gm, p: keep_branches(gm, p.cap, p.plan, p.coord, p.attr_of)),
     in_place("place_on", _always, lambda gm, p: place_on(gm, p.device)),

@@ -58,10 +58,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
+from autopar.device import HOST
 from autopar.errors import StaticCheckError
 from autopar.ops import collectives as C
 from autopar.passes.check_grad_sync import GradSyncMismatch, check_grad_sync, read_inputs
 from autopar.placement import Partial, Replicate, Shard, local_shape, normalize
+from autopar.runtime.precision import autocast, compute_dtype
 from autopar.sharding.registry import Strategy, axis_strategies, make_call
 
 R, P = Replicate(), Partial()
@@ -353,7 +355,9 @@ class _Checker:
         if missing:
             return None
         try:
-            with self.mode:
+            # under the plan's autocast, as the rank runs its programs (runtime.precision):
+            # a ZeRO-3 weight gathered in 16 bits meets an fp32 activation there
+            with self.mode, autocast(torch.device(HOST), compute_dtype(self.ctx.plan.options)):
                 out = node.target(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any failure on local shapes is the finding
             self.fail(node, f"it fails on its local inputs' shapes "

@@ -970,7 +970,7 @@ def recompute_rest(cap: Captured, pins: Options):
     one or the other), None when it offloads them all."""
     if offload_of(cap, pins) is None:
         return "full"
-    offloaded = set(select_layers(cap.gm, pins.offload_activations))
+    offloaded = set(select_layers(cap.gm, pins.offload_activations, "offload_activations"))
     rest = tuple(lay for lay in select_layers(cap.gm, "full") if lay not in offloaded)
     return rest or None
 
@@ -1033,7 +1033,7 @@ def offload_of(cap: Captured, pins: Options) -> tuple | None:
     memo = _RECOMPUTE.setdefault(cap.gm, {})
     key = ("offload", spec if isinstance(spec, (str, bool)) else tuple(spec))
     if key not in memo:
-        memo[key] = offload_nodes(cap.gm, _recompute_of(cap, spec)[0], cap.params)
+        memo[key] = offload_nodes(cap.gm, _recompute_of(cap, spec, "offload_activations")[0], cap.params)
     return memo[key]
 
 
@@ -1043,13 +1043,14 @@ def _saves(cap: Captured, rec_nodes, rec_kept, pins: Options) -> Saves:
     return Saves(rec_nodes, rec_kept, *(offload_of(cap, pins) or ()))
 
 
-def _recompute_of(cap: Captured, rec) -> tuple:
+def _recompute_of(cap: Captured, rec, pin: str = "recompute") -> tuple:
     """(layers, recomputed nodes, kept nodes) of the recomputation choice ``rec`` (None,
     ``"full"`` or layer names; ``analysis.layers``), worked out once per graph: the search
-    weighs the same choices on every mesh, ZeRO stage and pipeline degree."""
+    weighs the same choices on every mesh, ZeRO stage and pipeline degree. ``pin``: the pin
+    ``rec`` comes from, named in a refusal."""
     memo = _RECOMPUTE.setdefault(cap.gm, {})
     key = rec if rec is None or isinstance(rec, (str, bool)) else tuple(rec)
     if key not in memo:
-        layers = select_layers(cap.gm, rec)
+        layers = select_layers(cap.gm, rec, pin)
         memo[key] = (layers, *recompute_nodes(cap.gm, layers))
     return memo[key]
