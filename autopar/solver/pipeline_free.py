@@ -149,10 +149,11 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
                 if q not in rest or got[0] < rest[q][0]:
                     rest[q] = got
             pending = sorted(rest.values(), key=lambda x: x[0])
-    if search.timed_out and notes is not None:
-        notes.append(f"{len(search.timed_out)} pipeline stage mesh(es) skipped: no solution within "
+    timed_out = getattr(search, "timed_out", ())     # (a stand-in search may keep none)
+    if timed_out and notes is not None:
+        notes.append(f"{len(timed_out)} pipeline stage mesh(es) skipped: no solution within "
                      f"the ILP's time limit of {search.time_limit_s:g} s ((p, data, tensor, expert): "
-                     + ", ".join(map(str, search.timed_out)) + ")")
+                     + ", ".join(map(str, timed_out)) + ")")
     return planned
 
 
