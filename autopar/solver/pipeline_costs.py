@@ -331,14 +331,20 @@ def _crossings(cap: Captured) -> tuple[np.ndarray, np.ndarray]:
     return got[0].copy(), got[1].copy()
 
 
-def _not_from_batch(cap: Captured) -> set[str]:
+_NOT_FROM_BATCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _not_from_batch(cap: Captured) -> frozenset[str]:
     """Nodes not computed from the model's inputs (parameters, buffers and what is computed
-    from them alone): their sizes do not change with the micro-batch."""
-    batch = set(cap.inputs)
-    for n in cap.gm.graph.nodes:
-        if any(a.name in batch for a in n.all_input_nodes):
-            batch.add(n.name)
-    return {n.name for n in cap.gm.graph.nodes} - batch
+    from them alone): their sizes do not change with the micro-batch. Once per graph."""
+    got = _NOT_FROM_BATCH.get(cap.gm)
+    if got is None:
+        batch = set(cap.inputs)
+        for n in cap.gm.graph.nodes:
+            if any(a.name in batch for a in n.all_input_nodes):
+                batch.add(n.name)
+        got = _NOT_FROM_BATCH[cap.gm] = frozenset(n.name for n in cap.gm.graph.nodes) - batch
+    return got
 
 
 def _from_parameters(cap: Captured) -> set[str]:
