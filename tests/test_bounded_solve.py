@@ -80,3 +80,27 @@ def test_a_stage_mesh_past_the_time_limit_is_skipped_and_said(monkeypatch):
         in plan.solver.skipped, plan.solver.skipped
     for p, (data, tensor, expert) in first.items():
         assert str((p, data, tensor, expert)) in plan.solver.skipped
+
+
+def test_a_forked_solve_in_a_process_holding_many_files(monkeypatch):
+    """Issue 43: in a sweep's gloo worker, holding over 1,024 descriptors, the forked solve's
+    pipe was numbered past what ``select`` takes ("filedescriptor out of range in select()",
+    three cases). It waits with ``poll`` now."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} files, fewer than the 1,200 the case needs")
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200 if hard == resource.RLIM_INFINITY
+                                                    else min(1200, hard), hard))
+    held = [os.dup(0) for _ in range(1100)]
+    try:
+        assert max(held) >= 1024
+        forks = _count_forks(monkeypatch)
+        monkeypatch.setattr(bounded_solve, "FORK_ABOVE", 0)
+        plan = _plan(monkeypatch, pins={"data": 2, "tensor": 4})
+        assert forks and plan.solver.status == "OPTIMAL"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

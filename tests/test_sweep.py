@@ -377,3 +377,28 @@ def test_fp8_is_drawn_where_a_linear_runs_fp8():
         b = zoo.cached(arch, 4, zoo.ZOO[arch].losses[0])
         found = fp8_linears(capture(b.model, b.inputs, b.loss_fn, b.target))
         assert bool(found) == ("fp8" in sc.kinds_for(arch)), (arch, found)
+
+
+def test_a_forked_child_working_is_progress_of_its_parent():
+    """Issue 43: a free plan's search solves programs in processes it forks
+    (``solver.speculate``'s workers, ``solver.bounded_solve``'s CBC child) and sleeps
+    waiting for them; ``gemma2:free-budget:194257`` was ended as "a hang" at load ~200 (12
+    CPU seconds in 411 s) while its child solved. The watchdogs' counters
+    (``proc_time``) count the process's live descendants: a child burning CPU while this
+    process sleeps moves this process's CPU seconds."""
+    import subprocess
+    from proc_time import cpu_seconds, io_progress, process_tree, waited_seconds
+    spin = ("import time, sys\nwhile time.process_time() < 0.5: pass\n"
+            "print('ready', flush=True)\ntime.sleep(60)\n")
+    before = cpu_seconds(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert str(child.pid) in process_tree(os.getpid())
+        assert cpu_seconds(os.getpid()) - before >= 0.45       # the child's half second
+        assert waited_seconds(os.getpid()) is not None and io_progress(os.getpid()) is not None
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_seconds(os.getpid()) - before >= 0.45           # reaped: in cutime now
+    assert str(child.pid) not in process_tree(os.getpid())

@@ -64,10 +64,15 @@ def solve_bounded(m: "pywraplp.Solver", x: dict, time_limit_s: float,
     os.close(write_fd)
     deadline = time.monotonic() + hard_limit_s(time_limit_s)
     chunks = []
+    # poll, not select: select refuses a descriptor numbered 1,024 or more, which a
+    # long-lived process holding many files (a sweep's gloo worker) reaches (issue 43:
+    # "filedescriptor out of range in select()")
+    ready = select.poll()
+    ready.register(read_fd, select.POLLIN | select.POLLHUP)
     try:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+            if left <= 0 or not ready.poll(left * 1000):
                 os.kill(pid, signal.SIGKILL)
                 return KILLED, None, float("nan")
             chunk = os.read(read_fd, 1 << 20)
