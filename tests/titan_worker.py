@@ -1,5 +1,5 @@
-"""Run by tests/test_titan.py under torchrun: torchtitan's Llama 3 (tests/titan_llama.py)
-parallelized with ``compile=True`` on real gloo ranks, 3 AdamW steps compared with one
+"""Run by tests/test_titan.py under torchrun: torchtitan's Llama 3 or Qwen3 (a case's
+``"model"``, Llama 3 by default: tests/titan_llama.py) parallelized with ``compile=True`` on real gloo ranks, 3 AdamW steps compared with one
 device (loss, every gradient, the weights after the steps: tests/equivalence.py).
 
 ``"rank_branch": true`` puts back what issue 43 hung on: ``ops.collectives.to_partial``
@@ -23,7 +23,7 @@ import titan_llama  # noqa: E402
 from autopar.ops import collectives  # noqa: E402
 from autopar.ops.comm import current_comm  # noqa: E402
 from autopar.runtime.collective_order import CollectiveOrderError  # noqa: E402
-from equivalence import compare, parallel_run, reference_run  # noqa: E402
+from equivalence import compare, measure, parallel_run, reference_run  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def _rank_branch(ctx, x, axis):
 
 
 def run_case(case: dict) -> dict:
-    model, inputs, target, loss_fn = titan_llama.build()
+    model, inputs, target, loss_fn = titan_llama.build(model=case.get("model", "llama3"))
     torch._dynamo.reset()
     pm = autopar.parallelize(model, inputs, loss_fn, target=target, optimizer="adamw",
                              compile=case.get("compile", True), **case["pins"])
@@ -54,8 +54,10 @@ def run_case(case: dict) -> dict:
         return {"refused": refused, "refused_on": on}
     ref = reference_run(model, inputs, target, loss_fn, optimizer="adamw")
     got = parallel_run(pm, inputs, target, optimizer="adamw")
-    worst = compare(ref, got, f"{case} torchtitan llama3")
-    return {"worst": worst, "report": pm.compile_report(), "options": pm.plan.options.pinned(),
+    worst = compare(ref, got, f"{case} torchtitan {case.get('model', 'llama3')}")
+    c = measure(ref, got)       # which parameters are worst (compare gives the errors)
+    return {"worst": worst, "worst_of": {"grad": c.grad_worst, "weight": c.weight_worst},
+            "report": pm.compile_report(), "options": pm.plan.options.pinned(),
             "local_bytes": sum(p.numel() * p.element_size() for p in pm.parameters()),
             "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "placements": {a: str(pm.plan.nodes[p].outputs[0]) for a, p in pm.plan.params.items()}}

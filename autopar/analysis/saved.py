@@ -204,8 +204,13 @@ def merge(kept: list[Kept]) -> Kept:
 
 
 def op_name(target) -> str:
-    """``aten.mul.Tensor`` -> ``"mul"``."""
-    return getattr(target, "_opname", None) or str(target).split(".")[-2]
+    """``aten.mul.Tensor`` -> ``"mul"``; a Python callable (``operator.getitem``, which picks
+    a piece of ``split_with_sizes``'s output) -> its ``__name__``, ``"getitem"``."""
+    name = getattr(target, "_opname", None)
+    if name:
+        return name
+    parts = str(target).split(".")
+    return parts[-2] if len(parts) > 2 else getattr(target, "__name__", str(target))
 
 
 _CACHE: "weakref.WeakKeyDictionary[GraphModule, dict]" = weakref.WeakKeyDictionary()
