@@ -20,9 +20,12 @@ another runtime module writes a device type ("cpu", "cuda", ``torch.device("..."
 - :func:`pin_host_memory`: whether host buffers a device copies to are pinned (ZeRO-Offload).
 - :func:`synchronize`, :func:`allocator_peak`: waiting for a device's queued work, and the
   peak its caching allocator held (timing reports).
+- :class:`SideStream`: the stream a second host thread queues its work on (DualPipeV's
+  overlapped forward, ``runtime.overlap``): a CUDA stream of its own, nothing on the CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -87,6 +90,37 @@ def records_cuda_graphs(device: torch.device) -> bool:
     """Whether programs on ``device`` can be recorded as CUDA graphs (``compile=
     "reduce-overhead"``, ``runtime.compiled.inductor_options``): on CUDA only."""
     return device.type == CUDA
+
+
+class SideStream:
+    """Where a second host thread runs its device work beside the calling thread's: on CUDA
+    a stream of its own (kernels of the two threads then run at once, the first waiting for
+    what the caller queued before it started, the caller waiting for it at the join); on the
+    CPU every op runs on its host thread, which is the overlap already (nothing to do)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == CUDA else None
+
+    def caller(self):
+        """The calling thread's current stream (None on the CPU): read before the thread starts."""
+        return torch.cuda.current_stream(self.device) if self.stream is not None else None
+
+    @contextlib.contextmanager
+    def run(self, caller):
+        """In the second thread: its work on the side stream, after ``caller``'s queued work."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self, caller) -> None:
+        """In the calling thread after the second one finished: ``caller`` (its stream) waits
+        for the side stream's work, so what the second thread made is read after it is made."""
+        if self.stream is not None:
+            caller.wait_stream(self.stream)
 
 
 def synchronize(device: torch.device) -> None:

@@ -54,6 +54,7 @@ from autopar.placement import parse_placements, placements_str
 from autopar.plan import NodePlacement, Plan
 from autopar.runtime.compiled import CompiledStage, inductor_options
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.overlap import OverlapPairs, overlap_applies
 from autopar.runtime.precision import AutocastStage, cast_once_per_step, compute_dtype
 from autopar.runtime.shards import Shards
 from autopar.runtime.weight_groups import GroupMerger
@@ -259,6 +260,14 @@ class PipelineRunner:
         self._skip_log: list = []
         self._mb_losses: list[torch.Tensor] = []
         self._schedule, self._eval = self._schedules(plan)
+        # DualPipeV's forward/backward pairs at once where a stage's experts dispatch by
+        # all-to-all (runtime.overlap): the forward thread's own process groups on the stage
+        # axes, made on every rank in the same order (the condition is the plan's)
+        self.overlap: OverlapPairs | None = None
+        if self._schedule is not None and overlap_applies(plan):
+            twin = comm.twin(range(1, len(comm.mesh_shape)))
+            self.overlap = OverlapPairs(twin.inner(), self.device, self._dtype, comm.post_fault)
+            self.overlap.register(self._schedule)
         self._tied_groups = self._tied_process_groups(comm)
 
     # ---- building ---------------------------------------------------------------------------
