@@ -44,6 +44,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 
 import torch
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, _wait_batch_p2p
@@ -96,6 +97,7 @@ class _Job:
         except BaseException as e:  # noqa: BLE001 - handed to the calling thread
             self.error = e
         finally:
+            self.fn = None          # the step's stages and batch, let go
             self.end = time.perf_counter()
             self.done.set()
 
@@ -114,6 +116,7 @@ class _Worker:
             if job is None:
                 return
             job.run()
+            del job
 
     def submit(self, fn) -> _Job:
         job = _Job(fn)
@@ -160,7 +163,8 @@ class OverlapPairs:
                 _forward(sched, stages, f, ctx)
 
         if self._worker is None:
-            self._worker = _Worker()
+            self._worker = worker = _Worker()
+            weakref.finalize(self, worker.close)       # the thread ends with its runner
         job = self._worker.submit(forward)
         t0 = time.perf_counter()
         try:
