@@ -201,7 +201,8 @@ class OverlapPairs:
                 f"the {other}, runtime.overlap); dualpipev_overlap=False runs the pairs one "
                 "after the other")
         e.add_note(note)
-        if self._post is not None:
+        # a peer's posted fault stays the one the ranks read (``CollectiveError.peer_fault``)
+        if self._post is not None and getattr(e, "peer_fault", None) is None:
             with contextlib.suppress(Exception):
                 self._post(f"rank {self.comm.rank}: {what} failed in an overlapped pair: "
                            f"{type(e).__name__}: {str(e)[:200]}")

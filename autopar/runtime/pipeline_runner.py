@@ -26,7 +26,9 @@ One step (:meth:`PipelineRunner.train`), in order:
    ``analysis.microbatch_loss``), so the loss is the sum of the micro-batch losses,
    broadcast from the last stage to every rank (started before 2 and 3, waited after them).
 
-Skip values travel by ``autopar.ops.stage_ops`` (``skip_send`` / ``skip_recv``).
+Skip values travel by ``autopar.ops.stage_ops`` (``skip_send`` / ``skip_recv``). Under
+DualPipeV, where a stage's experts dispatch by all-to-all, each forward/backward pair runs
+its two halves at once (``autopar.runtime.overlap``, :attr:`PipelineRunner.overlap`).
 """
 from __future__ import annotations
 
