@@ -116,11 +116,17 @@ class SideStream:
         with torch.cuda.stream(self.stream):
             yield
 
-    def join(self, caller) -> None:
+    def join(self, caller, handed=()) -> None:
         """In the calling thread after the second one finished: ``caller`` (its stream) waits
-        for the side stream's work, so what the second thread made is read after it is made."""
+        for the side stream's work, so what the second thread made is read after it is made;
+        the tensors in ``handed`` (made on the side stream, read on ``caller``) are marked in
+        use by ``caller`` until its work queued so far is done, so that the caching allocator
+        does not give their memory back to the side stream before (``record_stream``)."""
         if self.stream is not None:
             caller.wait_stream(self.stream)
+            for t in handed:
+                if isinstance(t, torch.Tensor) and t.device.type == CUDA:
+                    t.record_stream(caller)
 
 
 def synchronize(device: torch.device) -> None:

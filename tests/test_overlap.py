@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs transformers")
@@ -145,10 +146,12 @@ def _pair(fail=None):
     stages = [_Stage(0, 2, fail if fail == "F" else None, log, gate),
               _Stage(1, 2, fail if fail == "B" else None, log, gate)]
     sched = SimpleNamespace(_stages=stages, fwd_recv_ops={}, bwd_recv_ops={}, backward_counter=Counter(),
+                            _internal_losses=[],
                             _n_microbatches=4, _maybe_compute_loss=lambda *a: None,
                             _maybe_get_loss=lambda st, mb: None)
     ctx = SimpleNamespace(schedule_ref=sched, arg_mbs=[()] * 4, kwarg_mbs=[{}] * 4, target_mbs=None)
-    sub = (SimpleNamespace(stage_index=0, microbatch_index=3), SimpleNamespace(stage_index=1, microbatch_index=1))
+    sub = (SimpleNamespace(stage_index=0, microbatch_index=3, computation_type=FORWARD),
+           SimpleNamespace(stage_index=1, microbatch_index=1, computation_type=FULL_BACKWARD))
     posted = []
     pairs = OverlapPairs(SimpleNamespace(one_per_process=False, rank=5), torch.device("cpu"), None,
                          posted.append)

@@ -47,7 +47,9 @@ import time
 import weakref
 
 import torch
-from torch.distributed.pipelining.schedules import OVERLAP_F_B, _wait_batch_p2p
+from torch.distributed.pipelining.schedules import (
+    FORWARD, FULL_BACKWARD, OVERLAP_F_B, _wait_batch_p2p,
+)
 
 from autopar.device import SideStream
 from autopar.ops.comm import use_comm
@@ -154,13 +156,19 @@ class OverlapPairs:
     def __call__(self, action, ctx) -> None:
         sched = ctx.schedule_ref
         f, b = action.sub_actions
+        if (f.computation_type, b.computation_type) != (FORWARD, FULL_BACKWARD):
+            raise RuntimeError(f"autopar's OVERLAP_F_B function runs a forward with a full "
+                               f"backward (torch 2.13's DualPipeV); this schedule paired {f} with "
+                               f"{b}: pin dualpipev_overlap=False")
         stages = {st.stage_index: st for st in sched._stages}
         carried = (torch.is_grad_enabled(), step_context(), self._stream.caller(),
                    torch._C._autograd._top_saved_tensors_default_hooks(False))
 
+        handed: list = []      # what the forward hands to this thread: its output, its loss
+
         def forward():
             with self._carried(*carried):
-                _forward(sched, stages, f, ctx)
+                handed.extend(_forward(sched, stages, f, ctx))
 
         if self._worker is None:
             self._worker = worker = _Worker()
@@ -176,7 +184,7 @@ class OverlapPairs:
             raise
         t1 = time.perf_counter()
         job.done.wait()
-        self._stream.join(carried[2])
+        self._stream.join(carried[2], handed)
         if job.error is not None:
             self._fault(job.error, f"stage {f.stage_index} forward of micro-batch {f.microbatch_index}",
                         f"stage {b.stage_index} backward of micro-batch {b.microbatch_index}")
@@ -208,17 +216,22 @@ class OverlapPairs:
                            f"{type(e).__name__}: {str(e)[:200]}")
 
 
-def _forward(sched, stages: dict, action, ctx) -> None:
-    """torch's ``_perform_action`` for ``FORWARD`` (schedules.py, torch 2.13)."""
+def _forward(sched, stages: dict, action, ctx) -> list:
+    """torch's ``_perform_action`` for ``FORWARD`` (schedules.py, torch 2.13; the output not
+    kept: ``PipelineRunner.train`` steps with ``return_outputs=False``); returns the tensors
+    it made that the calling thread reads next (the output, the loss)."""
     k, mb = action.stage_index, action.microbatch_index
     stage = stages[k]
     if not stage.is_first and k - 1 not in stages:
         _wait_batch_p2p(sched.fwd_recv_ops.pop((k, mb)))
     output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
                                      save_forward_output=False)
+    losses = len(sched._internal_losses)
     sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
     if k + 1 in stages:
         stages[k + 1].set_local_fwd_input(output, mb)
+    made = list(output) if isinstance(output, (tuple, list)) else [output]
+    return made + list(sched._internal_losses[losses:])
 
 
 def _backward(sched, stages: dict, action) -> None:
