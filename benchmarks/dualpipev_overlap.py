@@ -2,6 +2,7 @@
 measured side by side on gloo ranks, with both plans' estimates.
 
     PYTHONPATH=. torchrun --nproc-per-node 4 benchmarks/dualpipev_overlap.py [--steps 20] [--batch 8]
+    PYTHONPATH=. torchrun --nproc-per-node 4 benchmarks/dualpipev_overlap.py --fault
 
 transformers' Mixtral of ``examples.zoo`` (2 layers, 4 experts top 2, hidden 32, sequence 16,
 vocabulary 128; batch 8) under ``pipeline=2, expert=2, schedule="dualpipev",
@@ -10,7 +11,14 @@ one module with ``dualpipev_overlap`` on (the default) and one with it off, the 
 After 3 warm-up steps each, the two take turns, one step each, ``--steps`` times (so load
 from other work falls on both alike); every step ends with a barrier. Rank 0 prints the
 median wall seconds of a step of each, their ratio, the CPU seconds of a step on rank 0
-(this process), the pairs run at once, and each plan's estimate (``cpu:4``)."""
+(this process), the pairs run at once, and each plan's estimate (``cpu:4``).
+
+``--fault``: instead, no hang when one half of a pair fails. After a first step, rank 0's
+forward of stage 0, micro-batch 3 raises on the pair's thread (``planted failure``); every
+rank must end its next ``train_step`` in an error within ``--fault-limit`` seconds (the
+failing rank naming the pair, the others a collective or send/recv error or a peer's
+notice). Each rank prints its error and seconds and exits 0 when it ended so, else 1 (a
+rank still waiting at the limit is what a hang would be: the job's 2x limit kills it)."""
 from __future__ import annotations
 
 import argparse
@@ -32,12 +40,48 @@ from examples import zoo  # noqa: E402
 PINS = {"pipeline": 2, "expert": 2, "schedule": "dualpipev", "micro_batch_size": 2}
 
 
+def fault(args) -> int:
+    """``--fault`` (module docstring)."""
+    import os
+    import threading
+    b = zoo.build("mixtral", batch=args.batch)
+    pm = autopar.parallelize(b.model, b.inputs, b.loss_fn, target=b.target,
+                             timeout=args.fault_limit, **PINS)
+    pm.train_step(*b.inputs, target=b.target)
+    rank = dist.get_rank()
+    if rank == 0:
+        stage = {st.stage_index: st for _, st in pm.runner.stages["train"]}[0]
+        real = stage.forward_one_chunk
+
+        def broken(mb, *a, **k):
+            if mb == 3 and threading.current_thread().name == "autopar-overlap":
+                raise RuntimeError("planted failure")
+            return real(mb, *a, **k)
+        stage.forward_one_chunk = broken
+    t = time.perf_counter()
+    try:
+        pm.train_step(*b.inputs, target=b.target)
+        print(f"rank {rank}: no error", flush=True)
+        code = 1
+    except Exception as e:  # noqa: BLE001 - reported
+        took = time.perf_counter() - t
+        notes = " ".join(getattr(e, "__notes__", []))
+        print(f"rank {rank}: {type(e).__name__} after {took:.1f} s: {str(e)[:160]!r} {notes[:200]}",
+              flush=True)
+        code = 0 if took < args.fault_limit else 1
+    os._exit(code)      # the process group is broken: no orderly teardown
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--fault", action="store_true")
+    ap.add_argument("--fault-limit", type=float, default=60.0)
     args = ap.parse_args()
     dist.init_process_group("gloo")
+    if args.fault:
+        return fault(args)
     b = zoo.build("mixtral", batch=args.batch)
     pms = {on: autopar.parallelize(b.model, b.inputs, b.loss_fn, target=b.target,
                                    dualpipev_overlap=on, **PINS) for on in (True, False)}
