@@ -20,6 +20,8 @@ another runtime module writes a device type ("cpu", "cuda", ``torch.device("..."
 - :func:`pin_host_memory`: whether host buffers a device copies to are pinned (ZeRO-Offload).
 - :func:`synchronize`, :func:`allocator_peak`: waiting for a device's queued work, and the
   peak its caching allocator held (timing reports).
+- :func:`p2p_matched_by_tag`: whether two threads may exchange point-to-point messages
+  between the same ranks at once (gloo: by tag; NCCL: by issue order).
 - :class:`SideStream`: the stream a second host thread queues its work on (DualPipeV's
   overlapped forward, ``runtime.overlap``): a CUDA stream of its own, nothing on the CPU.
 """
@@ -90,6 +92,14 @@ def records_cuda_graphs(device: torch.device) -> bool:
     """Whether programs on ``device`` can be recorded as CUDA graphs (``compile=
     "reduce-overhead"``, ``runtime.compiled.inductor_options``): on CUDA only."""
     return device.type == CUDA
+
+
+def p2p_matched_by_tag(device: torch.device) -> bool:
+    """Whether point-to-point messages between two ranks on ``device``'s backend are matched
+    by tag (gloo, the CPU's), so that two threads may send and receive between the same
+    ranks at once; NCCL matches them by the order they were issued in, which two threads
+    would make differ between the ranks."""
+    return device.type != CUDA
 
 
 class SideStream:

@@ -36,7 +36,11 @@ tokens to experts by all-to-all (the communication DualPipe overlaps, and the on
 hides, ``solver.pipeline_price``), eager programs (a compiled stage's collectives are bound
 to the groups it was traced with), no context axis (its attention keeps the forward's
 communicator for backward) and ZeRO below 3 (the gathered weights' hooks, the same); not when
-``dualpipev_overlap=False``. Elsewhere the pairs run as torch runs them.
+``dualpipev_overlap=False``; on CUDA, not when values skip stages (their point-to-point
+messages on the world group would be issued by both threads, and NCCL matches them by issue
+order: ``device.p2p_matched_by_tag``). Elsewhere the pairs run as torch runs them. Measured
+on CPU gloo ranks only: the CUDA stream handling (``device.SideStream``) has not run on a
+GPU.
 """
 from __future__ import annotations
 

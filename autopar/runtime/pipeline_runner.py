@@ -44,7 +44,7 @@ from autopar.analysis.layers import layer_members, select_layers
 from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.analysis.stages import assign_stages, local_meta, no_grad_ops
 from autopar.capture import Captured
-from autopar.device import object_device
+from autopar.device import object_device, p2p_matched_by_tag
 from autopar.errors import ArgumentError
 from autopar.ops.comm import DistComm, is_comm_failure
 from autopar.ops.experts import run_experts
@@ -264,9 +264,12 @@ class PipelineRunner:
         self._schedule, self._eval = self._schedules(plan)
         # DualPipeV's forward/backward pairs at once where a stage's experts dispatch by
         # all-to-all (runtime.overlap): the forward thread's own process groups on the stage
-        # axes, made on every rank in the same order (the condition is the plan's)
+        # axes, made on every rank in the same order (the condition is the plan's). Skip
+        # values travel point to point on the world group from the stage programs: both
+        # threads would send them at once, which only a backend matching them by tag allows
         self.overlap: OverlapPairs | None = None
-        if self._schedule is not None and overlap_applies(plan):
+        skips = bool(self.skip_edges.get("train")) and not p2p_matched_by_tag(self.device)
+        if self._schedule is not None and overlap_applies(plan) and not skips:
             twin = comm.twin(range(1, len(comm.mesh_shape)))
             self.overlap = OverlapPairs(twin.inner(), self.device, self._dtype, comm.post_fault)
             self.overlap.register(self._schedule)
