@@ -20,9 +20,14 @@ another runtime module writes a device type ("cpu", "cuda", ``torch.device("..."
 - :func:`pin_host_memory`: whether host buffers a device copies to are pinned (ZeRO-Offload).
 - :func:`synchronize`, :func:`allocator_peak`: waiting for a device's queued work, and the
   peak its caching allocator held (timing reports).
+- :func:`p2p_matched_by_tag`: whether two threads may exchange point-to-point messages
+  between the same ranks at once (gloo: by tag; NCCL: by issue order).
+- :class:`SideStream`: the stream a second host thread queues its work on (DualPipeV's
+  overlapped forward, ``runtime.overlap``): a CUDA stream of its own, nothing on the CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -87,6 +92,51 @@ def records_cuda_graphs(device: torch.device) -> bool:
     """Whether programs on ``device`` can be recorded as CUDA graphs (``compile=
     "reduce-overhead"``, ``runtime.compiled.inductor_options``): on CUDA only."""
     return device.type == CUDA
+
+
+def p2p_matched_by_tag(device: torch.device) -> bool:
+    """Whether point-to-point messages between two ranks on ``device``'s backend are matched
+    by tag (gloo, the CPU's), so that two threads may send and receive between the same
+    ranks at once; NCCL matches them by the order they were issued in, which two threads
+    would make differ between the ranks."""
+    return device.type != CUDA
+
+
+class SideStream:
+    """Where a second host thread runs its device work beside the calling thread's: on CUDA
+    a stream of its own (kernels of the two threads then run at once, the first waiting for
+    what the caller queued before it started, the caller waiting for it at the join); on the
+    CPU every op runs on its host thread, which is the overlap already (nothing to do)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == CUDA else None
+
+    def caller(self):
+        """The calling thread's current stream (None on the CPU): read before the thread starts."""
+        return torch.cuda.current_stream(self.device) if self.stream is not None else None
+
+    @contextlib.contextmanager
+    def run(self, caller):
+        """In the second thread: its work on the side stream, after ``caller``'s queued work."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self, caller, handed=()) -> None:
+        """In the calling thread after the second one finished: ``caller`` (its stream) waits
+        for the side stream's work, so what the second thread made is read after it is made;
+        the tensors in ``handed`` (made on the side stream, read on ``caller``) are marked in
+        use by ``caller`` until its work queued so far is done, so that the caching allocator
+        does not give their memory back to the side stream before (``record_stream``)."""
+        if self.stream is not None:
+            caller.wait_stream(self.stream)
+            for t in handed:
+                if isinstance(t, torch.Tensor) and t.device.type == CUDA:
+                    t.record_stream(caller)
 
 
 def synchronize(device: torch.device) -> None:

@@ -93,6 +93,13 @@ class Options(Mapping):
     """The pipeline schedule (``torch.distributed.pipelining``); needs ``pipeline`` > 1."""
     virtual_stages: int | None = None
     """Stages per pipeline rank (interleaved 1F1B); needs ``pipeline`` > 1."""
+    dualpipev_overlap: bool | None = None
+    """Under ``schedule="dualpipev"``: whether each of its forward/backward pairs runs at once
+    (the forward on a second thread with process groups of its own, ``runtime.overlap``), so
+    that one micro-batch's expert all-to-all hides behind the other's compute, and is priced
+    so. None (the default) or True: where it applies (:attr:`dualpipev_overlaps`, and a stage
+    dispatching tokens to experts by all-to-all); False: the pairs run one after the other,
+    as torch runs them."""
     stage_split: Literal["balanced", "even-layers"] | None = None
     """Where a pipeline's stages are cut: ``"balanced"`` (the default) by the stage DP, the
     cuts of least predicted step; ``"even-layers"`` as Megatron-LM and torchtitan split
@@ -245,6 +252,15 @@ class Options(Mapping):
                 and self.zero_stage >= 3 and not self.compile and self.fp8_all_gather is not False)
 
     @property
+    def dualpipev_overlaps(self) -> bool:
+        """Whether DualPipeV's pairs may run at once under these options (``runtime.overlap``
+        adds the plan's conditions: a stage's expert all-to-all, no context axis): not pinned
+        off, eager programs (a compiled stage's collectives are bound to the groups it was
+        traced with), ZeRO below 3 (its regathered weights' hooks keep the forward's
+        communicator for backward)."""
+        return self.dualpipev_overlap is not False and not self.compile and self.zero_stage < 3
+
+    @property
     def compression(self) -> tuple[str, float] | None:
         """The gradient compression asked for: ``(kind, parameter)``, or None (none, or
         ``"auto"``: the solver's choice)."""
@@ -379,6 +395,14 @@ def _check_values(p: dict) -> None:
         raise PinError(f"fp8_layers={layers!r}: use 'all' (every linear but the head), a list "
                        "of linear module names such as ['layers.0.feed_forward.w1'], or leave it "
                        "out (the solver chooses each layer by price)")
+    if p.get("dualpipev_overlap") not in (None, True, False):
+        raise PinError(f"dualpipev_overlap={p['dualpipev_overlap']!r}: use True, False or leave it "
+                       "out (DualPipeV's pairs run at once wherever a stage's experts dispatch by "
+                       "all-to-all)")
+    if p.get("dualpipev_overlap") is not None and p.get("schedule") not in (None, "dualpipev"):
+        raise PinError(f"dualpipev_overlap= says how schedule='dualpipev' runs its forward/backward "
+                       f"pairs; schedule={p['schedule']!r} has none: pin schedule='dualpipev', or "
+                       "drop dualpipev_overlap=")
     if p.get("fp8_all_gather") not in (None, True, False):
         raise PinError(f"fp8_all_gather={p['fp8_all_gather']!r}: use True, False or leave it out "
                        "(float8 wherever it applies)")

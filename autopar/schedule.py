@@ -46,10 +46,12 @@ DualPipeV's steady state lists a pair "forward of one micro-batch on one local s
 full backward of another on the other" (torch's ``OVERLAP_F_B`` action). torch 2.13's
 ``_PipelineScheduleRuntime`` runs the pair's two sub-actions one after the other (F, then
 B) unless a caller registers its own function for ``OVERLAP_F_B``
-(``register_custom_function``), which autopar does not; so the pair is listed here as
-its F then its B, and timed as such: no overlap of one micro-batch's compute with the
-other's communication is credited. ``ScheduleZBVZeroBubble`` (the same V placement) is
-not generated here.
+(``register_custom_function``); autopar registers one where a stage's experts dispatch by
+all-to-all (``runtime.overlap``: the two halves at once). The pair is listed here as its F
+then its B (:func:`overlap_pairs` names them), and timed so, less what the pricing hides
+of each half's expert all-to-all behind the other's compute where the runtime overlaps
+(``solver.pipeline_price``). ``ScheduleZBVZeroBubble`` (the same V placement) is not
+generated here.
 
 >>> grid = schedule_actions("1f1b", n_stages=2, n_microbatches=3)
 >>> [str(a) for a in grid[1]]
@@ -231,7 +233,26 @@ def rank_stages(kind: str, n_stages: int, virtual: int = 1) -> list[list[int]]:
     return out
 
 
-def _dual_pipe_v(rank: int, p: int, m: int) -> list[Action]:
+def overlap_pairs(kind: str, n_stages: int, n_microbatches: int) -> list[list[tuple[Action, Action]]]:
+    """Per rank, the (forward, backward) pairs torch runs as one ``OVERLAP_F_B`` action
+    (DualPipeV's steps 4 and 5, :func:`_dual_pipe_v`), each listed by
+    :func:`schedule_actions` as its F then its B; none for other schedules.
+
+    >>> [[(str(f), str(b)) for f, b in r] for r in overlap_pairs("dualpipev", 2, 4)][0]
+    [('0F3', '3B1'), ('3F2', '0B0'), ('3F3', '0B1')]
+    """
+    if kind != "dualpipev":
+        return [[] for _ in range(n_stages)]
+    check_schedule(kind, n_stages, n_microbatches, 2)
+    out: list[list[tuple[Action, Action]]] = []
+    for r in range(n_stages):
+        pairs: list[tuple[Action, Action]] = []
+        _dual_pipe_v(r, n_stages, n_microbatches, pairs)
+        out.append(pairs)
+    return out
+
+
+def _dual_pipe_v(rank: int, p: int, m: int, pairs: list | None = None) -> list[Action]:
     """DualPipeV's order on ``rank`` of ``p`` for ``m >= 2p`` micro-batches, as torch 2.13's
     ``ScheduleDualPipeV._calculate_single_rank_operations`` builds it (DeepSeek's
     ``dualpipev.py``), its ``OVERLAP_F_B`` pairs listed as their F then their B (what torch
@@ -240,7 +261,8 @@ def _dual_pipe_v(rank: int, p: int, m: int) -> list[Action]:
 
     1. ``2 (p - 1 - rank)`` forwards of s0;  2. ``rank + 1`` pairs F(s0) F(s1);
     3. ``p - 1 - rank`` times I(s1), the oldest pending W, F(s1);
-    4. ``m - 2p + rank + 1`` times [F(s0) B(s1)] [F(s1) B(s0)];
+    4. ``m - 2p + rank + 1`` times [F(s0) B(s1)] [F(s1) B(s0)] (the last rank's first
+       F(s0) B(s1) not a pair: torch runs it unpaired "to further reduce bubble size");
     5. ``p - 1 - rank`` times B(s1), [F(s1) B(s0)];
     6. ``rank + 1`` pairs B(s1) B(s0), from the middle pair on split into I (zero bubble;
        the switch falls after B(s1) on odd ranks, before it on even ones);
@@ -248,7 +270,8 @@ def _dual_pipe_v(rank: int, p: int, m: int) -> list[Action]:
     8. ``rank + 1`` pending Ws.
 
     A full backward B of (s, i) counts as both its I and its W; the W queue holds only the
-    Is' weight halves, oldest first.
+    Is' weight halves, oldest first. ``pairs``: given, the bracketed pairs of 4 and 5 (torch's
+    ``OVERLAP_F_B`` actions) are appended to it as (F, B).
     """
     s0, s1 = rank, 2 * p - 1 - rank
     ops: list[Action] = []
@@ -276,15 +299,22 @@ def _dual_pipe_v(rank: int, p: int, m: int) -> list[Action]:
         add(s1, "I")
         pending_weight()
         add(s1, "F")
-    for _ in range(m - 2 * p + rank + 1):               # 4
-        add(s0, "F")
-        add(s1, "B")
-        add(s1, "F")
-        add(s0, "B")
+    def pair(f: int, b: int) -> None:
+        add(f, "F")
+        add(b, "B")
+        if pairs is not None:
+            pairs.append((ops[-2], ops[-1]))
+
+    for k in range(m - 2 * p + rank + 1):               # 4
+        if k == 0 and rank == p - 1:        # torch: not overlapped, "to reduce bubble size"
+            add(s0, "F")
+            add(s1, "B")
+        else:
+            pair(s0, s1)
+        pair(s1, s0)
     for _ in range(p - 1 - rank):                       # 5
         add(s1, "B")
-        add(s1, "F")
-        add(s0, "B")
+        pair(s1, s0)
     split = False
     half = (rank + 1) // 2
     for k in range(rank + 1):                           # 6

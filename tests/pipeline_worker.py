@@ -34,6 +34,9 @@ def _example(name: str):
     if name == "unet":
         from examples.unet import unet_factory
         return unet_factory()
+    if name == "mixtral":       # transformers' Mixtral, 2 layers of 4 experts, batch 8
+        from examples import zoo
+        return zoo.build("mixtral", batch=8)
     return EXAMPLES[name]()
 
 
@@ -119,6 +122,18 @@ def _run_case(case: dict) -> dict:
     dist.all_gather_object(split, {st.stage_index: st.split_backward
                                    for _, st in pm.runner.stages.get("train", [])})
     info["split_backward"] = {k: v for d in split for k, v in d.items()}
+    if case.get("overlap"):
+        # DualPipeV's pairs run at once (runtime.overlap): per rank, the OVERLAP_F_B actions
+        # its schedule lists a step, the pairs whose forward ran on the second thread over
+        # the steps, and of them those whose two halves ran at the same time
+        ov = pm.runner.overlap
+        listed = sum(1 for a in pm.runner._schedule.pipeline_order[pm.runner.pp_rank]
+                     if a is not None and a.sub_actions is not None)
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, None if ov is None else
+                               {"listed": listed, "pairs": ov.pairs, "concurrent": ov.concurrent})
+        info["overlap"] = counts
+        info["steps"] = len(got.losses)
     if case.get("regions"):
         # the layers each train stage runs under checkpointing (passes/recompute), by stage
         regions = [None] * dist.get_world_size()

@@ -66,6 +66,14 @@ DUALPIPEV_4 = [{"id": f"gpt-pp2x{axis[:1]}p2-dualpipev", "model": "gpt", "forwar
                for axis, mb in (("data", 2), ("tensor", 1))]
 
 
+# DualPipeV with the experts split inside its stages (pipeline 2 x expert 2, transformers'
+# Mixtral): each forward/backward pair runs at once, the forward on a second thread with
+# process groups of its own (runtime.overlap, issue 44 item 4), AdamW
+DUALPIPEV_MOE = {"id": "mixtral-pp2xep2-dualpipev-overlap", "model": "mixtral", "optimizer": "adamw",
+                 "overlap": True,
+                 "pins": {"pipeline": 2, "expert": 2, "schedule": "dualpipev", "micro_batch_size": 2}}
+
+
 EVEN_LAYERS = {"id": "gpt-pp2-even-layers", "model": "gpt", "forward": True,
                "pins": {"pipeline": 2, "schedule": "1f1b", "micro_batch_size": 2,
                         "stage_split": "even-layers"}}
@@ -99,6 +107,7 @@ def _extra_cases(nproc: int, tmp) -> list[dict]:
         ]
     return [
         *DUALPIPEV_4,
+        DUALPIPEV_MOE,
         # every stage holds parameters (the cuts are fixed: the planner's may leave a stage
         # without any, which then starts no reduction)
         {"id": "gpt-pp2xdp2-interleaved-overlap", "model": "gpt",
@@ -176,6 +185,21 @@ def test_dualpipev_beside_data_and_tensor_axes(launch, case):
     assert r["mesh"][0] == 2 and r["mesh"][1:] == [2]
     print(f"{case['id']}: loss {r['worst']['loss']:.1e} grad {r['worst']['grad']:.1e} "
           f"weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
+
+
+def test_dualpipev_overlaps_its_pairs_with_experts_inside_stages(launch):
+    """Pipeline 2 x expert 2 under DualPipeV: every OVERLAP_F_B pair of every rank's schedule
+    ran its forward on the second thread, some at the same time as the backward, and the
+    loss, every gradient and the weights after 3 AdamW steps equal one device's (the worker
+    compares them)."""
+    r = _result(launch, 4, DUALPIPEV_MOE["id"])
+    assert r["schedule"] == "dualpipev" and r["mesh"] == [2, 2] and r["m"] == 4
+    counts = r["overlap"]
+    assert all(c is not None and c["listed"] > 0 for c in counts), counts
+    assert all(c["pairs"] == c["listed"] * r["steps"] for c in counts), counts
+    assert sum(c["concurrent"] for c in counts) > 0, counts
+    print(f"dualpipev overlap: {counts}; loss {r['worst']['loss']:.1e} grad "
+          f"{r['worst']['grad']:.1e} weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
 
 
 def test_partial_recompute_list_under_a_pipeline(launch):

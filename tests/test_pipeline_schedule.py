@@ -10,7 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from autopar.schedule import (
-    Action, check_schedule, rank_stages, schedule_actions, stage_ranks, torch_schedule_class,
+    Action, check_schedule, overlap_pairs, rank_stages, schedule_actions, stage_ranks,
+    torch_schedule_class,
 )
 from autopar.pricing.simulate import format_grid, simulate
 from autopar.solver.stage_dp import in_flight
@@ -97,6 +98,23 @@ def test_dualpipev_order_is_torchs(p, m):
         saw_pair |= any(a is not None and a.computation_type == torch_schedules.OVERLAP_F_B for a in theirs)
         assert [str(a) for a in ours[r]] == compute_only(theirs), f"rank {r}"
     assert saw_pair                      # the steady state's pairs were flattened, not missed
+
+
+@pytest.mark.parametrize("p,m", [(1, 2), (2, 4), (2, 8), (3, 6), (3, 11), (4, 8), (5, 10)])
+def test_dualpipev_pairs_are_torchs(p, m):
+    """``overlap_pairs``: every rank's ``OVERLAP_F_B`` actions as torch 2.13 lists them (the
+    last rank's first steady-state F/B unpaired), each its F then its B next to each other
+    in ``schedule_actions``; none for the other schedules."""
+    fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+    ours, order = overlap_pairs("dualpipev", p, m), schedule_actions("dualpipev", p, m, 2)
+    for r in range(p):
+        theirs = [tuple(str(x) for x in a.sub_actions) for a in
+                  torch_schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, r)
+                  if a is not None and a.computation_type == torch_schedules.OVERLAP_F_B]
+        assert [(str(f), str(b)) for f, b in ours[r]] == theirs, f"rank {r}"
+        for f, b in ours[r]:
+            assert order[r][order[r].index(f) + 1] == b
+    assert overlap_pairs("1f1b", 2, 4) == [[], []]
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import gc
 import math
 import os
@@ -382,6 +383,28 @@ class DistComm(Comm):
         # gloo's wait blocks the host, so it can stop to read the store; NCCL's wait only
         # makes the current stream wait (the host blocks later, on a sync): waited whole
         self._polls = dist.get_backend(self.groups[0]) == "gloo"
+
+    def twin(self, axes: Sequence[int]) -> "DistComm":
+        """The same rank and mesh with process groups of its own on ``axes`` (the others
+        shared): a second thread's collectives on those axes then never meet this one's on a
+        group, where two threads issuing on one group would order them differently on
+        different ranks (DualPipeV's overlapped forward, ``runtime.overlap``). Collective:
+        every rank of the job calls it with the same ``axes``, in the same order (each
+        ``dist.new_group`` is). The twin shares the fault key (a peer's posted fault stops
+        its waits too) and is never the process's communicator (``one_per_process``)."""
+        mesh = self.mesh.mesh
+        groups = list(self.groups)
+        # the mesh's groups' timeout (``mesh_group_options``)
+        kw = {} if self.timeout is None else {"timeout": timedelta(seconds=self.timeout)}
+        for a in axes:
+            for row in mesh.movedim(a, -1).reshape(-1, mesh.shape[a]).tolist():
+                g = dist.new_group(row, **kw)
+                if self.rank in row:
+                    groups[a] = g
+        twin = copy.copy(self)
+        twin.groups, twin.one_per_process = groups, False
+        twin._regathered = None
+        return twin
 
     def post_fault(self, message: str) -> None:
         """Tell the ranks of this module, waiting for this one in a collective, that it

@@ -80,6 +80,24 @@ def use_step_context(ctx: StepContext):
         _local.ctx = prev
 
 
+def step_context() -> StepContext | None:
+    """The step context this thread runs under (None outside a step)."""
+    return getattr(_local, "ctx", None)
+
+
+@contextlib.contextmanager
+def carry_step_context(ctx: StepContext | None):
+    """``ctx`` on a second thread of the step (DualPipeV's overlapped forward,
+    ``runtime.overlap``); the sends it starts are finished by the step's own
+    :func:`use_step_context`."""
+    prev = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = prev
+
+
 def side_input(name: str, stage: int) -> torch.Tensor:
     """This micro-batch's block of user input ``name``, read by ``stage`` (not stage 0)."""
     ctx = _ctx()

@@ -174,9 +174,10 @@ def compile_schedule(actions: Sequence[Sequence[Action]]) -> Compiled:
 
 
 def _times(comp: Compiled, dur: dict[str, np.ndarray], p2p: np.ndarray,
-           starts: bool = True) -> tuple[list[float] | None, list[float]]:
+           starts: bool = True, less: list[float] | None = None) -> tuple[list[float] | None, list[float]]:
     """(start, end) of every action of ``comp`` by number (unset for those a deadlock
-    leaves unrun); ``starts=False`` skips the starts."""
+    leaves unrun); ``starts=False`` skips the starts; ``less``: seconds off each action's
+    duration, by number (:func:`simulate`'s ``hidden``)."""
     table = [float(x) for k in _KINDS
              for x in np.broadcast_to(np.asarray(dur.get(k, 0.0), dtype=float), (comp.n_stages,))]
     links = [float(x) for x in np.asarray(p2p, dtype=float).ravel()] + [0.0]   # [-1]: free
@@ -188,7 +189,7 @@ def _times(comp: Compiled, dur: dict[str, np.ndarray], p2p: np.ndarray,
         t = max(t_end[prev[n]], t_end[dep[n]] + links[link[n]], t_end[grad[n]] + links[grad_link[n]])
         if starts:
             t_start[n] = t
-        t_end[n] = t + table[slot[n]]
+        t_end[n] = t + table[slot[n]] - (less[n] if less is not None else 0.0)
     del t_end[-1]
     return t_start, t_end
 
@@ -226,21 +227,23 @@ def unit_steps(actions: Sequence[Sequence[Action]]) -> list[list[int]]:
 
 
 def simulate(actions: Sequence[Sequence[Action]], forward, backward, weight=None,
-             p2p=0.0) -> Simulation:
+             p2p=0.0, hidden: dict[Action, float] | None = None) -> Simulation:
     """Time ``actions`` (per rank, as ``schedule_actions`` returns them).
 
     ``forward[s]`` and ``backward[s]`` are stage ``s``'s forward and full backward times for
     one micro-batch (scalars broadcast). A split backward runs ``I`` for
     ``backward - weight`` and ``W`` for ``weight``; ``weight`` is required when the schedule
     has ``I``/``W`` actions. ``p2p[s]`` (or a scalar) is the transfer time across the
-    boundary between stages ``s`` and ``s + 1``, each way.
+    boundary between stages ``s`` and ``s + 1``, each way. ``hidden[a]``: seconds off action
+    ``a``'s duration (at most its duration): the part of a DualPipeV pair that runs at once
+    with the other half (``solver.pipeline_price.pair_hidden``).
 
     >>> from autopar.schedule import schedule_actions
     >>> sim = simulate(schedule_actions("gpipe", 4, 4), forward=1.0, backward=2.0)
     >>> round(sim.bubble_fraction, 4)   # (p - 1) / (m + p - 1)
     0.4286
     """
-    start, end = _timed(actions, forward, backward, weight, p2p)
+    start, end = _timed(actions, forward, backward, weight, p2p, hidden)
     ranks = _stage_ranks(actions)
     n_stages = max(ranks) + 1
     makespan = max(end.values())
@@ -297,13 +300,18 @@ def _durations(comp: Compiled, forward, backward, weight, p2p):
     return {"F": f, "B": b, "I": b - w, "W": w}, links
 
 
-def _timed(actions: Sequence[Sequence[Action]], forward, backward, weight, p2p):
+def _timed(actions: Sequence[Sequence[Action]], forward, backward, weight, p2p, hidden=None):
     """(start, end) of every action (``simulate``'s arguments, checked)."""
     comp = compile_schedule(actions)
     dur, links = _durations(comp, forward, backward, weight, p2p)
     if comp.deadlocked:
         raise ValueError(_deadlock_message(actions, comp.done))
-    t_start, t_end = _times(comp, dur, links)
+    less = None
+    if hidden:
+        less = [float(hidden.get(a, 0.0)) for a in comp.flat]
+        if min(less) < 0:
+            raise ValueError(f"hidden seconds must be >= 0, got {min(less)}")
+    t_start, t_end = _times(comp, dur, links, less=less)
     flat = comp.flat
     return {flat[n]: t_start[n] for n in comp.order}, {flat[n]: t_end[n] for n in comp.order}
 

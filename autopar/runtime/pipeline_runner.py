@@ -26,7 +26,9 @@ One step (:meth:`PipelineRunner.train`), in order:
    ``analysis.microbatch_loss``), so the loss is the sum of the micro-batch losses,
    broadcast from the last stage to every rank (started before 2 and 3, waited after them).
 
-Skip values travel by ``autopar.ops.stage_ops`` (``skip_send`` / ``skip_recv``).
+Skip values travel by ``autopar.ops.stage_ops`` (``skip_send`` / ``skip_recv``). Under
+DualPipeV, where a stage's experts dispatch by all-to-all, each forward/backward pair runs
+its two halves at once (``autopar.runtime.overlap``, :attr:`PipelineRunner.overlap`).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from autopar.analysis.layers import layer_members, select_layers
 from autopar.analysis.microbatch_loss import denominator_inputs
 from autopar.analysis.stages import assign_stages, local_meta, no_grad_ops
 from autopar.capture import Captured
-from autopar.device import object_device
+from autopar.device import object_device, p2p_matched_by_tag
 from autopar.errors import ArgumentError
 from autopar.ops.comm import DistComm, is_comm_failure
 from autopar.ops.experts import run_experts
@@ -54,6 +56,7 @@ from autopar.placement import parse_placements, placements_str
 from autopar.plan import NodePlacement, Plan
 from autopar.runtime.compiled import CompiledStage, inductor_options
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.overlap import OverlapPairs, overlap_applies
 from autopar.runtime.precision import AutocastStage, cast_once_per_step, compute_dtype
 from autopar.runtime.shards import Shards
 from autopar.runtime.weight_groups import GroupMerger
@@ -259,6 +262,17 @@ class PipelineRunner:
         self._skip_log: list = []
         self._mb_losses: list[torch.Tensor] = []
         self._schedule, self._eval = self._schedules(plan)
+        # DualPipeV's forward/backward pairs at once where a stage's experts dispatch by
+        # all-to-all (runtime.overlap): the forward thread's own process groups on the stage
+        # axes, made on every rank in the same order (the condition is the plan's). Skip
+        # values travel point to point on the world group from the stage programs: both
+        # threads would send them at once, which only a backend matching them by tag allows
+        self.overlap: OverlapPairs | None = None
+        skips = bool(self.skip_edges.get("train")) and not p2p_matched_by_tag(self.device)
+        if self._schedule is not None and overlap_applies(plan) and not skips:
+            twin = comm.twin(range(1, len(comm.mesh_shape)))
+            self.overlap = OverlapPairs(twin.inner(), self.device, self._dtype, comm.post_fault)
+            self.overlap.register(self._schedule)
         self._tied_groups = self._tied_process_groups(comm)
 
     # ---- building ---------------------------------------------------------------------------

@@ -109,6 +109,16 @@ class NodeCosts:
     """Per chain node: 1 where it reads a parameter, else 0 (``parameter_positions``): a
     stage none of whose nodes reads one holds no parameter. Empty: not known (every node
     counts as reading one)."""
+    expert_a2a: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
+    """Per chain node: (forward, backward) seconds of one micro-batch of its experts op's own
+    all-to-alls (``CostModel.node_comm``: dispatch and combine), part of ``compute``; a
+    recomputed experts op pays its forward's again in backward. Empty: none."""
+    expert_a2a_by: dict = field(default_factory=dict)
+    """Chain node -> {"all_to_all@axis": seconds of one micro-batch, forward + backward} of
+    ``expert_a2a`` (the communication table's rows)."""
+    node_forward_a2a: dict = field(default_factory=dict)
+    """Graph node -> the forward all-to-all seconds of ``expert_a2a`` (run again when it is
+    recomputed)."""
     host_calls: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per chain node: the ATen calls an eager program dispatches for one micro-batch of
     it, forward and backward, and the forward again where it is recomputed
@@ -126,10 +136,14 @@ class NodeCosts:
         fixed_comm = self.fixed_comm.copy() if len(self.fixed_comm) else np.zeros(len(comm))
         calls = self.host_calls.copy() if len(self.host_calls) else self.host_calls
         rebuilt = 0.0
+        a2a = self.expert_a2a
         for name, i in where.items():      # graph order: sums that do not move with the hash seed
             if name not in rec or name in self.node_offloaded:    # (offloaded: not both)
                 continue
             compute[i] += self.node_forward.get(name, 0.0)
+            if name in self.node_forward_a2a:
+                a2a = a2a.copy() if a2a is self.expert_a2a else a2a
+                a2a[i, 1] += self.node_forward_a2a[name]
             if len(calls):                 # its forward's calls again
                 calls[i] += node_dispatches(str(cap.node(name).target))[0]
             comm[i] += self.node_forward_comm.get(name, 0.0)
@@ -139,8 +153,12 @@ class NodeCosts:
                 act[i] -= a
                 rebuilt += a
                 flag[i] = True
+        a2a_by = self.expert_a2a_by
+        if a2a is not self.expert_a2a:     # the rows of a recomputed experts op, in proportion
+            a2a_by = {c: {k: x * float(a2a[c].sum() / self.expert_a2a[c].sum()) for k, x in by.items()}
+                      for c, by in a2a_by.items()}
         return replace(self, compute=compute, comm=comm, activations=np.maximum(act, 0.0), recomputed=flag,
-                       host_calls=calls, fixed_comm=fixed_comm,
+                       host_calls=calls, fixed_comm=fixed_comm, expert_a2a=a2a, expert_a2a_by=a2a_by,
                        recompute_bytes=max(self.recompute_bytes, rebuilt / max(len(layers), 1)))
 
     @property
@@ -302,6 +320,7 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
                      launch=float(dev.launch_overhead + dev.fill_time), node_forward=acc.node_forward,
                      node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm,
                      node_forward_comm_by=acc.node_fwd_comm_by,
+                     expert_a2a=acc.a2a, node_forward_a2a=acc.node_a2a, expert_a2a_by=acc.a2a_by,
                      params=params, host_calls=host_calls(cap, units, solved.cost.recompute))
 
 
@@ -376,6 +395,7 @@ class _Acc:
         self.placeholders: list = []
         self.node_forward, self.node_act, self.node_fwd_comm = {}, {}, {}
         self.node_fwd_comm_by: dict = {}
+        self.a2a, self.node_a2a, self.a2a_by = np.zeros((L, 2)), {}, {}   # experts ops' all-to-alls
         self.rec_bytes = 0.0
         self._latency: dict = {}      # (collective, axis) -> ``latency``, asked per edge
 
@@ -406,6 +426,9 @@ class _Acc:
                 continue
             f, b = price.forward_s, price.backward_s
             mem = price.memory.get("activations", 0.0)
+            # its own all-to-alls (an experts op's dispatch and combine), inside f and b
+            own = cost.node_comm(v, v.options[i])
+            a2a = (sum(t[0] for t in own.values()), sum(t[1] for t in own.values()))
             # the solver's "recompute" term: one layer's activations, rebuilt in backward;
             # its "offload" term: the offloaded layers' back on the device in backward
             split = pt.memory(name, i, weighted=False)
@@ -419,6 +442,12 @@ class _Acc:
                 off = member in cost.act_offload and member not in cost.act_offload_kept
                 self.node_forward[member], self.node_act[member] = f, mem
                 self.compute[c] += f + b + (f if rec else 0.0)
+                if a2a[0] or a2a[1]:
+                    self.a2a[c] += (a2a[0], a2a[1] + (a2a[0] if rec else 0.0))
+                    self.node_a2a[member] = a2a[0]
+                    by = self.a2a_by.setdefault(c, {})
+                    for k, (fa, ba) in own.items():
+                        self.add(by, k, fa + ba + (fa if rec else 0.0))
                 # a recomputed view keeps nothing either (a reshape that copies, such as
                 # repeat_kv's, may be saved: autopar.analysis.saved)
                 if rec and member not in cost.recompute_kept:

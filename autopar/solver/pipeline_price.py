@@ -20,7 +20,7 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.host import OPTIMIZER_DISPATCHES, host_time
 from autopar.placement import Shard, local_shape, parse_placements
 from autopar.plan import Estimate, Plan
-from autopar.schedule import rank_stages, schedule_actions, stage_ranks
+from autopar.schedule import overlap_pairs, rank_stages, schedule_actions, stage_ranks
 from autopar.pricing.costing import OVERLAPPED, exposed_sync
 from autopar.options import OPTIMIZER_STATES
 from autopar.solver.pipeline_costs import node_costs
@@ -359,9 +359,18 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
         wrapped = nc.recomputed | nc.offloaded if len(nc.offloaded) == len(nc.recomputed) else nc.recomputed
         whole = np.array([k > 0 and bool(wrapped[j:i].any()) for k, (j, i) in enumerate(stages)])
         weight = np.where(whole, a, weight)
-    sim = simulate(schedule_actions(schedule, p, m, v), forward=stage_times * FORWARD + a,
-                   backward=stage_times * (1 - FORWARD) + (2 if split else 1) * a,
-                   weight=weight, p2p=p2p if p2p else 0.0)
+    forward, backward = stage_times * FORWARD + a, stage_times * (1 - FORWARD) + (2 if split else 1) * a
+    a2a = np.array([nc.expert_a2a[j:i].sum(axis=0) if len(nc.expert_a2a) else (0.0, 0.0)
+                    for j, i in stages]).reshape(S, 2)
+    hidden = None
+    if overlap_priced(pr.intra, schedule) and a2a.any():
+        # each half's compute: the stage's time less its all-to-alls, split as every stage's
+        # (FORWARD), with the runtime's cost of the action; the all-to-alls half each way
+        rest = np.maximum(stage_times - a2a.sum(axis=1), 0.0)
+        hidden = pair_hidden(overlap_pairs(schedule, p, m), rest * FORWARD + a,
+                             rest * (1 - FORWARD) + a, a2a)
+    sim = simulate(schedule_actions(schedule, p, m, v), forward=forward, backward=backward,
+                   weight=weight, p2p=p2p if p2p else 0.0, hidden=hidden)
     end = np.zeros(p)
     for ev in sim.timeline:
         end[ev["rank"]] = max(end[ev["rank"]], ev["end"])
@@ -386,7 +395,11 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     compute = 0.0
     for k in rank_stages_[busiest]:
         j, i = stages[k]
-        compute += m * float(nc.compute[j:i].sum())
+        # an experts op's own all-to-alls: in its time, shown as communication
+        compute += m * float(nc.compute[j:i].sum() - a2a[k].sum())
+        for c in range(j, i):
+            for key, sec in nc.expert_a2a_by.get(c, {}).items():
+                comm[key] = comm.get(key, 0.0) + m * sec
         for idx in range(j, i):
             for key, s in nc.comm_by[idx].items():
                 comm[key] = comm.get(key, 0.0) + m * s
@@ -395,14 +408,52 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
         sends = (p2p[k - 1] if k > 0 else 0.0) + (p2p[k] if k < S - 1 else 0.0)
         if sends:
             comm["send_recv@pipeline"] = comm.get("send_recv@pipeline", 0.0) + m * sends
-    if sync[busiest] > exposed[busiest]:
-        comm[OVERLAPPED] = -float(sync[busiest] - exposed[busiest])
+    overlapped = float(sync[busiest] - exposed[busiest]) if sync[busiest] > exposed[busiest] else 0.0
+    if hidden:      # the busiest rank's pairs' all-to-alls hidden behind the other half
+        mine = set(rank_stages_[busiest])
+        overlapped += sum(t for act, t in hidden.items() if act.stage in mine)
+    if overlapped:
+        comm[OVERLAPPED] = -overlapped
     return Estimate(step_time_s=step, host_s=host, compute_s=float(compute),
                     comm_s=float(sum(comm.values())),
                     memory_bytes={k: float(b) for k, b in mems[worst].items()},
                     comm={k: float(s) for k, s in comm.items()},
                     bubble_fraction=float(sim.bubble_fraction),
                     stage_times_s=tuple(float(t) for t in stage_times + (3 if split else 2) * a))
+
+
+def overlap_priced(intra: Plan, schedule: str) -> bool:
+    """Whether DualPipeV's pairs are priced as run at once: where the runtime runs them so
+    (``runtime.overlap.overlap_applies``; the experts' all-to-all is the caller's test, a
+    stage's ``expert_a2a``): ``dualpipev``, options that allow it
+    (``Options.dualpipev_overlaps``), no context axis."""
+    return (schedule == "dualpipev" and intra.options.dualpipev_overlaps
+            and "context" not in intra.mesh_axes)
+
+
+def pair_hidden(pairs, compute_f: np.ndarray, compute_b: np.ndarray, a2a: np.ndarray) -> dict:
+    """Seconds off each pair's backward (its second half) when the pair runs at once
+    (``runtime.overlap``). Stage ``k``'s forward of one micro-batch is ``compute_f[k]`` of
+    compute (every collective but the experts' all-to-alls waits in line with it) and
+    ``a2a[k, 0]`` of all-to-all, its backward ``compute_b[k]`` and ``a2a[k, 1]``. The
+    forward's all-to-all hides behind the backward's compute and the backward's behind the
+    forward's, each up to that compute:
+
+        hidden = min(Fa, Bc) + min(Ba, Fc),
+
+    so the pair takes ``Fc + Fa + Bc + Ba - hidden = max(Fc + Bc, Fa + Ba, Fc + Fa, Bc + Ba)``:
+    never less than the two computes (one device), nor than the two all-to-alls (one link),
+    nor than either half alone. ``pairs``: per rank, (F, B) actions
+    (``schedule.overlap_pairs``). A pair without an all-to-all hides nothing (no entry)."""
+    out = {}
+    for rank_pairs in pairs:
+        for f, b in rank_pairs:
+            fc, fa = float(compute_f[f.stage]), float(a2a[f.stage, 0])
+            bc, ba = float(compute_b[b.stage]), float(a2a[b.stage, 1])
+            t = min(fa, bc) + min(ba, fc)
+            if t > 0:
+                out[b] = t
+    return out
 
 
 def pipeline_host_bytes(pr: Priced, config, cuts: tuple[int, ...]) -> dict[str, float]:

@@ -68,6 +68,7 @@ from autopar.solver.stage_tables import rank_times
 
 DEFAULT_SCHEDULE = "1f1b"
 INTRA_PINS = (*STAGE_AXES, "expert_dispatch", "expert_imbalance", "zero", "precision", "fp8_scaling",
+              "dualpipev_overlap",
               "fp8_layers", "compile",
               "recompute", "offload_activations", "grad_reduce", "context_attention")
 
