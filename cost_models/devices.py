@@ -65,6 +65,12 @@ class Device:
     launch), run ahead of the device: the step is ``max(device, host)``
     (``cost_models.host``, ``cost_models.step.step_time``). GPUs: ``host.GPU_HOST_OP_S``;
     0 for CPU ranks, whose host is the device (``launch_overhead`` / ``view_overhead``)."""
+    p2p_by_tag: bool = True
+    """Whether the ranks' backend matches point-to-point messages by tag (gloo, on CPU
+    ranks), so that two host threads may exchange messages between the same ranks at once;
+    NCCL (GPUs: False) matches them by the order they were issued in
+    (``autopar.device.p2p_matched_by_tag``, which the runtime reads: DualPipeV's pairs run at
+    once only where their skip values may be sent so, ``runtime.overlap``)."""
 
     def __hash__(self) -> int:  # peak_flops is a dict; hash by name and sizes
         return hash((self.name, self.memory_bytes, self.mem_bandwidth))

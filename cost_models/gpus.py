@@ -72,7 +72,7 @@ A100_80GB = Device(
     peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
     mem_bandwidth=2039 * GB,  # datasheet: HBM2e 2,039 GB/s
     max_efficiency=0.8, mem_efficiency=_GPU_MEM_EFF,
-    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S,
+    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S, p2p_by_tag=False,
     sms=_A100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_A100_ATTENTION,
 )
 
@@ -86,7 +86,7 @@ H100_80GB = Device(
                 "fp8": 1979e12},
     mem_bandwidth=3350 * GB,  # datasheet: HBM3 3.35 TB/s
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
-    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S,
+    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S, p2p_by_tag=False,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
     attention_half_seq=_H100_ATTENTION_HALF_SEQ, context_attention_efficiency=_HOPPER_CONTEXT,
 )
@@ -98,7 +98,7 @@ H200 = Device(
     peak_flops=dict(H100_80GB.peak_flops),
     mem_bandwidth=4800 * GB,  # datasheet: 4.8 TB/s
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
-    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S,
+    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S, p2p_by_tag=False,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
     attention_half_seq=_H100_ATTENTION_HALF_SEQ, context_attention_efficiency=_HOPPER_CONTEXT,
 )
@@ -113,7 +113,7 @@ H800 = Device(
     peak_flops=dict(H100_80GB.peak_flops),
     mem_bandwidth=3350 * GB,
     max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
-    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S,
+    fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S, p2p_by_tag=False,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
     attention_half_seq=_H100_ATTENTION_HALF_SEQ, context_attention_efficiency=_HOPPER_CONTEXT,
 )

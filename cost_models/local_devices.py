@@ -121,4 +121,5 @@ def measured_device(device: torch.device, name: str, n: int = 2048) -> Device:
     return Device(name=re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "gpu",
                   memory_bytes=memory, peak_flops=flops, mem_bandwidth=bandwidth,
                   max_efficiency=1.0, mem_efficiency=1.0, fill_time=3e-6, launch_overhead=5e-6,
-                  host_op_s=GPU_HOST_OP_S if device.type == "cuda" else 0.0)
+                  host_op_s=GPU_HOST_OP_S if device.type == "cuda" else 0.0,
+                  p2p_by_tag=device.type != "cuda")

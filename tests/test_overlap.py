@@ -186,3 +186,53 @@ def test_a_failing_half_names_the_pair_and_tells_the_peers(fail):
     assert {k for k, *_ in log} == {"F", "B"}          # both halves ran to their end
     assert len(posted) == 1 and posted[0].startswith("rank 5: ")
     assert pairs.pairs == 0
+
+
+@pytest.mark.parametrize("cluster", ["cpu:4", "1x4xH100"])
+def test_skip_values_on_nccl_leave_the_pairs_unhidden(monkeypatch, cluster):
+    """The runtime does not run the pairs at once on CUDA where values skip stages (both
+    threads would send them point to point, and NCCL matches messages by the order they
+    were issued: ``device.p2p_matched_by_tag``); the price follows it
+    (``Device.p2p_by_tag``, ``analysis.stages.values_skip_stages``): with skips, an H100
+    cluster's plan is priced as with the overlap off, a CPU cluster's still hides the
+    all-to-all; without skips both hide it."""
+    from autopar.solver import pipeline_price
+    b = zoo.build("mixtral", batch=8)
+    steps = {}
+    with same_model("mixtral-8"):
+        for skips in (True, False):
+            monkeypatch.setattr(pipeline_price, "values_skip_stages", lambda cap, cuts, s=skips: s)
+            for on in (None, False):
+                steps[skips, on] = autopar.plan(b.model, b.inputs, b.loss_fn, target=b.target,
+                                                cluster=cluster, dualpipev_overlap=on,
+                                                **PINS).estimate.step_time_s
+    assert steps[False, None] < steps[False, False]                 # no skips: hidden
+    if cluster.startswith("cpu"):
+        assert steps[True, None] < steps[True, False]               # gloo: by tag, hidden
+    else:
+        assert steps[True, None] == pytest.approx(steps[True, False])  # NCCL: run apart
+
+
+def test_values_skip_stages_reads_the_spans():
+    """A value read two stages on is a skip; one read by the next stage alone is not."""
+    from autopar.analysis import stages
+    from autopar.capture import capture
+
+    class Skip(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x):
+            h0 = self.l[0](x)
+            h = self.l[3](self.l[2](self.l[1](h0)))
+            return h + h0
+
+    cap = capture(Skip(), (torch.randn(2, 4),), lambda y, t: (y * t).sum(), torch.randn(2, 4))
+    chain = stages._facts(cap).chain
+    at = {name: i for i, name in enumerate(chain)}
+    lin = [n for n in chain if n.startswith("linear")]
+    assert len(lin) == 4
+    # stages start at the 2nd and 4th linear: h0 (made before both) is read after both
+    assert stages.values_skip_stages(cap, (at[lin[1]], at[lin[3]]))
+    assert not stages.values_skip_stages(cap, (at[lin[1]],))

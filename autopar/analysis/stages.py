@@ -10,6 +10,7 @@ must hold one: ``parameter_positions``), the bytes live across every candidate c
 """
 from __future__ import annotations
 
+import bisect
 import operator
 import weakref
 from typing import Callable
@@ -63,6 +64,7 @@ class _Facts:
                            and n.name not in self.tail
                            and isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)))
         self._index = self._spans = None
+        self.from_buffers: set[str] | None = None   # values_skip_stages' (_from_buffers)
 
     def index(self, cap: Captured) -> dict[str, int]:
         if self._index is None:
@@ -180,6 +182,45 @@ def crossing_bytes(cap: Captured, local_bytes: Callable[[Node], float]) -> list[
         if 1 <= i <= L - 1:
             out.append(max(acc, 0.0))
     return out
+
+
+def values_skip_stages(cap: Captured, cuts) -> bool:
+    """Whether a value crosses two or more of the chain cuts ``cuts`` (each the chain index
+    a stage starts at): a value sent past the next stage, which the pipeline runtime sends
+    point to point on its own (``passes.split_stages``' skip edges). Values that depend on
+    no input or parameter are recomputed, not sent (as in :func:`crossing_bytes`)."""
+    marks = sorted(set(int(c) for c in cuts))
+    if len(marks) < 2:
+        return False
+    facts = _facts(cap)
+    if facts.from_buffers is None:
+        facts.from_buffers = _from_buffers(cap)
+    nodes = list(cap.gm.graph.nodes)
+    for k, a, b in facts.spans(cap):
+        if nodes[k].name in facts.from_buffers:
+            continue
+        # live across cut i for a <= i < b: a skip where the second cut at or after a is < b
+        i = bisect.bisect_left(marks, a)
+        if i + 1 < len(marks) and marks[i + 1] < b:
+            return True
+    return False
+
+
+def _from_buffers(cap: Captured) -> set[str]:
+    """Nodes of the captured graph computed from buffers and constants alone, its buffers
+    being placeholders (the lifted graph's): what :func:`free_nodes` finds in a per-rank
+    program, where buffers are attributes (a rotary embedding's cos and sin), so that every
+    stage recomputes them and none is sent (``passes.split_stages``)."""
+    free = set(cap.buffers)
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            continue
+        if all(a.name in free for a in n.all_input_nodes):
+            free.add(n.name)
+    return free
 
 
 def _spans(cap: Captured, units, at: dict[str, int]) -> list[tuple[int, int, int]]:

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from autopar.analysis.stages import values_skip_stages
 from autopar.capture import Captured
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.host import OPTIMIZER_DISPATCHES, host_time
@@ -72,6 +73,7 @@ class Priced:
     starts: tuple | None = None  # stage_split="even-layers": each repeated layer's chain start
     host_op_s: float = 0.0       # host seconds per ATen call (``Device.host_op_s``; 0: CPU ranks)
     optimizer_calls: float = 0.0  # a rank's optimizer foreach calls a step (cost_models.host)
+    p2p_by_tag: bool = True      # the backend matches messages by tag (``Device.p2p_by_tag``)
 
     def host_calls(self) -> np.ndarray:
         """ATen calls per chain node of one micro-batch (``NodeCosts.host_calls``; zeros
@@ -183,7 +185,8 @@ def price_plan(cap: Captured, intra: Plan, solved, cl, world: int, p: int, n_sta
                   near_bandwidth=near, ranks_apart=world // p,
                   devices_per_node=cl.devices_per_node if cl.nodes > 1 else 0,
                   starts=None if starts is None else tuple(int(i) for i in starts),
-                  host_op_s=host_op_s, optimizer_calls=float(opt_calls) if host_op_s else 0.0)
+                  host_op_s=host_op_s, optimizer_calls=float(opt_calls) if host_op_s else 0.0,
+                  p2p_by_tag=bool(getattr(cl.device, "p2p_by_tag", True)))
 
 
 PRICED_KEPT = 4
@@ -363,7 +366,10 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     a2a = np.array([nc.expert_a2a[j:i].sum(axis=0) if len(nc.expert_a2a) else (0.0, 0.0)
                     for j, i in stages]).reshape(S, 2)
     hidden = None
-    if overlap_priced(pr.intra, schedule) and a2a.any():
+    # where values skip stages, the runtime overlaps the pairs only on a backend matching
+    # messages by tag (``runtime.overlap``: NCCL's by issue order would differ by rank)
+    if overlap_priced(pr.intra, schedule) and a2a.any() and (
+            pr.p2p_by_tag or not values_skip_stages(pr.cap, cuts)):
         # each half's compute: the stage's time less its all-to-alls, split as every stage's
         # (FORWARD), with the runtime's cost of the action; the all-to-alls half each way
         rest = np.maximum(stage_times - a2a.sum(axis=1), 0.0)
