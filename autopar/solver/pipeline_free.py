@@ -97,7 +97,8 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
     model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
     cl, world, pins, verbose = spec.cluster, spec.world, as_options(spec.options), spec.verbose
     spec = replace(spec, options=pins, mesh_shape=None, profiler=None)
-    ask = MeshAsk(cl, world, pins, spec.settings)
+    # (a configuration that frees layers weighs offloading them: ``pipeline_offload``)
+    ask = MeshAsk(cl, world, pins, spec.settings, weigh_offload=True)
     search = search or degree_search(spec, cap)
     found = []
     for p in pipeline_degrees(cap, cl, world):
@@ -131,7 +132,7 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
                                                                 target, config[2])
             real = plan_pipeline(mcap, ask, config, extra_pins=extra,
                                  capture_s=time.perf_counter() - t0)
-            if real.recompute and _may_choose_again(pins):
+            if _frees_layers(real, pins) and _may_choose_again(pins):
                 real = _replan_recomputing(real, mcap, spec, config, extra)
             if planned is None or real.estimate.step_time_s < planned[0].estimate.step_time_s:
                 planned = (real, mcap)
@@ -155,6 +156,13 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
                      f"the ILP's time limit of {search.time_limit_s:g} s ((p, data, tensor, expert): "
                      + ", ".join(map(str, timed_out)) + ")")
     return planned
+
+
+def _frees_layers(plan: Plan, pins: Options) -> bool:
+    """Whether ``plan`` recomputes layers or offloads layers the search chose to
+    (``pipeline_offload``): it fits by freeing them."""
+    return bool(plan.recompute) or (pins.offload_activations is None
+                                    and plan.options.offload_activations is not None)
 
 
 def _may_choose_again(pins: Options) -> bool:
@@ -188,12 +196,14 @@ def _replan_recomputing(real: Plan, mcap, spec: SearchSpec, config, extra) -> Pl
     best = real
     for extra_pins in tries:
         try:
-            again, _ = plan_pipelined(replace(spec, options=at), cap0=mcap, extra_pins=extra_pins)
+            again, _ = plan_pipelined(replace(spec, options=at), cap0=mcap, extra_pins=extra_pins,
+                                      weigh_offload=True)
         except ValueError:
             continue
         if again.estimate.step_time_s < best.estimate.step_time_s:
             best = replace(again, options=Options.from_pins(
-                {k: v for k, v in again.options.items() if k in pins or k in ("zero", "expert", "fp8_layers")}))
+                {k: v for k, v in again.options.items()
+                 if k in pins or k in ("zero", "expert", "fp8_layers", "offload_activations")}))
     return best
 
 
