@@ -173,7 +173,8 @@ def _may_choose_again(pins: Options) -> bool:
 
 
 def _replan_recomputing(real: Plan, mcap, spec: SearchSpec, config, extra) -> Plan:
-    """``real``, a plan that recomputes layers, or, if predicted faster, the plan of the same
+    """``real``, a plan that recomputes layers (or offloads those the search chose to:
+    ``pipeline_offload``, weighed again here), or, if predicted faster, the plan of the same
     pipeline degree p, micro-batch count m and stage mesh with schedule and virtual stages
     chosen again on the micro-batch's own prices (``pipeline_search.plan_pipelined``, which
     ranks them with per rank the fewest layers recomputed that fit). The search ranked them
