@@ -28,7 +28,7 @@ class _Search:
 
 def _plan(mcap, ask, config, **kw):
     planned.append(config[0])
-    return NS(estimate=NS(step_time_s=STEPS[config[0]][1]), p=config[0], recompute=())
+    return NS(estimate=NS(step_time_s=STEPS[config[0]][1]), p=config[0], recompute=(), options=Options())
 
 
 planned = []

@@ -206,7 +206,8 @@ def test_configurations_of_one_micro_batch_count_share_its_capture(monkeypatch):
                         lambda *a: captures.append(a[-1]) or f"graph at m={a[-1]}")
     monkeypatch.setattr(pipeline_free, "plan_pipeline", lambda mcap, ask, config, **kw:
                         planned.append((config[0], mcap)) or
-                        NS(estimate=NS(step_time_s=steps[config[0]][1]), p=config[0], recompute=()))
+                        NS(estimate=NS(step_time_s=steps[config[0]][1]), p=config[0], recompute=(),
+                           options=Options()))
     spec = SearchSpec(None, (torch.zeros(8, 2),), None, None, NS(device=NS(memory_bytes=1.0)), 8,
                       Options())
     plan, mcap = pipeline_free.search_pipelines(spec, None)

@@ -81,6 +81,9 @@ class MeshAsk:
     pruned: list = field(default_factory=list)
     """The programs this call's search did not solve for :attr:`cutoff_s` (each an
     :class:`Unsolved`), shared like :attr:`timeouts`."""
+    weigh_offload: bool = False
+    """Whether a pipeline plan that frees layers to fit weighs offloading them against
+    recomputing them (``solver.pipeline_offload``: the free pipeline search's asks)."""
 
     def __post_init__(self):
         object.__setattr__(self, "pins", as_options(self.pins))

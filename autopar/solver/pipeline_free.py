@@ -97,7 +97,8 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
     model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
     cl, world, pins, verbose = spec.cluster, spec.world, as_options(spec.options), spec.verbose
     spec = replace(spec, options=pins, mesh_shape=None, profiler=None)
-    ask = MeshAsk(cl, world, pins, spec.settings)
+    # (a configuration that frees layers weighs offloading them: ``pipeline_offload``)
+    ask = MeshAsk(cl, world, pins, spec.settings, weigh_offload=True)
     search = search or degree_search(spec, cap)
     found = []
     for p in pipeline_degrees(cap, cl, world):
@@ -131,7 +132,7 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
                                                                 target, config[2])
             real = plan_pipeline(mcap, ask, config, extra_pins=extra,
                                  capture_s=time.perf_counter() - t0)
-            if real.recompute and _may_choose_again(pins):
+            if _frees_layers(real, pins) and _may_choose_again(pins):
                 real = _replan_recomputing(real, mcap, spec, config, extra)
             if planned is None or real.estimate.step_time_s < planned[0].estimate.step_time_s:
                 planned = (real, mcap)
@@ -157,6 +158,13 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
     return planned
 
 
+def _frees_layers(plan: Plan, pins: Options) -> bool:
+    """Whether ``plan`` recomputes layers or offloads layers the search chose to
+    (``pipeline_offload``): it fits by freeing them."""
+    return bool(plan.recompute) or (pins.offload_activations is None
+                                    and plan.options.offload_activations is not None)
+
+
 def _may_choose_again(pins: Options) -> bool:
     """Whether the user left recompute= free and a schedule or a virtual-stage count to
     choose (``_replan_recomputing``)."""
@@ -165,7 +173,8 @@ def _may_choose_again(pins: Options) -> bool:
 
 
 def _replan_recomputing(real: Plan, mcap, spec: SearchSpec, config, extra) -> Plan:
-    """``real``, a plan that recomputes layers, or, if predicted faster, the plan of the same
+    """``real``, a plan that recomputes layers (or offloads those the search chose to:
+    ``pipeline_offload``, weighed again here), or, if predicted faster, the plan of the same
     pipeline degree p, micro-batch count m and stage mesh with schedule and virtual stages
     chosen again on the micro-batch's own prices (``pipeline_search.plan_pipelined``, which
     ranks them with per rank the fewest layers recomputed that fit). The search ranked them
@@ -188,12 +197,14 @@ def _replan_recomputing(real: Plan, mcap, spec: SearchSpec, config, extra) -> Pl
     best = real
     for extra_pins in tries:
         try:
-            again, _ = plan_pipelined(replace(spec, options=at), cap0=mcap, extra_pins=extra_pins)
+            again, _ = plan_pipelined(replace(spec, options=at), cap0=mcap, extra_pins=extra_pins,
+                                      weigh_offload=True)
         except ValueError:
             continue
         if again.estimate.step_time_s < best.estimate.step_time_s:
             best = replace(again, options=Options.from_pins(
-                {k: v for k, v in again.options.items() if k in pins or k in ("zero", "expert", "fp8_layers")}))
+                {k: v for k, v in again.options.items()
+                 if k in pins or k in ("zero", "expert", "fp8_layers", "offload_activations")}))
     return best
 
 

@@ -59,6 +59,7 @@ from autopar.pricing.costing import StepView
 from autopar.solver.flat import MeshAsk, Solved, recompute_rest, solve_ask
 from autopar.solver.spec import SearchSpec
 from autopar.solver.partial_recompute import fewest_step, partial_pipeline, without_recompute
+from autopar.solver.pipeline_offload import may_offload, with_offload
 from autopar.solver.pipeline_price import (
     Priced, batch_degree, memory_weights, pipeline_estimate, pipeline_host_bytes, price_plan,
     worst_rank_memory,
@@ -363,7 +364,8 @@ def plan_pipeline(cap: Captured, ask: MeshAsk, config: tuple[int, int, int, str]
         even_cuts(block_starts(cap), p, v)          # a PinError naming the counts
     cutter = _Cutter(cap, replace(ask, pins=pins.replace(**(extra_pins or {})),
                                   settings=ask.settings.replace(memory_budget=ask.budget)),
-                     config, capture_s, free_recompute=pins.recompute is None)
+                     config, capture_s, free_recompute=pins.recompute is None,
+                     free_offload=ask.weigh_offload and may_offload(pins, cl))
     t0 = time.perf_counter()
     try:
         solved, pr, sp = cutter.fitting(solved or cutter.solve(cutter.pins))
@@ -395,7 +397,10 @@ def plan_pipeline(cap: Captured, ask: MeshAsk, config: tuple[int, int, int, str]
                           else {}),
                        # the linears fp8 by price (pricing.fp8), as the stage's solution runs them
                        **({"fp8_layers": intra.options.fp8_layers}
-                          if intra.options.fp8_layers is not None else {})),
+                          if intra.options.fp8_layers is not None else {}),
+                       # the layers the search offloads (pipeline_offload), which the runtime reads
+                       **({"offload_activations": intra.options.offload_activations}
+                          if intra.options.offload_activations is not None else {})),
                    estimate=estimate,
                    pipeline=Pipeline(p, v, m, schedule, tuple(units[c] for c in cuts)))
 
@@ -403,12 +408,15 @@ def plan_pipeline(cap: Captured, ask: MeshAsk, config: tuple[int, int, int, str]
 class _Cutter:
     """Intra-stage solutions of one graph for one pipeline configuration, and their cuts."""
 
-    def __init__(self, cap, ask: MeshAsk, config, capture_s: float, free_recompute=False):
+    def __init__(self, cap, ask: MeshAsk, config, capture_s: float, free_recompute=False,
+                 free_offload=False):
         """``ask``: the pipeline's devices, the intra-stage pins and the settings, its
         memory budget resolved."""
         self.cap, self.ask, self.config, self.capture_s = cap, ask, config, capture_s
         self.cl, self.world, self.pins, self.budget = ask.cl, ask.world, ask.pins, ask.budget
         self.free_recompute = free_recompute    # the user left recompute= to the solver
+        # and offload_activations= too, in the free search (``pipeline_offload.may_offload``)
+        self.free_offload = free_offload
 
     def solve(self, pins: Options, limit: float | None = None) -> tuple[Plan, Solved]:
         p, v, m, schedule = self.config
@@ -433,10 +441,14 @@ class _Cutter:
     def fitting(self, solved):
         """(solved, Priced, StagePlan) whose cut fits (``_fitting``); when that recomputes
         and the user left recompute= free, per rank only the fewest layers that fit
-        (``partial_recompute.partial_pipeline``) if predicted faster."""
+        (``partial_recompute.partial_pipeline``) if predicted faster; in the free search,
+        each of those layers then recomputed or offloaded, whichever is cheaper
+        (``pipeline_offload.with_offload``)."""
         got = self._fitting(solved)
         if self.free_recompute and got[0][0].recompute:
-            return partial_pipeline(self.cap, got, self.cl, self.world, self.config, self.budget)
+            got = partial_pipeline(self.cap, got, self.cl, self.world, self.config, self.budget)
+            if self.free_offload and got[0][0].recompute:
+                got = with_offload(self, got)
         return got
 
     def _fitting(self, solved):
@@ -472,17 +484,19 @@ class _Cutter:
 
 
 def plan_pipelined(spec: SearchSpec, *, cap0: Captured | None = None,
-                   extra_pins: dict | None = None) -> tuple[Plan, Captured]:
+                   extra_pins: dict | None = None, weigh_offload: bool = False
+                   ) -> tuple[Plan, Captured]:
     """The pipeline plan of ``spec`` for ``pipeline=p`` pinned (m, schedule and virtual
     stages chosen where not pinned), and the graph captured at its micro-batch (the
     spec's ``mesh_shape`` is not read: the stage mesh is the pins' or chosen). ``cap0``:
     the graph already captured at the pins' micro-batch; ``extra_pins``: the intra-stage
     mesh a search chose (data, tensor, zero), applied as pins but not the user's
-    (``plan_pipeline``)."""
+    (``plan_pipeline``); ``weigh_offload``: the free search's (``MeshAsk.weigh_offload``)."""
     t0 = time.perf_counter()
     model, example_inputs, loss_fn, target = spec.model, spec.example_inputs, spec.loss_fn, spec.target
     cl, world, pins, verbose = spec.cluster, spec.world, spec.options, spec.verbose
-    ask = MeshAsk(cl, world, pins, spec.settings.replace(mesh_shape=None))
+    ask = MeshAsk(cl, world, pins, spec.settings.replace(mesh_shape=None),
+                  weigh_offload=weigh_offload)
     config0 = pipeline_config(example_inputs, pins)
     p, v0, m0, schedule0 = config0
     if cap0 is None:
