@@ -43,6 +43,7 @@ from torch import nn
 
 from autopar.ops.collectives import all_to_all_v
 from autopar.ops.comm import current_comm
+from autopar.ops.fp8_experts import fp8_experts_forward, parse_key
 
 OP_NAME = "autopar::moe_experts"
 SPLIT_OP_NAME = "autopar::moe_experts_split"
@@ -103,8 +104,9 @@ def template_key(m: nn.Module, forward: types.FunctionType) -> str:
 
 
 def template(key: str) -> ExpertsTemplate:
+    """The template of ``key`` (an fp8 op's key too: ``ops.fp8_experts.fp8_key``)."""
     try:
-        return _TEMPLATES[key]
+        return _TEMPLATES[parse_key(key)[0]]
     except KeyError:
         raise RuntimeError(f"no experts module {key!r} was captured in this process: the "
                            "per-rank program must come from autopar.capture here") from None
@@ -127,8 +129,11 @@ def _module(key: str, n_local: int) -> nn.Module:
 
 
 def _call(key: str, n_local: int, stacks, hidden, index, weights) -> torch.Tensor:
-    m = _module(key, n_local)
-    params = dict(zip(_TEMPLATES[key].names, stacks))
+    base, fp8 = parse_key(key)
+    m = _module(base, n_local)
+    if fp8 is not None:         # its GEMMs in fp8 (ops.fp8_experts)
+        return fp8_experts_forward(m, list(stacks), hidden, index, weights, *fp8)
+    params = dict(zip(_TEMPLATES[base].names, stacks))
     return torch.func.functional_call(m, params, (hidden, index, weights))
 
 
@@ -283,6 +288,10 @@ def _run_experts(hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch
     tok, route = tok[keep], route[keep]
     rows, ids = hidden[tok], expert[keep]
     levels = []
+    # fp8: each row's origin rank on the dispatch axes travels with it, so that no expert's
+    # scale spans two ranks' rows (ops.fp8_experts)
+    fp8 = parse_key(key)[1] is not None and bool(dispatch)
+    origin = torch.full_like(ids, _flat_coord(comm, dispatch)) if fp8 else None
     for a in dispatch:
         dest = _coords(torch.div(ids, n_local, rounding_mode="floor"), sizes)[axes.index(a)]
         order = torch.argsort(dest, stable=True)
@@ -292,10 +301,18 @@ def _run_experts(hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch
         send, recv = tuple(send.tolist()), tuple(recv.tolist())
         rows = all_to_all_v(rows, a, send, recv)
         ids = all_to_all_v(ids, a, send, recv)
+        if fp8:
+            origin = all_to_all_v(origin[order], a, send, recv)
         levels.append((a, order, send, recv))
     local_ids = torch.remainder(ids, n_local).unsqueeze(1)
     ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
-    y = _call(key, n_local, stacks, rows, local_ids, ones)
+    if fp8:
+        y = torch.zeros_like(rows)
+        for o in torch.unique(origin).tolist():
+            sel = torch.nonzero(origin == o).squeeze(1)
+            y = y.index_add(0, sel, _call(key, n_local, stacks, rows[sel], local_ids[sel], ones[sel]))
+    else:
+        y = _call(key, n_local, stacks, rows, local_ids, ones)
     for a, order, send, recv in reversed(levels):
         y = all_to_all_v(y, a, recv, send)
         y = y[torch.argsort(order)]
@@ -336,6 +353,14 @@ def _split_backward(ctx, grad):
 moe_experts_split.register_autograd(_split_backward, setup_context=_split_setup)
 
 SPLIT_OP = torch.ops.autopar.moe_experts_split.default
+
+
+def _flat_coord(comm, axes) -> int:
+    """This rank's coordinate on mesh ``axes`` as one number (earlier axis outer)."""
+    out = 0
+    for a in axes:
+        out = out * comm.size(a) + comm.coord[a]
+    return out
 
 
 def _coords(block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

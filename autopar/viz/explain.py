@@ -105,7 +105,7 @@ def _fp8_note(plan: Plan, problem, rep: str) -> str:
         return ""
     layers = o.fp8_layers
     if layers is None or layers == "all":
-        return "its GEMMs run in fp8 (every linear but the head)"
+        return "its GEMMs run in fp8 (every linear but the head, and the experts)"
     on = [m for m in problem.fp8[rep] if m in set(layers)]
     return (f"its GEMMs run in fp8 ({o.fp8_scaling or 'tensorwise'}); the compute column prices "
             "them so" if on else
