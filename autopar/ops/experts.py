@@ -288,10 +288,6 @@ def _run_experts(hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch
     tok, route = tok[keep], route[keep]
     rows, ids = hidden[tok], expert[keep]
     levels = []
-    # fp8: each row's origin rank on the dispatch axes travels with it, so that no expert's
-    # scale spans two ranks' rows (ops.fp8_experts)
-    fp8 = parse_key(key)[1] is not None and bool(dispatch)
-    origin = torch.full_like(ids, _flat_coord(comm, dispatch)) if fp8 else None
     for a in dispatch:
         dest = _coords(torch.div(ids, n_local, rounding_mode="floor"), sizes)[axes.index(a)]
         order = torch.argsort(dest, stable=True)
@@ -301,18 +297,10 @@ def _run_experts(hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch
         send, recv = tuple(send.tolist()), tuple(recv.tolist())
         rows = all_to_all_v(rows, a, send, recv)
         ids = all_to_all_v(ids, a, send, recv)
-        if fp8:
-            origin = all_to_all_v(origin[order], a, send, recv)
         levels.append((a, order, send, recv))
     local_ids = torch.remainder(ids, n_local).unsqueeze(1)
     ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
-    if fp8:
-        y = torch.zeros_like(rows)
-        for o in torch.unique(origin).tolist():
-            sel = torch.nonzero(origin == o).squeeze(1)
-            y = y.index_add(0, sel, _call(key, n_local, stacks, rows[sel], local_ids[sel], ones[sel]))
-    else:
-        y = _call(key, n_local, stacks, rows, local_ids, ones)
+    y = _call(key, n_local, stacks, rows, local_ids, ones)
     for a, order, send, recv in reversed(levels):
         y = all_to_all_v(y, a, recv, send)
         y = y[torch.argsort(order)]
@@ -353,14 +341,6 @@ def _split_backward(ctx, grad):
 moe_experts_split.register_autograd(_split_backward, setup_context=_split_setup)
 
 SPLIT_OP = torch.ops.autopar.moe_experts_split.default
-
-
-def _flat_coord(comm, axes) -> int:
-    """This rank's coordinate on mesh ``axes`` as one number (earlier axis outer)."""
-    out = 0
-    for a in axes:
-        out = out * comm.size(a) + comm.coord[a]
-    return out
 
 
 def _coords(block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -17,15 +17,21 @@ norm (Mixtral, Qwen3-MoE, DeepSeek-V3, OLMoE): :func:`fp8_layout`. Others (GPT-O
 interleaved, transposed, with biases) keep bf16 experts: ``analysis.fp8_layers`` does not
 offer them.
 
-The scales: each expert's GEMM scales its own rows (the tokens routed to it), as a dense fp8
-linear scales a rank's rows. So that a plan's forms compute what one device computes on the
-plan's row blocks (``analysis.fp8_layers.row_blocks``):
+The scales: each expert's GEMM on a rank scales the rows it receives there (the tokens
+routed to it), as torchao's fp8 MoE training scales each expert's group of its grouped GEMM
+(``torchao.prototype.moe_training``, ``_scaled_grouped_mm``), and as a dense fp8 linear
+scales a rank's rows. One GEMM an expert, whatever the form:
 
-- tokens split (data parallel) or whole (the all-gather dispatch): the rank's rows for
-  each expert are those of its row block, as on one device;
-- the all-to-all dispatch: a rank's experts receive rows from every rank of the dispatch
-  axes; ``ops.experts._run_experts`` runs the experts once per origin rank (each a row block
-  of the reference), so no scale spans two ranks' rows;
+- tokens split (data parallel): the rank's rows for each expert are those of its row
+  block, as on one device run per row block (``analysis.fp8_layers.row_blocks``);
+- tokens whole on an axis (the all-gather dispatch) or sent to the expert's rank (the
+  all-to-all dispatch): an expert's rows come from every rank of that axis, so where that
+  axis also splits the batch its scales span those ranks' row blocks together, as on one
+  device run on their rows at once (``tests/test_fp8_experts.py`` compares those plans,
+  their experts alone in fp8, with one device on the whole batch). Scaling each origin's
+  rows apart would match the per-block reference of the dense linears, but costs one GEMM
+  and one weight cast per expert and origin: at DeepSeek-V3's 64-way dispatch, GEMMs of
+  ~128 rows, memory-bound, slower than bf16's one;
 - each expert split (tensor-sharded experts, ``sharding.rules.experts``): ``gate_up``'s
   output rows and ``down``'s input columns are split over the ``tensor_axes``; the weights'
   amaxes (and the activation between them, split on its features) are max-reduced over
