@@ -74,7 +74,8 @@ class FirstStepCheck:
             weights = set(planned_fp8_linears(pm._cap, pm.plan.options).values())
             scaling = pm.plan.options.fp8_scaling or "tensorwise"
             use_fp8_linears(self.reference, weights, scaling)
-            use_fp8_experts(self.reference, set(planned_fp8_experts(pm._cap, pm.plan.options).values()), scaling)
+            experts = set(planned_fp8_experts(pm._cap, pm.plan.options).values())
+            use_fp8_experts(self.reference, experts, scaling)
             self.blocks = row_blocks(pm.plan)
 
     def __call__(self, inputs: tuple, target, loss: torch.Tensor) -> None:

@@ -4,10 +4,13 @@ fp8 recipe, as ``tests/fp8_worker.py`` judges its small GPT.
 The reference (:func:`fp8_reference`): a copy of the model whose fp8 linears (the plan's,
 ``analysis.fp8_layers.planned_fp8_linears``) call ``ops.fp8.fp8_linear`` with no shards
 (``use_fp8_linears``) and whose fp8 experts modules (``planned_fp8_experts``) run their
-GEMMs so (``ops.fp8_experts.use_fp8_experts``), under ``torch.autocast(bfloat16)``, stepping through the batch in the
-row blocks a step of the plan scales apart (``analysis.fp8_layers.row_blocks``: its
-data-parallel degree times its micro-batches), each block its own backward and its loss
-term of the global loss. Beside it the plain bf16 autocast run on the whole batch (no fp8),
+GEMMs so (``ops.fp8_experts.use_fp8_experts``), under ``torch.autocast(bfloat16)``,
+stepping through the batch in the row blocks a step of the plan scales apart
+(``analysis.fp8_layers.row_blocks``: its data-parallel degree times its micro-batches),
+each block its own backward and its loss term of the global loss. (An experts op whose
+tokens come from several data-parallel ranks, the all-gather or all-to-all dispatch over a
+data axis, scales their rows together: there the reference differs by fp8 roundings,
+``tests/test_fp8_experts.py``.) Beside it the plain bf16 autocast run on the whole batch (no fp8),
 to tell fp8 arithmetic from bf16's.
 
 Tolerances, from the formats (``tests/test_fp8.py``'s module docstring derives and measures
@@ -213,7 +216,7 @@ def verdict(m: dict) -> tuple[str, str]:
 
 
 def detail(m: dict, refs: dict, scaling: str) -> str:
-    return (f"fp8 {scaling}, {len(refs['weights'])} fp8 linears, {refs['slices']} row blocks: loss "
+    return (f"fp8 {scaling}, {len(refs['weights'])} fp8 linears and experts, {refs['slices']} row blocks: loss "
             f"{m.get('loss', math.nan):.1e} grad {m.get('grad', math.nan):.1e} weight "
             f"{m.get('weight', math.nan):.1e} AdamW weight {m.get('adam_weight', math.nan):.1e}; "
             f"the bf16 run from the recipe: grad {m.get('bf16_grad', math.nan):.1e} weight "
