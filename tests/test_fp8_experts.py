@@ -10,8 +10,7 @@ SGD and AdamW steps.
   blocks apart (``sweep_fp8``'s reference as for any fp8 plan);
   Both compute the same fp8 values, so what differs is the order of fp32 sums:
   ``tests/test_fp8.py``'s EXACT_TOL / EXACT_WEIGHT_TOL (measured 0.0);
-- expert=2 with the all-to-all dispatch (rowwise) and with the all-gather dispatch
-  (tensorwise), the experts alone in fp8: an expert's rank receives the rows of both data
+- expert=2 with the all-to-all dispatch (rowwise), the experts alone in fp8: an expert's rank receives the rows of both data
   ranks and scales them together (``ops.fp8_experts``: one GEMM an expert, as torchao's
   grouped fp8 MoE training), so one device runs the whole batch at once. Not bit-equal:
   the bf16 rest of the model on the whole batch is not the per-rank run's bit for bit
@@ -23,7 +22,9 @@ SGD and AdamW steps.
 In every case the experts' GEMMs really ran fp8 (``fp8_linear`` called from the experts'
 forward) and the gradient is farther from the plain bf16 run than BF16_FLOOR. The forms'
 scale groups are checked exactly at the op (:func:`test_split_forms_scale_each_expert_over_its_rows`:
-2 thread ranks against one device over every token, to EXACT_TOL). The grouping matters:
+the all-to-all and all-gather forms on 2 thread ranks against one device over every token,
+to EXACT_TOL; the all-gather form run whole on the tiny Mixtral once passed as the
+all-to-all case does, left out of the suite for its 18 s). The grouping matters:
 the all-to-all plan (``fp8_layers="all"``, tensorwise) against the per-block recipe, whose
 experts scale each rank's rows apart, is 4.5e-2 off in the gradient (measured), about the
 plain bf16 run's distance.
@@ -73,9 +74,6 @@ CASES = [
     sc.make_case("mixtral", "fp8", 2, "mean", {"precision": "fp8", "fp8_scaling": "rowwise",
                                                "fp8_layers": EXPERTS_ONLY, "expert": 2,
                                                "expert_dispatch": "all-to-all"}),
-    sc.make_case("mixtral", "fp8", 2, "mean", {"precision": "fp8", "fp8_scaling": "tensorwise",
-                                               "fp8_layers": EXPERTS_ONLY, "expert": 2,
-                                               "expert_dispatch": "all-gather"}),
 ]
 
 
