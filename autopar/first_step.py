@@ -23,9 +23,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopar.analysis.fp8_layers import planned_fp8_linears, row_blocks
+from autopar.analysis.fp8_layers import planned_fp8_experts, planned_fp8_linears, row_blocks
 from autopar.errors import ArgumentError
 from autopar.ops.fp8 import use_fp8_linears
+from autopar.ops.fp8_experts import use_fp8_experts
 from autopar.verify import GRAD_RTOL, LOSS_RTOL, Run, compare
 
 ENV = "AUTOPAR_CHECK"
@@ -71,7 +72,10 @@ class FirstStepCheck:
         self.blocks = 1
         if precision == "fp8":         # the same recipe, on the rows each rank scales alone
             weights = set(planned_fp8_linears(pm._cap, pm.plan.options).values())
-            use_fp8_linears(self.reference, weights, pm.plan.options.fp8_scaling or "tensorwise")
+            scaling = pm.plan.options.fp8_scaling or "tensorwise"
+            use_fp8_linears(self.reference, weights, scaling)
+            experts = set(planned_fp8_experts(pm._cap, pm.plan.options).values())
+            use_fp8_experts(self.reference, experts, scaling)
             self.blocks = row_blocks(pm.plan)
 
     def __call__(self, inputs: tuple, target, loss: torch.Tensor) -> None:

@@ -195,18 +195,18 @@ def _shown_pins(plan: Plan) -> dict:
 
 
 def fp8_lines(plan: Plan) -> list[str]:
-    """Under ``precision="fp8"``: which linear layers run in fp8 (the plan's ``fp8_layers``:
-    chosen by price, pinned, or "all"), folded by layer index."""
+    """Under ``precision="fp8"``: which linear layers (and experts modules) run in fp8 (the
+    plan's ``fp8_layers``: chosen by price, pinned, or "all"), folded by layer index."""
     o = plan.options
     if o.precision != "fp8":
         return []
     recipe = o.fp8_scaling or "tensorwise"
     gather = ["fp8: ZeRO-3 gathers their weights in fp8 (fp8_all_gather)"] if o.fp8_gathers else []
     if o.fp8_layers is None or o.fp8_layers == "all":
-        return [f"fp8 ({recipe}): every linear layer but the head"] + gather
+        return [f"fp8 ({recipe}): every linear layer but the head, and the experts' GEMMs"] + gather
     names = list(o.fp8_layers)
     rows = [label for label, _, _ in _group_layers(names)]
-    return [f"fp8 ({recipe}): {len(names)} linear layers (the others, and the head, bf16): "
+    return [f"fp8 ({recipe}): {len(names)} linear layers or experts modules (the others, and the head, bf16): "
             + (", ".join(rows) if rows else "none")] + gather
 
 

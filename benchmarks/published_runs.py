@@ -277,6 +277,10 @@ FP8 / DualPipeV too (bf16, 1F1B) and prints both. Before -> after (this run's --
   halves at once where a stage's experts dispatch by all-to-all (``runtime.overlap``) and
   prices each pair's all-to-alls as hidden behind the other half's compute
   (``pipeline_price.pair_hidden``): -41.3% -> -29.0% (33.90 -> 28.05 s a step).
+  Since 2026-11-30 (session 32, ``autopar/ops/fp8_experts.py``, ``pricing/experts_fp8.py``)
+  the experts' GEMMs run and are priced in fp8 too (chosen by price; the casts fused, as
+  the row prices them): -41.3% -> -37.3% (906.1 -> 968.2 tokens/s, 33.90 -> 31.73 s a
+  step). With both: see the row's figure in docs/measured.md; left: the FP8 dispatch.
 - 21, 22 NeMo's Llama 2 7B at 128K / 256K (Transformer Engine FP8, per-tensor delayed
   scaling: tensorwise, ``NEMO_FP8``): -18.0 / -15.0% -> -14.0 / -12.5%. At these lengths
   attention (bf16 in both) is most of the step; the linears' fp8 saves 0.12 s of 2.57 on
@@ -811,7 +815,7 @@ RUNS: list[Run] = [
         "hf:deepseek-v3", 61, 7168, 128, 129280, 4096, 15360, 2048, "h800", 1, 16, micro=1,
         recompute=False, published_tps=DEEPSEEK_V3_TPS, held=True, expert=64,
         precision="fp8", fp8_scaling="rowwise", schedule="dualpipev", virtual=2,
-        lacks="FP8 expert GEMMs and dispatch"),
+        lacks="FP8 dispatch"),
     Run("Qwen3 235B-A22B", "Megatron-MoE-ModelZoo best_practice/Qwen3 (256 H100, A2A)",
         "hf:qwen3-235b-a22b", 94, 4096, 64, 151936, 4096, 2048, 256, "h100", 2, 32, micro=1,
         recompute=False, published_tps=QWEN3_235B_TPS, held=True, expert=4, virtual=3,

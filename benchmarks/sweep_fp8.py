@@ -3,10 +3,14 @@ fp8 recipe, as ``tests/fp8_worker.py`` judges its small GPT.
 
 The reference (:func:`fp8_reference`): a copy of the model whose fp8 linears (the plan's,
 ``analysis.fp8_layers.planned_fp8_linears``) call ``ops.fp8.fp8_linear`` with no shards
-(``use_fp8_linears``), under ``torch.autocast(bfloat16)``, stepping through the batch in the
-row blocks a step of the plan scales apart (``analysis.fp8_layers.row_blocks``: its
-data-parallel degree times its micro-batches), each block its own backward and its loss
-term of the global loss. Beside it the plain bf16 autocast run on the whole batch (no fp8),
+(``use_fp8_linears``) and whose fp8 experts modules (``planned_fp8_experts``) run their
+GEMMs so (``ops.fp8_experts.use_fp8_experts``), under ``torch.autocast(bfloat16)``,
+stepping through the batch in the row blocks a step of the plan scales apart
+(``analysis.fp8_layers.row_blocks``: its data-parallel degree times its micro-batches),
+each block its own backward and its loss term of the global loss. (An experts op whose
+tokens come from several data-parallel ranks, the all-gather or all-to-all dispatch over a
+data axis, scales their rows together: there the reference differs by fp8 roundings,
+``tests/test_fp8_experts.py``.) Beside it the plain bf16 autocast run on the whole batch (no fp8),
 to tell fp8 arithmetic from bf16's.
 
 Tolerances, from the formats (``tests/test_fp8.py``'s module docstring derives and measures
@@ -43,8 +47,9 @@ import math
 
 import torch
 
-from autopar.analysis.fp8_layers import planned_fp8_linears, row_blocks
+from autopar.analysis.fp8_layers import planned_fp8_experts, planned_fp8_linears, row_blocks
 from autopar.ops.fp8 import fp8_linear, use_fp8_linears
+from autopar.ops.fp8_experts import use_fp8_experts
 
 Q_E4M3, Q_E5M2, U_BF16 = 2.0 ** -3, 2.0 ** -2, 2.0 ** -8
 TP_GRAD_TOL, TP_LOSS_TOL = math.sqrt(U_BF16 * Q_E5M2), U_BF16
@@ -83,13 +88,17 @@ def _fp8_in_fp32(model, weights: set, scaling: str) -> None:
 def fp8_reference(b, weights: set | None, scaling: str | None, slices: int, opt_kind: str,
                   hyper: dict, rest_fp32: bool = False):
     """``hyper["steps"]`` steps of ``opt_kind`` on one device: the model's linears whose
-    weight is in ``weights`` under fp8 recipe ``scaling`` (None: plain bf16 autocast), on
-    ``slices`` row blocks a step; ``rest_fp32``: every other op in fp32 (no autocast).
-    ``hyper``: lr, momentum, adam_lr, steps. Returns (losses, gradients by step for SGD,
-    weights after, initial weights)."""
+    weight is in ``weights`` (and its experts modules named there) under fp8 recipe
+    ``scaling`` (None: plain bf16 autocast), on ``slices`` row blocks a step;
+    ``rest_fp32``: every other op in fp32 (no autocast). ``hyper``: lr, momentum, adam_lr,
+    steps. Returns (losses, gradients by step for SGD, weights after, initial weights)."""
     model = copy.deepcopy(b.model)          # before the patch: a patched forward is not copied
     if scaling is not None and weights:
-        (_fp8_in_fp32 if rest_fp32 else use_fp8_linears)(model, set(weights), scaling)
+        mods = dict(model.named_modules())
+        experts = {w for w in weights if not w.endswith(".weight") and w in mods}
+        linears = set(weights) - experts
+        (_fp8_in_fp32 if rest_fp32 else use_fp8_linears)(model, linears, scaling)
+        use_fp8_experts(model, experts, scaling, out_fp32=rest_fp32)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = (torch.optim.SGD(model.parameters(), lr=hyper["lr"], momentum=hyper["momentum"])
            if opt_kind == "sgd" else torch.optim.AdamW(model.parameters(), lr=hyper["adam_lr"]))
@@ -105,9 +114,10 @@ def fp8_reference(b, weights: set | None, scaling: str | None, slices: int, opt_
 
 
 def references(b, cap, plan, hyper: dict) -> dict:
-    """The plan's fp8 weights, its row blocks, and the (SGD, AdamW) runs of the same recipe
+    """The plan's fp8 weights and experts modules, its row blocks, and the (SGD, AdamW) runs of the same recipe
     (``fp8``) and of plain bf16 on the whole batch (``bf16``)."""
-    weights = set(planned_fp8_linears(cap, plan.options).values())
+    weights = (set(planned_fp8_linears(cap, plan.options).values())
+               | set(planned_fp8_experts(cap, plan.options).values()))
     scaling, slices = plan.options.fp8_scaling, row_blocks(plan)
     return {"weights": weights, "slices": slices,
             "fp8": [fp8_reference(b, weights, scaling, slices, o, hyper) for o in ("sgd", "adamw")],
@@ -206,7 +216,7 @@ def verdict(m: dict) -> tuple[str, str]:
 
 
 def detail(m: dict, refs: dict, scaling: str) -> str:
-    return (f"fp8 {scaling}, {len(refs['weights'])} fp8 linears, {refs['slices']} row blocks: loss "
+    return (f"fp8 {scaling}, {len(refs['weights'])} fp8 linears and experts, {refs['slices']} row blocks: loss "
             f"{m.get('loss', math.nan):.1e} grad {m.get('grad', math.nan):.1e} weight "
             f"{m.get('weight', math.nan):.1e} AdamW weight {m.get('adam_weight', math.nan):.1e}; "
             f"the bf16 run from the recipe: grad {m.get('bf16_grad', math.nan):.1e} weight "

@@ -6,15 +6,22 @@ the recipe (``fp8_scaling``) and, from the plan, the mesh axes on which this ran
 shard of x, of W and of the output (whose gradient is sharded as the output is): the axes
 its amaxes are max-reduced over (``ops.fp8``'s module docstring). An operand the plan
 leaves Partial (a sum still to be made) has no amax of its own: a ``PlanError`` naming it.
+
+The plan's fp8 experts ops (``planned_fp8_experts``: a mixture of experts' experts modules,
+``autopar.ops.fp8_experts``) are called with their ``key`` marked fp8 (``fp8_key``: the
+recipe, and the mesh axes on which the plan splits each expert, whose amaxes are reduced
+there), whichever form the plan runs (``run_whole``, ``run_experts``).
 """
 from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule
 
-from autopar.analysis.fp8_layers import planned_fp8_linears
+from autopar.analysis.fp8_layers import planned_fp8_experts, planned_fp8_linears
 from autopar.capture import Captured
+from autopar.ops.experts import EXPERTS_OP, run_experts, run_whole
 from autopar.ops.fp8 import fp8_linear
+from autopar.ops.fp8_experts import fp8_key
 from autopar.placement import Partial, Shard
 from autopar.plan import Plan, PlanError
 
@@ -55,6 +62,28 @@ def fp8_linear_calls(gm: GraphModule, cap: Captured, plan: Plan) -> list[str]:
         n.target = fp8_linear
         n.args = args[:3]
         n.kwargs = {"scaling": scaling, "x_shards": x_sh, "w_shards": w_sh, "out_shards": out_sh}
+        changed.append(n.name)
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def fp8_experts_calls(gm: GraphModule, cap: Captured, plan: Plan) -> list[str]:
+    """Mark ``gm``'s fp8 experts calls in place (module docstring); returns the nodes changed."""
+    chosen = planned_fp8_experts(cap, plan.options)
+    scaling = plan.options.fp8_scaling or "tensorwise"
+    mesh = tuple(plan.mesh_shape)
+    changed = []
+    for n in gm.graph.nodes:
+        src = n.meta.get("source")
+        if n.op != "call_function" or n.target not in (run_whole, run_experts, EXPERTS_OP) or src not in chosen:
+            continue
+        stacks = plan.nodes[src].input(3)
+        tensor_axes = tuple(a for a, p in enumerate(stacks)
+                            if mesh[a] > 1 and isinstance(p, Shard) and p.dim != 0)
+        args = list(n.args)
+        args[4] = fp8_key(args[4], scaling, tensor_axes)
+        n.args = tuple(args)
         changed.append(n.name)
     if changed:
         gm.recompile()

@@ -12,9 +12,18 @@ arXiv:2412.19437 Sec. 3.3.1), ``nn.MultiheadAttention``'s input and output proje
 loss) through no other linear, and a weight read elsewhere too (a tied embedding and head:
 the embedding reads it in bf16 as a table, not as a GEMM operand).
 
-Of those, the ones a plan runs in fp8 (:func:`planned_fp8_linears`) are its options'
-``fp8_layers``: the user's list, ``"all"``, or what the solver chose by price
-(``autopar.pricing.fp8``), named by the linear module (the weight's name less ``.weight``).
+A mixture of experts' experts modules (each one ``autopar::moe_experts`` op) run their GEMMs
+in fp8 too (:func:`fp8_experts`; ``autopar.ops.fp8_experts``: the per-expert ``gate_up`` and
+``down`` GEMMs, as DeepSeek-V3 trained them, arXiv:2412.19437 Sec. 3.3), named by the
+experts module (``"model.layers.1.mlp.experts"``), where their layout is one that runs
+(``ops.fp8_experts.fp8_layout``) and the program is eager (a compiled program's experts op
+differentiates its forward under ``torch.func``, which ``fp8_linear``'s autograd function
+does not support: its experts stay bf16, and naming them is a ``PinError``).
+
+Of those, the ones a plan runs in fp8 (:func:`planned_fp8_linears`,
+:func:`planned_fp8_experts`) are its options' ``fp8_layers``: the user's list, ``"all"``, or
+what the solver chose by price (``autopar.pricing.fp8``), named by the linear module (the
+weight's name less ``.weight``) or the experts module.
 """
 from __future__ import annotations
 
@@ -25,6 +34,8 @@ from torch import nn
 
 from autopar.capture import Captured
 from autopar.errors import PinError
+from autopar.ops.experts import EXPERTS_OP, template
+from autopar.ops.fp8_experts import fp8_layout
 from autopar.placement import Shard
 
 aten = torch.ops.aten
@@ -75,8 +86,30 @@ def check_fp8_layers(names, eligible) -> None:
         listed = ", ".join(shown[:6]) + (f", ... ({len(shown)} in all)" if len(shown) > 6 else "")
         raise PinError(f"fp8_layers names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}, "
                        "which is no linear layer precision='fp8' can convert (nn.Linear, not "
-                       f"the head); the model's are: {listed or 'none'}. Fix the names, pin "
+                       "the head) nor experts module (ops.fp8_experts.fp8_layout); the "
+                       f"model's are: {listed or 'none'}. Fix the names, pin "
                        "fp8_layers='all', or leave fp8_layers out (chosen by price)")
+
+
+def fp8_experts(cap: Captured) -> dict[str, str]:
+    """The captured experts ops whose GEMMs ``precision="fp8"`` can run in fp8 (module
+    docstring): node name -> the experts module's name (its stacks' parameters' module)."""
+    out = {}
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function" or n.target is not EXPERTS_OP:
+            continue
+        stacks = n.args[3]
+        if not all(getattr(s, "op", None) == "placeholder" and s.name in cap.params for s in stacks):
+            continue
+        t = template(n.args[4])
+        if fp8_layout(t.module, t.names):
+            out[n.name] = cap.params[stacks[0].name][0].rpartition(".")[0]
+    return out
+
+
+def fp8_eligible(cap: Captured) -> set[str]:
+    """The module names ``fp8_layers`` may name: the fp8 linears' and the experts'."""
+    return {module_name(w) for w in fp8_linears(cap).values()} | set(fp8_experts(cap).values())
 
 
 def planned_fp8_linears(cap: Captured, options) -> dict[str, str]:
@@ -87,8 +120,30 @@ def planned_fp8_linears(cap: Captured, options) -> dict[str, str]:
     chosen = getattr(options, "fp8_layers", None)
     if chosen is None or chosen == "all":
         return every
-    check_fp8_layers(chosen, {module_name(w) for w in every.values()})
+    check_fp8_layers(chosen, fp8_eligible(cap))
     return {n: w for n, w in every.items() if module_name(w) in set(chosen)}
+
+
+def planned_fp8_experts(cap: Captured, options) -> dict[str, str]:
+    """The captured experts ops a plan with ``options`` runs in fp8 (node -> module name):
+    those of :func:`fp8_experts` that ``options.fp8_layers`` names, every one under
+    ``"all"``; none under None (a plan file from before the choice, when experts ran bf16)
+    nor in a compiled program (module docstring), where naming one is a ``PinError``."""
+    every = fp8_experts(cap)
+    chosen = getattr(options, "fp8_layers", None)
+    if getattr(options, "precision", None) != "fp8" or chosen is None:
+        return {}
+    if chosen != "all":
+        check_fp8_layers(chosen, fp8_eligible(cap))
+        every = {n: m for n, m in every.items() if m in set(chosen)}
+    if getattr(options, "compile", False):
+        if chosen != "all" and every:
+            raise PinError(f"fp8_layers names the experts modules {sorted(every.values())[:3]} "
+                           "under compile=True, whose experts op cannot run fp8 GEMMs (a "
+                           "compiled program differentiates it under torch.func); pin "
+                           "compile=False, or leave the experts out of fp8_layers")
+        return {}
+    return every
 
 
 def row_blocks(plan) -> int:

@@ -43,6 +43,7 @@ from torch import nn
 
 from autopar.ops.collectives import all_to_all_v
 from autopar.ops.comm import current_comm
+from autopar.ops.fp8_experts import fp8_experts_forward, parse_key
 
 OP_NAME = "autopar::moe_experts"
 SPLIT_OP_NAME = "autopar::moe_experts_split"
@@ -103,8 +104,9 @@ def template_key(m: nn.Module, forward: types.FunctionType) -> str:
 
 
 def template(key: str) -> ExpertsTemplate:
+    """The template of ``key`` (an fp8 op's key too: ``ops.fp8_experts.fp8_key``)."""
     try:
-        return _TEMPLATES[key]
+        return _TEMPLATES[parse_key(key)[0]]
     except KeyError:
         raise RuntimeError(f"no experts module {key!r} was captured in this process: the "
                            "per-rank program must come from autopar.capture here") from None
@@ -127,8 +129,11 @@ def _module(key: str, n_local: int) -> nn.Module:
 
 
 def _call(key: str, n_local: int, stacks, hidden, index, weights) -> torch.Tensor:
-    m = _module(key, n_local)
-    params = dict(zip(_TEMPLATES[key].names, stacks))
+    base, fp8 = parse_key(key)
+    m = _module(base, n_local)
+    if fp8 is not None:         # its GEMMs in fp8 (ops.fp8_experts)
+        return fp8_experts_forward(m, list(stacks), hidden, index, weights, *fp8)
+    params = dict(zip(_TEMPLATES[base].names, stacks))
     return torch.func.functional_call(m, params, (hidden, index, weights))
 
 

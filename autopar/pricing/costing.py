@@ -389,6 +389,8 @@ class CostModel(CommCosts, MemoryCosts):
 
     def _op_time(self, v: NodeVar, combo) -> tuple[float, float]:
         if v.call.op is EXPERTS_OP:
+            if self.fp8 and v.name in self.fp8_nodes:      # its GEMMs fp8 (pricing.experts_fp8)
+                return fp8_time(self, v, combo, (), ())
             return experts_time(v.call, combo, self.mesh_shape, self.cluster.device,
                                 self.dtype_key, self.links, self.expert_imbalance, self.native)
         axis = context_axis_of(v.call, combo, self.mesh_shape)

@@ -82,23 +82,38 @@ def _local_stacks(call, combo, mesh_shape) -> list:
     return out
 
 
-def experts_time(call, combo, mesh_shape, device, dtype_key, links, imbalance: float = 1.0,
-                 native: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of one option of an experts op on one rank."""
-    hidden, h = call.inputs[0], call.inputs[0].shape[-1]
+def expert_gemms(call, combo, mesh_shape, imbalance: float = 1.0) -> tuple[int, list]:
+    """(the rank's experts, and for each weight stack the (x [rows, B], W [A, B]) of each of
+    its experts' GEMMs): ``rows`` the rank's pairs over its experts (module docstring)."""
+    hidden = call.inputs[0]
     stacks = _local_stacks(call, combo, mesh_shape)
     pairs, *_ = _pairs(call, combo, mesh_shape, imbalance)
     e_local = stacks[0].shape[0]
     rows = max(1, round(pairs / e_local))
+    return e_local, [(TensorMeta((rows, s.shape[2]), hidden.dtype), TensorMeta(tuple(s.shape[1:]), s.dtype))
+                     for s in stacks if len(s.shape) == 3]
+
+
+def gemms_time(call, combo, mesh_shape, device, dtype_key, imbalance: float = 1.0,
+               native: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of the rank's expert GEMMs alone (:func:`experts_time`'s)."""
+    e_local, gemms = expert_gemms(call, combo, mesh_shape, imbalance)
     fwd = bwd = 0.0
-    for s in stacks:
-        if len(s.shape) != 3:
-            continue
-        a_dim, b_dim = s.shape[1], s.shape[2]
-        x, w = TensorMeta((rows, b_dim), hidden.dtype), TensorMeta((b_dim, a_dim), s.dtype)
-        f, b = compute_model.node_time(aten.mm.default, [x, w], [TensorMeta((rows, a_dim), hidden.dtype)],
+    for x, w in gemms:
+        (rows, b_dim), a_dim = x.shape, w.shape[0]
+        f, b = compute_model.node_time(aten.mm.default, [x, TensorMeta((b_dim, a_dim), w.dtype)],
+                                       [TensorMeta((rows, a_dim), x.dtype)],
                                        device=device, dtype_key=dtype_key, native=native)
         fwd, bwd = fwd + f * e_local, bwd + b * e_local
+    return fwd, bwd
+
+
+def experts_time(call, combo, mesh_shape, device, dtype_key, links, imbalance: float = 1.0,
+                 native: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one option of an experts op on one rank."""
+    hidden, h = call.inputs[0], call.inputs[0].shape[-1]
+    pairs, *_ = _pairs(call, combo, mesh_shape, imbalance)
+    fwd, bwd = gemms_time(call, combo, mesh_shape, device, dtype_key, imbalance, native)
     moved = TensorMeta((max(1, round(pairs)), h), hidden.dtype)
     f, b = compute_model.node_time(aten.index_select.default, [moved], [moved], device=device,
                                    dtype_key=dtype_key, native=native)

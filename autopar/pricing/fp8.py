@@ -23,43 +23,13 @@ import math
 
 from autopar.analysis.fp8_layers import check_fp8_layers
 from autopar.cost_models.fp8 import fp8_linear_time
-from autopar.placement import Partial, Replicate, Shard
+from autopar.ops.experts import EXPERTS_OP
+from autopar.placement import Partial, Replicate
 from autopar.pricing.comm_costs import INF, _local
+from autopar.pricing.experts import experts_time
+from autopar.pricing.experts_fp8 import experts_fp8_time
+from autopar.pricing.fp8_amax import amax_gathers
 from autopar.sharding.registry import input_placements, output_placements
-
-
-def _sharded(placements, ndim: int, dims: set[int]) -> list[int]:
-    """The mesh axes on which a tensor of ``ndim`` dims is sharded on one of ``dims``."""
-    return [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim in dims]
-
-
-def amax_gathers(combo, ins, outs, mesh_shape, links, rowwise: bool, w_gathered: bool = False) -> tuple:
-    """(pass, amax elements a rank contributes, group size, link) of each amax reduction of
-    one fp8 linear placed ``combo`` (``ins`` / ``outs``: its local tensors). ``w_gathered``:
-    W arrives from ZeRO-3's fp8 gather, whose scale is reduced once, in forward (the data
-    axis's reduction priced with the gather, ``pricing.comm_costs``): none in backward."""
-    x, w, y = ins[0], ins[1], outs[0]
-    xd, yd = len(x.shape), len(y.shape)
-    rows = math.prod(x.shape[:-1])          # this rank's tokens
-    n_local, k_local = w.shape[0], w.shape[1]
-    if rowwise:      # per token over K; W per output row over K (fwd), per column over N (bwd)
-        wanted = [("fwd", input_placements(combo, 0), xd, {xd - 1}, rows),
-                  ("fwd", input_placements(combo, 1), 2, {1}, n_local),
-                  ("bwd", input_placements(combo, 1), 2, {0}, k_local),
-                  ("bwd", output_placements(combo, 0), yd, {yd - 1}, rows)]
-    else:            # one amax per tensor: x's features, all of W (cast again in backward), dy's
-        wanted = [("fwd", input_placements(combo, 0), xd, {xd - 1}, 1),
-                  ("fwd", input_placements(combo, 1), 2, {0, 1}, 1),
-                  ("bwd", input_placements(combo, 1), 2, {0, 1}, 1),
-                  ("bwd", output_placements(combo, 0), yd, {yd - 1}, 1)]
-        if w_gathered:
-            del wanted[2]
-    out = []
-    for when, placements, ndim, dims, elements in wanted:
-        for a in _sharded(placements, ndim, dims):
-            if mesh_shape[a] > 1:
-                out.append((when, elements, mesh_shape[a], links[a]))
-    return tuple(out)
 
 
 def fp8_nodes(problem, options) -> dict:
@@ -120,11 +90,20 @@ def gathered_in_fp8(cost, combo, w) -> int:
 def runs_fp8(cost, v, combo, ins, outs) -> tuple[bool, tuple[float, float]]:
     """Whether ``v`` placed ``combo`` runs in fp8 under ``cost``, and its (forward,
     backward) seconds: pinned (``fp8_layers`` given), fp8; chosen by price, fp8 iff its
-    fp8 step (forward + backward) is shorter than bf16's."""
-    fp8 = fp8_linear_cost(cost, v, combo, ins, outs)
+    fp8 step (forward + backward) is shorter than bf16's. An experts op (its GEMMs,
+    ``pricing.experts_fp8``) alike; in a compiled program, bf16 (``analysis.fp8_layers``)."""
+    if v.call.op is EXPERTS_OP:
+        bf16 = experts_time(v.call, combo, cost.mesh_shape, cost.cluster.device, cost.dtype_key,
+                            cost.links, cost.expert_imbalance, cost.native)
+        if cost.compiled:
+            return False, bf16
+        fp8 = experts_fp8_time(cost, v.call, combo)
+    else:
+        fp8 = fp8_linear_cost(cost, v, combo, ins, outs)
     if cost.options.fp8_layers is not None:
         return True, fp8
-    bf16 = cost._roofline(v, ins, outs)
+    if v.call.op is not EXPERTS_OP:
+        bf16 = cost._roofline(v, ins, outs)
     return (True, fp8) if sum(fp8) < sum(bf16) else (False, bf16)
 
 

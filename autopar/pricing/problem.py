@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from autopar.analysis.fp8_layers import fp8_linears, module_name
+from autopar.analysis.fp8_layers import fp8_experts, fp8_linears, module_name
 from autopar.analysis.saved import Kept, merge, saved_activations
 from autopar.capture import Captured, layer_of
 from autopar.capture.experts import expert_stacks
@@ -101,8 +101,8 @@ class Problem:
     optimizer_states: int           # optimizer tensors per parameter (AdamW: 2)
     fp8: dict = field(default_factory=dict)
     """The ops precision="fp8" may run in fp8 (``analysis.fp8_layers``): each representative
-    -> the module names of its members' linears (``pricing.fp8.fp8_nodes`` keeps those the
-    options run in fp8)."""
+    -> the module names of its members' linears or experts modules (``pricing.fp8.fp8_nodes``
+    keeps those the options run in fp8)."""
 
 
 def placeholder_options(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Combo]:
@@ -149,9 +149,10 @@ def build_problem(cap: Captured, mesh_shape: Sequence[int], roles: MeshRoles = N
         if v.kind == "op":
             v.kept = walk.kept[v.name]
     fp8: dict = {}
-    for n, w in fp8_linears(cap).items():
+    named = {n: module_name(w) for n, w in fp8_linears(cap).items()} | fp8_experts(cap)
+    for n, m in named.items():
         rep = index.repetition.get(n, n)
-        fp8[rep] = (*fp8.get(rep, ()), module_name(w))
+        fp8[rep] = (*fp8.get(rep, ()), m)
     return Problem(mesh_shape, vars, list(walk.edges), index.repetition, walk.sink, dict(cap.params),
                    optimizer_states, fp8)
 

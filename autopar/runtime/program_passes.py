@@ -26,7 +26,8 @@ The order, and why:
    16-bit ops are gathered in 16 bits (``passes.autocast``).
    Under ``precision="fp8"`` too (its non-fp8 part is bf16).
 4. ``fp8_linear_calls``: under ``precision="fp8"``, the plan's fp8 linears call
-   ``ops.fp8.fp8_linear`` with the axes their amaxes are reduced over (``passes.fp8_linears``).
+   ``ops.fp8.fp8_linear`` with the axes their amaxes are reduced over (``passes.fp8_linears``);
+   ``fp8_experts_calls``: the plan's fp8 experts ops run their GEMMs so (``ops.fp8_experts``).
 4b. ``fp8_weight_gathers``: under ``Options.fp8_gathers`` (fp8, tensorwise, ZeRO-3, eager),
    the ZeRO-3 gathers of fp8 linears' weights move float8 (``passes.fp8_gathers``); before
    the prefetch, which buckets them apart (their dtype).
@@ -65,7 +66,7 @@ from autopar.passes.check_grad_sync import check_grad_sync
 from autopar.passes.copy_program import copy_program
 from autopar.passes.fast_bindings import fast_bindings
 from autopar.passes.fp8_gathers import fp8_weight_gathers
-from autopar.passes.fp8_linears import fp8_linear_calls
+from autopar.passes.fp8_linears import fp8_experts_calls, fp8_linear_calls
 from autopar.passes.insert_collectives import Rewritten, insert_collectives
 from autopar.passes.place_on_device import place_on
 from autopar.passes.prefetch import prefetch_gathers
@@ -170,6 +171,8 @@ PASSES: tuple[ProgramPass, ...] = (
              lambda gm, p: low_precision_gathers(gm, compute_dtype(p.options))),
     in_place("fp8_linear_calls", lambda p: p.options.precision == "fp8",
              lambda gm, p: fp8_linear_calls(gm, p.cap, p.plan)),
+    in_place("fp8_experts_calls", lambda p: p.options.precision == "fp8",
+             lambda gm, p: fp8_experts_calls(gm, p.cap, p.plan)),
     in_place("fp8_weight_gathers", lambda p: p.options.fp8_gathers, lambda gm, p: fp8_weight_gathers(gm)),
     in_place("prefetch_gathers", lambda p: _zero3(p) and not p.pipelined and not p.plan.recompute
              and not _offloads(p) and not p.options.compile, lambda gm, p: prefetch_gathers(gm)),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from autopar.capture import Captured
 from autopar.errors import AutoparInputError
+from autopar.ops.experts import EXPERTS_OP
 from autopar.placement import parse_placements, placements_str
 from autopar.plan import Plan
 from autopar.sharding.registry import input_placements, output_placements
@@ -104,8 +105,11 @@ def _fp8_note(plan: Plan, problem, rep: str) -> str:
     if o.precision != "fp8" or rep not in problem.fp8:
         return ""
     layers = o.fp8_layers
+    v = problem.vars.get(rep)
+    if o.compile and v is not None and v.call is not None and v.call.op is EXPERTS_OP:
+        return "it runs in bf16: a compiled program's experts op keeps bf16 GEMMs (analysis.fp8_layers)"
     if layers is None or layers == "all":
-        return "its GEMMs run in fp8 (every linear but the head)"
+        return "its GEMMs run in fp8 (every linear but the head, and the experts)"
     on = [m for m in problem.fp8[rep] if m in set(layers)]
     return (f"its GEMMs run in fp8 ({o.fp8_scaling or 'tensorwise'}); the compute column prices "
             "them so" if on else
