@@ -36,6 +36,7 @@ from autopar.capture.cache import caching
 from autopar.capture.export import check_loss_outside
 from autopar.cost_models.hardware import devices_of, parse_cluster
 from autopar.capture.sequence_layout import sequence_layout
+from autopar.errors import PinError
 from autopar.pricing.updates import reprice_updates
 from autopar.options import Options, check_optimizer, refuse_hogwild_plan
 from autopar.plan import Plan
@@ -136,6 +137,8 @@ def _spec(model, example_inputs, loss_fn, target, cluster, world_size, pins,
 
 def _solve(spec: SearchSpec, captured: Captured | None, capture_s: float | None) -> Planned:
     options, cl = spec.options, spec.cluster
+    if spec.mesh_shape is None:
+        _check_filled(options, spec.world)
     if (options.context or 1) > 1 and captured is not None and \
             getattr(captured, "sequence_balanced", None) != options.context:
         captured = None        # captured for another layout: capture again, balanced
@@ -144,6 +147,25 @@ def _solve(spec: SearchSpec, captured: Captured | None, capture_s: float | None)
     if options.update.repriced:     # autopar.update_schemes: priced again under the scheme
         planned = Planned(reprice_updates(planned.plan, cl, spec.budget), *planned[1:])
     return planned
+
+
+def _check_filled(o: Options, world: int) -> None:
+    """Pins ``data=`` and ``tensor=`` both given, no pipeline pinned: with ``expert=`` and
+    ``context=`` they must fill the world, before the search begins (it raised this at its
+    first unpipelined mesh, after capture and, on a cluster of nodes, the pipeline search's
+    work)."""
+    if o.data is None or o.tensor is None or o.pipelined or (o.branch or 1) > 1:
+        return
+    used = o.data * o.tensor * (o.expert or 1) * (o.context or 1)
+    if used == world:
+        return
+    named = " ".join(f"{k}={v}" for k, v in (("data", o.data), ("tensor", o.tensor),
+                                            ("expert", o.expert), ("context", o.context))
+                     if v is not None and (k in ("data", "tensor") or v > 1))
+    fix = (f"pin pipeline={world // used} too (stages of {used} devices), or " if world % used == 0
+           and world > used else "")
+    raise PinError(f"pins {named} use {used} devices of the world size {world}: {fix}pin "
+                   f"degrees whose product is {world}, or plan for {used} devices (world_size=)")
 
 
 def _solve_spec(spec: SearchSpec, captured: Captured | None, capture_s: float | None) -> Planned:
