@@ -21,7 +21,9 @@ per-case watchdog and started again with the cases left).
 
 Outcomes: PASS (an fp32 case past its tolerances by less than 0.1 is planned and run again
 with the model in float64 on thread ranks: equal to one device there to 1e-7, it passes as
-fp32 rounding, listed apart; ``sweep_cases.float64_recheck``); REFUSED (autopar raised an ``AutoparInputError``: listed apart, grouped by
+fp32 rounding, listed apart; ``sweep_cases.float64_recheck``; an fp32 AdamW loss past its
+tolerance alone is judged again beside one device's twin whose gradient elements that are
+zero in exact arithmetic stay zero, listed apart: ``sweep_cases.compare_adamw``); REFUSED (autopar raised an ``AutoparInputError``: listed apart, grouped by
 the message's first line, since a refusal of a plan that could work is a bug too); FAIL
 (any other exception, or a number off). Every failure prints the line that reruns it. The
 exit status is 1 when any case failed.
@@ -447,7 +449,10 @@ def report(cases: list[Case], results: dict, seconds: float) -> tuple[str, int]:
                            "tolerances by a little, equal to one device in float64"),
                           ("judged against one device on", "PASSED AGAINST THE PLAN'S SPLIT OF THE "
                            "BATCH ({n}): mixed precision, equal to one device on the plan's "
-                           "micro-batches (sweep_cases.split_references)")):
+                           "micro-batches (sweep_cases.split_references)"),
+                          ("AdamW's loss within", "PASSED ON ADAMW'S EXACT-ZEROS TWIN ({n}): the AdamW "
+                           "loss within one device's distance from its run with the gradients' "
+                           "rounding noise zeroed (sweep_cases.compare_adamw)")):
         apart = [(c, results[c.id]) for c in cases if results.get(c.id, {}).get("status") == "pass"
                  and results[c.id].get("message", "").startswith(prefix)]
         if apart:

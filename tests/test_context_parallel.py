@@ -10,11 +10,16 @@ import os
 import sys
 
 import pytest
+import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autopar  # noqa: E402
+from autopar.capture import capture  # noqa: E402
+from autopar.capture.sequence_dims import SequenceDims  # noqa: E402
 from autopar.errors import PinError  # noqa: E402
+from autopar.solver.context_search import balanced_copy  # noqa: E402
 from launch import case_result, torchrun_cases  # noqa: E402
 
 TWO = [
@@ -126,6 +131,61 @@ def test_an_op_that_reads_the_sequence_in_order_is_refused():
     with pytest.raises(PinError, match="reads the sequence in order"):
         autopar.plan(Shifted(), (ids,), lambda y, t: y.sum(), target=torch.zeros(1),
                      world_size=2, cluster="cpu:2", context=2)
+
+
+class _Alibi(nn.Module):
+    """BLOOM's attention in small: an ALiBi bias [batch * heads, 1, seq] added by
+    ``baddbmm`` to eager scores, the batch times the heads as long as the sequence."""
+
+    def __init__(self, heads: int = 4, dim: int = 8, vocab: int = 32):
+        super().__init__()
+        self.h, self.d = heads, dim
+        self.emb = nn.Embedding(vocab, heads * dim)
+        self.qkv = nn.Linear(heads * dim, 3 * heads * dim)
+        self.out = nn.Linear(heads * dim, vocab)
+
+    def forward(self, ids):
+        b, s = ids.shape
+        h, d = self.h, self.d
+        q, k, v = (t.transpose(1, 2).reshape(b * h, s, d)
+                   for t in self.qkv(self.emb(ids)).view(b, s, h, 3, d).unbind(3))
+        slopes = 2.0 ** -torch.arange(1, h + 1, device=ids.device, dtype=torch.float32)
+        alibi = (slopes[:, None, None] * torch.arange(s, device=ids.device)).repeat(b, 1, 1)
+        scores = torch.baddbmm(alibi, q, k.transpose(1, 2), alpha=d ** -0.5)
+        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.out((p @ v).view(b, h, s, d).transpose(1, 2).reshape(b, s, h * d))
+
+
+def _loss_and_grads(cap, model, inputs):
+    state, args = dict(model.named_parameters()), []
+    for n in cap.gm.graph.nodes:
+        if n.op == "placeholder":
+            args.append(state[cap.params[n.name][0].removeprefix("model.")]
+                        if n.name in cap.params else inputs[cap.inputs.index(n.name)])
+    loss = cap.gm(*args)[0]
+    return loss.detach(), torch.autograd.grad(loss, list(state.values()))
+
+
+def test_a_dim_as_long_as_the_sequence_that_is_not_it_keeps_its_order():
+    """BLOOM's ALiBi rows (batch x heads = 4 x 4 = 16 positions) were reordered as positions
+    under context=4, each head reading another's slopes: its attention weights' gradients
+    23% off (sweep case bloom:context:774277). The balanced graph on one device computes
+    the loss and the gradients of the graph in sequence order."""
+    torch.manual_seed(0)
+    model = _Alibi()
+    ids, target = torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16))
+    cap = capture(model, (ids,), lambda y, t: nn.functional.cross_entropy(y.flatten(0, 1), t.flatten()),
+                  target)
+    alibi = next(n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.baddbmm.default).args[0]
+    assert list(alibi.meta["val"].shape) == [16, 1, 16]
+    assert SequenceDims(cap.gm.graph, 16, 8).dims(alibi) == [2]      # positions: the last dim only
+    want, want_grads = _loss_and_grads(cap, model, (ids, target))
+    for c in (2, 4):
+        got, grads = _loss_and_grads(balanced_copy(cap, c), model, (ids, target))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_context_pins_are_checked():

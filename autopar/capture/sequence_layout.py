@@ -18,9 +18,12 @@ from a parameter (the embedding's output and all it flows into). The rest, compu
 from the inputs and constants, stays in sequence order: position ids, rotary tables, the
 masks transformers builds (whose packed-sequence detection reads the positions in order),
 the targets, a label shift inside the model's own loss. Where such a tensor enters the
-stream, each of its dims as long as the sequence is reordered by ``perm``
+stream, each of its dims that runs over the sequence is reordered by ``perm``
 (``aten.index_select``): the token ids at the embedding, the rotary cos/sin at their
-product with the queries, the targets at the loss. A value that has lost its sequence dim
+product with the queries, the targets at the loss. Which dims run over the sequence is
+not read from their length (BLOOM's ALiBi bias is [batch * heads, 1, seq], its first dim
+as long as the sequence at 4 x 4 = 16) but from the graph run again at another length on
+the meta device (``autopar.capture.sequence_dims``); a tensor it cannot tell is refused. A value that has lost its sequence dim
 by a view (targets flattened for a cross-entropy) is reordered before the view. Attention's
 mask is reordered on its rows only: the context-parallel attention reads its columns in
 sequence order, a key block's positions being known (``context_attention``'s balanced
@@ -28,7 +31,7 @@ layout). The model's outputs are put back in sequence order (``inverse``).
 
 An op of the stream that reads the sequence in order (a cumulative sum, a shift, a slice or
 pad along it, a causal convolution) would compute something else: it is refused, naming
-the node, as is a batch as long as the sequence (any other dim of that length is taken for
+the node, as is a batch as long as the sequence (an op's dim of that length is taken for
 the sequence). Attention must then run context-parallel on the context axis (the
 problem builder insists), where the balanced layout is known.
 """
@@ -41,6 +44,7 @@ import torch
 
 from autopar.capture.causal_mask import causal_masks_to_flags
 from autopar.capture.grouped_kv import ungroup_kv
+from autopar.capture.sequence_dims import SequenceDims
 from autopar.errors import PinError
 from autopar.ops.attention import is_attention
 
@@ -102,6 +106,7 @@ def balance_sequence(cap, c: int):
     causal_masks_to_flags(cap, seq)      # transformers' built causal mask: is_causal=True
     ungroup_kv(cap)                      # K/V passed between ranks before their head copies
     stream = _stream(cap)
+    probe = SequenceDims(graph, seq, 2 * c)
     ins = [n for n in graph.nodes if n.op != "placeholder"][0]
     with graph.inserting_before(ins):
         perm = _order(graph, seq, c, first, inverse=False)
@@ -114,11 +119,11 @@ def balance_sequence(cap, c: int):
         sdpa = is_attention(node.target)
         for k, a in enumerate(node.args):
             node.update_arg(k, _map(a, lambda x, rows=(sdpa and k == 3): _reordered(
-                graph, x, seq, perm, made, node, rows) if x.name not in stream and x is not perm
+                graph, x, probe, perm, made, node, rows) if x.name not in stream and x is not perm
                 else x))
         for key, a in dict(node.kwargs).items():
             node.update_kwarg(key, _map(a, lambda x, rows=(sdpa and key == "attn_mask"): _reordered(
-                graph, x, seq, perm, made, node, rows) if x.name not in stream and x is not perm
+                graph, x, probe, perm, made, node, rows) if x.name not in stream and x is not perm
                 else x))
     out = next(n for n in graph.nodes if n.op == "output")
     _restore_outputs(graph, out, cap, stream, seq, inv)
@@ -187,15 +192,28 @@ def _seq_dims(val, seq: int) -> list[int]:
     return [d for d, s in enumerate(val.shape) if s == seq]
 
 
-def _reordered(graph, a: torch.fx.Node, seq: int, perm, made: dict, user, rows: bool):
+def _reordered(graph, a: torch.fx.Node, probe: SequenceDims, perm, made: dict, user, rows: bool):
     """``a`` (in sequence order) as the stream consumer ``user`` must read it: reordered by
-    ``perm`` along its sequence-long dims (``rows``: attention's mask, dim 2 only); through a
-    view chain when ``a`` itself has no such dim; ``a`` when there is nothing to reorder."""
+    ``perm`` along its dims that run over the sequence (``probe``; ``rows``: attention's
+    mask, dim 2 only); through a view chain when ``a`` itself has no dim as long as the
+    sequence; ``a`` when there is nothing to reorder."""
+    seq = probe.seq
     val = a.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return a
     dims = [2] if rows and val.dim() == 4 and val.shape[2] == seq else \
         ([] if rows else _seq_dims(val, seq))
+    if dims and not rows:
+        dims = probe.dims(a)
+        if dims is None:
+            raise PinError(
+                f"context=: node {a.name} (shape {list(val.shape)}), computed from the inputs, meets "
+                f"the token stream at {user.name} with a dim as long as the sequence ({seq}), and "
+                "autopar cannot tell which of its dims run over the sequence (its graph does not "
+                f"run again on the meta device at {probe.probe} positions; "
+                "autopar.capture.sequence_dims); plan without context=")
+        if not dims:       # as long as the sequence, yet not it (BLOOM's ALiBi: batch x heads)
+            return a
     if dims:
         key = (a.name, tuple(dims))
         if key not in made:       # before its first reader (the walk is in graph order)
@@ -217,7 +235,7 @@ def _reordered(graph, a: torch.fx.Node, seq: int, perm, made: dict, user, rows: 
     key = (a.name, "view")
     if key in made:
         return made[key]
-    src = _reordered(graph, x, seq, perm, made, user, False)
+    src = _reordered(graph, x, probe, perm, made, user, False)
     if src is x:
         return a
     prev = src
