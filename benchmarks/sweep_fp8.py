@@ -120,6 +120,7 @@ def references(b, cap, plan, hyper: dict) -> dict:
                | set(planned_fp8_experts(cap, plan.options).values()))
     scaling, slices = plan.options.fp8_scaling, row_blocks(plan)
     return {"weights": weights, "slices": slices,
+            "experts": len(set(planned_fp8_experts(cap, plan.options).values())),
             "fp8": [fp8_reference(b, weights, scaling, slices, o, hyper) for o in ("sgd", "adamw")],
             "bf16": [fp8_reference(b, None, None, 1, o, hyper) for o in ("sgd", "adamw")],
             "noise": [fp8_reference(b, weights, scaling, slices, o, hyper, rest_fp32=True)
@@ -216,7 +217,10 @@ def verdict(m: dict) -> tuple[str, str]:
 
 
 def detail(m: dict, refs: dict, scaling: str) -> str:
-    return (f"fp8 {scaling}, {len(refs['weights'])} fp8 linears and experts, {refs['slices']} row blocks: loss "
+    experts = refs.get("experts", 0)
+    named = (f"{len(refs['weights']) - experts} fp8 linears"
+             + (f" and {experts} experts modules" if experts else ""))
+    return (f"fp8 {scaling}, {named}, {refs['slices']} row blocks: loss "
             f"{m.get('loss', math.nan):.1e} grad {m.get('grad', math.nan):.1e} weight "
             f"{m.get('weight', math.nan):.1e} AdamW weight {m.get('adam_weight', math.nan):.1e}; "
             f"the bf16 run from the recipe: grad {m.get('bf16_grad', math.nan):.1e} weight "

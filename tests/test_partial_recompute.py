@@ -133,9 +133,9 @@ def test_zero_bubble_prices_a_recomputing_later_stage_without_its_weight_half(ex
     seen = []
     real = pipeline_price.simulate
 
-    def spy(actions, forward, backward, weight=None, p2p=0.0):
+    def spy(actions, forward, backward, weight=None, p2p=0.0, **kw):
         seen.append(weight)
-        return real(actions, forward, backward, weight, p2p)
+        return real(actions, forward, backward, weight, p2p, **kw)
 
     monkeypatch.setattr(pipeline_price, "simulate", spy)
     plan = _plan(ex, pipeline=2, schedule="zero-bubble", micro_batch_size=2,

@@ -25,10 +25,11 @@ KINDS = {
                    TRAIN + ("low_precision_gathers", "prefetch_gathers") + LAST,
                    ("insert_collectives", "low_precision_gathers", "prefetch_gathers") + LAST),
     "zero3-fp8": ({"data": 2, "zero": 3, "precision": "fp8", "fp8_layers": "all"},
-                  TRAIN + ("low_precision_gathers", "fp8_linear_calls", "fp8_weight_gathers",
+                  TRAIN + ("low_precision_gathers", "fp8_linear_calls", "fp8_experts_calls",
+                           "fp8_weight_gathers",
                            "prefetch_gathers") + LAST,
                   ("insert_collectives", "low_precision_gathers", "fp8_linear_calls",
-                   "fp8_weight_gathers", "prefetch_gathers") + LAST),
+                   "fp8_experts_calls", "fp8_weight_gathers", "prefetch_gathers") + LAST),
     "recompute": ({"data": 2, "recompute": "full"}, TRAIN + ("checkpoint_layers",) + LAST,
                   ("insert_collectives",) + LAST),
     "zero3-recompute": ({"data": 2, "zero": 3, "recompute": "full"},       # fp32: no 16-bit gathers
@@ -40,7 +41,7 @@ KINDS = {
 
 _FUNCTIONS = {"insert_collectives": "insert_collectives", "check_grad_sync": "check_grad_sync",
               "low_precision_gathers": "low_precision_gathers", "fp8_linear_calls": "fp8_linear_calls",
-              "fp8_weight_gathers": "fp8_weight_gathers",
+              "fp8_experts_calls": "fp8_experts_calls", "fp8_weight_gathers": "fp8_weight_gathers",
               "prefetch_gathers": "prefetch_gathers",
               "checkpoint_layers": "checkpoint_layers", "offload_layers": "offload_layers",
               "keep_branches": "keep_branches",

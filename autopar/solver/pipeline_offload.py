@@ -90,7 +90,8 @@ def with_offload(cutter, fitted):
         if not off:
             break
         try:
-            again = cutter.solve(cutter.pins.replace(offload_activations=off, recompute=rec or "none"))
+            again = cutter.solve(cutter.pins.replace(offload_activations=off, recompute=rec or "none"),
+                                 explain=False)
             got = (again, *cutter.cut(again, explain=False))
             break
         except (StagesDoNotFit, InfeasibleError) as e:

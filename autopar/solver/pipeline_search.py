@@ -418,12 +418,17 @@ class _Cutter:
         # and offload_activations= too, in the free search (``pipeline_offload.may_offload``)
         self.free_offload = free_offload
 
-    def solve(self, pins: Options, limit: float | None = None) -> tuple[Plan, Solved]:
+    def solve(self, pins: Options, limit: float | None = None, explain: bool | None = None,
+              ) -> tuple[Plan, Solved]:
+        """``explain=False``: an infeasible stage mesh is not worked out how far from fitting
+        (the least-memory ILP), where the caller has the plan it had (``with_offload``)."""
         p, v, m, schedule = self.config
         settings = self.ask.settings.replace(memory_budget=self.budget if limit is None else limit)
-        return solve_intra(self.cap, replace(self.ask, pins=pins, settings=settings,
-                                             view=StepView(memory_weights(schedule, p, m, v), 1.0 / m)),
-                           p, self.capture_s)
+        ask = replace(self.ask, pins=pins, settings=settings,
+                      view=StepView(memory_weights(schedule, p, m, v), 1.0 / m))
+        if explain is not None:
+            ask = replace(ask, explain=explain)
+        return solve_intra(self.cap, ask, p, self.capture_s)
 
     def cut(self, solved, limit: float | None = None, explain: bool = True):
         """(Priced, StagePlan) of ``solved``; raises StagesDoNotFit when no cut fits."""
