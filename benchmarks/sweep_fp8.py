@@ -205,15 +205,31 @@ def allowed(m: dict) -> dict:
     return out
 
 
-def verdict(m: dict) -> tuple[str, str]:
-    """(status, first line) of :func:`measure`'s numbers against :func:`allowed`."""
+def verdict(m: dict, twin: dict | None = None) -> tuple[str, str]:
+    """(status, first line) of :func:`measure`'s numbers against :func:`allowed`; with
+    ``twin`` (the same plan in bf16 against one device in bf16: its 16-bit arithmetic that
+    the recipe does not do, ``sweep_cases.bf16_twin_distances``) each allowance plus the
+    twin's distance."""
     if m["problems"]:
         return "fail", f"fp8: {m['problems'][0]}"
     tol = allowed(m)
+    if twin:
+        tol = {k: v + twin.get(k, 0.0) for k, v in tol.items()}
     bad = [f"{k} err {m[k]:.2e} > {tol[k]:.1e}" + (" (the bf16 run's distance)"
                                                    if tol[k] == m.get("bf16_" + k) else "")
            for k in tol if not m[k] < tol[k]]
-    return ("fail", "fp8: " + "; ".join(bad)) if bad else ("pass", "")
+    if bad:
+        return "fail", "fp8: " + "; ".join(bad) + (" (with the plan's bf16 twin)" if twin else "")
+    return "pass", (f"within the recipe's allowances plus the plan's bf16 twin's distance from one "
+                    f"device in bf16 (grad {twin.get('grad', 0.0):.1e})" if twin else "")
+
+
+def distances_of(run_sgd, run_adam, ref: list, keep: dict) -> dict:
+    """(loss, grad, weight, adam_weight) of one rank's runs (``sweep_cases.Run``) against
+    ``ref``'s runs (:func:`_distances`)."""
+    sgd = (run_sgd.losses, run_sgd.grads, run_sgd.weights)
+    adam = (run_adam.losses, None, run_adam.weights)
+    return _distances(sgd, adam, ref, "", keep)
 
 
 def detail(m: dict, refs: dict, scaling: str) -> str:
