@@ -221,8 +221,27 @@ def verdict(row: Row, results: dict) -> str:
     notes.append("free >= best pinned" if free["step_s"] <= best * 1.0005
                  else f"free {free['step_s'] / best:.2f}x the best pinned")
     notes.append(f"planned in {free['wall_s']:.0f} s "
-                 + ("(goal met)" if free["wall_s"] <= row.goal_plan_s else f"(goal {row.goal_plan_s:g} s)"))
+                 + ("(goal met)" if free["wall_s"] <= row.goal_plan_s
+                    else f"(goal {row.goal_plan_s:g} s; {slowest_stages(free)})"))
     return "; ".join(notes)
+
+
+SEARCH_STAGES = ("capture", "unpipelined", "branches", "context", "experts", "pipeline search",
+                 "unpipelined, fewest layers", "accumulation", "offload")
+"""The free search's stages as ``plan.solver.phases`` names them (``solver/free_search.py``);
+the other entries are their parts (one mesh's programs, the problems' building)."""
+
+
+def slowest_stages(res: dict, top: int = 3) -> str:
+    """The search stages that kept a free plan from the time goal: the ``top`` longest, with
+    their wall seconds and share of the planning, from the case's ``phases``."""
+    phases = res.get("phases") or {}
+    stages = sorted(((s, phases[s]) for s in SEARCH_STAGES if phases.get(s, 0.0) > 0.0),
+                    key=lambda kv: -kv[1])[:top]
+    if not stages:
+        return "no stage times recorded"
+    total = phases.get("total") or res["wall_s"]
+    return "longest: " + ", ".join(f"{s} {t:.0f} s ({t / total:.0%})" for s, t in stages)
 
 
 def print_table(results: dict, names) -> None:

@@ -48,7 +48,14 @@ def test_verdict_names_what_keeps_a_row_from_its_goals():
     assert frontier.verdict(row, {"free": _planned(1.9, 12), **pinned}) == \
         "free >= best pinned; planned in 12 s (goal met)"
     assert frontier.verdict(row, {"free": _planned(3.0, 40), **pinned}) == \
-        "free 1.50x the best pinned; planned in 40 s (goal 30 s)"
+        "free 1.50x the best pinned; planned in 40 s (goal 30 s; no stage times recorded)"
+    # a row over its time goal names its longest search stages, from the case's phases
+    slow = {**_planned(1.9, 100), "phases": {"total": 100.0, "capture": 2.0, "unpipelined": 8.0,
+                                             "pipeline search": 70.0, "ilp (8, 8)": 60.0,
+                                             "accumulation": 20.0}}
+    assert frontier.verdict(row, {"free": slow, **pinned}) == (
+        "free >= best pinned; planned in 100 s (goal 30 s; longest: pipeline search 70 s "
+        "(70%), accumulation 20 s (20%), unpipelined 8 s (8%))")
     late = {"status": "budget", "wall_s": 900, "last_stage": "pipeline p=4 300.0s"}
     assert "pipeline p=4" in frontier.verdict(row, {"free": late, **pinned})
     assert frontier.verdict(row, pinned) == "incomplete"

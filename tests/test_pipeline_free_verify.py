@@ -3,6 +3,7 @@ step falls short of the prediction, the next configurations whose predictions be
 planned too, and the fastest real plan wins (``pipeline_free.search_pipelines``). Found on
 BLOOM 176B on Omni-Path nodes: ZeRO-3 over 64 ranks predicted 82 s per step, planned 167 s,
 returned over tensor 4 x pipeline 12 (predicted 84 s, planned 88 s)."""
+from dataclasses import dataclass
 from types import SimpleNamespace as NS
 
 import torch
@@ -39,9 +40,64 @@ def test_a_plan_short_of_its_prediction_does_not_end_the_search(monkeypatch):
     monkeypatch.setattr(pipeline_free, "_DegreeSearch", _Search)
     monkeypatch.setattr(pipeline_free, "capture_microbatch", lambda *a: "mcap")
     monkeypatch.setattr(pipeline_free, "plan_pipeline", _plan)
+    monkeypatch.setattr(pipeline_free, "SECOND_LOOKS", 0)
     planned.clear()
     spec = SearchSpec(None, (torch.zeros(8, 2),), None, None, NS(device=NS(memory_bytes=1.0)), 8,
                       Options())
     plan, _ = pipeline_free.search_pipelines(spec, None)
     assert plan.p == 12 and plan.estimate.step_time_s == 88.0
     assert planned == [3, 12]       # 24 predicted at 89 s cannot beat 12 planned at 88 s
+
+
+@dataclass
+class _Planned:
+    estimate: NS
+    p: int
+    options: Options
+
+
+def test_a_degree_predicted_near_the_best_real_plan_is_searched_again(monkeypatch):
+    """A degree whose best prediction lies within ``SECOND_LOOK_MARGIN`` of the best real plan
+    is planned again as if ``pipeline=p`` were pinned (``pipeline_free._second_look``); the
+    faster plan wins, its pins the user's and what the search chose, not ``pipeline``.
+    Found on Mixtral 8x7B on 64 H100s: p = 8 planned 2.568 s stopped the search, p = 4's
+    best predicted 2.630 s; ``pipeline=4`` pinned plans 2.527 s (data 16, interleaved)."""
+    # p -> (predicted, real of the predicted configuration, real when searched as pinned)
+    steps = {8: (2.542, 2.568, 2.568), 4: (2.630, 2.70, 2.527), 2: (2.795, 2.80, 2.0)}
+
+    class Search:
+        def __init__(self, *a, **k):
+            pass
+
+        def best(self, p):
+            extra = {"data": 2, "expert": 8} if p == 4 else {"data": 64 // p}
+            return steps[p][0], p, NS(virtual_stages=1, micro_batches=16, schedule="1f1b"), extra
+
+        def unpruned(self):
+            return {}
+    again = []
+
+    def pinned(spec, extra_pins=None, **kw):
+        p = spec.options.pipeline
+        again.append((p, extra_pins))
+        opts = Options.from_pins({"pipeline": p, "zero": 2, "micro_batch_size": 4})
+        return _Planned(NS(step_time_s=steps[p][2] + (0.01 if extra_pins else 0.0)), p, opts), \
+            f"graph of p={p}"
+    monkeypatch.setattr(pipeline_free, "pipeline_degrees", lambda cap, cl, world: sorted(steps))
+    monkeypatch.setattr(pipeline_free, "_DegreeSearch", Search)
+    monkeypatch.setattr(pipeline_free, "capture_microbatch", lambda *a: "mcap")
+    monkeypatch.setattr(pipeline_free, "plan_pipeline", lambda mcap, ask, config, **kw: NS(
+        estimate=NS(step_time_s=steps[config[0]][1]), p=config[0], recompute=(), options=Options()))
+    monkeypatch.setattr(pipeline_free, "plan_pipelined", pinned)
+    spec = SearchSpec(None, (torch.zeros(64, 2),), None, None, NS(device=NS(memory_bytes=1.0)), 64,
+                      Options())
+    plan, mcap = pipeline_free.search_pipelines(spec, None)
+    # p = 2, predicted 2.795 s, is beyond 1.05 x 2.568 s: not searched again (though it would win)
+    assert again == [(8, None), (4, None), (4, {"expert": 8})]
+    assert plan.p == 4 and plan.estimate.step_time_s == 2.527 and mcap == "graph of p=4"
+    assert dict(plan.options.items()) == {"zero": 2}
+    # one degree at most: the best predicted (p = 8, planned already) alone
+    again.clear()
+    monkeypatch.setattr(pipeline_free, "SECOND_LOOKS", 1)
+    plan, _ = pipeline_free.search_pipelines(spec, None)
+    assert again == [(8, None)] and plan.p == 8 and plan.estimate.step_time_s == 2.568

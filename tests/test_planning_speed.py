@@ -204,6 +204,7 @@ def test_configurations_of_one_micro_batch_count_share_its_capture(monkeypatch):
     monkeypatch.setattr(pipeline_free, "_DegreeSearch", Search)
     monkeypatch.setattr(pipeline_free, "capture_microbatch",
                         lambda *a: captures.append(a[-1]) or f"graph at m={a[-1]}")
+    monkeypatch.setattr(pipeline_free, "SECOND_LOOKS", 0)
     monkeypatch.setattr(pipeline_free, "plan_pipeline", lambda mcap, ask, config, **kw:
                         planned.append((config[0], mcap)) or
                         NS(estimate=NS(step_time_s=steps[config[0]][1]), p=config[0], recompute=(),
