@@ -241,3 +241,29 @@ def test_which_experts_run_fp8():
         planned_fp8_experts(cap, Options(precision="fp8", fp8_layers=tuple(MIXTRAL_EXPERTS), compile=True))
     with pytest.raises(PinError, match="model.layers.0.mlp.gate"):
         planned_fp8_experts(cap, Options(precision="fp8", fp8_layers=("model.layers.0.mlp.gate",)))
+
+
+def test_experts_split_over_tensor_with_idle_experts_keep_the_ranks_in_step(monkeypatch):
+    """DeepSeek-V3's experts split over a tensor axis of 2 (the stacks sharded on their experts
+    dim, tokens whole) under fp8, with a skewed router, so that some expert of some rank gets
+    no token: each rank runs every local expert (zero rows where none came), so backward's
+    collectives (the dense fp8 linears' amax gathers, the gradients' all-reduces) come in the
+    same order on both ranks. Skipping idle experts made the order follow each rank's routing:
+    one rank gathered an amax while the other all-reduced a gradient (sweep case
+    ``deepseek_v3-skewed:fp8:856146``, "Tensors must have same number of dimensions")."""
+    case = sc.parse_case_id("deepseek_v3-skewed:fp8:856146")
+    assert dict(case.pins) == {"fp8_layers": "all", "fp8_scaling": "tensorwise",
+                               "precision": "fp8", "tensor": 2}
+    b = sc.model_inputs(case)
+    planned = sc.plan_case(case, b)
+    plan = planned[0] if isinstance(planned, tuple) else planned
+    experts = [n for n, op in plan.node_ops.items() if op == "autopar.moe_experts.default"]
+    assert experts and all(plan.nodes[n].input(3)[0] == Shard(0) for n in experts)
+    monkeypatch.setattr(sc, "plan_case", lambda c, built, captured=None: planned)
+    rows = []
+    real = fp8_experts.fp8_linear
+    monkeypatch.setattr(fp8_experts, "fp8_linear",
+                        lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
+    r = sc.run_threads(case)
+    assert r.status == "pass", f"{case.id}: {r.message}\n{r.detail}"
+    assert 0 in rows and max(rows) > 0, rows      # idle experts ran, and busy ones

@@ -81,7 +81,11 @@ def _max_over(a: torch.Tensor, axis: int) -> torch.Tensor:
 def _amax(t: torch.Tensor, dims: tuple[int, ...], shards: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """max |t| over ``dims`` (kept), max-reduced over each mesh axis of ``shards``
     ((axis, dim) pairs: ``t`` sharded on ``dim`` over ``axis``) whose dim is scaled."""
-    a = t.abs().amax(dim=dims, keepdim=True).float()
+    if any(t.shape[d] == 0 for d in dims):     # no rows (an expert no token reached): 0
+        a = torch.zeros([1 if d in dims else n for d, n in enumerate(t.shape)],
+                        dtype=torch.float32, device=t.device)
+    else:
+        a = t.abs().amax(dim=dims, keepdim=True).float()
     for axis, dim in shards:
         if dim % t.dim() in dims:
             a = _max_over(a, axis)

@@ -93,10 +93,14 @@ def fp8_experts_forward(m: nn.Module, stacks: list[torch.Tensor], hidden: torch.
     w_down = tuple((a, 1) for a in tensor_axes)     # [H, I]: its input columns split
     mid = tuple((a, 1) for a in tensor_axes)        # the rows' inner features split
     out = torch.zeros_like(hidden)
+    # every expert, those no token reached too (zero rows): the autograd graph then has the
+    # same nodes on every rank, so backward runs them, and the collectives some of them and
+    # the program's other branches issue, in the same order on every rank. Skipping them
+    # (as the eager loop does) made the order depend on each rank's routing: DeepSeek-V3's
+    # experts split over tensor 2 under fp8, one rank at a dense fp8 linear's amax gather
+    # while the other all-reduced a gradient (sweep case deepseek_v3-skewed:fp8:856146)
     for e in range(up.shape[0]):
         tok, pos = torch.where(top_k_index == e)
-        if tok.numel() == 0:
-            continue
         h = fp8_linear(hidden[tok], up[e], None, scaling, (), w_up, mid)
         h = h.float() if out_fp32 else h
         h = m._apply_gate(h) if gated else m.act_fn(h)
