@@ -27,6 +27,10 @@ on the meta device planned for a 2x4 mesh of A100s, and two large models planned
   in the worker), context 4 x tensor 8, 7.01885 s, digest 19f4245a52d4, against 8.34835 s
   without a context axis. It took 31.9 s while the ZeRO stages were solved again on the
   context stage's meshes, which have no data axis.
+- ``frontier-mixtral-8x7b``, ``frontier-mixtral-8x22b``, ``frontier-qwen3-235b``,
+  ``frontier-llama3-70b``: the frontier table's other models (``benchmarks/frontier.py``,
+  issue 40), planned free as its free rows are (its model, batch and cluster, bf16 and the
+  run's gradient reduction pinned; goal 30 s each), here in this process with the phases.
 
 Measured 2026-11-27 (session 17, ``PYTHONHASHSEED=0``, beside a test run):
 ``deepseek-v3-pinned`` 12.2 s (capture 9.6 s: its three dense layers and 58 MoE layers are
@@ -230,8 +234,11 @@ from examples.hf_llama import hf_llama_meta  # noqa: E402
 from examples.llama import LlamaConfig, llama_factory  # noqa: E402
 from examples.models import EXAMPLES, gpt_factory  # noqa: E402
 
+FRONTIER = ("mixtral-8x7b", "mixtral-8x22b", "qwen3-235b", "llama3-70b")
+"""The frontier table's models (``benchmarks/frontier.py``) without a row of their own above,
+planned free as its free rows are: ``frontier-NAME``."""
 ROWS = ("examples", "depth", "175b", "405b", "405b-pinned", "hf-llama-7b", "deepseek-v3",
-        "deepseek-v3-pinned", "hf-llama3-8b-262k")
+        "deepseek-v3-pinned", "hf-llama3-8b-262k") + tuple(f"frontier-{n}" for n in FRONTIER)
 
 
 def row(label, build, cluster, world, pins=None, phases=False, **kw):
@@ -245,7 +252,7 @@ def row(label, build, cluster, world, pins=None, phases=False, **kw):
     s = plan.solver
     t_capture = s.phases.get("capture", s.capture_time_s)
     mem = plan.estimate.memory_total / 2**30
-    print(f"{label:<28} {cluster:<13} {str(plan.mesh_shape):<14} {t_capture:>8.2f} "
+    print(f"{label:<28} {str(cluster):<13} {str(plan.mesh_shape):<14} {t_capture:>8.2f} "
           f"{wall - t_capture:>8.2f} {wall:>8.2f} {cpu:>8.2f} {s.n_graph_nodes:>7} "
           f"{s.n_decisions:>9} {s.status:>9} {mem:>8.2f} {plan.estimate.step_time_s:>12.6g}"
           + (f"  pipeline {plan.pipeline_stages}, {plan.schedule}, m={plan.n_microbatches}"
@@ -393,6 +400,23 @@ def main() -> None:
                         pins={"precision": "bf16"}, phases=True)
         print(f"transformers Llama-3-8B at 262,144 tokens on 32 H100s planned free in "
               f"{wall:.1f} s ({cpu}; goal 30 s)")
+    for name in FRONTIER:
+        if f"frontier-{name}" in rows:
+            frontier_row(name)
+
+
+def frontier_row(name: str) -> None:
+    """One of ``benchmarks/frontier.py``'s models planned free, as its free row plans it (its
+    model, batch and cluster; bf16 and the run's gradient reduction pinned)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import frontier
+    import published_runs as pr
+    run = frontier.ROWS[name].run
+    cluster = pr.run_cluster(run)
+    wall, cpu = row(f"{name} (meta), bf16", lambda: pr.build(run, run.batch), cluster, run.gpus,
+                    pins={"precision": "bf16", "grad_reduce": run.grad_reduce}, phases=True)
+    print(f"{name} on {run.gpus} {run.device.upper()} planned free in {wall:.1f} s ({cpu}; "
+          f"goal {frontier.ROWS[name].goal_plan_s:g} s)")
 
 
 if __name__ == "__main__":

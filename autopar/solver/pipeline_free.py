@@ -170,7 +170,7 @@ was predicted 2.884 s (1F1B, its interleaved schedule not fitting at that view o
 and p = 4's best 2.630 s (expert 8), so the search stopped at p = 8's real 2.568 s; pinned
 ``pipeline=4`` plans data 16 interleaved (v = 4) at 2.527 s, on the micro-batch's own prices
 with the fewest layers recomputed per rank. A wider margin costs a pinned search per degree
-it admits (5 CPU s on Mixtral 8x7B, 17 s on Llama 3 405B)."""
+it admits (``pipeline=4`` on Mixtral 8x7B: 5 CPU s, its captures included)."""
 
 SECOND_LOOKS = 2
 """Degrees :func:`_second_look` searches again at most (the best predicted first)."""
@@ -182,8 +182,7 @@ def _second_look(found: list, planned: tuple, spec: SearchSpec, verbose: bool) -
     :data:`SECOND_LOOK_MARGIN` of it, made by ``pipeline_search.plan_pipelined`` with
     ``pipeline=p`` (its stage mesh, micro-batch count, schedule and virtual stages chosen on
     the micro-batch's own prices; with the expert degree the degree search chose too, where
-    it chose one), if its step is lower. Its pins stay the user's (as
-    :func:`_replan_recomputing`'s)."""
+    it chose one), if its step is lower. Its pins stay the user's (:func:`_with_users_pins`)."""
     pins = spec.options
     best = planned
     near = [x for x in sorted(found, key=lambda x: x[0])
@@ -204,11 +203,17 @@ def _second_look(found: list, planned: tuple, spec: SearchSpec, verbose: bool) -
                 print(f"pipeline p={p} {extra_pins or ''} searched again (predicted "
                       f"{predicted:.4g} s): planned {step:.4g} s")
             if step < best[0].estimate.step_time_s:
-                best = (replace(again, options=Options.from_pins(
-                    {k: v for k, v in again.options.items()
-                     if k in pins or k in ("zero", "expert", "fp8_layers", "offload_activations")})),
-                        mcap)
+                best = (_with_users_pins(again, pins), mcap)
     return best
+
+
+def _with_users_pins(plan: Plan, pins: Options) -> Plan:
+    """``plan`` (made with a pipeline degree, micro-batch and schedule pinned in the search's
+    stead) with the user's ``pins`` as its options, and what the search chose that a plan's
+    options carry (ZeRO stage, expert degree, fp8 layers, offloaded layers)."""
+    return replace(plan, options=Options.from_pins(
+        {k: v for k, v in plan.options.items()
+         if k in pins or k in ("zero", "expert", "fp8_layers", "offload_activations")}))
 
 
 def _frees_layers(plan: Plan, pins: Options) -> bool:
@@ -255,9 +260,7 @@ def _replan_recomputing(real: Plan, mcap, spec: SearchSpec, config, extra) -> Pl
         except ValueError:
             continue
         if again.estimate.step_time_s < best.estimate.step_time_s:
-            best = replace(again, options=Options.from_pins(
-                {k: v for k, v in again.options.items()
-                 if k in pins or k in ("zero", "expert", "fp8_layers", "offload_activations")}))
+            best = _with_users_pins(again, pins)
     return best
 
 
