@@ -173,31 +173,96 @@ def make_plan(case: dict, time_limit_s: float = 120.0):
 
 
 @contextlib.contextmanager
-def fake_world(world: int, device: torch.device, restore_group=None):
+def fake_world(world: int, device: torch.device):
     """torch's fake process group of ``world`` ranks, this process rank 0 (collectives return
-    at once); the previous group (gpu_check's world-1 group) is put back afterwards by
-    ``restore_group(device)``."""
+    at once), its collectives' outputs written as :class:`Loopback` says; a process group
+    open before (gpu_check's world-1 group) is destroyed, and :func:`section_scale` makes it
+    again once every case has run and freed its memory (made again here, after a case that
+    failed holding the GPU's memory, NCCL's own set-up failed and hid the case's error)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    prev = None
+    from autopar.ops.comm import DistComm
     if dist.is_initialized():
-        prev = (dist.get_backend(), dist.get_world_size())
         dist.destroy_process_group()
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(world))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    made = DistComm.__init__
+
+    def loopback_comm(self, *a, **k):
+        made(self, *a, **k)
+        self.dist = Loopback(self.dist)
+    DistComm.__init__ = loopback_comm
     try:
         yield
     finally:
+        DistComm.__init__ = made
         dist.destroy_process_group()
         for k, v in env.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if prev is not None and restore_group is not None:
-            restore_group(device)
+
+
+class Loopback:
+    """``torch.distributed`` as autopar's communicator (``ops.comm.DistComm.dist``) calls it
+    under the fake process group, each collective's output then written as if every peer
+    had sent what this rank sends: an all-gather copies the input into each peer's slot, a
+    reduce-scatter keeps this rank's chunk of its own input, an all-to-all whose receive
+    counts equal its send counts (the counts' exchange, then the tokens: a balanced
+    router's) hands back what it sends. torch 2.13's fake group does the same (its "fake
+    collective semantics"); torch 2.11's leaves the outputs as allocated (uninitialised
+    memory: session 28's NaN loss and its token counts of 10^18), so the data must not
+    depend on the torch of the GPU machine. An all-reduce leaves this rank's own partial sum
+    (finite; the scale, not the shape, differs from a real one)."""
+
+    def __init__(self, dist_module):
+        self._dist = dist_module
+
+    def __getattr__(self, name):
+        return getattr(self._dist, name)
+
+    def _peers(self, group):
+        return self._dist.get_world_size(group), self._dist.get_rank(group)
+
+    def all_gather_into_tensor(self, out, t, group=None, async_op=False):
+        work = self._dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
+        n, _ = self._peers(group)
+        with torch.no_grad():
+            for slot in out.chunk(n):
+                slot.copy_(t.reshape(slot.shape))
+        return work
+
+    def all_gather(self, parts, t, group=None, async_op=False):
+        work = self._dist.all_gather(parts, t, group=group, async_op=async_op)
+        with torch.no_grad():
+            for part in parts:
+                part.copy_(t)
+        return work
+
+    def reduce_scatter_tensor(self, out, t, group=None, async_op=False, **kw):
+        work = self._dist.reduce_scatter_tensor(out, t, group=group, async_op=async_op, **kw)
+        n, me = self._peers(group)
+        with torch.no_grad():
+            out.copy_(t.chunk(n)[me].reshape(out.shape))
+        return work
+
+    def all_to_all_single(self, out, t, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        work = self._dist.all_to_all_single(out, t, output_split_sizes, input_split_sizes,
+                                            group=group, async_op=async_op)
+        with torch.no_grad():
+            if out.shape == t.shape and list(output_split_sizes or []) == list(input_split_sizes or []):
+                out.copy_(t)
+            else:     # counts this rank did not send: its first rows, repeated (finite, arbitrary)
+                flat, src = out.reshape(out.shape[0], -1), t.reshape(t.shape[0], -1)
+                step = max(src.shape[0], 1)
+                for start in range(0, flat.shape[0] if src.shape[0] else 0, step):
+                    rows = min(step, flat.shape[0] - start)
+                    flat[start:start + rows].copy_(src[:rows])
+        return work
 
 
 @contextlib.contextmanager
@@ -347,7 +412,7 @@ def local_checks(pm, plan, inputs, target) -> dict:
             "wrong_local_shapes": wrong[:8], "n_wrong_local_shapes": len(wrong)}
 
 
-def run_case(ctx, name: str, case: dict, live: bool, log, restore_group=None) -> dict:
+def run_case(ctx, name: str, case: dict, live: bool, log) -> dict:
     """Case ``name``: planned (or its prepared plan), rank 0's module built under the fake
     process group with random weights, checked (:func:`local_checks`) and timed."""
     import autopar
@@ -360,7 +425,7 @@ def run_case(ctx, name: str, case: dict, live: bool, log, restore_group=None) ->
     whole_bytes = sum(p.numel() * p.element_size() for p in whole.values())
     dev = ctx.device
     steps, warmup = (1, 0) if ctx.dry else (3, 1)
-    with fake_world(plan.world_size, dev, restore_group), without_peers(), random_weights() as weights:
+    with fake_world(plan.world_size, dev), without_peers(), random_weights() as weights:
         resident = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else 0.0
         t = time.perf_counter()
         try:
@@ -370,6 +435,7 @@ def run_case(ctx, name: str, case: dict, live: bool, log, restore_group=None) ->
                             "and transformers capture: run `python benchmarks/gpu_check.py --prepare-scale` "
                             "with this machine's versions, or carry OR-Tools to solve here]") from e
         build_s = time.perf_counter() - t
+        built = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else None
         local = dict(pm.module.named_parameters())
         local_bytes = sum(p.numel() * p.element_size() for p in local.values())
         checks = local_checks(pm, plan, inputs, target)
@@ -380,6 +446,10 @@ def run_case(ctx, name: str, case: dict, live: bool, log, restore_group=None) ->
                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
         finally:
             timing.peak_memory = original
+        # what stays between steps (weights, gradients, optimizer states): the peak less this
+        # is the step's transient memory (activations, workspaces, the optimizer's temporaries)
+        held = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else None
+        reserved = float(torch.cuda.max_memory_reserved(dev)) if ctx.cuda else None
         rep = timing.report(plan, pm._cap, [rank], steps, warmup)
         predicted = stage_prediction(pm._cap, plan) or {}
         del pm
@@ -414,6 +484,9 @@ def run_case(ctx, name: str, case: dict, live: bool, log, restore_group=None) ->
            "prediction_note": "pipeline: compute_predicted_s is the plan's busiest stage's compute per step and "
                               "predicted_memory_bytes its fullest stage's (solver.pipeline_price); this is stage 0"
                               if pipelined else "the plan's per-device estimate (every rank alike)",
+           "allocated_after_build_bytes": None if built is None else built - resident,
+           "allocated_after_steps_bytes": None if held is None else held - resident,
+           "max_reserved_bytes": reserved,
            "step_measured_s": rank.step_s, "step_predicted_s": est.step_time_s,
            "timing_report": str(rep)}
     log(f"  {name}: local params {local_bytes / 2**30:.3f} GiB of {whole_bytes / 2**30:.3f} GiB; peak "
@@ -425,7 +498,8 @@ def run_case(ctx, name: str, case: dict, live: bool, log, restore_group=None) ->
 def section_scale(ctx, have_ortools: bool, log, error_info, restore_group) -> dict:
     """gpu_check's ``scale`` section: every case, each error recorded and the next one run
     (``error_info``: gpu_check's record of an exception; ``restore_group(device)``: its
-    world-1 process group, made again after each case's fake one)."""
+    world-1 process group, made again once every case has run and freed its memory)."""
+    had_group = dist.is_initialized()
     if ctx.cuda:      # the earlier sections' modules: off the device, its memory is this section's
         ctx.models.clear()
         torch.cuda.empty_cache()
@@ -440,7 +514,7 @@ def section_scale(ctx, have_ortools: bool, log, error_info, restore_group) -> di
         t = time.perf_counter()
         try:
             live = ctx.dry or (ctx.plan_source == "live" and have_ortools)
-            out["cases"][name] = run_case(ctx, name, case, live, log, restore_group)
+            out["cases"][name] = run_case(ctx, name, case, live, log)
         except Exception as e:  # noqa: BLE001 - recorded; the next case runs
             out["cases"][name] = error_info(e)
             log(f"  {name}: ERROR {out['cases'][name]['error'][:400]}")
@@ -452,6 +526,11 @@ def section_scale(ctx, have_ortools: bool, log, error_info, restore_group) -> di
         out["cases"][name]["seconds"] = time.perf_counter() - t
         if ctx.cuda:
             torch.cuda.empty_cache()
+    if had_group and not dist.is_initialized():
+        try:
+            restore_group(ctx.device)
+        except Exception as e:  # noqa: BLE001 - the cases' results stand; later sections see it
+            out["restore_group_error"] = error_info(e)
     return out
 
 
@@ -462,9 +541,13 @@ def summary_lines(sec: dict) -> list[str]:
             lines.append(f"scale {name}: {c.get('error') or c.get('skipped')}"[:240])
             continue
         fams = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in c["families"].items() if v["ratio"])
-        lines.append(f"scale {name} (mesh {c['mesh']}): peak {c['peak_bytes'] / 2**30:.2f} GiB vs plan "
+        ch = c.get("checks", {})
+        bad = "" if ch.get("loss_finite") and ch.get("grads_finite") else " [loss or gradients not finite]"
+        held = c.get("allocated_after_steps_bytes")
+        held = f" (held between steps {held / 2**30:.2f} GiB)" if held is not None else ""
+        lines.append(f"scale {name} (mesh {c['mesh']}): peak {c['peak_bytes'] / 2**30:.2f} GiB{held} vs plan "
                      f"{c['predicted_memory_bytes'] / 2**30:.2f} GiB ({c['memory_ratio']:.2f}x); compute "
                      f"{c['compute_measured_s'] * 1e3:.1f} ms" + (f" ({c['compute_ratio']:.2f}x"
                                                                    + (f": {fams})" if fams else ")")
-                                                                   if c["compute_ratio"] else ""))
+                                                                   if c["compute_ratio"] else "") + bad)
     return lines

@@ -251,6 +251,49 @@ def test_scale_runs_one_rank_of_each_plan(dry):
     assert cases["deepseek_v3_moe_ep8"]["mesh_axes"] == ["expert"]
 
 
+def test_loopback_writes_what_a_fake_group_may_leave_unwritten():
+    """torch 2.11's fake process group (the GPU machine's torch) returns from a collective
+    without writing its output: the scale section's loss was NaN there and its token
+    counts 10^18. ``Loopback`` writes every output as if each peer sent what this rank
+    sends, whatever the group under it did: checked here over a stand-in that writes
+    nothing (the output starts as NaN)."""
+    import torch
+    from gpu_check_scale import Loopback
+
+    class Silent:                          # torch 2.11's fake group: returns, writes nothing
+        def get_world_size(self, group=None):
+            return 4
+
+        def get_rank(self, group=None):
+            return 1
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+    lo = Loopback(Silent())
+    t = torch.arange(6.0).reshape(3, 2)
+    out = torch.full((12, 2), float("nan"))
+    lo.all_gather_into_tensor(out, t)
+    assert torch.equal(out, t.repeat(4, 1))
+    parts = [torch.full((3, 2), float("nan")) for _ in range(4)]
+    lo.all_gather(parts, t)
+    assert all(torch.equal(p, t) for p in parts)
+    big = torch.arange(24.0).reshape(12, 2)
+    out = torch.full((3, 2), float("nan"))
+    lo.reduce_scatter_tensor(out, big)
+    assert torch.equal(out, big[3:6])                   # rank 1's chunk of its own input
+    counts = torch.tensor([5, 0, 7, 1])
+    got = torch.full((4,), -1)
+    lo.all_to_all_single(got, counts)                   # the counts' exchange: equal splits
+    assert torch.equal(got, counts)
+    toks = torch.arange(26.0).reshape(13, 2)
+    out = torch.full((13, 2), float("nan"))
+    lo.all_to_all_single(out, toks, [5, 0, 7, 1], [5, 0, 7, 1])
+    assert torch.equal(out, toks)
+    out = torch.full((20, 2), float("nan"))             # counts it did not send: finite rows
+    lo.all_to_all_single(out, toks, [10, 0, 9, 1], [5, 0, 7, 1])
+    assert torch.isfinite(out).all() and torch.equal(out[:13], toks)
+
+
 def test_without_a_gpu_it_refuses(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "r.json")], cwd=ROOT,
