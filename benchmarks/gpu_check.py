@@ -185,8 +185,18 @@ def log(msg: str) -> None:
 
 
 def error_info(e: BaseException) -> dict:
+    """An exception's message and traceback tail, and where it was raised from another (torch's
+    pipeline stages wrap a stage's error in "failed to run forward") the first one's too."""
     lines = "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip().splitlines()
-    return {"error": f"{type(e).__name__}: {e}"[:3000], "traceback_tail": lines[-15:]}
+    out = {"error": f"{type(e).__name__}: {e}"[:3000], "traceback_tail": lines[-15:]}
+    root = e
+    while (root.__cause__ or root.__context__) is not None and len(out) < 50:
+        root = root.__cause__ or root.__context__
+    if root is not e:
+        tail = "".join(traceback.format_exception(type(root), root, root.__traceback__)).rstrip().splitlines()
+        out.update(root_error=f"{type(root).__name__}: {root}"[:3000], root_traceback_tail=tail[-15:])
+        out["error"] = f"{out['error'][:1500]} [from {out['root_error'][:1400]}]"
+    return out
 
 
 def free_port() -> int:

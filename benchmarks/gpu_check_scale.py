@@ -77,10 +77,12 @@ import math
 import os
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "gpu_check_scale.json"
@@ -390,6 +392,79 @@ def stage_prediction(cap, plan) -> dict | None:
     return predicted_compute(cap, plan)
 
 
+class OpMemory(TorchDispatchMode):
+    """Every ATen op of one step: its phase (forward; backward, where autograd's engine runs
+    it; optimizer, while ``phase`` says so), the device's allocated bytes after it, and its
+    seconds between two synchronisations. Where the peak falls, what forward left saved,
+    and which ops take the time: what a ratio by family cannot say."""
+
+    def __init__(self, allocated, sync):
+        super().__init__()
+        self.allocated, self.sync = allocated, sync
+        self.phase = "step"
+        self.trace: list[tuple[str, str, int]] = []
+        self.seconds: dict = defaultdict(float)
+        self.calls: dict = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.sync()
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.sync()
+        if func.namespace == "aten":
+            node = getattr(torch._C, "_current_autograd_node", lambda: None)()
+            phase = self.phase if self.phase != "step" else ("backward" if node is not None else "forward")
+            name = func.name().removeprefix("aten::")
+            self.seconds[(phase, name)] += time.perf_counter() - t0
+            self.calls[(phase, name)] += 1
+            self.trace.append((phase, name, self.allocated()))
+        return out
+
+
+def op_memory(pm, inputs, target, ctx, resident: float) -> dict:
+    """One AdamW step of the rank's program (after one that makes the optimizer's states)
+    under :class:`OpMemory`: bytes allocated (less ``resident``) before it, at the end of
+    forward, at the highest point after an op of each phase (which op), the allocator's
+    peak inside the step, and the 15 ops of most time."""
+    dev = ctx.device
+    allocated = (lambda: torch.cuda.memory_allocated(dev)) if ctx.cuda else (lambda: 0)
+    sync = (lambda: torch.cuda.synchronize(dev)) if ctx.cuda else (lambda: None)
+    opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-4)
+
+    def step(mode=None):
+        opt.zero_grad(set_to_none=True)
+        pm.train_step(*inputs, target=target)
+        if mode is not None:
+            mode.phase = "optimizer"
+        pm.step(opt)
+        if mode is not None:
+            mode.phase = "step"
+    step()
+    sync()
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    before = allocated() - resident
+    mode = OpMemory(allocated, sync)
+    with mode:
+        step(mode)
+    peak_in = (torch.cuda.max_memory_allocated(dev) - resident) if ctx.cuda else None
+    trace = mode.trace
+    fwd = [i for i, (ph, _, _) in enumerate(trace) if ph == "forward"]
+    phases = {}
+    for ph in ("forward", "backward", "optimizer"):
+        rows = [(b, i, name) for i, (p_, name, b) in enumerate(trace) if p_ == ph]
+        if rows:
+            b, i, name = max(rows)
+            phases[ph] = {"peak_after_op_bytes": b - resident, "op": name, "op_index": i, "ops": len(rows)}
+    top = sorted(mode.seconds.items(), key=lambda kv: -kv[1])[:15]
+    del opt
+    return {"before_step_bytes": before,
+            "end_of_forward_bytes": trace[fwd[-1]][2] - resident if fwd else None,
+            "phases": phases, "peak_in_step_bytes": peak_in, "ops": len(trace),
+            "top_ops": [{"phase": ph, "op": name, "calls": mode.calls[(ph, name)], "seconds": sec}
+                        for (ph, name), sec in top]}
+
+
 def local_checks(pm, plan, inputs, target) -> dict:
     """One training step of the rank's program: its loss and gradients finite, and every
     local parameter the shape the plan's placements give (``pm._shards``)."""
@@ -452,6 +527,10 @@ def run_case(ctx, name: str, case: dict, live: bool, log) -> dict:
         reserved = float(torch.cuda.max_memory_reserved(dev)) if ctx.cuda else None
         rep = timing.report(plan, pm._cap, [rank], steps, warmup)
         predicted = stage_prediction(pm._cap, plan) or {}
+        try:
+            traced = op_memory(pm, inputs, target, ctx, resident)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the case's numbers stand without it
+            traced = {"error": f"{type(e).__name__}: {e}"[:600]}
         del pm
     if ctx.cuda:
         torch.cuda.empty_cache()
@@ -486,7 +565,7 @@ def run_case(ctx, name: str, case: dict, live: bool, log) -> dict:
                               if pipelined else "the plan's per-device estimate (every rank alike)",
            "allocated_after_build_bytes": None if built is None else built - resident,
            "allocated_after_steps_bytes": None if held is None else held - resident,
-           "max_reserved_bytes": reserved,
+           "max_reserved_bytes": reserved, "op_memory": traced,
            "step_measured_s": rank.step_s, "step_predicted_s": est.step_time_s,
            "timing_report": str(rep)}
     log(f"  {name}: local params {local_bytes / 2**30:.3f} GiB of {whole_bytes / 2**30:.3f} GiB; peak "
@@ -550,4 +629,14 @@ def summary_lines(sec: dict) -> list[str]:
                      f"{c['compute_measured_s'] * 1e3:.1f} ms" + (f" ({c['compute_ratio']:.2f}x"
                                                                    + (f": {fams})" if fams else ")")
                                                                    if c["compute_ratio"] else "") + bad)
+        om = c.get("op_memory") or {}
+        if om.get("phases") and om.get("end_of_forward_bytes") is not None:
+            gib = 2**30
+            peaks = ", ".join(f"{ph} {r['peak_after_op_bytes'] / gib:.2f} GiB after {r['op']}"
+                              for ph, r in om["phases"].items())
+            top = ", ".join(f"{r['op']} ({r['phase']}) {r['seconds'] * 1e3:.1f} ms" for r in om["top_ops"][:5])
+            lines.append(f"  {name} traced: before the step {om['before_step_bytes'] / gib:.2f} GiB, end of forward "
+                         f"{om['end_of_forward_bytes'] / gib:.2f} GiB; highest {peaks}; top ops {top}")
+        elif om.get("error"):
+            lines.append(f"  {name} traced: {om['error'][:200]}")
     return lines

@@ -35,7 +35,15 @@ three moments:
   H200 run of ``benchmarks/gpu_check.py``'s offload section, whose peak fell at the loss's
   backward with every offloaded layer on the host);
 - the end of backward: every gradient, and the flat buffers the runtime sums them in
-  (``runtime.grad_sync``); the activations freed.
+  (``runtime.grad_sync``); the activations freed;
+- the optimizer's step: every gradient, and what the step makes beside them
+  (``optimizer_step``, :func:`optimizer_step_bytes`): torch's Adam and AdamW on a GPU
+  (``foreach``, torch's default there) take the square root of every second moment at once
+  into new tensors, one moment's bytes. Measured (the H200 run of
+  ``benchmarks/gpu_check.py``'s scale section, 2026-11-30): a DeepSeek-V3-shaped rank
+  under ``expert=8`` peaked at 102.78 GB, its master weights and moments (61.66 GB), its
+  gradients (20.55 GB) and one more moment's bytes (20.55 GB) making 102.76 GB; the
+  gradient buckets were gone by then.
 
 Backward trades activations for gradients layer by layer, so its live bytes in between lie
 between the ends (a sum of layers freed and layers produced, linear in the step).
@@ -96,13 +104,41 @@ BACKWARD_END = ("grads", "grad_buffers")
 """Terms born in backward: gradients, and the flat buffers they are summed in."""
 
 
+OPTIMIZER_STEP = ("grads", "optimizer_step")
+"""Terms live at the optimizer's step: the gradients and the step's own temporaries."""
+
+
 def step_phases(mixed: bool = False) -> tuple[tuple[str, ...], ...]:
     """The groups of memory terms of an unpipelined step of one micro-batch that are never
     live at once (module docstring): the loss's backward, a layer's backward, the end of
-    backward. Under mixed precision the ``params`` term is the 16-bit weight copies, made in
-    forward and freed with the activations that saved them, so it joins the first two."""
+    backward, the optimizer's step. Under mixed precision the ``params`` term is the 16-bit
+    weight copies, made in forward and freed with the activations that saved them, so it
+    joins the first two."""
     params = ("params",) if mixed else ()
-    return (LOSS_BACKWARD + params, LAYER_BACKWARD + params, BACKWARD_END)
+    return (LOSS_BACKWARD + params, LAYER_BACKWARD + params, BACKWARD_END, OPTIMIZER_STEP)
+
+
+def optimizer_step_bytes(moment_bytes: float, optimizer_states: int, device_name: str) -> float:
+    """Bytes the optimizer's step allocates beside the gradients, for parameters whose
+    moments take ``moment_bytes`` (one moment, fp32, as held on this device) under an
+    optimizer of ``optimizer_states`` tensors per parameter.
+
+    Adam and AdamW (2 states) on a GPU run torch's ``foreach`` implementation (its default
+    where every tensor is on CUDA: ``torch.optim.optimizer._default_to_fused_or_foreach``):
+    ``_multi_tensor_adam`` makes ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)``, a
+    new tensor per moment, all alive until the update, then divides and adds into it in
+    place: one moment's bytes. On CPU ranks torch runs the per-parameter loop, one
+    parameter's temporary at a time: counted as none. SGD (with or without momentum)
+    updates in place: none.
+
+    >>> optimizer_step_bytes(4e9, 2, "H100-SXM")
+    4000000000.0
+    >>> optimizer_step_bytes(4e9, 2, "cpu"), optimizer_step_bytes(4e9, 1, "H100-SXM")
+    (0.0, 0.0)
+    """
+    if optimizer_states != 2 or device_name.startswith("cpu"):
+        return 0.0
+    return float(moment_bytes)
 
 
 def peak_bytes(terms: dict[str, float], phases: tuple[tuple[str, ...], ...] = ()) -> float:
@@ -113,6 +149,8 @@ def peak_bytes(terms: dict[str, float], phases: tuple[tuple[str, ...], ...] = ()
     6.0
     >>> peak_bytes({"activations": 5, "loss_grads": 2, "offload": 3, "grads": 3}, step_phases())
     8.0
+    >>> peak_bytes({"activations": 5, "grads": 3, "optimizer_step": 3}, step_phases())
+    6.0
     """
     grouped = {k for group in phases for k in group}
     always = sum(b for k, b in terms.items() if k not in grouped)

@@ -242,6 +242,10 @@ def test_scale_runs_one_rank_of_each_plan(dry):
         assert ch["loss_finite"] and ch["grads_finite"], (name, ch)
         assert ch["n_params_without_grad"] == 0 and ch["n_wrong_local_shapes"] == 0, (name, ch)
         assert c["local_param_bytes"] < c["whole_model_param_bytes"], name
+        om = c["op_memory"]                  # the step traced op by op: every phase seen
+        assert "error" not in om, (name, om)
+        assert set(om["phases"]) == {"forward", "backward", "optimizer"}, (name, om["phases"])
+        assert om["top_ops"] and all(r["seconds"] > 0 for r in om["top_ops"]), name
     for name in ("llama3_8b_tp8", "llama3_70b_pp_stage"):
         c = cases[name]
         assert c["whole_over_local"] >= 0.99 * math.prod(c["mesh"]), (name, c["whole_over_local"], c["mesh"])

@@ -105,6 +105,10 @@ class MemoryCosts:
                 out = {"params": held, "grads": grads, "optimizer": b * optimizer_states}
             if self.averaging or (self.compress and self.compress[0] == "accordion"):
                 out["optimizer"] += b * self._lossy_copies()
+            if self.memory_phases:    # the step's temporaries, beside the gradients
+                step = memory_model.optimizer_step_bytes(b, optimizer_states, self.cluster.device.name)
+                if step:
+                    out["optimizer_step"] = step
             if self.memory_phases and self.zero in (0, 1) and any(
                     n > 1 and (isinstance(p, Replicate) or (self.zero == 1 and a == self.data_axis))
                     for a, (p, n) in enumerate(zip(placements, self.mesh_shape))):

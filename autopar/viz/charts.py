@@ -55,7 +55,8 @@ def device_memory(plan: Plan) -> float | None:
 def memory_bars(plan: Plan) -> list[tuple[str, list[tuple[str, float]]]]:
     """The bars of the memory chart: (label, [(term, bytes), ...]) bottom to top. An
     estimate with memory phases (an unpipelined step peaks at the loss's backward, at a
-    layer's backward or at the end of backward, one at a time) gets one bar per phase: the terms always live plus that
+    layer's backward, at the end of backward or in the optimizer's step, one at a time)
+    gets one bar per phase: the terms always live plus that
     phase's own, so the tallest bar is the estimate; otherwise one bar of every term."""
     est = plan.estimate
     grouped = {k for group in est.memory_phases for k in group}
@@ -63,8 +64,9 @@ def memory_bars(plan: Plan) -> list[tuple[str, list[tuple[str, float]]]]:
                     key=lambda kv: -kv[1])
     if not est.memory_phases:
         return [(f"every device\n(x{plan.world_size}, SPMD)", always)]
-    names = ("the loss's backward", "a layer's backward", "end of backward") \
-        if len(est.memory_phases) == 3 else ("end of forward", "end of backward")
+    names = {4: ("the loss's backward", "a layer's backward", "end of backward", "the optimizer's step"),
+             3: ("the loss's backward", "a layer's backward", "end of backward")}.get(
+        len(est.memory_phases), ("end of forward", "end of backward"))
     return [(names[i] if i < len(names) else f"phase {i + 1}",
              always + [(k, est.memory_bytes.get(k, 0.0)) for k in group])
             for i, group in enumerate(est.memory_phases)]
