@@ -8,6 +8,14 @@ packed-sequence check. At long sequences it is the largest tensor of the step (6
 the mask is computed from constants alone (no input, parameter or buffer feeds it) and its
 values are the lower triangle, the attention is ``is_causal=True`` and the mask's nodes go.
 
+Every capture does this (``capture.export``), not only a context-parallel one: on a GPU
+an SDPA given a mask cannot run the causal kernels, and cuDNN's attention, torch's choice
+on an H100 / H200, expands a boolean mask to a bias of every head and keeps it for
+backward. Measured on an H200 (``benchmarks/gpu_check.py``'s scale section, 2026-11-30):
+Llama-3-8B's rank under ``tensor=8`` at 8,192 tokens held ~0.5 GiB more a layer than the
+plan (35.1 GiB at its peak against 20.65 predicted), a Llama-3-70B pipeline stage 135.8
+GiB against 52.75, and their attention took twice its causal price.
+
 Its values are read by running its nodes on the CPU: at its own size when that is small,
 else at a small sequence length (:data:`PROBE_SEQ`), every integer argument equal to the
 sequence length replaced by it (the mask's code reads only positions and shapes). A mask
@@ -28,9 +36,10 @@ DIRECT_MAX = 1 << 24
 PROBE_SEQ = 24
 
 
-def causal_masks_to_flags(cap, seq: int) -> int:
+def causal_masks_to_flags(cap, seq: int | None = None) -> int:
     """Rewrite every SDPA of ``cap`` whose mask is a constant lower triangle over ``seq``
-    positions to ``is_causal=True`` (in place); the number rewritten."""
+    positions (None: a square mask's own length) to ``is_causal=True`` (in place); the
+    number rewritten."""
     graph = cap.gm.graph
     done, verdict = 0, {}
     for node in list(graph.nodes):
@@ -41,7 +50,7 @@ def causal_masks_to_flags(cap, seq: int) -> int:
                 or (len(node.args) > 5 and node.args[5]):
             continue
         if mask.name not in verdict:
-            verdict[mask.name] = _is_causal(mask, seq)
+            verdict[mask.name] = _is_causal(mask, seq if seq is not None else _square(mask))
         if verdict[mask.name]:
             node.args = tuple(node.args[:3])
             node.kwargs = {**node.kwargs, "is_causal": True}
@@ -75,7 +84,17 @@ def _ancestors(node) -> list:
     return order
 
 
-def _is_causal(mask, seq: int) -> bool:
+def _square(mask) -> int | None:
+    """The length of a square mask (its last two dims alike), else None."""
+    val = mask.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == val.shape[-2]:
+        return int(val.shape[-1])
+    return None
+
+
+def _is_causal(mask, seq: int | None) -> bool:
+    if seq is None:
+        return False
     nodes = _ancestors(mask)
     if any(n.op != "call_function" for n in nodes):
         return False                 # an input (a padding mask), a parameter or a buffer

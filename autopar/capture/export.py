@@ -58,6 +58,7 @@ class _WithLoss(nn.Module):
         return self.loss_fn(out, *rest), out
 
 
+from autopar.capture.causal_mask import causal_masks_to_flags  # noqa: E402
 from autopar.capture.sequence_layout import balance_sequence, current_layout  # noqa: E402
 
 
@@ -79,6 +80,7 @@ def capture(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None
     def fresh() -> Captured:
         with experts_as_ops(model):
             cap = _capture(model, example_inputs, loss_fn, target, stamp, args, wrapper)
+        causal_masks_to_flags(cap)     # transformers' built causal masks: is_causal=True
         return balance_sequence(cap, c) if c else cap
     with experts_as_ops(model):   # the experts' templates registered, a cached graph's too
         pass
