@@ -405,6 +405,8 @@ class OpMemory(TorchDispatchMode):
         self.trace: list[tuple[str, str, int]] = []
         self.seconds: dict = defaultdict(float)
         self.calls: dict = defaultdict(int)
+        self.made: dict = {}          # storage -> (op, dtype, shape, bytes, weak ref), forward's
+        self.live_at_backward: dict | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.sync()
@@ -418,7 +420,34 @@ class OpMemory(TorchDispatchMode):
             self.seconds[(phase, name)] += time.perf_counter() - t0
             self.calls[(phase, name)] += 1
             self.trace.append((phase, name, self.allocated()))
+            if phase == "forward":
+                self._note(name, out)
+            elif phase == "backward" and self.live_at_backward is None:
+                self.live_at_backward = self._live()
         return out
+
+    def _note(self, name, out) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key and key not in self.made:
+                    self.made[key] = (name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                      st.nbytes(), StorageWeakRef(st))
+
+    def _live(self) -> dict:
+        """What forward made and backward's first op finds alive (saved for backward, the
+        loss's tensors), by the op that made it and its dtype: bytes, count, a shape."""
+        groups: dict = {}
+        for name, dtype, shape, nbytes, ref in self.made.values():
+            if ref.expired():
+                continue
+            g = groups.setdefault(f"{name} {dtype}", {"bytes": 0, "count": 0, "shape": list(shape)})
+            g["bytes"] += nbytes
+            g["count"] += 1
+        top = dict(sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])[:20])
+        return {"bytes": sum(g["bytes"] for g in groups.values()), "by_op": top}
 
 
 def op_memory(pm, inputs, target, ctx, resident: float) -> dict:
@@ -457,9 +486,11 @@ def op_memory(pm, inputs, target, ctx, resident: float) -> dict:
             b, i, name = max(rows)
             phases[ph] = {"peak_after_op_bytes": b - resident, "op": name, "op_index": i, "ops": len(rows)}
     top = sorted(mode.seconds.items(), key=lambda kv: -kv[1])[:15]
+    first_bwd = next((i for i, (ph, _, _) in enumerate(trace) if ph == "backward"), None)
     del opt
     return {"before_step_bytes": before,
-            "end_of_forward_bytes": trace[fwd[-1]][2] - resident if fwd else None,
+            "end_of_forward_bytes": trace[first_bwd - 1][2] - resident if first_bwd else None,
+            "made_by_forward_live_at_backward": mode.live_at_backward,
             "phases": phases, "peak_in_step_bytes": peak_in, "ops": len(trace),
             "top_ops": [{"phase": ph, "op": name, "calls": mode.calls[(ph, name)], "seconds": sec}
                         for (ph, name), sec in top]}
@@ -637,6 +668,10 @@ def summary_lines(sec: dict) -> list[str]:
             top = ", ".join(f"{r['op']} ({r['phase']}) {r['seconds'] * 1e3:.1f} ms" for r in om["top_ops"][:5])
             lines.append(f"  {name} traced: before the step {om['before_step_bytes'] / gib:.2f} GiB, end of forward "
                          f"{om['end_of_forward_bytes'] / gib:.2f} GiB; highest {peaks}; top ops {top}")
+            live = om.get("made_by_forward_live_at_backward") or {}
+            if live.get("by_op"):
+                lines.append(f"  {name} made by forward, alive at backward: {live['bytes'] / gib:.2f} GiB: " + ", ".join(
+                    f"{k} {g['bytes'] / gib:.2f} GiB x{g['count']}" for k, g in list(live["by_op"].items())[:8]))
         elif om.get("error"):
             lines.append(f"  {name} traced: {om['error'][:200]}")
     return lines
