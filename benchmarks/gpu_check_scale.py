@@ -431,8 +431,8 @@ class OpMemory(TorchDispatchMode):
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
-                key = st.data_ptr()
-                if key and key not in self.made:
+                key = st.data_ptr()        # an address freed and given again: the new tensor
+                if key and (key not in self.made or self.made[key][-1].expired()):
                     self.made[key] = (name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                                       st.nbytes(), StorageWeakRef(st))
 

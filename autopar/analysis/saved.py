@@ -43,6 +43,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
+from autopar.analysis.autocast import LOWER_PRECISION, sixteen_bit_values
 from autopar.capture import Captured
 
 # ---- the table --------------------------------------------------------------------------
@@ -186,6 +187,12 @@ class Kept:
     outputs: tuple[float, ...]
     extras: tuple[Extra, ...] = ()
     transient: tuple[Extra, ...] = ()
+    # under mixed precision (``analysis.autocast``): each output's kept bytes over its
+    # captured (fp32) bytes (0.5 a 16-bit value, 1.0 an fp32 one, 0 one only 16-bit ops
+    # save, as their copies), and the 16-bit copies autocast makes of fp32 inputs this op
+    # saves (one per op: autocast caches no activation's cast); None: not worked out
+    mixed: tuple[float, ...] | None = None
+    casts: tuple[Extra, ...] = ()
 
     def nbytes(self, outputs) -> float:
         """Global bytes, given the node's output metas (anything with ``nbytes``)."""
@@ -200,7 +207,12 @@ def merge(kept: list[Kept]) -> Kept:
     def mean(field):
         return tuple(Extra(e.what, e.ref, e.nbytes * sum(1 for k in kept if e in getattr(k, field)) / n, e.fp32)
                      for e in dict.fromkeys(e for k in kept for e in getattr(k, field)))
-    return Kept(outs, mean("extras"), mean("transient"))
+    mixed = None
+    if all(k.mixed is not None for k in kept):
+        mixed = tuple(sum(k.mixed[i] for k in kept) / n for i in range(len(kept[0].mixed)))
+    casts = tuple(Extra(e.what, e.ref, sum(c.nbytes for k in kept for c in k.casts if c.ref == e.ref) / n)
+                  for e in {c.ref: c for k in kept for c in k.casts}.values())
+    return Kept(outs, mean("extras"), mean("transient"), mixed, casts)
 
 
 def op_name(target) -> str:
@@ -239,8 +251,11 @@ def _analyse(cap: Captured) -> dict[str, Kept]:
     grads: set[str] = set(cap.params)           # values that require a gradient
     base: dict[tuple[str, int], tuple[str, int] | None] = {}   # value -> its storage's producer
     kept: dict[tuple[str, int], bool] = {}
+    kept_mixed: dict[tuple[str, int], bool] = {}     # the same under autocast
+    casts: dict[str, list[Extra]] = {}               # op -> autocast's copies it saves
     extras: dict[str, list[Extra]] = {}
     placeholders = {n.name for n in graph.nodes if n.op == "placeholder"}
+    low = sixteen_bit_values(cap.gm, set(cap.params), op_name)
 
     def value(a: Node) -> tuple[str, int]:
         if a.op == "call_function" and a.target is operator.getitem:
@@ -256,7 +271,24 @@ def _analyse(cap: Captured) -> dict[str, Kept]:
         for x in _nodes(a):
             s = storage(x)
             if s is not None:
+                kept[s] = kept_mixed[s] = True
+
+    def keep_as_run(node, a) -> None:
+        """``keep(a)`` for the fp32 program; under autocast an op of its 16-bit list saves
+        its copy of an fp32 input instead (a parameter's copy is the ``params`` term)."""
+        lower = op_name(node.target) in LOWER_PRECISION
+        for x in _nodes(a):
+            s = storage(x)
+            if s is not None:
                 kept[s] = True
+            fp32 = x.meta["val"].dtype.is_floating_point and value(x) not in low
+            if lower and fp32:
+                if x.name not in cap.params:
+                    casts.setdefault(node.name, []).append(
+                        Extra(f"16-bit copy of {x.name}", ("in", _input_index(node, x)),
+                              float(x.meta["val"].nbytes)))
+            elif s is not None:
+                kept_mixed[s] = True
 
     for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
@@ -285,7 +317,7 @@ def _analyse(cap: Captured) -> dict[str, Kept]:
             for a in inputs:
                 keep(a)
             for k in range(len(outs)):
-                kept[(node.name, k)] = True
+                kept[(node.name, k)] = kept_mixed[(node.name, k)] = True
             continue
         for needs, reads in rule.items():
             if not any(a.name in grads for arg in needs.split() for a in _nodes(args.get(arg))):
@@ -298,17 +330,19 @@ def _analyse(cap: Captured) -> dict[str, Kept]:
                 elif what.startswith("result"):
                     k = int(what[6:] or 0)
                     if k < len(outs):
-                        kept[(node.name, k)] = True
+                        kept[(node.name, k)] = kept_mixed[(node.name, k)] = True
                 else:
-                    keep(args.get(what))
+                    keep_as_run(node, args.get(what))
     out = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem and _outputs(node):
             n = len(_outputs(node))
             aliased = all((node.name, k) in base for k in range(n))
+            mixed = tuple(0.0 if aliased or not kept_mixed.get((node.name, k), False)
+                          else 0.5 if (node.name, k) in low else 1.0 for k in range(n))
             out[node.name] = Kept(tuple(0.0 if aliased else float(kept.get((node.name, k), False))
                                         for k in range(n)), tuple(extras.get(node.name, ())),
-                                  _loss_gradients(cap, node))
+                                  _loss_gradients(cap, node), mixed, tuple(casts.get(node.name, ())))
     return out
 
 
@@ -326,6 +360,14 @@ def _loss_gradients(cap: Captured, node: Node) -> tuple[Extra, ...]:
 
 def _val(a):
     return a.meta["val"] if isinstance(a, Node) else a
+
+
+def _input_index(node: Node, x: Node) -> int:
+    """``x``'s place among ``node``'s flattened tensor inputs (``OpCall.inputs``' order)."""
+    leaves = [a for a in pytree.tree_leaves((node.args, dict(node.kwargs)),
+                                            is_leaf=lambda y: isinstance(y, Node))
+              if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return leaves.index(x)
 
 
 def _numel(shape) -> int:

@@ -160,9 +160,16 @@ class MemoryCosts:
         if kept is None or (not view and self.recompute_kept and self._keeps(v)):
             kept = Kept((1.0,) * len(v.call.outputs))
         local = lambda m, ps: _local(m, ps, self.mesh_shape).nbytes  # noqa: E731
-        total = sum(self._act(share * local(m, output_placements(combo, k)), m.dtype)
-                    for k, (share, m) in enumerate(zip(kept.outputs, v.call.outputs)) if share)
-        total += self._extras_bytes(v, combo, kept.extras)
+        if self.mixed and not self.native and kept.mixed is not None:
+            # as autocast runs it (analysis.autocast): fp32 values kept in fp32, 16-bit
+            # ones in 16 bits, and each 16-bit op's own copies of the fp32 inputs it saves
+            total = sum(f * local(m, output_placements(combo, k))
+                        for k, (f, m) in enumerate(zip(kept.mixed, v.call.outputs)) if f)
+            total += self._extras_bytes(v, combo, kept.extras + kept.casts)
+        else:
+            total = sum(self._act(share * local(m, output_placements(combo, k)), m.dtype)
+                        for k, (share, m) in enumerate(zip(kept.outputs, v.call.outputs)) if share)
+            total += self._extras_bytes(v, combo, kept.extras)
         if v.call.op is EXPERTS_OP:
             total += self._act(experts_saved_bytes(v.call, combo, self.mesh_shape, self.expert_imbalance),
                                v.call.inputs[0].dtype)
