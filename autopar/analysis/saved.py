@@ -237,12 +237,18 @@ def saved_activations(cap: Captured) -> dict[str, Kept]:
     return got
 
 
-def saved_bytes(cap: Captured) -> float:
+def saved_bytes(cap: Captured, mixed: bool = False) -> float:
     """Global bytes backward keeps of ``cap``'s op nodes (parameters, buffers and inputs
-    are not activations and are not counted)."""
+    are not activations and are not counted); ``mixed``: as autocast runs the fp32 capture
+    in 16 bits (``Kept.mixed``, its copies; the 16-bit weight copies are not counted)."""
     total = 0.0
     for name, kept in saved_activations(cap).items():
-        total += kept.nbytes(_outputs(cap.node(name)))
+        outs = _outputs(cap.node(name))
+        if not mixed:
+            total += kept.nbytes(outs)
+            continue
+        total += sum(f * m.nbytes for f, m in zip(kept.mixed, outs))
+        total += sum(e.nbytes if e.fp32 else e.nbytes / 2 for e in kept.extras + kept.casts)
     return total
 
 
