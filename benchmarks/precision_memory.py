@@ -46,11 +46,22 @@ and +20.4% fp32):
   Under mixed precision the 16-bit weight copies belong to the forward's end (backward frees
   them with the activations that saved them; none is left at the step's end).
 
-Tried and left out: each op's outputs in the dtype autocast gives them (a fake-tensor pass
-of the problem's ops under CPU autocast: the residual stream, ``layer_norm`` and the loss
-stay fp32) raised the bf16 activations (tp2 26.0 -> 35.5 MiB) and overshot: zero3 dp2
-+13.2%, tp2 +11.4% (then with every op output counted; not tried again since the term
-counts what backward saves).
+Tried and left out then: each op's outputs in the dtype autocast gives them (a fake-tensor
+pass of the problem's ops under CPU autocast) overshot, with every op output counted. Taken
+since (2026-11-30, ``autopar/analysis/autocast.py``), now that the term counts what backward
+saves: fp32 values kept at 4 bytes, 16-bit ones at 2, and each 16-bit op's own copy of
+every fp32 input it saves (autocast caches no activation's cast). The H200's Llama-3-8B rank
+under ``tensor=8`` at 8k tokens is predicted 31.2 GiB and measured 31.10 (was 20.65); here:
+
+    case         bf16 pred / meas          fp32 pred / meas
+    dp2          66.0 / 65.9 MiB   +0.1%   74.0 / 73.9 MiB   +0.0%
+    zero3 dp2    43.9 / 43.8 MiB   +0.3%   55.0 / 64.8 MiB  -15.1%
+    tp2          50.8 / 51.8 MiB   -1.9%   64.1 / 66.6 MiB   -3.8%
+    pp2          39.7 / 48.2 MiB  -17.6%   48.2 / 47.7 MiB   +1.1%
+    mean |error| 5.0% (worst 17.6%)        5.0% (worst 15.1%)
+
+(pp2's measured bf16 peak rose from 36.5 to 48.2 MiB since the first table, its fp32 one
+from 42.3 to 47.7: the runtime's pipeline changed in between; not looked into.)
 
 Left:
 
