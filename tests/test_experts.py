@@ -195,6 +195,49 @@ def test_deepseek_layers_dense_then_moe_share_decisions_per_kind():
     assert params["model.layers.0.mlp.gate_proj.weight"] not in rep
 
 
+def test_experts_run_in_16_bits_under_autocast():
+    """Under mixed precision (the runtime's forward is under ``torch.autocast``) the experts
+    op runs its matrix products on 16-bit tokens and stacks, as autocast gives any GEMM:
+    transformers' grouped experts (``torch._grouped_mm``) are not autocast-enabled and cast
+    the tokens to the weights' dtype, so with fp32 master weights they ran in fp32 (on an
+    H200, 379 ms of DeepSeek-V3's 692 ms rank step). Its output keeps the hidden state's
+    dtype, its values within bf16 rounding of the fp32 op's, and without autocast it is the
+    fp32 op as before."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from autopar.ops.experts import run_whole
+
+    class Dtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name()
+            if any(k in name for k in ("mm", "matmul", "linear")):
+                self.seen |= {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
+            return func(*args, **(kwargs or {}))
+    b = zoo.cached("mixtral", 2, "mean")
+    cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+    node = next(n for n in cap.gm.graph.nodes if n.target is EXPERTS_OP)
+    key = node.args[4]
+    stacks = [getattr(cap.gm, s.target) if s.op == "get_attr" else
+              torch.randn(s.meta["val"].shape) * 0.1 for s in node.args[3]]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(node.args[0].meta["val"].shape, generator=g)
+    k = node.args[1].meta["val"].shape[1]
+    index = torch.randint(0, stacks[0].shape[0], (hidden.shape[0], k), generator=g)
+    weights = torch.rand(hidden.shape[0], k, generator=g)
+    plain, mixed = Dtypes(), Dtypes()
+    with plain:
+        ref = run_whole(hidden, index, weights, stacks, key)
+    with torch.autocast("cpu", dtype=torch.bfloat16), mixed:
+        got = run_whole(hidden, index, weights, stacks, key)
+    assert plain.seen == {torch.float32}, plain.seen
+    assert mixed.seen == {torch.bfloat16}, mixed.seen
+    assert got.dtype == hidden.dtype == ref.dtype
+    assert (got - ref).norm() <= 2e-2 * ref.norm()
+
+
 def test_expert_pins_are_checked():
     with pytest.raises(autopar.PinError, match="expert_dispatch"):
         autopar.Options.from_pins(expert=2, expert_dispatch="ring")

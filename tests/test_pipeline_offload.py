@@ -103,16 +103,18 @@ def test_a_stage_leaves_its_weight_casts_and_tells_micro_batches_apart():
 def test_a_pipeline_recomputes_only_layers_it_does_not_offload():
     """Where memory binds with some layers offloaded (pinned), the pipeline search recomputes
     others, never those (a layer is one or the other): a GPT of hidden 4096, 8 layers, on
-    the meta device, 2 of its layers offloaded, on 4 H100s under pipeline=2 and a 10 GiB
-    budget, recomputes 4 of the other 6 (it recomputed the offloaded two as well before)."""
+    the meta device, 2 of its layers offloaded, on 4 H100s under pipeline=2 and a 12 GiB
+    budget, recomputes 2 of the other 6 (it recomputed the offloaded two as well before).
+    (10 GiB until the bf16 activations were counted as autocast keeps them: fp32 values and
+    each projection's own 16-bit copy, ``analysis.autocast``.)"""
     with torch.device("meta"):
         big = gpt_factory(batch=8, n_layer=8, n_embd=4096, n_head=32, block_size=2048, vocab_size=32000)
     plan = autopar.plan(big.model, big.inputs, big.loss_fn, target=big.target, cluster="1x4xH100",
-                        precision="bf16", memory_budget=10 * 2**30, pipeline=2, schedule="1f1b",
+                        precision="bf16", memory_budget=12 * 2**30, pipeline=2, schedule="1f1b",
                         micro_batch_size=4, offload_activations=["h.0", "h.1"])
     assert plan.options.offload_activations == ("h.0", "h.1")
     assert plan.recompute and not {"transformer.h.0", "transformer.h.1"} & set(plan.recompute), plan.recompute
-    assert plan.estimate.memory_total <= 10 * 2**30
+    assert plan.estimate.memory_total <= 12 * 2**30
 
 
 class _BatchNormBlocks(torch.nn.Module):

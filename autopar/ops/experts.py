@@ -244,7 +244,26 @@ def run_whole(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     does. Under ``torch.compile``, the op: its forward has shapes known only at run time."""
     if torch.compiler.is_compiling():
         return EXPERTS_OP(hidden, top_k_index, top_k_weights, list(stacks), key)
-    return _call(key, template(key).num_experts, list(stacks), hidden, top_k_index, top_k_weights)
+    h, s = sixteen_bit(hidden, stacks, key)
+    return _call(key, template(key).num_experts, s, h, top_k_index, top_k_weights).to(hidden.dtype)
+
+
+def sixteen_bit(hidden: torch.Tensor, stacks, key: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``hidden`` and the floating ``stacks`` in autocast's dtype where autocast is on for
+    their device (mixed precision, ``runtime.precision``), as autocast gives a matrix
+    product its operands; else as they are. transformers' grouped experts
+    (``torch._grouped_mm``) are not autocast-enabled and cast the tokens to the weights'
+    dtype, so with fp32 master weights they ran in fp32: on an H200 (the GPU check's scale
+    section, 2026-11-30) DeepSeek-V3's two MoE layers under ``expert=8`` took 379 ms of
+    ``_grouped_mm`` a step, priced in bf16 at 46 ms for every matrix product of the step.
+    The 16-bit stacks are the weight copies the ``params`` term counts. Eager programs only:
+    a compiled program's opaque experts ops keep their operands' dtypes, and fp8 experts
+    (``key`` with its recipe, ``ops.fp8_experts``) cast for their GEMMs themselves."""
+    dev = hidden.device.type
+    if not torch.is_autocast_enabled(dev) or parse_key(key)[1] is not None:
+        return hidden, list(stacks)
+    dt = torch.get_autocast_dtype(dev)
+    return hidden.to(dt), [t.to(dt) if t.is_floating_point() else t for t in stacks]
 
 
 # ---- the split forms ---------------------------------------------------------------------
@@ -300,7 +319,8 @@ def _run_experts(hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch
         levels.append((a, order, send, recv))
     local_ids = torch.remainder(ids, n_local).unsqueeze(1)
     ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
-    y = _call(key, n_local, stacks, rows, local_ids, ones)
+    rows16, stacks16 = sixteen_bit(rows, stacks, key)
+    y = _call(key, n_local, stacks16, rows16, local_ids, ones)
     for a, order, send, recv in reversed(levels):
         y = all_to_all_v(y, a, recv, send)
         y = y[torch.argsort(order)]

@@ -48,7 +48,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.cost_models import families
-from autopar.device import allocator_peak, synchronize
+from autopar.device import HOST, allocator_peak, synchronize
 from autopar.errors import ArgumentError
 from autopar.ops.comm import collective_timer
 from autopar.placement import placements_str
@@ -266,7 +266,7 @@ def measure(pm, inputs: tuple, target, steps: int = 5, warmup: int = 1, optimize
         raise ArgumentError(f"timing_report: steps={steps!r}: give a positive number of steps to measure")
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
         raise ArgumentError(f"timing_report: warmup={warmup!r}: give 0 or more warm-up steps")
-    saved = {k: t.detach().to("cpu", copy=True) for k, t in pm.module.state_dict().items()}
+    saved = {k: t.detach().to(HOST, copy=True) for k, t in pm.module.state_dict().items()}
     grads = {n: p.grad for n, p in pm.module.named_parameters()}
     opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(list(pm.parameters()))
     timer = OpTimer(pm.device)

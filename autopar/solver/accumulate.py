@@ -277,7 +277,7 @@ def search_accumulation(spec: SearchSpec, best_s: float = math.inf,
                 planned[k] = BEYOND
                 if spec.verbose:
                     print(f"accumulate {k}: {e}")
-            except InfeasibleError as e:
+            except (InfeasibleError, PinError) as e:   # PinError: no mesh splits its micro-batch
                 planned[k] = None
                 if spec.verbose:
                     print(f"accumulate {k}: nothing fits ({str(e).splitlines()[0]})")

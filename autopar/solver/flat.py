@@ -341,8 +341,14 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
     choices = _recompute_choices(cap, pins)
     # the problem depends on the mesh only: built once, costed per recomputation choice
     t0 = time.perf_counter()
-    problems = [(_problem(cap, shape, roles, pins.zero_stage, n_states), shape, axes, roles)
-                for shape, axes, roles in mesh_candidates(world, pins, ask.mesh_shape, cl.devices_per_node)]
+    problems, refused = [], []
+    for shape, axes, roles in mesh_candidates(world, pins, ask.mesh_shape, cl.devices_per_node):
+        try:
+            problems.append((_problem(cap, shape, roles, pins.zero_stage, n_states), shape, axes, roles))
+        except PinError as e:    # this mesh cannot take the pins (a micro-batch its data axis
+            refused.append(e)    # cannot split): the others may; all refused, the first says why
+    if not problems and refused:
+        raise refused[0]
     phases[f"problems{tag}"] = phases.get(f"problems{tag}", 0.0) + time.perf_counter() - t0
     best, errors = None, []     # (a mesh's prices are shared by its cost models: costing._shared)
     for rec in choices:
