@@ -195,16 +195,18 @@ def test_deepseek_layers_dense_then_moe_share_decisions_per_kind():
     assert params["model.layers.0.mlp.gate_proj.weight"] not in rep
 
 
-def test_experts_run_in_16_bits_under_autocast():
+def test_experts_run_in_16_bits_under_autocast(monkeypatch):
     """Under mixed precision (the runtime's forward is under ``torch.autocast``) the experts
     op runs its matrix products on 16-bit tokens and stacks, as autocast gives any GEMM:
     transformers' grouped experts (``torch._grouped_mm``) are not autocast-enabled and cast
     the tokens to the weights' dtype, so with fp32 master weights they ran in fp32 (on an
     H200, 379 ms of DeepSeek-V3's 692 ms rank step). Its output keeps the hidden state's
     dtype, its values within bf16 rounding of the fp32 op's, and without autocast it is the
-    fp32 op as before."""
+    fp32 op as before. (A GPU's choice, ``SIXTEEN_BIT_DEVICES``; made the CPU's here.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from autopar.ops import experts
     from autopar.ops.experts import run_whole
+    monkeypatch.setattr(experts, "SIXTEEN_BIT_DEVICES", {"cuda", "cpu"})
 
     class Dtypes(TorchDispatchMode):
         def __init__(self):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autopar.device import CUDA
 from autopar.ops.collectives import all_to_all_v
 from autopar.ops.comm import current_comm
 from autopar.ops.fp8_experts import fp8_experts_forward, parse_key
@@ -248,6 +249,10 @@ def run_whole(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     return _call(key, template(key).num_experts, s, h, top_k_index, top_k_weights).to(hidden.dtype)
 
 
+SIXTEEN_BIT_DEVICES = {CUDA}
+"""Device types whose experts run on 16-bit operands under autocast (:func:`sixteen_bit`)."""
+
+
 def sixteen_bit(hidden: torch.Tensor, stacks, key: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``hidden`` and the floating ``stacks`` in autocast's dtype where autocast is on for
     their device (mixed precision, ``runtime.precision``), as autocast gives a matrix
@@ -258,9 +263,13 @@ def sixteen_bit(hidden: torch.Tensor, stacks, key: str) -> tuple[torch.Tensor, l
     ``_grouped_mm`` a step, priced in bf16 at 46 ms for every matrix product of the step.
     The 16-bit stacks are the weight copies the ``params`` term counts. Eager programs only:
     a compiled program's opaque experts ops keep their operands' dtypes, and fp8 experts
-    (``key`` with its recipe, ``ops.fp8_experts``) cast for their GEMMs themselves."""
+    (``key`` with its recipe, ``ops.fp8_experts``) cast for their GEMMs themselves. On the
+    devices of :data:`SIXTEEN_BIT_DEVICES` only: on CPU ranks torch's ``MemTracker`` (the
+    CPU's peak measure, ``runtime.timing``) refuses a module run on weights that are not
+    leaves, and fp32 there costs little."""
     dev = hidden.device.type
-    if not torch.is_autocast_enabled(dev) or parse_key(key)[1] is not None:
+    if dev not in SIXTEEN_BIT_DEVICES or not torch.is_autocast_enabled(dev) \
+            or parse_key(key)[1] is not None:
         return hidden, list(stacks)
     dt = torch.get_autocast_dtype(dev)
     return hidden.to(dt), [t.to(dt) if t.is_floating_point() else t for t in stacks]
