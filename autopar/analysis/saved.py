@@ -289,7 +289,7 @@ def _analyse(cap: Captured) -> dict[str, Kept]:
                 kept[s] = True
             fp32 = x.meta["val"].dtype.is_floating_point and value(x) not in low
             if lower and fp32:
-                if x.name not in cap.params:
+                if not _of_parameter(x, set(cap.params)):
                     casts.setdefault(node.name, []).append(
                         Extra(f"16-bit copy of {x.name}", ("in", _input_index(node, x)),
                               float(x.meta["val"].nbytes)))
@@ -366,6 +366,14 @@ def _loss_gradients(cap: Captured, node: Node) -> tuple[Extra, ...]:
 
 def _val(a):
     return a.meta["val"] if isinstance(a, Node) else a
+
+
+def _of_parameter(x: Node, params: set[str]) -> bool:
+    """``x`` is a parameter or a view of one (``t``, ``view``, ... back to its placeholder)."""
+    while x.op == "call_function" and x.args and isinstance(x.args[0], Node) \
+            and _aliases(x, op_name(x.target)):
+        x = x.args[0]
+    return x.op == "placeholder" and x.name in params
 
 
 def _input_index(node: Node, x: Node) -> int:
