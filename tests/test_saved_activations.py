@@ -73,18 +73,18 @@ def cost_model_bytes(cap) -> float:
                for v in problem.vars.values() if v.kind == "op")
 
 
-def hf_llama():
+def hf_llama(layers: int = 1, attn: str = "eager", seq: int = 16):
     """A Hugging Face Llama built as tests/test_hf_models.py builds it (hidden 32, 4 heads, 2
-    key-value heads, vocabulary 128, eager attention, no cache), one layer (capture is the
-    cost here), a batch of 4 x 16 tokens."""
+    key-value heads, vocabulary 128, no cache), ``layers`` layers (one: capture is the cost
+    here) with ``attn`` attention, a batch of 4 x ``seq`` tokens."""
     transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs transformers")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=64, use_cache=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
     g = torch.Generator().manual_seed(1)
-    ids, target = (torch.randint(0, 128, (4, 16), generator=g) for _ in range(2))
+    ids, target = (torch.randint(0, 128, (4, seq), generator=g) for _ in range(2))
 
     def loss(out, y):
         return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
@@ -124,17 +124,8 @@ def test_under_autocast_it_keeps_what_autograd_saves_in_16_bits():
     against what autograd saves in an eager forward under autocast, the 16-bit weight
     copies apart (the ``params`` term). Counting every activation at 16 bits, as the cost
     model did before, is 34% under on this Llama (this count: 3% under)."""
-    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev]' installs transformers")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64, use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
     # 4 x 12 tokens: no activation shaped as a weight (the copies are told apart by shape)
-    ids, target = (torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
-
-    def loss_fn(out, y):
-        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    model, (ids,), loss_fn, target = hf_llama(layers=2, attn="sdpa", seq=12)
     cap = capture(model, (ids,), loss_fn, target)
     weights = {(tuple(p.shape), torch.bfloat16) for p in model.parameters()}
     storages: dict[int, int] = {}
