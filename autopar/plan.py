@@ -70,8 +70,15 @@ class Estimate:
     the device side: ``step_time_s = max(compute + comm, host_s)``
     (``cost_models.step.step_time``). 0: not priced (CPU ranks, pipelines, older files)."""
 
+    rank_memory_bytes: tuple[dict[str, float], ...] = ()
+    """Pipeline plans: per pipeline rank, its bytes per device by term (``memory_bytes`` is
+    the fullest rank's). Empty: one rank's memory is every rank's (no pipeline), or a plan
+    file from before."""
+
     def __post_init__(self):
         object.__setattr__(self, "stage_times_s", tuple(float(t) for t in self.stage_times_s))
+        object.__setattr__(self, "rank_memory_bytes", tuple({str(k): float(b) for k, b in r.items()}
+                                                            for r in self.rank_memory_bytes))
         object.__setattr__(self, "memory_phases", tuple(tuple(str(k) for k in g) for g in self.memory_phases))
 
     @property

@@ -50,6 +50,8 @@ SCHEMA: dict[str, Any] = {
                                     "comm": {"type": "object", "additionalProperties": _NUM},
                                     "bubble_fraction": _NUM, "host_s": _NUM,
                                     "stage_times_s": {"type": "array", "items": _NUM},
+                                    "rank_memory_bytes": {"type": "array", "items": {
+                                        "type": "object", "additionalProperties": _NUM}},
                                     "memory_phases": {"type": "array",
                                                       "items": {"type": "array", "items": _STR}}}},
         "solver": {"type": "object",

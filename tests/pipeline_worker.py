@@ -117,6 +117,14 @@ def _run_case(case: dict) -> dict:
     order = [None] * dist.get_world_size()
     dist.all_gather_object(order, list(pm.runner.sync_order))
     info["sync_order"] = order
+    # the receive buffers each rank's train stages hold after the steps, and the plan's
+    # prediction of them for its pipeline rank
+    buffers = [None] * dist.get_world_size()
+    ranks = pm.plan.estimate.rank_memory_bytes
+    dist.all_gather_object(buffers, (pm.runner.receive_buffer_bytes(),
+                                     ranks[pm.runner.pp_rank].get("pipeline_buffers", 0.0)
+                                     if ranks else None))
+    info["buffers"] = buffers
     # which stages split their backward in two halves (zero bubble), by stage index
     split = [None] * dist.get_world_size()
     dist.all_gather_object(split, {st.stage_index: st.split_backward

@@ -208,6 +208,32 @@ def test_memory_follows_the_schedule():
     assert one.memory_per_stage == pytest.approx([20 + (p - s) * 2 for s in range(p)])
 
 
+def test_receive_buffers_hold_the_whole_batch_at_both_cuts():
+    """With ``grad_boundary_bytes`` given, a stage also holds the runtime's receive buffers:
+    per micro-batch the values crossing its first cut and the gradients crossing its last,
+    i.e. the whole batch's bytes at both cuts whatever m (none before the first stage or
+    after the last); without it the memory is as before."""
+    L, p, batch = 8, 4, 8
+    common = dict(n_devices=p, global_batch=batch, memory_limit=1e9, bandwidth=1e9, n_stages=p,
+                  schedule="gpipe")
+    plain = costs_of([1.0] * L, state=[10.0] * L, act=[1.0] * L, boundary=[3.0] * (L - 1))
+    held = costs_of([1.0] * L, state=[10.0] * L, act=[1.0] * L, boundary=[3.0] * (L - 1),
+                    grad_boundary_bytes=[2.0] * (L - 1))
+    for m in (2, 8):
+        before = plan_stages(plain, micro_batches=m, **common)
+        after = plan_stages(held, micro_batches=m, **common)
+        assert after.cuts == before.cuts == (2, 4, 6)
+        extra = np.subtract(after.memory_per_stage, before.memory_per_stage)
+        # stage k: 3 bytes a sample in (k > 0) and 2 of gradients (k < p - 1), for 8 samples
+        assert extra == pytest.approx([batch * ((3.0 if k else 0.0) + (2.0 if k < p - 1 else 0.0))
+                                       for k in range(p)])
+    # a limit the plain stages meet and the buffers break: no cut fits
+    tight = plan_stages(plain, micro_batches=2, **{**common, "memory_limit": 20 + 2 * 2 * 4 + 1})
+    assert tight.cuts == (2, 4, 6)
+    with pytest.raises(ValueError, match="fits"):
+        plan_stages(held, micro_batches=2, **{**common, "memory_limit": 20 + 2 * 2 * 4 + 1})
+
+
 def test_dualpipev_memory_places_the_v():
     """DualPipeV's rank r holds stages r and 2p - 1 - r, which hold 2p - r and r + 1
     micro-batches at their peaks: every rank 2p + 1 stage-micro-batches of activations

@@ -164,6 +164,19 @@ def test_matrix(launch, model, mesh, schedule):
           f"grad {r['worst']['grad']:.1e} weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
 
 
+@pytest.mark.parametrize("model,mesh,schedule", MATRIX, ids=[_case_id(*c) for c in MATRIX])
+def test_receive_buffers_are_predicted(launch, model, mesh, schedule):
+    """The bytes torch's PipelineStages keep in receive buffers after the steps (one per
+    micro-batch for each value a stage receives and each gradient sent back to it), on every
+    rank, equal the plan's ``pipeline_buffers`` memory term of its pipeline rank."""
+    nproc, _ = MESHES[mesh]
+    r = _result(launch, nproc, _case_id(model, mesh, schedule))
+    held = [h for h, _ in r["buffers"]]
+    predicted = [p for _, p in r["buffers"]]
+    assert min(held) > 0, r["buffers"]
+    assert held == pytest.approx(predicted, rel=1e-6), r["buffers"]
+
+
 def test_dualpipev_trains_as_one_device(launch):
     """torch's ScheduleDualPipeV on 2 gloo ranks: the V placement (the last stage on rank 0,
     the middle pair on rank 1 handing activations and gradients over locally), loss, every

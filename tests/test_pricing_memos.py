@@ -13,10 +13,17 @@ from autopar.solver.pipeline_costs import NodeCosts, _held_terms
 
 
 def _crossing_loop(cap, local_bytes):
-    """``crossing_bytes`` as one walk of the graph (what it was before it kept its spans)."""
+    """``crossing_bytes`` as one walk of the graph (what it was before it kept its spans),
+    leaving out the values every stage recomputes: those computed from buffers and
+    constants alone (the captured graph's buffers are placeholders)."""
     units = chain(cap)
     L, pos, free, at = len(units), {u: i for i, u in enumerate(units)}, free_nodes(cap.gm.graph), \
         chain_index(cap, units)
+    free = set(free) | set(cap.buffers)
+    for n in cap.gm.graph.nodes:
+        mutates = getattr(getattr(n.target, "_schema", None), "is_mutable", False)
+        if n.op == "call_function" and not mutates and all(a.name in free for a in n.all_input_nodes):
+            free.add(n.name)
     diff = [0.0] * (L + 2)
     for n in cap.gm.graph.nodes:
         if n.op != "call_function" or n.name in free:

@@ -45,13 +45,14 @@ def fp8_linears(cap: Captured) -> dict[str, str]:
     """The captured linear nodes ``precision="fp8"`` runs in fp8: node name -> the weight's
     parameter name in the model (its first alias)."""
     out = {}
+    feeds = _feeds_a_linear(cap.gm.graph)
     for n in cap.gm.graph.nodes:
         if n.op != "call_function" or n.target is not aten.linear.default:
             continue
         w = n.args[1]
         if getattr(w, "op", None) != "placeholder" or w.name not in cap.params or len(w.users) != 1:
             continue
-        if _is_head(n) or not _called_by_nn_linear(n):
+        if n not in feeds or not _called_by_nn_linear(n):    # the head: no linear after it
             continue
         out[n.name] = cap.params[w.name][0]
     return out
@@ -159,15 +160,13 @@ def row_blocks(plan) -> int:
     return data * plan.n_microbatches
 
 
-def _is_head(node) -> bool:
-    """Whether no other linear reads anything computed from ``node`` (the last GEMM)."""
-    seen, todo = set(), list(node.users)
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target is aten.linear.default:
-            return False
-        todo.extend(n.users)
-    return True
+def _feeds_a_linear(graph) -> set:
+    """The nodes from whose outputs some linear is computed (a linear among their users'
+    users, transitively): one pass over ``graph`` backwards. A linear outside the set is a
+    head (no other linear reads anything computed from it: the last GEMM)."""
+    feeds: set = set()
+    for n in reversed(graph.nodes):
+        if any(u in feeds or (u.op == "call_function" and u.target is aten.linear.default)
+               for u in n.users):
+            feeds.add(n)
+    return feeds

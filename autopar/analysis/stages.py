@@ -172,7 +172,10 @@ def crossing_bytes(cap: Captured, local_bytes: Callable[[Node], float]) -> list[
     L = len(facts.chain)
     diff = [0.0] * (L + 2)
     nodes = list(cap.gm.graph.nodes)
+    recomputed = _recomputed_by_stages(cap, facts)
     for k, a, b_ in facts.spans(cap):
+        if nodes[k].name in recomputed:
+            continue
         b = local_bytes(nodes[k])
         diff[a] += b
         diff[b_] -= b
@@ -193,17 +196,23 @@ def values_skip_stages(cap: Captured, cuts) -> bool:
     if len(marks) < 2:
         return False
     facts = _facts(cap)
-    if facts.from_buffers is None:
-        facts.from_buffers = _from_buffers(cap)
+    recomputed = _recomputed_by_stages(cap, facts)
     nodes = list(cap.gm.graph.nodes)
     for k, a, b in facts.spans(cap):
-        if nodes[k].name in facts.from_buffers:
+        if nodes[k].name in recomputed:
             continue
         # live across cut i for a <= i < b: a skip where the second cut at or after a is < b
         i = bisect.bisect_left(marks, a)
         if i + 1 < len(marks) and marks[i + 1] < b:
             return True
     return False
+
+
+def _recomputed_by_stages(cap: Captured, facts: _Facts) -> set[str]:
+    """:func:`_from_buffers`, once per graph."""
+    if facts.from_buffers is None:
+        facts.from_buffers = _from_buffers(cap)
+    return facts.from_buffers
 
 
 def _from_buffers(cap: Captured) -> set[str]:

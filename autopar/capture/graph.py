@@ -76,14 +76,39 @@ def _strip(name: str) -> str:
     return re.sub(r"^model\.", "", name)
 
 
+_PER_GRAPH: "weakref.WeakKeyDictionary[torch.fx.Graph, dict]" = weakref.WeakKeyDictionary()
+"""Per graph alive, what :func:`fingerprint` and :func:`op_names` worked out: a search
+makes a plan per program it solves (tens of thousands of nodes each on a frontier model),
+and a captured graph is not rewritten once captured (passes make new modules), so both
+are the graph's for its life. The node count is part of the key: a graph still being
+rewritten (a capture's own passes) is worked out again."""
+
+
+def _per_graph(graph: torch.fx.Graph, what: str, make):
+    memo = _PER_GRAPH.setdefault(graph, {})
+    key = (what, len(graph.nodes))
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def fingerprint(cap: Captured) -> str:
     """A short hash of the graph's nodes, ops and shapes: a plan is valid for this graph only."""
-    h = hashlib.sha256()
-    for n in cap.gm.graph.nodes:
-        val = n.meta.get("val")
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        h.update(f"{n.name}|{n.op}|{n.target}|{shape}\n".encode())
-    return h.hexdigest()[:16]
+    def make() -> str:
+        h = hashlib.sha256()
+        for n in cap.gm.graph.nodes:
+            val = n.meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+            h.update(f"{n.name}|{n.op}|{n.target}|{shape}\n".encode())
+        return h.hexdigest()[:16]
+    return _per_graph(cap.gm.graph, "fingerprint", make)
+
+
+def op_names(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Each call_function node's name -> its op as text (``"aten.mm.default"``), in graph
+    order (``str`` of an OpOverload formats it anew each time)."""
+    return _per_graph(gm.graph, "ops", lambda: {n.name: str(n.target) for n in gm.graph.nodes
+                                                if n.op == "call_function"})
 
 
 def layer_of(node: torch.fx.Node) -> tuple[str, int] | None:

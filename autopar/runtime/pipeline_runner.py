@@ -511,6 +511,22 @@ class PipelineRunner:
         dist.broadcast(t, self._pp_global[src], group=self.pp_group)
         return t
 
+    def receive_buffer_bytes(self, which: str = "train") -> int:
+        """Bytes of the receive buffers this rank's ``which`` stages hold: torch's
+        ``PipelineStage`` makes one per micro-batch for each value a stage receives and for
+        each gradient sent back to it, on its first step, and keeps them (what the pipeline
+        memory model counts as ``"pipeline_buffers"``: ``solver.stage_dp``)."""
+        storages: dict[int, int] = {}
+        for _, stage in self.stages.get(which, []):
+            infos = [*getattr(stage, "args_recv_info", {}).values(),
+                     *getattr(stage, "grad_recv_info", {}).values()]
+            for info in (i for group in infos for i in group):
+                buf = getattr(info, "buffer", None)
+                if isinstance(buf, torch.Tensor) and not getattr(info, "is_root_arg", False):
+                    st = buf.untyped_storage()
+                    storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
+
     def received_skips(self) -> list[tuple[int, int]]:
         """(skip edge, micro-batch) pairs this rank received in the last train step."""
         return list(self._skip_log)

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from autopar.analysis.layers import offload_nodes, recompute_nodes, repeated_layers, select_layers
 from autopar.capture import Captured, fingerprint
+from autopar.capture.graph import op_names
 from autopar.errors import PinError
 from autopar.mesh_roles import MeshRoles
 from autopar.placement import local_shape, placements_str
@@ -882,8 +883,7 @@ def _to_plan(cap: Captured, best: _Best, cl, world: int, memory_budget, capture_
                 params=params, fingerprint=fingerprint(cap), estimate=est, solver=report,
                 memory_budget=memory_budget,
                 param_shapes={n: list(cap.node(ph).meta["val"].shape) for n, ph in params.items()},
-                node_ops={n.name: str(n.target) for n in cap.gm.graph.nodes
-                          if n.op == "call_function" and n.name in nodes},
+                node_ops={n: op for n, op in op_names(cap.gm).items() if n in nodes},
                 inputs=tuple(cap.inputs), recompute=best.recompute,
                 offload=pins.offload, host_memory_bytes=_host_bytes(best),
                 disk_bytes=_disk_bytes(best))
@@ -897,8 +897,9 @@ def plan_host_s(cap: Captured, device, recomputed, optimizer_states: int, pins: 
     if pins.compile == CUDA_GRAPHS:        # replayed: the host launches graphs, not ops
         calls = graphs_dispatches(len(cap.inputs), len(cap.params), optimizer_states=optimizer_states)
         return calls * device.host_op_s
-    targets = [str(n.target) for n in cap.gm.graph.nodes if n.op == "call_function"]
-    again = [str(cap.node(n).target) for n in recomputed if cap.node(n).op == "call_function"]
+    ops = op_names(cap.gm)
+    targets = list(ops.values())
+    again = [ops[n] for n in recomputed if n in ops]
     calls = step_dispatches(targets, again, optimizer_states=optimizer_states)
     return host_time(calls, device.host_op_s, compiled=bool(pins.compile))
 

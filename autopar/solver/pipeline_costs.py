@@ -40,6 +40,7 @@ import numpy as np
 from autopar.analysis.layers import recompute_nodes
 from autopar.analysis.stages import chain, chain_index, crossing_bytes, parameter_positions
 from autopar.capture import Captured
+from autopar.capture.graph import op_names
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.host import node_dispatches
 from autopar.sharding.registry import input_placements, output_placements
@@ -72,6 +73,10 @@ class NodeCosts:
     cross_learned: np.ndarray
     """Of those, the ones computed from a parameter: a cut none crosses leaves the stages
     before it without a backward (buffer slices, masks), which is no pipeline stage."""
+    cross_grad: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Of ``cross``, the bytes (per device) of the values computed from a parameter: each has
+    a gradient sent back over the cut, which the receiving stage holds a buffer for.
+    Empty: the runtime's receive buffers are not counted (``rank_memory``)."""
     recompute_bytes: float = 0.0
     """The transient of rebuilding one recomputed layer in backward (held once)."""
     recomputed: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -145,7 +150,7 @@ class NodeCosts:
                 a2a = a2a.copy() if a2a is self.expert_a2a else a2a
                 a2a[i, 1] += self.node_forward_a2a[name]
             if len(calls):                 # its forward's calls again
-                calls[i] += node_dispatches(str(cap.node(name).target))[0]
+                calls[i] += _dispatches(cap).get(name, (0.0, 0.0))[0]
             comm[i] += self.node_forward_comm.get(name, 0.0)
             fixed_comm[i] += self.node_forward_fixed_comm.get(name, 0.0)
             if name not in kept:
@@ -197,16 +202,26 @@ class NodeCosts:
             np.add.at(out, unit[keep], t.state[owner[keep]])
         return out
 
-    def rank_memory(self, stages: list[tuple[int, int]], in_flight: np.ndarray) -> dict[str, float]:
+    def rank_memory(self, stages: list[tuple[int, int]], in_flight: np.ndarray,
+                    micro_batches: int = 0) -> dict[str, float]:
         """Bytes per device by term of a rank holding chain nodes ``[j, i)`` of each of
-        ``stages``, with ``in_flight[k]`` micro-batches of activations in stage k."""
+        ``stages``, with ``in_flight[k]`` micro-batches of activations in stage k; with
+        ``micro_batches`` (m > 0) and ``cross_grad`` known, the runtime's receive buffers
+        (``"pipeline_buffers"``: per stage and micro-batch, one for the values crossing its
+        first cut and one for the gradients crossing its last; ``stage_dp``'s model)."""
         held = np.zeros(len(self.units), bool)
-        act = 0.0
+        act = buffers = 0.0
+        L = len(self.units)
         for (j, i), n in zip(stages, in_flight):
             held[j:i] = True
             act += float(n) * float(self.activations[j:i].sum())
+            if micro_batches and len(self.cross_grad):
+                buffers += micro_batches * ((float(self.cross[j - 1]) if j > 0 else 0.0)
+                                            + (float(self.cross_grad[i - 1]) if i < L else 0.0))
         out = _held_terms(self.placeholders, held)
         out["activations"] = act
+        if buffers:
+            out["pipeline_buffers"] = buffers
         if self.recompute_bytes and bool((held & self.recomputed).any()):
             out["recompute"] = self.recompute_bytes
         if self.offload_bytes and bool((held & self.offloaded).any()):
@@ -303,6 +318,9 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
     acc.edges()
     acc.sink()
     cross = np.array(crossing_bytes(cap, local_bytes), dtype=float)
+    learned = _from_parameters(cap)
+    cross_grad = np.array(crossing_bytes(cap, lambda n: local_bytes(n) if n.name in learned else 0.0),
+                          dtype=float)
     tensors, from_params = _crossings(cap)
     batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0]) if cap.inputs else 1
     dev = pt.cost.cluster.device
@@ -311,7 +329,7 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
     return NodeCosts(units=units, batch=batch, compute=acc.compute, comm=acc.comm, sync=acc.sync,
                      activations=acc.act, comm_by=acc.comm_by, sync_by=acc.sync_by,
                      placeholders=acc.placeholders, cross=cross, cross_tensors=tensors,
-                     cross_learned=from_params,
+                     cross_learned=from_params, cross_grad=cross_grad,
                      recompute_bytes=acc.rec_bytes,
                      recomputed=acc.recomputed, comm_latency=acc.alpha, fixed_comm=acc.fixed,
                      node_forward_fixed_comm=acc.node_fwd_fixed,
@@ -329,10 +347,23 @@ def host_calls(cap: Captured, units: list[str], recomputed=frozenset()) -> np.nd
     captured node's forward and backward calls (``cost_models.host``) on the chain node
     whose stage runs it (``chain_index``), its forward's again if it is in ``recomputed``."""
     out = np.zeros(len(units))
+    dispatches = _dispatches(cap)
     for name, i in chain_index(cap, units).items():
-        f, b = node_dispatches(str(cap.node(name).target))
+        f, b = dispatches.get(name, (0.0, 0.0))
         out[i] += f + b + (f if name in recomputed else 0.0)
     return out
+
+
+_DISPATCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _dispatches(cap: Captured) -> dict[str, tuple[float, float]]:
+    """Per call_function node: its (forward, backward) ATen calls (``node_dispatches``), once
+    per graph (the free search prices many plans of one graph)."""
+    got = _DISPATCHES.get(cap.gm)
+    if got is None:
+        got = _DISPATCHES[cap.gm] = {n: node_dispatches(op) for n, op in op_names(cap.gm).items()}
+    return got
 
 
 _CROSSINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -366,12 +397,18 @@ def _not_from_batch(cap: Captured) -> frozenset[str]:
     return got
 
 
+_LEARNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _from_parameters(cap: Captured) -> set[str]:
-    """Nodes computed from a parameter (directly or through other nodes)."""
-    out = set(cap.params)
-    for n in cap.gm.graph.nodes:
-        if any(a.name in out for a in n.all_input_nodes):
-            out.add(n.name)
+    """Nodes computed from a parameter (directly or through other nodes), once per graph."""
+    out = _LEARNED.get(cap.gm)
+    if out is None:
+        out = set(cap.params)
+        for n in cap.gm.graph.nodes:
+            if any(a.name in out for a in n.all_input_nodes):
+                out.add(n.name)
+        _LEARNED[cap.gm] = out
     return out
 
 

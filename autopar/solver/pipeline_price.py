@@ -143,7 +143,9 @@ class Priced:
                           message_time=self.message,
                           parameters=seg(nc.params) if len(nc.params) else None,
                           host_time=seg(self.host_calls()) * self.host_op_s,
-                          host_step_time=self.optimizer_calls * self.host_op_s)
+                          host_step_time=self.optimizer_calls * self.host_op_s,
+                          grad_boundary_bytes=nc.cross_grad[self.positions - 1] / b
+                          if len(nc.cross_grad) else None)
 
     def extra_memory(self) -> float:
         """Bytes every rank may hold besides state and activations: the recompute transient,
@@ -318,7 +320,7 @@ def worst_rank_memory(cap, solved, cl, world, config, starts=None) -> float:
     bounds = (0, *cuts, len(pr.nc.units))
     stages = list(zip(bounds[:-1], bounds[1:]))
     held = in_flight(schedule, p, m, v)
-    return max(sum(pr.nc.rank_memory([stages[k] for k in ks], held[ks]).values())
+    return max(sum(pr.nc.rank_memory([stages[k] for k in ks], held[ks], m).values())
                for ks in rank_stages(schedule, p, v))
 
 
@@ -394,7 +396,7 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     host = float(pr.rank_host_s(cuts, p, m, schedule).max())
     step = max(float((end + np.maximum(exposed, pr.optimizer_host_s)).max()), host)
     held = in_flight(schedule, p, m, v)
-    mems = [nc.rank_memory([stages[k] for k in ks], held[ks]) for ks in rank_stages_]
+    mems = [nc.rank_memory([stages[k] for k in ks], held[ks], m) for ks in rank_stages_]
     worst = max(range(p), key=lambda r: sum(mems[r].values()))
     busiest = max(range(p), key=lambda r: sim.busy[r] + exposed[r])
     comm: dict[str, float] = {}
@@ -423,6 +425,7 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     return Estimate(step_time_s=step, host_s=host, compute_s=float(compute),
                     comm_s=float(sum(comm.values())),
                     memory_bytes={k: float(b) for k, b in mems[worst].items()},
+                    rank_memory_bytes=tuple(mems),
                     comm={k: float(s) for k, s in comm.items()},
                     bubble_fraction=float(sim.bubble_fraction),
                     stage_times_s=tuple(float(t) for t in stage_times + (3 if split else 2) * a))

@@ -44,7 +44,16 @@ two messages where a block boundary costs one.
 
 Memory per device of stage k on layers j .. i-1 with micro-batch size b:
 
-    state[j, i] (/ d if shard_state) + n_k * act[j, i] * b / d  <=  limit / v
+    state[j, i] (/ d if shard_state) + n_k * act[j, i] * b / d
+        + (in_j + grad_i) * m * b / d                               <=  limit / v
+
+The last term is the pipeline runtime's receive buffers, counted where ``LayerCosts``
+gives ``grad_boundary_bytes``: torch.distributed.pipelining's ``PipelineStage`` makes, for
+each of the step's m micro-batches, a buffer for every value it receives (in_j, the bytes
+per sample crossing its first cut; 0 for the first stage) and for the gradient of every
+output it sends that has one (grad_i; 0 for the last stage), and keeps them from the first
+step on (``_prepare_forward_infra``, ``_setup_backward_recv_info``): the whole batch's
+bytes at both cuts, whatever m.
 
 n_k is the micro-batches whose activations the stage holds at its peak: m (GPipe),
 min(p - r, m) (1F1B), p (zero-bubble, W keeps them until it runs), and for interleaved
@@ -360,6 +369,8 @@ def _fingerprint(costs: LayerCosts) -> bytes:
         h.update(len(arr).to_bytes(8, "little"))
         h.update(arr.tobytes())
     h.update(np.asarray(costs.host_time, dtype=float).tobytes())
+    grads = costs.grad_boundary_bytes
+    h.update(b"-" if grads is None else b"g" + np.asarray(grads, dtype=float).tobytes())
     h.update(np.array([costs.action_time, costs.message_time, costs.forward_fraction,
                        costs.weight_fraction, costs.host_step_time], dtype=float).tobytes())
     return h.digest()

@@ -61,6 +61,10 @@ class LayerCosts:
     host_step_time: float = 0.0
     """Host seconds a rank spends once per step whatever its layers: the optimizer's
     foreach calls (``cost_models.host.OPTIMIZER_DISPATCHES``)."""
+    grad_boundary_bytes: Sequence[float] | None = None
+    """Of ``boundary_bytes``, the bytes per sample of the values a gradient comes back
+    through (computed from a parameter), cut by cut. Given, a stage's memory counts the
+    pipeline runtime's receive buffers (``stage_dp``'s memory model); None: not counted."""
 
     def __post_init__(self):
         for name in ("fixed_time", "sync_bytes", "host_time"):
@@ -90,8 +94,13 @@ class LayerCosts:
                      "host_time"):
             if arrays[name].shape[0] != n:
                 raise ValueError(f"LayerCosts.{name} has {arrays[name].shape[0]} entries for {n} layers")
-        for name in ("boundary_bytes", "boundary_tensors"):
-            if arrays[name].shape[0] != n - 1:
+        if self.grad_boundary_bytes is not None:
+            arr = np.asarray(self.grad_boundary_bytes, dtype=float)
+            if arr.ndim != 1 or not np.isfinite(arr).all() or (arr < 0).any():
+                raise ValueError("LayerCosts.grad_boundary_bytes must be one-dimensional, finite and >= 0")
+            arrays["grad_boundary_bytes"] = arr
+        for name in ("boundary_bytes", "boundary_tensors", "grad_boundary_bytes"):
+            if name in arrays and arrays[name].shape[0] != n - 1:
                 raise ValueError(f"LayerCosts.{name} needs one entry per cut point ({n - 1} for "
                                  f"{n} layers), got {arrays[name].shape[0]}")
         if not (0 < self.forward_fraction < 1 and 0 <= self.weight_fraction <= 1):

@@ -111,6 +111,12 @@ class Tables:
         self.valid = (j < i) & (learned > 0)
         # boundary[i]: bytes per sample crossing a cut before layer i (0 at i = L).
         self.boundary = np.concatenate([zero, costs.boundary_bytes, zero])
+        # buffers[j, i]: per sample, what the runtime receives into for a stage on layers
+        # j .. i-1 (its inputs, the gradients of its outputs), each micro-batch its own
+        # buffer (``stage_dp``'s memory model); zeros where not counted
+        grads = costs.grad_boundary_bytes
+        self.buffers = (self.boundary[:, None] + np.concatenate([zero, grads, zero])[None, :]
+                        if grads is not None else np.zeros((self.L + 1, self.L + 1)))
         # latency[j, i]: the messages of a stage on layers j .. i-1 at its two cuts
         at = cut_latency(np.concatenate([zero, costs.boundary_tensors, zero]), costs.message_time)
         self.latency = at[:, None] + at[None, :]
@@ -128,7 +134,8 @@ class Tables:
         # whichever is longer (``stage_dp``'s host rule; 0 host on CPU ranks)
         time = np.where(self.valid, np.maximum(self.time * b / d + self.fixed + self.latency
                                                + actions * self.costs.action_time, self.host), INF)
-        memory = Memory(self.state / (d if shard_state else 1), self.act * b / d, counts, which)
+        memory = Memory(self.state / (d if shard_state else 1) + self.buffers * global_batch / d,
+                        self.act * b / d, counts, which)
         share = memory_limit / c.v
         # float sums at the limit fit; table u holds where the u-th least count fits
         fits = memory.fitting(share * (1 + 1e-9), self.valid)
