@@ -63,6 +63,15 @@ under ``tensor=8`` at 8k tokens is predicted 31.2 GiB and measured 31.10 (was 20
 (pp2's measured bf16 peak rose from 36.5 to 48.2 MiB since the first table, its fp32 one
 from 42.3 to 47.7: the runtime's pipeline changed in between; not looked into.)
 
+2026-11-30, session 35: torch's ``PipelineStage`` keeps a receive buffer per micro-batch
+for each value a stage receives and each gradient sent back to it, made on the first step;
+the model counts them (``pipeline_buffers``, ``solver.stage_dp``) and the measurement now
+adds them (they exist before the measured step, so the census missed them,
+``PipelineRunner.receive_buffer_bytes``); every other row unchanged:
+
+    pp2          40.7 / 49.2 MiB  -17.3%   50.2 / 51.7 MiB   -2.9%
+    mean |error| 4.9% (worst 17.3%)        5.4% (worst 15.1%)
+
 Left:
 
 - pipelines (pp2 -14%, fp32 -15%): zero-bubble's last stage holds 16.5 MiB beside its
