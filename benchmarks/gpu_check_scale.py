@@ -556,6 +556,10 @@ def run_case(ctx, name: str, case: dict, live: bool, log) -> dict:
         # is the step's transient memory (activations, workspaces, the optimizer's temporaries)
         held = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else None
         reserved = float(torch.cuda.max_memory_reserved(dev)) if ctx.cuda else None
+        # a pipeline's receive buffers (torch's PipelineStage keeps one per micro-batch and
+        # received value or gradient): part of what stays between steps
+        buffers = getattr(pm.runner, "receive_buffer_bytes", None)
+        buffers = float(buffers()) if buffers is not None else None
         rep = timing.report(plan, pm._cap, [rank], steps, warmup)
         predicted = stage_prediction(pm._cap, plan) or {}
         try:
@@ -594,6 +598,11 @@ def run_case(ctx, name: str, case: dict, live: bool, log) -> dict:
            "prediction_note": "pipeline: compute_predicted_s is the plan's busiest stage's compute per step and "
                               "predicted_memory_bytes its fullest stage's (solver.pipeline_price); this is stage 0"
                               if pipelined else "the plan's per-device estimate (every rank alike)",
+           # rank 0's own prediction (a pipeline's ranks differ: ``memory_bytes`` is the fullest's)
+           "predicted_rank0_memory_terms": dict(est.rank_memory_bytes[0]) if est.rank_memory_bytes else None,
+           "memory_ratio_rank0": peak / sum(est.rank_memory_bytes[0].values())
+           if est.rank_memory_bytes and sum(est.rank_memory_bytes[0].values()) else None,
+           "receive_buffer_bytes": buffers,
            "allocated_after_build_bytes": None if built is None else built - resident,
            "allocated_after_steps_bytes": None if held is None else held - resident,
            "max_reserved_bytes": reserved, "op_memory": traced,
