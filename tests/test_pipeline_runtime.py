@@ -187,6 +187,9 @@ def test_dualpipev_trains_as_one_device(launch):
     assert r["my_stages"] == [[0, 3], [1, 2]]
     assert r["forward_err"] < 1e-5
     assert set(r["worst"]) == {"loss", "grad", "weight"}
+    # the V's middle boundary (both stages on rank 1) has receive buffers too, as predicted
+    held, predicted = [h for h, _ in r["buffers"]], [p for _, p in r["buffers"]]
+    assert min(held) > 0 and held == pytest.approx(predicted, rel=1e-6), r["buffers"]
     print(f"dualpipev: loss {r['worst']['loss']:.1e} grad {r['worst']['grad']:.1e} "
           f"weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
 
