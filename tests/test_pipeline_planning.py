@@ -15,6 +15,7 @@ from autopar.cost_models.hardware import Link, parse_cluster
 
 import autopar
 from autopar.schedule import SCHEDULES
+from autopar.solver.errors import PipelineInfeasibleError
 from examples.models import EXAMPLES, gpt_factory
 
 
@@ -343,3 +344,19 @@ def test_zero3_gathers_are_a_fixed_cost_of_each_micro_batch():
     assert fixed >= gathers
     scaled = (whole.comm.sum() - fixed) / 4 + fixed
     assert scaled == pytest.approx(quarter.comm.sum(), rel=1e-3)
+
+
+def test_a_pipeline_that_does_not_fit_names_its_receive_buffers(monkeypatch):
+    """8 stages of a width-64 GPT, 8 micro-batches of 6 of 48 sequences, 7 MiB a device: the
+    receive buffers torch's PipelineStage keeps (each stage the whole batch's boundary
+    values, both ways) are most of what overflows, and the refusal says so, in the terms of
+    the user's budget; at 8 MiB the plan fits and carries them as a memory term."""
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "0")
+    with torch.device("meta"):
+        ex = gpt_factory(batch=48, n_layer=8, n_embd=64, n_head=16, block_size=128, vocab_size=256)
+    pins = dict(cluster="1x8xA100", pipeline=8, micro_batch_size=6)
+    with pytest.raises(PipelineInfeasibleError, match="receive buffers torch's PipelineStage keeps"):
+        autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, memory_budget=7 * 2**20, **pins)
+    plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, memory_budget=8 * 2**20, **pins)
+    # a middle stage: 48 x 128 x 64 fp32 values in, as many gradients out
+    assert max(r["pipeline_buffers"] for r in plan.estimate.rank_memory_bytes) == 2 * 48 * 128 * 64 * 4

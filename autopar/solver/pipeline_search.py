@@ -474,15 +474,22 @@ class _Cutter:
         rest = recompute_rest(self.cap, self.pins)      # (offloaded layers: not recomputed too)
         if not solved[0].recompute and self.pins.recompute is None and _has_layers(self.cap) and rest:
             retries.append((self.pins.replace(recompute=rest), self.budget))
+        explained = solved
         for k, (pins, limit) in enumerate(retries):
             last = k == len(retries) - 1
             try:
                 again = self.solve(pins, limit)
+            except InfeasibleError:
+                # no intra-stage plan within the shortened limit (the solver's view, not the
+                # user's budget): the stages of the last plan made say what overflows
+                continue
+            explained = again
+            try:
                 return (again, *self.cut(again, explain=last))
-            except (StagesDoNotFit, InfeasibleError):
+            except StagesDoNotFit:
                 if last:
                     raise
-        return (solved, *self.cut(solved))      # raises, saying which stage overflows
+        return (explained, *self.cut(explained))      # raises, saying which stage overflows
 
 
 # ---- choosing what the pins leave free ------------------------------------------------------

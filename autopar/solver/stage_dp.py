@@ -536,10 +536,15 @@ def _no_fit_message(candidates, tables, args) -> str:
     worst = max(range(len(bounds) - 1), key=lambda k: memory[k, bounds[k], bounds[k + 1]])
     j, i = bounds[worst], bounds[worst + 1]
     gib = 2 ** 30
-    limit = args[2]
+    n_devices, global_batch, limit = args[0], args[1], args[2]
+    # the runtime's receive buffers: the whole batch at both cuts, whatever the micro-batches
+    buffers = float(tables.buffers[j, i]) * global_batch / (n_devices // c.p)
+    held = (f", {buffers / gib:.3g} GiB of it the receive buffers torch's PipelineStage keeps "
+            "(one per micro-batch at each cut: the whole batch's boundary values, however many "
+            "micro-batches)") if buffers > 0.01 * memory[worst, j, i] else ""
     return (f"no pipeline plan fits {limit / gib:.3g} GiB per device: the closest, n_stages={c.p}, "
             f"virtual_stages={c.v}, micro_batches={c.m}, schedule {c.schedule!r}, still needs "
-            f"{memory[worst, j, i] / gib:.3g} GiB on stage {worst} (layers {j}..{i - 1}), "
+            f"{memory[worst, j, i] / gib:.3g} GiB on stage {worst} (layers {j}..{i - 1}){held}, "
             f"over its {share / gib:.3g} GiB by {excess / gib:.3g} GiB "
             f"({excess:.0f} bytes); raise memory_limit, add devices, use more micro-batches "
             f"or shard_state=True")
