@@ -210,6 +210,17 @@ def fp8_lines(plan: Plan) -> list[str]:
             + (", ".join(rows) if rows else "none")] + gather
 
 
+def rank_memory_line(e) -> list[str]:
+    """A pipeline plan's spread of memory over its ranks (``Estimate.rank_memory_bytes``;
+    the memory line above is the fullest rank's), or nothing."""
+    totals = [sum(r.values()) for r in e.rank_memory_bytes]
+    if len(totals) < 2:
+        return []
+    fullest = max(range(len(totals)), key=totals.__getitem__)
+    return [f"pipeline ranks hold {fmt_bytes(min(totals))} to {fmt_bytes(max(totals))} a device "
+            f"(the line above is rank {fullest}'s, the fullest)"]
+
+
 def plan_summary(plan: Plan) -> str:
     e, s = plan.estimate, plan.solver
     lines = [
@@ -224,7 +235,7 @@ def plan_summary(plan: Plan) -> str:
         f"memory per device: {fmt_bytes(e.memory_total)} " + ("at the peak; " if e.memory_phases else "= ")
         + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(e.memory_bytes.items(), key=lambda kv: -kv[1]))
         + memory_phases_note(e),
-    ]
+    ] + rank_memory_line(e)
     if plan.memory_budget:
         lines.append(f"memory budget: {fmt_bytes(plan.memory_budget)} per device")
     if e.comm:

@@ -360,3 +360,7 @@ def test_a_pipeline_that_does_not_fit_names_its_receive_buffers(monkeypatch):
     plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, memory_budget=8 * 2**20, **pins)
     # a middle stage: 48 x 128 x 64 fp32 values in, as many gradients out
     assert max(r["pipeline_buffers"] for r in plan.estimate.rank_memory_bytes) == 2 * 48 * 128 * 64 * 4
+    # the summary gives the spread over the 8 ranks and which one its memory line is
+    totals = [sum(r.values()) for r in plan.estimate.rank_memory_bytes]
+    assert len(totals) == 8 and sum(plan.estimate.memory_bytes.values()) == max(totals)
+    assert f"(the line above is rank {totals.index(max(totals))}'s, the fullest)" in plan.summary()
