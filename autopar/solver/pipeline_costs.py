@@ -32,6 +32,7 @@ over the members of its consumer. ``sum(compute + comm + sync)`` equals the solv
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -354,62 +355,60 @@ def host_calls(cap: Captured, units: list[str], recomputed=frozenset()) -> np.nd
     return out
 
 
-_DISPATCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+def _once_per_graph(fn):
+    """``fn(cap)`` worked out once per captured graph alive (keyed by its GraphModule: the
+    free search prices many plans of one graph, and a captured graph is not rewritten)."""
+    memo: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    @functools.wraps(fn)
+    def once(cap: Captured):
+        got = memo.get(cap.gm)
+        if got is None:
+            got = memo[cap.gm] = fn(cap)
+        return got
+    return once
 
 
+@_once_per_graph
 def _dispatches(cap: Captured) -> dict[str, tuple[float, float]]:
-    """Per call_function node: its (forward, backward) ATen calls (``node_dispatches``), once
-    per graph (the free search prices many plans of one graph)."""
-    got = _DISPATCHES.get(cap.gm)
-    if got is None:
-        got = _DISPATCHES[cap.gm] = {n: node_dispatches(op) for n, op in op_names(cap.gm).items()}
-    return got
+    """Per call_function node: its (forward, backward) ATen calls (``node_dispatches``)."""
+    return {n: node_dispatches(op) for n, op in op_names(cap.gm).items()}
 
 
-_CROSSINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+@_once_per_graph
+def _crossing_counts(cap: Captured) -> tuple[np.ndarray, np.ndarray]:
+    learned = _from_parameters(cap)
+    return (np.array(crossing_bytes(cap, lambda n: 1.0), dtype=float),
+            np.array(crossing_bytes(cap, lambda n: float(n.name in learned)), dtype=float))
 
 
 def _crossings(cap: Captured) -> tuple[np.ndarray, np.ndarray]:
     """(tensors, tensors computed from a parameter) crossing each cut: the same under every
-    plan, so worked out once per graph (the free search prices many plans of one graph)."""
-    got = _CROSSINGS.get(cap.gm)
-    if got is None:
-        learned = _from_parameters(cap)
-        got = _CROSSINGS[cap.gm] = (
-            np.array(crossing_bytes(cap, lambda n: 1.0), dtype=float),
-            np.array(crossing_bytes(cap, lambda n: float(n.name in learned)), dtype=float))
-    return got[0].copy(), got[1].copy()
+    plan (copies of the graph's own)."""
+    tensors, learned = _crossing_counts(cap)
+    return tensors.copy(), learned.copy()
 
 
-_NOT_FROM_BATCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+def _reached_from(cap: Captured, seeds) -> set[str]:
+    """``seeds`` and every node computed from one of them (directly or through others)."""
+    out = set(seeds)
+    for n in cap.gm.graph.nodes:
+        if any(a.name in out for a in n.all_input_nodes):
+            out.add(n.name)
+    return out
 
 
+@_once_per_graph
 def _not_from_batch(cap: Captured) -> frozenset[str]:
     """Nodes not computed from the model's inputs (parameters, buffers and what is computed
-    from them alone): their sizes do not change with the micro-batch. Once per graph."""
-    got = _NOT_FROM_BATCH.get(cap.gm)
-    if got is None:
-        batch = set(cap.inputs)
-        for n in cap.gm.graph.nodes:
-            if any(a.name in batch for a in n.all_input_nodes):
-                batch.add(n.name)
-        got = _NOT_FROM_BATCH[cap.gm] = frozenset(n.name for n in cap.gm.graph.nodes) - batch
-    return got
+    from them alone): their sizes do not change with the micro-batch."""
+    return frozenset(n.name for n in cap.gm.graph.nodes) - _reached_from(cap, cap.inputs)
 
 
-_LEARNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _from_parameters(cap: Captured) -> set[str]:
-    """Nodes computed from a parameter (directly or through other nodes), once per graph."""
-    out = _LEARNED.get(cap.gm)
-    if out is None:
-        out = set(cap.params)
-        for n in cap.gm.graph.nodes:
-            if any(a.name in out for a in n.all_input_nodes):
-                out.add(n.name)
-        _LEARNED[cap.gm] = out
-    return out
+@_once_per_graph
+def _from_parameters(cap: Captured) -> frozenset[str]:
+    """Nodes computed from a parameter (directly or through other nodes)."""
+    return frozenset(_reached_from(cap, cap.params))
 
 
 class _Acc:
