@@ -20,8 +20,7 @@ Measured, per case:
   starts after a barrier and its time is the slowest rank's; we print the median over
   ``--steps`` steps;
 - memory: per rank, the bytes of the local parameters and AdamW state (exp_avg,
-  exp_avg_sq: counted directly) and a pipeline's receive buffers (made on its first step
-  and kept: ``PipelineRunner.receive_buffer_bytes``) plus the peak of live tensor bytes allocated during one
+  exp_avg_sq: counted directly) plus the peak of live tensor bytes allocated during one
   ``train_step`` (``autopar.cost_models.profile.PeakMemory``: torch's own census of
   tensor storages, so gradients, activations and communication buffers), the largest rank.
   This is what the estimate's ``memory_bytes`` terms claim to count; it is not the RSS
@@ -321,9 +320,8 @@ def worker(spec_path: str, out_path: str) -> None:
         state = sum(p.numel() * p.element_size() for p in pm.parameters())
         state += sum(v.numel() * v.element_size() for s in opt.state.values()
                      for v in s.values() if torch.is_tensor(v) and v.ndim > 0)
-        # a pipeline's receive buffers, made on its first step and kept (not new in the block)
-        held = getattr(getattr(pm, "runner", None), "receive_buffer_bytes", None)
-        state += held() if held is not None else 0
+        # (a pipeline's receive buffers are made in the step, one per micro-batch in flight:
+        # runtime.receive_buffers, so the census has them)
         m = torch.tensor([float(state + mem.peak_bytes)], dtype=torch.float64)
         dist.all_reduce(m, op=dist.ReduceOp.MAX)
         results.append({"meas_s": statistics.median(times), "meas_all_s": times,

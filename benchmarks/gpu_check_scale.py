@@ -556,8 +556,8 @@ def run_case(ctx, name: str, case: dict, live: bool, log) -> dict:
         # is the step's transient memory (activations, workspaces, the optimizer's temporaries)
         held = float(torch.cuda.memory_allocated(dev)) if ctx.cuda else None
         reserved = float(torch.cuda.max_memory_reserved(dev)) if ctx.cuda else None
-        # a pipeline's receive buffers (torch's PipelineStage keeps one per micro-batch and
-        # received value or gradient): part of what stays between steps
+        # a pipeline's receive buffers (runtime.receive_buffers: one per micro-batch in
+        # flight and received value or gradient): the peak held at once in the last step
         buffers = getattr(pm.runner, "receive_buffer_bytes", None)
         buffers = float(buffers()) if buffers is not None else None
         rep = timing.report(plan, pm._cap, [rank], steps, warmup)

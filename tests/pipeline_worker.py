@@ -12,6 +12,7 @@ and its single-device run (the same weights and batch).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -28,6 +29,12 @@ from capture_reuse import same_model  # noqa: E402
 from equivalence import compare, parallel_run, reference_run  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from worker_loop import run_cases  # noqa: E402
+
+
+def _meta_bytes(infos) -> int:
+    """Bytes a micro-batch's receive buffers of ``infos`` (torch's ``_RecvInfo``) take."""
+    return sum(math.prod(i.tensor_meta.shape) * i.tensor_meta.dtype.itemsize
+               for i in infos if not i.is_root_arg and i.tensor_meta is not None)
 
 
 def _example(name: str):
@@ -117,13 +124,18 @@ def _run_case(case: dict) -> dict:
     order = [None] * dist.get_world_size()
     dist.all_gather_object(order, list(pm.runner.sync_order))
     info["sync_order"] = order
-    # the receive buffers each rank's train stages hold after the steps, and the plan's
-    # prediction of them for its pipeline rank
+    # the peak bytes of receive buffers each rank's train stages held at once in the last
+    # step, the plan's prediction of them for its pipeline rank, what they hold after it,
+    # and per stage (index, a micro-batch's values received, its gradients received)
     buffers = [None] * dist.get_world_size()
     ranks = pm.plan.estimate.rank_memory_bytes
     dist.all_gather_object(buffers, (pm.runner.receive_buffer_bytes(),
                                      ranks[pm.runner.pp_rank].get("pipeline_buffers", 0.0)
-                                     if ranks else None))
+                                     if ranks else None,
+                                     pm.runner.held_receive_buffer_bytes(),
+                                     [(st.stage_index, _meta_bytes(st.args_recv_info[0]),
+                                       _meta_bytes(st.grad_recv_info.get(0, ())))
+                                      for _, st in pm.runner.stages["train"]]))
     info["buffers"] = buffers
     # which stages split their backward in two halves (zero bubble), by stage index
     split = [None] * dist.get_world_size()

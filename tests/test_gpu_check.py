@@ -250,10 +250,10 @@ def test_scale_runs_one_rank_of_each_plan(dry):
         c = cases[name]
         assert c["whole_over_local"] >= 0.99 * math.prod(c["mesh"]), (name, c["whole_over_local"], c["mesh"])
         assert c["compute_predicted_s"] > 0, name
-    # the pipeline stage's receive buffers, made on its first step, as its rank's plan says
+    # the pipeline stage's receive buffers at their peak (one per micro-batch in flight),
+    # within its rank's plan
     c = cases["llama3_70b_pp_stage"]
-    assert c["receive_buffer_bytes"] > 0
-    assert c["receive_buffer_bytes"] == c["predicted_rank0_memory_terms"]["pipeline_buffers"], c
+    assert 0 < c["receive_buffer_bytes"] <= c["predicted_rank0_memory_terms"]["pipeline_buffers"], c
     for name in ("llama3_8b_tp8", "deepseek_v3_moe_ep8"):     # the price table, by family
         assert cases[name]["families"]["matmul"]["predicted_s"] > 0, name
     assert cases["deepseek_v3_moe_ep8"]["mesh_axes"] == ["expert"]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from autopar.schedule import schedule_actions
 from autopar.pricing.simulate import simulate
 from autopar.solver.stage_dp import LayerCosts, StagePins, _candidates, plan_stages, simulate_plan, stage_dp
-from autopar.solver.stage_tables import cut_latency
+from autopar.solver.stage_tables import cut_latency, in_flight
 
 GiB = 2**30
 
@@ -208,30 +208,41 @@ def test_memory_follows_the_schedule():
     assert one.memory_per_stage == pytest.approx([20 + (p - s) * 2 for s in range(p)])
 
 
-def test_receive_buffers_hold_the_whole_batch_at_both_cuts():
-    """With ``grad_boundary_bytes`` given, a stage also holds the runtime's receive buffers:
-    per micro-batch the values crossing its first cut and the gradients crossing its last,
-    i.e. the whole batch's bytes at both cuts whatever m (none before the first stage or
-    after the last); without it the memory is as before."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b"])
+def test_receive_buffers_hold_the_micro_batches_in_flight(schedule):
+    """With ``grad_boundary_bytes`` given, a stage also holds the runtime's receive buffers
+    (``runtime.receive_buffers``): the values crossing its first cut for its micro-batches
+    in flight plus one, min(n_k + 1, m), and the gradients crossing its last for as many
+    micro-batches as the schedule's fullest stage holds them (GPipe, 1F1B: 2; zero bubble:
+    1 + the weight halves pending, rank r's r + 1); under interleaved 1F1B m of both. None
+    before the first stage or after the last; without it the memory is as before."""
     L, p, batch = 8, 4, 8
+    v = 2 if schedule == "interleaved-1f1b" else 1
     common = dict(n_devices=p, global_batch=batch, memory_limit=1e9, bandwidth=1e9, n_stages=p,
-                  schedule="gpipe")
+                  schedule=schedule, virtual_stages=v)
     plain = costs_of([1.0] * L, state=[10.0] * L, act=[1.0] * L, boundary=[3.0] * (L - 1))
     held = costs_of([1.0] * L, state=[10.0] * L, act=[1.0] * L, boundary=[3.0] * (L - 1),
                     grad_boundary_bytes=[2.0] * (L - 1))
-    for m in (2, 8):
+    S = p * v
+    for m in (4, 8):
         before = plan_stages(plain, micro_batches=m, **common)
         after = plan_stages(held, micro_batches=m, **common)
-        assert after.cuts == before.cuts == (2, 4, 6)
+        assert after.cuts == before.cuts
         extra = np.subtract(after.memory_per_stage, before.memory_per_stage)
-        # stage k: 3 bytes a sample in (k > 0) and 2 of gradients (k < p - 1), for 8 samples
-        assert extra == pytest.approx([batch * ((3.0 if k else 0.0) + (2.0 if k < p - 1 else 0.0))
-                                       for k in range(p)])
+        n = in_flight(schedule, p, m, v)
+        values = [m if v > 1 else min(n[k] + 1, m) for k in range(S)]
+        grads = m if v > 1 else {"gpipe": 2, "1f1b": 2, "zero-bubble": p - 1}[schedule]
+        b = batch / m       # 3 bytes a sample in (k > 0), 2 of gradients (k < S - 1)
+        per_stage = [b * ((3.0 * values[k] if k else 0.0) + (2.0 * grads if k < S - 1 else 0.0))
+                     for k in range(S)]
+        want = [sum(per_stage[r::p]) for r in range(p)]        # a rank's v stages together
+        assert extra == pytest.approx(want), (m, extra, want)
+        if v == 1 and m == 8:       # fewer than the whole batch at the cuts
+            assert sum(extra) < batch * (3.0 + 2.0) * (S - 1)
     # a limit the plain stages meet and the buffers break: no cut fits
-    tight = plan_stages(plain, micro_batches=2, **{**common, "memory_limit": 20 + 2 * 2 * 4 + 1})
-    assert tight.cuts == (2, 4, 6)
+    need = max(plan_stages(plain, micro_batches=4, **common).memory_per_stage)
     with pytest.raises(ValueError, match="fits"):
-        plan_stages(held, micro_batches=2, **{**common, "memory_limit": 20 + 2 * 2 * 4 + 1})
+        plan_stages(held, micro_batches=4, **{**common, "memory_limit": need * v + 1e-6})
 
 
 def test_dualpipev_memory_places_the_v():
@@ -350,13 +361,13 @@ def test_pinned_schedule_the_stage_count_cannot_run():
 
 def test_nothing_fits_memory_names_the_stage_and_the_excess():
     costs = costs_of([1.0, 1.0], state=[10 * GiB, 10 * GiB])
-    with pytest.raises(ValueError, match=r"no pipeline plan fits 15 GiB per device: the closest, n_stages=1, "
-                                         r"virtual_stages=1, .* needs 20 GiB on stage 0 \(layers 0\.\.1\), over "
-                                         r"its 15 GiB by 5 GiB"):
+    with pytest.raises(ValueError, match=r"no pipeline plan fits 15.00 GiB per device: the closest, n_stages=1, "
+                                         r"virtual_stages=1, .* needs 20.00 GiB on stage 0 \(layers 0\.\.1\), over "
+                                         r"its 15.00 GiB by 5.00 GiB"):
         plan_stages(costs, n_devices=1, global_batch=2, memory_limit=15 * GiB, bandwidth=1e9)
     # with two devices the two layers split and fit; with one activation too many they do not
     costs = costs_of([1.0, 1.0], state=[10 * GiB, 10 * GiB], act=[3 * GiB, 3 * GiB])
-    with pytest.raises(ValueError, match=r"needs 16 GiB on stage 0 \(layers 0\.\.0\), over its 15 GiB by 1 GiB"):
+    with pytest.raises(ValueError, match=r"needs 16.00 GiB on stage 0 \(layers 0\.\.0\), over its 15.00 GiB by 1.00 GiB"):
         plan_stages(costs, n_devices=2, global_batch=2, memory_limit=15 * GiB, bandwidth=1e9,
                     n_stages=2, schedule="1f1b")
 

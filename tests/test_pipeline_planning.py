@@ -347,19 +347,24 @@ def test_zero3_gathers_are_a_fixed_cost_of_each_micro_batch():
 
 
 def test_a_pipeline_that_does_not_fit_names_its_receive_buffers(monkeypatch):
-    """8 stages of a width-64 GPT, 8 micro-batches of 6 of 48 sequences, 7 MiB a device: the
-    receive buffers torch's PipelineStage keeps (each stage the whole batch's boundary
-    values, both ways) are most of what overflows, and the refusal says so, in the terms of
-    the user's budget; at 8 MiB the plan fits and carries them as a memory term."""
+    """8 stages of a width-64 GPT under GPipe, 8 micro-batches of 6 of 48 sequences, 10 MiB
+    a device: the refusal names the stage, what it needs and the share of the buffers the
+    runtime receives into (``runtime.receive_buffers``: under GPipe every micro-batch's
+    values at a stage's first cut, two micro-batches' gradients at its last), in bytes the
+    user can read; at 12 MiB the plan fits and carries them as a memory term, per rank."""
     monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "0")
     with torch.device("meta"):
         ex = gpt_factory(batch=48, n_layer=8, n_embd=64, n_head=16, block_size=128, vocab_size=256)
-    pins = dict(cluster="1x8xA100", pipeline=8, micro_batch_size=6)
-    with pytest.raises(PipelineInfeasibleError, match="receive buffers torch's PipelineStage keeps"):
-        autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, memory_budget=7 * 2**20, **pins)
-    plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, memory_budget=8 * 2**20, **pins)
-    # a middle stage: 48 x 128 x 64 fp32 values in, as many gradients out
-    assert max(r["pipeline_buffers"] for r in plan.estimate.rank_memory_bytes) == 2 * 48 * 128 * 64 * 4
+    pins = dict(cluster="1x8xA100", pipeline=8, micro_batch_size=6, schedule="gpipe")
+    with pytest.raises(PipelineInfeasibleError, match=r"MiB on stage 7 .*, [0-9.]+ MiB of it the "
+                                                      r"buffers torch's PipelineStage receives into"):
+        autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, memory_budget=10 * 2**20, **pins)
+    plan = autopar.plan(ex.model, ex.inputs, ex.loss_fn, target=ex.target, memory_budget=12 * 2**20, **pins)
+    # the first stage: 2 micro-batches of gradients of its output (the 6 x 128 x 64 fp32
+    # residual) back; the last: 8 of that residual in (the cuts between fall mid-block)
+    one = 6 * 128 * 64 * 4
+    buffers = [r["pipeline_buffers"] for r in plan.estimate.rank_memory_bytes]
+    assert (buffers[0], buffers[-1]) == (2 * one, 8 * one), buffers
     # the summary gives the spread over the 8 ranks and which one its memory line is
     totals = [sum(r.values()) for r in plan.estimate.rank_memory_bytes]
     assert len(totals) == 8 and sum(plan.estimate.memory_bytes.values()) == max(totals)

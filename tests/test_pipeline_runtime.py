@@ -166,15 +166,28 @@ def test_matrix(launch, model, mesh, schedule):
 
 @pytest.mark.parametrize("model,mesh,schedule", MATRIX, ids=[_case_id(*c) for c in MATRIX])
 def test_receive_buffers_are_predicted(launch, model, mesh, schedule):
-    """The bytes torch's PipelineStages keep in receive buffers after the steps (one per
-    micro-batch for each value a stage receives and each gradient sent back to it), on every
-    rank, equal the plan's ``pipeline_buffers`` memory term of its pipeline rank."""
+    """The receive buffers of every rank (``runtime.receive_buffers``: one per micro-batch
+    in flight for each value a stage receives and each gradient sent back to it): the peak
+    bytes alive at once in a step is at most the plan's ``pipeline_buffers`` term of its
+    pipeline rank and, but under interleaved 1F1B (whose runtime posts receives early: the
+    term counts every micro-batch), at least it less one micro-batch of each kind per stage;
+    below the whole batch's at both cuts (what torch's own stages keep) where m exceeds
+    what is in flight; and nothing is held between steps."""
     nproc, _ = MESHES[mesh]
     r = _result(launch, nproc, _case_id(model, mesh, schedule))
-    held = [h for h, _ in r["buffers"]]
-    predicted = [p for _, p in r["buffers"]]
-    assert min(held) > 0, r["buffers"]
-    assert held == pytest.approx(predicted, rel=1e-6), r["buffers"]
+    _check_buffers(r["buffers"], schedule, r["m"])
+
+
+def _check_buffers(ranks, schedule: str, m: int) -> None:
+    for peak, predicted, held, stages in ranks:
+        one = sum(a + g for _, a, g in stages)          # a micro-batch of each, every stage
+        assert held == 0 and peak > 0, ranks
+        assert peak <= predicted * (1 + 1e-9), ranks
+        if schedule != "interleaved-1f1b":
+            assert predicted <= peak + one, ranks
+    whole = sum(m * (a + g) for *_, stages in ranks for _, a, g in stages)
+    if schedule in ("1f1b", "zero-bubble", "dualpipev"):
+        assert sum(p for p, *_ in ranks) < whole, ranks
 
 
 def test_dualpipev_trains_as_one_device(launch):
@@ -187,9 +200,8 @@ def test_dualpipev_trains_as_one_device(launch):
     assert r["my_stages"] == [[0, 3], [1, 2]]
     assert r["forward_err"] < 1e-5
     assert set(r["worst"]) == {"loss", "grad", "weight"}
-    # the V's middle boundary (both stages on rank 1) has receive buffers too, as predicted
-    held, predicted = [h for h, _ in r["buffers"]], [p for _, p in r["buffers"]]
-    assert min(held) > 0 and held == pytest.approx(predicted, rel=1e-6), r["buffers"]
+    # receive buffers as predicted (the V's middle boundary, both stages on rank 1, has none)
+    _check_buffers(r["buffers"], "dualpipev", r["m"])
     print(f"dualpipev: loss {r['worst']['loss']:.1e} grad {r['worst']['grad']:.1e} "
           f"weight {r['worst']['weight']:.1e} ({r['seconds']:.1f}s)")
 

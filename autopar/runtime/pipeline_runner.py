@@ -58,14 +58,16 @@ from autopar.runtime.compiled import CompiledStage, inductor_options
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.overlap import OverlapPairs, overlap_applies
 from autopar.runtime.precision import AutocastStage, cast_once_per_step, compute_dtype
+from autopar.runtime.receive_buffers import BufferMeter, InFlightBuffers
 from autopar.runtime.shards import Shards
 from autopar.runtime.weight_groups import GroupMerger
 from autopar.schedule import rank_stages, stage_ranks, torch_schedule_class
 
 
-class _Stage(PipelineStage):
+class _Stage(InFlightBuffers, PipelineStage):
     """A PipelineStage that says when its last backward of a step is done (the full
-    backward of the last micro-batch, or under zero bubble its last weight half).
+    backward of the last micro-batch, or under zero bubble its last weight half), and holds
+    receive buffers for the micro-batches in flight only (``runtime.receive_buffers``).
 
     Zero bubble splits a backward into the inputs' half (I) and the weights' half (W);
     torch computes W only for weights whose gradient reaches the stage output through a
@@ -246,6 +248,7 @@ class PipelineRunner:
         self.stages: dict[str, list[tuple[StageGraph, _Stage]]] = {}
         self.skip_edges: dict[str, dict] = {}
         self._reads: dict[str, set[int]] = {}     # attr -> every stage (of any program) reading it
+        self._meters: dict[str, BufferMeter] = {}   # program -> its stages' receive buffers
         for which, gm in programs.items():
             self._split(which, gm, plan, root)
         # data-parallel gradients each local train stage completes (see _stage_done)
@@ -300,6 +303,7 @@ class PipelineRunner:
         moved = layer_members(cap.gm, select_layers(cap.gm, offload, "offload_activations")) \
             if which == "train" and offload not in (None, "none", ()) else {}
         mine = []
+        self._meters[which] = meter = BufferMeter()
         for sg in parts:
             if sg.index not in self.my_stages:
                 continue
@@ -315,6 +319,7 @@ class PipelineRunner:
                                     inductor_options(plan.options.compile, self.device))
             stage = _Stage(mod, sg.index, S, self.device, input_args=ins, output_args=outs,
                            group=self.pp_group)
+            stage.meter = meter
             # (the first stage torch runs whole at W already). A compiled stage's backward is
             # one opaque autograd node: torch's split would find no weight behind it (its
             # weight half computed wrong gradients), so it runs whole at I.
@@ -417,6 +422,7 @@ class PipelineRunner:
         self._mb_losses = []     # unscaled, by _scaled_loss
         self._left, self.sync_order, self._sync = dict(self._readers), [], sync
         ctx = self._context("train", inputs, target)
+        self._meters["train"].reset()
         sync.begin()
         try:
             with use_step_context(ctx), cast_once_per_step(self.device, self._dtype):
@@ -512,20 +518,17 @@ class PipelineRunner:
         return t
 
     def receive_buffer_bytes(self, which: str = "train") -> int:
-        """Bytes of the receive buffers this rank's ``which`` stages hold: torch's
-        ``PipelineStage`` makes one per micro-batch for each value a stage receives and for
-        each gradient sent back to it, on its first step, and keeps them (what the pipeline
-        memory model counts as ``"pipeline_buffers"``: ``solver.stage_dp``)."""
-        storages: dict[int, int] = {}
-        for _, stage in self.stages.get(which, []):
-            infos = [*getattr(stage, "args_recv_info", {}).values(),
-                     *getattr(stage, "grad_recv_info", {}).values()]
-            for info in (i for group in infos for i in group):
-                buf = getattr(info, "buffer", None)
-                if isinstance(buf, torch.Tensor) and not getattr(info, "is_root_arg", False):
-                    st = buf.untyped_storage()
-                    storages[st.data_ptr()] = st.nbytes()
-        return sum(storages.values())
+        """The peak bytes of receive buffers this rank's ``which`` stages held at once in the
+        last step (``runtime.receive_buffers``: one per micro-batch in flight for each value
+        a stage receives and each gradient sent back to it); what the pipeline memory model
+        counts as ``"pipeline_buffers"`` (``solver.stage_dp``)."""
+        meter = self._meters.get(which)
+        return meter.peak if meter is not None else 0
+
+    def held_receive_buffer_bytes(self, which: str = "train") -> int:
+        """Bytes of receive buffers this rank's ``which`` stages hold now (between steps: 0)."""
+        meter = self._meters.get(which)
+        return meter.live_bytes() if meter is not None else 0
 
     def received_skips(self) -> list[tuple[int, int]]:
         """(skip edge, micro-batch) pairs this rank received in the last train step."""

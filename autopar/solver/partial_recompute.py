@@ -65,9 +65,7 @@ def rank_bytes(nc, config, cuts) -> np.ndarray:
     p, v, m, schedule = config
     bounds = (0, *cuts, len(nc.units))
     stages = list(zip(bounds[:-1], bounds[1:]))
-    held = in_flight(schedule, p, m, v)
-    return np.array([sum(nc.rank_memory([stages[k] for k in ks], held[ks], m).values())
-                     for ks in rank_stages(p, v, schedule)])
+    return np.array([sum(mem.values()) for mem in nc.rank_memories(stages, schedule, p, m, v)])
 
 
 _LAYER_NODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

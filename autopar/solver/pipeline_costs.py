@@ -48,6 +48,8 @@ from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.activation_offload import copy_s
 from autopar.pricing.costing import COPY_OUT, INF, grad_partial_flags
 from autopar.pricing.prices import EdgePrice, PriceTable, price_table
+from autopar.schedule import rank_stages
+from autopar.solver.stage_tables import in_flight, receive_in_flight
 
 
 @dataclass
@@ -204,21 +206,23 @@ class NodeCosts:
         return out
 
     def rank_memory(self, stages: list[tuple[int, int]], in_flight: np.ndarray,
-                    micro_batches: int = 0) -> dict[str, float]:
+                    receive: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, float]:
         """Bytes per device by term of a rank holding chain nodes ``[j, i)`` of each of
         ``stages``, with ``in_flight[k]`` micro-batches of activations in stage k; with
-        ``micro_batches`` (m > 0) and ``cross_grad`` known, the runtime's receive buffers
-        (``"pipeline_buffers"``: per stage and micro-batch, one for the values crossing its
-        first cut and one for the gradients crossing its last; ``stage_dp``'s model)."""
+        ``receive`` (per stage, the micro-batches of received values and of gradients sent
+        back whose buffers it holds at its peak: ``stage_tables.receive_in_flight``) and
+        ``cross_grad`` known, the runtime's receive buffers (``"pipeline_buffers"``: the
+        values crossing its first cut, the gradients crossing its last; ``stage_dp``)."""
         held = np.zeros(len(self.units), bool)
         act = buffers = 0.0
         L = len(self.units)
-        for (j, i), n in zip(stages, in_flight):
+        values, grads = receive if receive is not None else ((), ())
+        for k, ((j, i), n) in enumerate(zip(stages, in_flight)):
             held[j:i] = True
             act += float(n) * float(self.activations[j:i].sum())
-            if micro_batches and len(self.cross_grad):
-                buffers += micro_batches * ((float(self.cross[j - 1]) if j > 0 else 0.0)
-                                            + (float(self.cross_grad[i - 1]) if i < L else 0.0))
+            if receive is not None and len(self.cross_grad):
+                buffers += ((float(values[k]) * float(self.cross[j - 1]) if j > 0 else 0.0)
+                            + (float(grads[k]) * float(self.cross_grad[i - 1]) if i < L else 0.0))
         out = _held_terms(self.placeholders, held)
         out["activations"] = act
         if buffers:
@@ -228,6 +232,15 @@ class NodeCosts:
         if self.offload_bytes and bool((held & self.offloaded).any()):
             out["offload"] = self.offload_bytes
         return out
+
+    def rank_memories(self, stages: list[tuple[int, int]], schedule: str, p: int, m: int,
+                      v: int) -> list[dict[str, float]]:
+        """:meth:`rank_memory` of every pipeline rank, stage k on chain nodes ``stages[k]``,
+        under ``schedule`` (p ranks, m micro-batches, v stages a rank)."""
+        held = in_flight(schedule, p, m, v)
+        values, grads = receive_in_flight(schedule, p, m, v)
+        return [self.rank_memory([stages[k] for k in ks], held[ks], (values[ks], grads[ks]))
+                for ks in rank_stages(schedule, p, v)]
 
     def rank_host_memory(self, stages: list[tuple[int, int]], in_flight: np.ndarray) -> float:
         """Bytes of host memory a rank holding chain nodes ``[j, i)`` of each of ``stages``

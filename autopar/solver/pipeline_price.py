@@ -319,9 +319,7 @@ def worst_rank_memory(cap, solved, cl, world, config, starts=None) -> float:
     cuts = [int(pr.bounds[c]) for c in sp.cuts]
     bounds = (0, *cuts, len(pr.nc.units))
     stages = list(zip(bounds[:-1], bounds[1:]))
-    held = in_flight(schedule, p, m, v)
-    return max(sum(pr.nc.rank_memory([stages[k] for k in ks], held[ks], m).values())
-               for ks in rank_stages(schedule, p, v))
+    return max(sum(mem.values()) for mem in pr.nc.rank_memories(stages, schedule, p, m, v))
 
 
 def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
@@ -395,8 +393,7 @@ def pipeline_estimate(pr: Priced, config, cuts: tuple[int, ...]) -> Estimate:
     # optimizer's calls come after the rank's last backward, beside its exposed reduction
     host = float(pr.rank_host_s(cuts, p, m, schedule).max())
     step = max(float((end + np.maximum(exposed, pr.optimizer_host_s)).max()), host)
-    held = in_flight(schedule, p, m, v)
-    mems = [nc.rank_memory([stages[k] for k in ks], held[ks], m) for ks in rank_stages_]
+    mems = nc.rank_memories(stages, schedule, p, m, v)
     worst = max(range(p), key=lambda r: sum(mems[r].values()))
     busiest = max(range(p), key=lambda r: sim.busy[r] + exposed[r])
     comm: dict[str, float] = {}

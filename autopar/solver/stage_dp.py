@@ -45,15 +45,17 @@ two messages where a block boundary costs one.
 Memory per device of stage k on layers j .. i-1 with micro-batch size b:
 
     state[j, i] (/ d if shard_state) + n_k * act[j, i] * b / d
-        + (in_j + grad_i) * m * b / d                               <=  limit / v
+        + (min(n_k + 1, m) * in_j + g * grad_i) * b / d            <=  limit / v
 
 The last term is the pipeline runtime's receive buffers, counted where ``LayerCosts``
-gives ``grad_boundary_bytes``: torch.distributed.pipelining's ``PipelineStage`` makes, for
-each of the step's m micro-batches, a buffer for every value it receives (in_j, the bytes
-per sample crossing its first cut; 0 for the first stage) and for the gradient of every
-output it sends that has one (grad_i; 0 for the last stage), and keeps them from the first
-step on (``_prepare_forward_infra``, ``_setup_backward_recv_info``): the whole batch's
-bytes at both cuts, whatever m.
+gives ``grad_boundary_bytes``: autopar's ``PipelineStage`` (``runtime.receive_buffers``)
+receives each micro-batch's values (in_j, the bytes per sample crossing its first cut; 0
+for the first stage) and the gradients of its outputs (grad_i; 0 for the last stage) into
+buffers of their own, held until torch has read them: a value as long as the micro-batch's
+activations plus the next receive posted (``stage_tables.receive_in_flight``), g gradients (the most any stage
+of the schedule holds: 2 under GPipe and 1F1B, the weight halves pending plus one under
+zero bubble and DualPipeV). Under interleaved 1F1B torch posts receives as soon as the
+neighbour sends: m micro-batches of both, (in_j + grad_i) * m * b / d.
 
 n_k is the micro-batches whose activations the stage holds at its peak: m (GPipe),
 min(p - r, m) (1F1B), p (zero-bubble, W keeps them until it runs), and for interleaved
@@ -110,6 +112,7 @@ from typing import Sequence
 import numpy as np
 
 from autopar.errors import PinError
+from autopar.report import fmt_bytes
 
 from autopar.schedule import SCHEDULES, check_schedule, schedule_actions, stage_ranks
 from autopar.pricing.simulate import compile_schedule, makespan_compiled, simulate
@@ -535,17 +538,19 @@ def _no_fit_message(candidates, tables, args) -> str:
     bounds = (0, *cuts, tables.L)
     worst = max(range(len(bounds) - 1), key=lambda k: memory[k, bounds[k], bounds[k + 1]])
     j, i = bounds[worst], bounds[worst + 1]
-    gib = 2 ** 30
     n_devices, global_batch, limit = args[0], args[1], args[2]
-    # the runtime's receive buffers: the whole batch at both cuts, whatever the micro-batches
-    buffers = float(tables.buffers[j, i]) * global_batch / (n_devices // c.p)
-    held = (f", {buffers / gib:.3g} GiB of it the receive buffers torch's PipelineStage keeps "
-            "(one per micro-batch at each cut: the whole batch's boundary values, however many "
-            "micro-batches)") if buffers > 0.01 * memory[worst, j, i] else ""
-    return (f"no pipeline plan fits {limit / gib:.3g} GiB per device: the closest, n_stages={c.p}, "
+    # the runtime's receive buffers of that stage (its micro-batches in flight)
+    n = float(in_flight(c.schedule, c.p, c.m, c.v)[worst])
+    values = 0.0 if c.schedule == "interleaved-1f1b" else min(n + 1, c.m)
+    buffers = float(tables.buffer_base(c)[j, i] + values * tables.recv_values[j, i]) \
+        * global_batch / c.m / (n_devices // c.p)
+    held = (f", {fmt_bytes(buffers)} of it the buffers torch's PipelineStage receives "
+            "into (one per micro-batch in flight at each cut)") \
+        if buffers > 0.01 * memory[worst, j, i] else ""
+    return (f"no pipeline plan fits {fmt_bytes(limit)} per device: the closest, n_stages={c.p}, "
             f"virtual_stages={c.v}, micro_batches={c.m}, schedule {c.schedule!r}, still needs "
-            f"{memory[worst, j, i] / gib:.3g} GiB on stage {worst} (layers {j}..{i - 1}){held}, "
-            f"over its {share / gib:.3g} GiB by {excess / gib:.3g} GiB "
+            f"{fmt_bytes(memory[worst, j, i])} on stage {worst} (layers {j}..{i - 1}){held}, "
+            f"over its {fmt_bytes(share)} by {fmt_bytes(excess)} "
             f"({excess:.0f} bytes); raise memory_limit, add devices, use more micro-batches "
             f"or shard_state=True")
 

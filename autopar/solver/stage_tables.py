@@ -44,6 +44,53 @@ def in_flight(schedule: str, n_stages: int, micro_batches: int, virtual: int) ->
     return depth / v
 
 
+@functools.lru_cache(maxsize=256)
+def receive_in_flight(schedule: str, n_stages: int, micro_batches: int,
+                      virtual: int) -> tuple[np.ndarray, np.ndarray]:
+    """Micro-batches whose receive buffers each of the S = p * v stages holds at its peak:
+    (values it receives, gradients sent back to it), S each (``runtime.receive_buffers``:
+    a buffer per receive, held until torch has read it; read-only arrays).
+
+    - values: a received value lives as the stage's activations do, plus the next
+      receive posted before the oldest is released: min(n_k + 1, m) (``in_flight``);
+      m under interleaved 1F1B, whose runtime (torch's ``PipelineScheduleMulti``) posts
+      a receive as soon as the neighbour's send is listed, up to every micro-batch;
+    - gradients: under GPipe and 1F1B one for the backward running and the one received
+      before (torch's loop still holds the last receive's ops): min(2, m); under zero
+      bubble and DualPipeV the backward's input half reads it and the weight half keeps it
+      (torch's ``backward_state``), so 1 plus the weight halves pending at each input half
+      on the rank's own order (``schedule_actions``; rank r of zero bubble: r + 1); m
+      under interleaved 1F1B.
+
+    Stage 0 receives no value and the last stage no gradient; DualPipeV's middle pair
+    (stages p - 1 and p, one rank) hands both over in place: no buffers.
+    """
+    p, m, v = n_stages, micro_batches, virtual
+    S = p * v
+    if schedule == "interleaved-1f1b":
+        values, grads = np.full(S, float(m)), np.full(S, float(m))
+    else:
+        values = np.minimum(in_flight(schedule, p, m, v) + 1, m)
+        grads = np.full(S, float(min(2, m)))
+        if schedule in ("zero-bubble", "dualpipev"):
+            grads = np.zeros(S)
+            for order in schedule_actions(schedule, p, m, v):
+                pending: dict[int, int] = {}
+                for a in order:
+                    if a.kind in ("I", "B"):
+                        grads[a.stage] = max(grads[a.stage], pending.get(a.stage, 0) + 1)
+                    if a.kind == "I":
+                        pending[a.stage] = pending.get(a.stage, 0) + 1
+                    elif a.kind == "W":
+                        pending[a.stage] -= 1
+    values[0] = 0.0
+    grads[S - 1] = 0.0
+    if schedule == "dualpipev":
+        values[p], grads[p - 1] = 0.0, 0.0
+    values.flags.writeable = grads.flags.writeable = False
+    return values, grads
+
+
 def bubble_rho(schedule: str, virtual: int, split: tuple[float, float, float],
                n_stages: int = 2) -> float:
     """Fill/drain cost per unit of ``sum R - max R`` (see the module docstring); ``n_stages``
@@ -111,15 +158,28 @@ class Tables:
         self.valid = (j < i) & (learned > 0)
         # boundary[i]: bytes per sample crossing a cut before layer i (0 at i = L).
         self.boundary = np.concatenate([zero, costs.boundary_bytes, zero])
-        # buffers[j, i]: per sample, what the runtime receives into for a stage on layers
-        # j .. i-1 (its inputs, the gradients of its outputs), each micro-batch its own
-        # buffer (``stage_dp``'s memory model); zeros where not counted
+        # per sample, what the runtime receives into for a stage on layers j .. i-1: its
+        # inputs (recv_values[j, i]) and the gradients of its outputs (recv_grads), a buffer
+        # per micro-batch in flight (``stage_dp``'s memory model); zeros where not counted
         grads = costs.grad_boundary_bytes
-        self.buffers = (self.boundary[:, None] + np.concatenate([zero, grads, zero])[None, :]
-                        if grads is not None else np.zeros((self.L + 1, self.L + 1)))
+        counted = grads is not None
+        self.recv_values = np.broadcast_to((self.boundary if counted else 0 * self.boundary)[:, None],
+                                           (self.L + 1, self.L + 1))
+        self.recv_grads = np.broadcast_to(
+            np.concatenate([zero, grads, zero])[None, :] if counted else np.zeros((1, self.L + 1)),
+            (self.L + 1, self.L + 1))
         # latency[j, i]: the messages of a stage on layers j .. i-1 at its two cuts
         at = cut_latency(np.concatenate([zero, costs.boundary_tensors, zero]), costs.message_time)
         self.latency = at[:, None] + at[None, :]
+
+    def buffer_base(self, c: Candidate) -> np.ndarray:
+        """Per sample of a micro-batch, the receive buffers a stage on layers j .. i-1 holds
+        whatever its activations in flight: under interleaved 1F1B m micro-batches of
+        both (``receive_in_flight``), else the most gradients any stage of the schedule
+        holds (the values' buffers go with the activations in flight: :meth:`arrays`)."""
+        if c.schedule == "interleaved-1f1b":
+            return (self.recv_values + self.recv_grads) * c.m
+        return self.recv_grads * float(receive_in_flight(c.schedule, c.p, c.m, c.v)[1].max())
 
     def arrays(self, c: Candidate, n_devices: int, global_batch: int, memory_limit: float,
                bandwidth: float, shard_state: bool):
@@ -134,8 +194,10 @@ class Tables:
         # whichever is longer (``stage_dp``'s host rule; 0 host on CPU ranks)
         time = np.where(self.valid, np.maximum(self.time * b / d + self.fixed + self.latency
                                                + actions * self.costs.action_time, self.host), INF)
-        memory = Memory(self.state / (d if shard_state else 1) + self.buffers * global_batch / d,
-                        self.act * b / d, counts, which)
+        values = (np.zeros_like(counts) if c.schedule == "interleaved-1f1b"
+                  else np.minimum(counts + 1, c.m))
+        memory = Memory(self.state / (d if shard_state else 1) + self.buffer_base(c) * b / d,
+                        self.act * b / d, counts, which, self.recv_values * b / d, values)
         share = memory_limit / c.v
         # float sums at the limit fit; table u holds where the u-th least count fits
         fits = memory.fitting(share * (1 + 1e-9), self.valid)
@@ -145,12 +207,18 @@ class Tables:
 
 
 class Memory:
-    """The (S, L+1, L+1) memory table ``state + n_k * act`` of S stages whose in-flight
-    counts n_k are ``counts[which[k]]`` (``counts`` ascending), without building it:
-    indexes (and converts by ``np.asarray``) as the full array would, with its floats."""
+    """The (S, L+1, L+1) memory table ``state + n_k * act + r_k * recv`` of S stages whose
+    in-flight counts n_k are ``counts[which[k]]`` (``counts`` ascending) and whose received
+    values' buffers r_k are ``recv_counts[which[k]]`` (non-decreasing with the counts; none
+    without ``recv``), without building it: indexes (and converts by ``np.asarray``) as the
+    full array would, with its floats."""
 
-    def __init__(self, state: np.ndarray, act: np.ndarray, counts: np.ndarray, which: np.ndarray):
+    def __init__(self, state: np.ndarray, act: np.ndarray, counts: np.ndarray, which: np.ndarray,
+                 recv: np.ndarray | None = None, recv_counts: np.ndarray | None = None):
         self.state, self.act, self.counts = state, act, np.asarray(counts, dtype=float)
+        self.recv = np.zeros_like(act) if recv is None else recv
+        self.recv_counts = (np.zeros_like(self.counts) if recv_counts is None
+                            else np.asarray(recv_counts, dtype=float))
         self.which = np.asarray(which).reshape(-1)
         self.shape = (len(self.which), *state.shape)
 
@@ -158,27 +226,33 @@ class Memory:
         k, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
         u = self.which[k]
         if np.ndim(u) == 0:
-            return self.state[rest] + self.counts[u] * self.act[rest]
+            return self.state[rest] + self.counts[u] * self.act[rest] + self.recv_counts[u] * self.recv[rest]
         return np.asarray(self)[key]
 
     def __array__(self, dtype=None, copy=None):
-        out = self.state[None] + self.counts[self.which][:, None, None] * self.act[None]
+        w = self.which
+        out = (self.state[None] + self.counts[w][:, None, None] * self.act[None]
+               + self.recv_counts[w][:, None, None] * self.recv[None])
         return out if dtype is None else out.astype(dtype)
 
     def fitting(self, limit: float, valid: np.ndarray) -> np.ndarray:
         """fits[j, i]: how many of the counts (least first) keep layers j .. i-1 within
         ``limit`` where ``valid`` (0 elsewhere), exactly as comparing the table's floats
         would: there they grow with the count (a product and a sum of non-negative floats
-        are monotone), so each entry's crossing count is found by a division and checked
-        against the counts either side of it."""
-        n, counts = len(self.counts), self.counts
-        state, act = self.state[valid], self.act[valid]
+        are monotone), so each entry's crossing count is found by a division (as if each
+        received value's buffer came with an activation) and checked against the counts
+        either side of it."""
+        n, counts, rc = len(self.counts), self.counts, self.recv_counts
+        state, act, recv = self.state[valid], self.act[valid], self.recv[valid]
         with np.errstate(divide="ignore", invalid="ignore"):
-            crossing = (limit - state) / act
+            crossing = (limit - state) / (act + recv)
         fits = np.searchsorted(counts, np.nan_to_num(crossing, nan=np.inf), side="right")
-        for _ in range(n + 1):
-            low_ok = (fits == 0) | (state + counts[np.maximum(fits - 1, 0)] * act <= limit)
-            high_fits = (fits < n) & (state + counts[np.minimum(fits, n - 1)] * act <= limit)
+
+        def at(u):
+            return state + counts[u] * act + rc[u] * recv
+        for _ in range(2 * n + 2):
+            low_ok = (fits == 0) | (at(np.maximum(fits - 1, 0)) <= limit)
+            high_fits = (fits < n) & (at(np.minimum(fits, n - 1)) <= limit)
             if low_ok.all() and not high_fits.any():
                 out = np.zeros(self.state.shape, dtype=np.int64)
                 out[valid] = fits
