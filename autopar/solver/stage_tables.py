@@ -59,8 +59,9 @@ def receive_in_flight(schedule: str, n_stages: int, micro_batches: int,
       before (torch's loop still holds the last receive's ops): min(2, m); under zero
       bubble and DualPipeV the backward's input half reads it and the weight half keeps it
       (torch's ``backward_state``), so 1 plus the weight halves pending at each input half
-      on the rank's own order (``schedule_actions``; rank r of zero bubble: r + 1); m
-      under interleaved 1F1B.
+      on the rank's own order (``schedule_actions``; rank r of zero bubble: r + 1), and
+      under DualPipeV one more, received ahead (its first stage held 2 where its order
+      has 1 pending: ``tests/test_pipeline_runtime.py``); m under interleaved 1F1B.
 
     Stage 0 receives no value and the last stage no gradient; DualPipeV's middle pair
     (stages p - 1 and p, one rank) hands both over in place: no buffers.
@@ -83,6 +84,8 @@ def receive_in_flight(schedule: str, n_stages: int, micro_batches: int,
                         pending[a.stage] = pending.get(a.stage, 0) + 1
                     elif a.kind == "W":
                         pending[a.stage] -= 1
+            if schedule == "dualpipev":
+                grads = np.minimum(grads + 1, m)
     values[0] = 0.0
     grads[S - 1] = 0.0
     if schedule == "dualpipev":
