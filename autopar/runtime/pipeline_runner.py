@@ -528,7 +528,7 @@ class PipelineRunner:
     def held_receive_buffer_bytes(self, which: str = "train") -> int:
         """Bytes of receive buffers this rank's ``which`` stages hold now (between steps: 0)."""
         meter = self._meters.get(which)
-        return meter.live_bytes() if meter is not None else 0
+        return meter.live if meter is not None else 0
 
     def received_skips(self) -> list[tuple[int, int]]:
         """(skip edge, micro-batch) pairs this rank received in the last train step."""

@@ -38,30 +38,25 @@ from torch.distributed.pipelining._utils import _make_tensor_from_meta
 
 
 class BufferMeter:
-    """The receive buffers of one rank's stages: those alive now and the peak of their
-    bytes since :meth:`reset` (sampled at each new buffer, the only moment it can rise)."""
+    """The receive buffers of one rank's stages: the bytes of those alive now and the peak
+    since :meth:`reset` (raised at each new buffer, the only moment it can rise; each
+    buffer, a storage of its own, counts until nothing holds it: ``weakref.finalize``)."""
 
     def __init__(self):
-        self._live: list[weakref.ref] = []
+        self.live = 0
         self.peak = 0
 
     def reset(self) -> None:
-        self._live = [r for r in self._live if r() is not None]
-        self.peak = self.live_bytes()
+        self.peak = self.live
 
     def add(self, t: torch.Tensor) -> None:
-        self._live = [r for r in self._live if r() is not None]
-        self._live.append(weakref.ref(t))
-        self.peak = max(self.peak, self.live_bytes())
+        n = t.untyped_storage().nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._freed, n)
 
-    def live_bytes(self) -> int:
-        storages = {}
-        for r in self._live:
-            t = r()
-            if t is not None:
-                st = t.untyped_storage()
-                storages[st.data_ptr()] = st.nbytes()
-        return sum(storages.values())
+    def _freed(self, n: int) -> None:
+        self.live -= n
 
 
 def _drop(infos) -> None:
