@@ -1,6 +1,7 @@
 """The free pipeline search plans its best-predicted configuration for real; when the real
-step falls short of the prediction, the next configurations whose predictions beat it are
-planned too, and the fastest real plan wins (``pipeline_free.search_pipelines``). Found on
+step falls short of the prediction, the next configurations predicted within
+``REALIZE_MARGIN`` of the best real step are planned too, and the fastest real plan wins
+(``pipeline_free.search_pipelines``). Found on
 BLOOM 176B on Omni-Path nodes: ZeRO-3 over 64 ranks predicted 82 s per step, planned 167 s,
 returned over tensor 4 x pipeline 12 (predicted 84 s, planned 88 s)."""
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from autopar.solver import pipeline_free
 from autopar.solver.spec import SearchSpec
 
 # p -> (predicted step, real step of its plan)
-STEPS = {3: (80.0, 166.0), 12: (84.0, 88.0), 24: (89.0, 90.0)}
+STEPS = {3: (80.0, 166.0), 12: (84.0, 88.0), 24: (89.0, 86.0), 48: (111.0, 80.0)}
 
 
 class _Search:
@@ -24,7 +25,7 @@ class _Search:
         return STEPS[p][0], p, NS(virtual_stages=1, micro_batches=4, schedule="1f1b"), {}
 
     def unpruned(self):
-        return {}
+        return []
 
 
 def _plan(mcap, ask, config, **kw):
@@ -45,8 +46,10 @@ def test_a_plan_short_of_its_prediction_does_not_end_the_search(monkeypatch):
     spec = SearchSpec(None, (torch.zeros(8, 2),), None, None, NS(device=NS(memory_bytes=1.0)), 8,
                       Options())
     plan, _ = pipeline_free.search_pipelines(spec, None)
-    assert plan.p == 12 and plan.estimate.step_time_s == 88.0
-    assert planned == [3, 12]       # 24 predicted at 89 s cannot beat 12 planned at 88 s
+    # 24, predicted above 12's real 88 s but within REALIZE_MARGIN of it, is planned too (the
+    # predictions are not lower bounds: it plans at 86 s); 48, predicted beyond 1.25 x 86 s, not
+    assert plan.p == 24 and plan.estimate.step_time_s == 86.0
+    assert planned == [3, 12, 24]
 
 
 @dataclass
@@ -74,7 +77,7 @@ def test_a_degree_predicted_near_the_best_real_plan_is_searched_again(monkeypatc
             return steps[p][0], p, NS(virtual_stages=1, micro_batches=16, schedule="1f1b"), extra
 
         def unpruned(self):
-            return {}
+            return []
     again = []
 
     def pinned(spec, extra_pins=None, **kw):
