@@ -52,8 +52,8 @@ gives ``grad_boundary_bytes``: autopar's ``PipelineStage`` (``runtime.receive_bu
 receives each micro-batch's values (in_j, the bytes per sample crossing its first cut; 0
 for the first stage) and the gradients of its outputs (grad_i; 0 for the last stage) into
 buffers of their own, held until torch has read them: a value as long as the micro-batch's
-activations plus the next receive posted (``stage_tables.receive_in_flight``), g gradients (the most any stage
-of the schedule holds: 2 under GPipe and 1F1B, the weight halves pending plus one under
+activations plus the next receive posted (``stage_tables.receive_in_flight``), g
+gradients (the most any stage of the schedule holds: 2 under GPipe and 1F1B, the weight halves pending plus one under
 zero bubble and DualPipeV). Under interleaved 1F1B torch posts receives as soon as the
 neighbour sends: m micro-batches of both, (in_j + grad_i) * m * b / d.
 
@@ -119,6 +119,7 @@ from autopar.pricing.simulate import compile_schedule, makespan_compiled, simula
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
 from autopar.solver.stage_tables import (
     INF, Candidate, Stack, Tables, Tiebreak, bubble_rho, in_flight, price, rank_times, ring_factor,
+    value_buffers,
 )
 
 __all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit", "stage_dp", "plan_stages", "simulate_plan",
@@ -540,8 +541,7 @@ def _no_fit_message(candidates, tables, args) -> str:
     j, i = bounds[worst], bounds[worst + 1]
     n_devices, global_batch, limit = args[0], args[1], args[2]
     # the runtime's receive buffers of that stage (its micro-batches in flight)
-    n = float(in_flight(c.schedule, c.p, c.m, c.v)[worst])
-    values = 0.0 if c.schedule == "interleaved-1f1b" else min(n + 1, c.m)
+    values = float(value_buffers(c, in_flight(c.schedule, c.p, c.m, c.v)[worst]))
     buffers = float(tables.buffer_base(c)[j, i] + values * tables.recv_values[j, i]) \
         * global_batch / c.m / (n_devices // c.p)
     held = (f", {fmt_bytes(buffers)} of it the buffers torch's PipelineStage receives "

@@ -197,8 +197,7 @@ class Tables:
         # whichever is longer (``stage_dp``'s host rule; 0 host on CPU ranks)
         time = np.where(self.valid, np.maximum(self.time * b / d + self.fixed + self.latency
                                                + actions * self.costs.action_time, self.host), INF)
-        values = (np.zeros_like(counts) if c.schedule == "interleaved-1f1b"
-                  else np.minimum(counts + 1, c.m))
+        values = value_buffers(c, counts)
         memory = Memory(self.state / (d if shard_state else 1) + self.buffer_base(c) * b / d,
                         self.act * b / d, counts, which, self.recv_values * b / d, values)
         share = memory_limit / c.v
@@ -207,6 +206,14 @@ class Tables:
         cost = Stack(np.where(fits[None] > np.arange(len(counts))[:, None, None], time[None], INF), which)
         comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
         return cost, Tiebreak(cost, time, fits, 2 * comm), memory, share, comm
+
+
+def value_buffers(c: Candidate, counts: np.ndarray) -> np.ndarray:
+    """Micro-batches of received values a stage holds beside ``counts`` micro-batches of
+    activations in flight: min(n + 1, m) (``receive_in_flight``); none under interleaved
+    1F1B, whose m are in :meth:`Tables.buffer_base`."""
+    counts = np.asarray(counts, dtype=float)
+    return np.zeros_like(counts) if c.schedule == "interleaved-1f1b" else np.minimum(counts + 1, c.m)
 
 
 class Memory:
