@@ -278,24 +278,28 @@ def without_peers():
     metadata exchange then reads garbage sizes): every stage autopar builds has plain-tensor
     inputs and outputs with complete metadata (``InferenceMode.needs_dynamic`` is False), so
     the real vote is 1, static shapes. (3) The values a stage receives: its receive buffers
-    (``pipelining.stage._make_tensor_from_meta``, allocated once) are zeroed, so that what
-    a fake receive leaves in them is zeros, not uninitialised memory (NaNs)."""
+    (``pipelining.stage._make_tensor_from_meta`` at set-up, ``runtime.receive_buffers``'s
+    fresh one per receive) are zeroed, so that what a fake receive leaves in them is zeros,
+    not uninitialised memory (NaNs)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import stage as pp_stage
-    from autopar.runtime import parallel_module
+    from autopar.runtime import parallel_module, receive_buffers
     # (2) exists from torch 2.13 (torch 2.11 has no warm-up vote: nothing to answer)
     vote = getattr(PipelineStage, "_warmup_backward_result", None)
-    saved = parallel_module.order_check, pp_stage._make_tensor_from_meta
+    saved = (parallel_module.order_check, pp_stage._make_tensor_from_meta,
+             receive_buffers._make_tensor_from_meta)
     make = saved[1]
     parallel_module.order_check = lambda comm, pipelined: None
     if vote is not None:
         PipelineStage._warmup_backward_result = (
             lambda self, received_result=None: torch.ones(1, dtype=torch.int32, device=self.device))
-    pp_stage._make_tensor_from_meta = lambda *a, **k: make(*a, **k).zero_()
+    zeroed = lambda *a, **k: make(*a, **k).zero_()
+    pp_stage._make_tensor_from_meta = receive_buffers._make_tensor_from_meta = zeroed
     try:
         yield
     finally:
-        parallel_module.order_check, pp_stage._make_tensor_from_meta = saved
+        (parallel_module.order_check, pp_stage._make_tensor_from_meta,
+         receive_buffers._make_tensor_from_meta) = saved
         if vote is not None:
             PipelineStage._warmup_backward_result = vote
 

@@ -302,6 +302,31 @@ def test_loopback_writes_what_a_fake_group_may_leave_unwritten():
     assert torch.isfinite(out).all() and torch.equal(out[:13], toks)
 
 
+def test_without_peers_zeroes_every_receive_buffer(monkeypatch):
+    """A fake receive writes nothing: the scale section's stages must read zeros, not
+    uninitialised memory (CI once read NaNs in ``llama3_70b_pp_stage``'s gradients when only
+    torch's set-up buffers were zeroed and not the runtime's fresh one per receive). The
+    allocator here fills with NaN, so a buffer ``without_peers`` misses fails."""
+    import types
+    import torch
+    from torch.distributed.pipelining import stage as pp_stage
+    from autopar.runtime import receive_buffers
+    from gpu_check_scale import without_peers
+
+    def nans(meta, device):
+        return torch.full(meta.shape, float("nan"), dtype=meta.dtype, device=device)
+    monkeypatch.setattr(pp_stage, "_make_tensor_from_meta", nans)
+    monkeypatch.setattr(receive_buffers, "_make_tensor_from_meta", nans)
+    meta = types.SimpleNamespace(shape=(2, 3), dtype=torch.float32)
+    info = types.SimpleNamespace(is_root_arg=False, tensor_meta=meta, buffer=None)
+    stage = types.SimpleNamespace(device=torch.device("cpu"), meter=None)
+    with without_peers():
+        receive_buffers.InFlightBuffers._fresh(stage, [info])
+        assert torch.equal(info.buffer, torch.zeros(2, 3))
+        assert torch.equal(pp_stage._make_tensor_from_meta(meta, "cpu"), torch.zeros(2, 3))
+    assert receive_buffers._make_tensor_from_meta is nans     # restored on exit
+
+
 def test_without_a_gpu_it_refuses(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "r.json")], cwd=ROOT,
