@@ -341,3 +341,54 @@ def torch_schedule_class(kind: str) -> type:
     import torch.distributed.pipelining as pipelining
 
     return getattr(pipelining, _TORCH_CLASS[kind])
+
+
+LOWERED = frozenset({"interleaved-1f1b", "zero-bubble", "dualpipev"})
+"""Schedules torch runs from a lowered program (``_PipelineScheduleRuntime``: compute and
+communication actions in one list per rank), whose receives :func:`lowered_program` lists."""
+
+
+class _PlaceholderStage:
+    """What a torch schedule class reads of its stages to build its program (their index,
+    count and rank), without a module, a device or a process group."""
+
+    def __init__(self, index: int, n_stages: int, rank: int, ranks: int):
+        self.stage_index, self.num_stages = index, n_stages
+        self.group_rank, self.group_size = rank, ranks
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.has_backward, self.submod = True, None
+
+
+def lowered_program(kind: str, n_stages: int, n_microbatches: int,
+                    virtual: int = 1) -> list[list[tuple[str, int, int]]]:
+    """Per rank, the compute actions and receives torch's runtime runs in order, as
+    (op, stage, micro-batch) with op one of ``F B I W RECV_F RECV_B`` (an ``OVERLAP_F_B``
+    pair as its F then its backward; sends and FSDP's unshard/reshard left out), for the
+    :data:`LOWERED` schedules: the program torch's own class lowers
+    (``_PipelineScheduleRuntime._prepare_schedule_with_comms``: a receive goes into the
+    receiver's list when its sender's action is placed, as early as the deadlock-free
+    order allows), built over placeholder stages, so where each receive is posted is
+    torch's placement, not a copy of it."""
+    if kind not in LOWERED:
+        raise ArgumentError(f"schedule {kind!r} runs no lowered program (one of "
+                            f"{', '.join(sorted(LOWERED))} does)")
+    check_schedule(kind, n_stages, n_microbatches, virtual)
+    p, v = n_stages, virtual
+    ranks = stage_ranks(kind, p, v)
+    cls = torch_schedule_class(kind)
+    from torch.distributed.pipelining import schedules as torch_schedules
+    ops = {getattr(torch_schedules, name): op for name, op in (
+        ("FORWARD", "F"), ("FULL_BACKWARD", "B"), ("BACKWARD_INPUT", "I"),
+        ("BACKWARD_WEIGHT", "W"), ("RECV_F", "RECV_F"), ("RECV_B", "RECV_B"))}
+    # every rank's program is built by every rank's schedule object: rank 0's will do
+    stages = [_PlaceholderStage(k, p * v, 0, p) for k in range(p * v) if ranks[k] == 0]
+    program = cls(stages, n_microbatches=n_microbatches, loss_fn=None).pipeline_order_with_comms
+    out: list[list[tuple[str, int, int]]] = []
+    for r in range(p):
+        listed = []
+        for a in program[r]:
+            for b in (a.sub_actions or (a,)) if a is not None else ():
+                if b.computation_type in ops:
+                    listed.append((ops[b.computation_type], b.stage_index, b.microbatch_index))
+        out.append(listed)
+    return out

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from autopar.schedule import schedule_actions
 from autopar.pricing.simulate import simulate
 from autopar.solver.stage_dp import LayerCosts, StagePins, _candidates, plan_stages, simulate_plan, stage_dp
-from autopar.solver.stage_tables import cut_latency, in_flight
+from autopar.solver.stage_tables import cut_latency, in_flight, receive_in_flight
 
 GiB = 2**30
 
@@ -214,8 +214,10 @@ def test_receive_buffers_hold_the_micro_batches_in_flight(schedule):
     (``runtime.receive_buffers``): the values crossing its first cut for its micro-batches
     in flight plus one, min(n_k + 1, m), and the gradients crossing its last for as many
     micro-batches as the schedule's fullest stage holds them (GPipe, 1F1B: 2; zero bubble:
-    1 + the weight halves pending, rank r's r + 1); under interleaved 1F1B m of both. None
-    before the first stage or after the last; without it the memory is as before."""
+    1 + the weight halves pending, rank r's r + 1); under interleaved 1F1B as torch's
+    lowered program holds them (``receive_in_flight``), the values of a stage as the most
+    of any stage with its activations in flight. None before the first stage or after the
+    last; without it the memory is as before."""
     L, p, batch = 8, 4, 8
     v = 2 if schedule == "interleaved-1f1b" else 1
     common = dict(n_devices=p, global_batch=batch, memory_limit=1e9, bandwidth=1e9, n_stages=p,
@@ -230,8 +232,10 @@ def test_receive_buffers_hold_the_micro_batches_in_flight(schedule):
         assert after.cuts == before.cuts
         extra = np.subtract(after.memory_per_stage, before.memory_per_stage)
         n = in_flight(schedule, p, m, v)
-        values = [m if v > 1 else min(n[k] + 1, m) for k in range(S)]
-        grads = m if v > 1 else {"gpipe": 2, "1f1b": 2, "zero-bubble": p - 1}[schedule]
+        held_values, held_grads = receive_in_flight(schedule, p, m, v)
+        values = [max(held_values[i] for i in range(S) if n[i] <= n[k]) if v > 1
+                  else min(n[k] + 1, m) for k in range(S)]
+        grads = max(held_grads) if v > 1 else {"gpipe": 2, "1f1b": 2, "zero-bubble": p - 1}[schedule]
         b = batch / m       # 3 bytes a sample in (k > 0), 2 of gradients (k < S - 1)
         per_stage = [b * ((3.0 * values[k] if k else 0.0) + (2.0 * grads if k < S - 1 else 0.0))
                      for k in range(S)]

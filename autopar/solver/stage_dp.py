@@ -45,17 +45,19 @@ two messages where a block boundary costs one.
 Memory per device of stage k on layers j .. i-1 with micro-batch size b:
 
     state[j, i] (/ d if shard_state) + n_k * act[j, i] * b / d
-        + (min(n_k + 1, m) * in_j + g * grad_i) * b / d            <=  limit / v
+        + (r_k * in_j + g * grad_i) * b / d                        <=  limit / v
 
 The last term is the pipeline runtime's receive buffers, counted where ``LayerCosts``
 gives ``grad_boundary_bytes``: autopar's ``PipelineStage`` (``runtime.receive_buffers``)
 receives each micro-batch's values (in_j, the bytes per sample crossing its first cut; 0
 for the first stage) and the gradients of its outputs (grad_i; 0 for the last stage) into
-buffers of their own, held until torch has read them: a value as long as the micro-batch's
-activations plus the next receive posted (``stage_tables.receive_in_flight``), g
-gradients (the most any stage of the schedule holds: 2 under GPipe and 1F1B, the weight halves pending plus one under
-zero bubble and DualPipeV). Under interleaved 1F1B torch posts receives as soon as the
-neighbour sends: m micro-batches of both, (in_j + grad_i) * m * b / d.
+buffers of their own, held until torch has read them (``stage_tables.receive_in_flight``):
+r_k values, min(n_k + 1, m) under GPipe and 1F1B (the micro-batch's activations plus the
+next receive posted), and g gradients, the most any stage of the schedule holds (2 under
+GPipe and 1F1B); under interleaved 1F1B, zero bubble and DualPipeV both are counted on the
+program torch's runtime lowers (``stage_tables.lowered_holds``: up to 2p values a stage
+under interleaved 1F1B, the weight halves pending plus one gradient under zero bubble),
+r_k the most of any stage with n_k's count (``stage_tables.value_buffers``).
 
 n_k is the micro-batches whose activations the stage holds at its peak: m (GPipe),
 min(p - r, m) (1F1B), p (zero-bubble, W keeps them until it runs), and for interleaved
@@ -541,7 +543,8 @@ def _no_fit_message(candidates, tables, args) -> str:
     j, i = bounds[worst], bounds[worst + 1]
     n_devices, global_batch, limit = args[0], args[1], args[2]
     # the runtime's receive buffers of that stage (its micro-batches in flight)
-    values = float(value_buffers(c, in_flight(c.schedule, c.p, c.m, c.v)[worst]))
+    counts, which = np.unique(in_flight(c.schedule, c.p, c.m, c.v), return_inverse=True)
+    values = float(value_buffers(c, counts, which.reshape(-1))[which.reshape(-1)[worst]])
     buffers = float(tables.buffer_base(c)[j, i] + values * tables.recv_values[j, i]) \
         * global_batch / c.m / (n_devices // c.p)
     held = (f", {fmt_bytes(buffers)} of it the buffers torch's PipelineStage receives "

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 
 from autopar.pricing.simulate import makespan
-from autopar.schedule import schedule_actions, stage_ranks
+from autopar.schedule import LOWERED, lowered_program, schedule_actions, stage_ranks
 from autopar.solver.stage_plan import LayerCosts
 
 INF = float("inf")
@@ -51,46 +51,65 @@ def receive_in_flight(schedule: str, n_stages: int, micro_batches: int,
     (values it receives, gradients sent back to it), S each (``runtime.receive_buffers``:
     a buffer per receive, held until torch has read it; read-only arrays).
 
-    - values: a received value lives as the stage's activations do, plus the next
-      receive posted before the oldest is released: min(n_k + 1, m) (``in_flight``);
-      m under interleaved 1F1B, whose runtime (torch's ``PipelineScheduleMulti``) posts
-      a receive as soon as the neighbour's send is listed, up to every micro-batch;
-    - gradients: under GPipe and 1F1B one for the backward running and the one received
-      before (torch's loop still holds the last receive's ops): min(2, m); under zero
-      bubble and DualPipeV the backward's input half reads it and the weight half keeps it
-      (torch's ``backward_state``), so 1 plus the weight halves pending at each input half
-      on the rank's own order (``schedule_actions``; rank r of zero bubble: r + 1), and
-      under DualPipeV one more, received ahead (its first stage held 2 where its order
-      has 1 pending: ``tests/test_pipeline_runtime.py``); m under interleaved 1F1B.
+    - GPipe and 1F1B (torch's ``PipelineScheduleSingle``): a received value lives as the
+      stage's activations do, plus the next receive posted before the oldest is released:
+      min(n_k + 1, m) (``in_flight``); gradients, one for the backward running and the one
+      received before (torch's loop still holds the last receive's ops): min(2, m);
+    - interleaved 1F1B, zero bubble and DualPipeV (``schedule.LOWERED``): counted on the
+      program torch's runtime runs (:func:`lowered_holds`), where each receive is posted as
+      early as torch's lowering places it, often well before its forward (interleaved
+      1F1B: up to 2p values a stage whatever m, against its ~p activations in flight).
 
     Stage 0 receives no value and the last stage no gradient; DualPipeV's middle pair
     (stages p - 1 and p, one rank) hands both over in place: no buffers.
     """
     p, m, v = n_stages, micro_batches, virtual
-    S = p * v
-    if schedule == "interleaved-1f1b":
-        values, grads = np.full(S, float(m)), np.full(S, float(m))
+    if schedule in LOWERED:
+        values, grads = lowered_holds(schedule, p, steady_micro_batches(schedule, p, m), v)
     else:
         values = np.minimum(in_flight(schedule, p, m, v) + 1, m)
-        grads = np.full(S, float(min(2, m)))
-        if schedule in ("zero-bubble", "dualpipev"):
-            grads = np.zeros(S)
-            for order in schedule_actions(schedule, p, m, v):
-                pending: dict[int, int] = {}
-                for a in order:
-                    if a.kind in ("I", "B"):
-                        grads[a.stage] = max(grads[a.stage], pending.get(a.stage, 0) + 1)
-                    if a.kind == "I":
-                        pending[a.stage] = pending.get(a.stage, 0) + 1
-                    elif a.kind == "W":
-                        pending[a.stage] -= 1
-            if schedule == "dualpipev":
-                grads = np.minimum(grads + 1, m)
-    values[0] = 0.0
-    grads[S - 1] = 0.0
-    if schedule == "dualpipev":
-        values[p], grads[p - 1] = 0.0, 0.0
+        grads = np.full(p * v, float(min(2, m)))
+        values[0], grads[p * v - 1] = 0.0, 0.0
     values.flags.writeable = grads.flags.writeable = False
+    return values, grads
+
+
+def steady_micro_batches(schedule: str, p: int, m: int) -> int:
+    """The fewest micro-batches whose lowered program holds, at every stage, the receive
+    buffers m micro-batches' does (:func:`lowered_holds`; the steady state repeats): for
+    interleaved 1F1B and zero bubble, two rounds of ``per_round = m // max(1, m // p)``
+    micro-batches once m has more than two; for DualPipeV 4p. Checked against the full
+    program for every m up to 12p, p in 2, 3, 4, 5, 8 (``tests/test_receive_holds.py``);
+    a 16 x 8-stage, 512 micro-batch program takes torch 3 s to lower, its two rounds 0.1."""
+    if schedule == "dualpipev":
+        return min(m, 4 * p)
+    rounds = max(1, m // p)
+    return m if rounds <= 2 else 2 * (m // rounds)
+
+
+@functools.lru_cache(maxsize=256)
+def lowered_holds(schedule: str, p: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """(values, gradients): per stage, the most receive buffers alive at once on torch's
+    lowered program (``schedule.lowered_program``), walked rank by rank in its order. A
+    buffer is made when its receive is posted (``RECV_F`` / ``RECV_B``:
+    ``InFlightBuffers.get_fwd_recv_ops``) and freed at its micro-batch's last backward on
+    that stage, B or, where the backward is split, W: until then the autograd graph holds
+    the received value (saved by the stage's first ops) and torch's ``backward_state`` the
+    received gradient (for the weight half)."""
+    values, grads = np.zeros(p * v), np.zeros(p * v)
+    for ops in lowered_program(schedule, p, m, v):
+        last = {(s, mb): k for k, (op, s, mb) in enumerate(ops) if op in ("B", "I", "W")}
+        live = {"RECV_F": np.zeros(p * v), "RECV_B": np.zeros(p * v)}
+        peak = {"RECV_F": values, "RECV_B": grads}
+        held: dict[tuple[int, int], list[str]] = {}
+        for k, (op, s, mb) in enumerate(ops):
+            if op in live:
+                live[op][s] += 1
+                peak[op][s] = max(peak[op][s], live[op][s])
+                held.setdefault((s, mb), []).append(op)
+            elif last.get((s, mb)) == k:
+                for got in held.pop((s, mb), ()):
+                    live[got][s] -= 1
     return values, grads
 
 
@@ -177,11 +196,9 @@ class Tables:
 
     def buffer_base(self, c: Candidate) -> np.ndarray:
         """Per sample of a micro-batch, the receive buffers a stage on layers j .. i-1 holds
-        whatever its activations in flight: under interleaved 1F1B m micro-batches of
-        both (``receive_in_flight``), else the most gradients any stage of the schedule
-        holds (the values' buffers go with the activations in flight: :meth:`arrays`)."""
-        if c.schedule == "interleaved-1f1b":
-            return (self.recv_values + self.recv_grads) * c.m
+        whatever its activations in flight: the most gradients any stage of the schedule
+        holds (``receive_in_flight``; the values' buffers go with the activations in
+        flight: :func:`value_buffers`)."""
         return self.recv_grads * float(receive_in_flight(c.schedule, c.p, c.m, c.v)[1].max())
 
     def arrays(self, c: Candidate, n_devices: int, global_batch: int, memory_limit: float,
@@ -192,12 +209,13 @@ class Tables:
         # a stage's tables depend on it only through its micro-batches in flight: one
         # table per distinct count (one for GPipe and zero bubble), shared by its stages
         counts, which = np.unique(in_flight(c.schedule, c.p, c.m, c.v), return_inverse=True)
+        which = which.reshape(-1)
         actions = 3 if c.schedule == "zero-bubble" else 2
         # a stage's micro-batch takes its device time or its host's dispatch of its calls,
         # whichever is longer (``stage_dp``'s host rule; 0 host on CPU ranks)
         time = np.where(self.valid, np.maximum(self.time * b / d + self.fixed + self.latency
                                                + actions * self.costs.action_time, self.host), INF)
-        values = value_buffers(c, counts)
+        values = value_buffers(c, counts, which)
         memory = Memory(self.state / (d if shard_state else 1) + self.buffer_base(c) * b / d,
                         self.act * b / d, counts, which, self.recv_values * b / d, values)
         share = memory_limit / c.v
@@ -208,12 +226,15 @@ class Tables:
         return cost, Tiebreak(cost, time, fits, 2 * comm), memory, share, comm
 
 
-def value_buffers(c: Candidate, counts: np.ndarray) -> np.ndarray:
-    """Micro-batches of received values a stage holds beside ``counts`` micro-batches of
-    activations in flight: min(n + 1, m) (``receive_in_flight``); none under interleaved
-    1F1B, whose m are in :meth:`Tables.buffer_base`."""
-    counts = np.asarray(counts, dtype=float)
-    return np.zeros_like(counts) if c.schedule == "interleaved-1f1b" else np.minimum(counts + 1, c.m)
+def value_buffers(c: Candidate, counts: np.ndarray, which: np.ndarray) -> np.ndarray:
+    """Micro-batches of received values a stage holds beside ``counts[which[k]]``
+    micro-batches of activations in flight (stage k): per count, the most any stage of it
+    holds (``receive_in_flight``), raised to the most of every lower count (the table
+    wants them non-decreasing with the counts: :class:`Memory`)."""
+    values = receive_in_flight(c.schedule, c.p, c.m, c.v)[0]
+    out = np.zeros(len(counts))
+    np.maximum.at(out, which, values)
+    return np.maximum.accumulate(out)
 
 
 class Memory:
