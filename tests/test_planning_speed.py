@@ -168,12 +168,13 @@ def test_meshes_the_bound_skipped_are_priced_from_their_kept_solution(monkeypatc
     def search():
         return pipeline_free._DegreeSearch(SearchSpec(ex.model, ex.inputs, ex.loss_fn, ex.target,
                                                       cl, world, Options()), cap)
-    want = search().best(2)
+    listed = search().figures(2)
+    want = listed[0]
     n_meshes = len(solved)
-    assert want is not None and n_meshes > 1
+    assert n_meshes > 1 and [g[0] for g in listed] == sorted(g[0] for g in listed)
     pruning = search()
     pruning.bound = 1e-30               # nothing beats it: every mesh solved, then pruned
-    assert pruning.best(2) is None and len(pruning.pruned) == n_meshes == len(solved) - n_meshes
+    assert pruning.figures(2) == [] and len(pruning.pruned) == n_meshes == len(solved) - n_meshes
     solved.clear()
     got = pruning.unpruned()            # every mesh's best, priced in full
     assert solved == []                 # no ILP solved again
@@ -196,8 +197,8 @@ def test_configurations_of_one_micro_batch_count_share_its_capture(monkeypatch):
         def __init__(self, *a, **k):
             pass
 
-        def best(self, p):
-            return steps[p][0], p, NS(virtual_stages=1, micro_batches=steps[p][2], schedule="1f1b"), {}
+        def figures(self, p):
+            return [(steps[p][0], p, NS(virtual_stages=1, micro_batches=steps[p][2], schedule="1f1b"), {})]
 
         def unpruned(self):
             return []

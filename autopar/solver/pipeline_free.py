@@ -105,16 +105,18 @@ def search_pipelines(spec: SearchSpec, cap: Captured, search: "_DegreeSearch | N
         t0 = time.perf_counter()
         if report is not None:
             report(f"pipeline search p={p}", None)
-        best = search.best(p)
+        figures = search.figures(p)
+        best = figures[0] if figures else None
         if verbose:
             msg = (f"m={best[2].micro_batches} {best[2].schedule} v={best[2].virtual_stages}, "
                    f"{best[3]}, predicted {best[0]:.4g} s") if best else "nothing fits"
             print(f"pipeline search p={p}: {msg} ({time.perf_counter() - t0:.1f}s)")
         if report is not None:
             report(f"pipeline search p={p}", time.perf_counter() - t0)
-        if best is not None:
-            found.append(best)
-    # planned for real in predicted order; a plan whose real step exceeds the next
+        found.extend(figures)
+    # planned for real in predicted order, every stage mesh's best configuration (not one per
+    # degree: Mixtral 8x22B's p = 8, data 4 x tensor 4 predicted 4.08 s planned 4.48, data 2 x
+    # expert 2 x tensor 4 predicted 4.13 planned 4.30); a plan whose real step exceeds the next
     # configuration's prediction does not end the search (the per-sample prices can miss
     # per-micro-batch costs: BLOOM's ZeRO-3 on Omni-Path was predicted 82 s, planned 167 s)
     pending, first, planned = sorted(found, key=lambda x: x[0]), True, None
@@ -196,7 +198,10 @@ def _second_look(found: list, planned: tuple, spec: SearchSpec, verbose: bool) -
     it chose one), if its step is lower. Its pins stay the user's (:func:`_with_users_pins`)."""
     pins = spec.options
     best = planned
-    near = [x for x in sorted(found, key=lambda x: x[0])
+    per_degree = {}         # each degree's best prediction (``found`` has every stage mesh's)
+    for x in sorted(found, key=lambda x: x[0]):
+        per_degree.setdefault(x[1], x)
+    near = [x for x in per_degree.values()
             if x[0] < SECOND_LOOK_MARGIN * planned[0].estimate.step_time_s][:SECOND_LOOKS]
     for predicted, p, _, extra in near:
         tries = [{}] + ([{"expert": extra["expert"]}] if extra.get("expert", 1) > 1 else [])
@@ -324,12 +329,14 @@ class _DegreeSearch:
                 out.append(got)
         return out
 
-    def best(self, p: int):
-        """(predicted step, p, StagePlan, intra pins) of least predicted step, or None. Per
-        expert degree, the most tensor-parallel stage mesh first: of one expert degree it
-        holds the least per device, so when no plan on it fits the memory budget, none of
-        the others of that degree does and they are skipped."""
-        best, skip = None, set()
+    def figures(self, p: int) -> list:
+        """Every stage mesh's (predicted step, p, StagePlan, intra pins), least predicted
+        first (none where nothing fits). Per expert degree, the most tensor-parallel stage
+        mesh first: of one expert degree it holds the least per device, so when no plan on
+        it fits the memory budget, none of the others of that degree does and they are
+        skipped. (A mesh whose floor cannot beat the best found is pruned, not listed:
+        ``unpruned`` lists it once the best falls short.)"""
+        out, skip = [], set()
         meshes = self._stage_meshes(p)
         for k, (data, tensor, expert) in enumerate(meshes):
             if expert in skip:
@@ -338,9 +345,9 @@ class _DegreeSearch:
             got = self._on_mesh(p, data, tensor, expert)
             if self.out_of_memory and (k == 0 or meshes[k - 1][2] != expert):
                 skip.add(expert)
-            if got is not None and (best is None or got[0] < best[0]):
-                best = got
-        return best
+            if got is not None:
+                out.append(got)
+        return sorted(out, key=lambda x: x[0])
 
     def _stage_meshes(self, p: int) -> list[tuple[int, int, int]]:
         """(data, tensor, expert) of ``p``'s stage meshes in ``best``'s order: by expert
