@@ -967,8 +967,8 @@ def pins_of(run: Run) -> dict:
         if run.stage_split:
             pins["stage_split"] = run.stage_split
     else:
-        # no pipeline, as it ran (left free, the search weighs pipelines on several nodes:
-        # NeMo's Llama 2 7B at 128K, row 21, planned a pipeline in 1,263 s, not its layout)
+        # no pipeline, as it ran (left free, the search weighs pipelines on several nodes,
+        # which may then price a layout the run did not use)
         pins["pipeline"] = 1
         if run.micro * run.data * run.expert < run.batch:
             # gradient accumulation without a pipeline: the published micro-batch per rank
