@@ -247,7 +247,7 @@ def _kinds_and_virtual(pins: Options, p: int, limit: int | None = None) -> list[
     virtual stage: uneven stages, and four layers recomputed where v = 7 recomputes one)."""
     v = pins.virtual_stages
     free = [u for u in DEFAULT_VIRTUAL if limit is None or p * u <= limit]
-    blocks = limit - 2 if limit is not None else 0
+    blocks = limit - END_STAGES if limit is not None else 0
     one_block = blocks // p if blocks % p == 0 else 0
     if min(DEFAULT_VIRTUAL) < one_block < max(DEFAULT_VIRTUAL) and one_block not in free:
         free = sorted(free + [one_block])
@@ -255,6 +255,11 @@ def _kinds_and_virtual(pins: Options, p: int, limit: int | None = None) -> list[
             for u in ([2] if kind == "dualpipev" and v is None     # its V: two stages a rank
                       else [v] if v is not None or kind != "interleaved-1f1b" or p < 2
                       else free)]
+
+
+END_STAGES = 2
+"""Stages :func:`stage_limit` allows beyond one a block: the layers before the blocks
+(embedding) and after them (head)."""
 
 
 def stage_limit(cap: Captured) -> int | None:
@@ -269,7 +274,7 @@ def stage_limit(cap: Captured) -> int | None:
     counts (``stage_tables.Tables.arrays``), which killed planning on this 24 GiB machine.
     A ``virtual_stages`` pin is not limited by it."""
     blocks = most_blocks(cap.gm)
-    return blocks + 2 if blocks else None
+    return blocks + END_STAGES if blocks else None
 
 
 def most_stages(pins: Options, p: int, limit: int | None = None) -> int:

@@ -544,7 +544,8 @@ def _no_fit_message(candidates, tables, args) -> str:
     n_devices, global_batch, limit = args[0], args[1], args[2]
     # the runtime's receive buffers of that stage (its micro-batches in flight)
     counts, which = np.unique(in_flight(c.schedule, c.p, c.m, c.v), return_inverse=True)
-    values = float(value_buffers(c, counts, which.reshape(-1))[which.reshape(-1)[worst]])
+    which = which.reshape(-1)
+    values = float(value_buffers(c, counts, which)[which[worst]])
     buffers = float(tables.buffer_base(c)[j, i] + values * tables.recv_values[j, i]) \
         * global_batch / c.m / (n_devices // c.p)
     held = (f", {fmt_bytes(buffers)} of it the buffers torch's PipelineStage receives "
