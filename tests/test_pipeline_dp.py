@@ -12,7 +12,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from autopar.schedule import schedule_actions
+from autopar.schedule import schedule_actions, stage_ranks
 from autopar.pricing.simulate import simulate
 from autopar.solver.stage_dp import LayerCosts, StagePins, _candidates, plan_stages, simulate_plan, stage_dp
 from autopar.solver.stage_tables import cut_latency, in_flight, receive_in_flight
@@ -30,29 +30,41 @@ def costs_of(time, state=None, act=None, boundary=None, fixed=None, sync=None, *
 
 def simulated_in_flight(schedule, p, m, v):
     """Activations (in micro-batches) each stage holds at its peak, from the simulator;
-    a rank's peak is shared evenly by its v stages, as the planner's memory check does."""
+    a rank's peak is shared evenly by its v stages, as the planner's memory check does,
+    but for the last stage's single micro-batch (its own peak, which the simulator says),
+    its rank's other stages sharing the rest."""
     sim = simulate(schedule_actions(schedule, p, m, v), forward=1.0, backward=2.0, weight=1.0)
     if v == 1 or schedule == "dualpipev":         # DualPipeV: each stage its own peak
         return np.array(sim.peak_in_flight, dtype=float)
-    return np.array([sim.rank_peak_in_flight[k % p] / v for k in range(p * v)])
+    held = np.array([sim.rank_peak_in_flight[k % p] / v for k in range(p * v)])
+    last = sim.peak_in_flight[-1]
+    held[p - 1::p] = (sim.rank_peak_in_flight[p - 1] - last) / (v - 1)
+    held[-1] = last
+    return held
 
 
-def brute_force(costs, p, v, m, schedule, n_devices, batch, limit):
+def brute_force(costs, p, v, m, schedule, n_devices, batch, limit, per_rank=False):
     """Least bottleneck over every feasible cut, or inf. A stage pays its cuts' messages
-    (``cut_latency``, the one function the DP prices them with)."""
+    (``cut_latency``, the one function the DP prices them with). Feasible: each stage
+    within ``limit / v`` (the DP's first view), or, ``per_rank``, each rank's v stages
+    together within ``limit`` (what a device holds)."""
     t, s, a, fx = (np.asarray(x, float) for x in (costs.time, costs.state_bytes, costs.activation_bytes,
                                                   costs.fixed_time))
     n = [0.0, *costs.boundary_tensors, 0.0]
     L, S = len(t), p * v
     d, b = n_devices // p, batch / m
     held = simulated_in_flight(schedule, p, m, v)
+    ranks = stage_ranks(schedule, p, v)
     best = math.inf
     for cuts in itertools.combinations(range(1, L), S - 1):
         bounds = (0, *cuts, L)
-        times, ok = [], True
+        times, ok, rank_bytes = [], True, np.zeros(p)
         for k in range(S):
             j, i = bounds[k], bounds[k + 1]
-            if s[j:i].sum() + held[k] * a[j:i].sum() * b / d > limit / v * (1 + 1e-12):
+            held_bytes = s[j:i].sum() + held[k] * a[j:i].sum() * b / d
+            rank_bytes[ranks[k]] += held_bytes
+            if (rank_bytes[ranks[k]] if per_rank else held_bytes) > \
+                    (limit if per_rank else limit / v) * (1 + 1e-12):
                 ok = False
                 break
             times.append(t[j:i].sum() * b / d + fx[j:i].sum()
@@ -63,17 +75,28 @@ def brute_force(costs, p, v, m, schedule, n_devices, batch, limit):
 
 
 def check_against_brute_force(costs, p, v, m, schedule, n_devices, batch, limit):
+    """The DP's plan against the brute force's: never over a device's memory, never slower
+    than the best with each stage within ``limit / v`` (what its first DP searches), never
+    faster than the best with each rank within ``limit`` (a second DP weighs shares of a
+    rank's memory in proportion to its stages' needs: ``stage_dp._by_need``)."""
     expected = brute_force(costs, p, v, m, schedule, n_devices, batch, limit)
+    least = brute_force(costs, p, v, m, schedule, n_devices, batch, limit, per_rank=True) \
+        if v > 1 else expected
     kwargs = dict(n_devices=n_devices, global_batch=batch, memory_limit=limit, bandwidth=1e9,
                   n_stages=p, micro_batches=m, schedule=schedule, virtual_stages=v)
-    if math.isinf(expected):
+    if math.isinf(least):
         with pytest.raises(ValueError, match="no pipeline plan fits"):
             plan_stages(costs, **kwargs)
         return None
-    plan = plan_stages(costs, **kwargs)
+    try:
+        plan = plan_stages(costs, **kwargs)
+    except ValueError:
+        assert math.isinf(expected), "the first DP's view had a plan"
+        return None
     slowest = max(plan.stage_times)
+    assert max(plan.memory_per_stage) <= limit * (1 + 1e-9), (plan.cuts, plan.memory_per_stage)
     assert slowest <= expected * 1.05 + 1e-12, (plan.cuts, slowest, expected)
-    assert slowest >= expected * (1 - 1e-9)          # brute force is optimal: sanity of both
+    assert slowest >= least * (1 - 1e-9)          # brute force is optimal: sanity of both
     # the cuts the plan reports really give those stage times
     t, fx = np.asarray(costs.time), np.asarray(costs.fixed_time)
     n = [0.0, *costs.boundary_tensors, 0.0]
@@ -139,6 +162,31 @@ def test_stage_dp_on_raw_arrays_against_brute_force():
         if np.isfinite(best):
             bounds = (0, *cuts, L)
             assert max(cost[k, bounds[k], bounds[k + 1]] for k in range(S)) == best
+
+
+def test_banded_dp_gives_the_full_dps_cuts(monkeypatch):
+    """Where no stage may hold more than a band of layers (each table's own width), the DP
+    runs on the bands (``stage_dp._banded_dp``): the same bottleneck and the same cuts,
+    ties included (integer times tie often), as the DP over the whole tables."""
+    from autopar.solver import stage_dp as dp
+    from autopar.solver.stage_tables import Stack, Tiebreak
+    rng = np.random.default_rng(1)
+    banded = 0
+    for _ in range(60):
+        L, S, U = int(rng.integers(8, 40)), int(rng.integers(2, 8)), int(rng.integers(1, 4))
+        j, i = np.indices((L + 1, L + 1))
+        time = rng.integers(1, 6, (L + 1, L + 1)).astype(float)
+        widths = rng.integers(1, max(2, L // 3), U)
+        fits = np.stack([np.where((j < i) & (i - j <= w), 1 + u, 0) for u, w in enumerate(widths)]).max(0)
+        which = rng.integers(0, U, S)
+        cost = Stack(np.where(fits[None] > np.arange(U)[:, None, None], time[None], np.inf), which)
+        tie = Tiebreak(cost, time, fits, rng.integers(0, 3, L + 1).astype(float))
+        monkeypatch.setattr(dp, "BAND_AT_MOST", 0.0)
+        full = dp.stage_dp(cost, tie)
+        monkeypatch.setattr(dp, "BAND_AT_MOST", 0.5)
+        banded += dp._band_width(cost, tie) is not None
+        assert dp.stage_dp(cost, tie) == full
+    assert banded > 40
 
 
 # ---- the step-time model against the simulator ----------------------------------------------------
@@ -247,6 +295,40 @@ def test_receive_buffers_hold_the_micro_batches_in_flight(schedule):
     need = max(plan_stages(plain, micro_batches=4, **common).memory_per_stage)
     with pytest.raises(ValueError, match="fits"):
         plan_stages(held, micro_batches=4, **{**common, "memory_limit": need * v + 1e-6})
+
+
+def test_interleaved_loss_head_counts_one_micro_batch():
+    """Interleaved 1F1B's last stage runs each micro-batch's backward right after its
+    forward: a loss head's activations (logits, 20 bytes a sample here against 1 per layer)
+    are held for one micro-batch, not for its rank's depth / v (5 / 2 at p = 4, m = 8), so
+    the last rank holds its head's one layer and one micro-batch (21) beside its other
+    stage's layer and 4 micro-batches (5): a limit of 26 plans, one under it does not
+    (each stage's share of 26 is no longer 13: ``_by_need``)."""
+    L, p, m, v = 8, 4, 8, 2
+    costs = costs_of([1.0] * L, state=[1.0] * L, act=[1.0] * (L - 1) + [20.0])
+    common = dict(n_devices=p, global_batch=m, bandwidth=1e9, n_stages=p, micro_batches=m,
+                  schedule="interleaved-1f1b", virtual_stages=v)
+    n = in_flight("interleaved-1f1b", p, m, v)
+    assert (n[p - 1], n[-1]) == (4, 1) and n[p - 1] + n[-1] == n[0] + n[p] - 2 * (p - 1)
+    plan = plan_stages(costs, memory_limit=26.0, **common)
+    assert plan.cuts == tuple(range(1, L))     # a layer a stage: the head alone on the last
+    assert plan.memory_per_stage[p - 1] == pytest.approx(1 + 4 + 1 + 20)
+    with pytest.raises(ValueError, match="fits"):
+        plan_stages(costs, memory_limit=26.0 * 0.99, **common)
+
+
+def test_a_ranks_stages_share_its_memory_by_need():
+    """DualPipeV's rank 0 holds stage 0 (2p = 4 micro-batches in flight) and stage 3 (1):
+    with a layer each of 1 byte a micro-batch, 4 + 1 = 5 bytes on the device, and rank 1
+    3 + 2. Each stage within half the device (the DP's first view) needs 8; the second DP
+    (``_by_need``: shares in proportion to the closest cuts' needs) plans at 5, not under."""
+    costs = costs_of([1.0] * 4, state=[0.0] * 4, act=[1.0] * 4)
+    common = dict(n_devices=2, global_batch=4, bandwidth=1e9, n_stages=2, micro_batches=4,
+                  schedule="dualpipev", virtual_stages=2)
+    plan = plan_stages(costs, memory_limit=5.0, **common)
+    assert plan.cuts == (1, 2, 3) and plan.memory_per_stage == pytest.approx((5.0, 5.0))
+    with pytest.raises(ValueError, match="fits"):
+        plan_stages(costs, memory_limit=4.99, **common)
 
 
 def test_dualpipev_memory_places_the_v():

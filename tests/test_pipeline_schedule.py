@@ -283,6 +283,34 @@ def test_in_flight_matches_planner_memory_model(kind, p, m, v):
         assert list(sim.peak_in_flight) == [m] * p
 
 
+def test_interleaved_in_flight_on_torchs_lowered_program():
+    """Interleaved 1F1B's activations walked on the program torch's runtime runs
+    (``schedule.lowered_program``: a micro-batch's activations on a stage from its F to its
+    last backward there): each rank's peak is the model's sum over the rank's stages, and
+    the last stage (the loss) holds one micro-batch, as the model counts it, whatever p, m
+    and v (its rank's other stages share the rest: a loss head's logits counted once)."""
+    from autopar.schedule import lowered_program
+    for p, v in ((2, 2), (3, 3), (4, 2), (4, 4), (8, 3)):
+        for m in (p, 2 * p, 4 * p):
+            check_schedule("interleaved-1f1b", p, m, v)
+            S, model = p * v, in_flight("interleaved-1f1b", p, m, v)
+            peak, rank_peak = np.zeros(S), np.zeros(p)
+            for r, ops in enumerate(lowered_program("interleaved-1f1b", p, m, v)):
+                last = {(s, mb): k for k, (op, s, mb) in enumerate(ops) if op in ("B", "I", "W")}
+                live = np.zeros(S)
+                for k, (op, s, mb) in enumerate(ops):
+                    if op == "F":
+                        live[s] += 1
+                    elif last.get((s, mb)) == k:
+                        live[s] -= 1
+                    peak = np.maximum(peak, live)
+                    rank_peak[r] = max(rank_peak[r], live.sum())
+            sums = [model[ks].sum() for ks in rank_stages("interleaved-1f1b", p, v)]
+            assert list(rank_peak) == pytest.approx(sums), (p, m, v)
+            assert peak[-1] == model[-1] == 1, (p, m, v, peak)
+            assert (model <= m).all()
+
+
 # ---- the simulator honours every dependency -------------------------------------------------------
 
 

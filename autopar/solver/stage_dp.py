@@ -59,10 +59,22 @@ program torch's runtime lowers (``stage_tables.lowered_holds``: up to 2p values 
 under interleaved 1F1B, the weight halves pending plus one gradient under zero bubble),
 r_k the most of any stage with n_k's count (``stage_tables.value_buffers``).
 
+``limit / v`` is a stage's share of its rank's device where the rank holds v stages
+(interleaved 1F1B, DualPipeV). Where a rank's stages need not hold alike (a V's first stage
+holds 2p - r micro-batches, its partner r + 1; an embedding's or a loss head's stage more
+state or activations than a layer's), a second DP is run on each stage's own share:
+its rank's limit in proportion to what each stage holds under the first DP's cuts (the
+cuts of least excess where nothing fit), ``stage_tables.shares_by_need``. The first cuts
+fit those shares, so the second plan is kept only when faster; a rank's stages always sum
+to at most the limit. (The exact constraint, each rank's stages together, couples stages
+p apart in the chain, which a DP over the chain cannot carry.)
+
 n_k is the micro-batches whose activations the stage holds at its peak: m (GPipe),
 min(p - r, m) (1F1B), p (zero-bubble, W keeps them until it runs), and for interleaved
 1F1B (min((v - 1) * m_round + 2 (p - 1 - r) + 1, m v)) / v per stage, the rank's
-warm-up depth shared evenly by its v stages (checked per rank by ``simulate``); DualPipeV
+warm-up depth shared evenly by its v stages (checked per rank by ``simulate``), but 1 for
+the last stage, whose backward follows each forward, its rank's other v - 1 stages sharing
+the rest of its depth (a loss head's activations counted once); DualPipeV
 (2 stages per rank in a V, stage k on rank min(k, 2p - 1 - k)): 2p - k for stage k, the
 rank's two stages peaking together at 2p + 1.
 
@@ -121,7 +133,7 @@ from autopar.pricing.simulate import compile_schedule, makespan_compiled, simula
 from autopar.solver.stage_plan import LayerCosts, StagePlan, StagesDoNotFit
 from autopar.solver.stage_tables import (
     INF, Candidate, Stack, Tables, Tiebreak, bubble_rho, in_flight, price, rank_times, ring_factor,
-    value_buffers,
+    shares_by_need, value_buffers,
 )
 
 __all__ = ["LayerCosts", "StagePlan", "StagesDoNotFit", "stage_dp", "plan_stages", "simulate_plan",
@@ -155,6 +167,10 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
     n_layers = rows - 1
     if n_stages > n_layers:
         return INF, ()
+    tie = cost if tiebreak is None else tiebreak
+    widths = _band_width(cost, tie)
+    if widths is not None:
+        return _banded_dp(cost, tie, widths)
     # best[k, i]: least bottleneck of stages 0..k holding exactly layers 0..i-1.
     best = np.full((n_stages, rows), INF)
     best[0] = cost[0, 0]
@@ -169,7 +185,6 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
     # total[k, i]: least sum of tiebreak over stages 0..k holding layers 0..i-1, every
     # stage within the bottleneck; arg[k, i]: first layer of stage k in that optimum.
     # (stage by stage: the tables may be ``stage_tables.Stack``s, one table per in-flight count)
-    tie = cost if tiebreak is None else tiebreak
     within = bottleneck + 1e-9 * max(abs(bottleneck), 1e-30)
     total = np.full((n_stages, rows), INF)
     arg = np.zeros((n_stages, rows), dtype=np.int64)
@@ -185,6 +200,77 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
     for k in range(n_stages - 1, 0, -1):
         i = int(arg[k, i])
         cuts.append(i)
+    return bottleneck, tuple(reversed(cuts))
+
+
+BAND_AT_MOST = 0.5
+"""``stage_dp`` runs on bands (:func:`_banded_dp`) where no stage may hold more than this
+share of the chain's layers."""
+
+
+def _band_width(cost, tie) -> np.ndarray | None:
+    """Per table of ``cost`` (a ``Stack``, ``tie`` over the same tables), the most layers a
+    stage may hold, where at most :data:`BAND_AT_MOST` of the chain for every one; else
+    None."""
+    if not (isinstance(cost, Stack) and isinstance(tie, Stack)
+            and np.array_equal(cost.which, tie.which)):
+        return None
+    rows = cost.shape[1]
+    span = np.arange(rows)[None, :] - np.arange(rows)[:, None]       # i - j
+    widths = np.array([max(1, int(span[np.isfinite(t)].max(initial=0))) for t in cost.tables])
+    return widths if widths.max() <= BAND_AT_MOST * (rows - 1) else None
+
+
+def _band(table: np.ndarray, width: int) -> np.ndarray:
+    """An (L+1, L+1) table as an (L+1, width) band: ``band[i, t] = table[i - width + t,
+    i]`` (a stage ending before layer i and starting at i - width + t), INF before the
+    chain."""
+    i = np.arange(table.shape[0])[:, None]
+    j = i - width + np.arange(width)[None, :]
+    return np.where(j >= 0, table[np.maximum(j, 0), np.broadcast_to(i, j.shape)], INF)
+
+
+def _banded_dp(cost, tie, widths: np.ndarray) -> tuple[float, tuple[int, ...]]:
+    """``stage_dp`` on bands: where a stage of table u may hold at most ``widths[u]``
+    layers (memory, or the stage count), every start farther back is INF, so the same
+    recurrences over the band alone give the same bottleneck, totals and cuts (starts
+    tried in the same ascending order, the first among equals kept): Llama 3 405B's 128
+    stages of about 2 of 260 layers each read a band of their table."""
+    n_stages, rows = cost.shape[0], cost.shape[1]
+    n_layers = rows - 1
+    i = np.arange(rows)
+    which = cost.which
+    starts, before, starts_at = {}, {}, {}
+    for w in set(int(x) for x in widths):
+        j = i[:, None] - w + np.arange(w)[None, :]
+        starts[w], before[w], starts_at[w] = j, j < 0, np.maximum(j, 0)
+    bands = [_band(t, int(w)) for t, w in zip(cost.tables, widths)]
+    best = np.full((n_stages, rows), INF)
+    best[0] = cost[0, 0]
+    for k in range(1, n_stages):
+        w = int(widths[which[k]])
+        np.maximum(np.where(before[w], INF, best[k - 1][starts_at[w]]), bands[which[k]]).min(
+            axis=1, out=best[k])
+    bottleneck = float(best[-1, n_layers])
+    if not math.isfinite(bottleneck):
+        return INF, ()
+    within = bottleneck + 1e-9 * max(abs(bottleneck), 1e-30)
+    allowed = [np.where(b <= within, _band(t, int(w)), INF)
+               for b, t, w in zip(bands, tie.tables, widths)]
+    total = np.full((n_stages, rows), INF)
+    arg = np.zeros((n_stages, rows), dtype=np.int64)
+    total[0] = np.where(cost[0, 0] <= within, tie[0, 0], INF)
+    for k in range(1, n_stages):
+        w = int(widths[which[k]])
+        work = np.where(before[w], INF, total[k - 1][starts_at[w]]) + allowed[which[k]]
+        t = work.argmin(axis=1)
+        arg[k] = starts[w][i, t]
+        total[k] = work[i, t]
+    cuts = []
+    at = n_layers
+    for k in range(n_stages - 1, 0, -1):
+        at = int(arg[k, at])
+        cuts.append(at)
     return bottleneck, tuple(reversed(cuts))
 
 
@@ -319,11 +405,14 @@ def plan_stages(costs: LayerCosts, *, explain: bool = True, above: float = INF, 
         key = (fingerprint, c, *args, sync_bw) + (() if fixed is None else (fixed,))
         plan = _PLANNED.pop(key, _UNPLANNED)
         if plan is _UNPLANNED:
-            cost, tiebreak, memory, share, comm = tables.arrays(c, *args)
+            arrays = tables.arrays(c, *args)
+            cost, tiebreak, memory, share, comm = arrays
             bottleneck, cuts = stage_dp(cost, tiebreak) if fixed is None else \
                 (_fixed_bottleneck(cost, fixed, L), fixed)
             plan = _make_plan(c, cuts, tables, (cost, memory, comm), split, n_devices, sync_bw) \
                 if math.isfinite(bottleneck) else None
+            if fixed is None and c.v > 1:
+                plan = _by_need(c, plan, tables, arrays, args, (split, sync_bw))
         _PLANNED[key] = plan                          # most recent last
         if len(_PLANNED) > PLANNED_SIZE:
             del _PLANNED[next(iter(_PLANNED))]
@@ -340,6 +429,60 @@ def plan_stages(costs: LayerCosts, *, explain: bool = True, above: float = INF, 
         raise StagesDoNotFit(_no_fit_message(candidates, tables, args) if explain else
                              f"no pipeline plan fits {memory_limit / 2**30:.3g} GiB per device")
     return best[1]
+
+
+def _by_need(c: Candidate, plan: StagePlan | None, tables: Tables, arrays, args, timing
+             ) -> StagePlan | None:
+    """``plan`` (None where nothing fit), or the plan of the DP run again with each stage's
+    share of its rank's memory in proportion to what it holds under ``plan``'s cuts (the
+    closest cuts where nothing fit: least excess over ``memory_limit / v``):
+    ``stage_tables.shares_by_need``, when faster. ``plan``'s cuts stay within those shares,
+    so the DP's plan is at least as fast. A rank holds v stages (interleaved 1F1B,
+    DualPipeV) that need not hold alike: a V's first stage holds 2p - r micro-batches of
+    activations, its partner r + 1; an embedding's or a loss head's stage far more state
+    or activations than its rank's layer stages (Mixtral 8x22B's EP 8 x PP 8 x VP 7:
+    stage 0's embedding and first layer 11.7 GiB against 78 / 7 = 11.1 GiB).
+    ``arrays``: the first DP's (``Tables.arrays``); ``timing``: (split, sync_bw)."""
+    _, _, memory, share, _ = arrays
+    n_devices, memory_limit = args[0], args[2]
+    if plan is not None:
+        cuts = plan.cuts
+        if not _memory_binds(memory, share, cuts, tables.L):
+            return plan
+    else:
+        _, cuts = stage_dp(_excess(memory, tables.valid, share))
+        if len(cuts) != c.p * c.v - 1:
+            return None
+    bounds = (0, *cuts, tables.L)
+    need = np.array([memory[k, j, i] for k, (j, i) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    shares = shares_by_need(c, need, memory_limit)
+    if shares is None:
+        return plan
+    cost, tiebreak, memory, _, comm = tables.arrays(c, *args, shares=shares)
+    bottleneck, cuts = stage_dp(cost, tiebreak)
+    if not math.isfinite(bottleneck):
+        return plan
+    again = _make_plan(c, cuts, tables, (cost, memory, comm), timing[0], n_devices, timing[1])
+    return again if plan is None or again.predicted_step_time < plan.predicted_step_time else plan
+
+
+def _memory_binds(memory, share: float, cuts, L: int) -> bool:
+    """Whether a stage under ``cuts`` could not take its neighbour's next layer on either
+    side within ``share``: where every stage could, memory did not shape the cuts, and
+    other shares would not change them (the second DP's cost, saved)."""
+    bounds = (0, *cuts, L)
+    for k, (j, i) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if (j > 0 and memory[k, j - 1, i] > share) or (i < L and memory[k, j, i + 1] > share):
+            return True
+    return False
+
+
+def _excess(memory, valid: np.ndarray, share: float) -> Stack:
+    """The (S, L+1, L+1) table of each stage's bytes over ``share`` (INF where not
+    ``valid``), one table per in-flight count: ``stage_dp`` on it finds the cuts of least
+    excess."""
+    firsts = [int(np.argmax(memory.which == u)) for u in range(len(memory.counts))]
+    return Stack(np.stack([np.where(valid, memory[k] - share, INF) for k in firsts]), memory.which)
 
 
 def _cannot_cut(fixed_cuts, c: Candidate) -> bool:
@@ -406,15 +549,27 @@ def _busiest_floor(c: Candidate, costs: LayerCosts, n_devices: int, global_batch
 def _cannot_fit(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batch: int,
                 memory_limit: float, shard_state: bool) -> bool:
     """Candidate c's stages cannot fit even with its memory spread perfectly evenly, or its
-    largest layer alone overflows a stage: skip it without building its arrays."""
+    largest layer alone overflows a device: skip it without building its arrays.
+
+    The stages hold at least the state and, of the activations, each layer's times the
+    least count of a stage that may hold it: the fewest in flight of any stage, but where
+    the last stage alone holds fewer (interleaved 1F1B's one micro-batch), the least of the
+    others for all but the chain's last L - S + 1 layers (the most the last stage can
+    take, every other stage holding one)."""
     d, b = n_devices // c.p, global_batch / c.m
-    n = float(in_flight(c.schedule, c.p, c.m, c.v).min())
+    counts = in_flight(c.schedule, c.p, c.m, c.v)
+    n = float(counts.min())
     state_div = d if shard_state else 1
-    spread = (float(costs.state_bytes.sum()) / state_div
-              + n * float(costs.activation_bytes.sum()) * b / d) / (c.p * c.v)
-    layer = costs.state_bytes / state_div + n * costs.activation_bytes * b / d
+    act = costs.activation_bytes * b / d
+    held = n * float(act.sum())
+    if len(counts) > 1 and counts[-1] < counts[:-1].min():
+        tail = float(act[len(act) - (len(act) - len(counts) + 1):].sum())
+        held = float(counts[:-1].min()) * (float(act.sum()) - tail) + float(counts[-1]) * tail
+    spread = (float(costs.state_bytes.sum()) / state_div + held) / (c.p * c.v)
+    layer = costs.state_bytes / state_div + n * act
+    # (a stage of v may take more than 1 / v of its rank's memory: ``_by_need``)
     share = memory_limit / c.v
-    return spread > share * (1 + 1e-9) or float(layer.max()) > share * (1 + 1e-9)
+    return spread > share * (1 + 1e-9) or float(layer.max()) > memory_limit * (1 + 1e-9)
 
 
 def _candidates(L, n_devices, global_batch, pins: StagePins, learned=None):

@@ -39,9 +39,20 @@ def in_flight(schedule: str, n_stages: int, micro_batches: int, virtual: int) ->
         return np.minimum(p - ranks, m).astype(float)
     if schedule == "zero-bubble":
         return np.full(p * v, float(min(p, m)))
+    # interleaved 1F1B: a rank's warm-up depth (its peak, micro-batch stages held at once)
+    # shared by its v stages, but for the last stage: it runs each micro-batch's backward
+    # right after its forward (the loss is its own) and holds one, the rest of its rank's
+    # depth held by the rank's v - 1 others (torch's lowered program, walked: rank sums the
+    # depths and the last stage 1 in all 87 (p, m, v) of p <= 8, v <= 4; a loss head's
+    # logits counted once, not depth / v times: Qwen3-235B's PP 32 x VPP 3 head held
+    # 21.7 micro-batches' logits, 33 GiB, and the published layout did not fit)
     per_round = m // max(1, m // p)
     depth = np.minimum((v - 1) * per_round + 2 * (p - 1 - ranks) + 1, m * v)
-    return depth / v
+    held = depth / v
+    if v > 1:
+        held[ranks == p - 1] = (depth[-1] - 1) / (v - 1)
+        held[-1] = 1.0
+    return held
 
 
 @functools.lru_cache(maxsize=256)
@@ -203,8 +214,11 @@ class Tables:
         return self.recv_grads * float(receive_in_flight(c.schedule, c.p, c.m, c.v)[1].max())
 
     def arrays(self, c: Candidate, n_devices: int, global_batch: int, memory_limit: float,
-               bandwidth: float, shard_state: bool):
-        """(cost, tiebreak, memory, share) for candidate c; see the module docstring."""
+               bandwidth: float, shard_state: bool, shares: np.ndarray | None = None):
+        """(cost, tiebreak, memory, share, comm) for candidate c; see the module docstring.
+        ``shares``: each stage's bytes (its rank's ``memory_limit`` split by
+        ``shares_by_need``) in place of ``memory_limit / v`` each (:func:`_by_share`'s
+        tables)."""
         d = n_devices // c.p
         b = global_batch / c.m
         # a stage's tables depend on it only through its micro-batches in flight: one
@@ -219,11 +233,14 @@ class Tables:
         values = value_buffers(c, counts, which)
         memory = Memory(self.state / (d if shard_state else 1) + self.buffer_base(c) * b / d,
                         self.act * b / d, counts, which, self.recv_values * b / d, values)
+        comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
+        if shares is not None:
+            cost = _by_share(time, memory, self.valid, which, shares)
+            return cost, Stack(cost.tables + 2 * comm, cost.which), memory, shares, comm
         share = memory_limit / c.v
         # float sums at the limit fit; table u holds where the u-th least count fits
         fits = memory.fitting(share * (1 + 1e-9), self.valid)
         cost = Stack(np.where(fits[None] > np.arange(len(counts))[:, None, None], time[None], INF), which)
-        comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
         return cost, Tiebreak(cost, time, fits, 2 * comm), memory, share, comm
 
 
@@ -291,6 +308,46 @@ class Memory:
                 return out
             fits = fits - ~low_ok + high_fits
         raise AssertionError("stage memory is not monotone in the in-flight count")
+
+
+def shares_by_need(c: Candidate, need: np.ndarray, memory_limit: float) -> np.ndarray | None:
+    """Each stage's share of its rank's ``memory_limit``, in proportion to ``need`` (the
+    bytes each stage holds under some cuts), or None where a rank's stages need more than
+    the limit together. Any cut whose every stage stays within its share fits: a rank's
+    shares sum to at most the limit. (``memory_limit /
+    v`` each, the DP's first view, leaves a stage that holds more than the others, a
+    V's first stage or an embedding, no room its rank's lighter stages do not use.)"""
+    ranks = stage_ranks(c.schedule, c.p, c.v)
+    total = np.bincount(ranks, weights=need, minlength=c.p)
+    if (total > memory_limit * (1 + 1e-9)).any():
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exact = np.where(total[ranks] > 0, need * memory_limit / total[ranks], memory_limit / c.v)
+        # rounded down to a step of SHARE_STEP, not below the need (a rank's still sum to at
+        # most its limit, and the first cuts still fit), so that stages alike share one table
+        # (``_by_share``)
+        step = np.log1p(SHARE_STEP)
+        grid = np.where(exact > 0, np.exp(np.floor(np.log(exact) / step) * step), 0.0)
+    return np.maximum(need, np.minimum(grid, exact))
+
+
+SHARE_STEP = 1 / 64
+"""``shares_by_need`` rounds each stage's share down to a power of 1 + 1/64 (never below
+what it holds under the first cuts): a rank's stages alike (layers cut evenly) get one
+share, and the second DP one table for them."""
+
+
+def _by_share(time: np.ndarray, memory: "Memory", valid: np.ndarray, which: np.ndarray,
+              shares: np.ndarray) -> "Stack":
+    """The (S, L+1, L+1) ``Stack`` of each stage's ``time`` where its ``memory`` is within its
+    own ``shares[k]``, INF elsewhere: one table per distinct (in-flight count, share) of the
+    stages (``shares_by_need``'s are few: a rank's stages alike share one)."""
+    levels, level = np.unique(shares, return_inverse=True)
+    fits = [memory.fitting(x * (1 + 1e-9), valid) for x in levels]
+    pairs, stage_class = np.unique(np.stack([which, level.reshape(-1)], axis=1), axis=0,
+                                   return_inverse=True)
+    tables = np.stack([np.where(fits[lv] > u, time, INF) for u, lv in pairs])
+    return Stack(tables, stage_class.reshape(-1))
 
 
 class Stack:
