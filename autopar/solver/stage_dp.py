@@ -468,8 +468,9 @@ def _by_need(c: Candidate, plan: StagePlan | None, tables: Tables, arrays, args,
 
 def _memory_binds(memory, share: float, cuts, L: int) -> bool:
     """Whether a stage under ``cuts`` could not take its neighbour's next layer on either
-    side within ``share``: where every stage could, memory did not shape the cuts, and
-    other shares would not change them (the second DP's cost, saved)."""
+    side within ``share``. Where every stage could, memory is taken not to have shaped the
+    cuts, and the second DP (its cost: the 405B's free search runs it on 14 of 108) is not
+    run; a cut that needs a stage two layers longer is the case this misses."""
     bounds = (0, *cuts, L)
     for k, (j, i) in enumerate(zip(bounds[:-1], bounds[1:])):
         if (j > 0 and memory[k, j - 1, i] > share) or (i < L and memory[k, j, i + 1] > share):

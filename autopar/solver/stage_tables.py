@@ -314,9 +314,9 @@ def shares_by_need(c: Candidate, need: np.ndarray, memory_limit: float) -> np.nd
     """Each stage's share of its rank's ``memory_limit``, in proportion to ``need`` (the
     bytes each stage holds under some cuts), or None where a rank's stages need more than
     the limit together. Any cut whose every stage stays within its share fits: a rank's
-    shares sum to at most the limit. (``memory_limit /
-    v`` each, the DP's first view, leaves a stage that holds more than the others, a
-    V's first stage or an embedding, no room its rank's lighter stages do not use.)"""
+    shares sum to at most the limit. (``memory_limit / v`` each, the DP's first view,
+    leaves a stage that holds more than the others, a V's first stage or an embedding, no
+    room its rank's lighter stages do not use.)"""
     ranks = stage_ranks(c.schedule, c.p, c.v)
     total = np.bincount(ranks, weights=need, minlength=c.p)
     if (total > memory_limit * (1 + 1e-9)).any():
