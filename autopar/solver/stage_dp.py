@@ -707,11 +707,18 @@ def _no_fit_message(candidates, tables, args) -> str:
     held = (f", {fmt_bytes(buffers)} of it the buffers torch's PipelineStage receives "
             "into (one per micro-batch in flight at each cut)") \
         if buffers > 0.01 * memory[worst, j, i] else ""
+    rank_note = ""
+    if c.v > 1:     # why a share by need (``_by_need``) did not fit either
+        ranks = stage_ranks(c.schedule, c.p, c.v)
+        together = sum(float(memory[k, bounds[k], bounds[k + 1]]) for k in range(len(bounds) - 1)
+                       if ranks[k] == ranks[worst])
+        rank_note = (f" (its share, 1/{c.v} of the device; its rank's {c.v} stages together "
+                     f"hold {fmt_bytes(together)} at these cuts)")
     return (f"no pipeline plan fits {fmt_bytes(limit)} per device: the closest, n_stages={c.p}, "
             f"virtual_stages={c.v}, micro_batches={c.m}, schedule {c.schedule!r}, still needs "
             f"{fmt_bytes(memory[worst, j, i])} on stage {worst} (layers {j}..{i - 1}){held}, "
             f"over its {fmt_bytes(share)} by {fmt_bytes(excess)} "
-            f"({excess:.0f} bytes); raise memory_limit, add devices, use more micro-batches "
+            f"({excess:.0f} bytes){rank_note}; raise memory_limit, add devices, use more micro-batches "
             f"or shard_state=True")
 
 
