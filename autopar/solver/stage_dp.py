@@ -195,12 +195,18 @@ def stage_dp(cost: np.ndarray, tiebreak: np.ndarray | None = None) -> tuple[floa
         np.add(total[k - 1][:, None], allowed(k), out=work)
         work.argmin(axis=0, out=arg[k])
         total[k] = work[arg[k], columns]
+    return bottleneck, _cuts(arg)
+
+
+def _cuts(arg: np.ndarray) -> tuple[int, ...]:
+    """The cuts read back from ``arg[k, i]`` (stage k's first layer where stages 0..k hold
+    layers 0..i-1), from the last stage ending at the chain's end."""
     cuts = []
-    i = n_layers
-    for k in range(n_stages - 1, 0, -1):
+    i = arg.shape[1] - 1
+    for k in range(arg.shape[0] - 1, 0, -1):
         i = int(arg[k, i])
         cuts.append(i)
-    return bottleneck, tuple(reversed(cuts))
+    return tuple(reversed(cuts))
 
 
 BAND_AT_MOST = 0.5
@@ -266,12 +272,7 @@ def _banded_dp(cost, tie, widths: np.ndarray) -> tuple[float, tuple[int, ...]]:
         t = work.argmin(axis=1)
         arg[k] = starts[w][i, t]
         total[k] = work[i, t]
-    cuts = []
-    at = n_layers
-    for k in range(n_stages - 1, 0, -1):
-        at = int(arg[k, at])
-        cuts.append(at)
-    return bottleneck, tuple(reversed(cuts))
+    return bottleneck, _cuts(arg)
 
 
 def _within(cost, tie, within: float):
