@@ -214,7 +214,16 @@ def test_case_matches_one_device(sweep, case_id):
     r = sweep.result(case_id, timeout=1200)
     assert r["status"] == "pass", (
         f"{case_id} ({case.describe()}{', gloo' if case.gloo else ''}): {r['status'].upper()}: "
-        f"{r['message']}\n{r['detail'][-3000:]}\nrepro: {case.repro}")
+        f"{r['message']}\n{_ends(r['detail'])}\nrepro: {case.repro}")
+
+
+def _ends(detail: str, each: int = 3000) -> str:
+    """A failure's detail, its first and last ``each`` characters where longer: the rank
+    that failed first is near its start (a later rank's collective error and torchrun's
+    summary at its end)."""
+    if len(detail) <= 2 * each:
+        return detail
+    return f"{detail[:each]}\n[... {len(detail) - 2 * each} characters ...]\n{detail[-each:]}"
 
 
 def test_fixed_list_covers_the_plan_space():
