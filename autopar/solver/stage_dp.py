@@ -565,7 +565,7 @@ def _cannot_fit(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batch
     act = costs.activation_bytes * b / d
     held = n * float(act.sum())
     if len(counts) > 1 and counts[-1] < counts[:-1].min():
-        tail = float(act[len(act) - (len(act) - len(counts) + 1):].sum())
+        tail = float(act[len(counts) - 1:].sum())    # the chain's last L - S + 1 layers
         held = float(counts[:-1].min()) * (float(act.sum()) - tail) + float(counts[-1]) * tail
     spread = (float(costs.state_bytes.sum()) / state_div + held) / (c.p * c.v)
     layer = costs.state_bytes / state_div + n * act
