@@ -1,5 +1,7 @@
-"""CBC under a wall clock it cannot overrun: a large sharding program is solved in a forked
-child that is killed at :func:`hard_limit_s`.
+"""The MIP solver (``ilp.mip_solver``) under a wall clock it cannot overrun: a large
+sharding program is solved in a forked child that is killed at :func:`hard_limit_s`.
+Written for CBC (below); SCIP, the solver now, checks its limit more often, and the fork
+stays the guarantee for both.
 
 CBC checks its time limit (``Solver.SetTimeLimit``) between branch-and-bound nodes, and
 OR-Tools cannot interrupt it (``Solver.InterruptSolve()`` is False for CBC, and CBC takes

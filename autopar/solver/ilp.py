@@ -299,6 +299,35 @@ def _numbered(classes: list, pt: PriceTable) -> tuple[list[int], tuple[int, ...]
     return [of[c] for c in classes], tuple(of.values())
 
 
+SCIP_SETTINGS = "\n".join((
+    "presolving/maxrounds = 0", "separating/maxrounds = 0", "separating/maxroundsroot = 0",
+    "heuristics/feaspump/freq = -1", "heuristics/rens/freq = -1", "heuristics/rins/freq = -1"))
+"""SCIP's settings for the sharding program: no presolve, no cutting planes, no feasibility
+pump, RENS or RINS (each an LP-based heuristic; SCIP's cheaper rounding and diving
+heuristics stay on). The program's LP relaxation is near integral, so what a general MIP
+spends at the root bought nothing here. Measured on 2026-12-01 (session 39, this 2-core
+machine), seconds per program written by the free search, same objectives: Llama 3 70B on
+8x8xH100 (batch 16 x 8,192; 37,000-40,000 variables) 6.6-16.6 with CBC, 6.1 with SCIP's
+defaults, 0.55-7.7 with these; summed over a whole planning (``AUTOPAR_PLAN_WORKERS=0``),
+CBC against these: that Llama 75 -> 22 s (wall 97 -> 47 s), Mixtral 8x7B's frontier row
+63 -> 31 s (99 -> 75 s), Llama 3 405B's 8.8 -> 4.8 s. CBC spent them in its feasibility
+pump at the root (its log), and OR-Tools passes CBC no parameters to turn it off."""
+
+
+def mip_solver():
+    """An empty OR-Tools MIP solver for the sharding program: SCIP under
+    :data:`SCIP_SETTINGS`, or CBC where this OR-Tools has no SCIP."""
+    m = pywraplp.Solver.CreateSolver("SCIP")
+    if m is not None:
+        if not m.SetSolverSpecificParametersAsString(SCIP_SETTINGS):
+            raise RuntimeError(f"this OR-Tools' SCIP refused the settings {SCIP_SETTINGS!r}")
+        return m
+    m = pywraplp.Solver.CreateSolver("CBC")
+    if m is None:
+        raise RuntimeError("OR-Tools has neither SCIP nor CBC: reinstall ortools")
+    return m
+
+
 def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
           time_limit_s: float = 60.0, minimize_memory: bool = False,
           explain: bool = True) -> Solution:
@@ -306,40 +335,40 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
 
     x is binary; e may be continuous in [0, 1]: with x integral the transport constraints
     leave e a feasible transport plan between two one-hot vectors, which is their product.
-    Solved as a MIP (OR-Tools' CBC, SCIP where CBC is missing): the transport form's LP
-    relaxation is tight enough that branch-and-bound finishes in well under a second on one
-    transformer layer.
+    Solved as a MIP by OR-Tools' SCIP under :data:`SCIP_SETTINGS` (CBC where SCIP is
+    missing): the transport form's LP relaxation is tight (a handful of fractional
+    options on a frontier model's 40,000-variable program), so branch-and-bound needs few
+    nodes; SCIP's presolve, cutting planes and three LP-based heuristics are turned off,
+    which is most of the time a solve took (the constant's docstring has the figures).
 
-    Same program, same answer: CBC runs single-threaded with its fixed default seed, and
-    the program is written in one order in every process (variables in the problem's
-    graph order, each edge's pairs in the order of its classes' numbers,
-    ``PriceTable.number``, none in the order of a hash of strings), so equal coefficients
-    give the same choice, ties included: among optima of equal objective the plan is the
-    one CBC's deterministic branch-and-bound reaches first on that program. The
+    Same program, same answer: SCIP runs single-threaded and deterministically, and the
+    program is written in one order in every process (variables in the problem's graph
+    order, each edge's pairs in the order of its classes' numbers, ``PriceTable.number``,
+    none in the order of a hash of strings), so equal coefficients give the same choice,
+    ties included: among plans within the relative gap OR-Tools stops at (1e-4) the plan is
+    the one SCIP's deterministic branch-and-bound reaches first on that program. The
     coefficients are equal when the cluster's constants are (datasheets; ``cpu:``
     clusters' figures measured once per machine and kept, ``cost_models/machine.py``).
 
-    The time limit (``time_limit_s``, wall-clock seconds of CBC's search) is the one
+    The time limit (``time_limit_s``, wall-clock seconds of the solver's search) is the one
     exception: a program stopped by it returns its incumbent, status ``"FEASIBLE"``, with
     ``Solution.time_limit`` saying so and the gap to the bound; which incumbent depends on
     how far the search got, so on the machine's load. A program stopped with no solution
     at all raises :class:`TimeLimitError`, naming the limit and how to raise it; so does an
-    "INFEASIBLE" that took the whole limit (CBC cut short reports it without a proof).
+    "INFEASIBLE" that took the whole limit (a search cut short may report it without a proof).
     """
     t0 = time.perf_counter()
     tab = tabulate(problem, cost)
-    m = pywraplp.Solver.CreateSolver("CBC") or pywraplp.Solver.CreateSolver("SCIP")
-    if m is None:
-        raise RuntimeError("OR-Tools has neither CBC nor SCIP: reinstall ortools")
+    m = mip_solver()
     m.SetTimeLimit(int(time_limit_s * 1000))
     x = write_program(m, problem, cost, tab, memory_budget, minimize_memory)
     phases = cost.memory_phases
     t_solve = time.perf_counter()
     status, choice, best_bound = solve_bounded(m, x, time_limit_s)
-    if status == KILLED:            # past the limit in CBC's own root node: nothing in hand
+    if status == KILLED:            # past the hard limit (``bounded_solve``): nothing in hand
         status = pywraplp.Solver.NOT_SOLVED
     if status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t_solve >= time_limit_s:
-        # CBC stopped by its limit mid-search can report INFEASIBLE (seen: a program with
+        # CBC stopped by its limit mid-search could report INFEASIBLE (seen: a program with
         # no memory budget, 0.05 s): a search cut short proves nothing, so no solution in time
         status = pywraplp.Solver.NOT_SOLVED
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
@@ -368,7 +397,7 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     sol.objective_s = total
     bound = best_bound if not minimize_memory else total
     sol.bound_s = min(total, bound) if status != pywraplp.Solver.OPTIMAL else total
-    if status == pywraplp.Solver.FEASIBLE:   # CBC stops only at the limit: its incumbent
+    if status == pywraplp.Solver.FEASIBLE:   # stopped at the limit: its incumbent
         sol.time_limit = (f"the sharding ILP on mesh {tuple(problem.mesh_shape)} stopped at its "
                           f"time limit of {time_limit_s:g} s with a solution {sol.gap:.1%} from "
                           "its bound")
