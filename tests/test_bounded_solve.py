@@ -1,4 +1,4 @@
-"""CBC under a hard wall clock (``autopar.solver.bounded_solve``):
+"""The MIP solver under a hard wall clock (``autopar.solver.bounded_solve``):
 
 - a program solved in a forked child gives the plan the in-process solve gives (digest);
 - a child past its hard limit is killed and the program is a ``TimeLimitError`` that names

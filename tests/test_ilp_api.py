@@ -44,3 +44,24 @@ def test_the_fast_path_runs_only_where_it_was_checked():
     import ortools
     assert ilp.FAST_PATH == (ilp._pywraplp is not None
                              and ortools.__version__.startswith(ilp.FAST_PATH_CHECKED))
+
+
+@pytest.mark.parametrize("budget_share", [None, 0.8])
+def test_pared_down_scip_reaches_cbcs_optimum(solved, budget_share, monkeypatch):
+    """The program under ``SCIP_SETTINGS`` (no presolve, cuts or LP heuristics) and under CBC
+    end at the same objective (within OR-Tools' relative gap, 1e-4), with and without a
+    memory budget that binds; and the solver the ILP uses is SCIP with those settings."""
+    m = ilp.mip_solver()
+    assert m.SolverVersion().startswith("SCIP"), m.SolverVersion()
+    budget = None
+    if budget_share is not None:
+        least = ilp.solve(solved.problem, solved.cost, None, 30.0, minimize_memory=True)
+        free = ilp.solve(solved.problem, solved.cost, None, 30.0)
+        budget = least.memory_total + budget_share * (free.memory_total - least.memory_total)
+    scip = ilp.solve(solved.problem, solved.cost, budget, 30.0)
+    monkeypatch.setattr(ilp, "mip_solver", lambda: ilp.pywraplp.Solver.CreateSolver("CBC"))
+    cbc = ilp.solve(solved.problem, solved.cost, budget, 30.0)
+    assert scip.status == cbc.status == "OPTIMAL"
+    assert scip.objective_s == pytest.approx(cbc.objective_s, rel=1e-4)
+    if budget is not None:
+        assert scip.memory_total <= budget * (1 + 1e-9)
