@@ -185,13 +185,43 @@ def context_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def _shown_pins(plan: Plan) -> dict:
+def shown_pins(plan: Plan) -> dict:
     """The plan's pins as the summary's first line shows them: a list of fp8 layers as its
-    count (:func:`fp8_lines` names them)."""
+    count (:func:`fp8_lines` names them), any other list of module names folded by layer
+    index (:func:`fold_indexed`: ``offload_activations``' 72 layers, ``['model.layers.{0..71}']``)."""
     pins = dict(plan.pins)
     if isinstance(pins.get("fp8_layers"), list):
         pins["fp8_layers"] = f"{len(pins['fp8_layers'])} layers"
+    for key, value in pins.items():
+        if isinstance(value, list) and len(value) > 2 and all(isinstance(v, str) for v in value):
+            pins[key] = fold_indexed(value)
     return pins
+
+
+def fold_indexed(names: list[str]) -> list[str]:
+    """Names that differ only in one layer index, folded into runs of consecutive indices
+    (``model.layers.0`` .. ``model.layers.71`` -> ``model.layers.{0..71}``; ``h.0.mlp``,
+    ``h.1.mlp``, ``h.3.mlp`` -> ``h.{0..1}.mlp``, ``h.3.mlp``), first appearance first."""
+    groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
+    for n in names:
+        m = re.match(r"^(.*?\.)(\d+)((?:\..*)?)$", n)
+        key = (m.group(1), m.group(3)) if m else (n, None)
+        groups.setdefault(key, []).append(int(m.group(2)) if m else -1)
+    out = []
+    for (head, tail), idx in groups.items():
+        if tail is None:
+            out.append(head)
+            continue
+        idx = sorted(set(idx))
+        start = prev = idx[0]
+        for i in idx[1:] + [None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            out.append(f"{head}{{{start}..{prev}}}{tail}" if prev > start else f"{head}{start}{tail}")
+            if i is not None:
+                start = prev = i
+    return out
 
 
 def fp8_lines(plan: Plan) -> list[str]:
@@ -225,7 +255,7 @@ def plan_summary(plan: Plan) -> str:
     e, s = plan.estimate, plan.solver
     lines = [
         f"autopar plan: mesh {tuple(plan.mesh_shape)} axes {tuple(plan.mesh_axes)} on "
-        f"{plan.cluster}, world {plan.world_size}" + (f", pins {_shown_pins(plan)}" if plan.pins else ""),
+        f"{plan.cluster}, world {plan.world_size}" + (f", pins {shown_pins(plan)}" if plan.pins else ""),
         f"estimate: step {fmt_time(e.step_time_s)} (compute {fmt_time(e.compute_s)}, "
         f"communication {fmt_time(e.comm_s)}"
         + (f", host {fmt_time(e.host_s)}: step = max(device, host)" if e.host_s else "")

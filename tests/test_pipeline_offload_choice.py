@@ -17,6 +17,7 @@ from autopar.cost_models.gpus import H100_80GB
 from autopar.cost_models.hardware import parse_cluster
 from autopar.cost_models.offload import HOST_LINKS as host_links, HostLink
 from autopar.options import as_options
+from autopar.report import fold_indexed
 from autopar.solver import pipeline_offload, pipeline_search
 from autopar.solver.errors import PipelineInfeasibleError
 from autopar.solver.flat import MeshAsk
@@ -93,7 +94,8 @@ def test_search_offloads_where_the_host_link_hides_the_copies(weighed):
     e = plan.estimate
     assert e.memory_total <= budget and e.memory_bytes["offload"] > 0
     assert plan.host_memory_bytes["activations"] > 0
-    assert "offload_activations" in plan.summary().splitlines()[0]
+    head = plan.summary().splitlines()[0]
+    assert f"'offload_activations': {fold_indexed(list(off))}" in head, head
     recomputing, _ = _search(budget, {"offload_activations": "none"})
     assert recomputing.recompute and recomputing.options.offload_activations == "none"
     assert e.step_time_s < recomputing.estimate.step_time_s, (e.step_time_s, recomputing.estimate.step_time_s)

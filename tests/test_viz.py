@@ -222,3 +222,13 @@ def test_pipeline_plan_graph_is_coloured_by_stage_and_its_swimlane_is_its_schedu
     assert lane.n_lanes == 2 and len(lane.blocks) == 2 * 2 * p.n_microbatches
     assert {b["rank"] for b in lane.blocks} == {0, 1}
     assert "1f1b" in lane.title
+
+
+def test_a_summarys_pins_fold_layer_names_into_runs():
+    """A pin listing 72 layers shows as one run, not 72 names (``report.fold_indexed``);
+    gaps split runs and names without an index stay as they are."""
+    from autopar.report import fold_indexed
+    assert fold_indexed([f"model.layers.{i}" for i in range(72)]) == ["model.layers.{0..71}"]
+    assert fold_indexed(["h.0.mlp", "h.1.mlp", "h.3.mlp", "emb", "h.2.attn"]) == \
+        ["h.{0..1}.mlp", "h.3.mlp", "emb", "h.2.attn"]
+    assert fold_indexed(["a.5", "a.4"]) == ["a.{4..5}"]

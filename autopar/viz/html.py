@@ -12,7 +12,7 @@ import re
 from html import escape
 
 from autopar.plan import Plan
-from autopar.report import _group_layers, fmt_bytes, fmt_time
+from autopar.report import _group_layers, fmt_bytes, fmt_time, shown_pins
 from autopar.viz.render import LEGEND
 from autopar.viz.summary import fold_names, op_groups
 
@@ -78,7 +78,7 @@ def report_html(plan: Plan, *, memory_png: bytes, swimlane_png: bytes, swimlane_
              f"<h1>{escape(title)}</h1>",
              f"<p class='muted'>mesh {tuple(plan.mesh_shape)} axes {tuple(plan.mesh_axes)} on "
              f"<b>{escape(plan.cluster)}</b>, world {plan.world_size}"
-             + (f", pins {escape(str(plan.pins))}" if plan.pins else "") + "</p>"]
+             + (f", pins {escape(str(shown_pins(plan)))}" if plan.pins else "") + "</p>"]
     parts.append("<h2>Estimate</h2>" + _table(
         ("step", "compute", "communication", "bubble", "memory per device", "solver"),
         [(fmt_time(e.step_time_s), fmt_time(e.compute_s), fmt_time(e.comm_s),

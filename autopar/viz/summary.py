@@ -10,7 +10,7 @@ from rich.text import Text
 from autopar.plan import Plan
 from autopar.report import (_group_layers, accumulation_line, branch_lines, capture_cache_note,
                             context_lines, expert_lines, fmt_bytes, fmt_time, memory_phases_note,
-                            offload_line)
+                            offload_line, shown_pins)
 
 
 def _table(title: str, *cols: str, **kw) -> Table:
@@ -45,7 +45,7 @@ def summary_renderable(plan: Plan, all_nodes: bool = False) -> Group:
     head.append(f": mesh {tuple(plan.mesh_shape)} axes {tuple(plan.mesh_axes)} on "
                 f"{plan.cluster}, world {plan.world_size}")
     if plan.pins:
-        head.append(f", pins {plan.pins}")
+        head.append(f", pins {shown_pins(plan)}")
     head.append(f"\nestimate: step {fmt_time(e.step_time_s)} (compute {fmt_time(e.compute_s)}, "
                 f"communication {fmt_time(e.comm_s)}"
         + (f", host {fmt_time(e.host_s)}: step = max(device, host)" if e.host_s else "")
