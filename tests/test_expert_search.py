@@ -103,7 +103,9 @@ BUDGET_SHARE = 0.2415
 :func:`big_experts` pays for an expert axis on 4 A100s, planned for SGD with momentum
 (:data:`OPTIMIZER`). Measured (2026-11-30): the expert=4 plan 1.473 MiB (0.2354 of the
 data-parallel plan's), 2.456 ms; ZeRO-3 1.377 MiB, 2.686 ms; the free 1-D mesh's best
-1.550 MiB (0.2477), 2.436 ms, which does not fit (device steps: :func:`device_bound_a100s`).
+1.550 MiB (0.2477), 2.436 ms, which does not fit (device steps: :func:`device_bound_a100s`);
+under the budget the 1-D mesh's best splits the experts alike and ties with expert=4
+(:func:`test_free_search_proposes_an_expert_axis_where_it_pays`).
 Under AdamW the step's peak is the optimizer's (the gradients and one moment's square
 roots, ``cost_models.memory.OPTIMIZER_STEP``), the same 2.196 MiB for the expert=4 plan and
 the 1-D mesh that splits the experts' stacks alike: no budget tells them apart there."""
@@ -142,9 +144,23 @@ def free_expert_plan():
 
 
 def test_free_search_proposes_an_expert_axis_where_it_pays():
+    """The free plan splits the experts 4 ways, tokens dispatched by all-to-all: on an axis
+    named ``expert`` (the expert stage's plan) or on the 1-D mesh whose ops each split their
+    own way, which can express the same layout. On this model the two tie within the ILP's
+    relative gap (1e-4): the expert=4 plan 2.456330 ms, the 1-D one 2.456374 ms under CBC
+    and 2.456324 ms under SCIP (2026-12-01), both 1.45-1.47 MiB, so which is returned is the
+    solver's; what the test holds is that the search finds the experts split where it
+    pays."""
+    from autopar.report import EXPERTS_OP_NAME, expert_choice
     free, zero3, budget = free_expert_plan()
-    assert "expert" in free.mesh_axes, (free.mesh_axes, free.pins)
-    assert (free.options.expert or 1) > 1
+    experts = [n for n, op in free.node_ops.items() if op == EXPERTS_OP_NAME and n in free.nodes]
+    assert experts, "no experts node in the plan"
+    size = dict(zip(free.mesh_axes, free.mesh_shape))
+    axis = "expert" if "expert" in size else "axis0"
+    assert size.get(axis) == 4, (free.mesh_axes, free.mesh_shape, free.pins)
+    for name in experts:
+        assert expert_choice(free, name) == \
+            f"experts split 4-way over {axis!r} (tokens by all-to-all)", expert_choice(free, name)
     assert free.estimate.memory_total <= budget
     # it pays: faster than sharding every parameter over the data axis
     assert free.estimate.step_time_s < zero3.estimate.step_time_s
