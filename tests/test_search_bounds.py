@@ -4,6 +4,8 @@
 - ``prices.compute_floor``: no solution of a sharding program predicts less than the sum of
   every node's least compute; a program whose floor is at least the best objective found so
   far in its search is not solved (``flat._search``);
+- ``lp_bound.best_first``: large programs are bounded by their LP relaxation first and
+  solved in the order of those bounds, each skipped whose bound is not below the best;
 - where nothing fits unpipelined, how far from fitting each mesh is (least-memory ILPs) is
   worked out only if no other stage of the free search finds a plan either
   (``solve_captured(explain="later")``).
@@ -121,6 +123,35 @@ def test_a_mesh_that_cannot_beat_the_best_is_not_solved_and_the_plan_stays(monke
     plan, solved = _plan_counting(monkeypatch, ex, cap, "1x8xA100", {},
                                   floors={tuple(unpruned.mesh_shape): best_s})
     assert tuple(unpruned.mesh_shape) in solved and _chosen(plan) == _chosen(unpruned)
+
+
+def test_best_first_orders_the_large_programs_by_their_bound():
+    """Small programs first, in their order; then the large by bound, ties in their order,
+    a bound not worked out in time (-inf) last; the small ones' bounds never worked out."""
+    from autopar.solver.lp_bound import best_first
+    items = [("a", 3.0, True), ("b", 9.0, False), ("c", float("-inf"), True), ("d", 1.0, True),
+             ("e", 3.0, True), ("f", 0.5, False)]
+    asked = []
+    got = best_first(items, lambda it: asked.append(it[0]) or it[1], lambda it: it[2])
+    assert [(it[0], lp) for it, lp in got] == [
+        ("b", None), ("f", None), ("d", 1.0), ("a", 3.0), ("e", 3.0), ("c", float("-inf"))]
+    assert sorted(asked) == ["a", "c", "d", "e"]
+
+
+@pytest.mark.parametrize("cluster,pins", [("1x8xA100", {}), ("1x8xA100", {"precision": "bf16"})])
+def test_lp_bounds_first_skip_meshes_and_keep_the_plan(monkeypatch, cluster, pins):
+    """Every program taken as large (``LP_FIRST_ABOVE`` 0): the meshes are solved in the
+    order of their relaxations and those bounded at or above the best are not solved; the
+    plan is the one the search makes with no program large (the winner's objective is the
+    least, so no bound below it was skipped), and fewer programs are solved."""
+    _, cap = _gpt()
+    ex, _ = _gpt()
+    monkeypatch.setattr(flat, "LP_FIRST_ABOVE", float("inf"))
+    plain, plain_solved = _plan_counting(monkeypatch, ex, cap, cluster, pins, prune=False)
+    monkeypatch.setattr(flat, "LP_FIRST_ABOVE", 0)
+    bounded, solved = _plan_counting(monkeypatch, ex, cap, cluster, pins, prune=False)
+    assert _chosen(bounded) == _chosen(plain)
+    assert len(solved) < len(plain_solved), (solved, plain_solved)
 
 
 # ---- explaining infeasibility only when nothing else fits ------------------------------------

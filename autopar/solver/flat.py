@@ -25,7 +25,7 @@ from autopar.solver import speculate
 from autopar.solver.ilp import (InfeasibleError, Solution, TimeLimitError, _gib, explain_infeasible,
                                 time_limit_fix)
 from autopar.solver.ilp import solve as solve_ilp
-from autopar.solver.lp_bound import lp_bound
+from autopar.solver.lp_bound import LP_FIRST_ABOVE, best_first, lp_bound, program_size
 from autopar.solver.meshes import mesh_candidates
 from autopar.solver.offload_choice import choose, layer_prices
 from autopar.solver.spec import Settings
@@ -314,7 +314,11 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
 
     Branch and bound over the programs: once a plan is found, a program whose objective
     cannot fall below the best so far is not solved (``prices.compute_floor``, a true lower
-    bound of its objective). The best is the least objective, the first of equals, so such
+    bound of its objective; for a large program its LP relaxation, ``lp_bound``, worked out
+    before any is solved and solved best-first: ``lp_bound.best_first``, which puts the
+    small programs first and the large ones in the order of their bounds; a relaxation
+    that does not fit the budget is the program's refusal, unsolved). The best is the
+    least objective, the first of equals in that order, so such
     a program could not have replaced it: the best after each pass is the one the search
     finds unpruned, and so is every choice made on it (whether to recompute every layer,
     the fewest-layers probes on its mesh, the caller's ZeRO stages). A pruned program is
@@ -358,17 +362,32 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
             break
         recompute = _recompute_of(cap, rec)[0]
         errors = []                    # report the last pass's reasons
-        for problem, shape, axes, roles in problems:
+        t0 = time.perf_counter()
+        costed = [(problem, shape, axes, roles, _cost_model(cap, cl, job, **ask.cost_kw()), job)
+                  for problem, shape, axes, roles in problems
+                  for job in [MeshJob(shape, roles, rec, pins, n_states, budget, time_limit_s)]]
+        ordered = best_first(costed, lambda c: lp_bound(c[0], c[4], _budget_or_none(budget),
+                                                        time_limit_s),
+                             lambda c: _large(c[0], c[4], budget))
+        phases[f"lp bounds{tag}"] = phases.get(f"lp bounds{tag}", 0.0) + time.perf_counter() - t0
+        for (problem, shape, axes, roles, cost, job), lp in ordered:
             t0, key = time.perf_counter(), f"ilp {shape}{tag}"
-            job = MeshJob(shape, roles, rec, pins, n_states, budget, time_limit_s)
-            cost = _cost_model(cap, cl, job, **ask.cost_kw())
-            if best is not None and _cannot_beat(problem, cost, best.sol.objective_s):
+            if best is not None and (_cannot_beat(problem, cost, best.sol.objective_s)
+                                     if lp is None else best.sol.objective_s <= lp < math.inf):
                 phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
                 if ask.verbose:
                     print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}{tag}: cannot "
-                          f"beat {best.sol.objective_s * 1e3:.3f} ms (compute floor), not solved")
+                          f"beat {best.sol.objective_s * 1e3:.3f} ms "
+                          f"({'compute floor' if lp is None else 'LP relaxation'}), not solved")
                 continue
-            if _beyond_cutoff(problem, cost, ask):
+            explain = (problem, cost, budget, time_limit_s) \
+                if ask.explain and rec == choices[-1] else None
+            if lp == math.inf:         # not even its relaxation fits: nor does any plan
+                errors.append(_no_fit(InfeasibleError(f"no plan on mesh {problem.mesh_shape} fits "
+                                                      "the memory budget"), axes, roles, rec, explain))
+                phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
+                continue
+            if _beyond_cutoff(problem, cost, ask, lp):
                 ask.pruned.append(Unsolved(shape, rec, tag, problem, cost, budget, time_limit_s))
                 phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
                 if ask.verbose:
@@ -384,11 +403,7 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
                     print(f"mesh {shape}{' recompute ' + str(rec) if rec else ''}{tag}: {e}")
                 continue
             except InfeasibleError as e:
-                e.axes, e.roles, e.recompute = axes, roles, rec
-                if ask.explain and rec == choices[-1]:
-                    # how far from fitting (one more ILP) is worked out only if no mesh fits
-                    e.unexplained = (problem, cost, budget, time_limit_s)
-                errors.append(e)
+                errors.append(_no_fit(e, axes, roles, rec, explain))
                 continue
             finally:
                 phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
@@ -404,6 +419,28 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
     if not ask.fewest_layers:
         return best, errors
     return _with_fewest_layers(cap, best, ask), errors
+
+
+def _budget_or_none(budget: float) -> float | None:
+    return budget if budget != float("inf") else None
+
+
+def _large(problem, cost, budget: float) -> bool:
+    """Whether ``_search`` bounds this program by its LP relaxation before solving any
+    (``lp_bound.best_first``): it is large (``LP_FIRST_ABOVE``) and fits as far as its
+    memory floor tells (else the ILP is not written at all, ``_solve_program``)."""
+    return program_size(problem) >= LP_FIRST_ABOVE and (
+        budget == float("inf") or memory_floor(problem, cost) <= budget)
+
+
+def _no_fit(e: InfeasibleError, axes, roles, rec, unexplained: tuple | None) -> InfeasibleError:
+    """``e``, the reason a program does not fit, with its mesh and recomputation;
+    ``unexplained``: what works out how far from fitting it is (one more ILP, solved only if
+    no mesh fits: ``_explained``), or None."""
+    e.axes, e.roles, e.recompute = axes, roles, rec
+    if unexplained is not None:
+        e.unexplained = unexplained
+    return e
 
 
 def _below(best, ask: MeshAsk) -> bool:
@@ -448,11 +485,11 @@ class BeyondCutoff(InfeasibleError):
                          "relaxation), the rest do not fit")
 
 
-def _beyond_cutoff(problem, cost, ask: MeshAsk) -> bool:
+def _beyond_cutoff(problem, cost, ask: MeshAsk, lp: float | None = None) -> bool:
     """Whether ``ask.cutoff_s`` leaves this program unsolved: it fits as far as its memory
     floor tells (else the ILP's own refusal says so, as without a cutoff) and its compute
     floor or, failing that, its LP relaxation (``solver.lp_bound``, true lower bounds of its
-    objective) is at least the cutoff."""
+    objective; ``lp`` where worked out already) is at least the cutoff."""
     if not math.isfinite(ask.cutoff_s):
         return False
     budget = ask.budget
@@ -460,6 +497,8 @@ def _beyond_cutoff(problem, cost, ask: MeshAsk) -> bool:
         return False
     if compute_floor(problem, cost) >= ask.cutoff_s:
         return True
+    if lp is not None:
+        return lp >= ask.cutoff_s
     return lp_bound(problem, cost, budget if budget != float("inf") else None,
                     ask.time_limit_s) >= ask.cutoff_s
 
