@@ -70,6 +70,13 @@ Sources (every number below was read from the source named in its row):
   8B on 64 H100 (FSDP 8, TP 8, compile, op recomputation, local batch 12): vanilla TP and
   async TP, in bf16 and two Float8 recipes.
 
+- ``BS``: BigScience's BLOOM pre-training trials, ``bigscience-workshop/bigscience``
+  ``train/tr11-176B-ml/chronicles-prequel.md`` (at 053adafee86d; February 2022): GPTs of
+  177-196B (BLOOM's vocabulary, sequence 2048, 64 heads) on 48 nodes of 8 A100-80GB (Jean
+  Zay), Megatron-DeepSpeed with ZeRO-1 and full recomputation, seconds an iteration (its
+  2nd) under data x tensor x pipeline layouts and micro-batches, one model and one day a
+  group (:func:`bloom_groups`: which rows, and why the others are not used).
+
 Not used: vTrain's measurements (held out); Narayanan et al. 2021's Sec. 5 figure
 comparisons (tensor vs pipeline, micro-batch, recomputation, interleaving: numbers only in
 plots) and the ZeRO papers' stage comparisons (likewise); the Megatron-MoE model zoo's Qwen3-235B rows (all but one use DeepEP,
@@ -387,6 +394,68 @@ def _n21_t2(size, layers, hidden, heads, gpus, ptd_pipeline, batch, zero_micro, 
                  ])
 
 
+BS_PREQUEL = ("bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md at "
+              "053adafee86d (48 nodes of 8 A100-80GB, Jean Zay)")
+
+
+def _bloom_trial(size, hidden, layers, data, tensor, pipeline, micro, batch=2048) -> Run:
+    """One of BLOOM's pre-training throughput trials (``BS_PREQUEL``, sections "48 node
+    contenders", "Final round comparison", "GBS Variations", "Another round of NHEADS"):
+    Megatron-DeepSpeed, a GPT of BLOOM's vocabulary (250,880) and sequence 2048, 64 heads
+    ("all NHEADS=64 (above too)"), ZeRO-1, full recomputation, on 384 A100-80GB of Jean Zay
+    (four 100 Gb/s Omni-Path links a node: ``published_runs``' BLOOM row). Before 2022-02-28's
+    BF16 optimizer the trials ran fp16 "which grad accumulates in fp16" (the source, section
+    "Rebalancing layers"): gradients reduced in 16 bits. DeepSpeed's pipeline partitioned by
+    transformer layers ("78/12=6.5 - so the last stage has 1 block, while the rest have 7"):
+    even layers a stage, the embeddings beside the first and last."""
+    assert data * tensor * pipeline == 384, (data, tensor, pipeline)
+    return Run(f"BLOOM-shaped {size}", BS_PREQUEL, "gpt", layers, hidden, 64, 250880, 2048, batch,
+               384, "a100", tensor, pipeline, micro=micro, zero=1, overlap=False,
+               nic_gbps=4 * 100, grad_reduce="bf16",
+               stage_split=MEGATRON_SPLIT if pipeline > 1 else "")
+
+
+def _bloom_group(key, title, size, hidden, layers, rows, batch=2048, note="") -> Group:
+    """``rows``: (data, tensor, pipeline, micro-batch, seconds an iteration) as published."""
+    return Group(key, f"{title}: {size} ({layers} x {hidden}), 384 A100, batch {batch}",
+                 BS_PREQUEL + (f", {note}" if note else ""), "s/step", [
+                     Config(f"DP {d} x TP {t} x PP {p}, MBS {m}",
+                            _bloom_trial(size, hidden, layers, d, t, p, m, batch), sec)
+                     for d, t, p, m, sec in rows])
+
+
+def bloom_groups() -> list[Group]:
+    """BLOOM's pre-training trials (``BS_PREQUEL``): one model at a time on the same 48
+    nodes, several 3-D layouts and micro-batches, seconds an iteration (its 2nd) as
+    published. Grouped by model and day: the source warns that the machine changed on 02-25
+    ("do not compare today's numbers to yesterday's") and the optimizer on 02-28 (not used:
+    its partitioning gives the embeddings a stage slot each, which no pin expresses). Rows
+    of 64 heads only (the source's NHEADS sweeps show a fused softmax kernel's constraints,
+    not priced); of two rows published for one layout on one day (02-25, DP 8 x TP 4 x PP
+    12, MBS 2: 110.48 s at 44 GB and 113.54 s at 38 GB, what differs unstated) the first."""
+    return [
+        _bloom_group("bs-181b-0221", "02-21 contenders", "181B", 14336, 72, [
+            (4, 8, 12, 1, 143.31), (4, 8, 12, 2, 134.02), (4, 8, 12, 4, 123.69),
+            (4, 8, 12, 8, 129.26), (8, 8, 6, 1, 139.82), (8, 8, 6, 2, 131.02),
+            (8, 8, 6, 4, 121.48)]),
+        _bloom_group("bs-196b-0221", "02-21 contenders", "196B", 13824, 84, [
+            (4, 8, 12, 2, 143.89), (4, 8, 12, 4, 133.12), (8, 8, 6, 2, 141.41),
+            (8, 8, 6, 4, 130.31)]),
+        _bloom_group("bs-182b-0223", "02-23 final round", "182B", 13312, 84, [
+            (4, 8, 12, 4, 125.52), (8, 8, 6, 2, 135.55), (8, 8, 6, 4, 122.93)]),
+        _bloom_group("bs-181b-0225", "02-25 TP and PP", "181B", 14336, 72, [
+            (8, 8, 6, 4, 114.11), (4, 8, 12, 4, 117.07), (4, 8, 12, 2, 128.82),
+            (8, 4, 12, 4, 111.89), (8, 4, 12, 2, 110.48), (16, 4, 6, 4, 117.11),
+            (16, 4, 6, 2, 111.71), (16, 2, 12, 2, 112.50), (8, 2, 24, 1, 119.53),
+            (8, 2, 24, 2, 122.75), (4, 4, 24, 1, 130.60)]),
+        _bloom_group("bs-181b-0225b", "02-25 lower PP", "181B", 14336, 72, [
+            (8, 8, 6, 6, 123.57), (6, 8, 8, 4, 113.16), (12, 8, 4, 2, 125.52),
+            (12, 8, 4, 4, 114.81), (24, 8, 2, 1, 145.45), (24, 8, 2, 2, 136.13)], batch=2016),
+        _bloom_group("bs-182b-0226", "02-26 NHEADS round", "182B", 13312, 84, [
+            (8, 4, 12, 2, 103.82), (8, 4, 12, 4, 113.21), (8, 8, 6, 2, 129.61)]),
+    ]
+
+
 def groups() -> list[Group]:
     k22_22b = dict(layers=48, hidden=6144, heads=64, batch=4, gpus=8, tensor=8, pipeline=1,
                    micro=4)
@@ -473,6 +542,7 @@ def groups() -> list[Group]:
                       ("float8 tensorwise, async TP", 5570.1, "tensorwise", "AsyncTP"),
                       ("float8 rowwise, vanilla TP", 3708.5, "rowwise", ""),
                       ("float8 rowwise, async TP", 3914.9, "rowwise", "AsyncTP"))]),
+        *bloom_groups(),
     ]
 
 
@@ -560,7 +630,7 @@ def shrink(group: Group) -> Group:
     return replace(group, configs=[replace(c, run=tiny(c.run)) for c in group.configs])
 
 
-DRY_GROUPS = ("k22-t4-22b", "tt-a100-l2-13b")
+DRY_GROUPS = ("k22-t4-22b", "tt-a100-l2-13b", "bs-182b-0226")
 
 
 def fmt(x: float, spec: str) -> str:

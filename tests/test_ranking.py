@@ -67,6 +67,10 @@ def test_every_row_has_a_source_and_a_measurement():
         for c in g.configs:
             assert c.measured > 0 and c.run.source
             assert c.run.tensor * c.run.pipeline * c.run.data == c.run.gpus
+            # the global batch splits into micro-batches over the data ranks
+            assert c.run.batch % (c.run.data * c.run.micro) == 0, (g.key, c.label)
+    # issue 39: at least 10 groups and 80 configurations
+    assert len(every) >= 10 and sum(len(g.configs) for g in every) >= 80
 
 
 def test_megatron_selective_recomputation_is_the_core_attention():

@@ -126,16 +126,28 @@ def test_a_mesh_that_cannot_beat_the_best_is_not_solved_and_the_plan_stays(monke
 
 
 def test_best_first_orders_the_large_programs_by_their_bound():
-    """Small programs first, in their order; then the large by bound, ties in their order,
-    a bound not worked out in time (-inf) last; the small ones' bounds never worked out."""
+    """Small programs first, in their order; then the large ones a cheaper bound settles
+    (asked only once the small ones are out), unbounded; then the others by bound, ties in
+    their order, a bound not worked out in time (-inf) last; no small or settled program's
+    bound is worked out."""
     from autopar.solver.lp_bound import best_first
     items = [("a", 3.0, True), ("b", 9.0, False), ("c", float("-inf"), True), ("d", 1.0, True),
-             ("e", 3.0, True), ("f", 0.5, False)]
-    asked = []
-    got = best_first(items, lambda it: asked.append(it[0]) or it[1], lambda it: it[2])
-    assert [(it[0], lp) for it, lp in got] == [
-        ("b", None), ("f", None), ("d", 1.0), ("a", 3.0), ("e", 3.0), ("c", float("-inf"))]
+             ("e", 3.0, True), ("f", 0.5, False), ("g", 0.1, True)]
+    asked, done = [], []
+    got = best_first(items, lambda it: asked.append(it[0]) or it[1], lambda it: it[2],
+                     settled=lambda it: done == ["b", "f"] and it[0] == "g")
+    order = []
+    for it, lp in got:
+        order.append((it[0], lp))
+        done.append(it[0])
+    assert order == [("b", None), ("f", None), ("g", None), ("d", 1.0), ("a", 3.0), ("e", 3.0),
+                     ("c", float("-inf"))]
     assert sorted(asked) == ["a", "c", "d", "e"]
+    # one large program alone: its bound would order nothing, and is not worked out
+    asked.clear()
+    got = best_first([("x", 2.0, True), ("y", 1.0, False)], lambda it: asked.append(it[0]) or it[1],
+                     lambda it: it[2])
+    assert [(it[0], lp) for it, lp in got] == [("y", None), ("x", None)] and not asked
 
 
 @pytest.mark.parametrize("cluster,pins", [("1x8xA100", {}), ("1x8xA100", {"precision": "bf16"})])

@@ -362,14 +362,14 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
             break
         recompute = _recompute_of(cap, rec)[0]
         errors = []                    # report the last pass's reasons
-        t0 = time.perf_counter()
         costed = [(problem, shape, axes, roles, _cost_model(cap, cl, job, **ask.cost_kw()), job)
                   for problem, shape, axes, roles in problems
                   for job in [MeshJob(shape, roles, rec, pins, n_states, budget, time_limit_s)]]
-        ordered = best_first(costed, lambda c: lp_bound(c[0], c[4], _budget_or_none(budget),
-                                                        time_limit_s),
-                             lambda c: _large(c[0], c[4], budget))
-        phases[f"lp bounds{tag}"] = phases.get(f"lp bounds{tag}", 0.0) + time.perf_counter() - t0
+        # (``best`` as it stands when the small programs are solved: the closure reads it then)
+        ordered = best_first(costed, lambda c: _timed_lp(c[0], c[4], budget, time_limit_s, phases, tag),
+                             lambda c: _large(c[0], c[4], budget),
+                             lambda c: (best is not None and _cannot_beat(c[0], c[4], best.sol.objective_s))
+                             or compute_floor(c[0], c[4]) >= ask.cutoff_s)
         for (problem, shape, axes, roles, cost, job), lp in ordered:
             t0, key = time.perf_counter(), f"ilp {shape}{tag}"
             if best is not None and (_cannot_beat(problem, cost, best.sol.objective_s)
@@ -421,8 +421,13 @@ def _search(cap: Captured, ask: MeshAsk, phases: dict, tag: str = ""):
     return _with_fewest_layers(cap, best, ask), errors
 
 
-def _budget_or_none(budget: float) -> float | None:
-    return budget if budget != float("inf") else None
+def _timed_lp(problem, cost, budget: float, time_limit_s: float, phases: dict, tag: str) -> float:
+    """``lp_bound`` of the program, its seconds added to ``phases["lp bounds"]``."""
+    t0 = time.perf_counter()
+    try:
+        return lp_bound(problem, cost, budget if budget != float("inf") else None, time_limit_s)
+    finally:
+        phases[f"lp bounds{tag}"] = phases.get(f"lp bounds{tag}", 0.0) + time.perf_counter() - t0
 
 
 def _large(problem, cost, budget: float) -> bool:

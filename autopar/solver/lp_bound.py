@@ -29,7 +29,7 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from autopar.pricing.costing import CostModel
 from autopar.pricing.problem import Problem
@@ -89,18 +89,34 @@ def program_size(problem: Problem) -> int:
 
 
 def best_first(items: Sequence[T], bound: Callable[[T], float], large: Callable[[T], bool],
-               ) -> list[tuple[T, float | None]]:
+               settled: Callable[[T], bool] = lambda item: False,
+               ) -> Iterator[tuple[T, float | None]]:
     """``items`` (a search's programs, in its order) in the order to solve them, each with
-    its LP bound (None where not worked out): the small ones first, in their order (each
-    solved about as fast as its relaxation, and a plan found early prunes the others); then
-    the ``large`` ones by ``bound`` (ascending, ties in their order; one not worked out in
-time, ``-inf``, last). Best-first branch and
-    bound over the programs: the one whose relaxation is least is the likeliest to win, and
-    once it is solved every program whose bound is not below its objective cannot beat it
-    and is left unsolved by the caller. The order is a function of the programs alone, so
+    its LP bound (None where not worked out), lazily: the small ones first, in their order
+    (each solved about as fast as its relaxation, and a plan found early prunes the others);
+    then the ``large`` ones that a cheaper bound already settles (``settled``, asked once the
+    small ones are done: the compute floor against the best found), in their order, without
+    a bound; then the other large ones by ``bound`` (ascending, ties in their order; one not
+    worked out in time, ``-inf``, last), where there are two or more of them (one alone is
+    yielded without: a stage mesh's single program, whose relaxation would order nothing). Best-first branch and bound over the programs: the
+    one whose relaxation is least is the likeliest to win, and once it is solved every
+    program whose bound is not below its objective cannot beat it and is left unsolved by
+    the caller. The order is a function of the programs and of what was solved before, so
     the search is as deterministic as before; among programs of equal objective the first
     in this order wins."""
-    small = [(item, None) for item in items if not large(item)]
-    bounded = [(item, bound(item)) for item in items if large(item)]
+    for item in items:
+        if not large(item):
+            yield item, None
+    rest = []
+    for item in items:
+        if large(item):
+            if settled(item):
+                yield item, None
+            else:
+                rest.append(item)
+    if len(rest) < 2:       # nothing to order: its bound would cost what it saves nothing
+        yield from ((item, None) for item in rest)
+        return
+    bounded = [(item, bound(item)) for item in rest]
     # a bound not worked out in time (-inf) says nothing: after those that say something
-    return small + sorted(bounded, key=lambda pair: pair[1] if pair[1] > -math.inf else math.inf)
+    yield from sorted(bounded, key=lambda pair: pair[1] if pair[1] > -math.inf else math.inf)
