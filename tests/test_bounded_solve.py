@@ -5,14 +5,18 @@
   the limit, not a planning that never ends;
 - the free pipeline search skips a stage mesh whose ILP timed out, goes on to the other
   meshes of its expert degree (a time limit is not "out of memory"), and says so in
-  ``plan.solver.skipped``. Plans on the meta device."""
+  ``plan.solver.skipped``;
+- a program SCIP has not proved optimal in its share of the limit is handed to CBC, whose
+  plan is as fast as SCIP's own. Plans on the meta device."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from autopar.solver import bounded_solve, pipeline_free
+from ortools.linear_solver import pywraplp
+
+from autopar.solver import bounded_solve, ilp, pipeline_free
 from autopar.solver.driver import solve
 from autopar.solver.errors import TimeLimitError
 from test_stage_floor import _tight
@@ -59,6 +63,24 @@ def test_a_child_past_its_hard_limit_is_killed_and_named(monkeypatch):
     for pid in forks:      # reaped: no child left behind
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_program_scip_leaves_unproved_is_handed_to_cbc(monkeypatch):
+    pins = {"data": 2, "tensor": 4}
+    scip = _plan(monkeypatch, pins=pins)
+    made, create = [], pywraplp.Solver.CreateSolver
+
+    def counted(name):
+        made.append(name)
+        return create(name)
+    monkeypatch.setattr(pywraplp.Solver, "CreateSolver", staticmethod(counted))
+    # SCIP stopped before its first node (an incumbent from its heuristics, nothing proved):
+    # what the clock does to it on a program whose root LP SoPlex has not solved in time
+    monkeypatch.setattr(ilp, "SCIP_SETTINGS", ilp.SCIP_SETTINGS + "\nlimits/nodes = 0")
+    handed = _plan(monkeypatch, pins=pins)
+    assert made.count("CBC") and made.count("CBC") == made.count("SCIP"), made
+    assert handed.solver.status == "OPTIMAL"
+    assert handed.estimate.step_time_s == pytest.approx(scip.estimate.step_time_s, rel=1e-4)
 
 
 def test_a_stage_mesh_past_the_time_limit_is_skipped_and_said(monkeypatch):

@@ -1,7 +1,8 @@
 """The MIP solver (``ilp.mip_solver``) under a wall clock it cannot overrun: a large
 sharding program is solved in a forked child that is killed at :func:`hard_limit_s`.
 Written for CBC (below); SCIP, the solver now, checks its limit more often, and the fork
-stays the guarantee for both.
+stays the guarantee for both. Where SCIP has not proved a program in a third of the limit,
+CBC gets the rest (:func:`solve_in_turn`: SoPlex stalls on some frontier programs' root LP).
 
 CBC checks its time limit (``Solver.SetTimeLimit``) between branch-and-bound nodes, and
 OR-Tools cannot interrupt it (``Solver.InterruptSolve()`` is False for CBC, and CBC takes
@@ -27,7 +28,7 @@ import select
 import signal
 import time
 
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import linear_solver_pb2, pywraplp
 
 FORK_ABOVE = 20_000
 """Variables from which a program is solved in a forked child. The programs of the test
@@ -52,13 +53,13 @@ def solve_bounded(m: "pywraplp.Solver", x: dict, time_limit_s: float,
     (None without a solution); ``status`` is CBC's, or :data:`KILLED` where the child passed
     :func:`hard_limit_s`."""
     if m.NumVariables() < FORK_ABOVE or not hasattr(os, "fork"):
-        return _answer(m, x, m.Solve())
+        return solve_in_turn(m, x, time_limit_s)
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:                                   # the child: solve, write, leave at once
         try:
             os.close(read_fd)
-            data = pickle.dumps(_answer(m, x, m.Solve()))
+            data = pickle.dumps(solve_in_turn(m, x, time_limit_s))
             with os.fdopen(write_fd, "wb") as out:
                 out.write(data)
         finally:
@@ -88,6 +89,52 @@ def solve_bounded(m: "pywraplp.Solver", x: dict, time_limit_s: float,
         raise RuntimeError("the sharding ILP's solver process ended without an answer "
                            f"(pid {pid}); plan again, or report it with the model")
     return pickle.loads(b"".join(chunks))
+
+
+SCIP_FIRST = 1 / 3
+"""The share of a program's time limit SCIP has before CBC takes the program over
+(:func:`solve_in_turn`)."""
+
+
+def solve_in_turn(m: "pywraplp.Solver", x: dict, time_limit_s: float,
+                  ) -> tuple[int, dict | None, float]:
+    """:func:`solve_bounded`'s answer, in this process: SCIP (``m``) for :data:`SCIP_FIRST`
+    of the limit; where it has not proved its program optimal or infeasible by then, CBC on
+    the same program for the rest, and the better of the two answers.
+
+    Why: SCIP pared down (``ilp.SCIP_SETTINGS``) solves most frontier programs in 0.5-8 s
+    where CBC takes 1-17 s (its feasibility pump at the root), but on some of them SoPlex,
+    SCIP's LP solver, has not solved the root LP after 40 s (no presolve; 46,761 simplex
+    iterations in 15 s on one), while CBC's Clp solves the whole program in about a
+    second. Measured 2026-12-02 (this 2-core machine; ``docs/measured.md``): DeepSeek-V3's
+    free search wrote 125 programs of 40,000-104,000 variables; SCIP stopped 11 of them at
+    the 30 s limit (9 with an incumbent up to 2.6x the optimum, 2 with none), CBC solved
+    each of them in 0.8-3.5 s. Which solver answers depends on whether SCIP finished in its
+    share of the wall clock, so on the load, as the limit itself does; both stop within the
+    same relative gap, so the objective is the same up to it."""
+    first = time_limit_s * SCIP_FIRST
+    if not m.SolverVersion().startswith("SCIP"):
+        return _answer(m, x, m.Solve())
+    m.SetTimeLimit(max(1, int(first * 1000)))
+    t0 = time.perf_counter()
+    status = m.Solve()
+    if status == pywraplp.Solver.OPTIMAL or (
+            status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t0 < first):
+        return _answer(m, x, status)
+    scip = _answer(m, x, status)
+    proto = linear_solver_pb2.MPModelProto()
+    m.ExportModelToProto(proto)
+    cbc = pywraplp.Solver.CreateSolver("CBC")
+    if cbc is None:                 # pragma: no cover - every OR-Tools wheel has CBC
+        return scip
+    cbc.LoadModelFromProto(proto)
+    cbc.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - t0)) * 1000)))
+    columns = cbc.variables()
+    answer = _answer(cbc, {n: [columns[v.index()] for v in xs] for n, xs in x.items()}, cbc.Solve())
+    if scip[1] is not None and (answer[1] is None or
+                                m.Objective().Value() < cbc.Objective().Value()):
+        return scip
+    return answer
 
 
 def _answer(m, x: dict, status: int) -> tuple[int, dict | None, float]:
