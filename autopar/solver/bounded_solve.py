@@ -50,8 +50,9 @@ def solve_bounded(m: "pywraplp.Solver", x: dict, time_limit_s: float,
                   ) -> tuple[int, dict | None, float]:
     """``(status, choice, best bound)`` of the program written in ``m`` (``x``: decision ->
     its options' variables): ``choice`` maps each decision to the index of its chosen option
-    (None without a solution); ``status`` is CBC's, or :data:`KILLED` where the child passed
-    :func:`hard_limit_s`."""
+    (None without a solution); ``status`` is the solver's (:func:`solve_in_turn`), or
+    :data:`KILLED` where the child passed :func:`hard_limit_s` (CBC's root overrunning the
+    rest of the limit after SCIP's turn included: SCIP's incumbent goes with the child)."""
     if m.NumVariables() < FORK_ABOVE or not hasattr(os, "fork"):
         return solve_in_turn(m, x, time_limit_s)
     read_fd, write_fd = os.pipe()

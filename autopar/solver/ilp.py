@@ -337,10 +337,11 @@ def solve(problem: Problem, cost: CostModel, memory_budget: float | None = None,
     leave e a feasible transport plan between two one-hot vectors, which is their product.
     Solved as a MIP by OR-Tools' SCIP under :data:`SCIP_SETTINGS` (CBC where SCIP is
     missing, and for the rest of the limit where SCIP has not proved the program optimal in
-    its first third: ``bounded_solve.solve_in_turn``): the transport form's LP relaxation is tight (a handful of fractional
-    options on a frontier model's 40,000-variable program), so branch-and-bound needs few
-    nodes; SCIP's presolve, cutting planes and three LP-based heuristics are turned off,
-    which is most of the time a solve took (the constant's docstring has the figures).
+    its first third: ``bounded_solve.solve_in_turn``): the transport form's LP relaxation is
+    tight (a handful of fractional options on a frontier model's 40,000-variable program),
+    so branch-and-bound needs few nodes; SCIP's presolve, cutting planes and three LP-based
+    heuristics are turned off, which is most of the time a solve took (the constant's
+    docstring has the figures).
 
     Same program, same answer: SCIP runs single-threaded and deterministically, and the
     program is written in one order in every process (variables in the problem's graph
