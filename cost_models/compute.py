@@ -54,7 +54,9 @@ On a GPU (``Device.sms`` set; the CPU's measured constants are untouched):
 
 - a matmul's compute time is multiplied by its wave quantization (:func:`_tiles`): whole
   waves of output tiles over the SMs, partly empty edge tiles, the tile chosen as cuBLAS
-  does (the largest that fills every SM); backward tiles grad-input and grad-weight apart;
+  does (the largest that fills every SM); backward tiles grad-input and grad-weight apart,
+  and runs at ``Device.matmul_backward_efficiency`` of the forward's rate (measured slower
+  on Hopper in bf16, taken for fp8's GEMMs too);
 - under a 16-bit ``dtype_key`` every fp32 tensor is moved at 16 bits (mixed precision over
   an fp32 capture), unless ``native`` (a 16-bit capture: its fp32 tensors are real);
 - fused (flash) attention runs at ``Device.attention_efficiency`` (forward, backward),
@@ -410,6 +412,7 @@ def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
     q_fwd = q_bwd = 1.0
     if fam == MATMUL and device.sms:
         q_fwd, q_bwd = _matmul_waves(op, inputs, outputs, device)
+        q_bwd /= device.matmul_backward_efficiency     # measured in bf16 (gpus.py)
     elif fam == ATTENTION and device.sms and device.attention_efficiency[0] > 0:
         s = inputs[0].shape[-2] if inputs and len(inputs[0].shape) >= 2 else 0
         f_eff, b_eff = (e * (s / (s + s0) if s0 and s else 1.0)

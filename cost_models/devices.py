@@ -44,6 +44,10 @@ class Device:
     (wave quantization). 0 = not modelled (the CPU)."""
     gemm_tile: tuple[int, int] = (0, 0)
     """(rows, cols) of the output tile one SM computes in a large cuBLAS GEMM."""
+    matmul_backward_efficiency: float = 1.0
+    """The rate a matmul's backward GEMMs (grad-input, grad-weight) reach, as a fraction of the
+    forward GEMM's at the same wave quantization (``gpus._HOPPER_MATMUL_BACKWARD``, measured
+    in bf16, taken for fp8 too). 1.0: the forward's rate (not measured on the device)."""
     attention_efficiency: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) fraction of the 16-bit peak a fused (flash) attention kernel
     reaches; (0, 0) = priced as any matmul-like op at ``max_efficiency``."""

@@ -18,8 +18,15 @@ Gbit = 1e9 / 8
 #   A100: cuBLAS fp16 GEMMs of several thousand per side reach ~250 of 312 TFLOP/s, i.e.
 #         ~80% (NVIDIA "Matrix Multiplication Background User's Guide", DU-09799-001, its
 #         GEMM-throughput-vs-size plots; the exact figure number is not pinned here).
-#   H100: 780 of 989 TFLOP/s for a tuned bf16 mm (gist Chillee/2ec89696db8b7ed1c24461159e325405,
-#         "H100 peak matmul FLOPS"); cuBLAS is within a few percent of it.
+#   Hopper (H100, H200, H800): measured, 0.75 (``_HOPPER_GEMM``). The GPU check's plan_shapes
+#         section (bf16 linears and batched matmuls of the free plans, CUDA events, median of
+#         10; the reports below ``_HOPPER_MATMUL_BACKWARD``) timed the 27 shapes priced at
+#         0.4 ms or more at a median 1.054x the forward priced at 0.79 on the H100 and 1.037x
+#         / 1.071x on the H200; 1.056x over the 81: 0.79 / 1.056 = 0.75. The 0.79 it
+#         replaces was a tuned square mm's best, 780 of 989 TFLOP/s (gist
+#         Chillee/2ec89696db8b7ed1c24461159e325405, "H100 peak matmul FLOPS"), not what the
+#         plans' own shapes reach through ``torch.nn.functional.linear``. Taken for fp8's
+#         GEMMs too (the one efficiency a device has; fp8 not timed without its casts).
 # fill_time 3 us: a GEMM needs whole waves of output tiles over 108 / 132 SMs (same guide,
 #   "Wave Quantization"); ~3 us of fill and tail per kernel is the scale of one tile's
 #   main loop, so an op of peak*3us FLOPs runs at half efficiency.
@@ -30,6 +37,7 @@ Gbit = 1e9 / 8
 _GPU_FILL = 3e-6
 _GPU_LAUNCH = 5e-6
 _GPU_MEM_EFF = 0.9
+_HOPPER_GEMM = 0.75
 # Wave quantization: a cuBLAS GEMM computes its output in 256 x 128 tiles, one per SM at a
 #   time, so it runs ceil(tiles / SMs) waves and the last one may be mostly empty (NVIDIA
 #   "Matrix Multiplication Background User's Guide", "Wave Quantization": "in the particular
@@ -61,6 +69,22 @@ _H100_SMS = 132
 #   were 150 / 171 and 221 / 229 (..._fused_session20.json), as plain matmuls 12 / 19
 #   (..._matmul_session20.json).
 _HOPPER_CONTEXT = (0.30, 0.36)
+# Backward matmuls on Hopper (``Device.matmul_backward_efficiency``): the GPU check's
+#   plan_shapes section times the free plans' GEMMs forward and backward (bf16, CUDA events,
+#   3 warm-up then the median of 10; backward = torch.autograd.grad of every input) against
+#   ``compute.node_time``. On the 27 linears and batched matmuls priced at 0.4 ms or more
+#   forward, backward measured / predicted over forward measured / predicted has median
+#   1.098 on an H100 80GB HBM3 (2026-11-27: gpu_check_nvidia-h100-80gb-hbm3.json), 1.131
+#   and 1.114 on an H200 (2026-11-29 and 11-30: gpu_check_nvidia-h200_session28.json,
+#   _session34.json); 1.115 over the 81 (0.98-1.40; 1.085-1.124 over the 14 of 1 ms and
+#   more): the backward GEMMs reach 1 / 1.115 = 0.90 of the forward's rate, where the model
+#   had priced them at the forward's (a ratio to the forward's own miss, so it holds beside
+#   ``_HOPPER_GEMM``). Not measured on an A100 (1.0 there). Taken for fp8's GEMMs too, which
+#   the check times only with their eager casts: their backward runs on transposed copies
+#   as well, and under torchao's rowwise recipe without fast accumulation, slower still
+#   (``cost_models.fp8``); at the forward's rate, fp8 rowwise under TP 8 was priced faster
+#   than bf16 where torchtitan measured it 15% slower (``benchmarks/ranking.py``, tt-atp-8b).
+_HOPPER_MATMUL_BACKWARD = 0.90
 _A100_ATTENTION = (0.62, 0.54)
 _H100_ATTENTION = (0.68, 0.59)
 _H100_ATTENTION_HALF_SEQ = (1050.0, 1550.0)
@@ -85,10 +109,11 @@ H100_80GB = Device(
     peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12,
                 "fp8": 1979e12},
     mem_bandwidth=3350 * GB,  # datasheet: HBM3 3.35 TB/s
-    max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
+    max_efficiency=_HOPPER_GEMM, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S, p2p_by_tag=False,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
     attention_half_seq=_H100_ATTENTION_HALF_SEQ, context_attention_efficiency=_HOPPER_CONTEXT,
+    matmul_backward_efficiency=_HOPPER_MATMUL_BACKWARD,
 )
 
 H200 = Device(
@@ -97,10 +122,11 @@ H200 = Device(
     # Same compute as H100 SXM (H200 datasheet lists identical Tensor Core peaks).
     peak_flops=dict(H100_80GB.peak_flops),
     mem_bandwidth=4800 * GB,  # datasheet: 4.8 TB/s
-    max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
+    max_efficiency=_HOPPER_GEMM, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S, p2p_by_tag=False,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
     attention_half_seq=_H100_ATTENTION_HALF_SEQ, context_attention_efficiency=_HOPPER_CONTEXT,
+    matmul_backward_efficiency=_HOPPER_MATMUL_BACKWARD,
 )
 
 # H800 SXM, the export variant of H100 SXM: the same Hopper die, Tensor Core peaks and HBM3
@@ -112,10 +138,11 @@ H800 = Device(
     memory_bytes=80 * 2**30,
     peak_flops=dict(H100_80GB.peak_flops),
     mem_bandwidth=3350 * GB,
-    max_efficiency=0.79, mem_efficiency=_GPU_MEM_EFF,
+    max_efficiency=_HOPPER_GEMM, mem_efficiency=_GPU_MEM_EFF,
     fill_time=_GPU_FILL, launch_overhead=_GPU_LAUNCH, host_op_s=GPU_HOST_OP_S, p2p_by_tag=False,
     sms=_H100_SMS, gemm_tile=_GEMM_TILE, attention_efficiency=_H100_ATTENTION,
     attention_half_seq=_H100_ATTENTION_HALF_SEQ, context_attention_efficiency=_HOPPER_CONTEXT,
+    matmul_backward_efficiency=_HOPPER_MATMUL_BACKWARD,
 )
 
 DEVICES: dict[str, Device] = {"a100": A100_80GB, "h100": H100_80GB, "h200": H200, "h800": H800}

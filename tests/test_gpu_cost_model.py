@@ -174,6 +174,45 @@ def test_h100_attention_against_its_measurement():
     assert checked >= 4
 
 
+@pytest.mark.parametrize("report,dev", [
+    ("gpu_check_nvidia-h100-80gb-hbm3", H100_80GB),
+    ("gpu_check_nvidia-h200_session28", gpus.H200),
+    ("gpu_check_nvidia-h200_session34", gpus.H200),
+])
+def test_hopper_matmuls_against_their_measurement(report, dev):
+    """16-bit matmuls as priced on Hopper against what the GPU check measured (its
+    plan_shapes section: the free plans' linears and batched matmuls, bf16, forward and
+    ``autograd.grad`` of every input), over the shapes priced at 0.4 ms or more forward:
+    the forward within 4% at the median (at the 0.79 of peak once priced, 1.04-1.07x:
+    ``gpus._HOPPER_GEMM``), and backward's measured / predicted within 4% of forward's at
+    the median (at the forward's rate once priced, 1.10-1.13x:
+    ``gpus._HOPPER_MATMUL_BACKWARD``)."""
+    import json
+    import statistics
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / f"{report}.json"
+    shapes = json.loads(path.read_text())["sections"]["plan_shapes"]["shapes"]
+    ratios, forward = [], []
+    for r in shapes:
+        if r["family"] != "matmul":
+            continue
+        ins = [T(*shape, dtype=getattr(torch, dt)) for shape, dt in r["inputs"]]
+        if r["op"] == "aten.linear.default":
+            op, out = aten.linear.default, T(*ins[0].shape[:-1], ins[1].shape[0], dtype=ins[0].dtype)
+        else:
+            assert r["op"] == "aten.matmul.default", r["op"]
+            op, out = aten.matmul.default, T(*ins[0].shape[:-1], ins[1].shape[-1], dtype=ins[0].dtype)
+        f, b = node_time(op, ins, [out], tuple(ins), {}, dev, "bf16")
+        if f >= 0.4e-3:
+            ratios.append((r["measured_bwd_s"] / b) / (r["measured_fwd_s"] / f))
+            forward.append(r["measured_fwd_s"] / f)
+    assert len(ratios) >= 20
+    assert statistics.median(forward) == pytest.approx(1.0, abs=0.04), sorted(forward)
+    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.04), sorted(ratios)
+    # an A100 is not measured: its backward runs at the forward's rate
+    assert A100_80GB.matmul_backward_efficiency == 1.0 < 1 / dev.matmul_backward_efficiency
+
+
 # --- collectives ---------------------------------------------------------------------------
 def test_bus_bandwidth_rises_with_message_size():
     link = gpus.NVLINK3
