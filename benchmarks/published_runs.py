@@ -401,6 +401,18 @@ the records above; after: every row again, 788 s wall / 253 CPU s at load 13-16,
 before. Beyond 20%, each marked: 10, 14, 17, 21, 22, 23, 25,
 27, 29. The goal (<= 10%) is not met; the mean rose because two rows that were near by a
 miscount are now compared as published.
+
+Hopper's GEMMs at the rates the GPU check measured on the free plans' shapes (2026-12-02,
+session 43: forward 0.75 of peak, not 0.79; backward 0.90 of the forward's rate;
+``cost_models/gpus.py``). ``--rows 14,15,16,17,19,20`` before (a worktree of the commit
+before) and after, side by side on the loaded machine: 14 +30.3 -> +22.2%, 15 -6.4 ->
+-12.8%, 16 -7.1 -> -13.6%, 17 -6.8 -> -9.9%, 19 +23.2 -> +18.0%, 20 -14.1 -> -16.4%; mean
+|error| over the six 14.7 -> 15.5%. The torchtitan-stack rows (and the ranking's H100
+groups, ``benchmarks/ranking.py``) come nearer; the Llama 3 405B rows, run on Meta's own
+stack at 700 W, and DeepSeek-V3's go further below: the measured rates are torch's
+``F.linear`` on cuBLAS (torch 2.11), the kernels autopar's runtime runs, not necessarily
+theirs. Row 21 after: +38.1% (the NeMo rows 21-33 were not priced again: row 21 alone took
+907 s to plan under that load).
 """
 from __future__ import annotations
 
