@@ -287,6 +287,30 @@ def test_float64_recheck_tells_rounding_from_a_wrong_number(monkeypatch):
     assert r.status == "fail" and "float64 recheck" in r.detail, r
 
 
+def test_experts_on_a_rank_no_row_chose_keep_the_backward_in_step():
+    """The seed-43 sweep's ``mixtral-skewed:recompute:52530`` in float64: tensor=2 splits each
+    layer's experts over the two ranks (tokens whole), and the skewed router sends no row to
+    one rank's half in some layer. transformers' experts module computes only the experts a
+    row chose, so that rank's part came back as zeros cut off from the hidden state: its
+    gradient reached the norm before on one rank and not on the other, which then issued
+    their backward all-reduces in different orders (the thread ranks failed on a (4, 16, 32)
+    tensor reduced against a (64, 32) one; on gloo processes unequal collectives would pair
+    up the same way). ``ops.experts._run_experts``
+    ties the part to its rows; the ranks stay in step and equal one device in float64 (to
+    the router's own fp32 softmax)."""
+    import time
+    from autopar.capture import capture
+    case = sc.parse_case_id("mixtral-skewed:recompute:52530")
+    b = sc.as_float64(zoo.build(case.arch, case.batch, case.loss))
+    plan, cap = sc.plan_case(case, b, captured=capture(b.model, b.inputs, b.loss_fn, b.target))
+    assert plan.mesh_shape == (2,) and plan.recompute, plan.mesh_shape
+    micro = sc.micro_batches(case, plan)
+    refs = (sc.reference(b, "sgd", None, micro), sc.reference(b, "adamw", None, micro), None, None)
+    r = sc.judge(case, sc._thread_runs(case, b, plan, cap), refs, None, list(plan.mesh_shape),
+                 time.perf_counter())
+    assert r.numbers["loss"] < 1e-8 and r.numbers["grad"] < 1e-6, r
+
+
 def test_mixed_precision_is_judged_against_the_plans_split_of_the_batch(monkeypatch):
     """Llama with tied embeddings under fp16, a summed loss, data=4: one device's full-batch
     weight gradient overflows fp16 at a loss scale where each rank's quarter does not, so one
