@@ -330,18 +330,19 @@ def _run_experts(hidden, top_k_index, top_k_weights, stacks, key, axes, dispatch
     ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
     rows16, stacks16 = sixteen_bit(rows, stacks, key)
     y = _call(key, n_local, stacks16, rows16, local_ids, ones)
-    # y depends on the rows whatever the routing: a module that computes only the experts
-    # some row chose (transformers' do) returns zeros cut off from its input where this
-    # rank got no row, so the hidden state's gradient (and under all-to-all, the exchange's
-    # backward) would come on some ranks and not on others, and their backward collectives
-    # in different orders (the seed-43 sweep's mixtral-skewed case: tests/test_sweep.py)
-    y = y + (rows.reshape(-1)[:1].sum() * 0).to(y.dtype)
+    # y depends on the rows and every stack whatever the routing: a module that computes
+    # only the experts some row chose (transformers' do) returns zeros cut off from its
+    # input where this rank got no row, so the hidden state's gradient (and under
+    # all-to-all, the exchange's backward) would come on some ranks and not on others, and
+    # their backward collectives in different orders (the seed-43 sweep's mixtral-skewed
+    # case: tests/test_sweep.py); a stack no pair reached still gets its (zero) gradient,
+    # as on one device
+    anchor = sum(t.reshape(-1)[:1].sum() for t in (rows, *stacks)) * 0
+    y = y + anchor.to(y.dtype)
     for a, order, send, recv in reversed(levels):
         y = all_to_all_v(y, a, recv, send)
         y = y[torch.argsort(order)]
-    # a stack no pair reached still gets its (zero) gradient, as on one device
-    anchor = sum(s.reshape(-1)[:1].sum() for s in stacks) * 0
-    weighted = (y * route.unsqueeze(1).to(y.dtype)).to(hidden.dtype) + anchor.to(hidden.dtype)
+    weighted = (y * route.unsqueeze(1).to(y.dtype)).to(hidden.dtype)
     return torch.zeros_like(hidden).index_add(0, tok, weighted)
 
 
