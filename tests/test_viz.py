@@ -232,3 +232,44 @@ def test_a_summarys_pins_fold_layer_names_into_runs():
     assert fold_indexed(["h.0.mlp", "h.1.mlp", "h.3.mlp", "emb", "h.2.attn"]) == \
         ["h.{0..1}.mlp", "h.3.mlp", "emb", "h.2.attn"]
     assert fold_indexed(["a.5", "a.4"]) == ["a.{4..5}"]
+
+
+def test_the_communication_table_shares_what_was_issued(planned):
+    """The summary's communication rows are shares of the communication issued, the
+    overlapped part (a negative time, in the unit that suits its size: it was printed as
+    -302626.5 us for a ZeRO-3 Llama-3-8B) among them, so the rows sum to the exposed share
+    and none passes 100% (they were shares of the exposed time: 471%, -706%)."""
+    from dataclasses import replace
+    from rich.console import Console
+    from autopar.viz.summary import summary_renderable
+    assert fmt_time(-0.3026265) == "-302.627 ms" and fmt_time(-2.5) == "-2.500 s"
+    assert fmt_time(-4e-6) == "-4.0 us"
+    _, p, _ = planned
+    comm = {"all_gather@data": 0.2018, "reduce_scatter@data": 0.1009, "overlapped": -0.2600}
+    p = replace(p, estimate=replace(p.estimate, comm=comm, comm_s=sum(comm.values())))
+    console = Console(width=200, record=True)
+    console.print(summary_renderable(p))
+    text = console.export_text()
+    assert "302.700 ms issued, 42.700 ms exposed" in text
+    rows = {ln.split()[0]: ln.split()[-1] for ln in text.splitlines()
+            if ln.strip().startswith(tuple(comm))}
+    assert rows == {"all_gather@data": "66.7%", "reduce_scatter@data": "33.3%",
+                    "overlapped": "-85.9%"}, rows
+
+
+def test_a_gpu_plan_in_the_models_fp32_says_how_to_plan_bf16(planned):
+    """A GPU plan without a ``precision=`` pin prices the model's fp32 matmuls at the vector
+    units' rate: its summary says so (both layouts) and names the pin; a bf16 plan and a
+    CPU plan have no such line."""
+    from dataclasses import replace
+    from rich.console import Console
+    from autopar.report import plan_summary, precision_lines
+    from autopar.viz.summary import summary_renderable
+    _, p, _ = planned
+    line, = precision_lines(p)
+    assert "pin precision=bf16" in line and "15x below" in line, line
+    console = Console(width=400, record=True)
+    console.print(summary_renderable(p))
+    assert line in console.export_text() and line in plan_summary(p)
+    assert precision_lines(replace(p, options=p.options.replace(precision="bf16"))) == []
+    assert precision_lines(replace(p, cluster="cpu:4")) == []

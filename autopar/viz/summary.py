@@ -10,7 +10,7 @@ from rich.text import Text
 from autopar.plan import Plan
 from autopar.report import (_group_layers, accumulation_line, branch_lines, capture_cache_note,
                             context_lines, expert_lines, fmt_bytes, fmt_time, memory_phases_note,
-                            offload_line, shown_pins)
+                            offload_line, precision_lines, shown_pins)
 
 
 def _table(title: str, *cols: str, **kw) -> Table:
@@ -52,6 +52,8 @@ def summary_renderable(plan: Plan, all_nodes: bool = False) -> Group:
         + f"), bubble {e.bubble_fraction:.1%}")
     head.append("\nstages: none (one SPMD program on every rank; no pipeline in this plan)"
                 if e.bubble_fraction == 0 else "")
+    for line in precision_lines(plan):
+        head.append("\n" + line)
     if plan.accumulate > 1:
         head.append("\n" + accumulation_line(plan))
     if plan.offload:
@@ -74,10 +76,14 @@ def summary_renderable(plan: Plan, all_nodes: bool = False) -> Group:
     parts += [mem, Text("")]
 
     if e.comm:
+        # shares of the communication issued (the overlapped row, negative, is the part of it
+        # hidden behind compute; the rows sum to the exposed share)
+        issued = sum(v for v in e.comm.values() if v > 0)
         comm = _table("communication per step (by collective @ mesh axis)", "collective", "time", "share")
         for k, v in sorted(e.comm.items(), key=lambda kv: -kv[1]):
-            comm.add_row(k, fmt_time(v), f"{v / max(e.comm_s, 1e-30):.1%}")
-        parts += [comm, Text("")]
+            comm.add_row(k, fmt_time(v), f"{v / max(issued, 1e-30):.1%}")
+        parts += [comm, Text(f"{fmt_time(issued)} issued, {fmt_time(e.comm_s)} exposed "
+                             "(shares of the issued)"), Text("")]
 
     params = _table("parameters (placement per mesh axis; repeated layers grouped)",
                     "name", "shape", "placement")
