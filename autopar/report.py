@@ -259,8 +259,8 @@ def precision_lines(plan: Plan) -> list[str]:
     tenth or less of the tensor cores' bf16 one on Hopper and Ampere. One line saying so
     and how to train in bf16, as GPU runs mostly do (a user planning Llama-3-8B on 16 H100
     otherwise reads 9.4 s a step, ZeRO-3 and offload, with no word of why)."""
-    if plan.options.precision is not None:
-        return []
+    if plan.options.precision is not None or plan.cluster.split(":")[0].strip().lower() in ("cpu", "local"):
+        return []             # (a CPU cluster: not parsed, which may measure this machine)
     try:
         dev = parse_cluster(plan.cluster).device
     except ClusterError:         # a cluster named for a sub-mesh ("8x8xH100[stage of 8]")
