@@ -348,3 +348,37 @@ def test_killed_ranks_and_a_preempted_job_resume_to_the_same_losses(tmp_path):
     got = torch.load(tmp_path / "resumed_final.pt", weights_only=True)
     want = torch.load(tmp_path / "plain_final.pt", weights_only=True)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+class _LateWork:
+    """A gloo work whose peer arrives just as a timed wait runs out: that wait raises
+    "Operation timed out!", the work is complete when asked, and an untimed wait returns
+    (``failed``: it completed with an error, which every wait raises)."""
+
+    def __init__(self, failed: bool = False):
+        self.failed, self.waits = failed, []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if self.failed:
+            raise RuntimeError("Connection closed by peer")
+        if timeout is not None:
+            raise RuntimeError("Operation timed out!")
+
+    def is_completed(self):
+        return True
+
+
+def test_a_collective_finishing_as_its_polled_wait_expires_is_not_a_failure(monkeypatch):
+    """A polled gloo wait (``DistComm._wait_polling``) whose slice runs out as the peer
+    arrives finds the work complete: it succeeded, and the step goes on. It was taken for
+    a failure: test_titan's qwen3-data case (its peer compiling its first step for 17 s)
+    stopped with "all_reduce ... did not finish within 0.3 s" in a full-suite run. A work
+    that completed with an error still raises it."""
+    monkeypatch.setattr(fault_notice, "posted", lambda key: None)
+    work = _LateWork()
+    _gloo_comm(None)._wait(work, "all_reduce", 0)
+    assert len(work.waits) == 2 and work.waits[-1] is None, work.waits
+    with pytest.raises(CollectiveError) as e:
+        _gloo_comm(None)._wait(_LateWork(failed=True), "all_reduce", 0)
+    assert "Connection closed by peer" in str(e.value) and not e.value.timed_out, e.value

@@ -458,7 +458,11 @@ class DistComm(Comm):
                 return
             except RuntimeError:
                 if work.is_completed():
-                    raise                        # it failed (a peer died, gloo's own timeout)
+                    # it finished since the slice ran out (the peer came as it expired: a
+                    # compiling rank's first step), or it failed (a peer died, gloo's own
+                    # timeout): an untimed wait returns for the one, raises the other's
+                    work.wait()
+                    return
                 notice = fault_notice.posted(self.fault_key)
                 if notice is not None:
                     raise self.peer_failure(op, axis, notice, time.monotonic() - t0) from None
