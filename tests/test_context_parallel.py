@@ -289,3 +289,38 @@ def test_a_free_long_sequence_plan_takes_a_context_axis_and_says_what_it_buys():
     for text in (plan_summary(plan), console.export_text()):
         assert f"the sequence split {plan.options.context} ways over 'context', causally balanced" in text
         assert "the best plan without a context axis" in text and ratio in text, text[:2000]
+
+
+def test_the_context_stage_leaves_unsolved_what_cannot_beat_the_best_and_plans_alike(monkeypatch):
+    """The free search's context stage bounds each degree's programs by the best step found
+    (``context_search.search_context``: compute floor, then LP relaxation): a tiny Llama
+    over 32,768 tokens on a DGX node, where the plan without a context axis wins, leaves
+    programs of the context meshes unsolved and says so in ``plan.solver.skipped``, and its
+    plan is the one the search makes with no bound (the same digest). (Llama-3-8B at 262k
+    tokens on 32 H100s, ``benchmarks/frontier.py``: the same plan in 18 s, 313 s before.)"""
+    import transformers
+
+    import autopar.solver.free_search as free_search
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024,
+                                   num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=4, max_position_embeddings=32768)
+    cfg.use_cache = False
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    ids = torch.zeros(2, 32768, dtype=torch.long, device="meta")
+
+    def plan():
+        return autopar.plan(model, (ids,), lambda o, y: torch.nn.functional.cross_entropy(
+            o.logits.flatten(0, 1), y.flatten()), target=ids, cluster="1xdgx-h100", precision="bf16")
+    bounded = plan()
+    assert not bounded.options.context, bounded.options
+    assert "context: " in bounded.solver.skipped and "not solved" in bounded.solver.skipped, \
+        bounded.solver.skipped
+    search = free_search.search_context
+    monkeypatch.setattr(free_search, "search_context",
+                        lambda spec, cap, plan_with, best_s=None, notes=None:
+                        search(spec, cap, plan_with, None, notes))
+    unbounded = plan()
+    assert "context: " not in unbounded.solver.skipped
+    assert unbounded.digest() == bounded.digest()
+    assert unbounded.estimate.step_time_s == bounded.estimate.step_time_s

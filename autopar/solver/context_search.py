@@ -18,6 +18,7 @@ as if pinned (``flat.plan_captured`` on the graph in the balanced order:
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -26,6 +27,7 @@ from autopar.errors import PinError
 from autopar.ops.attention import is_attention
 from autopar.options import Options
 from autopar.solver.errors import InfeasibleError
+from autopar.solver.flat import mesh_floor
 
 LONG_SEQUENCE = 16384
 """Positions from which the free search weighs a context axis (module docstring)."""
@@ -74,24 +76,42 @@ def balanced_copy(cap, c: int):
     return balance_sequence(twin, c)
 
 
-def search_context(spec, cap, plan_with):
+def search_context(spec, cap, plan_with, best_s: float | None = None, notes: list | None = None):
     """The context plans of :func:`context_candidates`: [(Plan, its graph)] that fit.
-    ``plan_with(graph, pins)``: the unpipelined plan of a graph under pins (the free
-    search's, ``flat.solve_ask`` of its ask)."""
+    ``plan_with(graph, pins, cutoff_s, pruned)``: the unpipelined plan of a graph under
+    pins (the free search's, ``flat.solve_ask`` of its ask), its programs whose compute
+    floor or LP relaxation is at least ``cutoff_s`` left unsolved and added to ``pruned``
+    (``MeshAsk.cutoff_s``: exact, no plan on them beats it). ``best_s``: the best step the
+    search has found, the cutoff, lowered by each context plan found; a degree whose
+    compute floor (``flat.mesh_floor``) is at least it is not planned at all, as the
+    expert stage does (``expert_search.search_experts``). ``notes``: a list the programs
+    left unsolved are said in (``plan.solver.skipped``)."""
     seq = long_attention(cap)
     if seq is None or spec.mesh_shape is not None:
         return []
     batch = int(cap.node(cap.inputs[0]).meta["val"].shape[0])
-    out = []
+    out, pruned = [], []
     for c, t in context_candidates(spec.options, spec.world, batch,
                                    spec.cluster.devices_per_node or spec.world, seq):
         pins = spec.options.replace(context=c, tensor=t if t > 1 else None)
         try:
             bal = balanced_copy(cap, c)
-            got = plan_with(bal, pins)
-        except (InfeasibleError, PinError):
+            if best_s is not None and mesh_floor(bal, spec.cluster, spec.world, pins,
+                                                 spec.optimizer) >= best_s:
+                if spec.verbose:
+                    print(f"context={c} tensor={t}: cannot beat {best_s:.4g} s (compute floor)")
+                continue
+            got = plan_with(bal, pins, best_s if best_s is not None else math.inf, pruned)
+        except (InfeasibleError, PinError):      # flat.BeyondCutoff among them
             continue
         out.append((got, bal))
+        if best_s is None or got.estimate.step_time_s < best_s:
+            best_s = got.estimate.step_time_s
+    if pruned and notes is not None:
+        notes.append(f"context: {len(pruned)} sharding programs not solved (mesh "
+                     f"{', '.join(sorted({str(u.shape) for u in pruned}))}): their compute floor "
+                     "or LP relaxation gives no step below the best plan found (exact); the "
+                     "fewest-layers probes and activation offload of those programs not tried")
     return out
 
 

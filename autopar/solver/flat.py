@@ -700,7 +700,7 @@ def recompute_bound_s(plan: Plan, cap: Captured) -> float:
     return 0.5 * plan.estimate.compute_s * len(plan.recompute) / layers
 
 
-PARTIAL_PROBES = 4
+PARTIAL_PROBES = 2
 """ILPs ``_fewest_layers`` solves at most."""
 
 
@@ -709,19 +709,21 @@ def _fewest_layers(cap: Captured, full: _Best, ask: MeshAsk) -> _Best:
     plan on its mesh recomputing only the first k layers, k the fewest that fit ``budget``
     (Megatron-LM's ``--recompute-num-layers``). Layers alike, recomputing one saves at most
     what its rebuild holds, R (``full``'s "recompute" term: one layer's activations rebuilt
-    in backward), so M(k) <= M(L) + (L - k) R and the first probe is the least k that bound
-    fits, below L. The bound is loose where the peak is in another phase than the
-    activations' (the gradients' with their buffers): M(k) is then flat in k and fewer
-    layers fit than it says. The ILP (which may choose other placements) says: while every
-    probe fits, k steps down 1, 2, 4, ... layers; from the first that does not, the least
-    k that fits is bisected; within ``PARTIAL_PROBES`` solves. The least objective of them
-    and ``full`` wins."""
+    in backward): on ``full``'s placements, recomputing L - k layers fewer adds at most
+    (L - k) R to the "activations" term and nothing to the others, so the first probe is
+    the least k whose peak so grown fits (:func:`activation_room`: only the phases that
+    hold activations grow; where the peak is another phase's, the gradients' with their
+    buffers, the room is that of the activations' phase, not the budget less the peak).
+    The ILP (which may choose other placements) says: while every probe fits, k steps down
+    1, 2, 4, ... layers; from the first that does not, the least k that fits is bisected;
+    within ``PARTIAL_PROBES`` solves. The least objective of them and ``full`` wins."""
     cl, budget, time_limit_s = ask.cl, ask.budget, ask.time_limit_s
     layers, per = full.recompute, full.sol.memory.get("recompute", 0.0)
     n = len(layers)
     if n < 2 or per <= 0 or budget == float("inf"):
         return full
-    k = min(n - 1, max(1, math.ceil(n - (budget - full.sol.memory_total) / per - 1e-9)))
+    room = activation_room(full.sol.memory, full.sol.memory_phases, budget)
+    k = min(n - 1, max(1, math.ceil(n - room / per - 1e-9)))
     best, fits, fails, step = full, n, 0, 1
     for _ in range(PARTIAL_PROBES):
         if not fails < k < fits:
@@ -750,6 +752,28 @@ def _fewest_layers(cap: Captured, full: _Best, ask: MeshAsk) -> _Best:
         else:                          # between a probe that fails and one that fits
             k = (fails + fits) // 2
     return best
+
+
+def activation_room(terms: dict[str, float], phases: tuple, budget: float) -> float:
+    """Bytes the "activations" term of memory ``terms`` may grow by before their peak
+    (``cost_models.memory.peak_bytes`` over ``phases``) passes ``budget``, the other terms
+    as they are: the budget less the terms always live and the fullest phase that holds
+    activations (every term, without phases). Where another phase is the peak, more than
+    the budget less the peak; negative where the terms do not fit.
+
+    >>> from cost_models.memory import step_phases
+    >>> activation_room({"activations": 2, "grads": 5, "grad_buffers": 1, "optimizer": 1},
+    ...                 step_phases(), 10)
+    7.0
+    >>> activation_room({"activations": 2, "grads": 5}, (), 10)
+    3.0
+    """
+    grouped = {k for g in phases for k in g}
+    always = sum(b for k, b in terms.items() if k not in grouped)
+    holding = [g for g in phases if "activations" in g]
+    if not holding:                     # no phases: every term is live at once
+        return float(budget - always)
+    return float(budget - always - max(sum(terms.get(k, 0.0) for k in g) for g in holding))
 
 
 def _family(shape: tuple, axes: tuple) -> str:

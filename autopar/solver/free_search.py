@@ -248,9 +248,15 @@ class _FreeSearch:
                        self.phases["unpipelined"])
 
     def context(self) -> None:
-        """Context parallelism over long sequences (``context_search``)."""
-        for plan, cap in search_context(self.spec, self.cap, self._plan_with):
+        """Context parallelism over long sequences (``context_search``), each degree and
+        program pruned by its compute floor or LP relaxation against the best step found."""
+        best = self.best.plan.estimate.step_time_s if self.best is not None else None
+        if self.spec.profiler is not None:
+            best = None          # the floor is priced without the profiler's times
+        notes: list[str] = []
+        for plan, cap in search_context(self.spec, self.cap, self._plan_with, best, notes):
             self.offer(Planned(plan, cap))
+        self.skipped += notes
 
     def experts(self) -> None:
         """Expert parallelism for mixture-of-experts layers (``expert_search``), each mesh
