@@ -23,8 +23,9 @@ Constraints
     memory:          for each phase g of the step (``cost_models.memory.step_phases``: the
                      loss's backward, a layer's backward, the end of backward's gradients)
                      Σ_v Σ_i n_v · (always[v,i] + bytes_g[v,i]) · x[v,i] ≤ budget
-                     (bytes per device; ``always``: parameters, optimizer state, inputs;
-                     a pipeline stage's or accumulation's one phase holds every term)
+                     (bytes per device, written in GiB: ``MEMORY_ROW_UNIT``; ``always``:
+                     parameters, optimizer state, inputs; a pipeline stage's or
+                     accumulation's one phase holds every term)
 
 Shared conversions: readers of one value that need it in the same class q convert it once
 (``passes.insert_collectives``; the groups are ``PriceTable.shared``). A conversion p -> q
@@ -449,7 +450,7 @@ def write_program(m, problem: Problem, cost: CostModel, tab: "_Tables", memory_b
     if memory_budget is not None and not minimize_memory:
         for row in peaks:
             if not isinstance(row, (int, float)):  # a number: no memory at all
-                m.Add(row <= float(memory_budget))
+                m.Add(row <= float(memory_budget) / MEMORY_ROW_UNIT)
     if minimize_memory:
         mem = m.NumVar(0.0, pywraplp.Solver.infinity(), "peak")
         for row in peaks:
@@ -464,14 +465,28 @@ def write_program(m, problem: Problem, cost: CostModel, tab: "_Tables", memory_b
     return x
 
 
+MEMORY_ROW_UNIT = float(2**30)
+"""Bytes per unit of the program's memory rows (GiB): each row and the budget are written
+divided by it. In bytes (coefficients up to 1e10 beside objective coefficients of 1e-5 to
+300 s) SCIP under ``SCIP_SETTINGS`` returned OPTIMAL on a program whose optimum it had not
+reached: Llama 3 70B's frontier row (``benchmarks/frontier.py``), the unpipelined 8 x 8
+mesh recomputing 78 of 80 layers (47,081 variables), SCIP 11.247 s "optimal", CBC 10.088
+s (its solution checked against every row: violations of 2e-16); SCIP with presolve alone
+turned off 10.142 s. Written in GiB, SCIP and CBC agree on that program and on the four
+other slow ones of that planning (measured 2026-12-02, session 45, ``docs/measured.md``).
+In the planning itself SCIP had been stopped at its third of the limit and CBC's answer
+kept (``bounded_solve.solve_in_turn``): on a faster machine SCIP's would have been."""
+
+
 def _memory_rows(x: dict, tab: _Tables, phases: tuple) -> list:
-    """The peak bytes per device of each phase, linear in ``x``: the terms in no phase plus
-    that phase's (module docstring); one row of every term when there are no phases."""
+    """The peak of each phase, linear in ``x``, in :data:`MEMORY_ROW_UNIT` (GiB): the terms
+    in no phase plus that phase's (module docstring); one row of every term when there are
+    no phases."""
     grouped = {k for g in phases for k in g}
     rows = []
     for group in phases or ((),):
         keep = set(group)
-        rows.append(sum(b * x[name][i] for name, options in tab.node_mem_terms.items()
+        rows.append(sum(b / MEMORY_ROW_UNIT * x[name][i] for name, options in tab.node_mem_terms.items()
                         for i, terms in enumerate(options)
                         for b in [sum(v for k, v in terms.items() if k in keep or k not in grouped)]
                         if b))
