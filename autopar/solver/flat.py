@@ -701,7 +701,12 @@ def recompute_bound_s(plan: Plan, cap: Captured) -> float:
 
 
 PARTIAL_PROBES = 2
-"""ILPs ``_fewest_layers`` solves at most."""
+"""ILPs ``_fewest_layers`` solves at most. Two: the first probe starts where ``full``'s own
+placements fit (``activation_room``), and the probes below it bind memory, where SCIP
+branches: ``autopar plan hf:llama3-70b --cluster 8x8xH100 --batch 16 --seq 8192`` probed
+64, 63, 61, 57 of 80 layers in 2.4-8.7 s each (20.4 s, 24.369 s a step after offloading),
+64 and 63 in 8.6 s (24.378 s); from the old first probe, 79-72 layers, 1.3-2.1 s each
+(24.588 s). Measured 2026-12-02, ``docs/measured.md``."""
 
 
 def _fewest_layers(cap: Captured, full: _Best, ask: MeshAsk) -> _Best:
