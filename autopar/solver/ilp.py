@@ -472,7 +472,7 @@ divided by it. In bytes (coefficients up to 1e10 beside objective coefficients o
 reached: Llama 3 70B's frontier row (``benchmarks/frontier.py``), the unpipelined 8 x 8
 mesh recomputing 78 of 80 layers (47,081 variables), SCIP 11.247 s "optimal", CBC 10.088
 s (its solution checked against every row: violations of 2e-16); SCIP with presolve alone
-turned off 10.142 s. Written in GiB, SCIP and CBC agree on that program and on the four
+turned off 10.142 s, "optimal" too. Written in GiB, SCIP and CBC agree on that program and on the four
 other slow ones of that planning (measured 2026-12-02, session 45, ``docs/measured.md``).
 In the planning itself SCIP had been stopped at its third of the limit and CBC's answer
 kept (``bounded_solve.solve_in_turn``): on a faster machine SCIP's would have been."""
