@@ -99,6 +99,9 @@ MATRIX: dict[str, Arch] = {
     "mistral": Arch(HF_BUILDERS["mistral"], "decoder"),
     "qwen2": Arch(HF_BUILDERS["qwen2"], "decoder"),
     "gemma": Arch(HF_BUILDERS["gemma"], "decoder"),
+    "gemma3": Arch(HF_BUILDERS["gemma3"], "decoder",
+                   notes="sliding-window and global layers; its rotary embedding, called once "
+                         "per attention kind, is no layer (it reads no parameter)"),
     "phi": Arch(HF_BUILDERS["phi"], "decoder"),
     "gpt_neox": Arch(HF_BUILDERS["gpt_neox"], "decoder"),
     "opt": Arch(HF_BUILDERS["opt"], "decoder"),
@@ -107,6 +110,8 @@ MATRIX: dict[str, Arch] = {
     "mixtral": Arch(HF_BUILDERS["mixtral"], "decoder (mixture of experts)",
                     notes="each layer's experts are one op (autopar.ops.experts), split by "
                           "expert or by token as the plan chooses"),
+    "qwen2_moe": Arch(HF_BUILDERS["qwen2_moe"], "decoder (mixture of experts)",
+                      notes="routed experts beside a gated shared expert"),
     # encoders
     "bert": Arch(HF_BUILDERS["bert"], "encoder",
                  gloo=({"tensor": 2}, {"data": 2})),

@@ -119,3 +119,53 @@ def test_bad_recompute_requests_are_errors(captured):
         select_layers(rcap.gm, ["stem.1"])
     assert "stem.1" not in select_layers(rcap.gm, "full")
 
+
+
+def test_a_module_called_again_is_a_layer_only_where_it_reads_parameters():
+    """A module called more than once is a repeated layer (ALBERT's shared layer), but only
+    where each call reads a parameter: Gemma 3's rotary embedding, called once for its
+    sliding-window layers and once for its global ones, works its tables out of a buffer,
+    and taken for a layer it went into ``recompute="full"`` / ``offload_activations="full"``
+    and the pipeline's layer count (a DualPipeV offload refused: "layers 'model.layers.1'
+    and 'model.rotary_emb.0' interleave")."""
+    import torch
+    from torch import nn
+
+    from autopar.analysis.layers import repeated_layers
+
+    class Table(nn.Module):          # no parameter: a function of a buffer
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("freq", torch.arange(8.0))
+
+        def forward(self, x, scale):
+            t = self.freq * scale
+            return torch.cos(t) + torch.sin(t) + 0 * x.sum()
+
+    class Shared(nn.Module):         # a parameter: a layer each call
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.shared = Table(), Shared()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            x = x + self.table(x, 1.0) + self.table(x, 2.0)
+            x = self.shared(self.shared(x))
+            for b in self.blocks:
+                x = torch.relu(b(x))
+            return x
+
+    x = torch.randn(4, 8)
+    cap = capture(Net(), (x,), lambda out, y: ((out - y) ** 2).mean(), torch.zeros(4, 8))
+    layers = repeated_layers(cap.gm)
+    assert not any(name.startswith("table") for name in layers), list(layers)
+    assert {"shared.0", "shared.1", "blocks.0", "blocks.1"} <= set(layers), list(layers)
+    assert not any(lay.startswith("table") for lay in select_layers(cap.gm, "full"))

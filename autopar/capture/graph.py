@@ -118,8 +118,10 @@ def layer_of(node: torch.fx.Node) -> tuple[str, int] | None:
     A module called several times in one forward (ALBERT's one layer, run once per depth)
     is repeated too: each call a layer, (its path, the call's number from 0), e.g.
     ``("albert.encoder.albert_layer_groups.0", 1)`` for the second call, which torch.export
-    marks by a key ending in ``@1``. Only modules whose every call runs two ops or more
-    count (a shared embedding looked up twice is not a layer)."""
+    marks by a key ending in ``@1``. Only modules whose every call runs two ops or more and
+    reads a parameter count (a shared embedding looked up twice is not a layer, nor is a
+    rotary embedding's table worked out once per attention kind from a buffer: Gemma 3's
+    ``rotary_emb``, called for its sliding-window and its global layers)."""
     stack = node.meta.get("nn_module_stack") or {}
     shared = _called_again(node.graph) if node.graph is not None else {}
     for key, (path, _) in stack.items():
@@ -137,20 +139,27 @@ _CALLED_AGAIN: "weakref.WeakKeyDictionary[torch.fx.Graph, tuple]" = weakref.Weak
 
 def _called_again(graph: torch.fx.Graph) -> frozenset[str]:
     """The module-stack keys (without their ``@k``) of modules called more than once in
-    ``graph``, each call running at least two ops; kept per graph while its nodes stay."""
+    ``graph``, each call running at least two ops and reading a parameter (an input named
+    as torch.export names a parameter's placeholder: ``p_...``); kept per graph while its
+    nodes stay."""
     names = len(graph.nodes)
     hit = _CALLED_AGAIN.get(graph)
     if hit is None or hit[0] != names:
         ops: dict[str, dict[int, int]] = {}
+        learned: dict[str, set[int]] = {}     # the calls that read a parameter
         for n in graph.nodes:
             if n.op != "call_function":
                 continue
+            reads = any(a.op == "placeholder" and a.name.startswith("p_") for a in n.all_input_nodes)
             for key in (n.meta.get("nn_module_stack") or {}):
                 base, _, call = key.partition("@")
                 calls = ops.setdefault(base, {})
                 k = int(call) if call.isdigit() else 0
                 calls[k] = calls.get(k, 0) + 1
+                if reads:
+                    learned.setdefault(base, set()).add(k)
         found = frozenset(b for b, calls in ops.items()
-                          if len(calls) >= 2 and min(calls.values()) >= 2)
+                          if len(calls) >= 2 and min(calls.values()) >= 2
+                          and learned.get(b, set()) >= set(calls))
         hit = _CALLED_AGAIN[graph] = (names, found)
     return hit[1]
