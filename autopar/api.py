@@ -26,6 +26,7 @@ from autopar.ops.comm import collective_timeout
 from autopar.plan import Plan, PlanError
 from autopar.runtime import build
 from autopar.runtime.data import BATCH_MODES
+from autopar.runtime.parallel_module import refuse_frozen
 from autopar.runtime.weights import capture_view, has_meta, weights_kind
 from autopar.solver.driver import Planned, capture_for_plan, plan_search, solve
 from autopar.solver.flat import Solved, node_placements, plan_captured, solve_captured
@@ -141,6 +142,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
     _check_elastic(elastic, plan, mesh_shape)
     if weights is None:
         _check_not_meta(model)      # a meta model runs with weights= to load
+    refuse_frozen(model)          # before planning: ParallelModule refuses it too
     timeout = collective_timeout(timeout)
     scheme = pins.update        # autopar.update_schemes: what check= cannot compare under it
     if scheme.check_refusal is not None and first_step.wanted(check):

@@ -381,6 +381,24 @@ HF_BUILDERS: dict[str, Callable] = {
     "qwen2_moe": causal_lm("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4,
                            num_experts_per_tok=2, moe_intermediate_size=32,
                            shared_expert_intermediate_size=32, decoder_sparse_step=1, **DEC),
+    # Llama 4's text model: MoE layers (a routed expert and a shared one, sigmoid gate), a
+    # layer without RoPE, chunked attention
+    "llama4": causal_lm("Llama4TextConfig", "Llama4ForCausalLM", head_dim=8, num_local_experts=4,
+                        num_experts_per_tok=1, intermediate_size_mlp=64,
+                        interleave_moe_layer_step=1, no_rope_layers=[1, 0], attention_chunk_size=8,
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None, **DEC),
+    "granitemoe": causal_lm("GraniteMoeConfig", "GraniteMoeForCausalLM", num_local_experts=4,
+                            num_experts_per_tok=2, **DEC),
+    "ernie4_5_moe": causal_lm("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", moe_num_experts=4,
+                              moe_k=2, moe_intermediate_size=32, moe_layer_start_index=0,
+                              pad_token_id=0, bos_token_id=None, eos_token_id=None, **DEC),
+    # Qwen3-Next: a gated delta-net (linear attention) layer beside a full-attention one,
+    # routed and shared experts
+    "qwen3_next": causal_lm("Qwen3NextConfig", "Qwen3NextForCausalLM", head_dim=8, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                            layer_types=["linear_attention", "full_attention"], **DEC),
     "olmoe": causal_lm("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2,
                        output_router_logits=True, router_aux_loss_coef=0.1, eos_token_id=None,
                        pad_token_id=None, **DEC),
@@ -526,6 +544,9 @@ ZOO: dict[str, Entry] = {
     "deepseek_v3": _e("moe", HF_BUILDERS["deepseek_v3"], LM_OWN, layers=3),
     "deepseek_v3-skewed": _e("moe", HF_BUILDERS["deepseek_v3-skewed"], layers=3),
     "qwen2_moe": _e("moe", HF_BUILDERS["qwen2_moe"], LM_OWN),
+    "granitemoe": _e("moe", HF_BUILDERS["granitemoe"]),
+    # (llama4, ernie4_5_moe and qwen3_next are built above but not drawn yet: the sweep's
+    # seed 79 failed 10 of their 23 cases; docs/equivalence.md, "Not drawn yet")
     "olmoe": _e("moe", HF_BUILDERS["olmoe"], LM_OWN),
     "gpt_oss": _e("moe", HF_BUILDERS["gpt_oss"]),
     "mamba": _e("state-space", HF_BUILDERS["mamba"], LM_OWN, tags=("tied",)),

@@ -272,6 +272,12 @@ CASES = [
             copy.deepcopy(w.model).to("meta"), (w.x,), w.loss_fn, target=w.y, comm=w.comm),
         ArgumentError, ("the model is on the meta device ('fc1.weight'", "weights=",
                         "model.to_empty(device='cpu')")),
+    # a frozen parameter (ERNIE 4.5's MoE gate holds one) failed deep in torch: "cannot
+    # register a hook on a tensor that doesn't require gradient"
+    Bad("parallelize-frozen-parameter", lambda w: autopar.parallelize(
+            _frozen(w.model), (w.x,), w.loss_fn, target=w.y, comm=w.comm),
+        ArgumentError, ("parameter 'fc1.bias' has requires_grad=False", "register_buffer",
+                        "requires_grad_(True)")),
     Bad("parallelize-plan-not-a-plan", lambda w: autopar.parallelize(
             w.model, (w.x,), w.loss_fn, target=w.y, comm=w.comm, plan=42),
         ArgumentError, ("plan= is a int", "the path of a plan file")),
@@ -365,6 +371,13 @@ CASES = [
     Bad("import-missing-state-dict", lambda w: import_state_dict(w.tmp / "no.pt", w.tmp / "ck2"),
         CheckpointError, ("no.pt' does not exist", "torch.save(model.state_dict())")),
 ]
+
+
+def _frozen(model):
+    """A copy of ``model`` with its first layer's bias frozen."""
+    m = copy.deepcopy(model)
+    m.fc1.bias.requires_grad_(False)
+    return m
 
 
 @pytest.fixture(scope="module")

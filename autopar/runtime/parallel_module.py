@@ -224,6 +224,25 @@ def _first_compiled_step(runner, rank: int, first_step_s: float, cached: tuple[i
     return report
 
 
+def refuse_frozen(model) -> None:
+    """An ArgumentError for a parameter with ``requires_grad=False``: the per-rank module
+    trains every parameter (its gradient synchronization registers a hook on each, and ZeRO
+    and the optimizer keep state for each), so a frozen one would fail deep in torch
+    ("cannot register a hook on a tensor that doesn't require gradient") or be stepped.
+    Found on ERNIE 4.5's MoE gate, whose score-correction bias is such a parameter."""
+    if not isinstance(model, nn.Module):
+        return          # capture names it
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        more = f" (and {len(frozen) - 3} more)" if len(frozen) > 3 else ""
+        raise ArgumentError(
+            f"parameter{'s' if len(frozen) > 1 else ''} {', '.join(map(repr, frozen[:3]))}{more} "
+            "ha" + ("ve" if len(frozen) > 1 else "s") + " requires_grad=False: autopar trains "
+            "every parameter of the model and does not yet leave frozen ones out; register a "
+            "constant as a buffer (module.register_buffer) instead, or unfreeze it "
+            "(p.requires_grad_(True))")
+
+
 class ParallelModule(nn.Module):
     """A model parallelized by a Plan. Build it with ``autopar.parallelize`` (or
     ``autopar.runtime.build``). ``comm`` is this rank's communicator on the plan's whole
@@ -240,6 +259,7 @@ class ParallelModule(nn.Module):
                  loss_fn: Callable | None = None, batch: str = "global", weights=None):
         super().__init__()
         check_plan_fits(plan, cap)       # a plan file edited by hand: a PlanError naming the node
+        refuse_frozen(model)
         self.plan, self.comm, self._cap = plan, comm, cap
         self.device = comm.device
         # batch="per_rank": each data rank passes its slice (autopar.runtime.data)
