@@ -576,3 +576,36 @@ def test_fused_casts_price_eager_programs_as_fused():
             assert fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, rowwise) == compiled
         assert fp8_linear_time(lin, ins, outs, (), {}, H100_80GB, rowwise) == eager != compiled
     assert FUSED_CASTS_ENV not in os.environ
+
+
+class _Router(torch.nn.Linear):
+    """An ``nn.Linear`` subclass with its own forward (Llama 4's router: scores and logits)."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return torch.sigmoid(logits), logits
+
+
+class _Routed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 16)
+        self.router = _Router(16, 16)
+        self.down = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        scores, logits = self.router(self.up(x))
+        return self.down(scores * logits)
+
+
+def test_a_linear_subclass_with_its_own_forward_is_no_fp8_linear():
+    """The one-device recipe (``ops.fp8.use_fp8_linears``) replaces a linear's forward, so a
+    subclass whose forward returns something else (Llama 4's router) is left in bf16: taken
+    for a linear, the recipe broke its forward ("too many values to unpack")."""
+    from autopar.ops.fp8 import use_fp8_linears
+    m, x = _Routed(), torch.randn(8, 16)
+    cap = capture(m, (x,), lambda out, y: ((out - y) ** 2).mean(), torch.zeros(8, 16))
+    weights = set(fp8_linears(cap).values())
+    assert "up.weight" in weights and "router.weight" not in weights, weights
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        use_fp8_linears(copy.deepcopy(m), weights, "tensorwise")(x)    # runs

@@ -60,16 +60,20 @@ def fp8_linears(cap: Captured) -> dict[str, str]:
 
 def _called_by_nn_linear(node) -> bool:
     """Whether the innermost module of ``node``'s ``nn_module_stack`` is an ``nn.Linear`` (or
-    a subclass); True where the capture kept no module stack (nothing to tell by)."""
+    a subclass that keeps its ``forward``: the one-device recipe,
+    ``ops.fp8.use_fp8_linears``, replaces that forward, so a subclass with its own, Llama 4's
+    router returning its scores and logits, is no fp8 linear); True where the capture kept
+    no module stack (nothing to tell by)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return True
     kind = list(stack.values())[-1][1]
     if isinstance(kind, type):
-        return issubclass(kind, nn.Linear)
-    module, _, name = str(kind).rpartition(".")
-    cls = getattr(sys.modules.get(module), name, None)
-    return isinstance(cls, type) and issubclass(cls, nn.Linear)
+        cls = kind
+    else:
+        module, _, name = str(kind).rpartition(".")
+        cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward
 
 
 def module_name(weight: str) -> str:
