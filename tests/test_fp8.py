@@ -578,7 +578,7 @@ def test_fused_casts_price_eager_programs_as_fused():
     assert FUSED_CASTS_ENV not in os.environ
 
 
-class _Router(torch.nn.Linear):
+class _ScoringLinear(torch.nn.Linear):
     """An ``nn.Linear`` subclass with its own forward (Llama 4's router: scores and logits)."""
 
     def forward(self, x):
@@ -586,11 +586,11 @@ class _Router(torch.nn.Linear):
         return torch.sigmoid(logits), logits
 
 
-class _Routed(torch.nn.Module):
+class _ScoredModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.up = torch.nn.Linear(16, 16)
-        self.router = _Router(16, 16)
+        self.router = _ScoringLinear(16, 16)
         self.down = torch.nn.Linear(16, 16)
 
     def forward(self, x):
@@ -603,9 +603,32 @@ def test_a_linear_subclass_with_its_own_forward_is_no_fp8_linear():
     subclass whose forward returns something else (Llama 4's router) is left in bf16: taken
     for a linear, the recipe broke its forward ("too many values to unpack")."""
     from autopar.ops.fp8 import use_fp8_linears
-    m, x = _Routed(), torch.randn(8, 16)
+    m, x = _ScoredModel(), torch.randn(8, 16)
     cap = capture(m, (x,), lambda out, y: ((out - y) ** 2).mean(), torch.zeros(8, 16))
     weights = set(fp8_linears(cap).values())
     assert "up.weight" in weights and "router.weight" not in weights, weights
     with torch.autocast("cpu", dtype=torch.bfloat16):
         use_fp8_linears(copy.deepcopy(m), weights, "tensorwise")(x)    # runs
+
+
+def test_an_fp8_linears_output_may_be_changed_in_place():
+    """``fp8_linear``'s output of a 3-D input was a view made inside its autograd Function,
+    which torch refuses to let a model change in place (Llama 4's text model adds into a
+    projection's output); its gradients are those of the same in-place change on
+    ``torch.nn.functional.linear``'s output, up to fp8's error."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    w = torch.randn(32, 16, requires_grad=True)
+
+    def run(linear):
+        y = linear(x, w)
+        y.mul_(2.0).add_(1.0)
+        y.sum().backward()
+        grads = x.grad.clone(), w.grad.clone()
+        x.grad = w.grad = None
+        return grads
+
+    got = run(lambda a, b: fp8_linear(a, b, None, "tensorwise"))
+    want = run(torch.nn.functional.linear)
+    for g, r in zip(got, want):
+        assert (g - r).abs().max() <= 0.1 * r.abs().max(), (g - r).abs().max()

@@ -179,7 +179,7 @@ class _Fp8Linear(torch.autograd.Function):
             y = _mm(x8, sx, w8.t(), sw.t())
             if b is not None:
                 y = y + b.to(HP)
-            return y.reshape(*x.shape[:-1], w.shape[0])
+            return y          # (tokens, N): ``fp8_linear`` shapes it, outside the Function
 
     @staticmethod
     def backward(ctx, gy):
@@ -247,5 +247,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         raise ValueError(f"fp8_linear(w_fp8=True) under {scaling!r} with a weight that is no "
                          "fp8 gather's (ops.fp8.fp8_weight): only the tensorwise recipe's "
                          "ZeRO-3 gather gives one (passes/fp8_gathers.py)")
-    return _Fp8Linear.apply(x, w, b, RECIPES[scaling], tuple(map(tuple, x_shards)),
-                            tuple(map(tuple, w_shards)), tuple(map(tuple, out_shards)), w_fp8)
+    # the Function returns its 2-D product and the reshape runs outside it: an output that is
+    # a view made inside a custom Function may not be changed in place ("Output 0 of
+    # _Fp8Linear is a view and is being modified inplace": Llama 4's text model adds into
+    # a projection's output), one made by an ordinary reshape may
+    y = _Fp8Linear.apply(x, w, b, RECIPES[scaling], tuple(map(tuple, x_shards)),
+                         tuple(map(tuple, w_shards)), tuple(map(tuple, out_shards)), w_fp8)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
