@@ -120,7 +120,6 @@ def test_bad_recompute_requests_are_errors(captured):
     assert "stem.1" not in select_layers(rcap.gm, "full")
 
 
-
 def test_a_module_called_again_is_a_layer_only_where_it_reads_parameters():
     """A module called more than once is a repeated layer (ALBERT's shared layer), but only
     where each call reads a parameter: Gemma 3's rotary embedding, called once for its

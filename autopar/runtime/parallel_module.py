@@ -234,13 +234,13 @@ def refuse_frozen(model) -> None:
         return          # capture names it
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:
-        more = f" (and {len(frozen) - 3} more)" if len(frozen) > 3 else ""
+        named = ", ".join(map(repr, frozen[:3])) + (f" (and {len(frozen) - 3} more)"
+                                                    if len(frozen) > 3 else "")
+        which = f"parameters {named} have" if len(frozen) > 1 else f"parameter {named} has"
         raise ArgumentError(
-            f"parameter{'s' if len(frozen) > 1 else ''} {', '.join(map(repr, frozen[:3]))}{more} "
-            "ha" + ("ve" if len(frozen) > 1 else "s") + " requires_grad=False: autopar trains "
-            "every parameter of the model and does not yet leave frozen ones out; register a "
-            "constant as a buffer (module.register_buffer) instead, or unfreeze it "
-            "(p.requires_grad_(True))")
+            f"{which} requires_grad=False: autopar trains every parameter of the model and "
+            "does not yet leave frozen ones out; register a constant as a buffer "
+            "(module.register_buffer) instead, or unfreeze it (p.requires_grad_(True))")
 
 
 class ParallelModule(nn.Module):
