@@ -18,6 +18,8 @@ from torch import nn
 
 from autopar import first_step
 from autopar.capture import Captured, fingerprint
+from autopar.capture.align import same_graph_on_every_rank
+from autopar.capture.cache import caching
 from autopar.cost_models.local_devices import local_cluster
 from autopar.device import SHARE_GPUS_ENV, backend_for, gpus_shared, rank_device
 from autopar import elastic as _elastic
@@ -163,12 +165,14 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
           else contextlib.nullcontext((example_inputs, target))) as (example_inputs, target):
         if plan is not None:
             the_plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-            cap = capture_for_plan(model, example_inputs, loss_fn, target, the_plan)
+            cap = _capture_the_plans_graph(model, example_inputs, loss_fn, target, the_plan)
         else:
             the_plan, cap = _solve_once(model, example_inputs, loss_fn, target, world, every_rank=comm is not None,
                                         cluster=cluster if cluster is not None else _local_cluster(world),
                                         pins=pins, memory_budget=memory_budget, mesh_shape=mesh_shape,
                                         optimizer=optimizer)
+    if comm is None:        # the plan names nodes: every rank's in rank 0's order and names
+        same_graph_on_every_rank(cap)
     _validate(the_plan, cap, world)
     if comm is None:
         _check_shared_gpus(the_plan)
@@ -184,6 +188,21 @@ def parallelize(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | 
                  elastic=None if not elastic else _elastic.ElasticInfo(
                      info.world, info.data, the_plan.n_microbatches, info.global_batch,
                      time.perf_counter() - started, info.split))
+
+
+def _capture_the_plans_graph(model, example_inputs, loss_fn, target, the_plan: Plan) -> Captured:
+    """The graph ``the_plan`` was made on, captured here. A plan made from the capture
+    cache's graph (``autopar.capture.cache``, written by another process) can name the nodes
+    of another order than this process captures: code that iterates a set of strings
+    (transformers' masks per layer kind) follows the process's hash seed. Where the fresh
+    capture's fingerprint is not the plan's, the cached graph is read and taken if it is."""
+    cap = capture_for_plan(model, example_inputs, loss_fn, target, the_plan)
+    if fingerprint(cap) != the_plan.fingerprint:
+        with caching(True):
+            cached = capture_for_plan(model, example_inputs, loss_fn, target, the_plan)
+        if fingerprint(cached) == the_plan.fingerprint:
+            return cached
+    return cap
 
 
 def _refuse_hogwild(pins: Options) -> None:
@@ -296,7 +315,10 @@ def _validate(p: Plan, cap: Captured, world: int) -> None:
     if p.fingerprint != fp:
         raise PlanError(f"the plan was made for another graph (fingerprint {p.fingerprint}, this "
                         f"model gives {fp}): same model, example input shapes and loss? "
-                        "plan again with autopar.plan")
+                        "plan again with autopar.plan (a model whose code iterates a set, as "
+                        "transformers' masks per layer kind do, is captured in an order that "
+                        "follows PYTHONHASHSEED: set it alike where the plan is made and where "
+                        "it runs)")
 
 
 def _check_shared_gpus(p: Plan) -> None:

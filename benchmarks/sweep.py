@@ -266,8 +266,10 @@ def _gloo_runs(world: int, cases: list[Case], timeout: float, float64: bool = Fa
             why = ("timed out after {:.0f} s (the worker's watchdog: a hang?)".format(timeout)
                    if "Timeout (" in failed else "the gloo launch died in this case (crash)")
             raised = [(r, e) for r, e in errors if e["case"]["id"] == rest[0].id]
-            detail = failed[-4000:]
+            detail = failed[:8000]      # the ranks' stacks lead (launch.torchrun_cases)
             if raised:      # a rank raised, and its peers waited for it
+                # the first cause, not a peer's "connection closed" once that rank had gone
+                raised.sort(key=lambda re_: _secondary(re_[1]["error"]))
                 r, e = raised[0]
                 why = f"rank {r} raised {e['error'].splitlines()[0][:240]} (then {why})"
                 detail = e.get("trace", "") + "\n" + detail
@@ -275,6 +277,12 @@ def _gloo_runs(world: int, cases: list[Case], timeout: float, float64: bool = Fa
             rest = rest[1:]
         left = rest
     return results
+
+
+def _secondary(error: str) -> bool:
+    """Whether a rank's error only says a peer went away (gloo's words for it)."""
+    return any(w in error for w in ("Connection closed by peer", "Connection reset by peer",
+                                    "Broken pipe"))
 
 
 def _rank_errors(out: Path) -> list[tuple[int, dict]]:

@@ -38,7 +38,10 @@ import json
 import math
 import random
 import time
+import sys
 import traceback
+import types
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
@@ -506,8 +509,9 @@ def float64_references(b: zoo.Built, micro: int) -> tuple:
     """The fp32 references' float64 twins (``(None, None)`` for a model that cannot run in
     float64: no allowance)."""
     try:
-        return (reference(b, "sgd", None, micro, float64=True),
-                reference(b, "adamw", None, micro, float64=True))
+        with float64_casts(b.model):
+            return (reference(b, "sgd", None, micro, float64=True),
+                    reference(b, "adamw", None, micro, float64=True))
     except Exception:  # noqa: BLE001 - a model that cannot run in float64: no allowance
         return (None, None)
 
@@ -1032,6 +1036,47 @@ def double_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class _Float64Torch(types.ModuleType):
+    """``torch`` as a modeling file sees it under :func:`float64_casts`: its float32 is float64
+    (a twin has no other floats: 16-bit casts are left alone)."""
+
+    def __getattr__(self, name):
+        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
+
+
+_casts_kept = 0      # how deep :func:`float64_casts` is entered (threads, nested calls)
+
+
+@contextmanager
+def float64_casts(model: torch.nn.Module):
+    """While the float64 twin of ``model`` is captured, planned and run: the model's own
+    casts to float32 keep float64 (``x.float()`` of a float64 tensor, and ``torch.float32``
+    read by the files its modules' classes are defined in). Hugging Face models cast inside
+    (Qwen3-Next's gated delta rule and RMSNorms run in float32 whatever the weights are), and
+    a twin with them computes partly in fp32, whose rounding cancellation amplifies: Qwen3-Next
+    under ``tensor=2`` had its ``A_log`` gradient 4e-4 apart from one device in its "float64"
+    twin, and 1e-16 apart with its casts kept float64."""
+    global _casts_kept
+    names = {type(m).__module__ for m in model.modules()} - {None}
+    # those not entered already (an outer call restores its own)
+    files = [sys.modules[n] for n in sorted(names)
+             if not n.startswith("torch.") and getattr(sys.modules.get(n), "torch", None) is torch]
+    float_ = torch.Tensor.float
+    if _casts_kept == 0:
+        torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else float_(t, *a, **k)
+    _casts_kept += 1
+    for f in files:
+        f.torch = _Float64Torch("torch")
+    try:
+        yield
+    finally:
+        for f in files:
+            f.torch = torch
+        _casts_kept -= 1
+        if _casts_kept == 0:
+            torch.Tensor.float = float_
+
+
 def as_float64(b: zoo.Built) -> zoo.Built:
     """A copy of the model, its floating inputs and target in float64."""
     f64 = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
@@ -1040,19 +1085,20 @@ def as_float64(b: zoo.Built) -> zoo.Built:
 
 
 def float64_recheck(case: Case, r32: Result) -> Result:
-    """Plan and run ``case`` again with the model in float64, on thread ranks, against one
-    device in float64: a rule, rewrite or runtime that computes a different function shows
+    """Plan and run ``case`` again with the model in float64 (its own float32 casts too:
+    :func:`float64_casts`), on thread ranks, against one device in float64: a rule, rewrite or runtime that computes a different function shows
     at any precision, rounding does not. Passes (saying so) where every measure is within
     F64_TOL; else the fp32 failure stands, with the float64 numbers beside it."""
     from autopar.capture import capture
     t0 = time.perf_counter()
     try:
         b = as_float64(zoo.build(case.arch, case.batch, case.loss))
-        cap = capture(b.model, b.inputs, b.loss_fn, b.target)
-        plan, cap = plan_case(case, b, captured=cap)
-        micro = micro_batches(case, plan)
-        refs = (reference(b, "sgd", None, micro), reference(b, "adamw", None, micro), None, None)
-        r64 = judge(case, _thread_runs(case, b, plan, cap), refs, None, list(plan.mesh_shape), t0)
+        with float64_casts(b.model):
+            cap = capture(b.model, b.inputs, b.loss_fn, b.target)
+            plan, cap = plan_case(case, b, captured=cap)
+            micro = micro_batches(case, plan)
+            refs = (reference(b, "sgd", None, micro), reference(b, "adamw", None, micro), None, None)
+            r64 = judge(case, _thread_runs(case, b, plan, cap), refs, None, list(plan.mesh_shape), t0)
     except Exception as e:  # noqa: BLE001 - no recheck possible: the fp32 verdict stands
         return replace(r32, detail=f"{r32.detail}; float64 recheck failed: {first_line(e)}")
     return float64_verdict(r32, r64, time.perf_counter() - t0)
@@ -1145,11 +1191,22 @@ def bf16_twin_distances(case: Case, b: zoo.Built, cap, plan) -> dict:
 
 # ---- on torch.distributed ranks (tests/sweep_worker.py) ------------------------------------
 
-def run_dist(case: Case, float64: bool = False) -> dict:
+def run_dist(case: Case, float64: bool = False, group=None) -> dict:
     """Run ``case`` on this torchrun job's ranks (every rank calls it); every rank returns
     the same Result as a dict (rank 0's refusal or error; the worst rank's numbers).
-    ``float64``: the model, inputs and target in float64, judged by F64_TOL (the recheck of
-    a pipeline, which runs on gloo only: :func:`float64_verdict`)."""
+    ``float64``: the model, inputs and target in float64 (:func:`float64_casts`), judged by
+    F64_TOL (the recheck of a pipeline, which runs on gloo only: :func:`float64_verdict`). ``group``: where the
+    ranks' outcomes are gathered (``tests/worker_loop.verdict_group``), a group none of the
+    case's collectives use. A rank that fails inside ``parallelize`` raises at once (the
+    worker writes its error down) rather than wait to gather: its peers may be inside
+    ``parallelize``'s collectives, which would never end."""
+    if float64:         # the model's own float32 casts too
+        with float64_casts(_model_inputs(case).model):
+            return _run_dist(case, True, group)
+    return _run_dist(case, False, group)
+
+
+def _run_dist(case: Case, float64: bool, group) -> dict:
     import torch.distributed as dist
 
     import autopar
@@ -1197,10 +1254,8 @@ def run_dist(case: Case, float64: bool = False) -> dict:
         outcome = ("refused", first_line(e), "")
     except Refused as e:
         outcome = ("refused", str(e), "")
-    except Exception as e:  # noqa: BLE001 - reported
-        outcome = ("fail", first_line(e), traceback.format_exc()[-4000:])
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, outcome)
+    dist.all_gather_object(outcomes, outcome, group=group)
     if any(o is not None for o in outcomes):
         # rank 0 plans: its refusal is the case's; any other rank's error is a failure
         r = 0 if outcomes[0] is not None else next(i for i, o in enumerate(outcomes) if o)
@@ -1210,7 +1265,7 @@ def run_dist(case: Case, float64: bool = False) -> dict:
         return Result(case.id, status, msg, detail, seconds=time.perf_counter() - t0).to_json()
     # a rank without parameters: every rank says so before any optimizer is made
     empty = [None] * dist.get_world_size()
-    dist.all_gather_object(empty, not list(pms[0].parameters()))
+    dist.all_gather_object(empty, not list(pms[0].parameters()), group=group)
     if any(empty):
         _no_params_check(pms[0] if empty[rank] else _Empty(), empty.index(True))
     runs = []
@@ -1226,7 +1281,7 @@ def run_dist(case: Case, float64: bool = False) -> dict:
     if float64 and mine.status == "pass" and not within_f64(mine):
         mine = replace(mine, status="fail", message="float64: past F64_TOL")
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine.to_json())
+    dist.all_gather_object(every, mine.to_json(), group=group)
     bad = [r for r in every if r["status"] == "fail"]
     return bad[0] if bad else every[0]
 

@@ -238,6 +238,18 @@ def with_loss(model, inputs, target, kind: str, n_classes: int, hf: bool,
 
 # ---- Hugging Face builders -----------------------------------------------------------------
 
+def frozen_as_buffers(m):
+    """Every parameter with ``requires_grad=False`` made a buffer of its module, the fix
+    autopar's refusal of frozen parameters names (``runtime.parallel_module.refuse_frozen``):
+    ERNIE 4.5's MoE gate keeps its score-correction bias as such a parameter."""
+    for mod in m.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if not p.requires_grad:
+                delattr(mod, name)
+                mod.register_buffer(name, p.detach())
+    return m
+
+
 def skew_routers(m):
     """Zero every mixture-of-experts router (the module beside an experts module whose
     weight is [experts, hidden], and its biases): every score ties, so top-k sends every
@@ -391,7 +403,8 @@ HF_BUILDERS: dict[str, Callable] = {
                             num_experts_per_tok=2, **DEC),
     "ernie4_5_moe": causal_lm("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", moe_num_experts=4,
                               moe_k=2, moe_intermediate_size=32, moe_layer_start_index=0,
-                              pad_token_id=0, bos_token_id=None, eos_token_id=None, **DEC),
+                              pad_token_id=0, bos_token_id=None, eos_token_id=None,
+                              after=frozen_as_buffers, **DEC),
     # Qwen3-Next: a gated delta-net (linear attention) layer beside a full-attention one,
     # routed and shared experts
     "qwen3_next": causal_lm("Qwen3NextConfig", "Qwen3NextForCausalLM", head_dim=8, num_experts=4,
@@ -545,8 +558,9 @@ ZOO: dict[str, Entry] = {
     "deepseek_v3-skewed": _e("moe", HF_BUILDERS["deepseek_v3-skewed"], layers=3),
     "qwen2_moe": _e("moe", HF_BUILDERS["qwen2_moe"], LM_OWN),
     "granitemoe": _e("moe", HF_BUILDERS["granitemoe"]),
-    # (llama4, ernie4_5_moe and qwen3_next are built above but not drawn yet: the sweep's
-    # seed 79 failed 10 of their 23 cases; docs/equivalence.md, "Not drawn yet")
+    "llama4": _e("moe", HF_BUILDERS["llama4"]),
+    "ernie4_5_moe": _e("moe", HF_BUILDERS["ernie4_5_moe"]),
+    "qwen3_next": _e("moe", HF_BUILDERS["qwen3_next"]),
     "olmoe": _e("moe", HF_BUILDERS["olmoe"], LM_OWN),
     "gpt_oss": _e("moe", HF_BUILDERS["gpt_oss"]),
     "mamba": _e("state-space", HF_BUILDERS["mamba"], LM_OWN, tags=("tied",)),

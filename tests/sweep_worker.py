@@ -16,12 +16,12 @@ sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE),
 warnings.filterwarnings("ignore")
 
 import sweep_cases as sc  # noqa: E402
-from worker_loop import run_cases  # noqa: E402
+from worker_loop import run_cases, verdict_group  # noqa: E402
 
 
 def run_case(case: dict) -> dict:
     c = sc.Case.from_json({k: v for k, v in case.items() if k not in ("id", "float64")})
-    return sc.run_dist(c, float64=case.get("float64", False))
+    return sc.run_dist(c, float64=case.get("float64", False), group=verdict_group())
 
 
 if __name__ == "__main__":

@@ -10,7 +10,11 @@ every rank therefore prints the error at once (stderr) and writes it beside the 
 (``<out>.rank<r>.error``, the last case that failed on rank r), and a watchdog
 (``AUTOPAR_CASE_TIMEOUT`` seconds per case, default 240, pushed back by the time the rank's
 threads waited for a core: :class:`Watchdog`) dumps every thread's stack and exits, so a
-hang shows where each rank waits instead of ending in the test's timeout. The
+hang shows where each rank waits instead of ending in the test's timeout. The verdicts
+are gathered on a group of their own (:func:`verdict_group`): a rank that raised and
+reached the gather while its peers wait inside a collective of the case must not pair with
+that collective (it did, on the default group: the peer read a verdict as the case's
+object and failed with "too many values to unpack", and the real error was lost). The
 dump goes to ``<out>.rank<r>.stack`` (the launch's own log keeps only its tail, where the
 last rank's dump pushes out the first's), which ``launch.torchrun_cases`` shows on failure.
 """
@@ -92,11 +96,22 @@ class Watchdog:
                                                       file=self.file)
 
 
+_VERDICTS = None
+
+
+def verdict_group():
+    """The gloo group the loop (and ``sweep_cases.run_dist``) gathers verdicts on, made by
+    every rank at once in :func:`run_cases`: none of a case's collectives can pair with it."""
+    return _VERDICTS
+
+
 def run_cases(run_case: Callable[[dict], dict]) -> None:
     """``argv[1]``: the cases as JSON; ``argv[2]``: where rank 0 writes the results."""
+    global _VERDICTS
     cases = json.loads(sys.argv[1])
     out = sys.argv[2]
     dist.init_process_group("gloo")
+    _VERDICTS = dist.new_group(backend="gloo")
     rank = dist.get_rank()
     if rank == 0:
         with open(out, "w") as f:
@@ -130,7 +145,7 @@ def run_cases(run_case: Callable[[dict], dict]) -> None:
         res["seconds"] = round(time.perf_counter() - t0, 3)
         res["cpu"] = round(_cpu() - c0, 3)     # this rank's CPU seconds, its children's too
         verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, res)
+        dist.all_gather_object(verdicts, res, group=_VERDICTS)
         watchdog.cancel()
         if rank == 0:
             bad = [v for v in verdicts if not v["ok"]]

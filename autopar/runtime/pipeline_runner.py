@@ -351,7 +351,10 @@ class PipelineRunner:
 
     def _example(self, shape, dtype, requires_grad: bool) -> torch.Tensor:
         t = torch.zeros(shape, dtype=dtype, device=self.device)
-        return t.requires_grad_(requires_grad and dtype.is_floating_point)
+        # a complex value carries a gradient too (Llama 4's rotary table, computed on one
+        # stage and read on the next): split_stages says which do; a receive that took none
+        # left its sender a gradient of None for a value that needed one
+        return t.requires_grad_(requires_grad and (dtype.is_floating_point or dtype.is_complex))
 
     def _schedules(self, plan: Plan):
         m = self.n_microbatches

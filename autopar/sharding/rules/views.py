@@ -90,6 +90,16 @@ def shape_arg_local(call: OpCall, combo, mesh_shape):
     return call.op, args, kwargs
 
 
+@register_local(*ops("squeeze"))
+def squeeze_all_local(call: OpCall, combo, mesh_shape):
+    """``squeeze(x)`` drops every dim of size 1, and a dim sharded to one row per rank is of
+    size 1 locally (global ``[4, 1]`` as ``S(0)`` on 4 ranks: ``[1, 1]``, squeezed to ``[]``
+    where the output's local shape is ``[1]``): the local op names the dims of global size 1."""
+    x = call.inputs[0]
+    dims = [d for d in range(x.ndim) if x.shape[d] == 1]
+    return torch.ops.aten.squeeze.dims, (call.args[0], dims), {}
+
+
 @register_local(*ops("unflatten.int"))
 def unflatten_local(call: OpCall, combo, mesh_shape):
     x = call.inputs[0]
