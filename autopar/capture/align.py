@@ -9,12 +9,12 @@ orders, under other node names (``zeros`` on one rank is ``zeros_1`` on the othe
 made on rank 0 then names other nodes on those ranks (its fingerprint does not match there).
 
 :func:`same_graph_on_every_rank` gathers the ranks' fingerprints; where they differ, rank 0
-sends each node's name and structural key in its order, and every other rank moves and
-renames its nodes to match. A node's key is a hash of its op, its target, its value's
-shape and dtype, its constant arguments and its arguments' keys (a Merkle hash over the
-graph): two nodes with one key compute the same value from the same inputs, so which of them
-takes which name does not matter (each node is then made to read the nodes its twin on
-rank 0 reads). A rank whose graph has a node rank 0's lacks (another
+sends each node's name, structural key and the names it reads, in its order, and every other
+rank moves, renames and rewires its nodes to match. A node's key is a hash of its op, its
+target, its value's shape and dtype, its constant arguments and its arguments' keys (a
+Merkle hash over the graph): two nodes with one key compute the same value from the same
+inputs, so which of them takes which name does not matter (each node is then made to read
+the nodes its twin on rank 0 reads). A rank whose graph has a node rank 0's lacks (another
 model, other shapes) cannot be matched: every rank raises the same error, none waits for
 the others.
 """
@@ -104,8 +104,8 @@ def align(cap: Captured, reference: list[tuple[str, str, list[str]]]) -> None:
 
 
 def same_graph_on_every_rank(cap: Captured) -> None:
-    """Align every rank's ``cap`` to rank 0's (module docstring); every rank calls it. Two
-        one collective where the fingerprints agree (their gather), three where they do not."""
+    """Align every rank's ``cap`` to rank 0's (module docstring); every rank calls it: one
+    collective where the fingerprints agree (their gather), three where they do not."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     prints: list = [None] * dist.get_world_size()
