@@ -1,8 +1,7 @@
 """``tests/sweep_worker.py`` with each rank under its own ``PYTHONHASHSEED`` (rank r under the
 r-th of ``AUTOPAR_TEST_HASH_SEEDS``, default ``0,99``; the rank re-executes itself to take
-it, keeping its pid for torchrun), so
-Python code that iterates a set of strings runs in another order on each
-(``tests/test_capture_align.py``). Each case's result also holds every rank's fingerprint
+it, keeping its pid for torchrun), so Python code that iterates a set of strings runs in
+another order on each (``tests/test_capture_align.py``). Each case's result also holds every rank's fingerprint
 of its own capture of the model, before any alignment (``raw_fingerprints``)."""
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 torchrun starts each rank with its own hash seed, and Python code that iterates a set of
 strings (transformers' masks per layer kind) then runs in another order on another rank:
 the same computation captured as another graph, under other node names, which a plan made
-on rank 0 does not fit. Rank 1 of the gloo test below runs under another ``PYTHONHASHSEED``
-than rank 0 and captures Llama 4 in another order (the worker checks it did); the plan must
-still train as one device does.
+on rank 0 does not fit. The ranks of the gloo test below run under different
+``PYTHONHASHSEED``s and capture Llama 4 in different orders (the worker checks they did);
+the plan must still train as one device does.
 """
 from __future__ import annotations
 
@@ -43,14 +43,12 @@ class TwoMasks(torch.nn.Module):
 
 def _captured(flip: bool, rows: int = 4, width: int = 8):
     torch.manual_seed(0)
-    model = TwoMasks(flip, width)
-    x = torch.randn(rows, width)
-    return capture(model, (x,), lambda out, y: ((out - y) ** 2).mean(), torch.randn(rows, width)), model, x
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
+    return capture(TwoMasks(flip, width), (x,), lambda out, t: ((out - t) ** 2).mean(), y)
 
 
 def test_a_graph_captured_in_another_order_takes_rank_0s_order_and_names():
-    ref, _, _ = _captured(False)
-    cap, _, _ = _captured(True)
+    ref, cap = _captured(False), _captured(True)
     assert fingerprint(cap) != fingerprint(ref)
     before = {n.name: n.meta["val"].shape for n in cap.gm.graph.nodes if n.name.startswith("zeros")}
     torch.manual_seed(1)
@@ -73,8 +71,7 @@ def _first(out):
 
 
 def test_a_graph_that_differs_in_more_than_order_is_refused_by_name():
-    ref, _, _ = _captured(False, width=8)
-    cap, _, _ = _captured(True, width=6)
+    ref, cap = _captured(False, width=8), _captured(True, width=6)
     with pytest.raises(CaptureError, match="rank 0's graph has node"):
         align(cap, layout(ref))
 
