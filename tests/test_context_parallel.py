@@ -188,6 +188,46 @@ def test_a_dim_as_long_as_the_sequence_that_is_not_it_keeps_its_order():
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+class _OwnLoss(nn.Module):
+    """A causal LM with its loss inside, as transformers' ``ForCausalLMLoss``: the labels
+    padded and shifted one position in sequence order, flattened, then moved with
+    ``.to(logits.device)`` (a cast node between the flatten and the loss); ``extra`` adds a
+    pointwise op on the flattened labels, which no view chain traces back to the sequence."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, extra: bool = False):
+        super().__init__()
+        self.emb, self.out, self.extra = nn.Embedding(vocab, dim), nn.Linear(dim, vocab), extra
+
+    def forward(self, ids, labels):
+        logits = self.out(torch.tanh(self.emb(ids))).float()
+        shifted = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        flat = shifted.view(-1).to(logits.device)
+        if self.extra:
+            flat = flat * 1
+        return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), flat, ignore_index=-100)
+
+
+def test_labels_shifted_inside_the_model_meet_the_stream_in_the_balanced_order():
+    """Every model's own loss under context= was wrong (GPT-2, Llama, Qwen3; sweep case
+    gpt2:context:79711, gradients 1.5 off): the shifted labels reach the loss through
+    ``.to(device)`` after their flatten, the walk back to their sequence dim stopped at the
+    cast, and the labels met the balanced logits in sequence order. The balanced graph on
+    one device computes the loss and gradients of the graph in sequence order; a label
+    tensor whose sequence dim no view chain finds is refused, naming the node."""
+    torch.manual_seed(0)
+    model = _OwnLoss()
+    ids, labels = torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16))
+    cap = capture(model, (ids, labels))
+    want, want_grads = _loss_and_grads(cap, model, (ids, labels))
+    for c in (2, 4):
+        got, grads = _loss_and_grads(balanced_copy(cap, c), model, (ids, labels))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(PinError, match=r"node mul.*follows the sequence's length"):
+        balanced_copy(capture(_OwnLoss(extra=True), (ids, labels)), 2)
+
+
 def test_context_pins_are_checked():
     with pytest.raises(PinError, match="context_attention"):
         autopar.Options.from_pins(context=2, context_attention="ulysses")

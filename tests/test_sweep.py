@@ -102,6 +102,10 @@ CASES: list[tuple[sc.Case, str | None]] = [
     # reordered as positions, each head reading another's slopes (gradients 23% off; the
     # seed-2026 sweep's case)
     (sc.parse_case_id("bloom:context:774277"), None),
+    # GPT-2's own loss (labels shifted inside the model, then .to(device)) under context 2
+    # x tensor 2: the labels met the balanced logits in sequence order (gradients 1.5 off;
+    # the seed-1208 sweep's case)
+    (sc.parse_case_id("gpt2:context:79711"), None),
     (C("phi", "offload", 2, "mean", {"data": 2, "offload": "disk"}), None),
     # fp8 (issue 43) against one device running the same recipe on the plan's row blocks
     # (benchmarks/sweep_fp8.py): ZeRO-3 tensorwise gathers the weights in fp8; tensor

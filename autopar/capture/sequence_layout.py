@@ -24,7 +24,8 @@ product with the queries, the targets at the loss. Which dims run over the seque
 not read from their length (BLOOM's ALiBi bias is [batch * heads, 1, seq], its first dim
 as long as the sequence at 4 x 4 = 16) but from the graph run again at another length on
 the meta device (``autopar.capture.sequence_dims``); a tensor it cannot tell is refused. A value that has lost its sequence dim
-by a view (targets flattened for a cross-entropy) is reordered before the view. Attention's
+by a view (targets flattened for a cross-entropy, then cast) is reordered before the view;
+one whose shape follows the sequence's length through other ops is refused. Attention's
 mask is reordered on its rows only: the context-parallel attention reads its columns in
 sequence order, a key block's positions being known (``context_attention``'s balanced
 layout). The model's outputs are put back in sequence order (``inverse``).
@@ -55,8 +56,10 @@ _LAYOUT: contextvars.ContextVar[int | None] = contextvars.ContextVar("autopar_se
 
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
          aten.flatten.using_ints, aten.alias.default, aten.clone.default,
-         aten.contiguous.default, aten.unsqueeze.default, aten.squeeze.dim}
-"""Ops that may carry a sequence dim into a shape without it (the targets' flatten)."""
+         aten.contiguous.default, aten.unsqueeze.default, aten.squeeze.dim,
+         aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default}
+"""Ops that may carry a sequence dim into a shape without it (the targets' flatten), and the
+casts between them (transformers' loss casts its flattened targets: ``to(int64)``)."""
 
 IN_ORDER = {aten.cumsum.default, aten.cumprod.default, aten.diff.default, aten.roll.default,
             aten.flip.default, aten.constant_pad_nd.default, aten.pad.default,
@@ -231,6 +234,13 @@ def _reordered(graph, a: torch.fx.Node, probe: SequenceDims, perm, made: dict, u
         if isinstance(xv, torch.Tensor) and any(s == seq for s in xv.shape):
             break
     else:
+        if probe.dims(a) is None:    # its shape follows the sequence, and no view chain says how
+            raise PinError(
+                f"context=: node {a.name} (shape {list(val.shape)}), computed from the inputs, meets "
+                f"the token stream at {user.name}, and its shape follows the sequence's length "
+                f"through ops autopar cannot trace back to a dim of the sequence (a view chain "
+                f"of {sorted(str(v) for v in VIEWS)}), so it cannot be put in the balanced "
+                "order (autopar.capture.sequence_layout); plan without context=")
         return a
     key = (a.name, "view")
     if key in made:
