@@ -167,6 +167,17 @@ def _loss_and_grads(cap, model, inputs):
     return loss.detach(), torch.autograd.grad(loss, list(state.values()))
 
 
+def _balanced_equals_sequence_order(cap, model, inputs):
+    """The graph in the balanced order of 2 and of 4 ranks, run on one device, gives the
+    loss and every gradient of ``cap`` in sequence order."""
+    want, want_grads = _loss_and_grads(cap, model, inputs)
+    for c in (2, 4):
+        got, grads = _loss_and_grads(balanced_copy(cap, c), model, inputs)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_a_dim_as_long_as_the_sequence_that_is_not_it_keeps_its_order():
     """BLOOM's ALiBi rows (batch x heads = 4 x 4 = 16 positions) were reordered as positions
     under context=4, each head reading another's slopes: its attention weights' gradients
@@ -180,12 +191,7 @@ def test_a_dim_as_long_as_the_sequence_that_is_not_it_keeps_its_order():
     alibi = next(n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.baddbmm.default).args[0]
     assert list(alibi.meta["val"].shape) == [16, 1, 16]
     assert SequenceDims(cap.gm.graph, 16, 8).dims(alibi) == [2]      # positions: the last dim only
-    want, want_grads = _loss_and_grads(cap, model, (ids, target))
-    for c in (2, 4):
-        got, grads = _loss_and_grads(balanced_copy(cap, c), model, (ids, target))
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-        for g, w in zip(grads, want_grads):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    _balanced_equals_sequence_order(cap, model, (ids, target))
 
 
 class _OwnLoss(nn.Module):
@@ -218,12 +224,7 @@ def test_labels_shifted_inside_the_model_meet_the_stream_in_the_balanced_order()
     model = _OwnLoss()
     ids, labels = torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16))
     cap = capture(model, (ids, labels))
-    want, want_grads = _loss_and_grads(cap, model, (ids, labels))
-    for c in (2, 4):
-        got, grads = _loss_and_grads(balanced_copy(cap, c), model, (ids, labels))
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-        for g, w in zip(grads, want_grads):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    _balanced_equals_sequence_order(cap, model, (ids, labels))
     with pytest.raises(PinError, match=r"node mul.*follows the sequence's length"):
         balanced_copy(capture(_OwnLoss(extra=True), (ids, labels)), 2)
 
