@@ -238,8 +238,8 @@ def _reordered(graph, a: torch.fx.Node, probe: SequenceDims, perm, made: dict, u
             raise PinError(
                 f"context=: node {a.name} (shape {list(val.shape)}), computed from the inputs, meets "
                 f"the token stream at {user.name}, and its shape follows the sequence's length "
-                f"through ops autopar cannot trace back to a dim of the sequence (a view chain "
-                f"of {sorted(str(v) for v in VIEWS)}), so it cannot be put in the balanced "
+                f"through ops autopar cannot trace back to a dim of the sequence (only views and "
+                "casts: sequence_layout.VIEWS), so it cannot be put in the balanced "
                 "order (autopar.capture.sequence_layout); plan without context=")
         return a
     key = (a.name, "view")
