@@ -105,8 +105,8 @@ from .families import (
     VIEW, family, op_name,
 )
 
-__all__ = ["FUSABLE", "UNKNOWN_OPS", "bytes_moved", "efficiency", "family", "flops", "node_time",
-           "op_name"]
+__all__ = ["FUSABLE", "UNKNOWN_OPS", "bytes_moved", "efficiency", "family", "flops", "moved_bytes",
+           "node_time", "op_name"]
 
 FUSABLE = frozenset((ELEMENTWISE, BINARY, ADD, DROPOUT, NORM, RMS_NORM, SOFTMAX, REDUCTION))
 """Families Inductor fuses into their producer's kernel when compiled (module docstring)."""
@@ -339,6 +339,15 @@ def _half(m):
     if m.dtype == torch.float32:
         return type(m)(m.shape, torch.bfloat16)
     return m
+
+
+def moved_bytes(m, device: Device, dtype_key: str | None, native: bool = False) -> int:
+    """Bytes :func:`node_time` moves for tensor ``m`` read or written once: at 16 bits where
+    it is a 32-bit float under a 16-bit ``dtype_key`` on a GPU (mixed precision), unless
+    ``native``."""
+    if dtype_key in ("bf16", "fp16") and device.sms and not native:
+        m = _half(m)
+    return _nbytes(m)
 
 
 # Output tiles cuBLAS chooses among, largest first (NVIDIA "Matrix Multiplication

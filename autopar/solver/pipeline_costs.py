@@ -44,6 +44,7 @@ from autopar.capture import Captured
 from autopar.capture.graph import op_names
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.host import node_dispatches
+from autopar.ops.experts import EXPERTS_OP
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.activation_offload import copy_s
 from autopar.pricing.costing import COPY_OUT, INF, grad_partial_flags
@@ -127,6 +128,25 @@ class NodeCosts:
     node_forward_a2a: dict = field(default_factory=dict)
     """Graph node -> the forward all-to-all seconds of ``expert_a2a`` (run again when it is
     recomputed)."""
+    weight_floor: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per chain node: the seconds of ``compute`` a micro-batch takes at least however few
+    its samples: its GEMMs' reads of their weights (``CostModel.floor_s``: forward and
+    backward, a recomputed forward again), and the whole of an op not computed from the
+    batch (a weight's cast). Priced per sample from a larger batch, DeepSeek-V3's experts
+    on 64 data-parallel ranks at one sample each were 1.10 s against their own 2.54 s (2.04
+    with their kernels, 2.69 with the floors too); the stage DP adds what the floor exceeds
+    (``LayerCosts.time_floors``). Empty: none."""
+    node_forward_floor: dict = field(default_factory=dict)
+    """Graph node -> the forward's part of ``weight_floor`` (what recomputing it adds)."""
+    kernels: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per chain node: the kernels a micro-batch of it launches, each paying ``launch``
+    whatever its size (:meth:`fixed`): an experts op's one GEMM per local expert and weight
+    stack, forward and twice backward (``CostModel.kernels``; DeepSeek-V3's 128 experts a
+    rank, of two stacks each, launch 768 a layer, 1,024 recomputed), three for any other
+    node. Empty: three each."""
+    node_forward_kernels: dict = field(default_factory=dict)
+    """Graph node -> the forward's part of ``kernels`` where it is not one (an experts op:
+    what recomputing it launches again)."""
     host_calls: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per chain node: the ATen calls an eager program dispatches for one micro-batch of
     it, forward and backward, and the forward again where it is recomputed
@@ -143,12 +163,18 @@ class NodeCosts:
         comm = self.comm.copy()
         fixed_comm = self.fixed_comm.copy() if len(self.fixed_comm) else np.zeros(len(comm))
         calls = self.host_calls.copy() if len(self.host_calls) else self.host_calls
+        floor = self.weight_floor.copy() if len(self.weight_floor) else self.weight_floor
+        kernels = self.kernels.copy() if len(self.kernels) else self.kernels
         rebuilt = 0.0
         a2a = self.expert_a2a
         for name, i in where.items():      # graph order: sums that do not move with the hash seed
             if name not in rec or name in self.node_offloaded:    # (offloaded: not both)
                 continue
             compute[i] += self.node_forward.get(name, 0.0)
+            if len(floor):
+                floor[i] += self.node_forward_floor.get(name, 0.0)
+            if len(kernels):
+                kernels[i] += self.node_forward_kernels.get(name, 0)
             if name in self.node_forward_a2a:
                 a2a = a2a.copy() if a2a is self.expert_a2a else a2a
                 a2a[i, 1] += self.node_forward_a2a[name]
@@ -167,6 +193,7 @@ class NodeCosts:
                       for c, by in a2a_by.items()}
         return replace(self, compute=compute, comm=comm, activations=np.maximum(act, 0.0), recomputed=flag,
                        host_calls=calls, fixed_comm=fixed_comm, expert_a2a=a2a, expert_a2a_by=a2a_by,
+                       weight_floor=floor, kernels=kernels,
                        recompute_bytes=max(self.recompute_bytes, rebuilt / max(len(layers), 1)))
 
     @property
@@ -176,14 +203,31 @@ class NodeCosts:
 
     def fixed(self) -> np.ndarray:
         """The part of ``time`` that does not shrink with the micro-batch: kernel launch and
-        fill (about three kernels per op node: its forward and two backward), the latency of
+        fill (``kernels``: about three per op node, its forward and two backward; an experts
+        op's per expert), the latency of
         its collectives, and the conversions of values not computed from the batch
         (``fixed_comm``: ZeRO-3's gathers, the same bytes for any micro-batch; priced per
         sample, a stage of 20 micro-batches under ZeRO-3 was predicted at a third of its
         planned step: DeepSeek-V3's p = 8, 31.5 s against 110 s)."""
-        c = np.where(self.compute > 0, np.minimum(self.compute, 3 * self.launch), 0.0)
+        c = np.where(self.compute > 0, np.minimum(self.compute, self._kernel_s()), 0.0)
         fixed = self.comm_latency + self.fixed_comm if len(self.fixed_comm) else self.comm_latency
         return c + np.minimum(self.comm, fixed)
+
+    def _kernel_s(self):
+        """Per chain node, its kernels' launches (``kernels`` x ``launch``)."""
+        return self.kernels * self.launch if len(self.kernels) else 3 * self.launch
+
+    def time_floors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(chain node, per-sample seconds, floor seconds) of the chain nodes with a
+        ``weight_floor``: the per-sample part of their ``compute`` (what :meth:`fixed` leaves
+        of it, over the batch) and their floor, at most that part at this batch, so a
+        micro-batch of the captured size costs what it did; None where none has one."""
+        if not len(self.weight_floor) or not self.weight_floor.any():
+            return None
+        linear = self.compute - np.where(self.compute > 0, np.minimum(self.compute, self._kernel_s()), 0.0)
+        nodes = np.flatnonzero(self.weight_floor > 0)
+        return (nodes, linear[nodes] / self.batch,
+                np.minimum(self.weight_floor[nodes], linear[nodes]))
 
     def state(self, starts=None) -> np.ndarray:
         """Bytes of parameters, gradients, optimizer state and buffers per unit (chain nodes
@@ -353,7 +397,10 @@ def node_costs(cap: Captured, solved, local_bytes, axes=None) -> NodeCosts:
                      node_activations=acc.node_act, node_forward_comm=acc.node_fwd_comm,
                      node_forward_comm_by=acc.node_fwd_comm_by,
                      expert_a2a=acc.a2a, node_forward_a2a=acc.node_a2a, expert_a2a_by=acc.a2a_by,
-                     params=params, host_calls=host_calls(cap, units, solved.cost.recompute))
+                     params=params, host_calls=host_calls(cap, units, solved.cost.recompute),
+                     weight_floor=acc.floor, node_forward_floor=acc.node_floor,
+                     kernels=acc.kernels if acc.node_kernels else np.zeros(0),
+                     node_forward_kernels=acc.node_kernels)
 
 
 def host_calls(cap: Captured, units: list[str], recomputed=frozenset()) -> np.ndarray:
@@ -433,6 +480,12 @@ class _Acc:
         self.L, self.where = L, chain_index(cap, units)
         self.compute, self.comm, self.sync, self.act, self.alpha, self.fixed = (np.zeros(L) for _ in range(6))
         self.batch_free = _not_from_batch(cap)      # their conversions: fixed per micro-batch
+        # op -> its inputs (``call.inputs`` indices) not computed from the batch: its weights
+        fixed_inputs: dict[str, set[int]] = {}
+        for e in pt.problem.edges:
+            if e.src in self.batch_free:
+                fixed_inputs.setdefault(e.dst, set()).add(e.dst_in)
+        self.fixed_inputs = {k: tuple(sorted(x)) for k, x in fixed_inputs.items()}
         self.node_fwd_fixed: dict = {}
         self.comm_by = [{} for _ in range(L)]
         self.sync_by = [{} for _ in range(L)]
@@ -445,6 +498,8 @@ class _Acc:
         self.node_forward, self.node_act, self.node_fwd_comm = {}, {}, {}
         self.node_fwd_comm_by: dict = {}
         self.a2a, self.node_a2a, self.a2a_by = np.zeros((L, 2)), {}, {}   # experts ops' all-to-alls
+        self.floor, self.node_floor = np.zeros(L), {}    # ``NodeCosts.weight_floor``
+        self.kernels, self.node_kernels = np.full(L, 3.0), {}      # ``NodeCosts.kernels``
         self.rec_bytes = 0.0
         self._latency: dict = {}      # (collective, axis) -> ``latency``, asked per edge
 
@@ -475,6 +530,14 @@ class _Acc:
                 continue
             f, b = price.forward_s, price.backward_s
             mem = price.memory.get("activations", 0.0)
+            # the seconds of a call that do not shrink with its batch: the whole of an op
+            # not computed from it, else its weights' reads (forward once, backward twice)
+            if name in self.batch_free:
+                floor_f, floor = f, f + b
+            else:
+                floor_f, floor_b = cost.floor_s(v, v.options[i], self.fixed_inputs.get(name, ()))
+                floor = floor_f + floor_b
+            kernels = cost.kernels(v, v.options[i]) if v.call.op is EXPERTS_OP else None
             # its own all-to-alls (an experts op's dispatch and combine), inside f and b
             own = cost.node_comm(v, v.options[i])
             a2a = (sum(t[0] for t in own.values()), sum(t[1] for t in own.values()))
@@ -491,6 +554,12 @@ class _Acc:
                 off = member in cost.act_offload and member not in cost.act_offload_kept
                 self.node_forward[member], self.node_act[member] = f, mem
                 self.compute[c] += f + b + (f if rec else 0.0)
+                if floor:
+                    self.floor[c] += floor + (floor_f if rec else 0.0)
+                    self.node_floor[member] = floor_f
+                if kernels is not None:     # an experts op's, in place of three
+                    self.kernels[c] += kernels[0] + kernels[1] - 3 + (kernels[0] if rec else 0)
+                    self.node_kernels[member] = kernels[0]
                 if a2a[0] or a2a[1]:
                     self.a2a[c] += (a2a[0], a2a[1] + (a2a[0] if rec else 0.0))
                     self.node_a2a[member] = a2a[0]

@@ -145,7 +145,16 @@ class Priced:
                           host_time=seg(self.host_calls()) * self.host_op_s,
                           host_step_time=self.optimizer_calls * self.host_op_s,
                           grad_boundary_bytes=nc.cross_grad[self.positions - 1] / b
-                          if len(nc.cross_grad) else None)
+                          if len(nc.cross_grad) else None,
+                          time_floors=self._unit_floors())
+
+    def _unit_floors(self):
+        """``NodeCosts.time_floors`` with each chain node's DP unit in place of its index."""
+        got = self.nc.time_floors()
+        if got is None:
+            return None
+        nodes, per, floor = got
+        return np.searchsorted(self.bounds[:-1], nodes, side="right") - 1, per, floor
 
     def extra_memory(self) -> float:
         """Bytes every rank may hold besides state and activations: the recompute transient,

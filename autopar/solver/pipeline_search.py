@@ -297,7 +297,8 @@ def step_floor(pr: Priced, p: int, batch: int, pins: Options, allowed_m=None) ->
     the cuts and schedule, the busiest of the p ranks runs each of the m micro-batches
     through its stages, at least 1/p of every layer's time and at least the longest layer
     (per micro-batch: its share of the batch, plus its fixed time), and the simulated
-    timeline cannot be shorter than that; the gradient sync only adds. The least over the
+    timeline cannot be shorter than that (each layer's floors at that micro-batch included:
+    ``LayerCosts.micro_batch_time``); the gradient sync only adds. The least over the
     micro-batch counts the pins and ``allowed_m`` leave; -inf when they leave none. The
     busiest rank's host dispatches (``LayerCosts.host_floor``) are such a floor too."""
     costs = pr.layer_costs()
@@ -311,7 +312,7 @@ def step_floor(pr: Priced, p: int, batch: int, pins: Options, allowed_m=None) ->
         except ValueError:
             return -math.inf      # let ``_choose`` raise what the pins cannot run
         for c in candidates:
-            layer = costs.time * (batch / c.m) + costs.fixed_time
+            layer = costs.micro_batch_time(batch / c.m)
             floor = min(floor, max(c.m * max(float(layer.sum()) / c.p, float(layer.max())),
                                    costs.host_floor(c.p, c.m)))
     return floor

@@ -84,9 +84,12 @@ a fixed per-micro-batch part (``LayerCosts.fixed_time``) that does neither, the 
 cost per action and its cuts' messages:
 
     c[k, j, i] = b / d * sum_{l=j}^{i-1} t_l + sum_{l=j}^{i-1} f_l + A * a
-                 + 2 alpha (n_j + n_i)                        (inf where over memory)
+                 + 2 alpha (n_j + n_i) + sum_{ops o in j..i-1} max(0, w_o - s_o b / d)
+                                                              (inf where over memory)
 
-for A actions per micro-batch (2; 3 under zero bubble) of ``action_time`` a each, n_j
+where the last sum is each op's floor (``LayerCosts.time_floors``: a GEMM reads its weights
+w_o seconds however few its rows, counted in t at s_o a sample), for A actions per
+micro-batch (2; 3 under zero bubble) of ``action_time`` a each, n_j
 tensors crossing the cut before layer j (``boundary_tensors``; n_0 = n_L = 0: no cut) and
 alpha = ``message_time``; once per step each rank all-reduces its layers' ``sync_bytes``
 over its sub-mesh (ring, not overlapped), which is what makes a data-parallel sub-mesh cost
@@ -522,6 +525,8 @@ def _fingerprint(costs: LayerCosts) -> bytes:
     h.update(np.asarray(costs.host_time, dtype=float).tobytes())
     grads = costs.grad_boundary_bytes
     h.update(b"-" if grads is None else b"g" + np.asarray(grads, dtype=float).tobytes())
+    for arr in costs.time_floors or ():
+        h.update(b"f" + np.asarray(arr).tobytes())
     h.update(np.array([costs.action_time, costs.message_time, costs.forward_fraction,
                        costs.weight_fraction, costs.host_step_time], dtype=float).tobytes())
     return h.digest()
@@ -531,7 +536,7 @@ def _lower_bound(c: Candidate, *, costs: LayerCosts, n_devices: int, global_batc
                  split: tuple[float, float, float], sync_bw: float) -> float:
     """Lower bound of candidate c's step (perfect balance, no transfers) to prune with: the
     step grows with the slowest rank R, which is at least the mean and the largest layer."""
-    layer = costs.time * (global_batch / c.m / (n_devices // c.p)) + costs.fixed_time
+    layer = costs.micro_batch_time(global_batch / c.m / (n_devices // c.p))
     busy = float(layer.sum())
     slowest = max(busy / c.p, float(layer.max()))
     sync = ring_factor(n_devices // c.p) * float(costs.sync_bytes.sum()) / c.p / sync_bw
@@ -544,7 +549,7 @@ def _busiest_floor(c: Candidate, costs: LayerCosts, n_devices: int, global_batch
     rank runs m micro-batches of its stages one action at a time, and holds at least 1/p
     of the layers' time and at least the longest layer (a stage's time is at least its
     layers'; transfers, latency and the bubble only add)."""
-    layer = costs.time * (global_batch / c.m / (n_devices // c.p)) + costs.fixed_time
+    layer = costs.micro_batch_time(global_batch / c.m / (n_devices // c.p))
     return max(c.m * max(float(layer.sum()) / c.p, float(layer.max())), costs.host_floor(c.p, c.m))
 
 

@@ -65,6 +65,13 @@ class LayerCosts:
     """Of ``boundary_bytes``, the bytes per sample of the values a gradient comes back
     through (computed from a parameter), cut by cut. Given, a stage's memory counts the
     pipeline runtime's receive buffers (``stage_dp``'s memory model); None: not counted."""
+    time_floors: tuple | None = None
+    """(layer, per_sample, floor): three equal-length arrays, one entry per op whose
+    micro-batch takes at least ``floor`` seconds however few its samples (a GEMM reading
+    its weights; ``pipeline_costs.NodeCosts.weight_floor``), in ``layer``, whose ``time``
+    counts it at ``per_sample`` seconds a sample. A micro-batch of b samples then costs
+    that layer ``max(0, floor - per_sample * b)`` more (:meth:`floor_excess`). None: no
+    such op (``time`` is linear in the micro-batch)."""
 
     def __post_init__(self):
         for name in ("fixed_time", "sync_bytes", "host_time"):
@@ -103,6 +110,15 @@ class LayerCosts:
             if name in arrays and arrays[name].shape[0] != n - 1:
                 raise ValueError(f"LayerCosts.{name} needs one entry per cut point ({n - 1} for "
                                  f"{n} layers), got {arrays[name].shape[0]}")
+        if self.time_floors is not None:
+            floors = tuple(np.asarray(a, dtype=t) for a, t in zip(self.time_floors, (np.int64, float, float)))
+            if len({len(a) for a in floors}) != 1 or any(a.ndim != 1 for a in floors) \
+                    or ((floors[0] < 0) | (floors[0] >= n)).any() \
+                    or not all(np.isfinite(a).all() and (a >= 0).all() for a in floors[1:]):
+                raise ValueError("LayerCosts.time_floors must be three one-dimensional arrays of "
+                                 "equal length: layer indices in range, finite per-sample and "
+                                 "floor seconds >= 0")
+            object.__setattr__(self, "time_floors", floors)
         if not (0 < self.forward_fraction < 1 and 0 <= self.weight_fraction <= 1):
             raise ValueError("forward_fraction must be in (0, 1) and weight_fraction in [0, 1]")
         for name, arr in arrays.items():
@@ -112,6 +128,21 @@ class LayerCosts:
     @property
     def n_layers(self) -> int:
         return len(self.time)
+
+    def floor_excess(self, samples: float) -> np.ndarray:
+        """Per layer, the seconds a micro-batch of ``samples`` samples (per device) takes
+        beyond ``time * samples + fixed_time``: each of :attr:`time_floors`' ops'
+        ``floor - per_sample * samples`` where positive (zeros without floors)."""
+        if self.time_floors is None:
+            return np.zeros(self.n_layers)
+        layer, per, floor = self.time_floors
+        return np.bincount(layer, weights=np.maximum(floor - per * samples, 0.0),
+                           minlength=self.n_layers)
+
+    def micro_batch_time(self, samples: float) -> np.ndarray:
+        """Per layer, the seconds of one micro-batch of ``samples`` samples per device:
+        ``time * samples + fixed_time`` and the :meth:`floor_excess`."""
+        return self.time * samples + self.fixed_time + self.floor_excess(samples)
 
     @property
     def n_learned(self) -> int:

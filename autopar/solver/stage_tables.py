@@ -185,6 +185,7 @@ class Tables:
         self.act = _interval(np.concatenate([zero, np.cumsum(costs.activation_bytes)]))
         self.sync = _interval(np.concatenate([zero, np.cumsum(costs.sync_bytes)]))
         self.host = _interval(np.concatenate([zero, np.cumsum(costs.host_time)]))
+        self._floors: dict = {}        # samples per micro-batch -> ``floors``' table
         j, i = np.indices((self.L + 1, self.L + 1))
         # a stage holds layers j .. i-1 (j < i), one of which reads a parameter: a stage with
         # none trains nothing (``LayerCosts.parameters``)
@@ -205,6 +206,19 @@ class Tables:
         # latency[j, i]: the messages of a stage on layers j .. i-1 at its two cuts
         at = cut_latency(np.concatenate([zero, costs.boundary_tensors, zero]), costs.message_time)
         self.latency = at[:, None] + at[None, :]
+
+    def floors(self, samples: float):
+        """[j, i]: what layers j .. i-1 take beyond their linear time for a micro-batch of
+        ``samples`` samples per device (``LayerCosts.floor_excess``); 0 without floors."""
+        if self.costs.time_floors is None:
+            return 0.0
+        got = self._floors.get(samples)
+        if got is None:
+            if len(self._floors) >= 8:
+                self._floors.pop(next(iter(self._floors)))
+            excess = self.costs.floor_excess(samples)
+            got = self._floors[samples] = _interval(np.concatenate([np.zeros(1), np.cumsum(excess)]))
+        return got
 
     def buffer_base(self, c: Candidate) -> np.ndarray:
         """Per sample of a micro-batch, the receive buffers a stage on layers j .. i-1 holds
@@ -228,8 +242,9 @@ class Tables:
         actions = 3 if c.schedule == "zero-bubble" else 2
         # a stage's micro-batch takes its device time or its host's dispatch of its calls,
         # whichever is longer (``stage_dp``'s host rule; 0 host on CPU ranks)
-        time = np.where(self.valid, np.maximum(self.time * b / d + self.fixed + self.latency
-                                               + actions * self.costs.action_time, self.host), INF)
+        time = np.where(self.valid, np.maximum(self.time * b / d + self.fixed + self.floors(b / d)
+                                               + self.latency + actions * self.costs.action_time,
+                                               self.host), INF)
         values = value_buffers(c, counts, which)
         memory = Memory(self.state / (d if shard_state else 1) + self.buffer_base(c) * b / d,
                         self.act * b / d, counts, which, self.recv_values * b / d, values)
