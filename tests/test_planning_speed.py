@@ -270,6 +270,8 @@ def test_planned_memo_follows_every_input():
             arr = np.ones(base.n_layers)
             arr[first.cuts[0]:first.cuts[1]] = 0.0
             return dataclasses.replace(base, parameters=arr)
+        if name == "time_floors":              # layer 2 holds an op of 5 s a micro-batch at least
+            return dataclasses.replace(base, time_floors=([2], [0.0], [5.0]))
         if value is None:                      # grad_boundary_bytes: the receive buffers counted
             return dataclasses.replace(base, **{name: np.full(base.n_layers - 1, 0.01)})
         if np.ndim(value) == 0:

@@ -65,7 +65,7 @@ def test_micro_batch_time_adds_what_a_floor_exceeds():
 
 
 @pytest.mark.parametrize("floors", [([0, 9], [1.0, 1.0], [1.0, 1.0]), ([0], [1.0], [-1.0]),
-                                    ([0, 1], [1.0], [1.0, 1.0])])
+                                    ([0, 1], [1.0], [1.0, 1.0]), (0, 1.0, 1.0)])
 def test_bad_floors_are_refused(floors):
     with pytest.raises(ValueError, match="time_floors"):
         _costs(time_floors=floors)

@@ -30,7 +30,7 @@ from autopar.ops.experts import EXPERTS_OP
 from autopar.pricing.comm_costs import (AVERAGING_COPIES, COPY_OUT, INF, Collective,  # noqa: F401
                                         CommCosts, _local, price_steps)
 from autopar.pricing.context import context_attention_time, context_axis_of
-from autopar.pricing.experts import dispatch_s, expert_gemms, experts_time
+from autopar.pricing.experts import dispatch_s, experts_time
 from autopar.pricing.fp8 import fp8_time
 from autopar.pricing.memory_costs import MemoryCosts
 from autopar.pricing.problem import NodeVar
@@ -408,38 +408,6 @@ class CostModel(CommCosts, MemoryCosts):
             t = self.profiler.node_time(op, ins, outs, tree_map(sub, args), tree_map(sub, kwargs))
             return t if t is not None else self._roofline(v, ins, outs)
         return self._roofline(v, ins, outs)
-
-    def floor_s(self, v: NodeVar, combo, fixed_inputs) -> tuple[float, float]:
-        """(forward, backward) seconds one call of a matmul or an experts op takes at least
-        whatever its batch: reading its inputs ``fixed_inputs`` (indices into
-        ``v.call.inputs``: its weights, values not computed from the batch) from device
-        memory under ``combo``, at the bytes the roofline moves them (16-bit under mixed
-        precision on a GPU, ``cost_models.compute.moved_bytes``), forward once and backward
-        twice (the roofline's matmul backward moves twice the forward's bytes; an experts
-        op's GEMMs are matmuls of its stacks). (0, 0) for other ops, which read no weight in
-        full (an embedding reads its rows) or only small ones.
-
-        What it is for: a pipeline's micro-batch runs every GEMM with the same weights on
-        fewer rows, which a price per sample misses once the rows are too few to hide the
-        weights' reads (``pipeline_costs.NodeCosts.weight_floor``)."""
-        if v.call is None or not fixed_inputs or (
-                v.call.op is not EXPERTS_OP and compute_model.family(v.call.op) != compute_model.MATMUL):
-            return 0.0, 0.0
-        dev = self.cluster.device
-        moved = sum(compute_model.moved_bytes(_local(v.call.inputs[k], input_placements(combo, k),
-                                                     self.mesh_shape), dev, self.dtype_key, self.native)
-                    for k in fixed_inputs)
-        t = moved / (dev.mem_bandwidth * dev.mem_efficiency)
-        return t, 2 * t
-
-    def kernels(self, v: NodeVar, combo) -> tuple[int, int]:
-        """(forward, backward) kernels one call of an op node launches, as its price counts
-        them: an experts op one GEMM per local expert and weight stack forward and two
-        backward (``pricing.experts.gemms_time``); every other op (1, 2)."""
-        if v.call is not None and v.call.op is EXPERTS_OP:
-            e_local, gemms = expert_gemms(v.call, combo, self.mesh_shape, self.expert_imbalance)
-            return e_local * len(gemms), 2 * e_local * len(gemms)
-        return 1, 2
 
     def _roofline(self, v, ins, outs) -> tuple[float, float]:
         # a native capture without a precision pin: each matmul at its own inputs' rate

@@ -48,6 +48,7 @@ from autopar.ops.experts import EXPERTS_OP
 from autopar.sharding.registry import input_placements, output_placements
 from autopar.pricing.activation_offload import copy_s
 from autopar.pricing.costing import COPY_OUT, INF, grad_partial_flags
+from autopar.pricing.floors import floor_s, kernels as op_kernels
 from autopar.pricing.prices import EdgePrice, PriceTable, price_table
 from autopar.schedule import rank_stages
 from autopar.solver.stage_tables import in_flight, receive_in_flight
@@ -130,7 +131,7 @@ class NodeCosts:
     recomputed)."""
     weight_floor: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per chain node: the seconds of ``compute`` a micro-batch takes at least however few
-    its samples: its GEMMs' reads of their weights (``CostModel.floor_s``: forward and
+    its samples: its GEMMs' reads of their weights (``pricing.floors.floor_s``: forward and
     backward, a recomputed forward again), and the whole of an op not computed from the
     batch (a weight's cast). Priced per sample from a larger batch, DeepSeek-V3's experts
     on 64 data-parallel ranks at one sample each were 1.10 s against their own 2.54 s (2.04
@@ -141,7 +142,7 @@ class NodeCosts:
     kernels: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per chain node: the kernels a micro-batch of it launches, each paying ``launch``
     whatever its size (:meth:`fixed`): an experts op's one GEMM per local expert and weight
-    stack, forward and twice backward (``CostModel.kernels``; DeepSeek-V3's 128 experts a
+    stack, forward and twice backward (``pricing.floors.kernels``; DeepSeek-V3's 128 experts a
     rank, of two stacks each, launch 768 a layer, 1,024 recomputed), three for any other
     node. Empty: three each."""
     node_forward_kernels: dict = field(default_factory=dict)
@@ -535,9 +536,9 @@ class _Acc:
             if name in self.batch_free:
                 floor_f, floor = f, f + b
             else:
-                floor_f, floor_b = cost.floor_s(v, v.options[i], self.fixed_inputs.get(name, ()))
+                floor_f, floor_b = floor_s(cost, v, v.options[i], self.fixed_inputs.get(name, ()))
                 floor = floor_f + floor_b
-            kernels = cost.kernels(v, v.options[i]) if v.call.op is EXPERTS_OP else None
+            kernels = op_kernels(cost, v, v.options[i]) if v.call.op is EXPERTS_OP else None
             # its own all-to-alls (an experts op's dispatch and combine), inside f and b
             own = cost.node_comm(v, v.options[i])
             a2a = (sum(t[0] for t in own.values()), sum(t[1] for t in own.values()))

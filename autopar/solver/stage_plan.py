@@ -112,7 +112,7 @@ class LayerCosts:
                                  f"{n} layers), got {arrays[name].shape[0]}")
         if self.time_floors is not None:
             floors = tuple(np.asarray(a, dtype=t) for a, t in zip(self.time_floors, (np.int64, float, float)))
-            if len({len(a) for a in floors}) != 1 or any(a.ndim != 1 for a in floors) \
+            if any(a.ndim != 1 for a in floors) or len({len(a) for a in floors}) != 1 \
                     or ((floors[0] < 0) | (floors[0] >= n)).any() \
                     or not all(np.isfinite(a).all() and (a >= 0).all() for a in floors[1:]):
                 raise ValueError("LayerCosts.time_floors must be three one-dimensional arrays of "
