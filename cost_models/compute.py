@@ -341,13 +341,17 @@ def _half(m):
     return m
 
 
-def moved_bytes(m, device: Device, dtype_key: str | None, native: bool = False) -> int:
-    """Bytes :func:`node_time` moves for tensor ``m`` read or written once: at 16 bits where
-    it is a 32-bit float under a 16-bit ``dtype_key`` on a GPU (mixed precision), unless
-    ``native``."""
+def _as_moved(m, device: Device, dtype_key: str | None, native: bool):
+    """``m`` as :func:`node_time` moves it: at 16 bits where it is a 32-bit float under a
+    16-bit ``dtype_key`` on a GPU (mixed precision), unless ``native``."""
     if dtype_key in ("bf16", "fp16") and device.sms and not native:
-        m = _half(m)
-    return _nbytes(m)
+        return _half(m)
+    return m
+
+
+def moved_bytes(m, device: Device, dtype_key: str | None, native: bool = False) -> int:
+    """Bytes :func:`node_time` moves for tensor ``m`` read or written once."""
+    return _nbytes(_as_moved(m, device, dtype_key, native))
 
 
 # Output tiles cuBLAS chooses among, largest first (NVIDIA "Matrix Multiplication
@@ -404,9 +408,8 @@ def node_time(op, inputs, outputs, args: tuple = (), kwargs: dict | None = None,
     if dtype_key is None:
         dtype_key = next((_DTYPE_KEY[str(t.dtype)] for t in inputs
                           if str(t.dtype) in _DTYPE_KEY), "fp32")
-    if dtype_key in ("bf16", "fp16") and device.sms and not native:
-        inputs = [_half(m) for m in inputs]
-        outputs = [_half(m) for m in outputs]
+    inputs = [_as_moved(m, device, dtype_key, native) for m in inputs]
+    outputs = [_as_moved(m, device, dtype_key, native) for m in outputs]
     b = bytes_moved(op, inputs, outputs, args, kwargs)
     if fam == DROPOUT and device.sms and len(outputs) == 1:
         # the CUDA kernel behind dropout, ``aten::native_dropout(Tensor input, float p, bool?
