@@ -160,7 +160,7 @@ def plan_ops(cap, plan, devices: dict[str, Device] | None = None, optimizer: str
             ins = [_local(m, input_placements(combo, k), mesh) for k, m in enumerate(v.call.inputs)]
             outs = [_local(m, output_placements(combo, k), mesh) for k, m in enumerate(v.call.outputs)]
             d = op_desc(v.call, ins, outs)
-            o = pt.options[name][i]
+            o = pt.option(name, i)
             d.update(node=name, members=len(v.members), plan_s=[o.forward_s, o.backward_s],
                      dtype_key=key, native=bool(cap.native_dtypes),
                      flops_fwd=compute_model.flops(v.call.op, ins, outs, v.call.args, v.call.kwargs))

@@ -460,7 +460,7 @@ def test_a_bf16_model_is_priced_in_its_own_dtypes():
         problem = build_problem(cap, (1,))
         cost = CostModel.for_pins(cl, (1,), {"precision": "bf16"}, native=cap.native_dtypes)
         table = price_table(problem, cost)
-        costs[dtype] = sum(table.options[n][0].forward_s for n in problem.vars)
+        costs[dtype] = sum(table.option(n, 0).forward_s for n in problem.vars)
     assert costs[torch.bfloat16] > 1.05 * costs[torch.float32]
 
 

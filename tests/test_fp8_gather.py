@@ -181,8 +181,8 @@ def test_fp8_gathered_linear_casts_only_its_shard(tables):
             if gathered_in_fp8(on.cost, combo, w) != 2:
                 continue
             nw = math.prod(w.shape)
-            f8, b8 = on.options[rep][j].forward_s, on.options[rep][j].backward_s
-            f16, b16 = off.options[rep][j].forward_s, off.options[rep][j].backward_s
+            f8, b8 = on.option(rep, j).forward_s, on.option(rep, j).backward_s
+            f16, b16 = off.option(rep, j).forward_s, off.option(rep, j).backward_s
             assert f16 - f8 == pytest.approx(cast_time(nw, dev, *tw) - cast_time(nw / 2, dev, *tw),
                                              rel=1e-6)
             assert b16 - b8 == pytest.approx(cast_time(nw, dev, tw[0] + TRANSPOSE[0], tw[1] + TRANSPOSE[1])

@@ -5,10 +5,12 @@ The ILP (``autopar.solver.ilp``), the stage DP's per-node costs
 estimate all read one :class:`PriceTable`, so the figure any of them shows for an option
 is the figure that entered the plan:
 
-- per decision variable and option, an :class:`OptionPrice`: forward and backward seconds
-  and bytes by term of one member, as the cost model prices them before recomputation and
-  the pipeline's per-stage factors; :meth:`PriceTable.time`, :meth:`PriceTable.compute_s`
-  and :meth:`PriceTable.memory` give the solver's view (recomputation, ``memory_weights``);
+- per decision variable and option, an :class:`OptionPrice` (:meth:`PriceTable.option`):
+  forward and backward seconds and bytes by term of one member, as the cost model prices
+  them before recomputation and the pipeline's per-stage factors, each priced on first
+  read (the compute floor reads the seconds alone, the memory floor the bytes alone, the
+  program both: once); :meth:`PriceTable.time`, :meth:`PriceTable.compute_s` and
+  :meth:`PriceTable.memory` give the solver's view (recomputation, ``memory_weights``);
 - per edge and (producer placement, consumer placement), an :class:`EdgePrice`: its
   collectives by (collective, axis), each priced once; :meth:`EdgePrice.priced` applies
   the gradient-sync factor (the solver's ``grad_sync_scale``, or 1 for the per-step view);
@@ -134,7 +136,6 @@ class PriceTable:
 
     def __init__(self, problem: Problem, cost: CostModel):
         self.problem, self.cost = problem, cost
-        k_opt = problem.optimizer_states
         if cost.offload:       # ZeRO-Offload: the copies' share not hidden (cost_models.offload)
             cost.offload_exposed = cost.offload_share(problem)
         if cost.fp8:           # the ops precision="fp8" runs in fp8 (autopar.pricing.fp8)
@@ -144,8 +145,10 @@ class PriceTable:
             cost.act_offload_exposed = cost.act_offload_share(problem)
         if cost.compiled:      # Inductor's fused memory-bound ops (cost_models.compute)
             cost.fused_reads = fused_reads(problem)
-        self.options = {name: [OptionPrice(*cost.base_time(v, c, k_opt), cost.base_memory(v, c, k_opt))
-                               for c in v.options] for name, v in problem.vars.items()}
+        # each option's seconds and bytes, priced on first read (the compute floor reads no
+        # bytes, the memory floor no seconds; the program reads both, once)
+        self._base_times: dict = {}      # (name, option) -> cost.base_time
+        self._base_memory: dict = {}     # (name, option) -> cost.base_memory
         self._reads = params_read(problem)
         self._edges: dict = {}
         self._times: dict = {}       # (name, option) -> time(): read per edge pair by the ILP
@@ -182,13 +185,35 @@ class PriceTable:
         return self._follow
 
     # ---- nodes ---------------------------------------------------------------------------
+    def option(self, name: str, i: int) -> OptionPrice:
+        """Option ``i`` of ``name`` as the cost model prices one member, before recomputation
+        and weights."""
+        return OptionPrice(*self._base_time(name, i), self._base_bytes(name, i))
+
+    def _base_time(self, name: str, i: int) -> tuple[float, float]:
+        got = self._base_times.get((name, i))
+        if got is None:
+            v = self.problem.vars[name]
+            got = self._base_times[(name, i)] = self.cost.base_time(
+                v, v.options[i], self.problem.optimizer_states)
+        return got
+
+    def _base_bytes(self, name: str, i: int) -> dict:
+        got = self._base_memory.get((name, i))
+        if got is None:
+            v = self.problem.vars[name]
+            got = self._base_memory[(name, i)] = self.cost.base_memory(
+                v, v.options[i], self.problem.optimizer_states)
+        return got
+
     def time(self, name: str, i: int) -> tuple[float, float]:
         """(forward, backward) seconds of one member under option ``i``, recomputation included."""
         got = self._times.get((name, i))
         if got is None:
-            o = self.options[name][i]
+            # (the bytes only where offloaded activations' copies add to backward)
+            memory = self._base_bytes(name, i) if self.cost.act_offload else None
             got = self._times[(name, i)] = self.cost.with_recompute(self.problem.vars[name],
-                                                                    (o.forward_s, o.backward_s), o.memory)
+                                                                    self._base_time(name, i), memory)
         return got
 
     def self_comm(self, name: str, i: int) -> dict:
@@ -212,7 +237,7 @@ class PriceTable:
         """Bytes per device by term of all members under option ``i``, recomputation split
         out; ``weighted``: times the cost model's ``memory_weights`` (the solver's view)."""
         v = self.problem.vars[name]
-        terms = self.cost.split_recompute(v, self.options[name][i].memory)
+        terms = self.cost.split_recompute(v, self._base_bytes(name, i))
         terms = self.cost.weigh(terms) if weighted else terms
         return {k: len(v.members) * b for k, b in terms.items()}
 
@@ -411,14 +436,15 @@ def memory_floor(problem: Problem, cost: CostModel) -> float:
     phases = cost.memory_phases
     grouped = {k for g in phases for k in g}
     floors = [0.0] * max(1, len(phases))
-    for v in problem.vars.values():
+    pt = price_table(problem, cost)      # its bytes are the program's rows' (tabulate)
+    for name, v in problem.vars.items():
         rows = [[0.0] * len(v.options) for _ in floors]
-        for i, combo in enumerate(v.options):
-            terms = cost.node_memory(v, combo, problem.optimizer_states)
+        for i in range(len(v.options)):
+            terms = pt.memory(name, i)
             for r, group in enumerate(phases or ((),)):
                 rows[r][i] = sum(b for k, b in terms.items() if k in group or k not in grouped)
         for r, row in enumerate(rows):
-            floors[r] += len(v.members) * min(row, default=0.0)
+            floors[r] += min(row, default=0.0)
     return max(floors)
 
 

@@ -29,7 +29,7 @@ from autopar.mesh_roles import NO_ROLES, MeshRoles
 from autopar.ops.attention import is_attention
 from autopar.placement import Replicate, Shard, local_shape
 from autopar.sharding.registry import (
-    OpCall, Strategy, TensorMeta, make_call, mesh_strategies,
+    OpCall, Strategy, TensorMeta, axis_strategies, make_call, mesh_strategies, shards_divide,
 )
 
 R = Replicate()
@@ -277,7 +277,105 @@ def _placeholder_choices(name, kind, meta, mesh_shape, roles: MeshRoles, zero: i
 def _op_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, roles: MeshRoles,
                 from_batch: bool) -> list[Combo]:
     """The options of an op node (tensor inputs ``args``) on axes playing ``roles``
-    (``from_batch``: computed from the batch)."""
+    (``from_batch``: computed from the batch): :func:`_filtered_choices`, which every
+    option of the node's rule over the mesh passes through, unless :func:`_axis_choices`
+    finds the same options by filtering each axis's strategies first."""
+    if FILTER_AXES_FIRST and any(a is not None for a in (roles.data, roles.tensor, roles.expert,
+                                                         roles.context)):
+        got = _axis_choices(cap, args, node, call, mesh_shape, roles, from_batch)
+        if got:
+            return got
+    return _filtered_choices(cap, args, node, call, mesh_shape, roles, from_batch)
+
+
+FILTER_AXES_FIRST = True
+"""Whether :func:`_op_choices` tries :func:`_axis_choices` first (the same options, fewer
+combinations checked; ``tests/test_axis_choices.py`` holds both to one list on every test
+model's problems). False: :func:`_filtered_choices` alone, as before; a switch for tests
+and measurement."""
+
+
+def _axis_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, roles: MeshRoles,
+                  from_batch: bool) -> list[Combo]:
+    """:func:`_filtered_choices`' options where they are every option of the rule whose
+    strategy on each role's axis passes that role's tests (empty where none is: then the
+    caller filters as :func:`_filtered_choices` does, whose fallbacks keep what a test would
+    leave empty).
+
+    Why it is the same list: every filter of :func:`_filtered_choices` keeps the options
+    whose strategy on one axis passes a test (``t``), or keeps all of them where none
+    passes (``t or opts``), except two that read several axes at once: evenly dividing
+    shards (``mesh_strategies``) and the attention's sequence split over one axis at most.
+    The filters only ever remove options, so when the options passing every test and the
+    two joint checks are not none, no test ever left its filter empty: none fell back, and
+    the result is exactly those options, in the rule's order (``itertools.product`` over
+    each axis's passing strategies keeps the order of the product over all of them). It is
+    cheaper because a role's axis keeps a few of the rule's strategies, so the product
+    checks a few combinations for even shards where the whole one checks hundreds (a
+    DeepSeek-V3 stage mesh of data x expert x tensor: 164 a node on average)."""
+    tests, everywhere = _axis_tests(cap, args, node, call, roles, from_batch)
+    per_axis = axis_strategies(call)
+    lists = [[s for s in per_axis if all(t(s) for t in (*everywhere, *tests.get(a, ())))]
+             for a in range(len(mesh_shape))]
+    attention = is_attention(call.op)
+    ndim = call.inputs[0].ndim if attention else 0
+    out = []
+    for combo in itertools.product(*lists):
+        if attention and sum(1 for a in context_axes(combo, ndim) if mesh_shape[a] > 1) > 1:
+            continue
+        if shards_divide(call, combo, mesh_shape):
+            out.append(combo)
+    return out
+
+
+def _axis_tests(cap: Captured, args: list, node, call: OpCall, roles: MeshRoles,
+                from_batch: bool) -> tuple[dict[int, list], list]:
+    """(axis -> the tests, one strategy -> bool, :func:`_filtered_choices` puts that axis's
+    strategies to; the tests it puts every axis's strategies to)."""
+    data_axis, tensor_axis = roles.data, roles.tensor
+    expert_axis, context_axis = roles.expert, roles.context
+    param_inputs = [k for k, a in enumerate(args) if a.name in cap.params]
+    stacks = [k for k in param_inputs if call.op is EXPERTS_OP and k >= 3]
+    fixed = _mutated(node, call)
+    tests: dict[int, list] = {}
+
+    def on(axis, *ts):
+        if axis is not None:
+            tests.setdefault(axis, []).extend(ts)
+
+    def parallel(axis):       # _data_parallel's two tests
+        on(axis, lambda s: all(isinstance(s.inputs[k], Replicate) for k in param_inputs))
+        if from_batch:
+            on(axis, lambda s: any(not isinstance(p, Replicate) for p in s.outputs))
+
+    everywhere = []
+    if fixed:
+        everywhere.append(lambda s: all(isinstance(s.inputs[k], Replicate) for k in fixed))
+    parallel(data_axis)
+    if expert_axis is not None:
+        if stacks:
+            on(expert_axis, lambda s: all(s.inputs[k] == Shard(0) for k in stacks))
+        else:
+            parallel(expert_axis)
+            if from_batch:
+                on(expert_axis, lambda s: all(p == Shard(0) for p in s.outputs))
+    if context_axis is not None:
+        parallel(context_axis)
+        if is_attention(call.op):
+            ndim = call.inputs[0].ndim
+            on(context_axis, lambda s: s.inputs[1] == Shard(ndim - 2))
+    if call.op is EXPERTS_OP and roles.dispatch is not None:
+        everywhere.append(lambda s: _dispatched(s, roles.dispatch))
+    if tensor_axis is not None:
+        weights = [k for k in param_inputs if call.inputs[k].ndim >= 2]
+        on(tensor_axis, lambda s: all(not isinstance(s.inputs[k], Replicate) for k in weights))
+    return tests, everywhere
+
+
+def _filtered_choices(cap: Captured, args: list, node, call: OpCall, mesh_shape, roles: MeshRoles,
+                      from_batch: bool) -> list[Combo]:
+    """Every option of the node's rule over the mesh (``mesh_strategies``), through the
+    roles' filters one after another."""
     data_axis, tensor_axis = roles.data, roles.tensor
     expert_axis, context_axis = roles.expert, roles.context
     opts = mesh_strategies(call, mesh_shape)
@@ -354,15 +452,23 @@ def _dispatched(s: Strategy, dispatch: str) -> bool:
 def _restrict_mutations(node, call: OpCall, opts: list[Combo]) -> list[Combo]:
     """Ops that write into a buffer (BatchNorm's running statistics, ``add_``) run on the
     buffer itself, so those inputs stay replicated."""
+    fixed = _mutated(node, call)
+    if fixed is None:
+        return opts
+    return [o for o in opts if all(isinstance(s.inputs[k], Replicate) for s in o for k in fixed)]
+
+
+def _mutated(node, call: OpCall) -> list[int] | None:
+    """The tensor inputs (their indices among ``call.inputs``) the op writes into; None
+    when it writes into none of its arguments."""
     op = call.op
     mutable = [i for i, a in enumerate(op._schema.arguments) if a.alias_info and a.alias_info.is_write]
     if op is aten.batch_norm.default and call.arg(5, "training", False):
         mutable = [3, 4]
     if not mutable:
-        return opts
+        return None
     tensor_pos = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)]
-    fixed = [tensor_pos.index(i) for i in mutable if i in tensor_pos]
-    return [o for o in opts if all(isinstance(s.inputs[k], Replicate) for s in o for k in fixed)]
+    return [tensor_pos.index(i) for i in mutable if i in tensor_pos]
 
 
 def samples_split(opts: list[Combo], axis: int) -> list[Combo]:

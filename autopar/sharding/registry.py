@@ -165,12 +165,14 @@ def mesh_strategies(call: OpCall, mesh_shape: Sequence[int]) -> list[tuple[Strat
     per_axis = axis_strategies(call)
     result = []
     for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
-        if _divides(call, combo, mesh_shape):
+        if shards_divide(call, combo, mesh_shape):
             result.append(tuple(combo))
     return result
 
 
-def _divides(call: OpCall, combo, mesh_shape) -> bool:
+def shards_divide(call: OpCall, combo, mesh_shape) -> bool:
+    """Whether every input and output of ``call`` divides evenly under ``combo`` (one
+    strategy per mesh axis) on ``mesh_shape``."""
     for i, m in enumerate(call.inputs):
         if local_shape(m.shape, [s.inputs[i] for s in combo], mesh_shape) is None:
             return False

@@ -522,7 +522,7 @@ class _Acc:
         pt, cost, problem = self.pt, self.pt.cost, self.pt.problem
         for name, v in problem.vars.items():
             i = self.choice[name]
-            price = pt.options[name][i]
+            price = pt.option(name, i)
             if v.kind != "op":
                 for member in v.members:
                     users = frozenset(self.where[u.name] for u in self.cap.node(member).users
