@@ -301,11 +301,14 @@ def _numbered(classes: list, pt: PriceTable) -> tuple[list[int], tuple[int, ...]
 
 
 SCIP_SETTINGS = "\n".join((
+    "numerics/feastol = 1e-9",
     "presolving/maxrounds = 0", "separating/maxrounds = 0", "separating/maxroundsroot = 0",
     "heuristics/feaspump/freq = -1", "heuristics/rens/freq = -1", "heuristics/rins/freq = -1"))
 """SCIP's settings for the sharding program: no presolve, no cutting planes, no feasibility
 pump, RENS or RINS (each an LP-based heuristic; SCIP's cheaper rounding and diving
-heuristics stay on). The program's LP relaxation is near integral, so what a general MIP
+heuristics stay on); a row met to 1e-9 of its bound (``numerics/feastol``, 1e-6 by default,
+absolute below 1: on the memory rows, written in GiB, about a KiB a device; GPT-NeoX's tiny
+test model was planned "optimal" at 284,168 bytes under a budget of 284,160). The program's LP relaxation is near integral, so what a general MIP
 spends at the root bought nothing here. Measured on 2026-12-01 (session 39, this 2-core
 machine), seconds per program written by the free search, same objectives: Llama 3 70B on
 8x8xH100 (batch 16 x 8,192; 37,000-40,000 variables) 6.6-16.6 with CBC, 6.1 with SCIP's
@@ -450,7 +453,7 @@ def write_program(m, problem: Problem, cost: CostModel, tab: "_Tables", memory_b
     if memory_budget is not None and not minimize_memory:
         for row in peaks:
             if not isinstance(row, (int, float)):  # a number: no memory at all
-                m.Add(row <= budget_row(memory_budget))
+                m.Add(row <= float(memory_budget) / MEMORY_ROW_UNIT)
     if minimize_memory:
         mem = m.NumVar(0.0, pywraplp.Solver.infinity(), "peak")
         for row in peaks:
@@ -476,22 +479,6 @@ turned off 10.142 s, "optimal" too. Written in GiB, SCIP and CBC agree on that p
 other slow ones of that planning (measured 2026-12-02, session 45, ``docs/measured.md``).
 In the planning itself SCIP had been stopped at its third of the limit and CBC's answer
 kept (``bounded_solve.solve_in_turn``): on a faster machine SCIP's would have been."""
-
-
-FEASIBILITY_TOLERANCE = 1e-6
-"""How far the MIP solvers let a row exceed its bound and still call a solution feasible,
-relative to the bound or absolute below 1 (SCIP's ``numerics/feastol``, 1e-6 by default;
-CBC's primal tolerance is 1e-7)."""
-
-
-def budget_row(memory_budget: float) -> float:
-    """A memory row's bound: ``memory_budget`` in :data:`MEMORY_ROW_UNIT` less what the
-    solver tolerates beyond a bound (:data:`FEASIBILITY_TOLERANCE`), so that a plan the
-    solver calls feasible holds at most ``memory_budget`` bytes. In GiB that tolerance is
-    about a KiB a device (1e-6 GiB): GPT-NeoX's tiny test model, under a budget of 284,160
-    bytes, was planned "optimal" at 284,168 (``tests/test_hf_models.py``)."""
-    bound = float(memory_budget) / MEMORY_ROW_UNIT
-    return bound - FEASIBILITY_TOLERANCE * max(1.0, abs(bound))
 
 
 def _memory_rows(x: dict, tab: _Tables, phases: tuple) -> list:
