@@ -191,19 +191,17 @@ class PriceTable:
         return OptionPrice(*self._base_time(name, i), self._base_bytes(name, i))
 
     def _base_time(self, name: str, i: int) -> tuple[float, float]:
-        got = self._base_times.get((name, i))
-        if got is None:
-            v = self.problem.vars[name]
-            got = self._base_times[(name, i)] = self.cost.base_time(
-                v, v.options[i], self.problem.optimizer_states)
-        return got
+        return self._once(self._base_times, self.cost.base_time, name, i)
 
     def _base_bytes(self, name: str, i: int) -> dict:
-        got = self._base_memory.get((name, i))
+        return self._once(self._base_memory, self.cost.base_memory, name, i)
+
+    def _once(self, memo: dict, price, name: str, i: int):
+        """``price(node, option i, optimizer states)`` of ``name``, kept in ``memo``."""
+        got = memo.get((name, i))
         if got is None:
             v = self.problem.vars[name]
-            got = self._base_memory[(name, i)] = self.cost.base_memory(
-                v, v.options[i], self.problem.optimizer_states)
+            got = memo[(name, i)] = price(v, v.options[i], self.problem.optimizer_states)
         return got
 
     def time(self, name: str, i: int) -> tuple[float, float]:
