@@ -308,8 +308,9 @@ SCIP_SETTINGS = "\n".join((
 pump, RENS or RINS (each an LP-based heuristic; SCIP's cheaper rounding and diving
 heuristics stay on); a row met to 1e-9 of its bound (``numerics/feastol``, 1e-6 by default,
 absolute below 1: on the memory rows, written in GiB, about a KiB a device; GPT-NeoX's tiny
-test model was planned "optimal" at 284,168 bytes under a budget of 284,160). The program's LP relaxation is near integral, so what a general MIP
-spends at the root bought nothing here. Measured on 2026-12-01 (session 39, this 2-core
+test model was planned "optimal" at 284,168 bytes under a budget of 284,160). The
+program's LP relaxation is near integral, so what a general MIP spends at the root bought
+nothing here. Measured on 2026-12-01 (session 39, this 2-core
 machine), seconds per program written by the free search, same objectives: Llama 3 70B on
 8x8xH100 (batch 16 x 8,192; 37,000-40,000 variables) 6.6-16.6 with CBC, 6.1 with SCIP's
 defaults, 0.55-7.7 with these; summed over a whole planning (``AUTOPAR_PLAN_WORKERS=0``),
