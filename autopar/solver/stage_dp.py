@@ -225,8 +225,7 @@ def _band_width(cost, tie) -> np.ndarray | None:
             and np.array_equal(cost.which, tie.which)):
         return None
     rows = cost.shape[1]
-    span = np.arange(rows)[None, :] - np.arange(rows)[:, None]       # i - j
-    widths = np.array([max(1, int(span[np.isfinite(t)].max(initial=0))) for t in cost.tables])
+    widths = np.maximum(cost.widths(), 1)
     return widths if widths.max() <= BAND_AT_MOST * (rows - 1) else None
 
 
@@ -253,7 +252,7 @@ def _banded_dp(cost, tie, widths: np.ndarray) -> tuple[float, tuple[int, ...]]:
     for w in set(int(x) for x in widths):
         j = i[:, None] - w + np.arange(w)[None, :]
         starts[w], before[w], starts_at[w] = j, j < 0, np.maximum(j, 0)
-    bands = [_band(t, int(w)) for t, w in zip(cost.tables, widths)]
+    bands = [_band(cost.table(u), int(w)) for u, w in enumerate(widths)]
     best = np.full((n_stages, rows), INF)
     best[0] = cost[0, 0]
     for k in range(1, n_stages):
@@ -265,7 +264,7 @@ def _banded_dp(cost, tie, widths: np.ndarray) -> tuple[float, tuple[int, ...]]:
         return INF, ()
     within = bottleneck + 1e-9 * max(abs(bottleneck), 1e-30)
     allowed = [np.where(b <= within, _band(t, int(w)), INF)
-               for b, t, w in zip(bands, tie.tables, widths)]
+               for b, t, w in zip(bands, map(tie.table, range(len(widths))), widths)]
     total = np.full((n_stages, rows), INF)
     arg = np.zeros((n_stages, rows), dtype=np.int64)
     total[0] = np.where(cost[0, 0] <= within, tie[0, 0], INF)

@@ -255,7 +255,7 @@ class Tables:
         share = memory_limit / c.v
         # float sums at the limit fit; table u holds where the u-th least count fits
         fits = memory.fitting(share * (1 + 1e-9), self.valid)
-        cost = Stack(np.where(fits[None] > np.arange(len(counts))[:, None, None], time[None], INF), which)
+        cost = FitStack(time, fits, len(counts), which)
         return cost, Tiebreak(cost, time, fits, 2 * comm), memory, share, comm
 
 
@@ -382,6 +382,67 @@ class Stack:
         out = self.tables[self.which]
         return out if dtype is None else out.astype(dtype)
 
+    def table(self, u) -> np.ndarray:
+        """Table u (of ``tables``)."""
+        return self.tables[u]
+
+    def widths(self) -> np.ndarray:
+        """Per table, the most layers (i - j) of a finite entry, 0 where none."""
+        rows = self.shape[1]
+        span = np.arange(rows)[None, :] - np.arange(rows)[:, None]
+        return np.array([int(span[np.isfinite(t)].max(initial=0)) for t in self.tables])
+
+
+LAZY_TABLES = True
+"""Whether a ``FitStack`` whose stages each have their own table works a table out when it
+is read (False: all at once, as a ``Stack``; ``benchmarks/stage_tables_lazy.py`` times
+both)."""
+
+
+class FitStack(Stack):
+    """The ``Stack`` of ``n`` tables whose table u is ``time`` where ``fits > u``, INF
+    elsewhere (:meth:`Tables.arrays`' cost: table u for the u-th least in-flight count).
+    Where every stage has its own table (DualPipeV's 2p stages, each its own count: 64
+    tables of 1,025 x 1,025 cut points, 537 MB, for Llama 3 405B's p = 32) a stage's table
+    is worked out when read and not kept; elsewhere, as a ``Stack``, all at once."""
+
+    def __init__(self, time: np.ndarray, fits: np.ndarray, n: int, which: np.ndarray):
+        self.time, self.fits, self.n = time, fits, n
+        self.which = np.asarray(which).reshape(-1)
+        self.shape = (len(self.which), *time.shape)
+        self.one_each = LAZY_TABLES and len(np.unique(self.which)) == len(self.which)
+        self._tables = None
+
+    @property
+    def tables(self):
+        if self._tables is None:
+            self._tables = np.where(self.fits[None] > np.arange(self.n)[:, None, None],
+                                    self.time[None], INF)
+        return self._tables
+
+    def table(self, u) -> np.ndarray:
+        return self.tables[u] if self._tables is not None or not self.one_each else \
+            np.where(self.fits > u, self.time, INF)
+
+    def __getitem__(self, key):
+        if self._tables is not None or not self.one_each:
+            return super().__getitem__(key)
+        k, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        u = self.which[k]
+        if np.ndim(u) == 0:
+            return np.where(self.fits[rest] > u, self.time[rest], INF)
+        return np.asarray(self)[key]
+
+    def widths(self) -> np.ndarray:
+        """Per table, the most layers (i - j) of a finite entry, 0 where none, without
+        the tables: table u is finite where ``fits > u`` and ``time`` is."""
+        rows = self.time.shape[0]
+        span = np.arange(rows)[None, :] - np.arange(rows)[:, None]
+        finite = np.isfinite(self.time) & (self.fits > 0)
+        top = np.zeros(self.n + 1, dtype=np.int64)        # top[f]: widest entry of fits f
+        np.maximum.at(top, np.minimum(self.fits[finite], self.n), span[finite])
+        return np.maximum.accumulate(top[::-1])[::-1][1:]
+
 
 class Tiebreak(Stack):
     """``cost + plus`` (``plus`` along the last axis) of a ``Stack`` ``cost`` whose table u
@@ -396,19 +457,25 @@ class Tiebreak(Stack):
     def tables(self):
         return self.cost.tables + self.plus
 
+    def table(self, u) -> np.ndarray:
+        return self.cost.table(u) + self.plus
+
     def __getitem__(self, key):
         k, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
         if np.ndim(self.which[k]) == 0:
-            return (self.cost.tables[self.which[k]] + self.plus)[rest]
+            return self.table(self.which[k])[rest]
         return np.asarray(self)[key]
 
     def within(self, limit: float):
         """k -> this table where ``cost[k] <= limit``, INF elsewhere; one table per
-        distinct ``cost`` table, the mask from ``fits`` (where ``time`` is within)."""
+        distinct ``cost`` table, the mask from ``fits`` (where ``time`` is within), worked
+        out when read where each stage has its own (``FitStack``)."""
         fits = np.where(self.time <= limit, self.fits, 0)
+        lifted, which = self.time + self.plus, self.which
+        if getattr(self.cost, "one_each", False):
+            return lambda k: np.where(fits > which[k], lifted, INF)
         n = len(self.cost.tables)
-        tables = np.where(fits[None] > np.arange(n)[:, None, None], (self.time + self.plus)[None], INF)
-        which = self.which
+        tables = np.where(fits[None] > np.arange(n)[:, None, None], lifted[None], INF)
         return lambda k: tables[which[k]]
 
 
