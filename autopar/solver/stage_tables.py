@@ -251,12 +251,12 @@ class Tables:
         comm = self.boundary * b / d / bandwidth          # one way, per micro-batch
         if shares is not None:
             cost = _by_share(time, memory, self.valid, which, shares)
-            return cost, Stack(cost.tables + 2 * comm, cost.which), memory, shares, comm
+            return cost, Tiebreak(cost, time, 2 * comm), memory, shares, comm
         share = memory_limit / c.v
         # float sums at the limit fit; table u holds where the u-th least count fits
         fits = memory.fitting(share * (1 + 1e-9), self.valid)
-        cost = FitStack(time, fits, len(counts), which)
-        return cost, Tiebreak(cost, time, fits, 2 * comm), memory, share, comm
+        cost = FitStack(time, [fits], [(u, 0) for u in range(len(counts))], which)
+        return cost, Tiebreak(cost, time, 2 * comm), memory, share, comm
 
 
 def value_buffers(c: Candidate, counts: np.ndarray, which: np.ndarray) -> np.ndarray:
@@ -353,7 +353,7 @@ share, and the second DP one table for them."""
 
 
 def _by_share(time: np.ndarray, memory: "Memory", valid: np.ndarray, which: np.ndarray,
-              shares: np.ndarray) -> "Stack":
+              shares: np.ndarray) -> "FitStack":
     """The (S, L+1, L+1) ``Stack`` of each stage's ``time`` where its ``memory`` is within its
     own ``shares[k]``, INF elsewhere: one table per distinct (in-flight count, share) of the
     stages (``shares_by_need``'s are few: a rank's stages alike share one)."""
@@ -361,8 +361,7 @@ def _by_share(time: np.ndarray, memory: "Memory", valid: np.ndarray, which: np.n
     fits = [memory.fitting(x * (1 + 1e-9), valid) for x in levels]
     pairs, stage_class = np.unique(np.stack([which, level.reshape(-1)], axis=1), axis=0,
                                    return_inverse=True)
-    tables = np.stack([np.where(fits[lv] > u, time, INF) for u, lv in pairs])
-    return Stack(tables, stage_class.reshape(-1))
+    return FitStack(time, fits, pairs, stage_class)
 
 
 class Stack:
@@ -400,65 +399,79 @@ both)."""
 
 
 class FitStack(Stack):
-    """The ``Stack`` of ``n`` tables whose table u is ``time`` where ``fits > u``, INF
-    elsewhere (:meth:`Tables.arrays`' cost: table u for the u-th least in-flight count).
-    Where every stage has its own table (DualPipeV's 2p stages, each its own count: 64
-    tables of 1,025 x 1,025 cut points, 537 MB, for Llama 3 405B's p = 32) a stage's table
-    is worked out when read and not kept; elsewhere, as a ``Stack``, all at once."""
+    """The ``Stack`` whose table t is ``time`` where ``fits[level_t] > u_t``, INF elsewhere,
+    ``pairs[t] = (u_t, level_t)``: :meth:`Tables.arrays`' cost (one ``fits``, table u for the
+    u-th least in-flight count) and :func:`_by_share`'s (a ``fits`` per share). Where every
+    stage has its own table (DualPipeV's 2p stages, each its own count: 64 tables of 1,025 x
+    1,025 cut points, 537 MB, for Llama 3 405B's p = 32) a stage's table is worked out when
+    read and not kept (:data:`LAZY_TABLES`); elsewhere, as a ``Stack``, all at once."""
 
-    def __init__(self, time: np.ndarray, fits: np.ndarray, n: int, which: np.ndarray):
-        self.time, self.fits, self.n = time, fits, n
+    def __init__(self, time: np.ndarray, fits: list, pairs, which: np.ndarray):
+        self.time, self.fits = time, fits
+        self.pairs = [(int(u), int(lv)) for u, lv in pairs]
         self.which = np.asarray(which).reshape(-1)
         self.shape = (len(self.which), *time.shape)
         self.one_each = LAZY_TABLES and len(np.unique(self.which)) == len(self.which)
         self._tables = None
 
+    def mask(self, t, rest=()) -> np.ndarray:
+        """Where table t is finite but for ``time``: ``fits[level_t] > u_t`` (at ``rest``)."""
+        u, lv = self.pairs[t]
+        return self.fits[lv][rest] > u
+
     @property
     def tables(self):
         if self._tables is None:
-            self._tables = np.where(self.fits[None] > np.arange(self.n)[:, None, None],
-                                    self.time[None], INF)
+            self._tables = np.stack([np.where(self.mask(t), self.time, INF)
+                                     for t in range(len(self.pairs))])
         return self._tables
 
-    def table(self, u) -> np.ndarray:
-        return self.tables[u] if self._tables is not None or not self.one_each else \
-            np.where(self.fits > u, self.time, INF)
+    def table(self, t) -> np.ndarray:
+        if self._tables is not None or not self.one_each:
+            return self.tables[t]
+        return np.where(self.mask(t), self.time, INF)
 
     def __getitem__(self, key):
         if self._tables is not None or not self.one_each:
             return super().__getitem__(key)
         k, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
-        u = self.which[k]
-        if np.ndim(u) == 0:
-            return np.where(self.fits[rest] > u, self.time[rest], INF)
+        t = self.which[k]
+        if np.ndim(t) == 0:
+            return np.where(self.mask(t, rest), self.time[rest], INF)
         return np.asarray(self)[key]
 
     def widths(self) -> np.ndarray:
-        """Per table, the most layers (i - j) of a finite entry, 0 where none, without
-        the tables: table u is finite where ``fits > u`` and ``time`` is."""
+        """Per table, the most layers (i - j) of a finite entry, 0 where none, without the
+        tables: per ``fits``, the widest finite entry of each fit count, then table t's is
+        the widest of counts above u_t."""
         rows = self.time.shape[0]
         span = np.arange(rows)[None, :] - np.arange(rows)[:, None]
-        finite = np.isfinite(self.time) & (self.fits > 0)
-        top = np.zeros(self.n + 1, dtype=np.int64)        # top[f]: widest entry of fits f
-        np.maximum.at(top, np.minimum(self.fits[finite], self.n), span[finite])
-        return np.maximum.accumulate(top[::-1])[::-1][1:]
+        finite = np.isfinite(self.time)
+        widest = {}
+        for lv in sorted({lv for _, lv in self.pairs}):
+            n = max(u for u, x in self.pairs if x == lv) + 1
+            keep = finite & (self.fits[lv] > 0)
+            top = np.zeros(n + 1, dtype=np.int64)        # top[f]: widest entry of fit count f
+            np.maximum.at(top, np.minimum(self.fits[lv][keep], n), span[keep])
+            widest[lv] = np.maximum.accumulate(top[::-1])[::-1]
+        return np.array([widest[lv][u + 1] for u, lv in self.pairs], dtype=np.int64)
 
 
 class Tiebreak(Stack):
-    """``cost + plus`` (``plus`` along the last axis) of a ``Stack`` ``cost`` whose table u
-    is ``time`` where ``fits > u``, INF elsewhere: indexes as that array would, and is
-    built whole only when converted (the DP reads it through ``within``)."""
+    """``cost + plus`` (``plus`` along the last axis) of a ``FitStack`` ``cost`` over
+    ``time``: indexes as that array would, and is built whole only when converted (the DP
+    reads it through ``within``)."""
 
-    def __init__(self, cost: Stack, time: np.ndarray, fits: np.ndarray, plus: np.ndarray):
-        self.cost, self.time, self.fits, self.plus = cost, time, fits, plus
+    def __init__(self, cost: FitStack, time: np.ndarray, plus: np.ndarray):
+        self.cost, self.time, self.plus = cost, time, plus
         self.which, self.shape = cost.which, cost.shape
 
     @property
     def tables(self):
         return self.cost.tables + self.plus
 
-    def table(self, u) -> np.ndarray:
-        return self.cost.table(u) + self.plus
+    def table(self, t) -> np.ndarray:
+        return self.cost.table(t) + self.plus
 
     def __getitem__(self, key):
         k, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
@@ -468,14 +481,15 @@ class Tiebreak(Stack):
 
     def within(self, limit: float):
         """k -> this table where ``cost[k] <= limit``, INF elsewhere; one table per
-        distinct ``cost`` table, the mask from ``fits`` (where ``time`` is within), worked
-        out when read where each stage has its own (``FitStack``)."""
-        fits = np.where(self.time <= limit, self.fits, 0)
-        lifted, which = self.time + self.plus, self.which
-        if getattr(self.cost, "one_each", False):
-            return lambda k: np.where(fits > which[k], lifted, INF)
-        n = len(self.cost.tables)
-        tables = np.where(fits[None] > np.arange(n)[:, None, None], lifted[None], INF)
+        distinct ``cost`` table (worked out when read where each stage has its own), the
+        mask from ``cost``'s fit counts and where ``time`` is within."""
+        inside, lifted, which = self.time <= limit, self.time + self.plus, self.which
+
+        def one(t):
+            return np.where(inside & self.cost.mask(t), lifted, INF)
+        if self.cost.one_each:
+            return lambda k: one(which[k])
+        tables = [one(t) for t in range(len(self.cost.pairs))]
         return lambda k: tables[which[k]]
 
 
